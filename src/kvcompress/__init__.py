@@ -1,0 +1,28 @@
+"""kvcompress: KV-cache compression for HuggingFace transformers causal LMs.
+
+    import kvcompress as kvc
+    model, tokenizer = kvc.load_model()
+    result = kvc.generate(model, tokenizer, prompt, method=kvc.SnapKV(budget=1024))
+"""
+
+from .cache import KVCompressCache, UnsupportedModelError
+from .generation import PromptTooLongError, Result, generate
+from .methods import METHODS, FullKV, InvalidParameterError, Method, SnapKV, StreamingLLM, method_from_name
+from .models import ModelNotAvailableError, load_model
+
+__all__ = [
+    "FullKV",
+    "InvalidParameterError",
+    "KVCompressCache",
+    "METHODS",
+    "Method",
+    "ModelNotAvailableError",
+    "PromptTooLongError",
+    "Result",
+    "SnapKV",
+    "StreamingLLM",
+    "UnsupportedModelError",
+    "generate",
+    "load_model",
+    "method_from_name",
+]

@@ -1,0 +1,182 @@
+"""The transformers ``Cache`` that applies a kvcompress method.
+
+Each layer stores keys/values ``[batch, kv_heads, slots, head_dim]`` with exactly the slots it keeps
+(per-KV-head selection, no repeated heads), plus a per-row slot validity ``[batch, slots]`` when a
+batch mixes prompt lengths. The first time a layer is filled (the prefill) it holds the full
+prompt for the duration of that layer's attention; right after it, ``commit`` compresses it
+(see hooks.py), so at most one layer holds a full prompt cache at a time.
+
+``get_seq_length`` reports the *logical* length (prompt + tokens appended, padding included), so
+transformers keeps assigning RoPE positions and slicing generate inputs from the true prompt length,
+not the compressed one.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from transformers import PretrainedConfig
+from transformers.cache_utils import Cache, DynamicLayer
+
+from .methods.base import Method, select_kept
+
+
+class UnsupportedModelError(ValueError):
+    """The model's architecture cannot be used with kvcompress."""
+
+
+_announced = threading.local()
+
+
+def take_announced() -> tuple[CompressedLayer | None, torch.Tensor | None]:
+    """The layer (and the keys it returned) whose ``update`` ran last in this thread, then forget it.
+
+    Attention modules call ``cache.update`` right before their attention function, so this is how
+    the attention function (hooks.py) finds the cache layer it is working for."""
+    layer, keys = getattr(_announced, "layer", None), getattr(_announced, "keys", None)
+    _announced.layer = _announced.keys = None
+    return layer, keys
+
+
+class CompressedLayer(DynamicLayer):
+    """One layer's compressed KV storage."""
+
+    def __init__(self, method: Method, layer_idx: int) -> None:
+        super().__init__()
+        self.method = method
+        self.layer_idx = layer_idx
+        self.seen_tokens = 0
+        self.prefill_len: int | None = None  # slots of the first fill (padded prompt), set at prefill
+        self.prompt_tokens: torch.Tensor | None = None  # real prompt length per row, set at prefill
+        self.valid: torch.Tensor | None = None  # [batch, slots]; None when every slot is real
+        self.positions: torch.Tensor | None = None  # [batch, kv_heads, prompt slots] after compression
+        self.awaiting_commit = False
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.awaiting_commit:
+            raise UnsupportedModelError(
+                f"kvcompress: layer {self.layer_idx} was updated twice without its attention running through the "
+                "'kvcompress' attention implementation; the model's attention layout is not supported "
+                "(was attn_implementation changed after make_cache?)"
+            )
+        keys, values = super().update(key_states, value_states)
+        self.seen_tokens += key_states.shape[-2]
+        self.awaiting_commit = True
+        _announced.layer, _announced.keys = self, keys
+        return keys, values
+
+    def get_seq_length(self) -> int:
+        return self.seen_tokens
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        # The mask transformers builds covers logical positions; hooks.py keeps only its newest columns.
+        return self.seen_tokens + query_length, 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("kvcompress caches cannot be cropped (assisted/speculative decoding is unsupported)")
+
+    @property
+    def is_prefill(self) -> bool:
+        """True while the layer holds only its first fill (the prompt), before compression."""
+        return self.prefill_len is None
+
+    def slot_validity(self) -> torch.Tensor:
+        """``[batch, slots]`` bool, True for real tokens."""
+        if self.valid is not None:
+            return self.valid
+        return torch.ones(self.keys.shape[0], self.keys.shape[-2], dtype=torch.bool, device=self.keys.device)
+
+    def commit(self, query: torch.Tensor, new_valid: torch.Tensor | None, scaling: float) -> None:
+        """Record which new tokens are real; on the first fill, apply the method (compression)."""
+        self.awaiting_commit = False
+        if new_valid is not None and not bool(new_valid.all()):
+            old = self.slot_validity()[:, : self.keys.shape[-2] - new_valid.shape[-1]]
+            self.valid = torch.cat([old, new_valid], dim=-1)
+        elif self.valid is not None:
+            self.valid = torch.nn.functional.pad(self.valid, (0, query.shape[-2]), value=True)
+        if self.is_prefill:
+            self.prefill_len = self.keys.shape[-2]
+            self._compress_prompt(query, scaling)
+
+    def _compress_prompt(self, query: torch.Tensor, scaling: float) -> None:
+        valid = self.slot_validity()
+        lengths = valid.sum(dim=-1)
+        self.prompt_tokens = lengths
+        counts = self.method.keep_counts(lengths)
+        if counts is None or bool((counts >= lengths).all()):
+            return
+        scores = self.method.scores(query, self.keys, valid, scaling)
+        indices, slot_valid = select_kept(scores, valid, counts)
+        gather = indices[..., None].expand(-1, -1, -1, self.keys.shape[-1])
+        self.keys = self.keys.gather(2, gather)
+        self.values = self.values.gather(2, gather)
+        row_position = valid.long().cumsum(-1) - 1
+        kept = row_position[:, None, :].expand(-1, indices.shape[1], -1).gather(2, indices)
+        self.positions = kept.masked_fill(~slot_valid[:, None, :], -1)
+        self.valid = None if bool(slot_valid.all()) else slot_valid
+
+    def kept_positions(self) -> torch.Tensor:
+        """Prompt positions held, ``[batch, kv_heads, prompt slots]`` ascending; -1 marks filler slots
+        of rows (in a batch) that keep fewer tokens than the longest row."""
+        if self.positions is not None:
+            return self.positions
+        valid = self.slot_validity()[:, : self.prefill_len]
+        position = (valid.long().cumsum(-1) - 1).masked_fill(~valid, -1)
+        return position[:, None, :].expand(-1, self.keys.shape[1], -1)
+
+    def tensor_bytes(self) -> int:
+        """Bytes of every tensor this layer holds."""
+        held = [self.keys, self.values, self.valid, self.positions]
+        return sum(t.numel() * t.element_size() for t in held if t is not None)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self.batch_select_indices(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        for name in ("keys", "values", "valid", "positions", "prompt_tokens"):
+            tensor = getattr(self, name)
+            if tensor is not None:
+                setattr(self, name, tensor.index_select(0, indices.to(tensor.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        for name in ("keys", "values", "valid", "positions", "prompt_tokens"):
+            tensor = getattr(self, name)
+            if tensor is not None:
+                setattr(self, name, tensor.repeat_interleave(repeats, dim=0))
+
+
+class KVCompressCache(Cache):
+    """A ``Cache`` whose layers apply ``method`` at the end of prefill. Use it with ``model.generate``
+    (``past_key_values=cache``) or ``kvcompress.generate``."""
+
+    def __init__(self, method: Method, config: PretrainedConfig) -> None:
+        text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        super().__init__(layers=[CompressedLayer(method, i) for i in range(text_config.num_hidden_layers)])
+        self.method = method
+        self.timings: dict[str, float | None] = {"prefill_s": None, "decode_ms_per_token": None}
+
+    def kept_positions(self, layer_idx: int) -> torch.Tensor:
+        """LongTensor ``[batch, kv_heads, n_kept]``: original prompt positions kept by ``layer_idx``."""
+        return self.layers[layer_idx].kept_positions()
+
+    def stats(self) -> dict:
+        """Sizes (tokens, bytes) of what is held versus what a full cache would hold."""
+        layers = [layer for layer in self.layers if layer.is_initialized]
+        if not layers:
+            return {"method": self.method.describe(), "prompt_tokens": 0, "new_tokens": 0}
+        first = layers[0]
+        prompt = first.prompt_tokens.tolist() if first.prompt_tokens is not None else [0]
+        batch, kv_heads, _, head_dim = first.keys.shape
+        full = sum(2 * batch * kv_heads * layer.seen_tokens * head_dim * layer.keys.element_size() for layer in layers)
+        kept = sum(layer.tensor_bytes() for layer in layers)
+        return {
+            "method": self.method.describe(),
+            "prompt_tokens": prompt[0] if batch == 1 else prompt,
+            "new_tokens": first.seen_tokens - first.prefill_len,
+            "kv_tokens_per_layer": [layer.keys.shape[-2] for layer in layers],
+            "kv_bytes_full": full,
+            "kv_bytes_kept": kept,
+            "kv_kept_fraction": kept / full if full else 1.0,
+            **self.timings,
+        }

@@ -1,0 +1,147 @@
+"""The ``kvcompress`` command line: a thin layer over the library.
+
+    kvcompress generate --method snapkv --budget 1024 --prompt "..." [--json]
+    kvcompress demo
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from .cache import UnsupportedModelError
+from .generation import PromptTooLongError, generate
+from .methods import METHODS, InvalidParameterError, SnapKV, method_from_name
+from .models import ModelNotAvailableError, load_model
+
+USER_ERRORS = (InvalidParameterError, PromptTooLongError, UnsupportedModelError, ModelNotAvailableError, OSError)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def _stats_table(stats: dict) -> Table:
+    table = Table("stat", "value", title="KV cache")
+    for key, value in stats.items():
+        if key == "kv_tokens_per_layer":
+            value = f"{min(value)}..{max(value)} (per KV head, {len(value)} layers)"
+        elif key.startswith("kv_bytes"):
+            value = f"{value} ({_mib(value)})"
+        elif isinstance(value, float):
+            value = f"{value:.4g}"
+        table.add_row(key, str(value))
+    return table
+
+
+def _cmd_generate(args: argparse.Namespace, console: Console) -> int:
+    if (args.prompt is None) == (args.prompt_file is None):
+        raise InvalidParameterError("give exactly one of --prompt TEXT or --prompt-file FILE")
+    prompt = args.prompt if args.prompt is not None else Path(args.prompt_file).read_text()
+    method = method_from_name(
+        args.method, budget=args.budget, window=args.window, kernel=args.kernel, pooling=args.pooling, ratio=args.ratio, sinks=args.sinks
+    )
+    model, tokenizer = load_model(args.model)
+    messages = prompt if args.raw else [{"role": "user", "content": prompt}]
+    with contextlib.nullcontext() if args.json else console.status(f"generating with {method.describe()}"):
+        result = generate(model, tokenizer, messages, method=method, max_new_tokens=args.max_new_tokens, question=args.question)
+    if args.json:
+        print(json.dumps({"text": result.text, **result.stats}))
+    else:
+        console.print(result.text)
+        console.print(_stats_table(result.stats))
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace, console: Console) -> int:
+    from . import demo
+
+    with console.status("loading the model"):
+        model, tokenizer = load_model(args.model)
+    methods = demo.demo_methods(args.budget)
+    console.print(
+        f"Document of ~{args.tokens} tokens, a fact buried at depth {args.depth:.0%}, the question at the end. "
+        f"Expected answer: {demo.ANSWER}. Budget {args.budget} tokens per KV head."
+    )
+    with console.status("") as status:
+        rows = demo.run_demo(
+            model,
+            tokenizer,
+            methods,
+            target_tokens=args.tokens,
+            depth=args.depth,
+            on_start=lambda m: status.update(f"running {m.describe()} ({methods.index(m) + 1}/{len(methods)})"),
+        )
+    table = Table("method", "answer ends", "correct", "KV/head", "KV kept", "of full", "prefill s", "ms/token", title="kvcompress demo")
+    for row in rows:
+        s = row.stats
+        table.add_row(
+            row.label,
+            row.answer[-24:],
+            "yes" if row.correct else "no",
+            str(max(s["kv_tokens_per_layer"])),
+            _mib(s["kv_bytes_kept"]),
+            f"{100 * s['kv_kept_fraction']:.1f}%",
+            f"{s['prefill_s']:.2f}",
+            _ms(s["decode_ms_per_token"]),
+        )
+    console.print(table)
+    console.print(f"prompt: {rows[0].stats['prompt_tokens']} tokens; full KV cache {_mib(rows[0].stats['kv_bytes_full'])}")
+    if args.json:
+        Path(args.json).write_text(json.dumps([vars(r) for r in rows], indent=2))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvcompress", description="KV-cache compression for transformers models")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="answer a prompt with a compressed KV cache")
+    gen.add_argument("--method", default="snapkv", help=f"one of: {', '.join(METHODS)} (default snapkv)")
+    gen.add_argument("--budget", type=int, help="tokens kept per KV head, window included (snapkv, streamingllm)")
+    gen.add_argument("--ratio", type=float, help="fraction of the prompt kept, instead of --budget (snapkv)")
+    gen.add_argument("--window", type=int, help=f"observation window (snapkv; default {SnapKV.window})")
+    gen.add_argument("--kernel", type=int, help=f"pooling kernel, odd (snapkv; default {SnapKV.kernel})")
+    gen.add_argument("--pooling", help="max or avg (snapkv; default max)")
+    gen.add_argument("--sinks", type=int, help="attention-sink tokens (streamingllm; default 4)")
+    gen.add_argument("--model", help="model path or name (default: the embedded SmolLM2-135M-Instruct)")
+    gen.add_argument("--prompt", help="the prompt text (sent as a user chat message)")
+    gen.add_argument("--prompt-file", help="read the prompt from this file")
+    gen.add_argument("--question", help="compress the prompt without this question, then ask it (question-agnostic)")
+    gen.add_argument("--raw", action="store_true", help="feed the prompt as raw text, without the chat template")
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--json", action="store_true", help="print one JSON object with text and stats")
+    gen.set_defaults(run=_cmd_generate)
+
+    demo = sub.add_parser("demo", help="buried-fact demo: full cache vs SnapKV vs StreamingLLM")
+    demo.add_argument("--model", help="model path or name (default: the embedded model)")
+    demo.add_argument("--budget", type=int, default=256)
+    demo.add_argument("--tokens", type=int, default=2000, help="document length in tokens")
+    demo.add_argument("--depth", type=float, default=0.5, help="where the fact sits, 0 (start) to 1 (end)")
+    demo.add_argument("--json", metavar="FILE", help="also write the rows as JSON to FILE")
+    demo.set_defaults(run=_cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    console = Console() if sys.stdout.isatty() else Console(width=120)
+    try:
+        return args.run(args, console)
+    except USER_ERRORS as err:
+        print(f"kvcompress: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

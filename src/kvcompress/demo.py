@@ -1,0 +1,90 @@
+"""The built-in demo: a long document with one fact buried in it and a question at the end, answered
+with several methods at the same budget, shown side by side."""
+
+from __future__ import annotations
+
+import inspect
+import re
+from dataclasses import dataclass
+
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from .generation import generate
+from .methods import FullKV, Method, SnapKV, StreamingLLM
+
+# Modules whose documentation makes the haystack: natural English prose that ships with Python.
+HAYSTACK_MODULES = ("argparse", "calendar", "csv", "difflib", "email", "fractions", "heapq", "json", "logging", "sched", "shutil", "string", "textwrap", "threading", "zipfile")
+NEEDLE = "The access code for the archive room in the east wing is 4817."
+QUESTION = "What is the access code for the archive room in the east wing? Answer with the number only."
+ANSWER = "4817"
+
+
+def haystack_sentences() -> list[str]:
+    """Sentences of the standard library's documentation, cleaned of code and markup, in a fixed order."""
+    sentences: list[str] = []
+    for module_name in HAYSTACK_MODULES:
+        module = __import__(module_name)
+        docs = [inspect.getdoc(module)] + [inspect.getdoc(obj) for _, obj in sorted(vars(module).items()) if inspect.isclass(obj) or inspect.isfunction(obj)]
+        for doc in docs:
+            if not doc:
+                continue
+            text = re.sub(r"\s+", " ", re.sub(r"[`*>|=_{}\[\]<]", " ", doc))
+            for sentence in re.split(r"(?<=[.!?]) ", text):
+                if 40 <= len(sentence) <= 300 and sentence[0].isupper() and sentence.endswith(".") and "(" not in sentence:
+                    sentences.append(sentence)
+    return list(dict.fromkeys(sentences))
+
+
+def build_document(tokenizer: PreTrainedTokenizerBase, target_tokens: int, depth: float = 0.4) -> str:
+    """About ``target_tokens`` tokens of prose with ``NEEDLE`` inserted at ``depth`` (0 = start, 1 = end)."""
+    chosen, total = [], 0
+    for sentence in haystack_sentences():
+        if total >= target_tokens:
+            break
+        chosen.append(sentence)
+        total += len(tokenizer(" " + sentence, add_special_tokens=False)["input_ids"])
+    chosen.insert(round(depth * len(chosen)), NEEDLE)
+    return " ".join(chosen)
+
+
+@dataclass
+class DemoRow:
+    method: str
+    label: str
+    answer: str
+    correct: bool
+    stats: dict
+
+
+def short_label(method: Method) -> str:
+    """``snapkv w32 k7`` style label for narrow tables."""
+    if isinstance(method, SnapKV):
+        return f"snapkv w{method.window} k{method.kernel}"
+    return method.name
+
+
+def demo_methods(budget: int) -> list[Method]:
+    """The methods the demo compares at one budget: the full cache, SnapKV in the paper's LongBench
+    setting (window 32, kernel 7) and needle setting (window 16, kernel 5), and StreamingLLM."""
+    return [FullKV(), SnapKV(budget=budget), SnapKV(budget=budget, window=16, kernel=5), StreamingLLM(budget=budget)]
+
+
+def run_demo(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    methods: list[Method],
+    target_tokens: int = 2000,
+    depth: float = 0.5,
+    max_new_tokens: int = 32,
+    on_start=None,
+) -> list[DemoRow]:
+    """Ask the buried-fact question with each method; ``on_start(method)`` is called before each."""
+    document = build_document(tokenizer, target_tokens, depth)
+    messages = [{"role": "user", "content": f"Read this document.\n\n{document}\n\n{QUESTION}"}]
+    rows = []
+    for method in methods:
+        if on_start:
+            on_start(method)
+        result = generate(model, tokenizer, messages, method=method, max_new_tokens=max_new_tokens)
+        rows.append(DemoRow(method.describe(), short_label(method), result.text.strip(), ANSWER in result.text, result.stats))
+    return rows

@@ -1,0 +1,258 @@
+"""``kvcompress.generate``: greedy generation over a compressed cache, with timing and stats.
+
+Prompts are fed as one or two chunks: the whole prompt (question-aware compression: the question
+sits at the end, inside SnapKV's observation window), or, with ``question=``, the context first
+(compressed without seeing the question, as kvpress does) and then the question. A ``Result`` can
+be continued with a follow-up turn (``past=result``) over the same cache.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from .cache import KVCompressCache
+from .methods.base import InvalidParameterError, Method
+from .methods.full import FullKV
+
+Messages = list[dict[str, str]]
+Prompt = Union[str, Messages]
+
+
+class PromptTooLongError(ValueError):
+    """A prompt (plus the tokens to generate) does not fit the model's context."""
+
+
+@dataclass
+class _Row:
+    """One conversation of a batch: what was said, and what the cache has not seen yet."""
+
+    chat: bool
+    messages: Messages = field(default_factory=list)  # chat rows: the conversation so far
+    transcript: str = ""  # everything fed, as text (used to continue raw-text rows)
+    generated: list[int] = field(default_factory=list)
+    pending: int | None = None  # last sampled token, not yet fed to the cache
+
+
+@dataclass
+class Result:
+    """What ``generate`` returns: ``text`` (a list for a batch), ``stats`` and the live ``cache``."""
+
+    text: str | list[str]
+    stats: dict[str, Any]
+    cache: KVCompressCache
+    token_ids: list[list[int]]
+    rows: list[_Row]
+    attention_mask: torch.Tensor  # [batch, logical length] of everything fed so far
+    next_position: torch.Tensor  # [batch] RoPE position of each row's next real token
+
+
+def _as_rows(prompt: Prompt | list[Prompt]) -> tuple[list[Prompt], bool]:
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and isinstance(prompt[0], dict)):
+        return [prompt], False
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        return list(prompt), True
+    raise TypeError(
+        "prompt must be a string, a list of chat messages ({'role', 'content'} dicts), "
+        f"or a non-empty list of those for a batch; got {type(prompt).__name__}"
+    )
+
+
+def _per_row(value: str | list[str] | None, n: int, name: str) -> list[str | None]:
+    if value is None or isinstance(value, str):
+        return [value] * n
+    if len(value) != n:
+        raise InvalidParameterError(f"{name} has {len(value)} entries for a batch of {n} prompts")
+    return list(value)
+
+
+def _render(tokenizer: PreTrainedTokenizerBase, messages: Messages) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def _first_turn(tokenizer: PreTrainedTokenizerBase, prompt: Prompt, question: str | None) -> tuple[_Row, list[list[int]]]:
+    """Token chunks for a new conversation: ``[prompt]`` or ``[context, question]``."""
+    if isinstance(prompt, str):
+        row = _Row(chat=False, transcript=prompt + ("\n" + question if question else ""))
+        chunks = [tokenizer(prompt, add_special_tokens=True)["input_ids"]]
+        if question is not None:
+            chunks.append(tokenizer("\n" + question, add_special_tokens=False)["input_ids"])
+        return row, chunks
+    messages = [dict(m) for m in prompt]
+    if question is not None:
+        messages[-1]["content"] = messages[-1]["content"] + "\n\n" + question
+    text = _render(tokenizer, messages)
+    row = _Row(chat=True, messages=messages, transcript=text)
+    if question is None:
+        return row, [tokenizer(text, add_special_tokens=False)["input_ids"]]
+    cut = text.rfind(question)
+    return row, [tokenizer(part, add_special_tokens=False)["input_ids"] for part in (text[:cut], text[cut:])]
+
+
+def _follow_up(tokenizer: PreTrainedTokenizerBase, row: _Row, prompt: str) -> list[int]:
+    """Tokens that continue a finished turn with a new user message (plus the unfed last token)."""
+    answer = tokenizer.decode(row.generated, skip_special_tokens=True)
+    head = [row.pending] if row.pending is not None else []
+    row.pending = None
+    if not row.chat:
+        row.transcript += answer + prompt
+        return head + tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    before = _render(tokenizer, row.messages) + answer
+    row.messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": prompt}]
+    after = _render(tokenizer, row.messages)
+    if not after.startswith(before):
+        raise ValueError("this tokenizer's chat template re-renders earlier turns differently; follow-ups are unsupported")
+    row.transcript = after
+    return head + tokenizer(after[len(before) :], add_special_tokens=False)["input_ids"]
+
+
+def _context_limit(model: PreTrainedModel) -> int | None:
+    return getattr(model.config.get_text_config(), "max_position_embeddings", None)
+
+
+def _check_lengths(model: PreTrainedModel, total: list[int], max_new_tokens: int) -> None:
+    limit = _context_limit(model)
+    if limit is None:
+        return
+    for i, n in enumerate(total):
+        if n > limit:
+            raise PromptTooLongError(
+                f"prompt {i} has {n} tokens, longer than the model's context of {limit} tokens "
+                "(max_position_embeddings); shorten it, kvcompress does not truncate prompts"
+            )
+        if n + max_new_tokens > limit:
+            raise PromptTooLongError(
+                f"prompt {i} has {n} tokens; with max_new_tokens={max_new_tokens} it would run past the model's "
+                f"context of {limit} tokens (max_position_embeddings); lower max_new_tokens to {limit - n} or less"
+            )
+
+
+class _Feeder:
+    """Runs forward passes over the cache, keeping the 2-D mask and per-row positions in step."""
+
+    def __init__(self, model: PreTrainedModel, cache: KVCompressCache, mask: torch.Tensor, position: torch.Tensor, pad_id: int):
+        self.model, self.cache, self.mask, self.position, self.pad_id = model, cache, mask, position, pad_id
+        self.device = model.device
+
+    def feed(self, chunks: list[list[int]]) -> torch.Tensor:
+        """Feed one token list per row (left-padded to a common length); return last logits ``[batch, vocab]``."""
+        width = max(len(c) for c in chunks)
+        ids = torch.full((len(chunks), width), self.pad_id, dtype=torch.long)
+        real = torch.zeros(len(chunks), width, dtype=torch.long)
+        for i, chunk in enumerate(chunks):
+            if chunk:
+                ids[i, width - len(chunk) :] = torch.tensor(chunk)
+                real[i, width - len(chunk) :] = 1
+        return self.forward(ids.to(self.device), real.to(self.device))
+
+    def forward(self, ids: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+        positions = (self.position[:, None] + real.cumsum(-1) - 1).clamp(min=0)
+        self.mask = torch.cat([self.mask, real], dim=-1)
+        self.position = self.position + real.sum(-1)
+        out = self.model(
+            input_ids=ids,
+            attention_mask=self.mask,
+            position_ids=positions,
+            past_key_values=self.cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return out.logits[:, -1, :]
+
+
+def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[int]:
+    ids = {tokenizer.eos_token_id}
+    configured = getattr(model.generation_config, "eos_token_id", None)
+    ids.update(configured if isinstance(configured, list) else [configured])
+    return {i for i in ids if i is not None}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.inference_mode()
+def generate(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompt: Prompt | list[Prompt],
+    method: Method | None = None,
+    max_new_tokens: int = 64,
+    question: str | list[str] | None = None,
+    past: Result | None = None,
+) -> Result:
+    """Greedy generation with ``method`` applied to the prompt's KV cache.
+
+    ``prompt``: a string (raw text), chat messages (the chat template is applied), or a list of
+    either for a batch (left-padded; each row compressed as if alone). ``question``: compress the
+    prompt without it first (question-agnostic), then append it. ``past``: a previous Result whose
+    conversation (and cache) this call continues with ``prompt`` as the next user message; the
+    method is the one that built that cache and is not applied again."""
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise InvalidParameterError(f"max_new_tokens={max_new_tokens!r} is invalid; it must be an integer >= 1")
+    if past is not None:
+        if method is not None:
+            raise InvalidParameterError("method must be None when continuing a conversation (past=...): the cache keeps its method")
+        cache, rows = past.cache, past.rows
+        follow = _per_row(prompt, len(rows), "prompt")
+        chunk_lists = [[_follow_up(tokenizer, row, text)] for row, text in zip(rows, follow)]
+        mask, position = past.attention_mask, past.next_position
+        is_batch = len(rows) > 1
+    else:
+        method = method if method is not None else FullKV()
+        prompts, is_batch = _as_rows(prompt)
+        turns = [_first_turn(tokenizer, p, q) for p, q in zip(prompts, _per_row(question, len(prompts), "question"))]
+        rows, chunk_lists = [t[0] for t in turns], [t[1] for t in turns]
+        cache = method.make_cache(model)
+        mask = torch.zeros(len(rows), 0, dtype=torch.long, device=model.device)
+        position = torch.zeros(len(rows), dtype=torch.long, device=model.device)
+    _check_lengths(model, [int(p) + sum(len(c) for c in chunks) for p, chunks in zip(position.tolist(), chunk_lists)], max_new_tokens)
+
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    feeder = _Feeder(model, cache, mask, position, pad_id)
+    eos = _eos_ids(model, tokenizer)
+    start = time.perf_counter()
+    for step in range(max(len(c) for c in chunk_lists)):
+        logits = feeder.feed([chunks[step] if step < len(chunks) else [] for chunks in chunk_lists])
+    _sync(model.device)
+    prefill_s = time.perf_counter() - start
+
+    generated: list[list[int]] = [[] for _ in rows]
+    eos_ids = torch.tensor(sorted(eos), dtype=torch.long, device=model.device)
+    finished = torch.zeros(len(rows), dtype=torch.bool, device=model.device)
+    decode_start = time.perf_counter()
+    steps = 0
+    for produced in range(1, max_new_tokens + 1):
+        token = logits.argmax(dim=-1)
+        for i, (t, done) in enumerate(zip(token.tolist(), finished.tolist())):
+            if not done:
+                generated[i].append(t)
+        finished |= torch.isin(token, eos_ids)
+        if produced == max_new_tokens or bool(finished.all()):
+            break
+        logits = feeder.forward(token[:, None], (~finished).long()[:, None])
+        steps += 1
+    _sync(model.device)
+    decode_s = time.perf_counter() - decode_start
+
+    for row, tokens, done in zip(rows, generated, finished.tolist()):
+        row.generated = [t for t in tokens if t not in eos]
+        row.pending = None if done else tokens[-1]
+    texts = [tokenizer.decode(row.generated, skip_special_tokens=True) for row in rows]
+    cache.timings = {"prefill_s": prefill_s, "decode_ms_per_token": 1000 * decode_s / steps if steps else None}
+    stats = cache.stats()
+    stats["new_tokens"] = [len(g) for g in generated] if is_batch else len(generated[0])
+    return Result(
+        text=texts if is_batch else texts[0],
+        stats=stats,
+        cache=cache,
+        token_ids=generated,
+        rows=rows,
+        attention_mask=feeder.mask,
+        next_position=feeder.position,
+    )

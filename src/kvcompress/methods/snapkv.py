@@ -1,0 +1,120 @@
+"""SnapKV (Li et al., 2024, "SnapKV: LLM Knows What You are Looking for Before Generation").
+
+At the end of prefill, in every layer, the last ``window`` prompt tokens (the observation window)
+vote with their attention on the earlier positions (the prefix). Votes are summed over the window
+queries, clustered with a 1-D pooling over positions, averaged over the query heads that share a
+KV head (GQA), and each KV head keeps its top ``budget - window`` prefix positions plus the whole
+window (Sec. 4, Listing 1). Decoding then runs on this constant-size prompt cache.
+
+Defaults follow the paper's LongBench setting (window 32, kernel 7, max pooling, budget 1024,
+Sec. 5.3); its needle-in-a-haystack setting is window 16, kernel 5 (Sec. 5.1.1). The pooling type
+is an option because the papers differ (experiments: max; the tutorial: average); they report no
+significant difference (Sec. 5.2).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from .base import Method, budget_counts, check_positive_int, require
+
+POOLINGS = ("max", "avg")
+
+
+def window_attention(query_window: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Attention of the window queries over all prompt keys, float32 ``[batch, q_heads, window, seq]``.
+
+    Causal inside the window; padding keys (``valid`` False) get no weight. Query head ``h`` reads
+    KV head ``h // (q_heads // kv_heads)`` (the usual GQA grouping)."""
+    batch, q_heads, window, dim = query_window.shape
+    kv_heads, seq = keys.shape[1], keys.shape[2]
+    grouped = query_window.float().reshape(batch, kv_heads, (q_heads // kv_heads) * window, dim)
+    logits = (grouped @ keys.float().transpose(-1, -2)).view(batch, q_heads, window, seq) * scaling
+    query_pos = torch.arange(seq - window, seq, device=keys.device)[:, None]
+    visible = (torch.arange(seq, device=keys.device)[None, :] <= query_pos)[None, None] & valid[:, None, None, :]
+    logits = logits.masked_fill(~visible, torch.finfo(torch.float32).min)
+    return logits.softmax(dim=-1)
+
+
+def prefix_votes(attention: torch.Tensor) -> torch.Tensor:
+    """Sum of the window's attention on each prefix position ``[batch, q_heads, seq - window]``."""
+    window = attention.shape[-2]
+    return attention[..., : attention.shape[-1] - window].sum(dim=-2)
+
+
+def pool_votes(votes: torch.Tensor, kernel: int, pooling: str) -> torch.Tensor:
+    """1-D pooling over positions (kernel odd, stride 1, padding ``kernel // 2``): the clustering
+    step that keeps the neighbours of a selected position (Sec. 4.3)."""
+    if kernel == 1:
+        return votes
+    flat = votes.reshape(-1, 1, votes.shape[-1])
+    pool = F.max_pool1d if pooling == "max" else F.avg_pool1d
+    return pool(flat, kernel_size=kernel, stride=1, padding=kernel // 2).view_as(votes)
+
+
+def average_over_groups(scores: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """Mean over the query heads of each KV head: ``[b, q_heads, s] -> [b, kv_heads, s]``."""
+    batch, q_heads, seq = scores.shape
+    return scores.view(batch, kv_heads, q_heads // kv_heads, seq).mean(dim=2)
+
+
+def snapkv_scores(
+    query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scaling: float, window: int, kernel: int, pooling: str
+) -> torch.Tensor:
+    """SnapKV importance ``[batch, kv_heads, seq]``: pooled window votes on the prefix, ``+inf`` on
+    the window so it is always kept."""
+    attention = window_attention(query[..., -window:, :], keys, valid, scaling)
+    prefix = average_over_groups(pool_votes(prefix_votes(attention), kernel, pooling), keys.shape[1])
+    always = torch.full((*prefix.shape[:2], window), math.inf, device=prefix.device)
+    return torch.cat([prefix, always], dim=-1)
+
+
+@dataclass
+class SnapKV(Method):
+    """Keep each KV head's top ``budget - window`` prompt positions (by window votes) plus the window.
+
+    ``budget`` counts the window. ``ratio`` (0, 1], when set, replaces ``budget``: each prompt keeps
+    ``ceil(ratio * length)`` tokens (at least the window). A prompt no longer than its budget is
+    left untouched."""
+
+    name: ClassVar[str] = "snapkv"
+    budget: int = 1024
+    window: int = 32
+    kernel: int = 7
+    pooling: str = "max"
+    ratio: float | None = None
+
+    def validate(self) -> None:
+        check_positive_int("SnapKV", "window", self.window)
+        require(
+            isinstance(self.kernel, int) and not isinstance(self.kernel, bool) and self.kernel >= 1 and self.kernel % 2 == 1,
+            f"SnapKV: kernel={self.kernel!r} is invalid; it must be a positive odd integer (1 = no pooling)",
+        )
+        require(self.pooling in POOLINGS, f"SnapKV: pooling={self.pooling!r} is unknown; valid: {', '.join(POOLINGS)}")
+        if self.ratio is not None:
+            require(
+                isinstance(self.ratio, (int, float)) and not isinstance(self.ratio, bool) and 0 < self.ratio <= 1,
+                f"SnapKV: ratio={self.ratio!r} is outside the valid range (0, 1]",
+            )
+            return
+        check_positive_int("SnapKV", "budget", self.budget)
+        require(
+            self.budget > self.window,
+            f"SnapKV: budget={self.budget} must be greater than window={self.window} "
+            f"(budget counts the observation window; valid: budget > {self.window})",
+        )
+
+    def keep_counts(self, lengths: torch.Tensor) -> torch.Tensor:
+        return budget_counts(lengths, self.budget, self.ratio, floor=self.window)
+
+    def scores(self, query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scaling: float) -> torch.Tensor:
+        return snapkv_scores(query, keys, valid, scaling, self.window, self.kernel, self.pooling)
+
+    def describe(self) -> str:
+        size = f"ratio={self.ratio}" if self.ratio is not None else f"budget={self.budget}"
+        return f"snapkv({size}, window={self.window}, kernel={self.kernel}, pooling={self.pooling})"

