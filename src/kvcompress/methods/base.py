@@ -38,6 +38,16 @@ def check_positive_int(method: str, name: str, value: object, minimum: int = 1) 
     )
 
 
+def check_budget(method: str, budget: object, reserved_name: str, reserved: int, reserved_what: str) -> None:
+    """``budget`` is a positive integer larger than the ``reserved`` tokens it always includes."""
+    check_positive_int(method, "budget", budget)
+    require(
+        budget > reserved,
+        f"{method}: budget={budget} must be greater than {reserved_name}={reserved} "
+        f"(budget counts the {reserved_what}; valid: budget > {reserved})",
+    )
+
+
 @dataclass
 class Method:
     """Base of all methods. Subclasses set ``name`` and override ``keep_counts`` / ``scores``."""

@@ -21,7 +21,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from .base import Method, budget_counts, check_positive_int, require
+from .base import Method, budget_counts, check_budget, check_positive_int, require
 
 POOLINGS = ("max", "avg")
 
@@ -102,12 +102,7 @@ class SnapKV(Method):
                 f"SnapKV: ratio={self.ratio!r} is outside the valid range (0, 1]",
             )
             return
-        check_positive_int("SnapKV", "budget", self.budget)
-        require(
-            self.budget > self.window,
-            f"SnapKV: budget={self.budget} must be greater than window={self.window} "
-            f"(budget counts the observation window; valid: budget > {self.window})",
-        )
+        check_budget("SnapKV", self.budget, "window", self.window, "observation window")
 
     def keep_counts(self, lengths: torch.Tensor) -> torch.Tensor:
         return budget_counts(lengths, self.budget, self.ratio, floor=self.window)

@@ -14,7 +14,7 @@ from typing import ClassVar
 
 import torch
 
-from .base import Method, budget_counts, check_positive_int, require
+from .base import Method, budget_counts, check_budget, check_positive_int
 
 
 def sink_and_recent_scores(valid: torch.Tensor, sinks: int, kv_heads: int) -> torch.Tensor:
@@ -35,12 +35,7 @@ class StreamingLLM(Method):
 
     def validate(self) -> None:
         check_positive_int("StreamingLLM", "sinks", self.sinks, minimum=0)
-        check_positive_int("StreamingLLM", "budget", self.budget)
-        require(
-            self.budget > self.sinks,
-            f"StreamingLLM: budget={self.budget} must be greater than sinks={self.sinks} "
-            f"(budget counts the sinks; valid: budget > {self.sinks})",
-        )
+        check_budget("StreamingLLM", self.budget, "sinks", self.sinks, "sinks")
 
     def keep_counts(self, lengths: torch.Tensor) -> torch.Tensor:
         return budget_counts(lengths, self.budget, None, floor=self.sinks)

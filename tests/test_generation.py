@@ -1,0 +1,146 @@
+"""kvcompress caches inside transformers: model.generate, batches, positions, follow-up turns."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import kvcompress as kvc
+
+from .fixtures import char_tokenizer, random_text, tiny_model
+
+METHODS = [kvc.FullKV(), kvc.SnapKV(budget=64, window=8, kernel=5), kvc.StreamingLLM(budget=48, sinks=4)]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return char_tokenizer()
+
+
+@pytest.mark.parametrize("method", METHODS, ids=lambda m: m.name)
+def test_model_generate_agrees_with_kvc_generate(method, tok):
+    model = tiny_model()
+    prompt = random_text(180, seed=2)
+    ours = kvc.generate(model, tok, prompt, method=method, max_new_tokens=12)
+    inputs = tok(prompt, return_tensors="pt")
+    cache = method.make_cache(model)
+    out = model.generate(**inputs, past_key_values=cache, max_new_tokens=12, do_sample=False, eos_token_id=None)
+    theirs = out[0, inputs["input_ids"].shape[1] :].tolist()
+    assert theirs[: len(ours.token_ids[0])] == ours.token_ids[0]
+    assert cache.stats()["kv_tokens_per_layer"] == ours.cache.stats()["kv_tokens_per_layer"]
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("method", METHODS, ids=lambda m: m.name)
+def test_each_row_of_a_batch_matches_the_prompt_alone(arch, method, tok):
+    model = tiny_model(arch)
+    prompts = [random_text(n, seed=n) for n in (40, 150, 95)]  # the first is shorter than every budget
+    batch = kvc.generate(model, tok, prompts, method=method, max_new_tokens=10)
+    for row, prompt in enumerate(prompts):
+        alone = kvc.generate(model, tok, prompt, method=method, max_new_tokens=10)
+        assert batch.token_ids[row] == alone.token_ids[0], f"row {row}"
+        for layer in range(2):
+            kept = batch.cache.kept_positions(layer)[row]
+            kept = kept[kept >= 0].view(kept.shape[0], -1)
+            assert torch.equal(kept, alone.cache.kept_positions(layer)[0])
+
+
+def test_batched_model_generate_with_left_padding(tok):
+    model = tiny_model()
+    method = kvc.SnapKV(budget=64, window=8)
+    prompts = [random_text(60, seed=5), random_text(160, seed=6)]
+    tok.padding_side = "left"
+    inputs = tok(prompts, return_tensors="pt", padding=True)
+    out = model.generate(**inputs, past_key_values=method.make_cache(model), max_new_tokens=8, do_sample=False, eos_token_id=None)
+    ours = kvc.generate(model, tok, prompts, method=method, max_new_tokens=8)
+    for row in range(2):
+        generated = out[row, inputs["input_ids"].shape[1] :].tolist()
+        assert generated[: len(ours.token_ids[row])] == ours.token_ids[row]
+
+
+def test_padding_is_never_kept(tok):
+    model = tiny_model()
+    prompts = [random_text(100, seed=1), random_text(300, seed=2)]
+    result = kvc.generate(model, tok, prompts, method=kvc.SnapKV(budget=80, window=8), max_new_tokens=2)
+    layer = result.cache.layers[0]
+    # Row 0 (101 real tokens) and row 1 (301) both keep 80: no filler slots, no padding.
+    assert layer.valid is None or layer.valid[:, :80].all()
+    assert (result.cache.kept_positions(0) >= 0).all()
+    assert result.cache.kept_positions(0)[0].max() <= 100
+
+
+def test_rope_positions_continue_from_the_true_prompt_length():
+    """StreamingLLM drops the same positions in every head, so the step after prefill equals a
+    full-cache step whose mask hides those positions, at the true next position."""
+    model = tiny_model()
+    length, sinks, budget = 90, 4, 30
+    ids = torch.randint(3, 128, (1, length), generator=torch.Generator().manual_seed(7))
+    nxt = torch.tensor([[42]])
+    with torch.no_grad():
+        cache = kvc.StreamingLLM(budget=budget, sinks=sinks).make_cache(model)
+        model(ids, past_key_values=cache)
+        ours = model(nxt, past_key_values=cache).logits
+        full = DynamicCache(config=model.config)
+        model(ids, past_key_values=full)
+        mask = torch.ones(1, length + 1, dtype=torch.long)
+        mask[0, sinks : length - (budget - sinks)] = 0
+        reference = model(nxt, past_key_values=full, attention_mask=mask, position_ids=torch.tensor([[length]])).logits
+    assert cache.kept_positions(0)[0, 0].tolist() == list(range(sinks)) + list(range(length - budget + sinks, length))
+    assert cache.get_seq_length() == length + 1
+    torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-5)
+
+
+def test_streamingllm_keeps_exactly_sinks_and_recent():
+    model = tiny_model()
+    cache = kvc.StreamingLLM(budget=20, sinks=3).make_cache(model)
+    with torch.no_grad():
+        model(torch.randint(3, 128, (1, 70)), past_key_values=cache)
+    expected = list(range(3)) + list(range(53, 70))
+    for layer in range(2):
+        assert cache.kept_positions(layer).tolist() == [[expected, expected]]
+
+
+def test_follow_up_question_over_a_compressed_cache(tok):
+    model = tiny_model()
+    chat = [{"role": "user", "content": random_text(200, seed=3)}]
+    first = kvc.generate(model, tok, chat, method=kvc.SnapKV(budget=64, window=8), max_new_tokens=6)
+    slots_before = first.cache.layers[0].keys.shape[-2]
+    second = kvc.generate(model, tok, "and then?", past=first, max_new_tokens=6)
+    assert second.cache is first.cache
+    assert second.cache.layers[0].keys.shape[-2] > slots_before
+    # The follow-up is appended, not compressed again: the prompt's kept positions are unchanged.
+    assert torch.equal(second.cache.kept_positions(0), first.cache.kept_positions(0))
+    # Same tokens as feeding the whole rendered conversation to a cache compressed at the same point.
+    assert second.rows[0].transcript.endswith("[user]and then?\n[assistant]")
+
+
+def test_follow_up_equals_full_conversation_with_full_cache(tok):
+    model = tiny_model()
+    chat = [{"role": "user", "content": random_text(80, seed=9)}]
+    first = kvc.generate(model, tok, chat, method=kvc.FullKV(), max_new_tokens=5)
+    second = kvc.generate(model, tok, "next", past=first, max_new_tokens=5)
+    transcript = second.rows[0].transcript
+    ids = tok(transcript, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    out = model.generate(ids, max_new_tokens=5, do_sample=False, eos_token_id=None)
+    assert out[0, ids.shape[1] :].tolist()[: len(second.token_ids[0])] == second.token_ids[0]
+
+
+def test_stats_report_the_required_fields(tok):
+    model = tiny_model()
+    result = kvc.generate(model, tok, random_text(150), method=kvc.SnapKV(budget=64, window=8), max_new_tokens=5)
+    for field in ("prompt_tokens", "new_tokens", "kv_tokens_per_layer", "kv_bytes_full", "kv_bytes_kept", "prefill_s", "decode_ms_per_token"):
+        assert field in result.stats
+    assert result.stats["prompt_tokens"] == 151
+    assert result.stats["kv_bytes_kept"] < result.stats["kv_bytes_full"]
+    assert result.stats["prefill_s"] > 0
+
+
+def test_model_behaves_as_sdpa_for_other_caches():
+    model = tiny_model()
+    ids = torch.randint(3, 128, (2, 50))
+    with torch.no_grad():
+        before = model(ids).logits
+        kvc.SnapKV(budget=40, window=8).make_cache(model)
+        after = model(ids).logits
+    torch.testing.assert_close(after, before, rtol=0, atol=0)

@@ -1,0 +1,189 @@
+"""SnapKV against an independent, loop-by-loop reference written from the paper's Listing 1."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import DynamicCache
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+import kvcompress as kvc
+from kvcompress.methods.base import select_kept
+
+from .fixtures import tiny_model
+
+
+def reference_keep(query: torch.Tensor, keys: torch.Tensor, budget: int, window: int, kernel: int, pooling: str) -> list[list[int]]:
+    """Kept positions per KV head for one prompt. query [q_heads, L, D] post-RoPE, keys [kv_heads, L, D].
+
+    Listing 1: the window's attention (softmax over all keys, causal inside the window) is summed
+    over the window queries on the prefix, pooled (zero/ignored padding), averaged over each KV
+    head's query heads, and the top ``budget - window`` prefix positions are kept with the window.
+    Ties go to the earlier position."""
+    q_heads, length, dim = query.shape
+    kv_heads = keys.shape[0]
+    group = q_heads // kv_heads
+    if length <= budget:
+        return [list(range(length)) for _ in range(kv_heads)]
+    prefix = length - window
+    pooled_per_head = []
+    for h in range(q_heads):
+        votes = [0.0] * prefix
+        k = keys[h // group].float()
+        for i in range(window):
+            pos = prefix + i
+            logits = (query[h, pos].float() @ k[: pos + 1].T) / math.sqrt(dim)
+            weights = torch.softmax(logits, dim=-1)
+            for j in range(prefix):
+                votes[j] += float(weights[j])
+        half = kernel // 2
+        pooled = []
+        for j in range(prefix):
+            neighbourhood = votes[max(0, j - half) : j + half + 1]
+            pooled.append(max(neighbourhood) if pooling == "max" else sum(neighbourhood) / kernel)
+        pooled_per_head.append(pooled)
+    kept = []
+    for g in range(kv_heads):
+        members = pooled_per_head[g * group : (g + 1) * group]
+        score = [sum(m[j] for m in members) / group for j in range(prefix)]
+        top = sorted(range(prefix), key=lambda j: (-score[j], j))[: budget - window]
+        kept.append(sorted(top) + list(range(prefix, length)))
+    return kept
+
+
+def test_reference_confirms_pure_functions_on_random_tensors():
+    torch.manual_seed(1)
+    query, keys = torch.randn(6, 90, 8), torch.randn(2, 90, 8)
+    for pooling, kernel in (("max", 7), ("avg", 5), ("max", 1)):
+        method = kvc.SnapKV(budget=40, window=12, kernel=kernel, pooling=pooling)
+        valid = torch.ones(1, 90, dtype=torch.bool)
+        scores = method.scores(query[None], keys[None], valid, 8**-0.5)
+        indices, slot_valid = select_kept(scores, valid, method.keep_counts(torch.tensor([90])))
+        assert slot_valid.all()
+        assert indices[0].tolist() == reference_keep(query, keys, 40, 12, kernel, pooling)
+
+
+def capture_queries(model: torch.nn.Module) -> tuple[dict[int, torch.Tensor], list]:
+    """Post-RoPE queries of every attention module, recomputed from its inputs (independent of kvcompress)."""
+    queries: dict[int, torch.Tensor] = {}
+
+    def hook(module, args, kwargs, output):
+        hidden = kwargs["hidden_states"]
+        q = module.q_proj(hidden).view(*hidden.shape[:-1], -1, module.head_dim).transpose(1, 2)
+        cos, sin = kwargs["position_embeddings"]
+        queries[module.layer_idx] = apply_rotary_pos_emb(q, q, cos, sin)[0].detach()
+
+    handles = [layer.self_attn.register_forward_hook(hook, with_kwargs=True) for layer in model.model.layers]
+    return queries, handles
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("pooling", ["max", "avg"])
+def test_selection_matches_reference_in_every_layer(arch, pooling):
+    model = tiny_model(arch, num_hidden_layers=3)
+    ids = torch.randint(3, 128, (1, 150), generator=torch.Generator().manual_seed(3))
+    queries, handles = capture_queries(model)
+    full = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids, past_key_values=full)
+    for h in handles:
+        h.remove()
+    method = kvc.SnapKV(budget=48, window=16, kernel=5, pooling=pooling)
+    cache = method.make_cache(model)
+    with torch.no_grad():
+        model(ids, past_key_values=cache)
+    for layer in range(3):
+        expected = reference_keep(queries[layer][0], full.layers[layer].keys[0], 48, 16, 5, pooling)
+        assert cache.kept_positions(layer)[0].tolist() == expected, f"layer {layer}"
+
+
+def test_prefill_attention_uses_the_full_cache():
+    """Compression happens after each layer's attention: prefill logits equal FullKV's."""
+    model = tiny_model()
+    ids = torch.randint(3, 128, (1, 120), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        full = model(ids, past_key_values=kvc.FullKV().make_cache(model)).logits
+        snap = model(ids, past_key_values=kvc.SnapKV(budget=40, window=8).make_cache(model)).logits
+    torch.testing.assert_close(snap, full, rtol=0, atol=0)
+
+
+def test_at_most_one_layer_holds_a_full_prompt():
+    model = tiny_model(num_hidden_layers=4)
+    cache = kvc.SnapKV(budget=40, window=8).make_cache(model)
+    seen = []
+
+    def after_layer(module, args, output):
+        sizes = [layer.keys.shape[-2] if layer.is_initialized else 0 for layer in cache.layers]
+        seen.append(sizes)
+
+    handles = [layer.register_forward_hook(after_layer) for layer in model.model.layers]
+    with torch.no_grad():
+        model(torch.randint(3, 128, (1, 200)), past_key_values=cache)
+    for h in handles:
+        h.remove()
+    assert seen == [[40, 0, 0, 0], [40, 40, 0, 0], [40, 40, 40, 0], [40, 40, 40, 40]]
+
+
+def test_budget_at_least_prompt_is_identical_to_full():
+    from .fixtures import char_tokenizer, random_text
+
+    model, tok = tiny_model(), char_tokenizer()
+    prompt = random_text(100, seed=4)
+    full = kvc.generate(model, tok, prompt, method=kvc.FullKV(), max_new_tokens=20)
+    for budget in (101, 500):  # the prompt is 101 tokens with BOS
+        snap = kvc.generate(model, tok, prompt, method=kvc.SnapKV(budget=budget, window=8), max_new_tokens=20)
+        assert snap.token_ids == full.token_ids
+        for a, b in zip(snap.cache.layers, full.cache.layers):
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+def test_compressed_tensors_hold_exactly_kv_heads_times_budget():
+    model = tiny_model()
+    cache = kvc.SnapKV(budget=64, window=16).make_cache(model)
+    with torch.no_grad():
+        model(torch.randint(3, 128, (1, 300)), past_key_values=cache)
+    stats = cache.stats()
+    for layer in cache.layers:
+        assert layer.keys.shape == (1, 2, 64, 16) and layer.values.shape == (1, 2, 64, 16)
+        assert layer.valid is None
+    kv_bytes = sum(layer.keys.numel() * 4 * 2 for layer in cache.layers)
+    positions_bytes = sum(layer.positions.numel() * 8 for layer in cache.layers)
+    assert stats["kv_bytes_kept"] == kv_bytes + positions_bytes
+    assert stats["kv_bytes_full"] == 2 * 2 * 2 * 300 * 16 * 4
+    assert stats["kv_tokens_per_layer"] == [64, 64]
+
+
+def test_kept_positions_are_ascending_and_include_the_window():
+    model = tiny_model()
+    cache = kvc.SnapKV(budget=50, window=10).make_cache(model)
+    with torch.no_grad():
+        model(torch.randint(3, 128, (1, 200)), past_key_values=cache)
+    kept = cache.kept_positions(1)
+    assert kept.shape == (1, 2, 50) and kept.dtype == torch.long
+    assert (kept.diff(dim=-1) > 0).all()
+    assert (kept[..., -10:] == torch.arange(190, 200)).all()
+
+
+def test_ratio_keeps_that_fraction_of_the_prompt():
+    model = tiny_model()
+    cache = kvc.SnapKV(ratio=0.25, window=8).make_cache(model)
+    with torch.no_grad():
+        model(torch.randint(3, 128, (1, 201)), past_key_values=cache)
+    assert cache.kept_positions(0).shape[-1] == math.ceil(0.25 * 201)
+
+
+def test_question_agnostic_mode_compresses_the_context_alone():
+    from .fixtures import char_tokenizer, random_text
+
+    model, tok = tiny_model(), char_tokenizer()
+    context, question = random_text(200, seed=1), "what word comes first?"
+    method = kvc.SnapKV(budget=64, window=8)
+    agnostic = kvc.generate(model, tok, context, method=method, question=question, max_new_tokens=5)
+    context_only = kvc.generate(model, tok, context, method=method, max_new_tokens=1)
+    assert torch.equal(agnostic.cache.kept_positions(0), context_only.cache.kept_positions(0))
+    appended = len(tok("\n" + question, add_special_tokens=False)["input_ids"])
+    assert agnostic.cache.layers[0].keys.shape[-2] == 64 + appended + len(agnostic.token_ids[0]) - 1
+    aware = kvc.generate(model, tok, context + "\n" + question, method=method, max_new_tokens=1)
+    assert not torch.equal(aware.cache.kept_positions(0), agnostic.cache.kept_positions(0))
