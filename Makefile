@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml scripts/setup.sh
 setup: $(STAMP)
 
 model: $(STAMP)
-	$(PY) -m kvcompress.models fetch
+	$(PY) -m kvcompress.cli fetch-model
 
 run: model
 	$(PY) -m kvcompress.cli demo

