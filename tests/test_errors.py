@@ -27,7 +27,7 @@ from .fixtures import char_tokenizer, random_text, tiny_model
         (lambda: kvc.SnapKV(window=0), r"window=0 is invalid"),
         (lambda: kvc.StreamingLLM(budget=4, sinks=4), r"budget=4 must be greater than sinks=4"),
         (lambda: kvc.StreamingLLM(sinks=-1), r"sinks=-1 is invalid"),
-        (lambda: kvc.method_from_name("h2o2"), r"method='h2o2' is unknown; valid: full, snapkv, streamingllm"),
+        (lambda: kvc.method_from_name("h2o2"), r"method='h2o2' is unknown; valid: full, snapkv, streamingllm, shadowkv"),
         (lambda: kvc.method_from_name("full", budget=3), r"method 'full' does not take budget"),
     ],
 )
@@ -81,6 +81,8 @@ def test_bad_prompt_type():
         (["generate", "--method", "snapkv", "--kernel", "6", "--prompt", "x"], "kernel=6 is invalid"),
         (["generate", "--method", "streamingllm", "--window", "8", "--prompt", "x"], "does not take window"),
         (["generate", "--method", "snapkv"], "give exactly one of --prompt TEXT or --prompt-file FILE"),
+        (["generate", "--method", "shadowkv", "--sparse-budget", "4", "--prompt", "x"], "sparse_budget=4 is smaller than one chunk"),
+        (["generate", "--method", "snapkv", "--rank", "8", "--prompt", "x"], "does not take rank"),
     ],
 )
 def test_cli_reports_errors_without_traceback(argv, expected, capsys):

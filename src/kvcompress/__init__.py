@@ -7,7 +7,7 @@
 
 from .cache import KVCompressCache, UnsupportedModelError
 from .generation import PromptTooLongError, Result, generate
-from .methods import METHODS, FullKV, InvalidParameterError, Method, SnapKV, StreamingLLM, method_from_name
+from .methods import METHODS, FullKV, InvalidParameterError, Method, ShadowKV, SnapKV, StreamingLLM, method_from_name
 from .models import ModelNotAvailableError, load_model
 
 __all__ = [
@@ -19,6 +19,7 @@ __all__ = [
     "ModelNotAvailableError",
     "PromptTooLongError",
     "Result",
+    "ShadowKV",
     "SnapKV",
     "StreamingLLM",
     "UnsupportedModelError",

@@ -14,12 +14,15 @@ not the compressed one.
 from __future__ import annotations
 
 import threading
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import PretrainedConfig
+import torch.nn.functional as F
+from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, DynamicLayer
 
-from .methods.base import Method, select_kept
+if TYPE_CHECKING:
+    from .methods.base import Method
 
 
 class UnsupportedModelError(ValueError):
@@ -81,6 +84,10 @@ class CompressedLayer(DynamicLayer):
         """True while the layer holds only its first fill (the prompt), before compression."""
         return self.prefill_len is None
 
+    def attend(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
+        """Attention of ``query`` over this layer's slots (``keys``/``values`` as ``update`` returned them)."""
+        return dense_attention(query, keys, values, mask, scaling)
+
     def slot_validity(self) -> torch.Tensor:
         """``[batch, slots]`` bool, True for real tokens."""
         if self.valid is not None:
@@ -97,17 +104,19 @@ class CompressedLayer(DynamicLayer):
             self.valid = torch.nn.functional.pad(self.valid, (0, query.shape[-2]), value=True)
         if self.is_prefill:
             self.prefill_len = self.keys.shape[-2]
+            self.prompt_tokens = self.slot_validity().sum(dim=-1)
             self._compress_prompt(query, scaling)
 
     def _compress_prompt(self, query: torch.Tensor, scaling: float) -> None:
+        from .methods.base import select_kept
+
         valid = self.slot_validity()
         if self.valid is not None and bool((valid[:, :-1] & ~valid[:, 1:]).any()):
             raise ValueError(
                 "kvcompress needs left-padded batches (padding before each prompt, as tokenizer.padding_side='left' "
                 "gives); this batch has padding after real tokens"
             )
-        lengths = valid.sum(dim=-1)
-        self.prompt_tokens = lengths
+        lengths = self.prompt_tokens
         counts = self.method.keep_counts(lengths)
         if counts is None or bool((counts >= lengths).all()):
             return
@@ -130,6 +139,10 @@ class CompressedLayer(DynamicLayer):
         position = (valid.long().cumsum(-1) - 1).masked_fill(~valid, -1)
         return position[:, None, :].expand(-1, self.keys.shape[1], -1)
 
+    def extra_stats(self, layers: list[CompressedLayer]) -> dict:
+        """Method-specific stats over all ``layers`` (called on the first one)."""
+        return {}
+
     def tensor_bytes(self) -> int:
         """Bytes of every tensor this layer holds."""
         held = [self.keys, self.values, self.valid, self.positions]
@@ -151,13 +164,32 @@ class CompressedLayer(DynamicLayer):
                 setattr(self, name, tensor.repeat_interleave(repeats, dim=0))
 
 
+def dense_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
+    """Exact SDPA, ``[b, q_heads, q, d]``; KV heads are shared by query-head groups without copies.
+
+    ``mask`` is boolean, ``[b, 1 or kv_heads or q_heads, q, kv]``; None means causal over the
+    last ``q`` slots (or no mask for one query)."""
+    q_heads, kv_heads = query.shape[1], keys.shape[1]
+    if mask is not None and 1 < mask.shape[1] < q_heads:
+        mask = mask.repeat_interleave(q_heads // kv_heads, dim=1)
+    return F.scaled_dot_product_attention(
+        query,
+        keys,
+        values,
+        attn_mask=mask,
+        is_causal=mask is None and query.shape[-2] > 1,
+        scale=scaling,
+        enable_gqa=q_heads != kv_heads,
+    )
+
+
 class KVCompressCache(Cache):
     """A ``Cache`` whose layers apply ``method`` at the end of prefill. Use it with ``model.generate``
     (``past_key_values=cache``) or ``kvcompress.generate``."""
 
-    def __init__(self, method: Method, config: PretrainedConfig) -> None:
-        text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-        super().__init__(layers=[CompressedLayer(method, i) for i in range(text_config.num_hidden_layers)])
+    def __init__(self, method: Method, model: PreTrainedModel) -> None:
+        layers = model.config.get_text_config().num_hidden_layers
+        super().__init__(layers=[method.make_layer(i, model) for i in range(layers)])
         self.method = method
         self.timings: dict[str, float | None] = {"prefill_s": None, "decode_ms_per_token": None}
 
@@ -166,7 +198,8 @@ class KVCompressCache(Cache):
         return self.layers[layer_idx].kept_positions()
 
     def stats(self) -> dict:
-        """Sizes (tokens, bytes) of what is held versus what a full cache would hold."""
+        """Sizes (tokens, bytes) of what is held versus what a full cache would hold, plus any
+        method-specific fields the layers report (``CompressedLayer.extra_stats``)."""
         layers = [layer for layer in self.layers if layer.is_initialized]
         if not layers:
             return {"method": self.method.describe(), "prompt_tokens": 0, "new_tokens": 0}
@@ -183,5 +216,6 @@ class KVCompressCache(Cache):
             "kv_bytes_full": full,
             "kv_bytes_kept": kept,
             "kv_kept_fraction": kept / full if full else 1.0,
+            **first.extra_stats(layers),
             **self.timings,
         }

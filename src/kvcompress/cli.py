@@ -50,7 +50,18 @@ def _cmd_generate(args: argparse.Namespace, console: Console) -> int:
         raise InvalidParameterError("give exactly one of --prompt TEXT or --prompt-file FILE")
     prompt = args.prompt if args.prompt is not None else Path(args.prompt_file).read_text()
     method = method_from_name(
-        args.method, budget=args.budget, window=args.window, kernel=args.kernel, pooling=args.pooling, ratio=args.ratio, sinks=args.sinks
+        args.method,
+        budget=args.budget,
+        window=args.window,
+        kernel=args.kernel,
+        pooling=args.pooling,
+        ratio=args.ratio,
+        sinks=args.sinks,
+        sparse_budget=args.sparse_budget,
+        sparse_ratio=args.sparse_ratio,
+        chunk=args.chunk,
+        rank=args.rank,
+        outliers=args.outliers,
     )
     model, tokenizer = load_model(args.model)
     messages = prompt if args.raw else [{"role": "user", "content": prompt}]
@@ -120,6 +131,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--kernel", type=int, help=f"pooling kernel, odd (snapkv; default {SnapKV.kernel})")
     gen.add_argument("--pooling", help="max or avg (snapkv; default max)")
     gen.add_argument("--sinks", type=int, help="attention-sink tokens (streamingllm; default 4)")
+    gen.add_argument("--sparse-budget", type=int, help="tokens attended per step from selected chunks (shadowkv; default 2048)")
+    gen.add_argument("--sparse-ratio", type=float, help="fraction of the prompt attended per step, instead of --sparse-budget (shadowkv)")
+    gen.add_argument("--chunk", type=int, help="tokens per chunk (shadowkv; default 8)")
+    gen.add_argument("--rank", type=int, help="SVD rank of the pre-RoPE keys (shadowkv; default 15.625%% of kv_heads*head_dim)")
+    gen.add_argument("--outliers", type=int, help="outlier chunks kept dense per KV head (shadowkv; default ~0.3%% of chunks)")
     gen.add_argument("--model", help="model path or name (default: the embedded SmolLM2-135M-Instruct)")
     gen.add_argument("--prompt", help="the prompt text (sent as a user chat message)")
     gen.add_argument("--prompt-file", help="read the prompt from this file")

@@ -18,7 +18,6 @@ are the ones that layer returned.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
@@ -83,16 +82,7 @@ def kvcompress_attention(
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     q_len = query.shape[-2]
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
-    mask = build_mask(layer, attention_mask, q_len, key.shape[-2])
-    out = F.scaled_dot_product_attention(
-        query,
-        key,
-        value,
-        attn_mask=mask,
-        is_causal=mask is None and q_len > 1,
-        scale=scaling,
-        enable_gqa=query.shape[1] != key.shape[1],
-    )
+    out = layer.attend(query, key, value, build_mask(layer, attention_mask, q_len, key.shape[-2]), scaling)
     layer.commit(query, new_token_validity(attention_mask, q_len), scaling)
     return out.transpose(1, 2).contiguous(), None
 

@@ -6,10 +6,11 @@ from typing import Any
 
 from .base import InvalidParameterError, Method
 from .full import FullKV
+from .shadowkv import ShadowKV
 from .snapkv import SnapKV
 from .streaming import StreamingLLM
 
-METHODS: dict[str, type[Method]] = {cls.name: cls for cls in (FullKV, SnapKV, StreamingLLM)}
+METHODS: dict[str, type[Method]] = {cls.name: cls for cls in (FullKV, SnapKV, StreamingLLM, ShadowKV)}
 
 
 def method_from_name(name: str, **params: Any) -> Method:

@@ -17,7 +17,7 @@ import torch
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-    from ..cache import KVCompressCache
+    from ..cache import CompressedLayer, KVCompressCache
 
 
 class InvalidParameterError(ValueError):
@@ -62,11 +62,21 @@ class Method:
 
     def make_cache(self, model: PreTrainedModel) -> KVCompressCache:
         """A transformers ``Cache`` applying this method; also prepares ``model`` (see hooks.attach)."""
-        from ..cache import KVCompressCache
+        from ..cache import CompressedLayer, KVCompressCache
         from ..hooks import attach
 
         attach(model)
-        return KVCompressCache(self, model.config)
+        self.check_model(model)
+        return KVCompressCache(self, model)
+
+    def check_model(self, model: PreTrainedModel) -> None:
+        """Raise ``InvalidParameterError`` where a hyperparameter does not fit ``model``."""
+
+    def make_layer(self, layer_idx: int, model: PreTrainedModel) -> CompressedLayer:
+        """The cache layer that stores and attends for ``layer_idx``."""
+        from ..cache import CompressedLayer
+
+        return CompressedLayer(self, layer_idx)
 
     def keep_counts(self, lengths: torch.Tensor) -> torch.Tensor | None:
         """Tokens each row keeps after prefill, given each row's real prompt length ``[batch]``.

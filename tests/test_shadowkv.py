@@ -1,0 +1,170 @@
+"""ShadowKV: exactness limits, SVD error, Algorithm 2 selection against a loop reference, RoPE rebuild."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import kvcompress as kvc
+from kvcompress.methods.shadowkv import chunk_landmarks, landmark_scores, low_rank_factors, rebuild_keys
+from kvcompress.rope import apply_rope, cos_sin, invert_rope, rotary_module
+
+from .fixtures import char_tokenizer, random_text, tiny_model
+
+EXACT = dict(rank=32, outliers=0, sparse_budget=4096)  # tiny model: 2 KV heads x 16 dims = 32
+
+
+def teacher_forced_logits(model, method, prompt: torch.Tensor, continuation: torch.Tensor) -> tuple[torch.Tensor, kvc.KVCompressCache]:
+    cache = method.make_cache(model)
+    with torch.no_grad():
+        logits = [model(prompt, past_key_values=cache).logits[:, -1]]
+        for t in range(continuation.shape[1]):
+            logits.append(model(continuation[:, t : t + 1], past_key_values=cache).logits[:, -1])
+    return torch.stack(logits, dim=1), cache
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_full_rank_no_outliers_full_budget_matches_full_cache(arch):
+    model = tiny_model(arch)
+    gen = torch.Generator().manual_seed(0)
+    prompt, continuation = torch.randint(3, 128, (1, 300), generator=gen), torch.randint(3, 128, (1, 24), generator=gen)
+    full, _ = teacher_forced_logits(model, kvc.FullKV(), prompt, continuation)
+    shadow, cache = teacher_forced_logits(model, kvc.ShadowKV(**EXACT), prompt, continuation)
+    torch.testing.assert_close(shadow, full, rtol=1e-4, atol=1e-4)
+    assert cache.layers[0].factor_a is not None  # the sparse path really ran
+    assert cache.stats()["chunk_hit_rate"] > 0.9
+
+
+def test_rank_r_reconstruction_error_is_the_svd_truncation_error():
+    torch.manual_seed(0)
+    keys = torch.randn(1, 2, 200, 16) @ torch.randn(16, 16)  # correlated dims
+    valid = torch.ones(1, 200, dtype=torch.bool)
+    singular = torch.linalg.svdvals(keys.permute(0, 2, 1, 3).reshape(200, 32))
+    for rank in (1, 4, 12, 32):
+        a, b = low_rank_factors(keys, valid, rank)
+        rebuilt = rebuild_keys(a[:, None].expand(-1, 2, -1, -1), b)
+        error = (rebuilt - keys).pow(2).sum()
+        torch.testing.assert_close(error, singular[rank:].pow(2).sum(), rtol=1e-3, atol=1e-3)
+
+
+def reference_chunk_selection(query: torch.Tensor, landmarks: torch.Tensor, selectable: torch.Tensor, k: int) -> list[list[int]]:
+    """Algorithm 2 lines 2-5 for one sequence, loop by loop. query [q_heads, q, d], landmarks [kv_heads, n, d]."""
+    q_heads, q_len, dim = query.shape
+    kv_heads, n = landmarks.shape[:2]
+    group = q_heads // kv_heads
+    per_query_head = []
+    for h in range(q_heads):
+        total = [0.0] * n
+        for t in range(q_len):
+            logits = [float(query[h, t] @ landmarks[h // group, j]) / math.sqrt(dim) if selectable[h // group, j] else -math.inf for j in range(n)]
+            peak = max(logits)
+            weights = [math.exp(x - peak) for x in logits]
+            for j in range(n):
+                total[j] += weights[j] / sum(weights)
+        per_query_head.append(total)
+    chosen = []
+    for g in range(kv_heads):
+        score = [max(per_query_head[h][j] for h in range(g * group, (g + 1) * group)) for j in range(n)]
+        chosen.append(sorted(sorted(range(n), key=lambda j: -score[j])[:k]))
+    return chosen
+
+
+def test_landmark_scoring_and_top_k_match_algorithm_2():
+    torch.manual_seed(3)
+    query, landmarks = torch.randn(1, 6, 3, 8), torch.randn(1, 2, 40, 8)
+    selectable = torch.rand(1, 2, 40) > 0.2
+    scores = landmark_scores(query, landmarks, selectable, 8**-0.5)
+    chosen = scores.topk(7, dim=-1).indices.sort(dim=-1).values
+    assert chosen[0].tolist() == reference_chunk_selection(query[0], landmarks[0], selectable[0], 7)
+
+
+def test_landmarks_are_chunk_means():
+    keys = torch.randn(1, 2, 24, 4)
+    landmarks = chunk_landmarks(keys, torch.ones(1, 24, dtype=torch.bool), 8)
+    torch.testing.assert_close(landmarks[0, 1, 2], keys[0, 1, 16:24].mean(dim=0))
+
+
+def test_rope_inverse_recovers_pre_rope_keys():
+    model = tiny_model()
+    positions = torch.arange(50)[None]
+    pre = torch.randn(1, 2, 50, 16)
+    cos, sin = cos_sin(rotary_module(model), positions, pre)
+    torch.testing.assert_close(invert_rope(apply_rope(pre, cos[:, None], sin[:, None]), cos[:, None], sin[:, None]), pre)
+
+
+def test_rebuilt_keys_carry_rope_at_their_original_positions():
+    model = tiny_model()
+    prompt = torch.randint(3, 128, (1, 200), generator=torch.Generator().manual_seed(5))
+    full = DynamicCache(config=model.config)
+    cache = kvc.ShadowKV(**EXACT).make_cache(model)
+    with torch.no_grad():
+        model(prompt, past_key_values=full)
+        model(prompt, past_key_values=cache)
+    layer = cache.layers[1]
+    chunks = torch.tensor([[[0, 5, 11], [2, 3, 17]]])
+    keys, values = layer._rebuild(chunks)
+    tokens = (chunks[..., None] * 8 + torch.arange(8)).flatten(-2)
+    expected = full.layers[1].keys.gather(2, tokens[..., None].expand(-1, -1, -1, 16))
+    torch.testing.assert_close(keys, expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(values, full.layers[1].values.gather(2, tokens[..., None].expand(-1, -1, -1, 16)))
+
+
+def test_memory_split_between_device_and_offload_store():
+    model = tiny_model()
+    cache = kvc.ShadowKV(sparse_budget=32, rank=4, outliers=2, local_chunks=2).make_cache(model)
+    with torch.no_grad():
+        model(torch.randint(3, 128, (1, 403)), past_key_values=cache)
+        model(torch.randint(3, 128, (1, 1)), past_key_values=cache)
+    layer, stats = cache.layers[0], cache.stats()
+    n_chunks = (403 - 16) // 8  # 48 chunks; 3 tail tokens + 2 local chunks stay dense
+    assert layer.factor_a.shape == (1, n_chunks * 8, 4) and layer.factor_b.shape == (1, 4, 2, 16)
+    assert layer.landmarks.shape == (1, 2, n_chunks, 16)
+    assert layer.keys.shape[-2] == 2 * 8 + 16 + 3 + 1  # outliers + local + tail + one generated token
+    assert layer.offloaded.shape == (1, 2, n_chunks, 8, 16) and layer.offloaded.device.type == "cpu"
+    assert stats["offloaded_bytes"] == 2 * n_chunks * 8 * 2 * 16 * 4
+    assert stats["device_bytes"] == sum(sum(t.numel() * t.element_size() for t in lyr.device_tensors()) for lyr in cache.layers)
+    assert stats["selected_tokens_per_step"] == 32 and stats["rank"] == 4 and stats["chunk"] == 8
+    assert not layer.selectable.gather(2, layer.positions[:, :, :16:8] // 8).any()  # outliers never selectable
+
+
+def test_batch_of_prompts_with_different_lengths():
+    model, tok = tiny_model(), char_tokenizer()
+    prompts = [random_text(300, seed=1), random_text(150, seed=2)]
+    batch = kvc.generate(model, tok, prompts, method=kvc.ShadowKV(**EXACT), max_new_tokens=8)
+    for row, prompt in enumerate(prompts):
+        alone = kvc.generate(model, tok, prompt, method=kvc.FullKV(), max_new_tokens=8)
+        assert batch.token_ids[row] == alone.token_ids[0]
+    approx = kvc.generate(model, tok, prompts, method=kvc.ShadowKV(sparse_budget=32, rank=8), max_new_tokens=8)
+    assert all(len(t) > 0 for t in approx.token_ids)
+
+
+def test_follow_up_turn_and_long_generation():
+    model, tok = tiny_model(), char_tokenizer()
+    chat = [{"role": "user", "content": random_text(300, seed=4)}]
+    first = kvc.generate(model, tok, chat, method=kvc.ShadowKV(sparse_budget=32, rank=8), max_new_tokens=40)
+    second = kvc.generate(model, tok, "and the second word?", past=first, max_new_tokens=40)
+    assert second.cache.layers[0].factor_a is not None
+    full_first = kvc.generate(model, tok, chat, method=kvc.ShadowKV(**EXACT), max_new_tokens=40)
+    full_second = kvc.generate(model, tok, "and the second word?", past=full_first, max_new_tokens=40)
+    reference = kvc.generate(model, tok, chat, method=kvc.FullKV(), max_new_tokens=40)
+    reference_second = kvc.generate(model, tok, "and the second word?", past=reference, max_new_tokens=40)
+    assert full_second.token_ids == reference_second.token_ids
+
+
+@pytest.mark.parametrize(
+    "make, expected",
+    [
+        (lambda: kvc.ShadowKV(rank=0), r"rank=0 is invalid; it must be an integer >= 1"),
+        (lambda: kvc.ShadowKV(chunk=0), r"chunk=0 is invalid"),
+        (lambda: kvc.ShadowKV(sparse_budget=4), r"sparse_budget=4 is smaller than one chunk \(chunk=8\)"),
+        (lambda: kvc.ShadowKV(sparse_ratio=2.0), r"sparse_ratio=2.0 is outside the valid range \(0, 1\]"),
+        (lambda: kvc.ShadowKV(outliers=-1), r"outliers=-1 is invalid"),
+        (lambda: kvc.ShadowKV(rank=33).make_cache(tiny_model()), r"rank=33 exceeds kv_heads \* head_dim = 32 of this model; valid: 1 to 32"),
+    ],
+)
+def test_bad_parameters(make, expected):
+    with pytest.raises(kvc.InvalidParameterError, match=expected):
+        make()
