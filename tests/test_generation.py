@@ -166,3 +166,38 @@ def test_right_padding_is_refused(tok):
     with pytest.raises(ValueError, match="kvcompress needs left-padded batches"):
         with torch.no_grad():
             model(**batch, past_key_values=kvc.SnapKV(budget=64, window=8).make_cache(model))
+
+
+ALL_METHODS = METHODS + [kvc.ShadowKV(sparse_budget=32, rank=8)]
+
+
+@pytest.mark.parametrize("method", ALL_METHODS, ids=lambda m: m.name)
+def test_one_prefill_reused_by_every_method_equals_a_fresh_prefill(method, tok):
+    model = tiny_model()
+    prompts = [random_text(220, seed=11), random_text(90, seed=12)]
+    record = kvc.prefill(model, tok, prompts, query_window=16)
+    reused = kvc.generate(model, tok, method=method, prefill=record, max_new_tokens=10)
+    fresh = kvc.generate(model, tok, prompts, method=method, max_new_tokens=10)
+    assert reused.token_ids == fresh.token_ids
+    for a, b in zip(reused.cache.layers, fresh.cache.layers):
+        assert torch.equal(a.kept_positions(), b.kept_positions())
+    again = kvc.generate(model, tok, method=method, prefill=record, max_new_tokens=10)
+    assert again.token_ids == reused.token_ids  # the record is not consumed
+
+
+def test_teacher_forced_logprobs_follow_the_full_cache(tok):
+    model = tiny_model()
+    record = kvc.prefill(model, tok, random_text(200, seed=13), query_window=8)
+    answer = kvc.generate(model, tok, method=kvc.FullKV(), prefill=record, max_new_tokens=6).token_ids[0]
+    full = kvc.teacher_forced_logprobs(model, record, kvc.FullKV(), answer)
+    assert full.shape == (len(answer), 128)
+    assert full.argmax(-1).tolist() == answer
+    snap = kvc.teacher_forced_logprobs(model, record, kvc.SnapKV(budget=500, window=8), answer)
+    torch.testing.assert_close(snap, full)  # budget covers the prompt: identical
+
+
+def test_too_small_query_window_is_refused(tok):
+    model = tiny_model()
+    record = kvc.prefill(model, tok, random_text(200), query_window=8)
+    with pytest.raises(ValueError, match="window=32 needs the last 32 prefill queries but got 8"):
+        kvc.generate(model, tok, method=kvc.SnapKV(budget=64), prefill=record)

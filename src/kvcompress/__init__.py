@@ -6,7 +6,7 @@
 """
 
 from .cache import KVCompressCache, UnsupportedModelError
-from .generation import PromptTooLongError, Result, generate
+from .generation import Prefill, PromptTooLongError, Result, generate, prefill, teacher_forced_logprobs
 from .methods import METHODS, FullKV, InvalidParameterError, Method, ShadowKV, SnapKV, StreamingLLM, method_from_name
 from .models import ModelNotAvailableError, load_model
 
@@ -17,6 +17,7 @@ __all__ = [
     "METHODS",
     "Method",
     "ModelNotAvailableError",
+    "Prefill",
     "PromptTooLongError",
     "Result",
     "ShadowKV",
@@ -25,5 +26,7 @@ __all__ = [
     "UnsupportedModelError",
     "generate",
     "load_model",
+    "prefill",
+    "teacher_forced_logprobs",
     "method_from_name",
 ]

@@ -79,6 +79,13 @@ class CompressedLayer(DynamicLayer):
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("kvcompress caches cannot be cropped (assisted/speculative decoding is unsupported)")
 
+    def load_prefill(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor | None, query_tail: torch.Tensor, scaling: float) -> None:
+        """Fill this empty layer with a prompt prefilled elsewhere (``kvcompress.prefill``), then apply
+        the method as if the prefill had run here. ``query_tail``: the last prefill queries."""
+        self.lazy_initialization(keys, values)
+        self.keys, self.values, self.seen_tokens = keys, values, keys.shape[-2]
+        self.commit(query_tail, valid, scaling)
+
     @property
     def is_prefill(self) -> bool:
         """True while the layer holds only its first fill (the prompt), before compression."""

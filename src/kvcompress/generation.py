@@ -8,6 +8,7 @@ be continued with a follow-up turn (``past=result``) over the same cache.
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass, field
 from typing import Any, Union
@@ -15,7 +16,7 @@ from typing import Any, Union
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from .cache import KVCompressCache
+from .cache import CompressedLayer, KVCompressCache
 from .methods.base import InvalidParameterError, Method
 from .methods.full import FullKV
 
@@ -176,15 +177,106 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+class _RecordingLayer(CompressedLayer):
+    """A full-cache layer that also keeps the last ``window`` prefill queries, for ``Prefill``."""
+
+    def __init__(self, method: Method, layer_idx: int, window: int) -> None:
+        super().__init__(method, layer_idx)
+        self.window = window
+        self.query_tail: torch.Tensor | None = None
+        self.scaling = 1.0
+
+    def _compress_prompt(self, query: torch.Tensor, scaling: float) -> None:
+        self.query_tail, self.scaling = query[..., -self.window :, :], scaling
+
+
+@dataclass
+class _Recorder(FullKV):
+    window: int = 64
+
+    def make_layer(self, layer_idx: int, model: PreTrainedModel) -> CompressedLayer:
+        return _RecordingLayer(self, layer_idx, self.window)
+
+
+@dataclass
+class Prefill:
+    """A prompt prefilled once with the full cache. ``generate(..., prefill=p)`` derives any method's
+    cache from it: every method attends to the full prompt during prefill and compresses each layer
+    from its keys, values and last queries, so this gives exactly what a fresh prefill would."""
+
+    rows: list[_Row]
+    is_batch: bool
+    layers: list[_RecordingLayer]
+    logits: torch.Tensor
+    attention_mask: torch.Tensor
+    next_position: torch.Tensor
+    prefill_s: float
+
+
+def _new_rows(tokenizer: PreTrainedTokenizerBase, prompt: Prompt | list[Prompt], question: str | list[str] | None) -> tuple[list[_Row], list[list[list[int]]], bool]:
+    prompts, is_batch = _as_rows(prompt)
+    turns = [_first_turn(tokenizer, p, q) for p, q in zip(prompts, _per_row(question, len(prompts), "question"))]
+    return [t[0] for t in turns], [t[1] for t in turns], is_batch
+
+
+def _feed_chunks(feeder: _Feeder, chunk_lists: list[list[list[int]]]) -> torch.Tensor:
+    for step in range(max(len(c) for c in chunk_lists)):
+        logits = feeder.feed([chunks[step] if step < len(chunks) else [] for chunks in chunk_lists])
+    return logits
+
+
+def _pad_id(tokenizer: PreTrainedTokenizerBase) -> int:
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
+def _empty_state(model: PreTrainedModel, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.zeros(batch, 0, dtype=torch.long, device=model.device), torch.zeros(batch, dtype=torch.long, device=model.device)
+
+
+@torch.inference_mode()
+def prefill(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompt: Prompt | list[Prompt], query_window: int = 64) -> Prefill:
+    """Prefill ``prompt`` once (full cache), keeping the last ``query_window`` queries per layer,
+    so several methods can be compared on it without prefilling again (``generate(prefill=...)``).
+    ``query_window`` must cover the largest SnapKV window to be used."""
+    rows, chunk_lists, is_batch = _new_rows(tokenizer, prompt, None)
+    _check_lengths(model, [len(chunks[0]) for chunks in chunk_lists], 1)
+    cache = _Recorder(window=query_window).make_cache(model)
+    feeder = _Feeder(model, cache, *_empty_state(model, len(rows)), _pad_id(tokenizer))
+    start = time.perf_counter()
+    logits = _feed_chunks(feeder, chunk_lists)
+    _sync(model.device)
+    return Prefill(rows, is_batch, cache.layers, logits, feeder.mask, feeder.position, time.perf_counter() - start)
+
+
+def _from_prefill(model: PreTrainedModel, method: Method, record: Prefill) -> KVCompressCache:
+    cache = method.make_cache(model)
+    for layer, recorded in zip(cache.layers, record.layers):
+        layer.load_prefill(recorded.keys, recorded.values, recorded.valid, recorded.query_tail, recorded.scaling)
+    return cache
+
+
+@torch.inference_mode()
+def teacher_forced_logprobs(model: PreTrainedModel, record: Prefill, method: Method, tokens: list[int]) -> torch.Tensor:
+    """Log-probabilities ``[len(tokens), vocab]`` of the next token before each of ``tokens`` is fed,
+    with ``method``'s cache built from ``record`` (a single prompt); the first row is the prefill's."""
+    cache = _from_prefill(model, method, record)
+    feeder = _Feeder(model, cache, record.attention_mask, record.next_position, 0)
+    logits = [record.logits[0]]
+    for token in tokens[:-1]:
+        logits.append(feeder.forward(torch.tensor([[token]], device=model.device), torch.ones(1, 1, dtype=torch.long, device=model.device))[0])
+    return torch.stack(logits).float().log_softmax(dim=-1)
+
+
 @torch.inference_mode()
 def generate(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
-    prompt: Prompt | list[Prompt],
+    prompt: Prompt | list[Prompt] | None = None,
     method: Method | None = None,
     max_new_tokens: int = 64,
     question: str | list[str] | None = None,
     past: Result | None = None,
+    prefill: Prefill | None = None,
 ) -> Result:
     """Greedy generation with ``method`` applied to the prompt's KV cache.
 
@@ -192,36 +284,39 @@ def generate(
     either for a batch (left-padded; each row compressed as if alone). ``question``: compress the
     prompt without it first (question-agnostic), then append it. ``past``: a previous Result whose
     conversation (and cache) this call continues with ``prompt`` as the next user message; the
-    method is the one that built that cache and is not applied again."""
+    method is the one that built that cache and is not applied again. ``prefill``: a ``Prefill``
+    of the prompt to start from instead of prefilling again (``prompt`` is then not given)."""
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise InvalidParameterError(f"max_new_tokens={max_new_tokens!r} is invalid; it must be an integer >= 1")
+    start = time.perf_counter()
     if past is not None:
         if method is not None:
             raise InvalidParameterError("method must be None when continuing a conversation (past=...): the cache keeps its method")
-        cache, rows = past.cache, past.rows
-        follow = _per_row(prompt, len(rows), "prompt")
-        chunk_lists = [[_follow_up(tokenizer, row, text)] for row, text in zip(rows, follow)]
-        mask, position = past.attention_mask, past.next_position
-        is_batch = len(rows) > 1
+        cache, rows, is_batch = past.cache, past.rows, len(past.rows) > 1
+        chunk_lists = [[_follow_up(tokenizer, row, text)] for row, text in zip(rows, _per_row(prompt, len(rows), "prompt"))]
+        mask, position, shared_prefill_s = past.attention_mask, past.next_position, 0.0
+    elif prefill is not None:
+        if prompt is not None or question is not None:
+            raise InvalidParameterError("give either prompt (and question) or prefill, not both")
+        cache = _from_prefill(model, method if method is not None else FullKV(), prefill)
+        rows, is_batch, chunk_lists = copy.deepcopy(prefill.rows), prefill.is_batch, []
+        mask, position, shared_prefill_s = prefill.attention_mask, prefill.next_position, prefill.prefill_s
     else:
-        method = method if method is not None else FullKV()
-        prompts, is_batch = _as_rows(prompt)
-        turns = [_first_turn(tokenizer, p, q) for p, q in zip(prompts, _per_row(question, len(prompts), "question"))]
-        rows, chunk_lists = [t[0] for t in turns], [t[1] for t in turns]
-        cache = method.make_cache(model)
-        mask = torch.zeros(len(rows), 0, dtype=torch.long, device=model.device)
-        position = torch.zeros(len(rows), dtype=torch.long, device=model.device)
-    _check_lengths(model, [int(p) + sum(len(c) for c in chunks) for p, chunks in zip(position.tolist(), chunk_lists)], max_new_tokens)
+        cache = (method if method is not None else FullKV()).make_cache(model)
+        rows, chunk_lists, is_batch = _new_rows(tokenizer, prompt, question)
+        mask, position = _empty_state(model, len(rows))
+        shared_prefill_s = 0.0
+    if chunk_lists:
+        _check_lengths(model, [int(p) + sum(len(c) for c in chunks) for p, chunks in zip(position.tolist(), chunk_lists)], max_new_tokens)
+    else:
+        _check_lengths(model, position.tolist(), max_new_tokens)
 
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    feeder = _Feeder(model, cache, mask, position, pad_id)
-    eos = _eos_ids(model, tokenizer)
-    start = time.perf_counter()
-    for step in range(max(len(c) for c in chunk_lists)):
-        logits = feeder.feed([chunks[step] if step < len(chunks) else [] for chunks in chunk_lists])
+    feeder = _Feeder(model, cache, mask, position, _pad_id(tokenizer))
+    logits = _feed_chunks(feeder, chunk_lists) if chunk_lists else prefill.logits
     _sync(model.device)
-    prefill_s = time.perf_counter() - start
+    prefill_s = shared_prefill_s + time.perf_counter() - start
 
+    eos = _eos_ids(model, tokenizer)
     generated: list[list[int]] = [[] for _ in rows]
     eos_ids = torch.tensor(sorted(eos), dtype=torch.long, device=model.device)
     finished = torch.zeros(len(rows), dtype=torch.bool, device=model.device)

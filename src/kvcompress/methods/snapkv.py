@@ -108,6 +108,11 @@ class SnapKV(Method):
         return budget_counts(lengths, self.budget, self.ratio, floor=self.window)
 
     def scores(self, query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scaling: float) -> torch.Tensor:
+        if query.shape[-2] < self.window:
+            raise ValueError(
+                f"SnapKV: window={self.window} needs the last {self.window} prefill queries but got {query.shape[-2]} "
+                "(pass kvcompress.prefill(..., query_window=...) at least as large as the largest window)"
+            )
         return snapkv_scores(query, keys, valid, scaling, self.window, self.kernel, self.pooling)
 
     def describe(self) -> str:
