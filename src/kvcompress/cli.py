@@ -2,6 +2,7 @@
 
     kvcompress generate --method snapkv --budget 1024 --prompt "..." [--json]
     kvcompress demo
+    kvcompress bench accuracy --preset quick
     kvcompress fetch-model
 """
 
@@ -21,7 +22,7 @@ from .generation import PromptTooLongError, generate
 from .methods import METHODS, InvalidParameterError, SnapKV, method_from_name
 from .models import ModelNotAvailableError, fetch_default_model, load_model
 
-USER_ERRORS = (InvalidParameterError, PromptTooLongError, UnsupportedModelError, ModelNotAvailableError, OSError)
+USER_ERRORS = (InvalidParameterError, PromptTooLongError, UnsupportedModelError, ModelNotAvailableError, OSError, ValueError)
 
 
 def _mib(n: int) -> str:
@@ -114,6 +115,54 @@ def _cmd_demo(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _int_list(text: str) -> list[int]:
+    """``1k,2k,512`` -> ``[1000, 2000, 512]``."""
+    values = []
+    for part in filter(None, (p.strip().lower() for p in text.split(","))):
+        try:
+            values.append(int(float(part[:-1]) * 1000) if part.endswith("k") else int(part))
+        except ValueError:
+            raise InvalidParameterError(f"{text!r} is not a comma-separated list of integers (1k = 1000)") from None
+    return values
+
+
+def _names(text: str) -> list[str]:
+    return [p.strip() for p in text.split(",") if p.strip()]
+
+
+def _fmt(value: object) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.3f}" if isinstance(value, float) else str(value)
+
+
+def _cmd_bench_accuracy(args: argparse.Namespace, console: Console) -> int:
+    from .bench.accuracy import PRESETS, run_accuracy
+    from .bench.tasks import load_dataset
+
+    preset = dict(PRESETS[args.preset]) if args.preset else dict(PRESETS["quick"])
+    for key, value in (("tasks", args.tasks and _names(args.tasks)), ("methods", args.methods and _names(args.methods)),
+                       ("budgets", args.budgets and _int_list(args.budgets)), ("lengths", args.lengths and _int_list(args.lengths)),
+                       ("samples", args.samples)):
+        if value:
+            preset[key] = value
+    if args.dataset and not args.tasks:
+        preset["tasks"] = []
+    model, tokenizer = load_model(args.model)
+    dataset = load_dataset(args.dataset, tokenizer, limit=args.samples) if args.dataset else None
+    console.print(f"accuracy: tasks={preset['tasks']} methods={preset['methods']} budgets={preset['budgets']} "
+                  f"lengths={preset['lengths']} samples={preset['samples']} seed={args.seed} -> {args.out}")
+    rows = run_accuracy(model, tokenizer, preset["tasks"], preset["methods"], preset["budgets"], preset["lengths"], args.out,
+                        depths=preset["depths"], samples=preset["samples"], seed=args.seed, dataset=dataset)
+    table = Table("task", "method", "budget", "n", "score", "retained", "top-1 agr.", "KL", "KV kept", title="accuracy summary")
+    for row in rows:
+        table.add_row(row["task"], row["method"], _fmt(row["budget"]), str(row["samples"]), _fmt(row["score"]), _fmt(row["retained"]),
+                      _fmt(row["top1_agreement"]), _fmt(row["kl"]), f"{row['kv_kept_fraction']:.1%}")
+    console.print(table)
+    console.print(f"wrote {args.out}/results.jsonl, summary.csv, niah_heatmaps.png, score_vs_budget.png")
+    return 0
+
+
 def _cmd_fetch_model(args: argparse.Namespace, console: Console) -> int:
     console.print(f"embedded model ready in {fetch_default_model()}")
     return 0
@@ -152,6 +201,20 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--depth", type=float, default=0.5, help="where the fact sits, 0 (start) to 1 (end)")
     demo.add_argument("--json", metavar="FILE", help="also write the rows as JSON to FILE")
     demo.set_defaults(run=_cmd_demo)
+
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    accuracy = bench.add_parser("accuracy", help="long-context accuracy matrix: tasks x methods x budgets x lengths")
+    accuracy.add_argument("--preset", choices=["quick", "full"], help="a named matrix (default quick); flags below override it")
+    accuracy.add_argument("--tasks", help="comma-separated: niah, passkey, lines, niah_single, niah_multikey, niah_multivalue, niah_multiquery, vt, cwe, fwe, multiturn")
+    accuracy.add_argument("--methods", help="comma-separated method names, e.g. full,snapkv,streamingllm,shadowkv")
+    accuracy.add_argument("--budgets", help="comma-separated token budgets (ShadowKV: sparse budget), e.g. 128,256")
+    accuracy.add_argument("--lengths", help="comma-separated prompt lengths in tokens, e.g. 1k,2k,4k")
+    accuracy.add_argument("--samples", type=int, help="samples per task, length (and depth)")
+    accuracy.add_argument("--seed", type=int, default=0)
+    accuracy.add_argument("--model", help="model path or name (default: the embedded model)")
+    accuracy.add_argument("--dataset", help="JSONL with context, input, answers (LongBench field names), scored with F1")
+    accuracy.add_argument("--out", default="runs/accuracy", help="output folder; rerunning with it resumes")
+    accuracy.set_defaults(run=_cmd_bench_accuracy)
 
     fetch = sub.add_parser("fetch-model", help="fetch and cache the embedded model (done automatically on first use)")
     fetch.set_defaults(run=_cmd_fetch_model)

@@ -3,42 +3,23 @@ with several methods at the same budget, shown side by side."""
 
 from __future__ import annotations
 
-import inspect
-import re
 from dataclasses import dataclass
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from .bench.haystack import prose_sentences
 from .generation import generate
 from .methods import FullKV, Method, SnapKV, StreamingLLM
 
-# Modules whose documentation makes the haystack: natural English prose that ships with Python.
-HAYSTACK_MODULES = ("argparse", "calendar", "csv", "difflib", "email", "fractions", "heapq", "json", "logging", "sched", "shutil", "string", "textwrap", "threading", "zipfile")
 NEEDLE = "The access code for the archive room in the east wing is 4817."
 QUESTION = "What is the access code for the archive room in the east wing? Answer with the number only."
 ANSWER = "4817"
 
 
-def haystack_sentences() -> list[str]:
-    """Sentences of the standard library's documentation, cleaned of code and markup, in a fixed order."""
-    sentences: list[str] = []
-    for module_name in HAYSTACK_MODULES:
-        module = __import__(module_name)
-        docs = [inspect.getdoc(module)] + [inspect.getdoc(obj) for _, obj in sorted(vars(module).items()) if inspect.isclass(obj) or inspect.isfunction(obj)]
-        for doc in docs:
-            if not doc:
-                continue
-            text = re.sub(r"\s+", " ", re.sub(r"[`*>|=_{}\[\]<]", " ", doc))
-            for sentence in re.split(r"(?<=[.!?]) ", text):
-                if 40 <= len(sentence) <= 300 and sentence[0].isupper() and sentence.endswith(".") and "(" not in sentence:
-                    sentences.append(sentence)
-    return list(dict.fromkeys(sentences))
-
-
 def build_document(tokenizer: PreTrainedTokenizerBase, target_tokens: int, depth: float = 0.4) -> str:
     """About ``target_tokens`` tokens of prose with ``NEEDLE`` inserted at ``depth`` (0 = start, 1 = end)."""
     chosen, total = [], 0
-    for sentence in haystack_sentences():
+    for sentence in prose_sentences():
         if total >= target_tokens:
             break
         chosen.append(sentence)

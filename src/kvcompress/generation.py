@@ -150,7 +150,8 @@ class _Feeder:
                 real[i, width - len(chunk) :] = 1
         return self.forward(ids.to(self.device), real.to(self.device))
 
-    def forward(self, ids: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, real: torch.Tensor, every_position: bool = False) -> torch.Tensor:
+        """Logits after the last fed token ``[batch, vocab]`` (or ``[batch, seq, vocab]`` for ``every_position``)."""
         positions = (self.position[:, None] + real.cumsum(-1) - 1).clamp(min=0)
         self.mask = torch.cat([self.mask, real], dim=-1)
         self.position = self.position + real.sum(-1)
@@ -160,9 +161,9 @@ class _Feeder:
             position_ids=positions,
             past_key_values=self.cache,
             use_cache=True,
-            logits_to_keep=1,
+            logits_to_keep=0 if every_position else 1,
         )
-        return out.logits[:, -1, :]
+        return out.logits if every_position else out.logits[:, -1, :]
 
 
 def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[int]:
@@ -258,13 +259,16 @@ def _from_prefill(model: PreTrainedModel, method: Method, record: Prefill) -> KV
 @torch.inference_mode()
 def teacher_forced_logprobs(model: PreTrainedModel, record: Prefill, method: Method, tokens: list[int]) -> torch.Tensor:
     """Log-probabilities ``[len(tokens), vocab]`` of the next token before each of ``tokens`` is fed,
-    with ``method``'s cache built from ``record`` (a single prompt); the first row is the prefill's."""
-    cache = _from_prefill(model, method, record)
-    feeder = _Feeder(model, cache, record.attention_mask, record.next_position, 0)
-    logits = [record.logits[0]]
-    for token in tokens[:-1]:
-        logits.append(feeder.forward(torch.tensor([[token]], device=model.device), torch.ones(1, 1, dtype=torch.long, device=model.device))[0])
-    return torch.stack(logits).float().log_softmax(dim=-1)
+    with ``method``'s cache built from ``record`` (a single prompt); the first row is the prefill's.
+
+    The continuation is fed as one block: exact for methods that only compress the prompt; for
+    ShadowKV the block's queries select their chunks together (Algorithm 2 with several queries)."""
+    logits = record.logits[0][None]
+    if len(tokens) > 1:
+        feeder = _Feeder(model, _from_prefill(model, method, record), record.attention_mask, record.next_position, 0)
+        block = torch.tensor([tokens[:-1]], device=model.device)
+        logits = torch.cat([logits, feeder.forward(block, torch.ones_like(block), every_position=True)[0]])
+    return logits.float().log_softmax(dim=-1)
 
 
 @torch.inference_mode()

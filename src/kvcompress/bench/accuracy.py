@@ -1,0 +1,213 @@
+"""The accuracy runner: tasks x methods x budgets x lengths, resumable, with a summary and plots.
+
+Each sample is prefilled once with the full cache (``kvcompress.prefill``) and every method's cache
+is derived from that prefill, so the matrix costs one prefill per sample, not one per method. The
+full cache's own greedy answer is the reference for fidelity: each method is teacher-forced along
+it and compared with the full cache step by step (top-1 agreement, KL divergence).
+
+Every finished (sample, method) pair is appended to ``results.jsonl`` at once; a rerun with the
+same output folder skips what is there, so an interrupted run resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import random
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from ..generation import Result, generate, prefill, teacher_forced_logprobs
+from ..methods import FullKV, Method, ShadowKV, method_from_name
+from .metrics import fidelity, score, string_match_any
+from .tasks import DEPTH_GRID_TASKS, TASKS, Sample
+
+PRESETS: dict[str, dict] = {
+    "quick": {
+        "tasks": ["niah", "passkey", "lines", "niah_multikey", "vt", "multiturn"],
+        "methods": ["full", "snapkv", "streamingllm", "shadowkv"],
+        "budgets": [128, 256],
+        "lengths": [1000, 2000],
+        "depths": [0.1, 0.5, 0.9],
+        "samples": 1,
+    },
+    "full": {
+        "tasks": list(TASKS),
+        "methods": ["full", "snapkv", "streamingllm", "shadowkv"],
+        "budgets": [128, 256, 512, 1024],
+        "lengths": [1000, 2000, 4000, 8000],
+        "depths": [0.0, 0.25, 0.5, 0.75, 1.0],
+        "samples": 3,
+    },
+}
+
+
+@dataclass(frozen=True)
+class Config:
+    """One column of the matrix: a method at a budget (``budget`` None for the full cache)."""
+
+    label: str
+    method_name: str
+    budget: int | None
+    method: Method
+
+
+def method_configs(methods: list[str], budgets: list[int]) -> list[Config]:
+    """The full cache once, every other method at every budget (ShadowKV's budget is its sparse budget)."""
+    configs = []
+    for name in methods:
+        if name == "full":
+            configs.append(Config("full", "full", None, FullKV()))
+        for budget in budgets if name != "full" else []:
+            method = ShadowKV(sparse_budget=budget) if name == "shadowkv" else method_from_name(name, budget=budget)
+            configs.append(Config(f"{name}@{budget}", name, budget, method))
+    return sorted(configs, key=lambda c: c.label != "full")  # the full cache first: it is the reference
+
+
+def build_samples(tokenizer: PreTrainedTokenizerBase, tasks: list[str], lengths: list[int], depths: list[float], samples: int, seed: int) -> list[Sample]:
+    """Depth-grid tasks get every depth; the others one seeded depth per sample."""
+    unknown = [t for t in tasks if t not in TASKS]
+    if unknown:
+        raise ValueError(f"unknown task(s) {', '.join(unknown)}; valid: {', '.join(TASKS)}")
+    built = []
+    for task in tasks:
+        for length in lengths:
+            for i in range(samples):
+                grid = depths if task in DEPTH_GRID_TASKS else [random.Random(f"{seed}-{task}-{length}-{i}").random()]
+                built += [TASKS[task](tokenizer, length, depth, seed + i) for depth in grid]
+    return built
+
+
+def _resume(path: Path) -> set[tuple[str, str]]:
+    """The (sample, config) pairs already complete in ``path``. Lines an interrupt left behind (a
+    cut-off last line, a pair missing some of its turns) are removed so they are run again."""
+    if not path.exists():
+        return set()
+    groups: dict[tuple[str, str], list[str]] = defaultdict(list)
+    complete = True
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            complete = False
+            continue
+        groups[record["sample"], record["label"]].append(line)
+    done = {key: lines for key, lines in groups.items() if len(lines) == json.loads(lines[0])["turns"]}
+    if not complete or len(done) != len(groups):
+        path.write_text("".join(line + "\n" for lines in done.values() for line in lines))
+    return set(done)
+
+
+def _turns(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, sample: Sample, first: Result) -> list[Result]:
+    results = [first]
+    for turn in sample.turns[1:]:
+        results.append(generate(model, tokenizer, turn.question, past=results[-1], max_new_tokens=sample.max_new_tokens))
+    return results
+
+
+def run_matrix(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, samples: list[Sample], configs: list[Config], out_dir: str | Path, progress: bool = True
+) -> list[dict]:
+    """Run every sample with every config, appending to ``out_dir/results.jsonl``; return all records."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "results.jsonl"
+    done = _resume(path)
+    window = max([getattr(c.method, "window", 1) for c in configs] + [1])
+    bar = tqdm(total=len(samples) * len(configs), desc="accuracy", disable=not progress, unit="run")
+    for sample in samples:
+        todo = [c for c in configs if (sample.id, c.label) not in done]
+        bar.update(len(configs) - len(todo))
+        if not todo:
+            continue
+        bar.set_postfix_str(sample.id)
+        record = prefill(model, tokenizer, sample.messages(), query_window=window)
+        reference = generate(model, tokenizer, method=FullKV(), prefill=record, max_new_tokens=sample.max_new_tokens)
+        answer_tokens = reference.token_ids[0] or [tokenizer.eos_token_id]
+        reference_logprobs = teacher_forced_logprobs(model, record, FullKV(), answer_tokens)
+        for config in todo:
+            first = reference if config.label == "full" else generate(model, tokenizer, method=config.method, prefill=record, max_new_tokens=sample.max_new_tokens)
+            agreement = fidelity(reference_logprobs, teacher_forced_logprobs(model, record, config.method, answer_tokens))
+            lines = []
+            for turn_index, (turn, result) in enumerate(zip(sample.turns, _turns(model, tokenizer, sample, first)), start=1):
+                lines.append({
+                    "sample": sample.id, "task": sample.task, "length": sample.length, "depth": sample.depth,
+                    "turn": turn_index, "turns": len(sample.turns), "label": config.label, "method": config.method_name,
+                    "budget": config.budget, "score": score(result.text, turn.answers, sample.metric), "prediction": result.text,
+                    "answers": turn.answers, "prompt_tokens": first.stats["prompt_tokens"],
+                    "kv_kept_fraction": first.stats["kv_kept_fraction"], **(agreement if turn_index == 1 else {}),
+                    **({"string_match": string_match_any(result.text, turn.answers)} if sample.metric == "f1" else {}),
+                })
+            with path.open("a") as fh:
+                fh.write("".join(json.dumps(line) + "\n" for line in lines))
+            bar.update(1)
+    bar.close()
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def task_key(record: dict) -> str:
+    return record["task"] if record["turns"] == 1 else f"{record['task']} t{record['turn']}"
+
+
+def summarize(records: list[dict]) -> list[dict]:
+    """Per task (multi-turn tasks per turn) x config: mean score, retained accuracy vs the full cache
+    on the same samples, fidelity, the fraction of KV bytes kept, and (datasets) string match."""
+    groups: dict[tuple[str, str], list[dict]] = defaultdict(list)
+    for record in records:
+        groups[task_key(record), record["label"]].append(record)
+    rows = []
+    for (task, label), group in sorted(groups.items()):
+        full = {r["sample"]: r["score"] for r in groups.get((task, "full"), [])}
+        paired = [r for r in group if r["sample"] in full]
+        full_score = sum(full[r["sample"]] for r in paired) / len(paired) if paired else None
+        mine = sum(r["score"] for r in paired) / len(paired) if paired else None
+        with_fidelity = [r for r in group if "kl" in r]
+        rows.append({
+            "task": task, "method": group[0]["method"], "budget": group[0]["budget"], "label": label, "samples": len(group),
+            "score": sum(r["score"] for r in group) / len(group),
+            "retained": mine / full_score if full_score else None,
+            "top1_agreement": sum(r["top1_agreement"] for r in with_fidelity) / len(with_fidelity) if with_fidelity else None,
+            "kl": sum(r["kl"] for r in with_fidelity) / len(with_fidelity) if with_fidelity else None,
+            "kv_kept_fraction": sum(r["kv_kept_fraction"] for r in group) / len(group),
+            "string_match": sum(r["string_match"] for r in group) / len(group) if "string_match" in group[0] else None,
+        })
+    return rows
+
+
+def write_summary(rows: list[dict], path: str | Path) -> None:
+    with open(path, "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def run_accuracy(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    tasks: list[str],
+    methods: list[str],
+    budgets: list[int],
+    lengths: list[int],
+    out_dir: str | Path,
+    depths: list[float] = (0.1, 0.5, 0.9),
+    samples: int = 1,
+    seed: int = 0,
+    dataset: list[Sample] | None = None,
+    progress: bool = True,
+    plots: bool = True,
+) -> list[dict]:
+    """Build the samples, run the matrix (resuming), write ``summary.csv`` and plots; return the summary rows."""
+    built = build_samples(tokenizer, tasks, lengths, list(depths), samples, seed) + list(dataset or [])
+    records = run_matrix(model, tokenizer, built, method_configs(methods, budgets), out_dir, progress)
+    rows = summarize(records)
+    write_summary(rows, Path(out_dir) / "summary.csv")
+    if plots:
+        from .plots import needle_heatmaps, score_vs_budget
+
+        needle_heatmaps(records, Path(out_dir) / "niah_heatmaps.png")
+        score_vs_budget(rows, Path(out_dir) / "score_vs_budget.png")
+    return rows

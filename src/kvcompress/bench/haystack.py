@@ -1,0 +1,72 @@
+"""Haystacks made offline: natural prose from the standard library's documentation (the default), or
+one repeated filler passage (the classic passkey setting). Deterministic for a seed."""
+
+from __future__ import annotations
+
+import inspect
+import random
+import re
+from functools import lru_cache
+
+from transformers import PreTrainedTokenizerBase
+
+# Modules whose documentation makes the prose: English that ships with every Python.
+PROSE_MODULES = ("argparse", "calendar", "csv", "difflib", "email", "fractions", "heapq", "json", "logging", "sched", "shutil", "string", "textwrap", "threading", "zipfile")
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+
+
+@lru_cache(maxsize=1)
+def prose_sentences() -> tuple[str, ...]:
+    """Sentences of the standard library's docstrings, cleaned of code and markup, in a fixed order."""
+    import importlib
+
+    sentences: list[str] = []
+    for module_name in PROSE_MODULES:
+        module = importlib.import_module(module_name)
+        objects = [obj for _, obj in sorted(vars(module).items()) if inspect.isclass(obj) or inspect.isfunction(obj)]
+        for doc in [inspect.getdoc(module)] + [inspect.getdoc(obj) for obj in objects]:
+            if not doc:
+                continue
+            text = re.sub(r"\s+", " ", re.sub(r"[`*>|=_{}\[\]<]", " ", doc))
+            for sentence in re.split(r"(?<=[.!?]) ", text):
+                if 40 <= len(sentence) <= 300 and sentence[0].isupper() and sentence.endswith(".") and "(" not in sentence:
+                    sentences.append(sentence)
+    return tuple(dict.fromkeys(sentences))
+
+
+def haystack_sentences(kind: str = "prose", seed: int | None = None) -> list[str]:
+    """An endless-enough supply of sentences: ``prose`` (shuffled by ``seed``; None keeps the
+    fixed order) or ``repeat`` (the filler passage over and over)."""
+    if kind == "repeat":
+        return FILLER.split(". ") * 400
+    if kind != "prose":
+        raise ValueError(f"haystack kind={kind!r} is unknown; valid: prose, repeat")
+    sentences = [s for s in prose_sentences() if "::" not in s and ">>>" not in s]
+    if seed is not None:
+        random.Random(seed).shuffle(sentences)
+    return sentences * 4
+
+
+def token_len(tokenizer: PreTrainedTokenizerBase, text: str) -> int:
+    return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def fill(tokenizer: PreTrainedTokenizerBase, n_tokens: int, inserts: list[tuple[float, str]], kind: str = "prose", seed: int | None = None) -> str:
+    """About ``n_tokens`` tokens of haystack with each ``(depth, text)`` insert placed at that depth
+    (0 = start, 1 = end) between sentences. The last sentence is cut at a token boundary so the
+    haystack lands on its target."""
+    chosen: list[str] = []
+    total = 0
+    for sentence in haystack_sentences(kind, seed):
+        size = token_len(tokenizer, " " + sentence.rstrip(".") + ".")
+        if total + size > n_tokens:
+            ids = tokenizer(" " + sentence, add_special_tokens=False)["input_ids"][: n_tokens - total]
+            if ids:
+                chosen.append(tokenizer.decode(ids).strip())
+            break
+        chosen.append(sentence.rstrip(".") + ".")
+        total += size
+    slots = len(chosen)  # positions are fractions of the haystack alone, not of haystack + inserts
+    for depth, text in sorted(inserts, key=lambda item: item[0], reverse=True):
+        chosen.insert(round(depth * slots), text)
+    return " ".join(chosen)

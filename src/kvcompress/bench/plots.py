@@ -1,0 +1,77 @@
+"""PNG plots of accuracy results: needle heatmaps (depth x length, as in the papers) and score vs budget."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
+
+
+def needle_heatmaps(records: list[dict], path: str | Path, task: str = "niah") -> bool:
+    """One panel per method/budget: mean score per (depth, length) of ``task``. False if there is no such task."""
+    cells: dict[str, dict[tuple[float, int], list[float]]] = defaultdict(lambda: defaultdict(list))
+    for r in records:
+        if r["task"] == task and r["turn"] == 1:
+            cells[r["label"]][r["depth"], r["length"]].append(r["score"])
+    if not cells:
+        return False
+    labels = list(cells)
+    depths = sorted({d for c in cells.values() for d, _ in c})
+    lengths = sorted({n for c in cells.values() for _, n in c})
+    cols = min(4, len(labels))
+    rows = -(-len(labels) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 2.8 * rows), squeeze=False)
+    for ax, label in zip(axes.flat, labels):
+        grid = [[sum(cells[label].get((d, n), [float("nan")])) / max(1, len(cells[label].get((d, n), []))) for n in lengths] for d in depths]
+        ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
+        for i, row in enumerate(grid):
+            for j, value in enumerate(row):
+                ax.text(j, i, f"{value:.1f}", ha="center", va="center", fontsize=8)
+        ax.set_xticks(range(len(lengths)), [f"{n // 1000}k" if n % 1000 == 0 else str(n) for n in lengths])
+        ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths])
+        ax.set_title(label, fontsize=10)
+        ax.set_xlabel("prompt tokens")
+        ax.set_ylabel("needle depth")
+    for ax in list(axes.flat)[len(labels) :]:
+        ax.axis("off")
+    fig.suptitle(f"{task}: score (green = retrieved)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def score_vs_budget(rows: list[dict], path: str | Path) -> None:
+    """One panel per task: mean score against budget per method, the full cache as a dashed line."""
+    tasks = list(dict.fromkeys(r["task"] for r in rows))
+    cols = min(4, len(tasks))
+    nrows = -(-len(tasks) // cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(3.4 * cols, 2.8 * nrows), squeeze=False)
+    for ax, task in zip(axes.flat, tasks):
+        mine = [r for r in rows if r["task"] == task]
+        for method in dict.fromkeys(r["method"] for r in mine if r["budget"] is not None):
+            points = sorted((r["budget"], r["score"]) for r in mine if r["method"] == method)
+            ax.plot(*zip(*points), marker="o", label=method)
+        for r in mine:
+            if r["budget"] is None:
+                ax.axhline(r["score"], color="black", linestyle="--", linewidth=1, label="full")
+        budgets = sorted({r["budget"] for r in mine if r["budget"] is not None})
+        ax.set_xscale("log", base=2)
+        if budgets:
+            ax.set_xticks(budgets, [str(b) for b in budgets])
+            ax.minorticks_off()
+        ax.set_ylim(-0.05, 1.05)
+        ax.set_title(task, fontsize=10)
+        ax.set_xlabel("budget (tokens)")
+        ax.set_ylabel("score")
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(tasks) :]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

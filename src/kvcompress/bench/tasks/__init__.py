@@ -1,0 +1,34 @@
+"""Task generators (seeded, offline, lengths in the model's own tokens) and the registry by name."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from transformers import PreTrainedTokenizerBase
+
+from .base import Sample, Turn
+from .dataset import load_dataset
+from .lines import lines
+from .niah import multiturn, niah, niah_multikey, niah_multiquery, niah_multivalue, niah_single, passkey
+from .variables import variable_tracking
+from .words import common_words, frequent_words
+
+Generator = Callable[[PreTrainedTokenizerBase, int, float, int], Sample]
+
+TASKS: dict[str, Generator] = {
+    "niah": niah,
+    "passkey": passkey,
+    "lines": lines,
+    "niah_single": niah_single,
+    "niah_multikey": niah_multikey,
+    "niah_multivalue": niah_multivalue,
+    "niah_multiquery": niah_multiquery,
+    "vt": variable_tracking,
+    "cwe": common_words,
+    "fwe": frequent_words,
+    "multiturn": multiturn,
+}
+# Tasks swept over the depth grid (heatmaps); the others draw one depth per sample from the seed.
+DEPTH_GRID_TASKS = ("niah", "passkey", "lines")
+
+__all__ = ["DEPTH_GRID_TASKS", "TASKS", "Sample", "Turn", "load_dataset"]

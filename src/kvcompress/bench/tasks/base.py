@@ -1,0 +1,81 @@
+"""What a task sample is, and fitting a prompt to a token length."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+from transformers import PreTrainedTokenizerBase
+
+from ..haystack import fill, token_len
+
+ADJECTIVES = (
+    "amber", "ancient", "bitter", "brave", "calm", "clever", "crimson", "curious", "damp", "eager", "faint", "fierce",
+    "gentle", "golden", "hollow", "humble", "icy", "jolly", "keen", "lively", "lucky", "misty", "noble", "olive",
+    "proud", "quiet", "rapid", "rusty", "silent", "silver", "sleepy", "sturdy", "tidy", "vivid", "wild", "witty",
+)
+NOUNS = (
+    "anchor", "badger", "beacon", "canyon", "castle", "cedar", "comet", "copper", "dragon", "falcon", "garden",
+    "glacier", "harbor", "island", "lantern", "meadow", "mirror", "nebula", "orchard", "otter", "pebble", "piano",
+    "quarry", "raven", "river", "saddle", "shadow", "spruce", "thunder", "tower", "valley", "violin", "walnut", "willow",
+)
+
+
+@dataclass
+class Turn:
+    question: str
+    answers: list[str]
+
+
+@dataclass
+class Sample:
+    """One prompt: ``context`` then ``turns[0].question`` in one user message; later turns are
+    follow-up questions over the same cache. Scored per turn with ``metric``."""
+
+    id: str
+    task: str
+    length: int  # target prompt length in the model's tokens
+    context: str
+    turns: list[Turn]
+    depth: float | None = None
+    metric: str = "match_all"  # RULER's string-match-all; "f1" for bring-your-own datasets
+    max_new_tokens: int = 24
+    info: dict = field(default_factory=dict)  # haystack_start: characters of instructions before the haystack
+
+    def messages(self) -> list[dict[str, str]]:
+        return [{"role": "user", "content": f"{self.context}\n\n{self.turns[0].question}"}]
+
+
+def prompt_tokens(tokenizer: PreTrainedTokenizerBase, context: str, question: str) -> int:
+    """Tokens of the whole rendered prompt (chat template included)."""
+    messages = [{"role": "user", "content": f"{context}\n\n{question}"}]
+    return token_len(tokenizer, tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+
+
+def fit_haystack(
+    tokenizer: PreTrainedTokenizerBase, length: int, question: str, inserts: list[tuple[float, str]], kind: str = "prose", seed: int | None = None, prefix: str = ""
+) -> str:
+    """A context (``prefix`` + haystack with ``inserts``) whose rendered prompt has about ``length`` tokens."""
+    fixed = prompt_tokens(tokenizer, prefix + " ".join(text for _, text in inserts), question)
+    context = prefix + fill(tokenizer, max(0, length - fixed), inserts, kind, seed)
+    overshoot = prompt_tokens(tokenizer, context, question) - length
+    if overshoot > 0:  # sentence joins can add a few tokens; trim the haystack once more
+        context = prefix + fill(tokenizer, max(0, length - fixed - overshoot), inserts, kind, seed)
+    return context
+
+
+def key_name(rng: random.Random) -> str:
+    return f"{rng.choice(ADJECTIVES)}-{rng.choice(NOUNS)}"
+
+
+def distinct_keys(rng: random.Random, n: int) -> list[str]:
+    keys: list[str] = []
+    while len(keys) < n:
+        key = key_name(rng)
+        if key not in keys:
+            keys.append(key)
+    return keys
+
+
+def number(rng: random.Random, digits: int) -> str:
+    return str(rng.randint(10 ** (digits - 1), 10**digits - 1))

@@ -1,0 +1,165 @@
+"""The accuracy suite: task generators, metrics, the resumable runner."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+
+import pytest
+import torch
+
+from kvcompress.bench.accuracy import build_samples, method_configs, run_accuracy, run_matrix, summarize
+from kvcompress.bench.haystack import fill, haystack_sentences
+from kvcompress.bench.metrics import f1, fidelity, string_match_all, string_match_any
+from kvcompress.bench.tasks import TASKS, load_dataset
+from kvcompress.bench.tasks.base import prompt_tokens
+
+from .fixtures import char_tokenizer, tiny_model
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return char_tokenizer()
+
+
+@pytest.mark.parametrize("task", list(TASKS))
+@pytest.mark.parametrize("length", [1500, 2500])  # characters = tokens for the character tokenizer
+def test_generators_hit_their_token_target_within_2_percent(task, length, tok):
+    sample = TASKS[task](tok, length, 0.5, 3)
+    n = prompt_tokens(tok, sample.context, sample.turns[0].question)
+    assert abs(n - length) <= 0.02 * length, f"{task}: {n} tokens for a target of {length}"
+
+
+@pytest.mark.parametrize("task", list(TASKS))
+def test_answers_are_recoverable_from_the_context(task, tok):
+    sample = TASKS[task](tok, 1500, 0.3, 5)
+    for turn in sample.turns:
+        for answer in turn.answers:
+            assert answer in sample.context, f"{task}: {answer!r} is not in the context"
+    assert TASKS[task](tok, 1500, 0.3, 5) == sample  # deterministic for a seed
+    assert TASKS[task](tok, 1500, 0.3, 6).context != sample.context
+
+
+@pytest.mark.parametrize("task", ["niah", "passkey", "lines", "niah_single"])
+@pytest.mark.parametrize("depth", [0.0, 0.25, 0.5, 0.75, 1.0])
+def test_needle_sits_at_the_requested_depth(task, depth, tok):
+    """Depth = where the needle starts, as a fraction of the haystack (instructions before it excluded)."""
+    sample = TASKS[task](tok, 1500, depth, 1)
+    start = sample.info.get("haystack_start", 0)
+    at = (sample.context.index(sample.turns[0].answers[0]) - start) / (len(sample.context) - start)
+    assert abs(at - depth) < 0.06, f"{task}: needle at {at:.2f} for depth {depth}"
+
+
+def test_multi_needle_target_keeps_its_depth(tok):
+    for depth in (0.2, 0.5, 0.8):
+        sample = TASKS["niah_multikey"](tok, 2000, depth, 1)
+        others = [s for s in re.findall(r"One of the special magic numbers for [^.]*\.", sample.context) if sample.turns[0].answers[0] not in s]
+        haystack = sample.context
+        for needle in others:
+            haystack = haystack.replace(" " + needle, "")
+        at = haystack.index(sample.turns[0].answers[0]) / len(haystack)
+        assert abs(at - depth) < 0.06, f"needle at {at:.2f} for depth {depth}"
+
+
+def test_aggregation_answers_are_really_the_most_frequent(tok):
+    with pytest.raises(ValueError, match="cwe: length=300 is too short"):
+        TASKS["cwe"](tok, 300, 0.5, 2)
+    cwe = TASKS["cwe"](tok, 1500, 0.5, 2)
+    words = re.findall(r"\d+\. (\w+)", cwe.context)
+    counts = Counter(words)
+    assert min(counts[w] for w in cwe.turns[0].answers) > max(c for w, c in counts.items() if w not in cwe.turns[0].answers)
+    fwe = TASKS["fwe"](tok, 1200, 0.5, 2)
+    counts = Counter(fwe.context.split("\n", 1)[1].split())
+    top = fwe.turns[0].answers
+    assert [w for w, _ in counts.most_common(3)] == top
+    vt = TASKS["vt"](tok, 1200, 0.5, 2)
+    chain = re.findall(r"VAR (\w+) = (?:VAR )?(\w+)\.", vt.context)
+    assert [name for name, _ in chain] == vt.turns[0].answers
+
+
+def test_multiturn_asks_one_needle_per_turn(tok):
+    sample = TASKS["multiturn"](tok, 1500, 0.2, 4)
+    assert len(sample.turns) == 3
+    assert len({t.answers[0] for t in sample.turns}) == 3
+    for turn in sample.turns:
+        key = re.search(r"number for (\S+) mentioned", turn.question).group(1)
+        assert f"numbers for {key} is: {turn.answers[0]}." in sample.context
+
+
+def test_prose_haystack_is_natural_text_and_repeat_is_available(tok):
+    prose = fill(tok, 3000, [], "prose", seed=1)
+    assert len(set(prose.split(". "))) > 20 and "::" not in prose
+    assert fill(tok, 3000, [], "prose", seed=1) == prose and fill(tok, 3000, [], "prose", seed=2) != prose
+    assert haystack_sentences("repeat")[:2] == ["The grass is green", "The sky is blue"]
+    with pytest.raises(ValueError, match="haystack kind='noise' is unknown"):
+        haystack_sentences("noise")
+
+
+def test_metrics_on_hand_made_cases():
+    assert string_match_all("The numbers are 123 and 456.", ["123", "456", "789"]) == pytest.approx(2 / 3)
+    assert string_match_all("ALPHA beta", ["alpha", "Beta"]) == 1.0
+    assert string_match_any("nothing here", ["123", "here"]) == 1.0
+    assert string_match_any("nothing", ["123"]) == 0.0
+    assert f1("The cat sat on the mat", ["a cat sat"]) == pytest.approx(2 * (2 / 4) * (2 / 2) / (2 / 4 + 2 / 2))
+    assert f1("Paris.", ["paris", "london"]) == 1.0
+    assert f1("", ["x"]) == 0.0
+    same = torch.log_softmax(torch.tensor([[2.0, 1.0, 0.0], [0.0, 3.0, 1.0]]), -1)
+    assert fidelity(same, same) == {"top1_agreement": 1.0, "kl": 0.0}
+    other = torch.log(torch.tensor([[0.5, 0.5, 1e-9], [0.2, 0.3, 0.5]]))
+    p = same.exp()
+    expected_kl = float((p * (same - other)).sum(-1).mean())
+    result = fidelity(same, other)
+    assert result["top1_agreement"] == 0.5 and result["kl"] == pytest.approx(expected_kl, rel=1e-4)
+
+
+def test_runner_resumes_after_an_interrupt_without_redoing_work(tmp_path, tok):
+    model = tiny_model(max_position_embeddings=2048)
+    samples = build_samples(tok, ["niah", "multiturn"], [400], [0.5], 1, seed=0)
+    configs = method_configs(["full", "snapkv", "shadowkv"], [64])
+    records = run_matrix(model, tok, samples, configs, tmp_path, progress=False)
+    assert {(r["sample"], r["label"], r["turn"]) for r in records} == {
+        (s.id, c.label, t) for s in samples for c in configs for t in range(1, len(s.turns) + 1)
+    }
+    lines = (tmp_path / "results.jsonl").read_text().splitlines()
+    # Interrupted: three whole pairs, then one turn of a three-turn pair and half a line.
+    (tmp_path / "results.jsonl").write_text("\n".join(lines[:4]) + "\n" + lines[4][:30])
+    resumed = run_matrix(model, tok, samples, configs, tmp_path, progress=False)
+    again = (tmp_path / "results.jsonl").read_text().splitlines()
+    assert again[:3] == lines[:3]  # finished pairs are kept as they were, not run again
+    assert len(again) == len(lines)
+    keys = [(r["sample"], r["label"], r["turn"]) for r in resumed]
+    assert len(keys) == len(set(keys)) and set(keys) == {(r["sample"], r["label"], r["turn"]) for r in records}
+
+
+def test_summary_retained_accuracy_and_outputs(tmp_path, tok):
+    model = tiny_model(max_position_embeddings=2048)
+    rows = run_accuracy(model, tok, ["niah", "passkey"], ["full", "snapkv"], [64, 128], [300], tmp_path, depths=[0.2, 0.8], progress=False)
+    assert (tmp_path / "summary.csv").read_text().startswith("task,method,budget,label,samples,score,retained")
+    assert (tmp_path / "niah_heatmaps.png").stat().st_size > 1000 and (tmp_path / "score_vs_budget.png").stat().st_size > 1000
+    full = [r for r in rows if r["label"] == "full"]
+    assert all(r["top1_agreement"] == 1.0 and r["kl"] == pytest.approx(0.0, abs=1e-6) for r in full)
+    assert {r["label"] for r in rows} == {"full", "snapkv@64", "snapkv@128"}
+
+
+def test_summarize_pairs_samples_for_retained_accuracy():
+    records = [
+        {"sample": "a", "task": "t", "turn": 1, "turns": 1, "label": "full", "method": "full", "budget": None, "score": 1.0, "kv_kept_fraction": 1.0, "top1_agreement": 1.0, "kl": 0.0},
+        {"sample": "b", "task": "t", "turn": 1, "turns": 1, "label": "full", "method": "full", "budget": None, "score": 0.5, "kv_kept_fraction": 1.0, "top1_agreement": 1.0, "kl": 0.0},
+        {"sample": "a", "task": "t", "turn": 1, "turns": 1, "label": "x@1", "method": "x", "budget": 1, "score": 0.75, "kv_kept_fraction": 0.2, "top1_agreement": 0.5, "kl": 0.3},
+    ]
+    rows = {r["label"]: r for r in summarize(records)}
+    assert rows["x@1"]["retained"] == pytest.approx(0.75)  # against sample a only
+    assert rows["full"]["score"] == pytest.approx(0.75)
+
+
+def test_bring_your_own_dataset(tmp_path, tok):
+    path = tmp_path / "mine.jsonl"
+    path.write_text(json.dumps({"context": "Alice lives in Paris.", "input": "Where does Alice live?", "answers": ["Paris"]}) + "\n")
+    samples = load_dataset(path, tok)
+    assert samples[0].task == "mine" and samples[0].metric == "f1" and samples[0].turns[0].answers == ["Paris"]
+    rows = run_accuracy(tiny_model(), tok, [], ["full"], [], [], tmp_path / "out", dataset=samples, progress=False)
+    assert rows[0]["task"] == "mine" and rows[0]["string_match"] in (0.0, 1.0) and 0.0 <= rows[0]["score"] <= 1.0
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"context": "x"}) + "\n")
+    with pytest.raises(ValueError, match="bad.jsonl:1: missing field\\(s\\) input, answers"):
+        load_dataset(tmp_path / "bad.jsonl", tok)
