@@ -163,3 +163,10 @@ def test_bring_your_own_dataset(tmp_path, tok):
     (tmp_path / "bad.jsonl").write_text(json.dumps({"context": "x"}) + "\n")
     with pytest.raises(ValueError, match="bad.jsonl:1: missing field\\(s\\) input, answers"):
         load_dataset(tmp_path / "bad.jsonl", tok)
+
+
+def test_repeated_filler_haystack_is_an_option(tok):
+    prose, = build_samples(tok, ["niah"], [1500], [0.5], 1, seed=0)
+    repeat, = build_samples(tok, ["niah"], [1500], [0.5], 1, seed=0, haystack="repeat")
+    assert "The grass is green" in repeat.context and "The grass is green" not in prose.context
+    assert repeat.turns == prose.turns

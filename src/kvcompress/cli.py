@@ -153,7 +153,7 @@ def _cmd_bench_accuracy(args: argparse.Namespace, console: Console) -> int:
     console.print(f"accuracy: tasks={preset['tasks']} methods={preset['methods']} budgets={preset['budgets']} "
                   f"lengths={preset['lengths']} samples={preset['samples']} seed={args.seed} -> {args.out}")
     rows = run_accuracy(model, tokenizer, preset["tasks"], preset["methods"], preset["budgets"], preset["lengths"], args.out,
-                        depths=preset["depths"], samples=preset["samples"], seed=args.seed, dataset=dataset)
+                        depths=preset["depths"], samples=preset["samples"], seed=args.seed, dataset=dataset, haystack=args.haystack)
     table = Table("task", "method", "budget", "n", "score", "retained", "top-1 agr.", "KL", "KV kept", title="accuracy summary")
     for row in rows:
         table.add_row(row["task"], row["method"], _fmt(row["budget"]), str(row["samples"]), _fmt(row["score"]), _fmt(row["retained"]),
@@ -211,6 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
     accuracy.add_argument("--lengths", help="comma-separated prompt lengths in tokens, e.g. 1k,2k,4k")
     accuracy.add_argument("--samples", type=int, help="samples per task, length (and depth)")
     accuracy.add_argument("--seed", type=int, default=0)
+    accuracy.add_argument("--haystack", choices=["prose", "repeat"], help="haystack for needle tasks (default: prose; passkey: repeat)")
     accuracy.add_argument("--model", help="model path or name (default: the embedded model)")
     accuracy.add_argument("--dataset", help="JSONL with context, input, answers (LongBench field names), scored with F1")
     accuracy.add_argument("--out", default="runs/accuracy", help="output folder; rerunning with it resumes")

@@ -24,7 +24,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from ..generation import Result, generate, prefill, teacher_forced_logprobs
 from ..methods import FullKV, Method, ShadowKV, method_from_name
 from .metrics import fidelity, score, string_match_any
-from .tasks import DEPTH_GRID_TASKS, TASKS, Sample
+from .tasks import DEPTH_GRID_TASKS, HAYSTACK_TASKS, TASKS, Sample
 
 PRESETS: dict[str, dict] = {
     "quick": {
@@ -68,8 +68,11 @@ def method_configs(methods: list[str], budgets: list[int]) -> list[Config]:
     return sorted(configs, key=lambda c: c.label != "full")  # the full cache first: it is the reference
 
 
-def build_samples(tokenizer: PreTrainedTokenizerBase, tasks: list[str], lengths: list[int], depths: list[float], samples: int, seed: int) -> list[Sample]:
-    """Depth-grid tasks get every depth; the others one seeded depth per sample."""
+def build_samples(
+    tokenizer: PreTrainedTokenizerBase, tasks: list[str], lengths: list[int], depths: list[float], samples: int, seed: int, haystack: str | None = None
+) -> list[Sample]:
+    """Depth-grid tasks get every depth; the others one seeded depth per sample. ``haystack``
+    ("prose" or "repeat") overrides each haystack task's default (passkey: repeat, others: prose)."""
     unknown = [t for t in tasks if t not in TASKS]
     if unknown:
         raise ValueError(f"unknown task(s) {', '.join(unknown)}; valid: {', '.join(TASKS)}")
@@ -78,7 +81,8 @@ def build_samples(tokenizer: PreTrainedTokenizerBase, tasks: list[str], lengths:
         for length in lengths:
             for i in range(samples):
                 grid = depths if task in DEPTH_GRID_TASKS else [random.Random(f"{seed}-{task}-{length}-{i}").random()]
-                built += [TASKS[task](tokenizer, length, depth, seed + i) for depth in grid]
+                options = {"haystack": haystack} if haystack and task in HAYSTACK_TASKS else {}
+                built += [TASKS[task](tokenizer, length, depth, seed + i, **options) for depth in grid]
     return built
 
 
@@ -197,11 +201,12 @@ def run_accuracy(
     samples: int = 1,
     seed: int = 0,
     dataset: list[Sample] | None = None,
+    haystack: str | None = None,
     progress: bool = True,
     plots: bool = True,
 ) -> list[dict]:
     """Build the samples, run the matrix (resuming), write ``summary.csv`` and plots; return the summary rows."""
-    built = build_samples(tokenizer, tasks, lengths, list(depths), samples, seed) + list(dataset or [])
+    built = build_samples(tokenizer, tasks, lengths, list(depths), samples, seed, haystack) + list(dataset or [])
     records = run_matrix(model, tokenizer, built, method_configs(methods, budgets), out_dir, progress)
     rows = summarize(records)
     write_summary(rows, Path(out_dir) / "summary.csv")

@@ -30,5 +30,7 @@ TASKS: dict[str, Generator] = {
 }
 # Tasks swept over the depth grid (heatmaps); the others draw one depth per sample from the seed.
 DEPTH_GRID_TASKS = ("niah", "passkey", "lines")
+# Tasks whose context is a haystack with things hidden in it; they take haystack="prose" or "repeat".
+HAYSTACK_TASKS = ("niah", "passkey", "niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt", "multiturn")
 
-__all__ = ["DEPTH_GRID_TASKS", "TASKS", "Sample", "Turn", "load_dataset"]
+__all__ = ["DEPTH_GRID_TASKS", "HAYSTACK_TASKS", "TASKS", "Sample", "Turn", "load_dataset"]
