@@ -14,6 +14,7 @@ not the compressed one.
 from __future__ import annotations
 
 import threading
+import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -55,6 +56,7 @@ class CompressedLayer(DynamicLayer):
         self.valid: torch.Tensor | None = None  # [batch, slots]; None when every slot is real
         self.positions: torch.Tensor | None = None  # [batch, kv_heads, prompt slots] after compression
         self.awaiting_commit = False
+        self.compress_s = 0.0  # time spent compressing at the end of prefill
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         if self.awaiting_commit:
@@ -112,7 +114,11 @@ class CompressedLayer(DynamicLayer):
         if self.is_prefill:
             self.prefill_len = self.keys.shape[-2]
             self.prompt_tokens = self.slot_validity().sum(dim=-1)
+            _sync(self.keys)
+            start = time.perf_counter()
             self._compress_prompt(query, scaling)
+            _sync(self.keys)
+            self.compress_s = time.perf_counter() - start
 
     def _compress_prompt(self, query: torch.Tensor, scaling: float) -> None:
         from .methods.base import select_kept
@@ -150,6 +156,10 @@ class CompressedLayer(DynamicLayer):
         """Method-specific stats over all ``layers`` (called on the first one)."""
         return {}
 
+    def bytes_read_per_step(self) -> int:
+        """KV bytes one decoding step reads (every held key and value)."""
+        return sum(t.numel() * t.element_size() for t in (self.keys, self.values))
+
     def tensor_bytes(self) -> int:
         """Bytes of every tensor this layer holds."""
         held = [self.keys, self.values, self.valid, self.positions]
@@ -169,6 +179,11 @@ class CompressedLayer(DynamicLayer):
             tensor = getattr(self, name)
             if tensor is not None:
                 setattr(self, name, tensor.repeat_interleave(repeats, dim=0))
+
+
+def _sync(tensor: torch.Tensor) -> None:
+    if tensor.is_cuda:
+        torch.cuda.synchronize(tensor.device)
 
 
 def dense_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
@@ -223,6 +238,8 @@ class KVCompressCache(Cache):
             "kv_bytes_full": full,
             "kv_bytes_kept": kept,
             "kv_kept_fraction": kept / full if full else 1.0,
+            "kv_bytes_read_per_step": sum(layer.bytes_read_per_step() for layer in layers),
+            "compress_s": sum(layer.compress_s for layer in layers),
             **first.extra_stats(layers),
             **self.timings,
         }

@@ -3,6 +3,7 @@
     kvcompress generate --method snapkv --budget 1024 --prompt "..." [--json]
     kvcompress demo
     kvcompress bench accuracy --preset quick
+    kvcompress bench speed --preset quick
     kvcompress fetch-model
 """
 
@@ -163,6 +164,49 @@ def _cmd_bench_accuracy(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _cmd_bench_speed(args: argparse.Namespace, console: Console) -> int:
+    import torch
+
+    from .bench.speed import PRESETS, run_speed
+    from .models import ARCHITECTURES, random_model
+
+    settings = dict(PRESETS[args.preset or "quick"])
+    for key, value in (("model", args.model), ("methods", args.methods and _names(args.methods)), ("lengths", args.lengths and _int_list(args.lengths)),
+                       ("batches", args.batches and _int_list(args.batches)), ("budget", args.budget), ("steps", args.steps), ("warmup", args.warmup)):
+        if value:
+            settings[key] = value
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    with console.status(f"building {settings['model']}"):
+        if settings["model"] == "embedded":
+            model = load_model(dtype=dtype)[0]
+        elif settings["model"] in ARCHITECTURES or Path(settings["model"]).exists():
+            model = random_model(settings["model"], dtype=dtype)
+        else:
+            model = load_model(settings["model"], dtype=dtype)[0]
+    report = run_speed(
+        model, settings["methods"], settings["lengths"], settings["batches"], args.out, budget=settings["budget"], sparse_budget=args.sparse_budget,
+        steps=settings["steps"], warmup=settings["warmup"], find_max_context=args.find_max_context, find_max_batch=args.find_max_batch,
+        max_memory=int(args.max_memory * 2**30) if args.max_memory else None, model_name=settings["model"],
+    )
+    info = report["machine"]
+    console.print(f"{settings['model']} ({report['dtype']}, weights {_mib(report['weight_bytes'])}) on {info.get('gpu', info['device'])}, "
+                  f"torch {info['torch']}, transformers {info['transformers']}, {info['cpu_threads']} threads; "
+                  f"measured copy bandwidth {report['device_bandwidth'] / 1e9:.1f} GB/s")
+    table = Table("method", "prompt", "batch", "prefill s", "compress", "ms/token", "tokens/s", "KV dev MiB", "offload MiB", "peak MiB", "GB/s read", "of copy bw", title="speed")
+    for r in report["rows"]:
+        if r["status"] != "ok":
+            table.add_row(r["method"], str(r["prompt_tokens"]), str(r["batch"]), r["status"], *["-"] * 8)
+            continue
+        table.add_row(r["method"], str(r["prompt_tokens"]), str(r["batch"]), f"{r['prefill_s']:.2f}", f"{r['compress_share']:.1%}", f"{r['decode_ms_per_token']:.1f}",
+                      f"{r['tokens_per_s']:.1f}", f"{r['kv_device_bytes'] / 2**20:.1f}", f"{r['offloaded_bytes'] / 2**20:.1f}", f"{r['peak_bytes'] / 2**20:.0f}",
+                      f"{r['achieved_bandwidth'] / 1e9:.1f}", f"{r['bandwidth_fraction']:.0%}")
+    console.print(table)
+    for limit in report.get("limits", []):
+        console.print(f"{limit['method']}: {limit['kind']} = {limit['value']} ({len(limit['tried'])} runs tried)")
+    console.print(f"wrote {args.out}/speed.json, speed.csv, decode_latency.png, throughput.png")
+    return 0
+
+
 def _cmd_fetch_model(args: argparse.Namespace, console: Console) -> int:
     console.print(f"embedded model ready in {fetch_default_model()}")
     return 0
@@ -216,6 +260,23 @@ def build_parser() -> argparse.ArgumentParser:
     accuracy.add_argument("--dataset", help="JSONL with context, input, answers (LongBench field names), scored with F1")
     accuracy.add_argument("--out", default="runs/accuracy", help="output folder; rerunning with it resumes")
     accuracy.set_defaults(run=_cmd_bench_accuracy)
+
+    speed = bench.add_parser("speed", help="decode latency, throughput, memory, max context / batch")
+    speed.add_argument("--preset", choices=["quick", "gpu"], help="quick: embedded-model shape on CPU, 1K-8K; gpu: llama-3.1-8b, 16K-128K, batch 1-8")
+    speed.add_argument("--model", help="architecture preset (smollm2-135m, llama-3.1-8b, mistral-7b), a config file, 'embedded', or a model path")
+    speed.add_argument("--methods", help="comma-separated: full, snapkv, streamingllm, shadowkv")
+    speed.add_argument("--lengths", help="comma-separated prompt lengths, e.g. 1k,2k,4k")
+    speed.add_argument("--batches", help="comma-separated batch sizes, e.g. 1,2,4,8")
+    speed.add_argument("--budget", type=int, help="SnapKV / StreamingLLM budget")
+    speed.add_argument("--sparse-budget", type=int, help="ShadowKV sparse budget (default: its own default)")
+    speed.add_argument("--steps", type=int, help="timed decoding steps per run")
+    speed.add_argument("--warmup", type=int, help="untimed decoding steps before them")
+    speed.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: bfloat16 on GPU, float32 on CPU")
+    speed.add_argument("--find-max-context", action="store_true", help="search each method's longest prompt that fits (first batch size)")
+    speed.add_argument("--find-max-batch", action="store_true", help="search each method's largest batch that fits (first length)")
+    speed.add_argument("--max-memory", type=float, help="GiB a run may peak at to count as fitting (required for searches on CPU)")
+    speed.add_argument("--out", default="runs/speed")
+    speed.set_defaults(run=_cmd_bench_speed)
 
     fetch = sub.add_parser("fetch-model", help="fetch and cache the embedded model (done automatically on first use)")
     fetch.set_defaults(run=_cmd_fetch_model)

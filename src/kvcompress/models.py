@@ -114,3 +114,42 @@ def load_model(
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer
+
+
+# Architecture presets for random-weight models (timing and memory do not depend on weight values).
+ARCHITECTURES: dict[str, dict] = {
+    "smollm2-135m": dict(
+        model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+        num_key_value_heads=3, head_dim=64, vocab_size=49152, max_position_embeddings=8192, rope_theta=100000.0,
+        tie_word_embeddings=True, rms_norm_eps=1e-5,
+    ),
+    "llama-3.1-8b": dict(
+        model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 8192},
+        rms_norm_eps=1e-5,
+    ),
+    "mistral-7b": dict(
+        model_type="mistral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, vocab_size=32000, max_position_embeddings=32768, rope_theta=1000000.0,
+        sliding_window=None, rms_norm_eps=1e-5,
+    ),
+}
+
+
+def random_model(architecture: str, *, dtype: torch.dtype | None = None, device: str | torch.device | None = None) -> PreTrainedModel:
+    """A random-weight causal LM from a preset name (see ``ARCHITECTURES``) or a transformers config
+    file / folder, built directly on ``device`` (default: CUDA if present) in ``dtype``."""
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    if architecture in ARCHITECTURES:
+        params = dict(ARCHITECTURES[architecture])
+        config = AutoConfig.for_model(params.pop("model_type"), **params)
+    elif Path(architecture).exists():
+        config = AutoConfig.from_pretrained(architecture)
+    else:
+        raise ValueError(f"architecture={architecture!r} is neither a preset ({', '.join(ARCHITECTURES)}) nor a config file or folder")
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    return model.eval()

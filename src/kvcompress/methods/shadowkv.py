@@ -296,6 +296,11 @@ class ShadowKVLayer(CompressedLayer):
         held += [self.region_positions, self.region_valid, self.selected, self.buffer_keys, self.buffer_values]
         return [t for t in held if t is not None]
 
+    def bytes_read_per_step(self) -> int:
+        """Dense slots, the selected chunks' keys and values, and the landmarks scored every step."""
+        read = [self.keys, self.values, self.buffer_keys, self.buffer_values, self.landmarks]
+        return sum(t.numel() * t.element_size() for t in read if t is not None)
+
     def tensor_bytes(self) -> int:
         """Bytes kept on the compute device between steps (the offload store is reported separately)."""
         return sum(t.numel() * t.element_size() for t in self.device_tensors())

@@ -1,0 +1,333 @@
+"""Speed and memory: decode latency vs context, throughput vs batch, peak memory, the longest context
+and largest batch that fit, and a bandwidth view of each decoding step.
+
+Timing does not depend on weight values, so models come from architecture presets with random
+weights (``kvcompress.models.ARCHITECTURES``), a config file, or the embedded model. Every run is a
+fresh prefill (so memory peaks are each method's own; each shape is first prefilled once, untimed)
+followed by ``warmup + steps`` single-token decoding steps; the decode figure is the median step. Runs that run out of memory are recorded as
+``oom``, not raised.
+"""
+
+from __future__ import annotations
+
+import csv
+import gc
+import json
+import platform
+import resource
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import transformers
+from tqdm import tqdm
+from transformers import PreTrainedModel
+
+from ..methods import FullKV, Method, ShadowKV, SnapKV, StreamingLLM
+
+PRESETS: dict[str, dict] = {
+    # The CPU check: the embedded model's shape, 1K-8K prompts (8000 leaves room to decode in 8K).
+    "quick": {"model": "smollm2-135m", "methods": ["full", "snapkv", "shadowkv"], "lengths": [1024, 2048, 4096, 8000], "batches": [1], "budget": 1024, "steps": 16, "warmup": 3},
+    # SnapKV Fig. 7 / ShadowKV Table 4 shapes on one GPU.
+    "gpu": {"model": "llama-3.1-8b", "methods": ["full", "snapkv", "shadowkv"], "lengths": [16384, 32768, 65536, 131072], "batches": [1, 2, 4, 8], "budget": 2048, "steps": 32, "warmup": 5},
+}
+
+
+def make_method(name: str, budget: int, sparse_budget: int | None) -> Method:
+    """A benchmark method by name: SnapKV/StreamingLLM at ``budget``, ShadowKV at ``sparse_budget``."""
+    factories = {
+        "full": FullKV,
+        "snapkv": lambda: SnapKV(budget=budget),
+        "streamingllm": lambda: StreamingLLM(budget=budget),
+        "shadowkv": lambda: ShadowKV(sparse_budget=sparse_budget) if sparse_budget else ShadowKV(),
+    }
+    if name not in factories:
+        raise ValueError(f"method={name!r} is not benchmarked; valid: {', '.join(factories)}")
+    return factories[name]()
+
+
+def machine(device: torch.device) -> dict:
+    info = {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "cpu_threads": torch.get_num_threads(), "device": str(device)}
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        info.update(gpu=props.name, gpu_memory_bytes=props.total_memory)
+    return info
+
+
+def copy_bandwidth(device: torch.device, megabytes: int = 256) -> float:
+    """Measured memory bandwidth in bytes/s: best of 5 large copies, counting bytes read and written."""
+    source = torch.empty(megabytes * 2**20 // 4, dtype=torch.float32, device=device).fill_(1.0)
+    target = torch.empty_like(source)
+    best = float("inf")
+    for _ in range(5):
+        _sync(device)
+        start = time.perf_counter()
+        target.copy_(source)
+        _sync(device)
+        best = min(best, time.perf_counter() - start)
+    return 2 * source.numel() * 4 / best
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _reset_peak(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    else:
+        try:  # Linux: "5" resets the process's peak resident set size (VmHWM)
+            Path("/proc/self/clear_refs").write_text("5")
+        except OSError:
+            pass
+
+
+def _peak_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _is_oom(error: BaseException) -> bool:
+    return isinstance(error, (torch.OutOfMemoryError, MemoryError)) or "out of memory" in str(error).lower()
+
+
+@dataclass
+class Timer:
+    """Wall-clock timing with CUDA events on a GPU (no host sync inside the timed region)."""
+
+    device: torch.device
+
+    def __post_init__(self) -> None:
+        self.cuda = self.device.type == "cuda"
+
+    def start(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def ms_since(self, start) -> float:
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end)
+        return 1000 * (time.perf_counter() - start)
+
+
+def weight_bytes(model: PreTrainedModel) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+@torch.inference_mode()
+def measure(model: PreTrainedModel, method: Method, name: str, length: int, batch: int, steps: int, warmup: int, bandwidth: float) -> dict:
+    """One run: prefill ``batch`` random prompts of ``length`` tokens, then decode; never raises on OOM."""
+    device = model.device
+    row: dict = {"method": name, "method_params": method.describe(), "prompt_tokens": length, "batch": batch}
+    timer = Timer(device)
+    cache = ids = None
+    try:
+        _reset_peak(device)
+        generator = torch.Generator().manual_seed(length * 31 + batch)
+        ids = torch.randint(10, model.config.get_text_config().vocab_size, (batch, length), generator=generator).to(device)
+        cache = method.make_cache(model)
+        start = timer.start()
+        token = model(ids, past_key_values=cache, logits_to_keep=1).logits[:, -1:].argmax(-1)
+        prefill_ms = timer.ms_since(start)
+        times = []
+        for _ in range(warmup + steps):
+            start = timer.start()
+            token = model(token, past_key_values=cache, logits_to_keep=1).logits[:, -1:].argmax(-1)
+            times.append(timer.ms_since(start))
+        stats = cache.stats()
+        decode_ms = statistics.median(times[warmup:])
+        read = weight_bytes(model) + stats["kv_bytes_read_per_step"]
+        row.update(
+            status="ok",
+            prefill_s=prefill_ms / 1000,
+            compress_share=stats["compress_s"] / (prefill_ms / 1000),
+            decode_ms_per_token=decode_ms,
+            tokens_per_s=batch * 1000 / decode_ms,
+            kv_device_bytes=stats["kv_bytes_kept"],
+            kv_full_bytes=stats["kv_bytes_full"],
+            offloaded_bytes=stats.get("offloaded_bytes", 0),
+            peak_bytes=_peak_bytes(device),
+            held_bytes=weight_bytes(model) + stats["kv_bytes_kept"],
+            bytes_read_per_step=read,
+            achieved_bandwidth=read / (decode_ms / 1000),
+            bandwidth_fraction=read / (decode_ms / 1000) / bandwidth,
+        )
+    except (RuntimeError, MemoryError) as error:
+        if not _is_oom(error):
+            raise
+        row.update(status="oom")
+    finally:
+        del cache, ids
+        _reset_peak(device)
+    return row
+
+
+@torch.inference_mode()
+def warm_up(model: PreTrainedModel, length: int, batch: int) -> None:
+    """One untimed prefill of this shape, so the first timed run does not pay the allocator's and
+    kernels' first-use costs (seen as 2-5x slower first prefills on CPU)."""
+    try:
+        ids = torch.randint(10, model.config.get_text_config().vocab_size, (batch, length), device=model.device)
+        model(ids, past_key_values=FullKV().make_cache(model), logits_to_keep=1)
+    except (RuntimeError, MemoryError) as error:
+        if not _is_oom(error):
+            raise
+    finally:
+        _reset_peak(model.device)
+
+
+def _fits(row: dict, max_memory: int | None) -> bool:
+    return row["status"] == "ok" and (max_memory is None or row["peak_bytes"] <= max_memory)
+
+
+def search_limit(try_size, start: int, limit: int, granularity: int) -> tuple[int | None, list[dict]]:
+    """Largest size in [start, limit] for which ``try_size(size)`` returns a fitting row: doubling,
+    then bisection to ``granularity``. Returns (size or None, every row tried)."""
+    tried: list[dict] = []
+    good, bad, size = None, None, start
+    while size <= limit:
+        row = try_size(size)
+        tried.append(row)
+        if row["fits"]:
+            good, size = size, size * 2
+        else:
+            bad = size
+            break
+    if good is None:
+        return None, tried
+    if bad is None and good < limit:
+        row = try_size(limit)
+        tried.append(row)
+        if row["fits"]:
+            return limit, tried
+        bad = limit
+    while bad is not None and bad - good > granularity:
+        middle = (good + bad) // 2 // granularity * granularity or good + granularity
+        if middle <= good or middle >= bad:
+            break
+        row = try_size(middle)
+        tried.append(row)
+        good, bad = (middle, bad) if row["fits"] else (good, middle)
+    return good, tried
+
+
+def run_speed(
+    model: PreTrainedModel,
+    methods: list[str],
+    lengths: list[int],
+    batches: list[int],
+    out_dir: str | Path,
+    budget: int = 1024,
+    sparse_budget: int | None = None,
+    steps: int = 16,
+    warmup: int = 3,
+    find_max_context: bool = False,
+    find_max_batch: bool = False,
+    max_memory: int | None = None,
+    model_name: str = "",
+    progress: bool = True,
+) -> dict:
+    """Run the grid (and the optional searches), write ``speed.json``, ``speed.csv`` and plots; return the report."""
+    device = model.device
+    if (find_max_context or find_max_batch) and device.type == "cpu" and max_memory is None:
+        raise ValueError("on a CPU the limit searches need max_memory (bytes): running out of RAM kills the process instead of raising")
+    limit = model.config.get_text_config().max_position_embeddings
+    too_long = [n for n in lengths if n + warmup + steps + 1 > limit]
+    if too_long:
+        raise ValueError(f"prompt lengths {too_long} plus {warmup + steps + 1} decoding steps exceed the model's context of {limit} tokens")
+    bandwidth = copy_bandwidth(device)
+    built = {name: make_method(name, budget, sparse_budget) for name in methods}
+    rows = []
+    grid = [(name, n, b) for b in batches for n in lengths for name in methods]
+    for name, n, b in tqdm(grid, desc="speed", disable=not progress, unit="run"):
+        if name == methods[0]:
+            warm_up(model, n, b)
+        rows.append(measure(model, built[name], name, n, b, steps, warmup, bandwidth))
+    report = {
+        "machine": machine(device), "model": model_name, "dtype": str(next(model.parameters()).dtype),
+        "weight_bytes": weight_bytes(model), "device_bandwidth": bandwidth,
+        "settings": {"methods": methods, "lengths": lengths, "batches": batches, "budget": budget, "sparse_budget": sparse_budget,
+                     "steps": steps, "warmup": warmup, "max_memory": max_memory},
+        "rows": rows,
+    }
+    if find_max_context or find_max_batch:
+        report["limits"] = []
+        for name, method in built.items():
+            if find_max_context:
+                size, tried = search_limit(
+                    lambda n: {**(r := measure(model, method, name, n, batches[0], 2, 1, bandwidth)), "fits": _fits(r, max_memory)},
+                    min(lengths), limit - 8, 1024)
+                report["limits"].append({"method": name, "kind": "max_context", "batch": batches[0], "value": size, "tried": tried})
+            if find_max_batch:
+                size, tried = search_limit(
+                    lambda b: {**(r := measure(model, method, name, lengths[0], b, 2, 1, bandwidth)), "fits": _fits(r, max_memory)},
+                    1, 1024, 1)
+                report["limits"].append({"method": name, "kind": "max_batch", "prompt_tokens": lengths[0], "value": size, "tried": tried})
+    write_report(report, Path(out_dir))
+    return report
+
+
+def write_report(report: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "speed.json").write_text(json.dumps(report, indent=2))
+    fields = sorted({key for row in report["rows"] for key in row}, key=lambda k: list(report["rows"][0]).index(k) if k in report["rows"][0] else 99)
+    with open(out / "speed.csv", "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(report["rows"])
+    plot_speed(report, out)
+
+
+def plot_speed(report: dict, out: Path) -> None:
+    """decode_latency.png: ms/token vs prompt length per method, a panel per batch (SnapKV Fig. 7);
+    throughput.png: tokens/s vs batch per method, a panel per length (ShadowKV Table 4's axis)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in report["rows"] if r["status"] == "ok"]
+    methods = list(dict.fromkeys(r["method"] for r in report["rows"]))
+    for name, panel_key, x_key, y_key, x_label, y_label in (
+        ("decode_latency.png", "batch", "prompt_tokens", "decode_ms_per_token", "prompt tokens", "decode ms/token"),
+        ("throughput.png", "prompt_tokens", "batch", "tokens_per_s", "batch size", "tokens/s"),
+    ):
+        panels = sorted({r[panel_key] for r in report["rows"]})
+        fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False)
+        for ax, panel in zip(axes.flat, panels):
+            for method in methods:
+                points = sorted((r[x_key], r[y_key]) for r in ok if r["method"] == method and r[panel_key] == panel)
+                if points:
+                    ax.plot(*zip(*points), marker="o", label=method)
+            for r in report["rows"]:
+                if r["status"] == "oom" and r[panel_key] == panel:
+                    ax.axvline(r[x_key], color="red", alpha=0.2)
+            ax.set_title(f"{panel_key.replace('_', ' ')} {panel}", fontsize=10)
+            ax.set_xlabel(x_label)
+            ax.set_ylabel(y_label)
+            ax.set_ylim(bottom=0)
+            ax.grid(alpha=0.3)
+        axes.flat[0].legend(fontsize=8)
+        fig.suptitle(f"{report['model']} ({report['dtype']}) on {report['machine'].get('gpu', report['machine']['device'])}; red: out of memory", fontsize=9)
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=110)
+        plt.close(fig)

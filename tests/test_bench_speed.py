@@ -1,0 +1,95 @@
+"""The speed benchmark runs on a tiny config and writes well-formed results (it is not a timed test)."""
+
+from __future__ import annotations
+
+import csv
+import json
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+import kvcompress as kvc
+from kvcompress.bench.speed import copy_bandwidth, measure, run_speed, search_limit
+from kvcompress.models import ARCHITECTURES, random_model
+
+from .fixtures import tiny_model
+
+
+def test_grid_writes_json_csv_and_plots(tmp_path):
+    model = tiny_model()
+    report = run_speed(model, ["full", "snapkv", "shadowkv"], [200, 400], [1, 2], tmp_path, budget=64, sparse_budget=32, steps=3, warmup=1, progress=False)
+    saved = json.loads((tmp_path / "speed.json").read_text())
+    assert saved["rows"] == json.loads(json.dumps(report["rows"]))
+    assert {"platform", "torch", "transformers", "device"} <= set(saved["machine"]) and saved["settings"]["budget"] == 64
+    assert len(saved["rows"]) == 3 * 2 * 2 and all(r["status"] == "ok" for r in saved["rows"])
+    for row in saved["rows"]:
+        assert row["decode_ms_per_token"] > 0 and row["prefill_s"] > 0 and 0 <= row["compress_share"] < 1
+        assert row["tokens_per_s"] == pytest.approx(row["batch"] * 1000 / row["decode_ms_per_token"])
+        assert row["bytes_read_per_step"] >= row["kv_device_bytes"] * 0 + sum(p.numel() * 4 for p in model.parameters())
+    by = {(r["method"], r["prompt_tokens"], r["batch"]): r for r in saved["rows"]}
+    assert by["snapkv", 400, 2]["kv_device_bytes"] < by["full", 400, 2]["kv_device_bytes"]
+    assert by["shadowkv", 400, 1]["offloaded_bytes"] > 0 and by["full", 400, 1]["offloaded_bytes"] == 0
+    with open(tmp_path / "speed.csv") as fh:
+        assert len(list(csv.DictReader(fh))) == 12
+    assert (tmp_path / "decode_latency.png").stat().st_size > 1000 and (tmp_path / "throughput.png").stat().st_size > 1000
+
+
+@dataclass
+class ExhaustsMemory(kvc.FullKV):
+    """A method whose prefill runs out of memory beyond ``limit`` prompt tokens."""
+
+    limit: int = 300
+
+    def keep_counts(self, lengths: torch.Tensor) -> None:
+        if int(lengths.max()) > self.limit:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return None
+
+
+def test_out_of_memory_is_recorded_not_raised():
+    row = measure(tiny_model(), ExhaustsMemory(), "exhausts", 400, 1, 2, 1, bandwidth=1e9)
+    assert row["status"] == "oom" and row["prompt_tokens"] == 400
+
+
+def test_limit_search_finds_the_largest_size_that_fits():
+    calls = []
+
+    def try_size(n: int) -> dict:
+        calls.append(n)
+        return {"size": n, "fits": n <= 5000}
+
+    size, tried = search_limit(try_size, 1024, 131072, 256)
+    assert 5000 - 256 < size <= 5000 and len(tried) == len(calls) < 16
+    assert search_limit(lambda n: {"fits": False}, 1024, 8192, 256)[0] is None
+    assert search_limit(lambda n: {"fits": True}, 1024, 6000, 256)[0] == 6000
+
+
+def test_max_context_search_on_a_model_with_a_memory_cap(tmp_path):
+    model = tiny_model(max_position_embeddings=2048)
+    report = run_speed(model, ["full"], [256], [1], tmp_path, steps=2, warmup=1, find_max_context=True, max_memory=2**40, progress=False)
+    (limit,) = report["limits"]
+    assert limit["kind"] == "max_context" and limit["value"] == 2048 - 8
+
+
+def test_bad_settings_are_refused(tmp_path):
+    model = tiny_model(max_position_embeddings=512)
+    with pytest.raises(ValueError, match="on a CPU the limit searches need max_memory"):
+        run_speed(model, ["full"], [128], [1], tmp_path, find_max_batch=True, progress=False)
+    with pytest.raises(ValueError, match=r"prompt lengths \[510\] plus 20 decoding steps exceed the model's context of 512"):
+        run_speed(model, ["full"], [510], [1], tmp_path, steps=16, warmup=3, progress=False)
+    with pytest.raises(ValueError, match="method='h2o' is not benchmarked"):
+        run_speed(model, ["h2o"], [128], [1], tmp_path, progress=False)
+
+
+def test_architecture_presets_have_the_documented_shapes():
+    llama = ARCHITECTURES["llama-3.1-8b"]
+    assert (llama["num_hidden_layers"], llama["num_attention_heads"], llama["num_key_value_heads"], llama["head_dim"]) == (32, 32, 8, 128)
+    small = random_model("smollm2-135m", device="cpu")
+    assert sum(p.numel() for p in small.parameters()) == pytest.approx(134.5e6, rel=0.01)
+    with pytest.raises(ValueError, match="architecture='gpt-9' is neither a preset"):
+        random_model("gpt-9")
+
+
+def test_copy_bandwidth_is_positive():
+    assert copy_bandwidth(torch.device("cpu"), megabytes=8) > 1e8
