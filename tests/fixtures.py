@@ -52,6 +52,15 @@ def tiny_model(arch: str = "llama", seed: int = 0, **overrides) -> torch.nn.Modu
     return model.eval()
 
 
+def prefilled_cache(method, prompt_tokens: int, **model_overrides):
+    """A tiny model's cache after prefilling ``prompt_tokens`` random tokens through ``method``."""
+    model = tiny_model(**model_overrides)
+    cache = method.make_cache(model)
+    with torch.no_grad():
+        model(torch.randint(3, 128, (1, prompt_tokens)), past_key_values=cache)
+    return cache
+
+
 def random_text(n_chars: int, seed: int = 0) -> str:
     """Deterministic lowercase words."""
     rng = random.Random(seed)

@@ -78,8 +78,8 @@ def test_bad_settings_are_refused(tmp_path):
         run_speed(model, ["full"], [128], [1], tmp_path, find_max_batch=True, progress=False)
     with pytest.raises(ValueError, match=r"prompt lengths \[510\] plus 20 decoding steps exceed the model's context of 512"):
         run_speed(model, ["full"], [510], [1], tmp_path, steps=16, warmup=3, progress=False)
-    with pytest.raises(ValueError, match="method='h2o' is not benchmarked"):
-        run_speed(model, ["h2o"], [128], [1], tmp_path, progress=False)
+    with pytest.raises(ValueError, match="method='magic' is not benchmarked"):
+        run_speed(model, ["magic"], [128], [1], tmp_path, progress=False)
 
 
 def test_architecture_presets_have_the_documented_shapes():

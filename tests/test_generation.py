@@ -8,7 +8,7 @@ from transformers import DynamicCache
 
 import kvcompress as kvc
 
-from .fixtures import char_tokenizer, random_text, tiny_model
+from .fixtures import char_tokenizer, prefilled_cache, random_text, tiny_model
 
 METHODS = [kvc.FullKV(), kvc.SnapKV(budget=64, window=8, kernel=5), kvc.StreamingLLM(budget=48, sinks=4)]
 
@@ -92,10 +92,7 @@ def test_rope_positions_continue_from_the_true_prompt_length():
 
 
 def test_streamingllm_keeps_exactly_sinks_and_recent():
-    model = tiny_model()
-    cache = kvc.StreamingLLM(budget=20, sinks=3).make_cache(model)
-    with torch.no_grad():
-        model(torch.randint(3, 128, (1, 70)), past_key_values=cache)
+    cache = prefilled_cache(kvc.StreamingLLM(budget=20, sinks=3), 70)
     expected = list(range(3)) + list(range(53, 70))
     for layer in range(2):
         assert cache.kept_positions(layer).tolist() == [[expected, expected]]

@@ -12,7 +12,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 import kvcompress as kvc
 from kvcompress.methods.base import select_kept
 
-from .fixtures import tiny_model
+from .fixtures import prefilled_cache, tiny_model
 
 
 def reference_keep(query: torch.Tensor, keys: torch.Tensor, budget: int, window: int, kernel: int, pooling: str) -> list[list[int]]:
@@ -156,22 +156,14 @@ def test_compressed_tensors_hold_exactly_kv_heads_times_budget():
 
 
 def test_kept_positions_are_ascending_and_include_the_window():
-    model = tiny_model()
-    cache = kvc.SnapKV(budget=50, window=10).make_cache(model)
-    with torch.no_grad():
-        model(torch.randint(3, 128, (1, 200)), past_key_values=cache)
-    kept = cache.kept_positions(1)
+    kept = prefilled_cache(kvc.SnapKV(budget=50, window=10), 200).kept_positions(1)
     assert kept.shape == (1, 2, 50) and kept.dtype == torch.long
     assert (kept.diff(dim=-1) > 0).all()
     assert (kept[..., -10:] == torch.arange(190, 200)).all()
 
 
 def test_ratio_keeps_that_fraction_of_the_prompt():
-    model = tiny_model()
-    cache = kvc.SnapKV(ratio=0.25, window=8).make_cache(model)
-    with torch.no_grad():
-        model(torch.randint(3, 128, (1, 201)), past_key_values=cache)
-    assert cache.kept_positions(0).shape[-1] == math.ceil(0.25 * 201)
+    assert prefilled_cache(kvc.SnapKV(ratio=0.25, window=8), 201).kept_positions(0).shape[-1] == math.ceil(0.25 * 201)
 
 
 def test_question_agnostic_mode_compresses_the_context_alone():

@@ -7,18 +7,21 @@
 
 from .cache import KVCompressCache, UnsupportedModelError
 from .generation import Prefill, PromptTooLongError, Result, generate, prefill, teacher_forced_logprobs
-from .methods import METHODS, FullKV, InvalidParameterError, Method, ShadowKV, SnapKV, StreamingLLM, method_from_name
+from .methods import H2O, METHODS, FullKV, InvalidParameterError, Loki, Method, Quest, ShadowKV, SnapKV, StreamingLLM, method_from_name
 from .models import ModelNotAvailableError, load_model
 
 __all__ = [
     "FullKV",
+    "H2O",
     "InvalidParameterError",
     "KVCompressCache",
+    "Loki",
     "METHODS",
     "Method",
     "ModelNotAvailableError",
     "Prefill",
     "PromptTooLongError",
+    "Quest",
     "Result",
     "ShadowKV",
     "SnapKV",

@@ -243,3 +243,87 @@ class KVCompressCache(Cache):
             **first.extra_stats(layers),
             **self.timings,
         }
+
+
+def gather_tokens(tensor: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """``tensor [b, h, s, d]`` at per-head token indices ``[b, h, n]`` -> ``[b, h, n, d]``."""
+    return tensor.gather(2, tokens[..., None].expand(-1, -1, -1, tensor.shape[-1]).to(tensor.device))
+
+
+class SelectiveLayer(CompressedLayer):
+    """A layer that drops nothing and attends sparsely while decoding (Quest, Loki).
+
+    After prefill the first ``region`` prompt slots move to a store (on the device, or in host
+    memory with ``offload``); the rest stay dense with everything generated later. Each step,
+    ``select`` picks region tokens per KV head and attention runs exactly over [selected; dense]."""
+
+    def __init__(self, method: Method, layer_idx: int, offload: bool = False) -> None:
+        super().__init__(method, layer_idx)
+        self.offload = offload
+        self.region_keys: torch.Tensor | None = None
+        self.region_values: torch.Tensor | None = None
+        self.region_valid: torch.Tensor | None = None  # [b, region]
+        self.fetched_bytes = 0
+        self.steps = 0
+
+    def region_length(self, seq: int) -> int:
+        """How many leading prompt slots are selectable (the rest stay dense)."""
+        raise NotImplementedError
+
+    def prepare(self, keys: torch.Tensor, valid: torch.Tensor) -> None:
+        """Build the method's selection index from the region's keys ``[b, h, region, d]``."""
+        raise NotImplementedError
+
+    def select(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """Region token indices ``[b, kv_heads, n]`` to attend to for these queries."""
+        raise NotImplementedError
+
+    def _compress_prompt(self, query: torch.Tensor, scaling: float) -> None:
+        region = self.region_length(self.keys.shape[-2])
+        if region <= 0:
+            return
+        valid = self.slot_validity()
+        keys, values = self.keys[:, :, :region], self.values[:, :, :region]
+        self.prepare(keys, valid[:, :region])
+        store = (lambda t: t.to("cpu").pin_memory() if t.is_cuda else t.to("cpu")) if self.offload else (lambda t: t)
+        self.region_keys, self.region_values = store(keys), store(values)
+        self.region_valid = valid[:, :region]
+        self.keys, self.values = self.keys[:, :, region:], self.values[:, :, region:]
+        self.valid = None if self.valid is None else self.valid[:, region:]
+
+    def attend(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
+        if self.region_keys is None:
+            return super().attend(query, keys, values, mask, scaling)
+        tokens = self.select(query, scaling)
+        chosen_keys = gather_tokens(self.region_keys, tokens).to(keys.device, non_blocking=True)
+        chosen_values = gather_tokens(self.region_values, tokens).to(keys.device, non_blocking=True)
+        self.steps += 1
+        self.fetched_bytes += (chosen_keys.numel() * chosen_keys.element_size() * 2) if self.offload else 0
+        chosen_valid = self.region_valid[:, None, :].expand(-1, tokens.shape[1], -1).gather(2, tokens)
+        q_len, dense = query.shape[-2], keys.shape[-2]
+        if mask is None:
+            mask = torch.ones(q_len, dense, dtype=torch.bool, device=keys.device).tril(dense - q_len)[None, None]
+        full_mask = torch.cat([chosen_valid[:, :, None, :].expand(-1, -1, q_len, -1), mask.expand(keys.shape[0], keys.shape[1], -1, -1)], dim=-1)
+        return dense_attention(query, torch.cat([chosen_keys, keys], dim=2), torch.cat([chosen_values, values], dim=2), full_mask, scaling)
+
+    def index_tensors(self) -> list[torch.Tensor]:
+        """The method's selection index kept on the device (page bounds, projected keys, ...)."""
+        return []
+
+    def tensor_bytes(self) -> int:
+        held = [self.keys, self.values, self.valid, self.region_valid, *self.index_tensors()]
+        if not self.offload:
+            held += [self.region_keys, self.region_values]
+        return sum(t.numel() * t.element_size() for t in held if t is not None)
+
+    def offloaded_bytes(self) -> int:
+        if not self.offload or self.region_keys is None:
+            return 0
+        return sum(t.numel() * t.element_size() for t in (self.region_keys, self.region_values))
+
+    def extra_stats(self, layers: list[CompressedLayer]) -> dict:
+        steps = max(1, max(layer.steps for layer in layers))
+        return {
+            "offloaded_bytes": sum(layer.offloaded_bytes() for layer in layers),
+            "fetched_bytes_per_step": sum(layer.fetched_bytes for layer in layers) / steps,
+        }

@@ -64,6 +64,12 @@ def _cmd_generate(args: argparse.Namespace, console: Console) -> int:
         chunk=args.chunk,
         rank=args.rank,
         outliers=args.outliers,
+        recent=args.recent,
+        evict_during_decoding=args.evict_during_decoding or None,
+        token_budget=args.token_budget,
+        page_size=args.page_size,
+        dim=args.dim,
+        offload=args.offload or None,
     )
     model, tokenizer = load_model(args.model)
     messages = prompt if args.raw else [{"role": "user", "content": prompt}]
@@ -229,6 +235,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chunk", type=int, help="tokens per chunk (shadowkv; default 8)")
     gen.add_argument("--rank", type=int, help="SVD rank of the pre-RoPE keys (shadowkv; default 15.625%% of kv_heads*head_dim)")
     gen.add_argument("--outliers", type=int, help="outlier chunks kept dense per KV head (shadowkv; default ~0.3%% of chunks)")
+    gen.add_argument("--recent", type=int, help="recent tokens kept (h2o; default budget/2) or kept dense (loki; default 32)")
+    gen.add_argument("--evict-during-decoding", action="store_true", help="keep the cache at --budget while generating (h2o)")
+    gen.add_argument("--token-budget", type=int, help="prompt tokens attended per step (quest, loki; default 2048)")
+    gen.add_argument("--page-size", type=int, help="tokens per page (quest; default 16)")
+    gen.add_argument("--dim", type=int, help="principal components used for scoring (loki; default 32)")
+    gen.add_argument("--offload", action="store_true", help="keep the paged KV in host memory, fetch selected pages (quest)")
     gen.add_argument("--model", help="model path or name (default: the embedded SmolLM2-135M-Instruct)")
     gen.add_argument("--prompt", help="the prompt text (sent as a user chat message)")
     gen.add_argument("--prompt-file", help="read the prompt from this file")
@@ -251,7 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
     accuracy.add_argument("--preset", choices=["quick", "full"], help="a named matrix (default quick); flags below override it")
     accuracy.add_argument("--tasks", help="comma-separated: niah, passkey, lines, niah_single, niah_multikey, niah_multivalue, niah_multiquery, vt, cwe, fwe, multiturn")
     accuracy.add_argument("--methods", help="comma-separated method names, e.g. full,snapkv,streamingllm,shadowkv")
-    accuracy.add_argument("--budgets", help="comma-separated token budgets (ShadowKV: sparse budget), e.g. 128,256")
+    accuracy.add_argument("--budgets", help="comma-separated token budgets (ShadowKV, Quest, Loki: tokens attended per step), e.g. 128,256")
     accuracy.add_argument("--lengths", help="comma-separated prompt lengths in tokens, e.g. 1k,2k,4k")
     accuracy.add_argument("--samples", type=int, help="samples per task, length (and depth)")
     accuracy.add_argument("--seed", type=int, default=0)
@@ -264,11 +276,11 @@ def build_parser() -> argparse.ArgumentParser:
     speed = bench.add_parser("speed", help="decode latency, throughput, memory, max context / batch")
     speed.add_argument("--preset", choices=["quick", "gpu"], help="quick: embedded-model shape on CPU, 1K-8K; gpu: llama-3.1-8b, 16K-128K, batch 1-8")
     speed.add_argument("--model", help="architecture preset (smollm2-135m, llama-3.1-8b, mistral-7b), a config file, 'embedded', or a model path")
-    speed.add_argument("--methods", help="comma-separated: full, snapkv, streamingllm, shadowkv")
+    speed.add_argument("--methods", help="comma-separated: full, snapkv, streamingllm, h2o, shadowkv, quest, loki")
     speed.add_argument("--lengths", help="comma-separated prompt lengths, e.g. 1k,2k,4k")
     speed.add_argument("--batches", help="comma-separated batch sizes, e.g. 1,2,4,8")
-    speed.add_argument("--budget", type=int, help="SnapKV / StreamingLLM budget")
-    speed.add_argument("--sparse-budget", type=int, help="ShadowKV sparse budget (default: its own default)")
+    speed.add_argument("--budget", type=int, help="SnapKV / StreamingLLM / H2O budget")
+    speed.add_argument("--sparse-budget", type=int, help="tokens attended per step by ShadowKV / Quest / Loki (default 2048)")
     speed.add_argument("--steps", type=int, help="timed decoding steps per run")
     speed.add_argument("--warmup", type=int, help="untimed decoding steps before them")
     speed.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: bfloat16 on GPU, float32 on CPU")

@@ -181,19 +181,19 @@ def _sync(device: torch.device) -> None:
 class _RecordingLayer(CompressedLayer):
     """A full-cache layer that also keeps the last ``window`` prefill queries, for ``Prefill``."""
 
-    def __init__(self, method: Method, layer_idx: int, window: int) -> None:
+    def __init__(self, method: Method, layer_idx: int, window: int | None) -> None:
         super().__init__(method, layer_idx)
         self.window = window
         self.query_tail: torch.Tensor | None = None
         self.scaling = 1.0
 
     def _compress_prompt(self, query: torch.Tensor, scaling: float) -> None:
-        self.query_tail, self.scaling = query[..., -self.window :, :], scaling
+        self.query_tail, self.scaling = (query if self.window is None else query[..., -self.window :, :]), scaling
 
 
 @dataclass
 class _Recorder(FullKV):
-    window: int = 64
+    window: int | None = 64
 
     def make_layer(self, layer_idx: int, model: PreTrainedModel) -> CompressedLayer:
         return _RecordingLayer(self, layer_idx, self.window)
@@ -235,10 +235,10 @@ def _empty_state(model: PreTrainedModel, batch: int) -> tuple[torch.Tensor, torc
 
 
 @torch.inference_mode()
-def prefill(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompt: Prompt | list[Prompt], query_window: int = 64) -> Prefill:
-    """Prefill ``prompt`` once (full cache), keeping the last ``query_window`` queries per layer,
-    so several methods can be compared on it without prefilling again (``generate(prefill=...)``).
-    ``query_window`` must cover the largest SnapKV window to be used."""
+def prefill(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompt: Prompt | list[Prompt], query_window: int | None = 64) -> Prefill:
+    """Prefill ``prompt`` once (full cache), keeping the last ``query_window`` queries per layer
+    (None: all, as H2O needs), so several methods can be compared on it without prefilling again
+    (``generate(prefill=...)``). It must cover every method's ``queries_needed()``."""
     rows, chunk_lists, is_batch = _new_rows(tokenizer, prompt, None)
     _check_lengths(model, [len(chunks[0]) for chunks in chunk_lists], 1)
     cache = _Recorder(window=query_window).make_cache(model)

@@ -22,7 +22,7 @@ from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ..generation import Result, generate, prefill, teacher_forced_logprobs
-from ..methods import FullKV, Method, ShadowKV, method_from_name
+from ..methods import FullKV, Loki, Method, Quest, ShadowKV, method_from_name
 from .metrics import fidelity, score, string_match_any
 from .tasks import DEPTH_GRID_TASKS, HAYSTACK_TASKS, TASKS, Sample
 
@@ -57,13 +57,15 @@ class Config:
 
 
 def method_configs(methods: list[str], budgets: list[int]) -> list[Config]:
-    """The full cache once, every other method at every budget (ShadowKV's budget is its sparse budget)."""
+    """The full cache once, every other method at every budget (ShadowKV, Quest, Loki: the tokens
+    attended per step from the prompt)."""
     configs = []
     for name in methods:
         if name == "full":
             configs.append(Config("full", "full", None, FullKV()))
         for budget in budgets if name != "full" else []:
-            method = ShadowKV(sparse_budget=budget) if name == "shadowkv" else method_from_name(name, budget=budget)
+            sparse = {"shadowkv": lambda: ShadowKV(sparse_budget=budget), "quest": lambda: Quest(token_budget=budget), "loki": lambda: Loki(token_budget=budget)}
+            method = sparse[name]() if name in sparse else method_from_name(name, budget=budget)
             configs.append(Config(f"{name}@{budget}", name, budget, method))
     return sorted(configs, key=lambda c: c.label != "full")  # the full cache first: it is the reference
 
@@ -121,7 +123,8 @@ def run_matrix(
     out.mkdir(parents=True, exist_ok=True)
     path = out / "results.jsonl"
     done = _resume(path)
-    window = max([getattr(c.method, "window", 1) for c in configs] + [1])
+    needed = [c.method.queries_needed() for c in configs]
+    window = None if None in needed else max(needed + [1])
     bar = tqdm(total=len(samples) * len(configs), desc="accuracy", disable=not progress, unit="run")
     for sample in samples:
         todo = [c for c in configs if (sample.id, c.label) not in done]

@@ -25,7 +25,7 @@ import transformers
 from tqdm import tqdm
 from transformers import PreTrainedModel
 
-from ..methods import FullKV, Method, ShadowKV, SnapKV, StreamingLLM
+from ..methods import H2O, FullKV, Loki, Method, Quest, ShadowKV, SnapKV, StreamingLLM
 
 PRESETS: dict[str, dict] = {
     # The CPU check: the embedded model's shape, 1K-8K prompts (8000 leaves room to decode in 8K).
@@ -36,12 +36,17 @@ PRESETS: dict[str, dict] = {
 
 
 def make_method(name: str, budget: int, sparse_budget: int | None) -> Method:
-    """A benchmark method by name: SnapKV/StreamingLLM at ``budget``, ShadowKV at ``sparse_budget``."""
+    """A benchmark method by name: SnapKV/StreamingLLM/H2O at ``budget``; ShadowKV, Quest and Loki
+    at ``sparse_budget`` (default: ShadowKV's own default, 2048 tokens)."""
+    sparse = sparse_budget or ShadowKV.sparse_budget
     factories = {
         "full": FullKV,
         "snapkv": lambda: SnapKV(budget=budget),
         "streamingllm": lambda: StreamingLLM(budget=budget),
-        "shadowkv": lambda: ShadowKV(sparse_budget=sparse_budget) if sparse_budget else ShadowKV(),
+        "h2o": lambda: H2O(budget=budget),
+        "shadowkv": lambda: ShadowKV(sparse_budget=sparse),
+        "quest": lambda: Quest(token_budget=sparse),
+        "loki": lambda: Loki(token_budget=sparse),
     }
     if name not in factories:
         raise ValueError(f"method={name!r} is not benchmarked; valid: {', '.join(factories)}")

@@ -6,11 +6,14 @@ from typing import Any
 
 from .base import InvalidParameterError, Method
 from .full import FullKV
+from .h2o import H2O
+from .loki import Loki
+from .quest import Quest
 from .shadowkv import ShadowKV
 from .snapkv import SnapKV
 from .streaming import StreamingLLM
 
-METHODS: dict[str, type[Method]] = {cls.name: cls for cls in (FullKV, SnapKV, StreamingLLM, ShadowKV)}
+METHODS: dict[str, type[Method]] = {cls.name: cls for cls in (FullKV, SnapKV, StreamingLLM, ShadowKV, H2O, Quest, Loki)}
 
 
 def method_from_name(name: str, **params: Any) -> Method:

@@ -78,6 +78,10 @@ class Method:
 
         return CompressedLayer(self, layer_idx)
 
+    def queries_needed(self) -> int | None:
+        """How many of the last prefill queries ``scores`` reads (None: all of them)."""
+        return 1
+
     def keep_counts(self, lengths: torch.Tensor) -> torch.Tensor | None:
         """Tokens each row keeps after prefill, given each row's real prompt length ``[batch]``.
 

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from ..cache import CompressedLayer
+from ..cache import CompressedLayer, gather_tokens
 from ..rope import apply_rope, cos_sin, invert_rope, rotary_module
 from .base import InvalidParameterError, Method, check_positive_int, require
 
@@ -102,11 +102,6 @@ def chunk_tokens(chunks: torch.Tensor, chunk: int) -> torch.Tensor:
     """Token indices ``[b, h, n * chunk]`` of chunk indices ``[b, h, n]``."""
     offsets = torch.arange(chunk, device=chunks.device)
     return (chunks[..., None] * chunk + offsets).flatten(-2)
-
-
-def gather_tokens(tensor: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """``tensor [b, h, s, d]`` at per-head token indices ``[b, h, n]`` -> ``[b, h, n, d]``."""
-    return tensor.gather(2, tokens[..., None].expand(-1, -1, -1, tensor.shape[-1]))
 
 
 @dataclass

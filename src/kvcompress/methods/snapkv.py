@@ -104,6 +104,9 @@ class SnapKV(Method):
             return
         check_budget("SnapKV", self.budget, "window", self.window, "observation window")
 
+    def queries_needed(self) -> int:
+        return self.window
+
     def keep_counts(self, lengths: torch.Tensor) -> torch.Tensor:
         return budget_counts(lengths, self.budget, self.ratio, floor=self.window)
 
