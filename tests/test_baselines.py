@@ -68,6 +68,12 @@ def test_budget_covering_everything_equals_the_full_cache(method):
     assert cache.layers[0].region_keys is not None  # the sparse path ran
 
 
+@pytest.mark.parametrize("method", [kvc.Quest(token_budget=64), kvc.Loki(token_budget=64, dim=8)], ids=["quest", "loki"])
+def test_selective_methods_keep_every_prompt_position(method):
+    kept = prefilled_cache(method, 203).kept_positions(1)
+    assert kept.shape == (1, 2, 203) and (kept == torch.arange(203)).all()
+
+
 def test_quest_offload_reports_fetched_bytes():
     model = tiny_model()
     _, cache = teacher_forced_logits(model, kvc.Quest(token_budget=64, page_size=16, offload=True), torch.randint(3, 128, (1, 300)), torch.randint(3, 128, (1, 4)))
@@ -116,3 +122,16 @@ def test_batches_and_prefill_reuse(method):
     fresh = kvc.generate(model, tok, prompts, method=method, max_new_tokens=6)
     record = kvc.prefill(model, tok, prompts, query_window=method.queries_needed())
     assert kvc.generate(model, tok, method=method, prefill=record, max_new_tokens=6).token_ids == fresh.token_ids
+
+
+@pytest.mark.parametrize(
+    "method",
+    [kvc.Quest(token_budget=64), kvc.Loki(token_budget=64, dim=8), kvc.H2O(budget=64, evict_during_decoding=True), kvc.ShadowKV(sparse_budget=32, rank=8)],
+    ids=lambda m: m.name,
+)
+def test_several_new_tokens_at_once_over_a_compressed_cache(method):
+    """Follow-up turns and teacher forcing append many tokens in one forward pass."""
+    model, tok = tiny_model(), char_tokenizer()
+    record = kvc.prefill(model, tok, random_text(250, seed=3), query_window=method.queries_needed())
+    logprobs = kvc.teacher_forced_logprobs(model, record, method, list(range(40, 52)))
+    assert logprobs.shape == (12, 128) and torch.isfinite(logprobs).all()

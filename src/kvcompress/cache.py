@@ -306,6 +306,14 @@ class SelectiveLayer(CompressedLayer):
         full_mask = torch.cat([chosen_valid[:, :, None, :].expand(-1, -1, q_len, -1), mask.expand(keys.shape[0], keys.shape[1], -1, -1)], dim=-1)
         return dense_attention(query, torch.cat([chosen_keys, keys], dim=2), torch.cat([chosen_values, values], dim=2), full_mask, scaling)
 
+    def kept_positions(self) -> torch.Tensor:
+        """Every prompt position: nothing is dropped (padding reported as -1)."""
+        if self.region_valid is None:
+            return super().kept_positions()
+        valid = torch.cat([self.region_valid, self.slot_validity()[:, : self.prefill_len - self.region_valid.shape[-1]]], dim=-1)
+        position = (valid.long().cumsum(-1) - 1).masked_fill(~valid, -1)
+        return position[:, None, :].expand(-1, self.keys.shape[1], -1)
+
     def index_tensors(self) -> list[torch.Tensor]:
         """The method's selection index kept on the device (page bounds, projected keys, ...)."""
         return []

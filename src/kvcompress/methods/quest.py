@@ -37,7 +37,7 @@ def page_upper_bounds(query: torch.Tensor, low: torch.Tensor, high: torch.Tensor
     """Upper bound of ``q . k`` over each page, max over query heads of a group and over queries ``[b, kv_heads, pages]``."""
     batch, q_heads, q_len, dim = query.shape
     kv_heads = low.shape[1]
-    q = query.float().view(batch, kv_heads, q_heads // kv_heads * q_len, 1, dim)
+    q = query.float().reshape(batch, kv_heads, q_heads // kv_heads * q_len, 1, dim)
     bound = torch.maximum(q * low.float()[:, :, None], q * high.float()[:, :, None]).sum(dim=-1)
     return bound.nan_to_num(-math.inf).amax(dim=2)
 
