@@ -56,6 +56,7 @@ class CompressedLayer(DynamicLayer):
         self.valid: torch.Tensor | None = None  # [batch, slots]; None when every slot is real
         self.positions: torch.Tensor | None = None  # [batch, kv_heads, prompt slots] after compression
         self.awaiting_commit = False
+        self.new_tokens = 0  # tokens added by the last update
         self.compress_s = 0.0  # time spent compressing at the end of prefill
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,6 +68,7 @@ class CompressedLayer(DynamicLayer):
             )
         keys, values = super().update(key_states, value_states)
         self.seen_tokens += key_states.shape[-2]
+        self.new_tokens = key_states.shape[-2]
         self.awaiting_commit = True
         _announced.layer, _announced.keys = self, keys
         return keys, values
@@ -86,6 +88,7 @@ class CompressedLayer(DynamicLayer):
         the method as if the prefill had run here. ``query_tail``: the last prefill queries."""
         self.lazy_initialization(keys, values)
         self.keys, self.values, self.seen_tokens = keys, values, keys.shape[-2]
+        self.new_tokens = keys.shape[-2]
         self.commit(query_tail, valid, scaling)
 
     @property
@@ -110,10 +113,16 @@ class CompressedLayer(DynamicLayer):
             old = self.slot_validity()[:, : self.keys.shape[-2] - new_valid.shape[-1]]
             self.valid = torch.cat([old, new_valid], dim=-1)
         elif self.valid is not None:
-            self.valid = torch.nn.functional.pad(self.valid, (0, query.shape[-2]), value=True)
+            self.valid = torch.nn.functional.pad(self.valid, (0, self.new_tokens), value=True)
         if self.is_prefill:
+            valid = self.slot_validity()
+            if self.valid is not None and bool((valid[:, :-1] & ~valid[:, 1:]).any()):
+                raise ValueError(
+                    "kvcompress needs left-padded batches (padding before each prompt, as tokenizer.padding_side='left' "
+                    "gives); this batch has padding after real tokens"
+                )
             self.prefill_len = self.keys.shape[-2]
-            self.prompt_tokens = self.slot_validity().sum(dim=-1)
+            self.prompt_tokens = valid.sum(dim=-1)
             _sync(self.keys)
             start = time.perf_counter()
             self._compress_prompt(query, scaling)
@@ -124,11 +133,6 @@ class CompressedLayer(DynamicLayer):
         from .methods.base import select_kept
 
         valid = self.slot_validity()
-        if self.valid is not None and bool((valid[:, :-1] & ~valid[:, 1:]).any()):
-            raise ValueError(
-                "kvcompress needs left-padded batches (padding before each prompt, as tokenizer.padding_side='left' "
-                "gives); this batch has padding after real tokens"
-            )
         lengths = self.prompt_tokens
         counts = self.method.keep_counts(lengths)
         if counts is None or bool((counts >= lengths).all()):
