@@ -209,6 +209,29 @@ def dense_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     )
 
 
+def causal_slot_mask(q_len: int, slots: int, device: torch.device) -> torch.Tensor:
+    """``[1, 1, q_len, slots]``: the newest ``q_len`` slots are the queries, each sees itself and all before."""
+    return torch.ones(q_len, slots, dtype=torch.bool, device=device).tril(slots - q_len)[None, None]
+
+
+def attend_selected(
+    query: torch.Tensor,
+    chosen: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor | None,
+    scaling: float,
+) -> torch.Tensor:
+    """Exact attention over per-head chosen prompt tokens (``keys, values, valid [b, h, n]``) followed
+    by the layer's dense slots (``keys``/``values`` with their ``mask``; None = causal)."""
+    chosen_keys, chosen_values, chosen_valid = chosen
+    q_len = query.shape[-2]
+    if mask is None:
+        mask = causal_slot_mask(q_len, keys.shape[-2], keys.device)
+    full_mask = torch.cat([chosen_valid[:, :, None, :].expand(-1, -1, q_len, -1), mask.expand(keys.shape[0], keys.shape[1], -1, -1)], dim=-1)
+    return dense_attention(query, torch.cat([chosen_keys, keys], dim=2), torch.cat([chosen_values, values], dim=2), full_mask, scaling)
+
+
 class KVCompressCache(Cache):
     """A ``Cache`` whose layers apply ``method`` at the end of prefill. Use it with ``model.generate``
     (``past_key_values=cache``) or ``kvcompress.generate``."""
@@ -304,11 +327,7 @@ class SelectiveLayer(CompressedLayer):
         self.steps += 1
         self.fetched_bytes += (chosen_keys.numel() * chosen_keys.element_size() * 2) if self.offload else 0
         chosen_valid = self.region_valid[:, None, :].expand(-1, tokens.shape[1], -1).gather(2, tokens)
-        q_len, dense = query.shape[-2], keys.shape[-2]
-        if mask is None:
-            mask = torch.ones(q_len, dense, dtype=torch.bool, device=keys.device).tril(dense - q_len)[None, None]
-        full_mask = torch.cat([chosen_valid[:, :, None, :].expand(-1, -1, q_len, -1), mask.expand(keys.shape[0], keys.shape[1], -1, -1)], dim=-1)
-        return dense_attention(query, torch.cat([chosen_keys, keys], dim=2), torch.cat([chosen_values, values], dim=2), full_mask, scaling)
+        return attend_selected(query, (chosen_keys, chosen_values, chosen_valid), keys, values, mask, scaling)
 
     def kept_positions(self) -> torch.Tensor:
         """Every prompt position: nothing is dropped (padding reported as -1)."""

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from ..cache import CompressedLayer, dense_attention
+from ..cache import CompressedLayer, causal_slot_mask
 from .base import Method, budget_counts, check_budget, check_positive_int
 from .snapkv import average_over_groups
 
@@ -113,7 +113,7 @@ class H2OLayer(CompressedLayer):
         group = q_heads // kv_heads
         logits = (query.float().reshape(batch, kv_heads, group * q_len, dim) @ keys.float().transpose(-1, -2)).view(batch, q_heads, q_len, -1) * scaling
         if mask is None:
-            mask = torch.ones(q_len, keys.shape[-2], dtype=torch.bool, device=keys.device).tril(keys.shape[-2] - q_len)[None, None]
+            mask = causal_slot_mask(q_len, keys.shape[-2], keys.device)
         probs = logits.masked_fill(~mask, torch.finfo(torch.float32).min).softmax(dim=-1)
         new = torch.zeros(batch, kv_heads, q_len, device=keys.device)
         self.slot_scores = torch.cat([self.slot_scores, new], dim=-1) + average_over_groups(probs.sum(dim=2), kv_heads)

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from ..cache import CompressedLayer, gather_tokens
+from ..cache import CompressedLayer, attend_selected, gather_tokens
 from ..rope import apply_rope, cos_sin, invert_rope, rotary_module
 from .base import InvalidParameterError, Method, check_positive_int, require
 
@@ -237,13 +237,7 @@ class ShadowKVLayer(CompressedLayer):
         sparse_valid = self.selectable.gather(2, chosen).repeat_interleave(self.method.chunk, dim=-1)
         if self.region_valid is not None:
             sparse_valid &= self.region_valid[:, None, :].expand(-1, tokens.shape[1], -1).gather(2, tokens)
-        q_len, dense = query.shape[-2], keys.shape[-2]
-        if mask is None:
-            mask = torch.ones(q_len, dense, dtype=torch.bool, device=keys.device).tril(dense - q_len)[None, None]
-        full_mask = torch.cat(
-            [sparse_valid[:, :, None, :].expand(-1, -1, q_len, -1), mask.expand(keys.shape[0], keys.shape[1], -1, -1)], dim=-1
-        )
-        return super().attend(query, torch.cat([sparse_keys, keys], dim=2), torch.cat([sparse_values, values], dim=2), full_mask, scaling)
+        return attend_selected(query, (sparse_keys, sparse_values, sparse_valid), keys, values, mask, scaling)
 
     def _fetch(self, chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys (rebuilt, rotated) and values (from the offload store) of the chosen chunks, reusing
