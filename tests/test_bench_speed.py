@@ -93,3 +93,9 @@ def test_architecture_presets_have_the_documented_shapes():
 
 def test_copy_bandwidth_is_positive():
     assert copy_bandwidth(torch.device("cpu"), megabytes=8) > 1e8
+
+
+def test_the_baselines_are_benchmarked_too(tmp_path):
+    report = run_speed(tiny_model(), ["h2o", "quest", "loki"], [300], [1], tmp_path, budget=64, sparse_budget=64, steps=2, warmup=1, progress=False)
+    assert [r["method"] for r in report["rows"]] == ["h2o", "quest", "loki"] and all(r["status"] == "ok" for r in report["rows"])
+    assert report["rows"][0]["kv_device_bytes"] < report["rows"][1]["kv_device_bytes"]  # H2O drops, Quest keeps all

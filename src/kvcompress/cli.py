@@ -239,7 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--evict-during-decoding", action="store_true", help="keep the cache at --budget while generating (h2o)")
     gen.add_argument("--token-budget", type=int, help="prompt tokens attended per step (quest, loki; default 2048)")
     gen.add_argument("--page-size", type=int, help="tokens per page (quest; default 16)")
-    gen.add_argument("--dim", type=int, help="principal components used for scoring (loki; default 32)")
+    gen.add_argument("--dim", type=int, help="principal components used for scoring (loki; default half the head dimension)")
     gen.add_argument("--offload", action="store_true", help="keep the paged KV in host memory, fetch selected pages (quest)")
     gen.add_argument("--model", help="model path or name (default: the embedded SmolLM2-135M-Instruct)")
     gen.add_argument("--prompt", help="the prompt text (sent as a user chat message)")

@@ -1,6 +1,7 @@
 """Loki (Singhania et al., 2024, "Loki: Low-Rank Keys for Efficient Sparse Attention").
 
-Nothing is dropped. Keys are projected onto their top ``dim`` principal components; at each
+Nothing is dropped. Keys are projected onto their top ``dim`` principal components (default: half
+the head dimension); at each
 decoding step attention scores are approximated in that subspace, ``(q P)(K P)^T``, and exact
 attention runs over the top ``token_budget`` prompt tokens per KV head (max over its query heads)
 plus the recent tokens.
@@ -46,19 +47,20 @@ class Loki(Method):
 
     name: ClassVar[str] = "loki"
     token_budget: int = 2048
-    dim: int = 32
+    dim: int | None = None  # default: half the head dimension
     recent: int = 32
     calibration: str | None = None
 
     def validate(self) -> None:
         check_positive_int("Loki", "token_budget", self.token_budget)
-        check_positive_int("Loki", "dim", self.dim)
+        if self.dim is not None:
+            check_positive_int("Loki", "dim", self.dim)
         check_positive_int("Loki", "recent", self.recent, minimum=0)
 
     def check_model(self, model: PreTrainedModel) -> None:
         config = model.config.get_text_config()
         head_dim = getattr(config, "head_dim", config.hidden_size // config.num_attention_heads)
-        if self.dim > head_dim:
+        if self.dim is not None and self.dim > head_dim:
             raise InvalidParameterError(f"Loki: dim={self.dim} exceeds head_dim={head_dim}; valid: 1 to {head_dim}")
 
     def make_layer(self, layer_idx: int, model: PreTrainedModel) -> LokiLayer:
@@ -83,7 +85,8 @@ class LokiLayer(SelectiveLayer):
             components = self.calibrated.to(keys.device, torch.float32)[None].expand(keys.shape[0], -1, -1, -1)
         else:
             components = principal_components(keys, valid)
-        self.components = components[..., : self.method.dim].contiguous()
+        dim = self.method.dim or keys.shape[-1] // 2
+        self.components = components[..., :dim].contiguous()
         self.projected = (keys.float() @ self.components).to(keys.dtype)
 
     def select(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
