@@ -43,6 +43,17 @@ def take_announced() -> tuple[CompressedLayer | None, torch.Tensor | None]:
     return layer, keys
 
 
+def prompt_positions(valid: torch.Tensor) -> torch.Tensor:
+    """Each slot's position inside its row's real prompt ``[batch, slots]``; -1 for padding."""
+    return (valid.long().cumsum(-1) - 1).masked_fill(~valid, -1)
+
+
+def to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A host-memory copy, pinned when it comes from a GPU (so fetches back can be asynchronous)."""
+    host = tensor.to("cpu")
+    return host.pin_memory() if tensor.is_cuda else host
+
+
 class CompressedLayer(DynamicLayer):
     """One layer's compressed KV storage."""
 
@@ -142,8 +153,7 @@ class CompressedLayer(DynamicLayer):
         gather = indices[..., None].expand(-1, -1, -1, self.keys.shape[-1])
         self.keys = self.keys.gather(2, gather)
         self.values = self.values.gather(2, gather)
-        row_position = valid.long().cumsum(-1) - 1
-        kept = row_position[:, None, :].expand(-1, indices.shape[1], -1).gather(2, indices)
+        kept = prompt_positions(valid)[:, None, :].expand(-1, indices.shape[1], -1).gather(2, indices)
         self.positions = kept.masked_fill(~slot_valid[:, None, :], -1)
         self.valid = None if bool(slot_valid.all()) else slot_valid
 
@@ -153,8 +163,7 @@ class CompressedLayer(DynamicLayer):
         if self.positions is not None:
             return self.positions
         valid = self.slot_validity()[:, : self.prefill_len]
-        position = (valid.long().cumsum(-1) - 1).masked_fill(~valid, -1)
-        return position[:, None, :].expand(-1, self.keys.shape[1], -1)
+        return prompt_positions(valid)[:, None, :].expand(-1, self.keys.shape[1], -1)
 
     def extra_stats(self, layers: list[CompressedLayer]) -> dict:
         """Method-specific stats over all ``layers`` (called on the first one)."""
@@ -312,7 +321,7 @@ class SelectiveLayer(CompressedLayer):
         valid = self.slot_validity()
         keys, values = self.keys[:, :, :region], self.values[:, :, :region]
         self.prepare(keys, valid[:, :region])
-        store = (lambda t: t.to("cpu").pin_memory() if t.is_cuda else t.to("cpu")) if self.offload else (lambda t: t)
+        store = to_host if self.offload else (lambda t: t)
         self.region_keys, self.region_values = store(keys), store(values)
         self.region_valid = valid[:, :region]
         self.keys, self.values = self.keys[:, :, region:], self.values[:, :, region:]
@@ -334,8 +343,7 @@ class SelectiveLayer(CompressedLayer):
         if self.region_valid is None:
             return super().kept_positions()
         valid = torch.cat([self.region_valid, self.slot_validity()[:, : self.prefill_len - self.region_valid.shape[-1]]], dim=-1)
-        position = (valid.long().cumsum(-1) - 1).masked_fill(~valid, -1)
-        return position[:, None, :].expand(-1, self.keys.shape[1], -1)
+        return prompt_positions(valid)[:, None, :].expand(-1, self.keys.shape[1], -1)
 
     def index_tensors(self) -> list[torch.Tensor]:
         """The method's selection index kept on the device (page bounds, projected keys, ...)."""

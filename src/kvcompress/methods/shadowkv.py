@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from ..cache import CompressedLayer, attend_selected, gather_tokens
+from ..cache import CompressedLayer, attend_selected, gather_tokens, prompt_positions, to_host
 from ..rope import apply_rope, cos_sin, invert_rope, rotary_module
 from .base import InvalidParameterError, Method, check_positive_int, require
 
@@ -198,7 +198,7 @@ class ShadowKVLayer(CompressedLayer):
         if n_chunks - n_outliers <= 0:
             return
         region = n_chunks * c
-        positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
+        positions = prompt_positions(valid).clamp(min=0)
         cos, sin = cos_sin(self.rotary, positions, self.keys)
         pre_rope = invert_rope(self.keys, cos[:, None], sin[:, None])
         factor_a, factor_b = low_rank_factors(pre_rope, valid, method.resolved_rank(heads * dim))
@@ -210,7 +210,7 @@ class ShadowKVLayer(CompressedLayer):
         selectable.scatter_(-1, outliers, False)
         outlier_tokens = chunk_tokens(outliers, c)
 
-        row_position = (valid.long().cumsum(-1) - 1).masked_fill(~valid, -1)
+        row_position = prompt_positions(valid)
         self.positions = torch.cat(
             [row_position[:, None, :region].expand(-1, heads, -1).gather(2, outlier_tokens), row_position[:, None, region:].expand(-1, heads, -1)], dim=-1
         )
@@ -219,8 +219,7 @@ class ShadowKVLayer(CompressedLayer):
         dense_valid = torch.cat([torch.ones(batch, outlier_tokens.shape[-1], dtype=torch.bool, device=valid.device), valid[:, region:]], dim=-1)
         self.valid = None if bool(dense_valid.all()) else dense_valid
 
-        host = values.reshape(batch, heads, n_chunks, c, dim).to("cpu")
-        self.offloaded = host.pin_memory() if values.is_cuda else host
+        self.offloaded = to_host(values.reshape(batch, heads, n_chunks, c, dim))
         self.factor_a, self.factor_b = factor_a[:, :region].to(self.keys.dtype), factor_b.to(self.keys.dtype)
         self.landmarks, self.selectable = landmarks, selectable
         self.region_positions = positions[:, :region]

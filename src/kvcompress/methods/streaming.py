@@ -14,13 +14,14 @@ from typing import ClassVar
 
 import torch
 
+from ..cache import prompt_positions
 from .base import Method, budget_counts, check_budget, check_positive_int
 
 
 def sink_and_recent_scores(valid: torch.Tensor, sinks: int, kv_heads: int) -> torch.Tensor:
     """Scores ``[batch, kv_heads, seq]`` that rank the first ``sinks`` real tokens highest, then
     every other token by recency."""
-    position = valid.long().cumsum(-1) - 1  # position inside each row's real prompt
+    position = prompt_positions(valid)
     scores = position.float().masked_fill(position < sinks, math.inf)
     return scores[:, None, :].expand(-1, kv_heads, -1)
 
