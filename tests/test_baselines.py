@@ -39,6 +39,13 @@ def test_h2o_keeps_heavy_hitters_and_recent_tokens():
     assert kept.shape == (1, 2, 40) and (kept[..., -10:] == torch.arange(110, 120)).all()
 
 
+def test_h2o_evicting_layer_selects_the_prompt_like_plain_h2o():
+    plain = prefilled_cache(kvc.H2O(budget=40, recent=10), 150)
+    evicting = prefilled_cache(kvc.H2O(budget=40, recent=10, evict_during_decoding=True), 150)
+    for layer in range(2):
+        assert torch.equal(evicting.kept_positions(layer), plain.kept_positions(layer))
+
+
 def test_h2o_evicting_while_decoding_stays_at_budget():
     model, tok = tiny_model(), char_tokenizer()
     result = kvc.generate(model, tok, random_text(150), method=kvc.H2O(budget=48, evict_during_decoding=True), max_new_tokens=20)

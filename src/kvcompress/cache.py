@@ -148,14 +148,17 @@ class CompressedLayer(DynamicLayer):
         counts = self.method.keep_counts(lengths)
         if counts is None or bool((counts >= lengths).all()):
             return
-        scores = self.method.scores(query, self.keys, valid, scaling)
-        indices, slot_valid = select_kept(scores, valid, counts)
+        indices, slot_valid = select_kept(self.prompt_scores(query, valid, scaling), valid, counts)
         gather = indices[..., None].expand(-1, -1, -1, self.keys.shape[-1])
         self.keys = self.keys.gather(2, gather)
         self.values = self.values.gather(2, gather)
         kept = prompt_positions(valid)[:, None, :].expand(-1, indices.shape[1], -1).gather(2, indices)
         self.positions = kept.masked_fill(~slot_valid[:, None, :], -1)
         self.valid = None if bool(slot_valid.all()) else slot_valid
+
+    def prompt_scores(self, query: torch.Tensor, valid: torch.Tensor, scaling: float) -> torch.Tensor:
+        """The method's importance of each prompt slot ``[batch, kv_heads, seq]``."""
+        return self.method.scores(query, self.keys, valid, scaling)
 
     def kept_positions(self) -> torch.Tensor:
         """Prompt positions held, ``[batch, kv_heads, prompt slots]`` ascending; -1 marks filler slots

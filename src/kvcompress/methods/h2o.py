@@ -47,11 +47,16 @@ def accumulated_attention(query: torch.Tensor, keys: torch.Tensor, valid: torch.
     return total
 
 
+def protect_recent(scores: torch.Tensor, recent: int) -> torch.Tensor:
+    """A copy of ``scores [..., seq]`` with the ``recent`` last positions at ``+inf`` (always kept)."""
+    protected = scores.clone()
+    protected[..., protected.shape[-1] - recent :] = math.inf
+    return protected
+
+
 def h2o_scores(query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scaling: float, recent: int, block: int = 256) -> torch.Tensor:
     """``[batch, kv_heads, seq]``: accumulated attention, with the ``recent`` last tokens at ``+inf``."""
-    scores = average_over_groups(accumulated_attention(query, keys, valid, scaling, block), keys.shape[1])
-    scores[..., scores.shape[-1] - recent :] = math.inf
-    return scores
+    return protect_recent(average_over_groups(accumulated_attention(query, keys, valid, scaling, block), keys.shape[1]), recent)
 
 
 @dataclass
@@ -95,15 +100,21 @@ class H2OLayer(CompressedLayer):
     def __init__(self, method: H2O, layer_idx: int) -> None:
         super().__init__(method, layer_idx)
         self.slot_scores: torch.Tensor | None = None  # [batch, kv_heads, slots]
+        self.prompt_accumulated: torch.Tensor | None = None  # only during prefill compression
 
     def _compress_prompt(self, query: torch.Tensor, scaling: float) -> None:
-        valid = self.slot_validity()
-        full = average_over_groups(accumulated_attention(query, self.keys, valid, scaling, self.method.block), self.keys.shape[1])
+        # Computed once: it ranks the prompt (prompt_scores) and seeds the scores eviction keeps adding to.
+        accumulated = accumulated_attention(query, self.keys, self.slot_validity(), scaling, self.method.block)
+        self.prompt_accumulated = average_over_groups(accumulated, self.keys.shape[1])
         super()._compress_prompt(query, scaling)
+        full, self.prompt_accumulated = self.prompt_accumulated, None
         if self.positions is None:
             self.slot_scores = full
         else:  # the kept slots' scores (filler slots: -inf, evicted first)
             self.slot_scores = full.gather(2, self.positions.clamp(min=0)).masked_fill(self.positions < 0, -math.inf)
+
+    def prompt_scores(self, query: torch.Tensor, valid: torch.Tensor, scaling: float) -> torch.Tensor:
+        return protect_recent(self.prompt_accumulated, self.method.recent_tokens)
 
     def attend(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
         if self.slot_scores is None:
@@ -130,9 +141,7 @@ class H2OLayer(CompressedLayer):
         excess = self.keys.shape[-2] - self.method.budget
         if excess <= 0:
             return
-        protected = self.slot_scores.clone()
-        protected[..., protected.shape[-1] - self.method.recent_tokens :] = math.inf
-        keep = protected.topk(self.method.budget, dim=-1).indices.sort(dim=-1).values
+        keep = protect_recent(self.slot_scores, self.method.recent_tokens).topk(self.method.budget, dim=-1).indices.sort(dim=-1).values
         gather = keep[..., None].expand(-1, -1, -1, self.keys.shape[-1])
         self.keys, self.values = self.keys.gather(2, gather), self.values.gather(2, gather)
         self.slot_scores = self.slot_scores.gather(2, keep)
