@@ -62,7 +62,7 @@ class Method:
 
     def make_cache(self, model: PreTrainedModel) -> KVCompressCache:
         """A transformers ``Cache`` applying this method; also prepares ``model`` (see hooks.attach)."""
-        from ..cache import CompressedLayer, KVCompressCache
+        from ..cache import KVCompressCache
         from ..hooks import attach
 
         attach(model)
