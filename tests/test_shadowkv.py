@@ -9,6 +9,7 @@ import torch
 from transformers import DynamicCache
 
 import kvcompress as kvc
+from kvcompress.offload import fetch_chunks
 from kvcompress.methods.shadowkv import chunk_landmarks, landmark_scores, low_rank_factors, rebuild_keys
 from kvcompress.rope import apply_rope, cos_sin, invert_rope, rotary_module
 
@@ -105,7 +106,7 @@ def test_rebuilt_keys_carry_rope_at_their_original_positions():
         model(prompt, past_key_values=cache)
     layer = cache.layers[1]
     chunks = torch.tensor([[[0, 5, 11], [2, 3, 17]]])
-    keys, values = layer._rebuild(chunks)
+    keys, values = layer.rebuild_keys(chunks), fetch_chunks(layer.store.host, chunks)
     tokens = (chunks[..., None] * 8 + torch.arange(8)).flatten(-2)
     expected = full.layers[1].keys.gather(2, tokens[..., None].expand(-1, -1, -1, 16))
     torch.testing.assert_close(keys, expected, rtol=1e-4, atol=1e-4)
@@ -123,7 +124,7 @@ def test_memory_split_between_device_and_offload_store():
     assert layer.factor_a.shape == (1, n_chunks * 8, 4) and layer.factor_b.shape == (1, 4, 2, 16)
     assert layer.landmarks.shape == (1, 2, n_chunks, 16)
     assert layer.keys.shape[-2] == 2 * 8 + 16 + 3 + 1  # outliers + local + tail + one generated token
-    assert layer.offloaded.shape == (1, 2, n_chunks, 8, 16) and layer.offloaded.device.type == "cpu"
+    assert layer.store.host.shape == (1, 2, n_chunks, 8, 16) and layer.store.host.device.type == "cpu"
     assert stats["offloaded_bytes"] == 2 * n_chunks * 8 * 2 * 16 * 4
     assert stats["device_bytes"] == sum(sum(t.numel() * t.element_size() for t in lyr.device_tensors()) for lyr in cache.layers)
     assert stats["selected_tokens_per_step"] == 32 and stats["rank"] == 4 and stats["chunk"] == 8

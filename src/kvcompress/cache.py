@@ -22,6 +22,8 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, DynamicLayer
 
+from .offload import to_host
+
 if TYPE_CHECKING:
     from .methods.base import Method
 
@@ -46,12 +48,6 @@ def take_announced() -> tuple[CompressedLayer | None, torch.Tensor | None]:
 def prompt_positions(valid: torch.Tensor) -> torch.Tensor:
     """Each slot's position inside its row's real prompt ``[batch, slots]``; -1 for padding."""
     return (valid.long().cumsum(-1) - 1).masked_fill(~valid, -1)
-
-
-def to_host(tensor: torch.Tensor) -> torch.Tensor:
-    """A host-memory copy, pinned when it comes from a GPU (so fetches back can be asynchronous)."""
-    host = tensor.to("cpu")
-    return host.pin_memory() if tensor.is_cuda else host
 
 
 class CompressedLayer(DynamicLayer):
@@ -120,7 +116,9 @@ class CompressedLayer(DynamicLayer):
     def commit(self, query: torch.Tensor, new_valid: torch.Tensor | None, scaling: float) -> None:
         """Record which new tokens are real; on the first fill, apply the method (compression)."""
         self.awaiting_commit = False
-        if new_valid is not None and not bool(new_valid.all()):
+        # After the prefill, record the new tokens' validity without asking the device whether all
+        # are real: that question would synchronize every layer at every decoding step.
+        if new_valid is not None and (not self.is_prefill or not bool(new_valid.all())):
             old = self.slot_validity()[:, : self.keys.shape[-2] - new_valid.shape[-1]]
             self.valid = torch.cat([old, new_valid], dim=-1)
         elif self.valid is not None:

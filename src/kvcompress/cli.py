@@ -207,6 +207,11 @@ def _cmd_bench_speed(args: argparse.Namespace, console: Console) -> int:
                       f"{r['tokens_per_s']:.1f}", f"{r['kv_device_bytes'] / 2**20:.1f}", f"{r['offloaded_bytes'] / 2**20:.1f}", f"{r['peak_bytes'] / 2**20:.0f}",
                       f"{r['achieved_bandwidth'] / 1e9:.1f}", f"{r['bandwidth_fraction']:.0%}")
     console.print(table)
+    for r in report["rows"]:
+        if "fetch_hidden" in r:
+            console.print(f"{r['method']} {r['prompt_tokens']} x {r['batch']}: one layer's value fetch {r['layer_fetch_ms']:.3f} ms ({r['value_fetch']}), "
+                          f"key rebuild {r['layer_rebuild_ms']:.3f} ms, both overlapped {r['layer_fetch_and_rebuild_ms']:.3f} ms: "
+                          f"{r['fetch_hidden']:.0%} of the fetch hidden; chunk hit rate {r['chunk_hit_rate']:.2f}")
     for limit in report.get("limits", []):
         console.print(f"{limit['method']}: {limit['kind']} = {limit['value']} ({len(limit['tried'])} runs tried)")
     console.print(f"wrote {args.out}/speed.json, speed.csv, decode_latency.png, throughput.png")

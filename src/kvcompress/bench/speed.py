@@ -26,6 +26,7 @@ from tqdm import tqdm
 from transformers import PreTrainedModel
 
 from ..methods import H2O, FullKV, Loki, Method, Quest, ShadowKV, SnapKV, StreamingLLM
+from ..methods.shadowkv import ShadowKVLayer
 
 PRESETS: dict[str, dict] = {
     # The CPU check: the embedded model's shape, 1K-8K prompts (8000 leaves room to decode in 8K).
@@ -134,6 +135,34 @@ class Timer:
         return 1000 * (time.perf_counter() - start)
 
 
+def value_fetch_overlap(layer: ShadowKVLayer, timer: Timer, repeats: int = 10) -> dict:
+    """ShadowKV, one layer, every selected chunk fetched (no reuse): median ms of the value gather
+    alone, the key rebuild alone, and both as a decoding step runs them (gather on a side stream).
+    ``fetch_hidden`` is the share of the gather's time that overlapping removes from the step:
+    (gather + rebuild - both) / gather, between 0 and 1 (at most rebuild / gather can be hidden)."""
+    chosen = layer.selected
+    hit, slot = torch.zeros_like(chosen, dtype=torch.bool), torch.zeros_like(chosen)
+
+    def median_ms(run) -> float:
+        times = []
+        for _ in range(repeats):
+            start = timer.start()
+            run()
+            times.append(timer.ms_since(start))
+        return statistics.median(times)
+
+    fetch = median_ms(lambda: layer.store.fetch(chosen, hit, slot, None, overlap=lambda: None))
+    rebuild = median_ms(lambda: layer.rebuild_keys(chosen))
+    both = median_ms(lambda: layer.store.fetch(chosen, hit, slot, None, overlap=lambda: layer.rebuild_keys(chosen)))
+    return {
+        "value_fetch": layer.store.mode,
+        "layer_fetch_ms": fetch,
+        "layer_rebuild_ms": rebuild,
+        "layer_fetch_and_rebuild_ms": both,
+        "fetch_hidden": min(1.0, max(0.0, (fetch + rebuild - both) / fetch)) if fetch > 0 else 0.0,
+    }
+
+
 def weight_bytes(model: PreTrainedModel) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
@@ -176,6 +205,9 @@ def measure(model: PreTrainedModel, method: Method, name: str, length: int, batc
             achieved_bandwidth=read / (decode_ms / 1000),
             bandwidth_fraction=read / (decode_ms / 1000) / bandwidth,
         )
+        middle = cache.layers[len(cache.layers) // 2]
+        if isinstance(middle, ShadowKVLayer) and middle.selected is not None:
+            row.update(value_fetch_overlap(middle, timer), chunk_hit_rate=stats["chunk_hit_rate"])
     except (RuntimeError, MemoryError) as error:
         if not _is_oom(error):
             raise

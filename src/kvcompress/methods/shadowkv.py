@@ -30,7 +30,8 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from ..cache import CompressedLayer, attend_selected, gather_tokens, prompt_positions, to_host
+from ..cache import CompressedLayer, attend_selected, gather_tokens, prompt_positions
+from ..offload import ChunkStore
 from ..rope import apply_rope, cos_sin, invert_rope, rotary_module
 from .base import InvalidParameterError, Method, check_positive_int, require
 
@@ -42,14 +43,18 @@ OUTLIER_FRACTION = 48 / (128 * 1024 // 8)
 
 
 def low_rank_factors(pre_rope_keys: torch.Tensor, valid: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rank-``rank`` SVD of each row's keys ``[b, kv_heads, s, d]`` viewed as ``[s, kv_heads*d]``.
+    """Rank-``rank`` truncated SVD of each row's keys ``[b, kv_heads, s, d]`` viewed as ``[s, kv_heads*d]``.
 
     Returns ``A [b, s, rank]`` (left singular vectors times singular values) and
-    ``B [b, rank, kv_heads, d]``. Padding rows are zeroed so they do not shape the subspace."""
+    ``B [b, rank, kv_heads, d]``. The right singular vectors are the top eigenvectors of the small
+    ``[kv_heads*d, kv_heads*d]`` Gram matrix, which gives the same factors as a full SVD of the
+    ``s``-row matrix at a fraction of its cost for long prompts. Padding rows are zeroed so they
+    do not shape the subspace."""
     batch, heads, seq, dim = pre_rope_keys.shape
     matrix = pre_rope_keys.float().permute(0, 2, 1, 3).reshape(batch, seq, heads * dim) * valid[..., None]
-    u, s, vh = torch.linalg.svd(matrix, full_matrices=False)
-    return u[..., :rank] * s[:, None, :rank], vh[:, :rank].reshape(batch, rank, heads, dim)
+    _, vectors = torch.linalg.eigh((matrix.mT @ matrix).double())
+    basis = vectors[..., -rank:].flip(-1).float()  # eigh sorts ascending; keep the largest, largest first
+    return matrix @ basis, basis.mT.reshape(batch, rank, heads, dim)
 
 
 def rebuild_keys(a_rows: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -182,12 +187,12 @@ class ShadowKVLayer(CompressedLayer):
         self.selectable: torch.Tensor | None = None  # [b, kv_heads, n_chunks]
         self.region_positions: torch.Tensor | None = None  # [b, region] RoPE positions
         self.region_valid: torch.Tensor | None = None  # [b, region]
-        self.offloaded: torch.Tensor | None = None  # [b, kv_heads, n_chunks, chunk, d] on the host
+        self.store: ChunkStore | None = None  # values [b, kv_heads, n_chunks, chunk, d] off the device
         self.selected: torch.Tensor | None = None  # chunks of the reuse buffer [b, kv_heads, k]
-        self.buffer_keys: torch.Tensor | None = None  # [b, kv_heads, k * chunk, d]
-        self.buffer_values: torch.Tensor | None = None
+        self.buffer_values: torch.Tensor | None = None  # their values [b, kv_heads, k * chunk, d]
         self.chunks_per_step = 0
-        self.steps = self.lookups = self.hits = 0
+        self.steps = self.lookups = 0
+        self.hits: torch.Tensor | int = 0  # a device scalar once decoding runs
 
     def _compress_prompt(self, query: torch.Tensor, scaling: float) -> None:
         method, c = self.method, self.method.chunk
@@ -219,7 +224,7 @@ class ShadowKVLayer(CompressedLayer):
         dense_valid = torch.cat([torch.ones(batch, outlier_tokens.shape[-1], dtype=torch.bool, device=valid.device), valid[:, region:]], dim=-1)
         self.valid = None if bool(dense_valid.all()) else dense_valid
 
-        self.offloaded = to_host(values.reshape(batch, heads, n_chunks, c, dim))
+        self.store = ChunkStore(values.reshape(batch, heads, n_chunks, c, dim))
         self.factor_a, self.factor_b = factor_a[:, :region].to(self.keys.dtype), factor_b.to(self.keys.dtype)
         self.landmarks, self.selectable = landmarks, selectable
         self.region_positions = positions[:, :region]
@@ -239,40 +244,26 @@ class ShadowKVLayer(CompressedLayer):
         return attend_selected(query, (sparse_keys, sparse_values, sparse_valid), keys, values, mask, scaling)
 
     def _fetch(self, chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys (rebuilt, rotated) and values (from the offload store) of the chosen chunks, reusing
-        what the previous step already holds."""
-        c = self.method.chunk
+        """Keys (rebuilt, rotated) and values of the chosen chunks. The values are gathered from the
+        offload store (chunks chosen last step too: from the previous buffer) on a side stream while
+        the keys are rebuilt. Shapes are fixed and the hit count stays on the device, so a step
+        never waits for the GPU."""
         hit, slot = match_previous(chosen, self.selected)
         self.steps += 1
         self.lookups += chosen.numel()
-        self.hits += int(hit.sum())
-        n_miss = int((~hit).sum(-1).max())
-        if n_miss == 0:  # the same chunks as last step, in the same (ascending) order
-            return self.buffer_keys, self.buffer_values
-        # Misses first; rows with fewer misses than the most-missing row rebuild a few hits too.
-        order = hit.int().argsort(dim=-1, stable=True)
-        new_keys, new_values = self._rebuild(chosen.gather(2, order[..., :n_miss]))
-        if n_miss < chosen.shape[-1]:
-            from_miss = chunk_tokens(order.argsort(dim=-1).clamp(max=n_miss - 1), c)
-            from_prev = chunk_tokens(slot, c)
-            use_prev = hit.repeat_interleave(c, dim=-1)[..., None]
-            new_keys = torch.where(use_prev, gather_tokens(self.buffer_keys, from_prev), gather_tokens(new_keys, from_miss))
-            new_values = torch.where(use_prev, gather_tokens(self.buffer_values, from_prev), gather_tokens(new_values, from_miss))
-        self.selected, self.buffer_keys, self.buffer_values = chosen, new_keys, new_values
-        return new_keys, new_values
+        self.hits = self.hits + hit.sum()
+        values, keys = self.store.fetch(chosen, hit, slot, self.buffer_values, overlap=lambda: self.rebuild_keys(chosen))
+        self.selected, self.buffer_values = chosen, values
+        return keys, values
 
-    def _rebuild(self, chunks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Post-RoPE keys rebuilt from the low-rank factors and values fetched from the host, for ``chunks [b, h, m]``."""
-        batch, heads, m = chunks.shape
+    def rebuild_keys(self, chunks: torch.Tensor) -> torch.Tensor:
+        """Post-RoPE keys of ``chunks [b, h, m]``, rebuilt from the low-rank factors and rotated at their original positions."""
+        heads = chunks.shape[1]
         tokens = chunk_tokens(chunks, self.method.chunk)
         a_rows = gather_tokens(self.factor_a[:, None].expand(-1, heads, -1, -1), tokens)
         positions = self.region_positions[:, None, :].expand(-1, heads, -1).gather(2, tokens)
         cos, sin = cos_sin(self.rotary, positions, self.factor_a)
-        keys = apply_rope(rebuild_keys(a_rows, self.factor_b), cos, sin)
-        host_chunks = chunks.to("cpu")
-        values = self.offloaded.gather(2, host_chunks[..., None, None].expand(-1, -1, -1, *self.offloaded.shape[-2:]))
-        values = values.reshape(batch, heads, m * self.method.chunk, -1).to(keys.device, non_blocking=True)
-        return keys, values
+        return apply_rope(rebuild_keys(a_rows, self.factor_b), cos, sin)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.factor_a is not None:
@@ -281,28 +272,38 @@ class ShadowKVLayer(CompressedLayer):
 
     def device_tensors(self) -> list[torch.Tensor]:
         held = [self.keys, self.values, self.valid, self.positions, self.factor_a, self.factor_b, self.landmarks, self.selectable]
-        held += [self.region_positions, self.region_valid, self.selected, self.buffer_keys, self.buffer_values]
+        held += [self.region_positions, self.region_valid, self.selected, self.buffer_values]
         return [t for t in held if t is not None]
 
     def bytes_read_per_step(self) -> int:
-        """Dense slots, the selected chunks' keys and values, and the landmarks scored every step."""
-        read = [self.keys, self.values, self.buffer_keys, self.buffer_values, self.landmarks]
+        """Dense slots, the selected chunks' keys and values (same size), and the landmarks scored every step."""
+        read = [self.keys, self.values, self.buffer_values, self.buffer_values, self.landmarks]
         return sum(t.numel() * t.element_size() for t in read if t is not None)
+
+    def value_bytes_fetched(self) -> int:
+        """Bytes read from the offload store so far (hits count only where the store reads them again)."""
+        if self.store is None or not self.lookups:
+            return 0
+        misses = self.lookups - (0 if self.store.reads_hits() else int(self.hits))
+        return misses * self.store.nbytes // self.store.host.shape[:3].numel()
 
     def tensor_bytes(self) -> int:
         """Bytes kept on the compute device between steps (the offload store is reported separately)."""
         return sum(t.numel() * t.element_size() for t in self.device_tensors())
 
     def offloaded_bytes(self) -> int:
-        return 0 if self.offloaded is None else self.offloaded.numel() * self.offloaded.element_size()
+        return 0 if self.store is None else self.store.nbytes
 
     def extra_stats(self, layers: list[CompressedLayer]) -> dict:
         lookups = sum(layer.lookups for layer in layers)
+        steps = max(layer.steps for layer in layers)
         return {
             "device_bytes": sum(layer.tensor_bytes() for layer in layers),
             "offloaded_bytes": sum(layer.offloaded_bytes() for layer in layers),
             "rank": None if self.factor_b is None else self.factor_b.shape[1],
             "chunk": self.method.chunk,
             "selected_tokens_per_step": self.chunks_per_step * self.method.chunk,
-            "chunk_hit_rate": sum(layer.hits for layer in layers) / lookups if lookups else None,
+            "chunk_hit_rate": int(sum(layer.hits for layer in layers)) / lookups if lookups else None,
+            "value_fetch": self.store.mode if self.store is not None else None,
+            "value_bytes_fetched_per_step": sum(layer.value_bytes_fetched() for layer in layers) / steps if steps else None,
         }
