@@ -14,6 +14,7 @@ on an ordinary tensor.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from types import SimpleNamespace
 from typing import Callable, TypeVar
@@ -81,7 +82,7 @@ class ChunkStore:
         self.mode = "cpu"
         if chunks.is_cuda:
             self.view = zero_copy_view(self.host, self.device)
-            self.stream = torch.cuda.Stream(self.device)
+            self.stream = side_stream(self.device)
             self.mode = "host-gather" if self.view is None else ("zero-copy+triton" if _triton_gather() else "zero-copy")
 
     @property
@@ -118,6 +119,12 @@ class ChunkStore:
         else:
             fetched = fetch_chunks(self.view, chunks)
         return reuse_previous(fetched, hit, slot, previous)
+
+
+@functools.cache
+def side_stream(device: torch.device) -> torch.cuda.Stream:
+    """One side stream per GPU, shared by every store (layers run one after another)."""
+    return torch.cuda.Stream(device)
 
 
 def _triton_gather() -> Callable | None:
