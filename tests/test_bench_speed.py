@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import kvcompress as kvc
-from kvcompress.bench.speed import copy_bandwidth, measure, run_speed, search_limit
+from kvcompress.bench.speed import PRESETS, copy_bandwidth, measure, run_speed, search_limit
 from kvcompress.models import ARCHITECTURES, random_model
 
 from .fixtures import tiny_model
@@ -103,3 +103,10 @@ def test_the_baselines_are_benchmarked_too(tmp_path):
     report = run_speed(tiny_model(), ["h2o", "quest", "loki"], [300], [1], tmp_path, budget=64, sparse_budget=64, steps=2, warmup=1, progress=False)
     assert [r["method"] for r in report["rows"]] == ["h2o", "quest", "loki"] and all(r["status"] == "ok" for r in report["rows"])
     assert report["rows"][0]["kv_device_bytes"] < report["rows"][1]["kv_device_bytes"]  # H2O drops, Quest keeps all
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_presets_fit_their_model_context(preset):
+    settings = PRESETS[preset]
+    context = ARCHITECTURES[settings["model"]]["max_position_embeddings"]
+    assert max(settings["lengths"]) + settings["warmup"] + settings["steps"] + 1 <= context

@@ -32,7 +32,7 @@ PRESETS: dict[str, dict] = {
     # The CPU check: the embedded model's shape, 1K-8K prompts (8000 leaves room to decode in 8K).
     "quick": {"model": "smollm2-135m", "methods": ["full", "snapkv", "shadowkv"], "lengths": [1024, 2048, 4096, 8000], "batches": [1], "budget": 1024, "steps": 16, "warmup": 3},
     # SnapKV Fig. 7 / ShadowKV Table 4 shapes on one GPU.
-    "gpu": {"model": "llama-3.1-8b", "methods": ["full", "snapkv", "shadowkv"], "lengths": [16384, 32768, 65536, 131072], "batches": [1, 2, 4, 8], "budget": 2048, "steps": 32, "warmup": 5},
+    "gpu": {"model": "llama-3.1-8b", "methods": ["full", "snapkv", "shadowkv"], "lengths": [16384, 32768, 65536, 131000], "batches": [1, 2, 4, 8], "budget": 2048, "steps": 32, "warmup": 5},
 }
 
 
