@@ -14,8 +14,11 @@ At every decoding step, per layer (Algorithm 2): the queries score the landmarks
 chunks in float32, summed over query positions, max over the query heads of each KV head), the
 top ``sparse_budget / chunk`` chunks per KV head are selected, their keys are rebuilt from ``A @ B``
 and rotated at their original positions, their values fetched, and attention runs exactly over
-[selected chunks; outliers; local + generated tokens]. Chunks selected again at the next step are
-reused instead of rebuilt and fetched again (temporal locality, Sec. 3.2 / Fig. 3c).
+[selected chunks; outliers; local + generated tokens]. The values of chunks selected again at the
+next step come from the previous step's buffer instead of the store (temporal locality, Sec. 3.2 /
+Fig. 3c). Keys are rebuilt for every selected chunk: shapes stay fixed, so on a GPU no step waits
+for the host, and the value gather (the PCIe-bound part) runs on a side stream meanwhile
+(``offload.ChunkStore``).
 
 Defaults follow the paper (chunk 8, rank 160 for 8 KV heads x 128 dims = 15.625% of
 ``kv_heads * head_dim``, 48 outlier chunks at 128K tokens = ~0.3% of chunks, sparse budget 2048
