@@ -198,3 +198,25 @@ def test_too_small_query_window_is_refused(tok):
     record = kvc.prefill(model, tok, random_text(200), query_window=8)
     with pytest.raises(ValueError, match="window=32 needs the last 32 prefill queries but got 8"):
         kvc.generate(model, tok, method=kvc.SnapKV(budget=64), prefill=record)
+
+
+def test_decoding_appends_into_spare_slots_and_counts_them():
+    model = tiny_model()
+    full, ours = DynamicCache(config=model.config), kvc.FullKV().make_cache(model)
+    steps = torch.randint(3, 128, (1, 60), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = [model(torch.randint(3, 128, (1, 300), generator=torch.Generator().manual_seed(2)), past_key_values=full).logits[:, -1]]
+        got = [model(torch.randint(3, 128, (1, 300), generator=torch.Generator().manual_seed(2)), past_key_values=ours).logits[:, -1]]
+        layer, copies, storage = ours.layers[0], 0, None
+        for t in range(steps.shape[1]):
+            expected.append(model(steps[:, t : t + 1], past_key_values=full).logits[:, -1])
+            got.append(model(steps[:, t : t + 1], past_key_values=ours).logits[:, -1])
+            copies += layer.keys.data_ptr() != storage
+            storage = layer.keys.data_ptr()
+    torch.testing.assert_close(torch.stack(got), torch.stack(expected))
+    assert layer.keys.shape[-2] == 360 and layer.keys.data_ptr() == layer.buffers[0].data_ptr()
+    # the first step moves the prompt into 301 + 18 slots; it grows at 320 (+20) and 341 (+21) slots:
+    # three copies in 60 steps, not 60
+    assert copies == 3 and layer.buffers[0].shape[-2] == 341 + 21
+    held = sum(t.numel() * t.element_size() for lyr in ours.layers for t in (*lyr.buffers, lyr.valid, lyr.positions) if t is not None)
+    assert ours.stats()["kv_bytes_kept"] == held  # spare slots count as memory

@@ -65,6 +65,7 @@ class CompressedLayer(DynamicLayer):
         self.awaiting_commit = False
         self.new_tokens = 0  # tokens added by the last update
         self.compress_s = 0.0  # time spent compressing at the end of prefill
+        self.buffers: tuple[torch.Tensor, torch.Tensor] | None = None  # keys/values with spare slots, once decoding
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         if self.awaiting_commit:
@@ -73,12 +74,43 @@ class CompressedLayer(DynamicLayer):
                 "'kvcompress' attention implementation; the model's attention layout is not supported "
                 "(was attn_implementation changed after make_cache?)"
             )
-        keys, values = super().update(key_states, value_states)
+        keys, values = self._append(key_states, value_states)
         self.seen_tokens += key_states.shape[-2]
         self.new_tokens = key_states.shape[-2]
         self.awaiting_commit = True
         _announced.layer, _announced.keys = self, keys
         return keys, values
+
+    def _append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append slots. After the first fill they live at the front of buffers with spare room, so a
+        decoding step writes its token instead of copying the whole cache (as ``torch.cat`` would);
+        the buffers are copied once per ``spare_slots`` tokens."""
+        if not self.is_initialized or self.keys.dim() < 4 or self.keys.shape[-2] == 0:
+            return super().update(key_states, value_states)
+        used, total = self.keys.shape[-2], self.keys.shape[-2] + key_states.shape[-2]
+        if not self._in_buffers(total):
+            capacity = total + spare_slots(total)
+            self.buffers = tuple(t.new_empty(*t.shape[:2], capacity, t.shape[-1]) for t in (self.keys, self.values))
+            for buffer, held in zip(self.buffers, (self.keys, self.values)):
+                buffer[:, :, :used].copy_(held)
+        for buffer, new in zip(self.buffers, (key_states, value_states)):
+            buffer[:, :, used:total].copy_(new)
+        self.keys, self.values = (buffer[:, :, :total] for buffer in self.buffers)
+        return self.keys, self.values
+
+    def _in_buffers(self, slots: int) -> bool:
+        """Whether keys/values are the leading slots of ``buffers`` and those hold ``slots`` slots
+        (methods that rewrite their slots, e.g. by compressing, leave the buffers behind)."""
+        if self.buffers is None or self.buffers[0].shape[-2] < slots:
+            return False
+        return all(
+            held.data_ptr() == buffer.data_ptr() and held.shape[:2] == buffer.shape[:2] and held.stride() == buffer.stride()
+            for held, buffer in zip((self.keys, self.values), self.buffers)
+        )
+
+    def slot_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tensors that hold this layer's key/value slots: the buffers (spare room included) or keys/values."""
+        return self.buffers if self._in_buffers(self.keys.shape[-2]) else (self.keys, self.values)
 
     def get_seq_length(self) -> int:
         return self.seen_tokens
@@ -176,19 +208,21 @@ class CompressedLayer(DynamicLayer):
 
     def tensor_bytes(self) -> int:
         """Bytes of every tensor this layer holds."""
-        held = [self.keys, self.values, self.valid, self.positions]
+        held = [*self.slot_tensors(), self.valid, self.positions]
         return sum(t.numel() * t.element_size() for t in held if t is not None)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self.batch_select_indices(beam_idx)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self.buffers = None
         for name in ("keys", "values", "valid", "positions", "prompt_tokens"):
             tensor = getattr(self, name)
             if tensor is not None:
                 setattr(self, name, tensor.index_select(0, indices.to(tensor.device)))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
+        self.buffers = None
         for name in ("keys", "values", "valid", "positions", "prompt_tokens"):
             tensor = getattr(self, name)
             if tensor is not None:
@@ -282,6 +316,11 @@ class KVCompressCache(Cache):
         }
 
 
+def spare_slots(slots: int) -> int:
+    """Room a slot buffer gets beyond ``slots`` when it grows: ~6%, at least 16 and at most 1024 slots."""
+    return min(1024, max(16, slots // 16))
+
+
 def gather_tokens(tensor: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """``tensor [b, h, s, d]`` at per-head token indices ``[b, h, n]`` -> ``[b, h, n, d]``."""
     return tensor.gather(2, tokens[..., None].expand(-1, -1, -1, tensor.shape[-1]).to(tensor.device))
@@ -351,7 +390,7 @@ class SelectiveLayer(CompressedLayer):
         return []
 
     def tensor_bytes(self) -> int:
-        held = [self.keys, self.values, self.valid, self.region_valid, *self.index_tensors()]
+        held = [*self.slot_tensors(), self.valid, self.region_valid, *self.index_tensors()]
         if not self.offload:
             held += [self.region_keys, self.region_values]
         return sum(t.numel() * t.element_size() for t in held if t is not None)

@@ -19,12 +19,12 @@ def _gather_chunks_kernel(store, chunks, hit, slot, previous, out, n_chunks, k, 
     row = tl.program_id(0).to(tl.int64)  # b * kv_heads + h
     j = tl.program_id(1).to(tl.int64)  # which selected chunk
     entry = row * k + j
-    is_hit = tl.load(hit + entry) != 0
     offsets = tl.arange(0, BLOCK)
     inside = offsets < CHUNK_NUMEL
+    is_hit = (tl.load(hit + entry).to(tl.int32) + tl.zeros([BLOCK], tl.int32)) != 0  # a block, so it combines with masks
     source = (row * n_chunks + tl.load(chunks + entry).to(tl.int64)) * CHUNK_NUMEL
     reused = (row * k + tl.load(slot + entry).to(tl.int64)) * CHUNK_NUMEL
-    fresh = tl.load(store + source + offsets, mask=inside & (is_hit == 0))
+    fresh = tl.load(store + source + offsets, mask=inside & ~is_hit)
     kept = tl.load(previous + reused + offsets, mask=inside & is_hit)
     tl.store(out + entry * CHUNK_NUMEL + offsets, tl.where(is_hit, kept, fresh), mask=inside)
 

@@ -274,7 +274,7 @@ class ShadowKVLayer(CompressedLayer):
         super().batch_select_indices(indices)
 
     def device_tensors(self) -> list[torch.Tensor]:
-        held = [self.keys, self.values, self.valid, self.positions, self.factor_a, self.factor_b, self.landmarks, self.selectable]
+        held = [*self.slot_tensors(), self.valid, self.positions, self.factor_a, self.factor_b, self.landmarks, self.selectable]
         held += [self.region_positions, self.region_valid, self.selected, self.buffer_values]
         return [t for t in held if t is not None]
 
