@@ -211,7 +211,8 @@ def _cmd_bench_speed(args: argparse.Namespace, console: Console) -> int:
         if "fetch_hidden" in r:
             console.print(f"{r['method']} {r['prompt_tokens']} x {r['batch']}: one layer's value fetch {r['layer_fetch_ms']:.3f} ms ({r['value_fetch']}), "
                           f"key rebuild {r['layer_rebuild_ms']:.3f} ms, both overlapped {r['layer_fetch_and_rebuild_ms']:.3f} ms: "
-                          f"{r['fetch_hidden']:.0%} of the fetch hidden; chunk hit rate {r['chunk_hit_rate']:.2f}")
+                          f"{'no side stream here' if r['fetch_hidden'] is None else format(r['fetch_hidden'], '.0%') + ' of the fetch hidden'}; "
+                          f"chunk hit rate {r['chunk_hit_rate']:.2f}")
     for limit in report.get("limits", []):
         console.print(f"{limit['method']}: {limit['kind']} = {limit['value']} ({len(limit['tried'])} runs tried)")
     console.print(f"wrote {args.out}/speed.json, speed.csv, decode_latency.png, throughput.png")

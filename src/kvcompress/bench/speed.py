@@ -139,7 +139,8 @@ def value_fetch_overlap(layer: ShadowKVLayer, timer: Timer, repeats: int = 10) -
     """ShadowKV, one layer, every selected chunk fetched (no reuse): median ms of the value gather
     alone, the key rebuild alone, and both as a decoding step runs them (gather on a side stream).
     ``fetch_hidden`` is the share of the gather's time that overlapping removes from the step:
-    (gather + rebuild - both) / gather, between 0 and 1 (at most rebuild / gather can be hidden)."""
+    (gather + rebuild - both) / gather, between 0 and 1 (at most rebuild / gather can be hidden);
+    None without a side stream (a CPU model runs both in order: any difference there is noise)."""
     chosen = layer.selected
     hit, slot = torch.zeros_like(chosen, dtype=torch.bool), torch.zeros_like(chosen)
 
@@ -159,7 +160,7 @@ def value_fetch_overlap(layer: ShadowKVLayer, timer: Timer, repeats: int = 10) -
         "layer_fetch_ms": fetch,
         "layer_rebuild_ms": rebuild,
         "layer_fetch_and_rebuild_ms": both,
-        "fetch_hidden": min(1.0, max(0.0, (fetch + rebuild - both) / fetch)) if fetch > 0 else 0.0,
+        "fetch_hidden": None if layer.store.stream is None else min(1.0, max(0.0, (fetch + rebuild - both) / max(fetch, 1e-9))),
     }
 
 
