@@ -91,16 +91,16 @@ TRITON_CHECK = textwrap.dedent(
     model = tiny_model()
     gen = torch.Generator().manual_seed(1)
     prompt, steps = torch.randint(3, 128, (1, 300), generator=gen), torch.randint(3, 128, (1, 8), generator=gen)
-    def decode(mode):
+    def decode(kernel):
         cache = kvc.ShadowKV(sparse_budget=32, rank=8, outliers=1).make_cache(model)
         with torch.no_grad():
             model(prompt, past_key_values=cache)
             for layer in cache.layers:
-                layer.store.mode = mode
+                layer.store.kernel = kernel
             logits = [model(steps[:, t : t + 1], past_key_values=cache).logits for t in range(steps.shape[1])]
         return torch.cat(logits, 1), cache.stats()
-    plain, plain_stats = decode("cpu")
-    fused, fused_stats = decode("zero-copy+triton")
+    plain, plain_stats = decode(None)
+    fused, fused_stats = decode(gather_chunks_triton)
     assert torch.equal(plain, fused), "logits"
     assert fused_stats["chunk_hit_rate"] == plain_stats["chunk_hit_rate"] > 0
     expected = plain_stats["value_bytes_fetched_per_step"] * (1 - plain_stats["chunk_hit_rate"])

@@ -9,8 +9,8 @@ import torch
 from transformers import DynamicCache
 
 import kvcompress as kvc
-from kvcompress.offload import fetch_chunks
 from kvcompress.methods.shadowkv import chunk_landmarks, landmark_scores, low_rank_factors, rebuild_keys
+from kvcompress.offload import fetch_chunks
 from kvcompress.rope import apply_rope, cos_sin, invert_rope, rotary_module
 
 from .fixtures import char_tokenizer, random_text, tiny_model

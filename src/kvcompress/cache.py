@@ -22,7 +22,6 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, DynamicLayer
 
-from .offload import to_host
 
 if TYPE_CHECKING:
     from .methods.base import Method
@@ -48,6 +47,13 @@ def take_announced() -> tuple[CompressedLayer | None, torch.Tensor | None]:
 def prompt_positions(valid: torch.Tensor) -> torch.Tensor:
     """Each slot's position inside its row's real prompt ``[batch, slots]``; -1 for padding."""
     return (valid.long().cumsum(-1) - 1).masked_fill(~valid, -1)
+
+
+def to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous host-memory copy, pinned when it comes from a GPU (so the GPU can read it directly)."""
+    if not tensor.is_cuda:
+        return tensor.contiguous()
+    return torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True).copy_(tensor)
 
 
 class CompressedLayer(DynamicLayer):

@@ -21,14 +21,15 @@ from typing import Callable, TypeVar
 
 import torch
 
+from .cache import gather_tokens, to_host
+
 T = TypeVar("T")
 
 
-def to_host(tensor: torch.Tensor) -> torch.Tensor:
-    """A contiguous host-memory copy, pinned when it comes from a GPU (so the GPU can read it directly)."""
-    if not tensor.is_cuda:
-        return tensor.contiguous()
-    return torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True).copy_(tensor)
+def chunk_tokens(chunks: torch.Tensor, chunk: int) -> torch.Tensor:
+    """Token indices ``[b, h, n * chunk]`` of chunk indices ``[b, h, n]``."""
+    offsets = torch.arange(chunk, device=chunks.device)
+    return (chunks[..., None] * chunk + offsets).flatten(-2)
 
 
 def zero_copy_view(host: torch.Tensor, device: torch.device) -> torch.Tensor | None:
@@ -62,8 +63,7 @@ def reuse_previous(fetched: torch.Tensor, hit: torch.Tensor, slot: torch.Tensor,
     if previous is None:
         return fetched
     c = fetched.shape[2] // hit.shape[-1]
-    tokens = (slot[..., None] * c + torch.arange(c, device=slot.device)).flatten(-2)
-    reused = previous.gather(2, tokens[..., None].expand(-1, -1, -1, previous.shape[-1]))
+    reused = gather_tokens(previous, chunk_tokens(slot, c))
     return torch.where(hit.repeat_interleave(c, dim=-1)[..., None], reused, fetched)
 
 
@@ -79,19 +79,32 @@ class ChunkStore:
         self.host = to_host(chunks)
         self.view: torch.Tensor | None = self.host
         self.stream: torch.cuda.Stream | None = None
-        self.mode = "cpu"
+        self.kernel: Callable | None = None  # the Triton gather, when it can read the store
         if chunks.is_cuda:
             self.view = zero_copy_view(self.host, self.device)
             self.stream = side_stream(self.device)
-            self.mode = "host-gather" if self.view is None else ("zero-copy+triton" if _triton_gather() else "zero-copy")
+            self.kernel = _triton_gather() if self.view is not None else None
+
+    @property
+    def mode(self) -> str:
+        if self.kernel is not None:
+            return "zero-copy+triton"
+        if self.stream is None:
+            return "cpu"
+        return "host-gather" if self.view is None else "zero-copy"
 
     @property
     def nbytes(self) -> int:
         return self.host.numel() * self.host.element_size()
 
+    @property
+    def chunk_bytes(self) -> int:
+        """Bytes of one chunk of one KV head."""
+        return self.host[0, 0, 0].numel() * self.host.element_size()
+
     def reads_hits(self) -> bool:
         """Whether a chunk selected again is read from the store again (all modes but the Triton kernel)."""
-        return self.mode != "zero-copy+triton"
+        return self.kernel is None
 
     def fetch(self, chunks: torch.Tensor, hit: torch.Tensor, slot: torch.Tensor, previous: torch.Tensor | None, overlap: Callable[[], T]) -> tuple[torch.Tensor, T]:
         """Gather ``chunks [b, h, k]`` (hits from ``previous``) on the side stream while ``overlap()``
@@ -108,12 +121,12 @@ class ChunkStore:
         return gathered, result
 
     def _gather(self, chunks: torch.Tensor, hit: torch.Tensor, slot: torch.Tensor, previous: torch.Tensor | None) -> torch.Tensor:
-        if self.mode == "zero-copy+triton":
+        if self.kernel is not None:
             try:
-                return _triton_gather()(self.view, chunks, hit, slot, previous)
+                return self.kernel(self.view, chunks, hit, slot, previous)
             except Exception as error:  # noqa: BLE001 - any compile/launch failure: fall back, say so once
                 warnings.warn(f"kvcompress: the Triton chunk gather failed ({error}); using torch ops instead", stacklevel=2)
-                self.mode = "zero-copy"
+                self.kernel = None
         if self.view is None:
             fetched = fetch_chunks(self.host, chunks.cpu()).to(self.device, non_blocking=True)
         else:

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from ..cache import SelectiveLayer
+from ..offload import chunk_tokens
 from .base import Method, check_positive_int, require
-from .shadowkv import chunk_tokens
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

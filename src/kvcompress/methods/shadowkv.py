@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from ..cache import CompressedLayer, attend_selected, gather_tokens, prompt_positions
-from ..offload import ChunkStore
+from ..offload import ChunkStore, chunk_tokens
 from ..rope import apply_rope, cos_sin, invert_rope, rotary_module
 from .base import InvalidParameterError, Method, check_positive_int, require
 
@@ -104,12 +104,6 @@ def match_previous(selected: torch.Tensor, previous: torch.Tensor | None) -> tup
         return torch.zeros_like(selected, dtype=torch.bool), torch.zeros_like(selected)
     same = selected[..., :, None] == previous[..., None, :]
     return same.any(dim=-1), same.int().argmax(dim=-1)
-
-
-def chunk_tokens(chunks: torch.Tensor, chunk: int) -> torch.Tensor:
-    """Token indices ``[b, h, n * chunk]`` of chunk indices ``[b, h, n]``."""
-    offsets = torch.arange(chunk, device=chunks.device)
-    return (chunks[..., None] * chunk + offsets).flatten(-2)
 
 
 @dataclass
@@ -206,7 +200,8 @@ class ShadowKVLayer(CompressedLayer):
         if n_chunks - n_outliers <= 0:
             return
         region = n_chunks * c
-        positions = prompt_positions(valid).clamp(min=0)
+        row_position = prompt_positions(valid)  # -1 for padding
+        positions = row_position.clamp(min=0)
         cos, sin = cos_sin(self.rotary, positions, self.keys)
         pre_rope = invert_rope(self.keys, cos[:, None], sin[:, None])
         factor_a, factor_b = low_rank_factors(pre_rope, valid, method.resolved_rank(heads * dim))
@@ -218,7 +213,6 @@ class ShadowKVLayer(CompressedLayer):
         selectable.scatter_(-1, outliers, False)
         outlier_tokens = chunk_tokens(outliers, c)
 
-        row_position = prompt_positions(valid)
         self.positions = torch.cat(
             [row_position[:, None, :region].expand(-1, heads, -1).gather(2, outlier_tokens), row_position[:, None, region:].expand(-1, heads, -1)], dim=-1
         )
@@ -288,7 +282,7 @@ class ShadowKVLayer(CompressedLayer):
         if self.store is None or not self.lookups:
             return 0
         misses = self.lookups - (0 if self.store.reads_hits() else int(self.hits))
-        return misses * self.store.nbytes // self.store.host.shape[:3].numel()
+        return misses * self.store.chunk_bytes
 
     def tensor_bytes(self) -> int:
         """Bytes kept on the compute device between steps (the offload store is reported separately)."""
