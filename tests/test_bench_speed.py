@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 from dataclasses import dataclass
+from typing import ClassVar
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from .fixtures import tiny_model
 
 def test_grid_writes_json_csv_and_plots(tmp_path):
     model = tiny_model()
-    report = run_speed(model, ["full", "snapkv", "shadowkv"], [200, 400], [1, 2], tmp_path, budget=64, sparse_budget=32, steps=3, warmup=1, progress=False)
+    report = run_speed(model, ["full", "snapkv", "shadowkv:budget=32"], [200, 400], [1, 2], tmp_path, budget=64, steps=3, warmup=1, progress=False)
     saved = json.loads((tmp_path / "speed.json").read_text())
     assert saved["rows"] == json.loads(json.dumps(report["rows"]))
     assert {"platform", "torch", "transformers", "device"} <= set(saved["machine"]) and saved["settings"]["budget"] == 64
@@ -29,10 +30,10 @@ def test_grid_writes_json_csv_and_plots(tmp_path):
         assert row["bytes_read_per_step"] >= row["kv_device_bytes"] * 0 + sum(p.numel() * 4 for p in model.parameters())
     by = {(r["method"], r["prompt_tokens"], r["batch"]): r for r in saved["rows"]}
     assert by["snapkv", 400, 2]["kv_device_bytes"] < by["full", 400, 2]["kv_device_bytes"]
-    assert by["shadowkv", 400, 1]["offloaded_bytes"] > 0 and by["full", 400, 1]["offloaded_bytes"] == 0
-    shadow = by["shadowkv", 400, 2]
+    assert by["shadowkv:budget=32", 400, 1]["offloaded_bytes"] > 0 and by["full", 400, 1]["offloaded_bytes"] == 0
+    shadow = by["shadowkv:budget=32", 400, 2]
     assert shadow["value_fetch"] == "cpu" and shadow["fetch_hidden"] is None and 0 <= shadow["chunk_hit_rate"] <= 1
-    assert min(shadow["layer_fetch_ms"], shadow["layer_rebuild_ms"], shadow["layer_fetch_and_rebuild_ms"]) > 0
+    assert min(shadow["layer_fetch_ms"], shadow["layer_work_ms"], shadow["layer_fetch_and_work_ms"]) > 0
     assert "fetch_hidden" not in by["full", 400, 2]
     with open(tmp_path / "speed.csv") as fh:
         assert len(list(csv.DictReader(fh))) == 12
@@ -40,9 +41,10 @@ def test_grid_writes_json_csv_and_plots(tmp_path):
 
 
 @dataclass
-class ExhaustsMemory(kvc.FullKV):
+class ExhaustsMemory(kvc.Method):
     """A method whose prefill runs out of memory beyond ``limit`` prompt tokens."""
 
+    name: ClassVar[str] = "exhausts"
     limit: int = 300
 
     def keep_counts(self, lengths: torch.Tensor) -> None:
@@ -82,7 +84,7 @@ def test_bad_settings_are_refused(tmp_path):
         run_speed(model, ["full"], [128], [1], tmp_path, find_max_batch=True, progress=False)
     with pytest.raises(ValueError, match=r"prompt lengths \[510\] plus 20 decoding steps exceed the model's context of 512"):
         run_speed(model, ["full"], [510], [1], tmp_path, steps=16, warmup=3, progress=False)
-    with pytest.raises(ValueError, match="method='magic' is not benchmarked"):
+    with pytest.raises(ValueError, match="method='magic' is unknown"):
         run_speed(model, ["magic"], [128], [1], tmp_path, progress=False)
 
 
@@ -100,7 +102,7 @@ def test_copy_bandwidth_is_positive():
 
 
 def test_the_baselines_are_benchmarked_too(tmp_path):
-    report = run_speed(tiny_model(), ["h2o", "quest", "loki"], [300], [1], tmp_path, budget=64, sparse_budget=64, steps=2, warmup=1, progress=False)
+    report = run_speed(tiny_model(), ["h2o", "quest", "loki"], [300], [1], tmp_path, budget=64, steps=2, warmup=1, progress=False)
     assert [r["method"] for r in report["rows"]] == ["h2o", "quest", "loki"] and all(r["status"] == "ok" for r in report["rows"])
     assert report["rows"][0]["kv_device_bytes"] < report["rows"][1]["kv_device_bytes"]  # H2O drops, Quest keeps all
 

@@ -27,7 +27,7 @@ from .fixtures import char_tokenizer, random_text, tiny_model
         (lambda: kvc.SnapKV(window=0), r"window=0 is invalid"),
         (lambda: kvc.StreamingLLM(budget=4, sinks=4), r"budget=4 must be greater than sinks=4"),
         (lambda: kvc.StreamingLLM(sinks=-1), r"sinks=-1 is invalid"),
-        (lambda: kvc.method_from_name("h2o2"), r"method='h2o2' is unknown; valid: full, snapkv, streamingllm, shadowkv, h2o, quest, loki"),
+        (lambda: kvc.method_from_name("h2o2"), r"method='h2o2' is unknown; valid: full, snapkv, streamingllm, h2o, shadowkv, quest, loki"),
         (lambda: kvc.method_from_name("full", budget=3), r"method 'full' does not take budget"),
     ],
 )
@@ -46,11 +46,11 @@ def test_prompt_longer_than_the_context_is_refused_not_truncated():
         kvc.generate(model, tok, medium, max_new_tokens=64)
 
 
-def test_model_without_rotary_attention_is_named():
+def test_shadowkv_refuses_a_model_without_rotary_attention():
     config = GPT2Config(n_layer=1, n_head=2, n_embd=32, vocab_size=64, n_positions=64)
     model = AutoModelForCausalLM.from_config(config)
-    with pytest.raises(kvc.UnsupportedModelError, match=r"GPT2LMHeadModel has no rotary position embedding"):
-        kvc.SnapKV().make_cache(model)
+    with pytest.raises(kvc.UnsupportedModelError, match=r"ShadowKV needs rotary position embeddings it can invert, and GPT2LMHeadModel: it has no single rotary"):
+        kvc.ShadowKV().make_cache(model)
 
 
 def test_attention_outside_kvcompress_is_detected():
@@ -79,10 +79,10 @@ def test_bad_prompt_type():
         (["generate", "--method", "magic", "--prompt", "x"], "method='magic' is unknown"),
         (["generate", "--method", "snapkv", "--budget", "8", "--prompt", "x"], "budget=8 must be greater than window=32"),
         (["generate", "--method", "snapkv", "--kernel", "6", "--prompt", "x"], "kernel=6 is invalid"),
-        (["generate", "--method", "streamingllm", "--window", "8", "--prompt", "x"], "does not take window"),
+        (["generate", "--method", "streamingllm", "--window", "8", "--prompt", "x"], "method 'streamingllm' does not take --window; it takes: --budget, --ratio, --sinks"),
         (["generate", "--method", "snapkv"], "give exactly one of --prompt TEXT or --prompt-file FILE"),
-        (["generate", "--method", "shadowkv", "--sparse-budget", "4", "--prompt", "x"], "sparse_budget=4 is smaller than one chunk"),
-        (["generate", "--method", "snapkv", "--rank", "8", "--prompt", "x"], "does not take rank"),
+        (["generate", "--method", "shadowkv", "--budget", "4", "--prompt", "x"], "budget=4 is smaller than one chunk"),
+        (["generate", "--method", "snapkv", "--rank", "8", "--prompt", "x"], "does not take --rank"),
     ],
 )
 def test_cli_reports_errors_without_traceback(argv, expected, capsys):

@@ -165,7 +165,7 @@ def test_right_padding_is_refused(tok):
             model(**batch, past_key_values=kvc.SnapKV(budget=64, window=8).make_cache(model))
 
 
-ALL_METHODS = METHODS + [kvc.ShadowKV(sparse_budget=32, rank=8)]
+ALL_METHODS = METHODS + [kvc.ShadowKV(budget=32, rank=8)]
 
 
 @pytest.mark.parametrize("method", ALL_METHODS, ids=lambda m: m.name)
@@ -219,4 +219,7 @@ def test_decoding_appends_into_spare_slots_and_counts_them():
     # three copies in 60 steps, not 60
     assert copies == 3 and layer.buffers[0].shape[-2] == 341 + 21
     held = sum(t.numel() * t.element_size() for lyr in ours.layers for t in (*lyr.buffers, lyr.valid, lyr.positions) if t is not None)
-    assert ours.stats()["kv_bytes_kept"] == held  # spare slots count as memory
+    stats = ours.stats()
+    assert stats["device_bytes"] == held  # spare slots count as memory
+    assert stats["kv_bytes_kept"] == stats["kv_bytes_full"] and stats["kv_kept_fraction"] == 1.0  # but not as kept tokens
+    assert stats["spare_bytes"] == held - stats["kv_bytes_full"]

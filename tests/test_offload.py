@@ -14,8 +14,7 @@ import pytest
 import torch
 
 import kvcompress as kvc
-from kvcompress.methods.shadowkv import match_previous
-from kvcompress.offload import ChunkStore, fetch_chunks, reuse_previous, zero_copy_view
+from kvcompress.offload import ChunkStore, fetch_chunks, match_previous, reuse_previous, zero_copy_view
 
 from .fixtures import tiny_model
 
@@ -58,7 +57,7 @@ def test_gather_with_reuse_matches_a_loop_reference():
 
 def test_cpu_store_fetches_and_overlaps_in_order():
     store, first, second = random_steps(seed=1)
-    chunks = ChunkStore(store)
+    chunks = ChunkStore(store, offload=True)
     assert chunks.mode == "cpu" and chunks.view is chunks.host and chunks.nbytes == store.numel() * 4
     hit, slot = match_previous(first, None)
     values, other = chunks.fetch(first, hit, slot, None, overlap=lambda: "keys")
@@ -70,7 +69,7 @@ TRITON_CHECK = textwrap.dedent(
     import torch
     from kvcompress.kernels import gather_chunks_triton
     from kvcompress.offload import fetch_chunks, reuse_previous
-    from kvcompress.methods.shadowkv import match_previous
+    from kvcompress.offload import match_previous
     for dtype in (torch.float32, torch.float16):
         gen = torch.Generator().manual_seed(0)
         store = torch.randn(2, 3, 50, 8, 16, generator=gen).to(dtype)
@@ -92,7 +91,7 @@ TRITON_CHECK = textwrap.dedent(
     gen = torch.Generator().manual_seed(1)
     prompt, steps = torch.randint(3, 128, (1, 300), generator=gen), torch.randint(3, 128, (1, 8), generator=gen)
     def decode(kernel):
-        cache = kvc.ShadowKV(sparse_budget=32, rank=8, outliers=1).make_cache(model)
+        cache = kvc.ShadowKV(budget=32, rank=8, outliers=1).make_cache(model)
         with torch.no_grad():
             model(prompt, past_key_values=cache)
             for layer in cache.layers:
@@ -103,8 +102,8 @@ TRITON_CHECK = textwrap.dedent(
     fused, fused_stats = decode(gather_chunks_triton)
     assert torch.equal(plain, fused), "logits"
     assert fused_stats["chunk_hit_rate"] == plain_stats["chunk_hit_rate"] > 0
-    expected = plain_stats["value_bytes_fetched_per_step"] * (1 - plain_stats["chunk_hit_rate"])
-    assert abs(fused_stats["value_bytes_fetched_per_step"] - expected) < 1e-6 * expected, "fetched bytes"
+    expected = plain_stats["fetched_bytes_per_step"] * (1 - plain_stats["chunk_hit_rate"])
+    assert abs(fused_stats["fetched_bytes_per_step"] - expected) < 1e-6 * expected, "fetched bytes"
     print("ok")
     """
 )
@@ -119,7 +118,7 @@ def test_triton_gather_kernel_matches_torch_ops_in_the_interpreter():
 
 def test_shadowkv_reports_its_value_fetches():
     model = tiny_model()
-    cache = kvc.ShadowKV(sparse_budget=32, rank=8, outliers=1).make_cache(model)
+    cache = kvc.ShadowKV(budget=32, rank=8, outliers=1).make_cache(model)
     with torch.no_grad():
         model(torch.randint(3, 128, (1, 300)), past_key_values=cache)
         for token in torch.randint(3, 128, (5,)).tolist():
@@ -128,7 +127,7 @@ def test_shadowkv_reports_its_value_fetches():
     layers = len(cache.layers)
     assert stats["value_fetch"] == "cpu"
     # every selected chunk (4 per KV head, 2 heads) is read from the store at each of 5 steps
-    assert stats["value_bytes_fetched_per_step"] == layers * 2 * 4 * 8 * 16 * 4
+    assert stats["fetched_bytes_per_step"] == layers * 2 * 4 * 8 * 16 * 4
     assert isinstance(cache.layers[0].hits, torch.Tensor)  # counted on the device
 
 
@@ -166,7 +165,7 @@ def test_gpu_decode_step_never_synchronizes_and_matches_cpu():
     out = {}
     for device in ("cpu", "cuda"):
         model.to(device)
-        cache = kvc.ShadowKV(sparse_budget=32, rank=8, outliers=1).make_cache(model)
+        cache = kvc.ShadowKV(budget=32, rank=8, outliers=1).make_cache(model)
         with torch.no_grad():
             model(prompt.to(device), past_key_values=cache)
             for t in range(steps.shape[1]):

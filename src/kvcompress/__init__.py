@@ -5,12 +5,13 @@
     result = kvc.generate(model, tokenizer, prompt, method=kvc.SnapKV(budget=1024))
 """
 
-from .cache import KVCompressCache, UnsupportedModelError
+from .cache import CacheMisuseError, KVCompressCache, UnsupportedModelError
 from .generation import Prefill, PromptTooLongError, Result, generate, prefill, teacher_forced_logprobs
-from .methods import H2O, METHODS, FullKV, InvalidParameterError, Loki, Method, Quest, ShadowKV, SnapKV, StreamingLLM, method_from_name
+from .methods import H2O, METHODS, FullKV, InvalidParameterError, Loki, Method, Quest, ShadowKV, SnapKV, StreamingLLM, method_from_name, method_from_spec, register_method
 from .models import ModelNotAvailableError, load_model
 
 __all__ = [
+    "CacheMisuseError",
     "FullKV",
     "H2O",
     "InvalidParameterError",
@@ -32,4 +33,6 @@ __all__ = [
     "prefill",
     "teacher_forced_logprobs",
     "method_from_name",
+    "method_from_spec",
+    "register_method",
 ]

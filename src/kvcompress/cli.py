@@ -13,17 +13,23 @@ import argparse
 import contextlib
 import json
 import sys
+from collections import defaultdict
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
-from .cache import UnsupportedModelError
+from .cache import CacheMisuseError, UnsupportedModelError
 from .generation import PromptTooLongError, generate
-from .methods import METHODS, InvalidParameterError, SnapKV, method_from_name
-from .models import ModelNotAvailableError, fetch_default_model, load_model
+from .methods import METHODS, FieldSpec, InvalidParameterError, Method, field_specs, method_class
+from .bench.accuracy import PRESETS as ACCURACY_PRESETS
+from .bench.accuracy import run_accuracy
+from .bench.speed import PRESETS as SPEED_PRESETS
+from .bench.speed import run_speed
+from .bench.tasks import TASKS, load_dataset
+from .models import ARCHITECTURES, ModelNotAvailableError, fetch_default_model, load_model, random_model
 
-USER_ERRORS = (InvalidParameterError, PromptTooLongError, UnsupportedModelError, ModelNotAvailableError, OSError, ValueError)
+USER_ERRORS = (InvalidParameterError, PromptTooLongError, UnsupportedModelError, CacheMisuseError, ModelNotAvailableError, OSError, ValueError)
 
 
 def _mib(n: int) -> str:
@@ -47,30 +53,59 @@ def _stats_table(stats: dict) -> Table:
     return table
 
 
+def method_flag_owners() -> dict[str, list[tuple[str, FieldSpec]]]:
+    """Every method field, by field name: which methods take it and how they describe it."""
+    owners: dict[str, list[tuple[str, FieldSpec]]] = defaultdict(list)
+    for name, cls in METHODS.items():
+        for spec in field_specs(cls):
+            owners[spec.name].append((name, spec))
+    return owners
+
+
+def add_method_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per method field (``--budget``, ``--window``, ...), typed and described by the fields."""
+    group = parser.add_argument_group("method settings (each applies to the methods named in brackets)")
+    for field, owners in method_flag_owners().items():
+        spec = owners[0][1]
+        if len({s.kind for _, s in owners}) > 1:
+            raise TypeError(f"methods {[n for n, _ in owners]} declare field {field!r} with different types")
+        helps = list(dict.fromkeys(s.help for _, s in owners))
+        names = ", ".join(n for n, _ in owners)
+        text = f"{helps[0]} [{names}]" if len(helps) == 1 else "; ".join(f"{n}: {s.help}" for n, s in owners)
+        options = {"default": None, "help": text.replace("%", "%%")}
+        if spec.kind is bool:
+            group.add_argument(spec.flag, action=argparse.BooleanOptionalAction, **options)
+        else:
+            group.add_argument(spec.flag, type=spec.kind, choices=spec.choices, metavar=spec.kind.__name__.upper(), **options)
+
+
+def method_from_args(name: str, args: argparse.Namespace) -> Method:
+    """The method ``name`` with the flags given on the command line; a flag it does not take is refused."""
+    cls = method_class(name)
+    taken = {spec.name: spec for spec in field_specs(cls)}
+    given = {field: getattr(args, field) for field in method_flag_owners() if getattr(args, field, None) is not None}
+    refused = [field for field in given if field not in taken]
+    if refused:
+        flags = ", ".join("--" + f.replace("_", "-") for f in refused)
+        accepted = ", ".join(spec.flag for spec in taken.values()) or "no settings"
+        raise InvalidParameterError(f"method {name!r} does not take {flags}; it takes: {accepted}")
+    return cls(**given)
+
+
+def _read_prompt(path: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise InvalidParameterError(f"--prompt-file {path}: not UTF-8 text ({error.reason} at byte {error.start})") from None
+    except OSError as error:
+        raise InvalidParameterError(f"--prompt-file {path}: {error.strerror or error}") from None
+
+
 def _cmd_generate(args: argparse.Namespace, console: Console) -> int:
     if (args.prompt is None) == (args.prompt_file is None):
         raise InvalidParameterError("give exactly one of --prompt TEXT or --prompt-file FILE")
-    prompt = args.prompt if args.prompt is not None else Path(args.prompt_file).read_text()
-    method = method_from_name(
-        args.method,
-        budget=args.budget,
-        window=args.window,
-        kernel=args.kernel,
-        pooling=args.pooling,
-        ratio=args.ratio,
-        sinks=args.sinks,
-        sparse_budget=args.sparse_budget,
-        sparse_ratio=args.sparse_ratio,
-        chunk=args.chunk,
-        rank=args.rank,
-        outliers=args.outliers,
-        recent=args.recent,
-        evict_during_decoding=args.evict_during_decoding or None,
-        token_budget=args.token_budget,
-        page_size=args.page_size,
-        dim=args.dim,
-        offload=args.offload or None,
-    )
+    prompt = args.prompt if args.prompt is not None else _read_prompt(args.prompt_file)
+    method = method_from_args(args.method, args)
     model, tokenizer = load_model(args.model)
     messages = prompt if args.raw else [{"role": "user", "content": prompt}]
     with contextlib.nullcontext() if args.json else console.status(f"generating with {method.describe()}"):
@@ -102,7 +137,7 @@ def _cmd_demo(args: argparse.Namespace, console: Console) -> int:
             depth=args.depth,
             on_start=lambda m: status.update(f"running {m.describe()} ({methods.index(m) + 1}/{len(methods)})"),
         )
-    table = Table("method", "answer ends", "correct", "KV/head", "KV kept", "of full", "prefill s", "ms/token", title="kvcompress demo")
+    table = Table("method", "answer ends", "correct", "KV/head", "KV held", "of full", "prefill s", "ms/token", title="kvcompress demo")
     for row in rows:
         s = row.stats
         table.add_row(
@@ -110,8 +145,8 @@ def _cmd_demo(args: argparse.Namespace, console: Console) -> int:
             row.answer[-24:],
             "yes" if row.correct else "no",
             str(max(s["kv_tokens_per_layer"])),
-            _mib(s["kv_bytes_kept"]),
-            f"{100 * s['kv_kept_fraction']:.1f}%",
+            _mib(s["device_bytes"]),
+            f"{100 * s['device_fraction']:.1f}%",
             f"{s['prefill_s']:.2f}",
             _ms(s["decode_ms_per_token"]),
         )
@@ -133,6 +168,14 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
+def _float_list(text: str) -> list[float]:
+    """``0.1,0.5,0.9`` -> ``[0.1, 0.5, 0.9]``."""
+    try:
+        return [float(p) for p in text.split(",") if p.strip()]
+    except ValueError:
+        raise InvalidParameterError(f"{text!r} is not a comma-separated list of numbers") from None
+
+
 def _names(text: str) -> list[str]:
     return [p.strip() for p in text.split(",") if p.strip()]
 
@@ -144,13 +187,10 @@ def _fmt(value: object) -> str:
 
 
 def _cmd_bench_accuracy(args: argparse.Namespace, console: Console) -> int:
-    from .bench.accuracy import PRESETS, run_accuracy
-    from .bench.tasks import load_dataset
-
-    preset = dict(PRESETS[args.preset]) if args.preset else dict(PRESETS["quick"])
+    preset = dict(ACCURACY_PRESETS[args.preset or "quick"])
     for key, value in (("tasks", args.tasks and _names(args.tasks)), ("methods", args.methods and _names(args.methods)),
                        ("budgets", args.budgets and _int_list(args.budgets)), ("lengths", args.lengths and _int_list(args.lengths)),
-                       ("samples", args.samples)):
+                       ("depths", args.depths and _float_list(args.depths)), ("samples", args.samples)):
         if value:
             preset[key] = value
     if args.dataset and not args.tasks:
@@ -161,10 +201,10 @@ def _cmd_bench_accuracy(args: argparse.Namespace, console: Console) -> int:
                   f"lengths={preset['lengths']} samples={preset['samples']} seed={args.seed} -> {args.out}")
     rows = run_accuracy(model, tokenizer, preset["tasks"], preset["methods"], preset["budgets"], preset["lengths"], args.out,
                         depths=preset["depths"], samples=preset["samples"], seed=args.seed, dataset=dataset, haystack=args.haystack)
-    table = Table("task", "method", "budget", "n", "score", "retained", "top-1 agr.", "KL", "KV kept", title="accuracy summary")
+    table = Table("task", "method", "budget", "n", "score", "retained", "top-1 agr.", "KL", "KV kept", "device", title="accuracy summary")
     for row in rows:
-        table.add_row(row["task"], row["method"], _fmt(row["budget"]), str(row["samples"]), _fmt(row["score"]), _fmt(row["retained"]),
-                      _fmt(row["top1_agreement"]), _fmt(row["kl"]), f"{row['kv_kept_fraction']:.1%}")
+        table.add_row(row["task"], row["label"], _fmt(row["budget"]), str(row["samples"]), _fmt(row["score"]), _fmt(row["retained"]),
+                      _fmt(row["top1_agreement"]), _fmt(row["kl"]), f"{row['kv_kept_fraction']:.1%}", f"{row['device_fraction']:.1%}")
     console.print(table)
     console.print(f"wrote {args.out}/results.jsonl, summary.csv, niah_heatmaps.png, score_vs_budget.png")
     return 0
@@ -173,10 +213,7 @@ def _cmd_bench_accuracy(args: argparse.Namespace, console: Console) -> int:
 def _cmd_bench_speed(args: argparse.Namespace, console: Console) -> int:
     import torch
 
-    from .bench.speed import PRESETS, run_speed
-    from .models import ARCHITECTURES, random_model
-
-    settings = dict(PRESETS[args.preset or "quick"])
+    settings = dict(SPEED_PRESETS[args.preset or "quick"])
     for key, value in (("model", args.model), ("methods", args.methods and _names(args.methods)), ("lengths", args.lengths and _int_list(args.lengths)),
                        ("batches", args.batches and _int_list(args.batches)), ("budget", args.budget), ("steps", args.steps), ("warmup", args.warmup)):
         if value:
@@ -190,7 +227,7 @@ def _cmd_bench_speed(args: argparse.Namespace, console: Console) -> int:
         else:
             model = load_model(settings["model"], dtype=dtype)[0]
     report = run_speed(
-        model, settings["methods"], settings["lengths"], settings["batches"], args.out, budget=settings["budget"], sparse_budget=args.sparse_budget,
+        model, settings["methods"], settings["lengths"], settings["batches"], args.out, budget=settings["budget"],
         steps=settings["steps"], warmup=settings["warmup"], find_max_context=args.find_max_context, find_max_batch=args.find_max_batch,
         max_memory=int(args.max_memory * 2**30) if args.max_memory else None, model_name=settings["model"],
     )
@@ -230,23 +267,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="answer a prompt with a compressed KV cache")
     gen.add_argument("--method", default="snapkv", help=f"one of: {', '.join(METHODS)} (default snapkv)")
-    gen.add_argument("--budget", type=int, help="tokens kept per KV head, window included (snapkv, streamingllm)")
-    gen.add_argument("--ratio", type=float, help="fraction of the prompt kept, instead of --budget (snapkv)")
-    gen.add_argument("--window", type=int, help=f"observation window (snapkv; default {SnapKV.window})")
-    gen.add_argument("--kernel", type=int, help=f"pooling kernel, odd (snapkv; default {SnapKV.kernel})")
-    gen.add_argument("--pooling", help="max or avg (snapkv; default max)")
-    gen.add_argument("--sinks", type=int, help="attention-sink tokens (streamingllm; default 4)")
-    gen.add_argument("--sparse-budget", type=int, help="tokens attended per step from selected chunks (shadowkv; default 2048)")
-    gen.add_argument("--sparse-ratio", type=float, help="fraction of the prompt attended per step, instead of --sparse-budget (shadowkv)")
-    gen.add_argument("--chunk", type=int, help="tokens per chunk (shadowkv; default 8)")
-    gen.add_argument("--rank", type=int, help="SVD rank of the pre-RoPE keys (shadowkv; default 15.625%% of kv_heads*head_dim)")
-    gen.add_argument("--outliers", type=int, help="outlier chunks kept dense per KV head (shadowkv; default ~0.3%% of chunks)")
-    gen.add_argument("--recent", type=int, help="recent tokens kept (h2o; default budget/2) or kept dense (loki; default 32)")
-    gen.add_argument("--evict-during-decoding", action="store_true", help="keep the cache at --budget while generating (h2o)")
-    gen.add_argument("--token-budget", type=int, help="prompt tokens attended per step (quest, loki; default 2048)")
-    gen.add_argument("--page-size", type=int, help="tokens per page (quest; default 16)")
-    gen.add_argument("--dim", type=int, help="principal components used for scoring (loki; default half the head dimension)")
-    gen.add_argument("--offload", action="store_true", help="keep the paged KV in host memory, fetch selected pages (quest)")
     gen.add_argument("--model", help="model path or name (default: the embedded SmolLM2-135M-Instruct)")
     gen.add_argument("--prompt", help="the prompt text (sent as a user chat message)")
     gen.add_argument("--prompt-file", help="read the prompt from this file")
@@ -254,6 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--raw", action="store_true", help="feed the prompt as raw text, without the chat template")
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--json", action="store_true", help="print one JSON object with text and stats")
+    add_method_flags(gen)
     gen.set_defaults(run=_cmd_generate)
 
     demo = sub.add_parser("demo", help="buried-fact demo: full cache vs SnapKV vs StreamingLLM")
@@ -266,11 +287,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     accuracy = bench.add_parser("accuracy", help="long-context accuracy matrix: tasks x methods x budgets x lengths")
-    accuracy.add_argument("--preset", choices=["quick", "full"], help="a named matrix (default quick); flags below override it")
-    accuracy.add_argument("--tasks", help="comma-separated: niah, passkey, lines, niah_single, niah_multikey, niah_multivalue, niah_multiquery, vt, cwe, fwe, multiturn")
-    accuracy.add_argument("--methods", help="comma-separated method names, e.g. full,snapkv,streamingllm,shadowkv")
-    accuracy.add_argument("--budgets", help="comma-separated token budgets (ShadowKV, Quest, Loki: tokens attended per step), e.g. 128,256")
+    accuracy.add_argument("--preset", choices=list(ACCURACY_PRESETS), help="a named matrix (default quick); flags below override it")
+    accuracy.add_argument("--tasks", help=f"comma-separated: {', '.join(TASKS)}")
+    accuracy.add_argument("--methods", help=f"comma-separated method specs name[:field=value...], e.g. full,snapkv,snapkv:window=16 ({', '.join(METHODS)})")
+    accuracy.add_argument("--budgets", help="comma-separated budgets, applied to every method spec that has a budget and does not set it, e.g. 128,256")
     accuracy.add_argument("--lengths", help="comma-separated prompt lengths in tokens, e.g. 1k,2k,4k")
+    accuracy.add_argument("--depths", help="comma-separated needle depths for the depth-grid tasks, 0 (start) to 1 (end), e.g. 0.1,0.5,0.9")
     accuracy.add_argument("--samples", type=int, help="samples per task, length (and depth)")
     accuracy.add_argument("--seed", type=int, default=0)
     accuracy.add_argument("--haystack", choices=["prose", "repeat"], help="haystack for needle tasks (default: prose; passkey: repeat)")
@@ -280,13 +302,12 @@ def build_parser() -> argparse.ArgumentParser:
     accuracy.set_defaults(run=_cmd_bench_accuracy)
 
     speed = bench.add_parser("speed", help="decode latency, throughput, memory, max context / batch")
-    speed.add_argument("--preset", choices=["quick", "gpu"], help="quick: embedded-model shape on CPU, 1K-8K; gpu: llama-3.1-8b, 16K-128K, batch 1-8")
+    speed.add_argument("--preset", choices=list(SPEED_PRESETS), help="quick: embedded-model shape on CPU, 1K-8K; gpu: llama-3.1-8b, 16K-128K, batch 1-8")
     speed.add_argument("--model", help="architecture preset (smollm2-135m, llama-3.1-8b, mistral-7b), a config file, 'embedded', or a model path")
-    speed.add_argument("--methods", help="comma-separated: full, snapkv, streamingllm, h2o, shadowkv, quest, loki")
+    speed.add_argument("--methods", help=f"comma-separated method specs name[:field=value...], e.g. full,snapkv,shadowkv:rank=64 ({', '.join(METHODS)})")
     speed.add_argument("--lengths", help="comma-separated prompt lengths, e.g. 1k,2k,4k")
     speed.add_argument("--batches", help="comma-separated batch sizes, e.g. 1,2,4,8")
-    speed.add_argument("--budget", type=int, help="SnapKV / StreamingLLM / H2O budget")
-    speed.add_argument("--sparse-budget", type=int, help="tokens attended per step by ShadowKV / Quest / Loki (default 2048)")
+    speed.add_argument("--budget", type=int, help="budget for every method with one whose spec does not set it (default: each method's own)")
     speed.add_argument("--steps", type=int, help="timed decoding steps per run")
     speed.add_argument("--warmup", type=int, help="untimed decoding steps before them")
     speed.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: bfloat16 on GPU, float32 on CPU")
@@ -309,6 +330,10 @@ def main(argv: list[str] | None = None) -> int:
     except USER_ERRORS as err:
         print(f"kvcompress: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        where = f"; results so far are in {args.out} and rerunning the same command resumes" if getattr(args, "out", None) else ""
+        print(f"kvcompress: interrupted{where}", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -37,13 +37,6 @@ class DemoRow:
     stats: dict
 
 
-def short_label(method: Method) -> str:
-    """``snapkv w32 k7`` style label for narrow tables."""
-    if isinstance(method, SnapKV):
-        return f"snapkv w{method.window} k{method.kernel}"
-    return method.name
-
-
 def demo_methods(budget: int) -> list[Method]:
     """The methods the demo compares at one budget: the full cache, SnapKV in the paper's LongBench
     setting (window 32, kernel 7) and needle setting (window 16, kernel 5), and StreamingLLM."""
@@ -67,5 +60,5 @@ def run_demo(
         if on_start:
             on_start(method)
         result = generate(model, tokenizer, messages, method=method, max_new_tokens=max_new_tokens)
-        rows.append(DemoRow(method.describe(), short_label(method), result.text.strip(), ANSWER in result.text, result.stats))
+        rows.append(DemoRow(method.describe(), method.label(), result.text.strip(), ANSWER in result.text, result.stats))
     return rows

@@ -16,9 +16,8 @@ from typing import Any, Union
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from .cache import CompressedLayer, KVCompressCache
-from .methods.base import InvalidParameterError, Method
-from .methods.full import FullKV
+from .cache import KVCompressCache
+from .methods import FullKV, InvalidParameterError, Method, method_from_name
 
 Messages = list[dict[str, str]]
 Prompt = Union[str, Messages]
@@ -178,27 +177,6 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-class _RecordingLayer(CompressedLayer):
-    """A full-cache layer that also keeps the last ``window`` prefill queries, for ``Prefill``."""
-
-    def __init__(self, method: Method, layer_idx: int, window: int | None) -> None:
-        super().__init__(method, layer_idx)
-        self.window = window
-        self.query_tail: torch.Tensor | None = None
-        self.scaling = 1.0
-
-    def _compress_prompt(self, query: torch.Tensor, scaling: float) -> None:
-        self.query_tail, self.scaling = (query if self.window is None else query[..., -self.window :, :]), scaling
-
-
-@dataclass
-class _Recorder(FullKV):
-    window: int | None = 64
-
-    def make_layer(self, layer_idx: int, model: PreTrainedModel) -> CompressedLayer:
-        return _RecordingLayer(self, layer_idx, self.window)
-
-
 @dataclass
 class Prefill:
     """A prompt prefilled once with the full cache. ``generate(..., prefill=p)`` derives any method's
@@ -207,7 +185,7 @@ class Prefill:
 
     rows: list[_Row]
     is_batch: bool
-    layers: list[_RecordingLayer]
+    cache: KVCompressCache  # an uncompressed cache that kept each layer's last prefill queries
     logits: torch.Tensor
     attention_mask: torch.Tensor
     next_position: torch.Tensor
@@ -217,6 +195,9 @@ class Prefill:
 def _new_rows(tokenizer: PreTrainedTokenizerBase, prompt: Prompt | list[Prompt], question: str | list[str] | None) -> tuple[list[_Row], list[list[list[int]]], bool]:
     prompts, is_batch = _as_rows(prompt)
     turns = [_first_turn(tokenizer, p, q) for p, q in zip(prompts, _per_row(question, len(prompts), "question"))]
+    for i, (_, chunks) in enumerate(turns):
+        if not chunks[0]:
+            raise InvalidParameterError(f"prompt {i} is empty: it has no tokens (give some text, or use the chat template)")
     return [t[0] for t in turns], [t[1] for t in turns], is_batch
 
 
@@ -241,18 +222,19 @@ def prefill(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompt: 
     (``generate(prefill=...)``). It must cover every method's ``queries_needed()``."""
     rows, chunk_lists, is_batch = _new_rows(tokenizer, prompt, None)
     _check_lengths(model, [len(chunks[0]) for chunks in chunk_lists], 1)
-    cache = _Recorder(window=query_window).make_cache(model)
+    cache = FullKV().make_cache(model)
+    cache.record_prefill(query_window)
     feeder = _Feeder(model, cache, *_empty_state(model, len(rows)), _pad_id(tokenizer))
     start = time.perf_counter()
     logits = _feed_chunks(feeder, chunk_lists)
     _sync(model.device)
-    return Prefill(rows, is_batch, cache.layers, logits, feeder.mask, feeder.position, time.perf_counter() - start)
+    return Prefill(rows, is_batch, cache, logits, feeder.mask, feeder.position, time.perf_counter() - start)
 
 
 def _from_prefill(model: PreTrainedModel, method: Method, record: Prefill) -> KVCompressCache:
     cache = method.make_cache(model)
-    for layer, recorded in zip(cache.layers, record.layers):
-        layer.load_prefill(recorded.keys, recorded.values, recorded.valid, recorded.query_tail, recorded.scaling)
+    for layer, recorded in zip(cache.layers, record.cache.layers):
+        layer.load_prefill(recorded)
     return cache
 
 
@@ -262,7 +244,8 @@ def teacher_forced_logprobs(model: PreTrainedModel, record: Prefill, method: Met
     with ``method``'s cache built from ``record`` (a single prompt); the first row is the prefill's.
 
     The continuation is fed as one block: exact for methods that only compress the prompt; for
-    ShadowKV the block's queries select their chunks together (Algorithm 2 with several queries)."""
+    sparse decoding methods the block's queries select their chunks together (Algorithm 2 of
+    ShadowKV with several queries)."""
     logits = record.logits[0][None]
     if len(tokens) > 1:
         feeder = _Feeder(model, _from_prefill(model, method, record), record.attention_mask, record.next_position, 0)
@@ -271,60 +254,55 @@ def teacher_forced_logprobs(model: PreTrainedModel, record: Prefill, method: Met
     return logits.float().log_softmax(dim=-1)
 
 
-@torch.inference_mode()
-def generate(
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    prompt: Prompt | list[Prompt] | None = None,
-    method: Method | None = None,
-    max_new_tokens: int = 64,
-    question: str | list[str] | None = None,
-    past: Result | None = None,
-    prefill: Prefill | None = None,
-) -> Result:
-    """Greedy generation with ``method`` applied to the prompt's KV cache.
+@dataclass
+class _Start:
+    """Where a generation starts: its cache, conversations, what is left to feed, and the state."""
 
-    ``prompt``: a string (raw text), chat messages (the chat template is applied), or a list of
-    either for a batch (left-padded; each row compressed as if alone). ``question``: compress the
-    prompt without it first (question-agnostic), then append it. ``past``: a previous Result whose
-    conversation (and cache) this call continues with ``prompt`` as the next user message; the
-    method is the one that built that cache and is not applied again. ``prefill``: a ``Prefill``
-    of the prompt to start from instead of prefilling again (``prompt`` is then not given)."""
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise InvalidParameterError(f"max_new_tokens={max_new_tokens!r} is invalid; it must be an integer >= 1")
-    start = time.perf_counter()
+    cache: KVCompressCache
+    rows: list[_Row]
+    is_batch: bool
+    chunk_lists: list[list[list[int]]]
+    mask: torch.Tensor
+    position: torch.Tensor
+    logits: torch.Tensor | None = None  # known already (a prefill record)
+    prefill_s: float = 0.0  # spent before (a shared prefill)
+
+
+def _resolve_method(method: Method | str | None) -> Method:
+    if method is None:
+        return FullKV()
+    if isinstance(method, str):
+        return method_from_name(method)
+    if not isinstance(method, Method):
+        raise InvalidParameterError(f"method={method!r} is invalid; give a kvcompress method (e.g. kvcompress.SnapKV()) or its name")
+    return method
+
+
+def _start(model, tokenizer, prompt, method, question, past, record) -> _Start:
+    """The three ways in: a new prompt, a follow-up turn (``past``), or a shared prefill (``record``)."""
     if past is not None:
         if method is not None:
             raise InvalidParameterError("method must be None when continuing a conversation (past=...): the cache keeps its method")
-        cache, rows, is_batch = past.cache, past.rows, len(past.rows) > 1
-        chunk_lists = [[_follow_up(tokenizer, row, text)] for row, text in zip(rows, _per_row(prompt, len(rows), "prompt"))]
-        mask, position, shared_prefill_s = past.attention_mask, past.next_position, 0.0
-    elif prefill is not None:
+        chunk_lists = [[_follow_up(tokenizer, row, text)] for row, text in zip(past.rows, _per_row(prompt, len(past.rows), "prompt"))]
+        return _Start(past.cache, past.rows, len(past.rows) > 1, chunk_lists, past.attention_mask, past.next_position)
+    if record is not None:
         if prompt is not None or question is not None:
             raise InvalidParameterError("give either prompt (and question) or prefill, not both")
-        cache = _from_prefill(model, method if method is not None else FullKV(), prefill)
-        rows, is_batch, chunk_lists = copy.deepcopy(prefill.rows), prefill.is_batch, []
-        mask, position, shared_prefill_s = prefill.attention_mask, prefill.next_position, prefill.prefill_s
-    else:
-        cache = (method if method is not None else FullKV()).make_cache(model)
-        rows, chunk_lists, is_batch = _new_rows(tokenizer, prompt, question)
-        mask, position = _empty_state(model, len(rows))
-        shared_prefill_s = 0.0
-    if chunk_lists:
-        _check_lengths(model, [int(p) + sum(len(c) for c in chunks) for p, chunks in zip(position.tolist(), chunk_lists)], max_new_tokens)
-    else:
-        _check_lengths(model, position.tolist(), max_new_tokens)
+        cache = _from_prefill(model, _resolve_method(method), record)
+        return _Start(cache, copy.deepcopy(record.rows), record.is_batch, [], record.attention_mask, record.next_position, record.logits, record.prefill_s)
+    if prompt is None:
+        raise InvalidParameterError("give a prompt (or prefill=, or past=)")
+    cache = _resolve_method(method).make_cache(model)
+    rows, chunk_lists, is_batch = _new_rows(tokenizer, prompt, question)
+    return _Start(cache, rows, is_batch, chunk_lists, *_empty_state(model, len(rows)))
 
-    feeder = _Feeder(model, cache, mask, position, _pad_id(tokenizer))
-    logits = _feed_chunks(feeder, chunk_lists) if chunk_lists else prefill.logits
-    _sync(model.device)
-    prefill_s = shared_prefill_s + time.perf_counter() - start
 
-    eos = _eos_ids(model, tokenizer)
-    generated: list[list[int]] = [[] for _ in rows]
-    eos_ids = torch.tensor(sorted(eos), dtype=torch.long, device=model.device)
-    finished = torch.zeros(len(rows), dtype=torch.bool, device=model.device)
-    decode_start = time.perf_counter()
+def _greedy(feeder: _Feeder, logits: torch.Tensor, max_new_tokens: int, eos: set[int]) -> tuple[list[list[int]], list[bool], int]:
+    """Greedy decoding until every row emits an end token or ``max_new_tokens`` are produced.
+    Returns each row's tokens, whether it finished, and the decoding steps run."""
+    generated: list[list[int]] = [[] for _ in range(logits.shape[0])]
+    eos_ids = torch.tensor(sorted(eos), dtype=torch.long, device=logits.device)
+    finished = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
     steps = 0
     for produced in range(1, max_new_tokens + 1):
         token = logits.argmax(dim=-1)
@@ -336,22 +314,58 @@ def generate(
             break
         logits = feeder.forward(token[:, None], (~finished).long()[:, None])
         steps += 1
+    return generated, finished.tolist(), steps
+
+
+@torch.inference_mode()
+def generate(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompt: Prompt | list[Prompt] | None = None,
+    method: Method | str | None = None,
+    max_new_tokens: int = 64,
+    question: str | list[str] | None = None,
+    past: Result | None = None,
+    prefill: Prefill | None = None,
+) -> Result:
+    """Greedy generation with ``method`` (a method, or its name) applied to the prompt's KV cache.
+
+    ``prompt``: a string (raw text), chat messages (the chat template is applied), or a list of
+    either for a batch (left-padded; each row compressed as if alone). ``question``: compress the
+    prompt without it first (question-agnostic), then append it. ``past``: a previous Result whose
+    conversation (and cache) this call continues with ``prompt`` as the next user message; the
+    method is the one that built that cache and is not applied again. ``prefill``: a ``Prefill``
+    of the prompt to start from instead of prefilling again (``prompt`` is then not given)."""
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+        raise InvalidParameterError(f"max_new_tokens={max_new_tokens!r} is invalid; it must be an integer >= 1")
+    clock = time.perf_counter()
+    begin = _start(model, tokenizer, prompt, method, question, past, prefill)
+    fed = [int(p) + sum(len(c) for c in chunks) for p, chunks in zip(begin.position.tolist(), begin.chunk_lists)] if begin.chunk_lists else begin.position.tolist()
+    _check_lengths(model, fed, max_new_tokens)
+    feeder = _Feeder(model, begin.cache, begin.mask, begin.position, _pad_id(tokenizer))
+    logits = _feed_chunks(feeder, begin.chunk_lists) if begin.chunk_lists else begin.logits
+    _sync(model.device)
+    prefill_s = begin.prefill_s + time.perf_counter() - clock
+
+    eos = _eos_ids(model, tokenizer)
+    decode_start = time.perf_counter()
+    generated, finished, steps = _greedy(feeder, logits, max_new_tokens, eos)
     _sync(model.device)
     decode_s = time.perf_counter() - decode_start
 
-    for row, tokens, done in zip(rows, generated, finished.tolist()):
+    for row, tokens, done in zip(begin.rows, generated, finished):
         row.generated = [t for t in tokens if t not in eos]
         row.pending = None if done else tokens[-1]
-    texts = [tokenizer.decode(row.generated, skip_special_tokens=True) for row in rows]
-    cache.timings = {"prefill_s": prefill_s, "decode_ms_per_token": 1000 * decode_s / steps if steps else None}
-    stats = cache.stats()
-    stats["new_tokens"] = [len(g) for g in generated] if is_batch else len(generated[0])
+    texts = [tokenizer.decode(row.generated, skip_special_tokens=True) for row in begin.rows]
+    begin.cache.timings = {"prefill_s": prefill_s, "decode_ms_per_token": 1000 * decode_s / steps if steps else None}
+    stats = begin.cache.stats()
+    stats["new_tokens"] = [len(g) for g in generated] if begin.is_batch else len(generated[0])
     return Result(
-        text=texts if is_batch else texts[0],
+        text=texts if begin.is_batch else texts[0],
         stats=stats,
-        cache=cache,
+        cache=begin.cache,
         token_ids=generated,
-        rows=rows,
+        rows=begin.rows,
         attention_mask=feeder.mask,
         next_position=feeder.position,
     )

@@ -1,15 +1,13 @@
-"""An offload store of fixed-size token chunks that the GPU reads without a host round trip.
+"""A store of fixed-size token chunks that a decoding step gathers from, on the device or off it.
 
-The store is a ``[batch, kv_heads, n_chunks, chunk, head_dim]`` tensor in host memory (pinned when
-the model runs on a GPU). With unified virtual addressing a GPU kernel can read pinned host memory
-through the same pointer, across PCIe, so gathering the chunks a decoding step selected needs
-neither a host-side gather nor the chunk ids on the host: nothing waits for the GPU. Chunks that the
-previous step already fetched are copied from its device buffer instead of read again (ShadowKV's
-cache-aware fetch); the Triton kernel in ``kernels.py`` skips their PCIe reads entirely.
-
-The gather runs on a side CUDA stream, overlapped with whatever the caller does meanwhile on the
-current stream (ShadowKV: rebuilding the keys). On a CPU model the same code runs synchronously
-on an ordinary tensor.
+The store is a ``[batch, kv_heads, n_chunks, chunk, dim]`` tensor. Kept on the compute device it is
+an ordinary gather. Offloaded it lives in host memory, pinned when the model runs on a GPU: with
+unified virtual addressing a GPU kernel reads pinned host memory through the same pointer, across
+PCIe, so gathering the chunks a step selected needs neither a host-side gather nor the chunk ids on
+the host, and nothing waits for the GPU. Chunks the previous step already fetched are copied from
+its device buffer instead (ShadowKV's cache-aware fetch); the Triton kernel in ``kernels.py`` skips
+their PCIe reads entirely. The gather runs on a side CUDA stream, overlapped with whatever the
+caller does meanwhile on the current stream (ShadowKV: rebuilding the keys).
 """
 
 from __future__ import annotations
@@ -21,15 +19,9 @@ from typing import Callable, TypeVar
 
 import torch
 
-from .cache import gather_tokens, to_host
+from .tensors import chunk_tokens, gather_tokens, to_host
 
 T = TypeVar("T")
-
-
-def chunk_tokens(chunks: torch.Tensor, chunk: int) -> torch.Tensor:
-    """Token indices ``[b, h, n * chunk]`` of chunk indices ``[b, h, n]``."""
-    offsets = torch.arange(chunk, device=chunks.device)
-    return (chunks[..., None] * chunk + offsets).flatten(-2)
 
 
 def zero_copy_view(host: torch.Tensor, device: torch.device) -> torch.Tensor | None:
@@ -58,6 +50,15 @@ def fetch_chunks(store: torch.Tensor, chunks: torch.Tensor) -> torch.Tensor:
     return store.gather(2, index).flatten(2, 3)
 
 
+def match_previous(selected: torch.Tensor, previous: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each selected chunk ``[b, h, k]`` (ascending): was it selected at the previous step
+    (``hit``), and at which slot of it (``slot``). A binary search: fixed shapes, no host sync."""
+    if previous is None or previous.shape != selected.shape:
+        return torch.zeros_like(selected, dtype=torch.bool), torch.zeros_like(selected)
+    slot = torch.searchsorted(previous.contiguous(), selected.contiguous()).clamp(max=previous.shape[-1] - 1)
+    return previous.gather(-1, slot) == selected, slot
+
+
 def reuse_previous(fetched: torch.Tensor, hit: torch.Tensor, slot: torch.Tensor, previous: torch.Tensor | None) -> torch.Tensor:
     """``fetched [b, h, k * chunk, d]`` with each hit chunk taken from ``previous`` at its ``slot`` instead."""
     if previous is None:
@@ -68,25 +69,32 @@ def reuse_previous(fetched: torch.Tensor, hit: torch.Tensor, slot: torch.Tensor,
 
 
 class ChunkStore:
-    """Chunks kept off the compute device, and the fastest way this machine has to gather them.
+    """Chunks a decoding step gathers from, and the fastest way this machine has to gather them.
 
-    ``mode`` says which: "cpu" (model on the CPU), "zero-copy+triton" (GPU kernel reading pinned
-    memory, hit chunks never cross PCIe), "zero-copy" (the same read with plain torch ops: every
-    selected chunk crosses PCIe) or "host-gather" (chunk ids copied to the host: synchronizes)."""
+    ``mode`` says which: "device" (kept on the compute device), "cpu" (offloaded, model on the CPU),
+    "zero-copy+triton" (GPU kernel reading pinned memory, hit chunks never cross PCIe), "zero-copy"
+    (the same read with plain torch ops: every selected chunk crosses PCIe) or "host-gather" (chunk
+    ids copied to the host: synchronizes)."""
 
-    def __init__(self, chunks: torch.Tensor) -> None:
+    def __init__(self, chunks: torch.Tensor, offload: bool) -> None:
         self.device = chunks.device
-        self.host = to_host(chunks)
+        self.offloaded = offload
+        self.host = to_host(chunks) if offload else chunks
         self.view: torch.Tensor | None = self.host
         self.stream: torch.cuda.Stream | None = None
         self.kernel: Callable | None = None  # the Triton gather, when it can read the store
-        if chunks.is_cuda:
-            self.view = zero_copy_view(self.host, self.device)
-            self.stream = side_stream(self.device)
-            self.kernel = _triton_gather() if self.view is not None else None
+        if offload and chunks.is_cuda:
+            self._connect()
+
+    def _connect(self) -> None:
+        self.view = zero_copy_view(self.host, self.device)
+        self.stream = side_stream(self.device)
+        self.kernel = _triton_gather() if self.view is not None else None
 
     @property
     def mode(self) -> str:
+        if not self.offloaded:
+            return "device"
         if self.kernel is not None:
             return "zero-copy+triton"
         if self.stream is None:
@@ -132,6 +140,15 @@ class ChunkStore:
         else:
             fetched = fetch_chunks(self.view, chunks)
         return reuse_previous(fetched, hit, slot, previous)
+
+    def batch_apply(self, apply: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Apply a batch operation (beam reorder, repeat) to the stored rows."""
+        self.host = apply(self.host)
+        if self.offloaded:
+            self.host = to_host(self.host.to(self.device)) if self.device.type == "cuda" else self.host
+        self.view = self.host
+        if self.offloaded and self.device.type == "cuda":
+            self._connect()
 
 
 @functools.cache

@@ -1,22 +1,45 @@
-"""Rotary position embedding helpers shared by methods that rebuild or un-rotate keys.
+"""Rotary position embedding helpers for methods that rebuild or un-rotate keys (ShadowKV).
 
-They follow the rotate-half convention of Llama, Mistral and Qwen2 (``x * cos + rotate_half(x) * sin``)
-and take ``cos``/``sin`` from the model's own rotary module, so RoPE scaling variants (linear,
-dynamic, llama3, yarn with its attention factor) are handled by the model's own code.
+They follow the rotate-half convention (``x * cos + rotate_half(x) * sin``) on the first
+``cos.shape[-1]`` dimensions (partial rotary, e.g. Phi-3, passes the rest through), and take
+``cos``/``sin`` from the model's own rotary module, so RoPE scaling variants (linear, dynamic,
+llama3, yarn with its attention factor) and per-layer-type rotary (Gemma 3) use the model's code.
+``check_rope`` verifies that against the model's own ``apply_rotary_pos_emb`` before a method relies on it.
 """
 
 from __future__ import annotations
+
+import inspect
+import sys
 
 import torch
 from transformers import PreTrainedModel
 
 
-def rotary_module(model: PreTrainedModel) -> torch.nn.Module:
-    """The model's rotary-embedding module (the one that turns position ids into cos/sin)."""
-    for module in model.modules():
-        if "Rotary" in type(module).__name__:
-            return module
-    raise ValueError(f"{type(model).__name__} has no rotary embedding module")
+class Rotary:
+    """cos/sin for a layer from the model's rotary module (with the layer's type where it takes one)."""
+
+    def __init__(self, module: torch.nn.Module, layer_type: str | None) -> None:
+        self.module = module
+        takes_type = "layer_type" in inspect.signature(module.forward).parameters
+        self.extra = {"layer_type": layer_type} if takes_type else {}
+
+    def cos_sin(self, positions: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin for ``positions`` of any shape ``[b, ...]``, shaped ``[b, ..., rotary_dim]``."""
+        flat = positions.reshape(positions.shape[0], -1)
+        cos, sin = self.module(like, flat, **self.extra)
+        shape = (*positions.shape, cos.shape[-1])
+        return cos.reshape(shape).to(like.dtype), sin.reshape(shape).to(like.dtype)
+
+
+def rotary_for(model: PreTrainedModel, layer_idx: int) -> Rotary | None:
+    """The rotary embedding that layer ``layer_idx`` of ``model`` uses, or None without RoPE."""
+    modules = [m for m in model.modules() if "Rotary" in type(m).__name__ and hasattr(m, "forward")]
+    if len(modules) != 1:
+        return None
+    config = model.config.get_text_config()
+    types = getattr(config, "layer_types", None)
+    return Rotary(modules[0], types[layer_idx] if types else None)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -24,19 +47,40 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([-second, first], dim=-1)
 
 
-def cos_sin(rotary: torch.nn.Module, positions: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin for ``positions`` of any shape ``[b, ...]``, shaped ``[b, ..., head_dim]``."""
-    flat = positions.reshape(positions.shape[0], -1)
-    cos, sin = rotary(like, flat)
-    shape = (*positions.shape, cos.shape[-1])
-    return cos.reshape(shape).to(like.dtype), sin.reshape(shape).to(like.dtype)
-
-
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x`` (``[..., seq, d]``) by its positions' angles; cos/sin broadcast against ``x``."""
-    return x * cos + rotate_half(x) * sin
+    rot = cos.shape[-1]
+    turned = x[..., :rot] * cos + rotate_half(x[..., :rot]) * sin
+    return turned if rot == x.shape[-1] else torch.cat([turned, x[..., rot:]], dim=-1)
 
 
 def invert_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Undo ``apply_rope`` exactly (up to rounding): rotate back and remove any scaling of cos/sin."""
-    return (x * cos - rotate_half(x) * sin) / (cos * cos + sin * sin)
+    rot = cos.shape[-1]
+    part = x[..., :rot]
+    back = (part * cos - rotate_half(part) * sin) / (cos * cos + sin * sin)
+    return back if rot == x.shape[-1] else torch.cat([back, x[..., rot:]], dim=-1)
+
+
+def check_rope(model: PreTrainedModel, layer_idx: int, head_dim: int) -> str | None:
+    """None if ``apply_rope`` reproduces the model's own rotary embedding for layer ``layer_idx``,
+    else why not (no rotary module, no ``apply_rotary_pos_emb`` to compare with, or a mismatch)."""
+    rotary = rotary_for(model, layer_idx)
+    if rotary is None:
+        return "it has no single rotary-embedding module (no RoPE, or several)"
+    attention = next(m for m in model.modules() if getattr(m, "layer_idx", None) == layer_idx and hasattr(m, "head_dim"))
+    apply = getattr(sys.modules[type(attention).__module__], "apply_rotary_pos_emb", None)
+    if apply is None:
+        return "its attention module has no apply_rotary_pos_emb to compare with"
+    generator = torch.Generator().manual_seed(0)
+    parameter = next(model.parameters())
+    keys = torch.randn(1, 1, 5, head_dim, generator=generator).to(parameter.device, torch.float32)
+    positions = torch.tensor([[0, 1, 7, 300, 4000]], device=parameter.device)
+    cos, sin = rotary.cos_sin(positions, keys)
+    try:
+        expected = apply(keys, keys, cos.float(), sin.float())[1]
+    except (TypeError, RuntimeError) as error:
+        return f"its apply_rotary_pos_emb could not be called the usual way ({error})"
+    if not torch.allclose(apply_rope(keys, cos[:, None].float(), sin[:, None].float()), expected, atol=1e-4, rtol=1e-4):
+        return "its rotary embedding is not the rotate-half form kvcompress can invert"
+    return None

@@ -22,7 +22,7 @@ from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ..generation import Result, generate, prefill, teacher_forced_logprobs
-from ..methods import FullKV, Loki, Method, Quest, ShadowKV, method_from_name
+from ..methods import BudgetMethod, FullKV, Method, method_class, method_from_spec
 from .metrics import fidelity, score, string_match_any
 from .tasks import DEPTH_GRID_TASKS, HAYSTACK_TASKS, TASKS, Sample
 
@@ -33,6 +33,15 @@ PRESETS: dict[str, dict] = {
         "budgets": [128, 256],
         "lengths": [1000, 2000],
         "depths": [0.1, 0.5, 0.9],
+        "samples": 1,
+    },
+    # The needle set: a plain fact in prose, a pass key in filler, and questions over several turns.
+    "needles": {
+        "tasks": ["fact", "passkey", "multiturn"],
+        "methods": ["full", "snapkv", "shadowkv"],
+        "budgets": [256],
+        "lengths": [2000, 4000],
+        "depths": [0.1, 0.3, 0.5, 0.7, 0.9],
         "samples": 1,
     },
     "full": {
@@ -46,9 +55,14 @@ PRESETS: dict[str, dict] = {
 }
 
 
+# Method stats recorded with every result when the method reports them (bytes are measured from the tensors).
+STAT_FIELDS = ("device_bytes", "kv_bytes_full", "offloaded_bytes", "chunk_hit_rate", "fetched_bytes_per_step", "selected_tokens_per_step", "decode_ms_per_token")
+
+
 @dataclass(frozen=True)
 class Config:
-    """One column of the matrix: a method at a budget (``budget`` None for the full cache)."""
+    """One column of the matrix: a method spec at a budget (``budget`` None: the spec fixes it, or
+    the method has none, like the full cache)."""
 
     label: str
     method_name: str
@@ -56,18 +70,19 @@ class Config:
     method: Method
 
 
-def method_configs(methods: list[str], budgets: list[int]) -> list[Config]:
-    """The full cache once, every other method at every budget (ShadowKV, Quest, Loki: the tokens
-    attended per step from the prompt)."""
+def method_configs(specs: list[str], budgets: list[int]) -> list[Config]:
+    """Each method spec (``name[:field=value...]``, e.g. ``snapkv:window=16``) at every budget, or
+    once when it has no budget or sets its own. The full cache comes first: it is the reference."""
     configs = []
-    for name in methods:
-        if name == "full":
-            configs.append(Config("full", "full", None, FullKV()))
-        for budget in budgets if name != "full" else []:
-            sparse = {"shadowkv": lambda: ShadowKV(sparse_budget=budget), "quest": lambda: Quest(token_budget=budget), "loki": lambda: Loki(token_budget=budget)}
-            method = sparse[name]() if name in sparse else method_from_name(name, budget=budget)
-            configs.append(Config(f"{name}@{budget}", name, budget, method))
-    return sorted(configs, key=lambda c: c.label != "full")  # the full cache first: it is the reference
+    for spec in specs:
+        cls = method_class(spec.split(":")[0])
+        fixed = not issubclass(cls, BudgetMethod) or any(part.split("=")[0] in ("budget", "ratio") for part in spec.split(":")[1:])
+        if fixed:
+            method = method_from_spec(spec)
+            configs.append(Config(spec, cls.name, getattr(method, "budget", None), method))
+        else:
+            configs += [Config(f"{spec}@{budget}", cls.name, budget, method_from_spec(spec, budget=budget)) for budget in budgets]
+    return sorted(configs, key=lambda c: c.label != "full")
 
 
 def build_samples(
@@ -146,7 +161,8 @@ def run_matrix(
                     "turn": turn_index, "turns": len(sample.turns), "label": config.label, "method": config.method_name,
                     "budget": config.budget, "score": score(result.text, turn.answers, sample.metric), "prediction": result.text,
                     "answers": turn.answers, "prompt_tokens": first.stats["prompt_tokens"],
-                    "kv_kept_fraction": first.stats["kv_kept_fraction"], **(agreement if turn_index == 1 else {}),
+                    "kv_kept_fraction": first.stats["kv_kept_fraction"], "device_fraction": first.stats["device_fraction"],
+                    **{k: first.stats[k] for k in STAT_FIELDS if first.stats.get(k) is not None}, **(agreement if turn_index == 1 else {}),
                     **({"string_match": string_match_any(result.text, turn.answers)} if sample.metric == "f1" else {}),
                 })
             with path.open("a") as fh:
@@ -173,13 +189,20 @@ def summarize(records: list[dict]) -> list[dict]:
         full_score = sum(full[r["sample"]] for r in paired) / len(paired) if paired else None
         mine = sum(r["score"] for r in paired) / len(paired) if paired else None
         with_fidelity = [r for r in group if "kl" in r]
+
+        def mean(key: str, group=group) -> float | None:
+            values = [r[key] for r in group if r.get(key) is not None]
+            return sum(values) / len(values) if values else None
+
         rows.append({
             "task": task, "method": group[0]["method"], "budget": group[0]["budget"], "label": label, "samples": len(group),
             "score": sum(r["score"] for r in group) / len(group),
             "retained": mine / full_score if full_score else None,
             "top1_agreement": sum(r["top1_agreement"] for r in with_fidelity) / len(with_fidelity) if with_fidelity else None,
             "kl": sum(r["kl"] for r in with_fidelity) / len(with_fidelity) if with_fidelity else None,
-            "kv_kept_fraction": sum(r["kv_kept_fraction"] for r in group) / len(group),
+            "kv_kept_fraction": mean("kv_kept_fraction"),
+            "device_fraction": mean("device_fraction"),
+            "chunk_hit_rate": mean("chunk_hit_rate"),
             "string_match": sum(r["string_match"] for r in group) / len(group) if "string_match" in group[0] else None,
         })
     return rows

@@ -25,33 +25,15 @@ import transformers
 from tqdm import tqdm
 from transformers import PreTrainedModel
 
-from ..methods import H2O, FullKV, Loki, Method, Quest, ShadowKV, SnapKV, StreamingLLM
-from ..methods.shadowkv import ShadowKVLayer
+from ..cache import KVLayer
+from ..methods import FullKV, Method, method_from_spec
 
 PRESETS: dict[str, dict] = {
     # The CPU check: the embedded model's shape, 1K-8K prompts (8000 leaves room to decode in 8K).
-    "quick": {"model": "smollm2-135m", "methods": ["full", "snapkv", "shadowkv"], "lengths": [1024, 2048, 4096, 8000], "batches": [1], "budget": 1024, "steps": 16, "warmup": 3},
+    "quick": {"model": "smollm2-135m", "methods": ["full", "snapkv", "shadowkv:budget=2048"], "lengths": [1024, 2048, 4096, 8000], "batches": [1], "budget": 1024, "steps": 16, "warmup": 3},
     # SnapKV Fig. 7 / ShadowKV Table 4 shapes on one GPU.
     "gpu": {"model": "llama-3.1-8b", "methods": ["full", "snapkv", "shadowkv"], "lengths": [16384, 32768, 65536, 131000], "batches": [1, 2, 4, 8], "budget": 2048, "steps": 32, "warmup": 5},
 }
-
-
-def make_method(name: str, budget: int, sparse_budget: int | None) -> Method:
-    """A benchmark method by name: SnapKV/StreamingLLM/H2O at ``budget``; ShadowKV, Quest and Loki
-    at ``sparse_budget`` (default: ShadowKV's own default, 2048 tokens)."""
-    sparse = sparse_budget or ShadowKV.sparse_budget
-    factories = {
-        "full": FullKV,
-        "snapkv": lambda: SnapKV(budget=budget),
-        "streamingllm": lambda: StreamingLLM(budget=budget),
-        "h2o": lambda: H2O(budget=budget),
-        "shadowkv": lambda: ShadowKV(sparse_budget=sparse),
-        "quest": lambda: Quest(token_budget=sparse),
-        "loki": lambda: Loki(token_budget=sparse),
-    }
-    if name not in factories:
-        raise ValueError(f"method={name!r} is not benchmarked; valid: {', '.join(factories)}")
-    return factories[name]()
 
 
 def machine(device: torch.device) -> dict:
@@ -135,14 +117,15 @@ class Timer:
         return 1000 * (time.perf_counter() - start)
 
 
-def value_fetch_overlap(layer: ShadowKVLayer, timer: Timer, repeats: int = 10) -> dict:
-    """ShadowKV, one layer, every selected chunk fetched (no reuse): median ms of the value gather
-    alone, the key rebuild alone, and both as a decoding step runs them (gather on a side stream).
-    ``fetch_hidden`` is the share of the gather's time that overlapping removes from the step:
-    (gather + rebuild - both) / gather, between 0 and 1 (at most rebuild / gather can be hidden);
-    None without a side stream (a CPU model runs both in order: any difference there is noise)."""
-    chosen = layer.selected
-    hit, slot = torch.zeros_like(chosen, dtype=torch.bool), torch.zeros_like(chosen)
+def fetch_overlap_times(layer: KVLayer, timer: Timer, repeats: int = 10) -> dict | None:
+    """For a layer that reads an offload store while decoding (``KVLayer.fetch_overlap``): median ms
+    of the store read alone (every selected chunk, no reuse), the work overlapped with it alone
+    (ShadowKV: the key rebuild), and both as a decoding step runs them. ``fetch_hidden`` is the share
+    of the read's time that overlapping removes from the step, (fetch + work - both) / fetch,
+    between 0 and 1; None without a side stream (on a CPU both run in order: any difference is noise)."""
+    probe = layer.fetch_overlap()
+    if probe is None:
+        return None
 
     def median_ms(run) -> float:
         times = []
@@ -152,15 +135,12 @@ def value_fetch_overlap(layer: ShadowKVLayer, timer: Timer, repeats: int = 10) -
             times.append(timer.ms_since(start))
         return statistics.median(times)
 
-    fetch = median_ms(lambda: layer.store.fetch(chosen, hit, slot, None, overlap=lambda: None))
-    rebuild = median_ms(lambda: layer.rebuild_keys(chosen))
-    both = median_ms(lambda: layer.store.fetch(chosen, hit, slot, None, overlap=lambda: layer.rebuild_keys(chosen)))
+    fetch, work, both = median_ms(probe.fetch), median_ms(probe.work), median_ms(probe.both)
     return {
-        "value_fetch": layer.store.mode,
         "layer_fetch_ms": fetch,
-        "layer_rebuild_ms": rebuild,
-        "layer_fetch_and_rebuild_ms": both,
-        "fetch_hidden": None if layer.store.stream is None else min(1.0, max(0.0, (fetch + rebuild - both) / max(fetch, 1e-9))),
+        "layer_work_ms": work,
+        "layer_fetch_and_work_ms": both,
+        "fetch_hidden": min(1.0, max(0.0, (fetch + work - both) / max(fetch, 1e-9))) if probe.concurrent else None,
     }
 
 
@@ -190,25 +170,25 @@ def measure(model: PreTrainedModel, method: Method, name: str, length: int, batc
             times.append(timer.ms_since(start))
         stats = cache.stats()
         decode_ms = statistics.median(times[warmup:])
-        read = weight_bytes(model) + stats["kv_bytes_read_per_step"]
+        read = weight_bytes(model) + stats["bytes_read_per_step"]
         row.update(
             status="ok",
             prefill_s=prefill_ms / 1000,
             compress_share=stats["compress_s"] / (prefill_ms / 1000),
             decode_ms_per_token=decode_ms,
             tokens_per_s=batch * 1000 / decode_ms,
-            kv_device_bytes=stats["kv_bytes_kept"],
+            kv_device_bytes=stats["device_bytes"],
             kv_full_bytes=stats["kv_bytes_full"],
-            offloaded_bytes=stats.get("offloaded_bytes", 0),
+            offloaded_bytes=stats["offloaded_bytes"],
             peak_bytes=_peak_bytes(device),
-            held_bytes=weight_bytes(model) + stats["kv_bytes_kept"],
+            held_bytes=weight_bytes(model) + stats["device_bytes"],
             bytes_read_per_step=read,
             achieved_bandwidth=read / (decode_ms / 1000),
             bandwidth_fraction=read / (decode_ms / 1000) / bandwidth,
         )
-        middle = cache.layers[len(cache.layers) // 2]
-        if isinstance(middle, ShadowKVLayer) and middle.selected is not None:
-            row.update(value_fetch_overlap(middle, timer), chunk_hit_rate=stats["chunk_hit_rate"])
+        overlap = fetch_overlap_times(cache.layers[len(cache.layers) // 2], timer)
+        if overlap is not None:
+            row.update(overlap, value_fetch=stats.get("value_fetch"), chunk_hit_rate=stats.get("chunk_hit_rate"))
     except (RuntimeError, MemoryError) as error:
         if not _is_oom(error):
             raise
@@ -268,14 +248,45 @@ def search_limit(try_size, start: int, limit: int, granularity: int) -> tuple[in
     return good, tried
 
 
+class Journal:
+    """Rows measured so far, one JSON line each in ``rows.jsonl``, so an interrupted run resumes.
+    The first line holds the settings; a rerun with other settings is refused, not mixed in."""
+
+    def __init__(self, path: Path, settings: dict) -> None:
+        self.path, self.rows = path, {}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lines = path.read_text().splitlines() if path.exists() else []
+        if lines and json.loads(lines[0]).get("settings") != json.loads(json.dumps(settings)):
+            raise ValueError(f"{path} holds a run with other settings; use another --out folder (or delete it) to start a new run")
+        for line in lines[1:]:
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:  # a line cut by an interrupt: measured again
+                continue
+            self.rows[self.key(row)] = row
+        path.write_text("".join(json.dumps(x) + "\n" for x in [{"settings": settings}, *self.rows.values()]))
+
+    @staticmethod
+    def key(row: dict) -> tuple:
+        return row.get("search"), row["method"], row["prompt_tokens"], row["batch"]
+
+    def measure(self, key: tuple, run) -> dict:
+        """The row for ``key`` (search, method, prompt tokens, batch): from the journal, or ``run()`` and recorded."""
+        if key not in self.rows:
+            row = {"search": key[0], **run()} if key[0] else run()
+            self.rows[key] = row
+            with self.path.open("a") as fh:
+                fh.write(json.dumps(row) + "\n")
+        return self.rows[key]
+
+
 def run_speed(
     model: PreTrainedModel,
     methods: list[str],
     lengths: list[int],
     batches: list[int],
     out_dir: str | Path,
-    budget: int = 1024,
-    sparse_budget: int | None = None,
+    budget: int | None = None,
     steps: int = 16,
     warmup: int = 3,
     find_max_context: bool = False,
@@ -284,7 +295,9 @@ def run_speed(
     model_name: str = "",
     progress: bool = True,
 ) -> dict:
-    """Run the grid (and the optional searches), write ``speed.json``, ``speed.csv`` and plots; return the report."""
+    """Run the grid (and the optional searches), write ``speed.json``, ``speed.csv`` and plots; return
+    the report. ``methods`` are specs (``name[:field=value...]``); ``budget`` applies to every method
+    with a budget whose spec does not set one. Rerunning with the same ``out_dir`` resumes."""
     device = model.device
     if (find_max_context or find_max_batch) and device.type == "cpu" and max_memory is None:
         raise ValueError("on a CPU the limit searches need max_memory (bytes): running out of RAM kills the process instead of raising")
@@ -292,34 +305,36 @@ def run_speed(
     too_long = [n for n in lengths if n + warmup + steps + 1 > limit]
     if too_long:
         raise ValueError(f"prompt lengths {too_long} plus {warmup + steps + 1} decoding steps exceed the model's context of {limit} tokens")
+    built = {spec: method_from_spec(spec, budget=budget) for spec in methods}
+    settings = {"model": model_name, "methods": methods, "lengths": lengths, "batches": batches, "budget": budget, "steps": steps,
+                "warmup": warmup, "max_memory": max_memory, "find_max_context": find_max_context, "find_max_batch": find_max_batch}
+    journal = Journal(Path(out_dir) / "rows.jsonl", settings)
     bandwidth = copy_bandwidth(device)
-    built = {name: make_method(name, budget, sparse_budget) for name in methods}
     rows = []
-    grid = [(name, n, b) for b in batches for n in lengths for name in methods]
-    for name, n, b in tqdm(grid, desc="speed", disable=not progress, unit="run"):
-        if name == methods[0]:
-            warm_up(model, n, b)
-        rows.append(measure(model, built[name], name, n, b, steps, warmup, bandwidth))
+    grid = [(spec, n, b) for b in batches for n in lengths for spec in methods]
+    for spec, n, b in tqdm(grid, desc="speed", disable=not progress, unit="run"):
+        def run(spec=spec, n=n, b=b) -> dict:
+            if spec == methods[0]:
+                warm_up(model, n, b)
+            return measure(model, built[spec], spec, n, b, steps, warmup, bandwidth)
+        rows.append(journal.measure((None, spec, n, b), run))
     report = {
         "machine": machine(device), "model": model_name, "dtype": str(next(model.parameters()).dtype),
-        "weight_bytes": weight_bytes(model), "device_bandwidth": bandwidth,
-        "settings": {"methods": methods, "lengths": lengths, "batches": batches, "budget": budget, "sparse_budget": sparse_budget,
-                     "steps": steps, "warmup": warmup, "max_memory": max_memory},
-        "rows": rows,
+        "weight_bytes": weight_bytes(model), "device_bandwidth": bandwidth, "settings": settings, "rows": rows,
     }
     if find_max_context or find_max_batch:
         report["limits"] = []
-        for name, method in built.items():
+        for spec, method in built.items():
+            def fits(kind: str, n: int, b: int, spec=spec, method=method) -> dict:
+                row = journal.measure((kind, spec, n, b), lambda: measure(model, method, spec, n, b, 2, 1, bandwidth))
+                return {**row, "fits": _fits(row, max_memory)}
+
             if find_max_context:
-                size, tried = search_limit(
-                    lambda n: {**(r := measure(model, method, name, n, batches[0], 2, 1, bandwidth)), "fits": _fits(r, max_memory)},
-                    min(lengths), limit - 8, 1024)
-                report["limits"].append({"method": name, "kind": "max_context", "batch": batches[0], "value": size, "tried": tried})
+                size, tried = search_limit(lambda n: fits("max_context", n, batches[0]), min(lengths), limit - 8, 1024)
+                report["limits"].append({"method": spec, "kind": "max_context", "batch": batches[0], "value": size, "tried": tried})
             if find_max_batch:
-                size, tried = search_limit(
-                    lambda b: {**(r := measure(model, method, name, lengths[0], b, 2, 1, bandwidth)), "fits": _fits(r, max_memory)},
-                    1, 1024, 1)
-                report["limits"].append({"method": name, "kind": "max_batch", "prompt_tokens": lengths[0], "value": size, "tried": tried})
+                size, tried = search_limit(lambda b: fits("max_batch", lengths[0], b), 1, 1024, 1)
+                report["limits"].append({"method": spec, "kind": "max_batch", "prompt_tokens": lengths[0], "value": size, "tried": tried})
     write_report(report, Path(out_dir))
     return report
 

@@ -1,10 +1,15 @@
-"""The KV-cache methods, one module each, and lookup by name (for the CLI and benchmarks)."""
+"""The methods, one module each, and the registry the CLI and the benchmarks read.
+
+A new method is one file (a ``Method`` dataclass whose fields are declared with ``param``) plus one
+entry in ``METHODS`` below (or ``register_method(cls)`` from outside the package). Everything
+else, from the command-line flags to the benchmarks' method specs, is derived from its fields.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
-from .base import InvalidParameterError, Method
+from .base import BudgetMethod, FieldSpec, InvalidParameterError, Method, field_specs
 from .full import FullKV
 from .h2o import H2O
 from .loki import Loki
@@ -13,16 +18,64 @@ from .shadowkv import ShadowKV
 from .snapkv import SnapKV
 from .streaming import StreamingLLM
 
-METHODS: dict[str, type[Method]] = {cls.name: cls for cls in (FullKV, SnapKV, StreamingLLM, ShadowKV, H2O, Quest, Loki)}
+METHODS: dict[str, type[Method]] = {cls.name: cls for cls in (FullKV, SnapKV, StreamingLLM, H2O, ShadowKV, Quest, Loki)}
+
+
+def register_method(cls: type[Method]) -> type[Method]:
+    """Make a ``Method`` subclass available by its ``name`` to ``method_from_name``, the CLI and the benchmarks."""
+    if not (isinstance(cls, type) and issubclass(cls, Method)) or cls.name == Method.name:
+        raise InvalidParameterError(f"register_method needs a Method subclass with its own name; got {cls!r}")
+    METHODS[cls.name] = cls
+    return cls
+
+
+def method_class(name: str) -> type[Method]:
+    if name not in METHODS:
+        raise InvalidParameterError(f"method={name!r} is unknown; valid: {', '.join(METHODS)}")
+    return METHODS[name]
 
 
 def method_from_name(name: str, **params: Any) -> Method:
     """Build a method from its name; ``params`` set to None are left at their defaults."""
-    if name not in METHODS:
-        raise InvalidParameterError(f"method={name!r} is unknown; valid: {', '.join(METHODS)}")
-    cls = METHODS[name]
-    accepted = set(cls.__dataclass_fields__)
+    cls = method_class(name)
+    accepted = {spec.name for spec in field_specs(cls)}
     unknown = sorted(k for k, v in params.items() if v is not None and k not in accepted)
     if unknown:
         raise InvalidParameterError(f"method {name!r} does not take {', '.join(unknown)}; it takes: {', '.join(sorted(accepted)) or 'no parameters'}")
     return cls(**{k: v for k, v in params.items() if v is not None})
+
+
+def parse_value(spec: FieldSpec, text: str) -> Any:
+    """A field's value from its text form (``none`` for None, ``true``/``false`` for booleans)."""
+    if text.lower() == "none":
+        return None
+    try:
+        if spec.kind is bool:
+            return {"true": True, "false": False}[text.lower()]
+        return spec.kind(text)
+    except (KeyError, ValueError):
+        kind = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}[spec.kind]
+        raise InvalidParameterError(f"{spec.name}={text!r} is not {kind}") from None
+
+
+def method_from_spec(spec: str, **defaults: Any) -> Method:
+    """A method from ``name[:field=value...]``, e.g. ``snapkv:window=16:kernel=5``; ``defaults``
+    (e.g. a benchmark's budget) apply to the fields the method has and the spec does not set."""
+    name, *settings = spec.strip().split(":")
+    cls = method_class(name)
+    fields = {f.name: f for f in field_specs(cls)}
+    params = {k: v for k, v in defaults.items() if k in fields and v is not None}
+    for setting in settings:
+        key, sep, text = setting.partition("=")
+        if not sep or key not in fields:
+            raise InvalidParameterError(f"method spec {spec!r}: {setting!r} is not field=value for a field of {name} ({', '.join(fields) or 'none'})")
+        params[key] = parse_value(fields[key], text)
+    if "ratio" in params and any(s.startswith("ratio=") for s in settings) and "budget" in defaults:
+        params.pop("budget", None)  # a ratio in the spec replaces the benchmark's budget
+    return cls(**params)
+
+
+__all__ = [
+    "BudgetMethod", "FieldSpec", "FullKV", "H2O", "InvalidParameterError", "Loki", "METHODS", "Method", "Quest", "ShadowKV",
+    "SnapKV", "StreamingLLM", "field_specs", "method_class", "method_from_name", "method_from_spec", "parse_value", "register_method",
+]

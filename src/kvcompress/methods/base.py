@@ -1,27 +1,41 @@
-"""What every KV-cache method is: a dataclass of hyperparameters that validates itself, scores
-prompt positions at the end of prefill, and builds the cache that applies it.
+"""What every KV-cache method is: a dataclass of hyperparameters that validates itself and builds the
+cache layers that apply it.
 
-Shapes used throughout: keys/values ``[batch, kv_heads, seq, head_dim]``, queries
-``[batch, q_heads, seq, head_dim]``, scores ``[batch, kv_heads, seq]``, per-token validity
-``[batch, seq]`` (False = padding).
+A field declared with ``param`` carries its help text, its valid range and its choices; validation,
+the command line (``kvcompress generate --flag``) and the benchmarks' method specs
+(``snapkv:window=16``) are all derived from those declarations, so a method is one file.
+
+Two kinds of methods share this base:
+
+* prompt compression (SnapKV, StreamingLLM, H2O): ``keep_counts`` says how many prompt tokens each
+  row keeps and ``scores`` how important each position is per KV head; ``EvictionLayer`` keeps the
+  top ones at the end of prefill;
+* sparse decoding (ShadowKV, Quest, Loki): nothing is dropped; their layers (``sparse.py``) choose
+  what each decoding step attends to.
+
+Shapes: keys/values ``[batch, kv_heads, seq, head_dim]``, queries ``[batch, q_heads, seq, head_dim]``,
+scores ``[batch, kv_heads, seq]``, per-token validity ``[batch, seq]`` (False = padding).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+import types
+import typing
+from dataclasses import MISSING, dataclass, field, fields
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
+
+from ..cache import KVCompressCache, KVLayer
+from ..integration import make_cache
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-    from ..cache import CompressedLayer, KVCompressCache
-
 
 class InvalidParameterError(ValueError):
-    """A method was given a hyperparameter outside its valid range."""
+    """A method was given a hyperparameter outside its valid range (or of the wrong type)."""
 
 
 def require(ok: bool, message: str) -> None:
@@ -30,88 +44,171 @@ def require(ok: bool, message: str) -> None:
         raise InvalidParameterError(message)
 
 
-def check_positive_int(method: str, name: str, value: object, minimum: int = 1) -> None:
-    """Integers only (bools rejected), at least ``minimum``."""
-    require(
-        isinstance(value, int) and not isinstance(value, bool) and value >= minimum,
-        f"{method}: {name}={value!r} is invalid; it must be an integer >= {minimum}",
-    )
+def param(default: Any, help: str, *, minimum: float | None = None, choices: tuple[str, ...] | None = None, above: float | None = None, at_most: float | None = None) -> Any:
+    """A method field: its default, its help text (shown by the CLI) and its valid range:
+    ``minimum`` (inclusive), ``above`` (exclusive), ``at_most`` (inclusive), or ``choices``."""
+    return field(default=default, metadata={"help": help, "minimum": minimum, "above": above, "at_most": at_most, "choices": choices})
 
 
-def check_budget(method: str, budget: object, reserved_name: str, reserved: int, reserved_what: str) -> None:
-    """``budget`` is a positive integer larger than the ``reserved`` tokens it always includes."""
-    check_positive_int(method, "budget", budget)
-    require(
-        budget > reserved,
-        f"{method}: budget={budget} must be greater than {reserved_name}={reserved} "
-        f"(budget counts the {reserved_what}; valid: budget > {reserved})",
-    )
+@dataclass(frozen=True)
+class FieldSpec:
+    """One hyperparameter as the CLI and the validation see it."""
+
+    name: str
+    kind: type  # int, float, bool or str
+    optional: bool  # None is accepted (meaning: the method's default rule)
+    default: Any
+    help: str
+    minimum: float | None
+    above: float | None
+    at_most: float | None
+    choices: tuple[str, ...] | None
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    def check(self, owner: str, value: Any) -> None:
+        """Raise ``InvalidParameterError`` unless ``value`` has this field's type and range."""
+        if value is None:
+            require(self.optional, f"{owner}: {self.name}=None is invalid; give {self._what()}")
+            return
+        valid_type = isinstance(value, bool) if self.kind is bool else (
+            isinstance(value, (int, float) if self.kind is float else self.kind) and not isinstance(value, bool)
+        )
+        require(valid_type and (self.kind is not float or math.isfinite(value)), f"{owner}: {self.name}={value!r} is invalid; it must be {self._what()}")
+        if self.choices is not None:
+            require(value in self.choices, f"{owner}: {self.name}={value!r} is unknown; valid: {', '.join(self.choices)}")
+        in_range = (self.minimum is None or value >= self.minimum) and (self.above is None or value > self.above) and (self.at_most is None or value <= self.at_most)
+        if self.above is not None or self.at_most is not None:
+            low = f"({self.above:g}" if self.above is not None else f"[{self.minimum:g}" if self.minimum is not None else "(-inf"
+            high = f"{self.at_most:g}]" if self.at_most is not None else "inf)"
+            require(in_range, f"{owner}: {self.name}={value!r} is outside the valid range {low}, {high}")
+        require(in_range, f"{owner}: {self.name}={value!r} is invalid; it must be {self._what()}")
+
+    def _what(self) -> str:
+        if self.choices:
+            return f"one of {', '.join(self.choices)}"
+        kind = {int: "an integer", float: "a number", bool: "True or False", str: "a string"}[self.kind]
+        text = f"{kind} >= {self.minimum:g}" if self.minimum is not None else kind
+        return text + (" (or None for the default)" if self.optional else "")
+
+
+def field_specs(cls: type) -> list[FieldSpec]:
+    """The hyperparameters of a method class, from its dataclass fields and their annotations."""
+    hints = typing.get_type_hints(cls)
+    specs = []
+    for f in fields(cls):
+        if f.name.startswith("_"):
+            continue
+        hint = hints[f.name]
+        args = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else ()
+        kinds = [a for a in args if a is not type(None)] or [hint]
+        meta = f.metadata
+        specs.append(FieldSpec(f.name, kinds[0], type(None) in args, None if f.default is MISSING else f.default, meta.get("help", ""),
+                               meta.get("minimum"), meta.get("above"), meta.get("at_most"), meta.get("choices")))
+    return specs
 
 
 @dataclass
 class Method:
-    """Base of all methods. Subclasses set ``name`` and override ``keep_counts`` / ``scores``."""
+    """Base of all methods. Subclasses set ``name`` and declare their fields with ``param``."""
 
     name: ClassVar[str] = "method"
 
     def __post_init__(self) -> None:
+        for spec in field_specs(type(self)):
+            spec.check(type(self).__name__, getattr(self, spec.name))
         self.validate()
 
     def validate(self) -> None:
-        """Raise ``InvalidParameterError`` naming the parameter, its value and the valid range."""
+        """Checks across fields; raise ``InvalidParameterError`` naming the values and the valid range."""
 
     def make_cache(self, model: PreTrainedModel) -> KVCompressCache:
-        """A transformers ``Cache`` applying this method; also prepares ``model`` (see hooks.attach)."""
-        from ..cache import KVCompressCache
-        from ..hooks import attach
-
-        attach(model)
-        self.check_model(model)
-        return KVCompressCache(self, model)
+        """A transformers ``Cache`` applying this method to ``model`` (see ``integration.make_cache``)."""
+        return make_cache(self, model)
 
     def check_model(self, model: PreTrainedModel) -> None:
-        """Raise ``InvalidParameterError`` where a hyperparameter does not fit ``model``."""
+        """Raise where a hyperparameter or the method itself does not fit ``model``."""
 
-    def make_layer(self, layer_idx: int, model: PreTrainedModel) -> CompressedLayer:
-        """The cache layer that stores and attends for ``layer_idx``."""
-        from ..cache import CompressedLayer
-
-        return CompressedLayer(self, layer_idx)
+    def make_layer(self, layer_idx: int, model: PreTrainedModel) -> KVLayer:
+        """The cache layer that stores and attends for full-attention layer ``layer_idx``."""
+        return EvictionLayer(self, layer_idx)
 
     def queries_needed(self) -> int | None:
-        """How many of the last prefill queries ``scores`` reads (None: all of them)."""
+        """How many of the last prefill queries the method reads at compression (None: all of them)."""
         return 1
 
     def keep_counts(self, lengths: torch.Tensor) -> torch.Tensor | None:
-        """Tokens each row keeps after prefill, given each row's real prompt length ``[batch]``.
-
-        ``None`` means "keep everything" (no compression)."""
+        """Prompt tokens each row keeps after prefill, given each row's real length ``[batch]``;
+        ``None``: keep everything."""
         return None
 
-    def scores(
-        self, query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scaling: float
-    ) -> torch.Tensor:
+    def scores(self, query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scaling: float) -> torch.Tensor:
         """Importance of each prompt position per KV head ``[batch, kv_heads, seq]``; higher is kept.
-
-        ``query`` holds the prefill queries (post-RoPE), ``keys`` the prompt keys, ``valid`` marks
-        real (non-padding) tokens. Padding is excluded by the caller whatever is returned here."""
+        ``query``: the prefill's post-RoPE queries; padding is excluded by the caller."""
         raise NotImplementedError
 
+    def summarize(self, totals: dict[str, Any]) -> dict[str, Any]:
+        """The method's own stats fields, from its layers' summed counters (``KVLayer.stats``)."""
+        return {}
+
+    def settings(self) -> dict[str, Any]:
+        """Every hyperparameter, with defaults resolved where the method can resolve them alone."""
+        return {spec.name: getattr(self, spec.name) for spec in field_specs(type(self))}
+
     def describe(self) -> str:
-        """Short human-readable form, e.g. ``snapkv(budget=256)``."""
-        fields = ", ".join(f"{k}={v}" for k, v in vars(self).items() if v is not None)
-        return f"{self.name}({fields})"
+        """``snapkv(budget=256, window=32, ...)``: every setting."""
+        shown = ", ".join(f"{k}={v}" for k, v in self.settings().items() if v is not None)
+        return f"{self.name}({shown})"
+
+    def label(self) -> str:
+        """Short form for tables: the name and the settings that differ from the defaults."""
+        changed = [f"{s.name}={getattr(self, s.name)}" for s in field_specs(type(self)) if getattr(self, s.name) != s.default]
+        return " ".join([self.name, *changed])
 
 
-def budget_counts(lengths: torch.Tensor, budget: int | None, ratio: float | None, floor: int) -> torch.Tensor:
-    """Per-row kept-token counts for a fixed ``budget`` or a ``ratio`` of each prompt.
+@dataclass
+class BudgetMethod(Method):
+    """A method with a working-set size: ``budget`` tokens per KV head (kept after prefill, or
+    attended per decoding step), or ``ratio`` of each prompt instead."""
 
-    A row never keeps more than it has, and (with ``ratio``) never fewer than ``floor`` tokens."""
-    if ratio is not None:
-        wanted = torch.clamp(torch.ceil(lengths.double() * ratio).long(), min=floor)
-    else:
-        wanted = torch.full_like(lengths, budget)
-    return torch.minimum(wanted, lengths)
+    default_budget: ClassVar[int] = 1024
+    budget: int | None = param(
+        None, "working-set size in tokens per KV head: prompt tokens kept (prompt compression) or attended per decoding "
+        "step (sparse decoding); default per method", minimum=1)
+    ratio: float | None = param(None, "fraction of each prompt used instead of a fixed budget, in (0, 1]", above=0, at_most=1)
+
+    def validate(self) -> None:
+        require(
+            self.budget is None or self.ratio is None,
+            f"{type(self).__name__}: give budget or ratio, not both (got budget={self.budget}, ratio={self.ratio})",
+        )
+
+    @property
+    def budget_tokens(self) -> int:
+        """The fixed budget in tokens (the default when neither budget nor ratio is given)."""
+        return self.budget if self.budget is not None else self.default_budget
+
+    def token_budgets(self, lengths: torch.Tensor, floor: int = 1) -> torch.Tensor:
+        """Per-row budgets for real prompt lengths ``[batch]``: the budget, or ``ceil(ratio * length)``
+        (at least ``floor``), never more than the row has."""
+        if self.ratio is not None:
+            wanted = torch.clamp(torch.ceil(lengths.double() * self.ratio).long(), min=floor)
+        else:
+            wanted = torch.full_like(lengths, self.budget_tokens)
+        return torch.minimum(wanted, lengths)
+
+    def settings(self) -> dict[str, Any]:
+        values = super().settings()
+        if self.ratio is None:
+            values["budget"] = self.budget_tokens
+        return values
+
+
+def check_reserved(owner: str, budget: int, reserved_name: str, reserved: int, what: str) -> None:
+    """``budget`` must exceed the ``reserved`` tokens it always includes (a window, sinks, ...)."""
+    require(budget > reserved, f"{owner}: budget={budget} must be greater than {reserved_name}={reserved} (budget counts the {what}; valid: budget > {reserved})")
 
 
 def select_kept(scores: torch.Tensor, valid: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,6 +218,7 @@ def select_kept(scores: torch.Tensor, valid: torch.Tensor, counts: torch.Tensor)
     ascending within each head, and ``slot_valid [batch, n]``. Rows that keep fewer than ``n``
     tokens get filler slots at the front (pointing at padding or dropped positions) that
     ``slot_valid`` marks False, so every head of a batch stores the same number of slots.
+    Ties go to the earlier position.
     """
     batch, heads, seq = scores.shape
     n = int(counts.max())
@@ -135,3 +233,25 @@ def select_kept(scores: torch.Tensor, valid: torch.Tensor, counts: torch.Tensor)
     indices = torch.where(picked >= seq, picked - seq, picked)
     slot_valid = (picked >= seq)[:, 0, :]
     return indices, slot_valid
+
+
+class EvictionLayer(KVLayer):
+    """Prompt compression: at the end of prefill each row keeps, per KV head, its ``keep_counts``
+    highest-scoring prompt tokens; decoding then appends to that fixed-size cache."""
+
+    def __init__(self, method: Method, layer_idx: int) -> None:
+        super().__init__(layer_idx)
+        self.method = method
+
+    def compress(self, query: torch.Tensor, scaling: float) -> None:
+        self.keep_top(lambda: self.method.scores(query, self.keys, self.slot_validity(), scaling))
+
+    def keep_top(self, scores) -> torch.Tensor | None:
+        """Keep each row's ``keep_counts`` best positions by ``scores()`` (computed only when some row
+        is over its count); returns the kept slots ``[b, kv_heads, n]``, or None if nothing was dropped."""
+        counts = self.method.keep_counts(self.prompt_tokens)
+        if counts is None or bool((counts >= self.prompt_tokens).all()):
+            return None
+        indices, slot_valid = select_kept(scores(), self.slot_validity(), counts)
+        self.keep(indices, slot_valid)
+        return indices

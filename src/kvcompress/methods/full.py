@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
+from ..cache import KVLayer
 from .base import Method
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 @dataclass
@@ -13,3 +17,6 @@ class FullKV(Method):
     """Keep the whole KV cache (the reference every method is compared against)."""
 
     name: ClassVar[str] = "full"
+
+    def make_layer(self, layer_idx: int, model: PreTrainedModel) -> KVLayer:
+        return KVLayer(layer_idx)

@@ -20,8 +20,10 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from ..cache import CompressedLayer, causal_slot_mask
-from .base import Method, budget_counts, check_budget, check_positive_int
+from ..attention import causal_slot_mask, grouped_logits, per_query_head
+from ..cache import KVLayer
+from ..tensors import gather_tokens
+from .base import BudgetMethod, EvictionLayer, check_reserved, param, require
 from .snapkv import average_over_groups
 
 if TYPE_CHECKING:
@@ -31,19 +33,15 @@ if TYPE_CHECKING:
 def accumulated_attention(query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scaling: float, block: int = 256) -> torch.Tensor:
     """Attention each key receives, summed over all (real, causal) queries, per query head
     ``[batch, q_heads, seq]``; computed ``block`` queries at a time."""
-    batch, q_heads, seq, dim = query.shape
-    kv_heads = keys.shape[1]
-    group = q_heads // kv_heads
+    batch, q_heads, seq, _ = query.shape
     total = torch.zeros(batch, q_heads, seq, dtype=torch.float32, device=query.device)
     key_pos = torch.arange(seq, device=query.device)
     for start in range(0, seq, block):
-        q = query[:, :, start : start + block].float()
-        rows = q.shape[2]
-        logits = (q.reshape(batch, kv_heads, group * rows, dim) @ keys.float().transpose(-1, -2)).view(batch, q_heads, rows, seq) * scaling
+        logits = grouped_logits(query[:, :, start : start + block], keys, scaling)
+        rows = logits.shape[2]
         visible = (key_pos[None, :] <= torch.arange(start, start + rows, device=query.device)[:, None])[None, None] & valid[:, None, None, :]
         probs = logits.masked_fill(~visible, torch.finfo(torch.float32).min).softmax(dim=-1)
-        probs = probs * valid[:, None, start : start + rows, None]  # padding queries vote nothing
-        total += probs.sum(dim=2)
+        total += (probs * valid[:, None, start : start + rows, None]).sum(dim=2)  # padding queries vote nothing
     return total
 
 
@@ -60,90 +58,101 @@ def h2o_scores(query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, sca
 
 
 @dataclass
-class H2O(Method):
+class H2O(BudgetMethod):
     """Keep heavy hitters (top accumulated attention) plus recent tokens; optionally evict while decoding."""
 
     name: ClassVar[str] = "h2o"
-    budget: int = 1024
-    recent: int | None = None  # default: budget // 2
-    evict_during_decoding: bool = False
-    block: int = 256
+    recent: int | None = param(None, "recent tokens always kept (default budget // 2)", minimum=0)
+    evict_during_decoding: bool = param(False, "keep evicting while generating, so the cache stays at the budget")
+    block: int = param(256, "prompt queries whose attention is accumulated at once (memory vs speed)", minimum=1)
 
     def validate(self) -> None:
-        check_positive_int("H2O", "block", self.block)
-        if self.recent is not None:
-            check_positive_int("H2O", "recent", self.recent, minimum=0)
-        check_budget("H2O", self.budget, "recent", self.recent_tokens, "recent tokens")
+        super().validate()
+        require(not (self.evict_during_decoding and self.ratio is not None), "H2O: evict_during_decoding needs a fixed budget, not ratio")
+        if self.ratio is None:
+            check_reserved("H2O", self.budget_tokens, "recent", self.recent_tokens, "recent tokens")
 
     @property
     def recent_tokens(self) -> int:
-        return self.recent if self.recent is not None else self.budget // 2
+        return self.recent if self.recent is not None else self.budget_tokens // 2
 
     def queries_needed(self) -> int | None:
         return None  # every prompt query votes
 
     def keep_counts(self, lengths: torch.Tensor) -> torch.Tensor:
-        return budget_counts(lengths, self.budget, None, floor=self.recent_tokens)
+        return self.token_budgets(lengths, floor=self.recent_tokens)
 
     def scores(self, query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scaling: float) -> torch.Tensor:
         return h2o_scores(query, keys, valid, scaling, self.recent_tokens, self.block)
 
-    def make_layer(self, layer_idx: int, model: PreTrainedModel) -> CompressedLayer:
-        return H2OLayer(self, layer_idx) if self.evict_during_decoding else CompressedLayer(self, layer_idx)
+    def make_layer(self, layer_idx: int, model: PreTrainedModel) -> KVLayer:
+        return H2OLayer(self, layer_idx) if self.evict_during_decoding else EvictionLayer(self, layer_idx)
 
 
-class H2OLayer(CompressedLayer):
-    """H2O with eviction while decoding: the layer keeps its slots' accumulated scores."""
+class H2OLayer(EvictionLayer):
+    """H2O with eviction while decoding: the layer keeps its slots' accumulated scores and positions.
+
+    Slots of padding (filler slots, tokens of rows that finished) score lowest, and ties are broken
+    by slot order, so every KV head of a row evicts the same padding slots and slot validity stays
+    per row."""
 
     method: H2O
 
     def __init__(self, method: H2O, layer_idx: int) -> None:
         super().__init__(method, layer_idx)
         self.slot_scores: torch.Tensor | None = None  # [batch, kv_heads, slots]
-        self.prompt_accumulated: torch.Tensor | None = None  # only during prefill compression
+        self.slot_positions: torch.Tensor | None = None  # [batch, kv_heads, slots]: position in the row, -1 for padding
+        self.next_position: torch.Tensor | None = None  # [batch]
 
-    def _compress_prompt(self, query: torch.Tensor, scaling: float) -> None:
-        # Computed once: it ranks the prompt (prompt_scores) and seeds the scores eviction keeps adding to.
-        accumulated = accumulated_attention(query, self.keys, self.slot_validity(), scaling, self.method.block)
-        self.prompt_accumulated = average_over_groups(accumulated, self.keys.shape[1])
-        super()._compress_prompt(query, scaling)
-        full, self.prompt_accumulated = self.prompt_accumulated, None
-        if self.positions is None:
-            self.slot_scores = full
-        else:  # the kept slots' scores (filler slots: -inf, evicted first)
-            self.slot_scores = full.gather(2, self.positions.clamp(min=0)).masked_fill(self.positions < 0, -math.inf)
+    def compress(self, query: torch.Tensor, scaling: float) -> None:
+        # Computed once: it ranks the prompt and seeds the scores that eviction keeps adding to.
+        full = average_over_groups(accumulated_attention(query, self.keys, self.slot_validity(), scaling, self.method.block), self.keys.shape[1])
+        kept = self.keep_top(lambda: protect_recent(full, self.method.recent_tokens))
+        self.slot_positions = super().kept_positions()
+        self.slot_scores = full if kept is None else full.gather(2, kept)
+        self.next_position = self.prompt_tokens.clone()
 
-    def prompt_scores(self, query: torch.Tensor, valid: torch.Tensor, scaling: float) -> torch.Tensor:
-        return protect_recent(self.prompt_accumulated, self.method.recent_tokens)
-
-    def attend(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
-        if self.slot_scores is None:
-            return super().attend(query, keys, values, mask, scaling)
+    def attend(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scaling: float, softcap: float | None = None) -> torch.Tensor:
+        if self.is_prefill:
+            return super().attend(query, keys, values, mask, scaling, softcap)
         batch, q_heads, q_len, dim = query.shape
         kv_heads = keys.shape[1]
-        group = q_heads // kv_heads
-        logits = (query.float().reshape(batch, kv_heads, group * q_len, dim) @ keys.float().transpose(-1, -2)).view(batch, q_heads, q_len, -1) * scaling
+        logits = grouped_logits(query, keys, scaling)
+        if softcap is not None:
+            logits = softcap * torch.tanh(logits / softcap)
         if mask is None:
             mask = causal_slot_mask(q_len, keys.shape[-2], keys.device)
-        probs = logits.masked_fill(~mask, torch.finfo(torch.float32).min).softmax(dim=-1)
+        probs = logits.masked_fill(~per_query_head(mask, q_heads), torch.finfo(torch.float32).min).softmax(dim=-1)
         new = torch.zeros(batch, kv_heads, q_len, device=keys.device)
         self.slot_scores = torch.cat([self.slot_scores, new], dim=-1) + average_over_groups(probs.sum(dim=2), kv_heads)
-        out = (probs.view(batch, kv_heads, group * q_len, -1) @ values.float()).view(batch, q_heads, q_len, dim)
+        out = (probs.view(batch, kv_heads, -1, keys.shape[-2]) @ values.float()).view(batch, q_heads, q_len, dim)
         return out.to(query.dtype)
 
-    def commit(self, query: torch.Tensor, new_valid: torch.Tensor | None, scaling: float) -> None:
-        super().commit(query, new_valid, scaling)
-        if self.slot_scores is not None:
-            self._evict()
-
-    def _evict(self) -> None:
-        """Drop, per KV head, the lowest-scoring slots outside the recent window until ``budget`` remain."""
-        excess = self.keys.shape[-2] - self.method.budget
-        if excess <= 0:
+    def after_step(self, query: torch.Tensor, scaling: float) -> None:
+        """Record the new tokens' positions, then drop, per KV head, the lowest-scoring slots outside
+        the recent window until ``budget`` remain."""
+        real = self.slot_validity()[:, -self.new_tokens :]
+        position = (self.next_position[:, None] + real.long().cumsum(-1) - 1).masked_fill(~real, -1)
+        self.next_position = self.next_position + real.sum(-1)
+        self.slot_positions = torch.cat([self.slot_positions, position[:, None].expand(-1, self.keys.shape[1], -1)], dim=-1)
+        budget = self.method.budget_tokens
+        if self.keys.shape[-2] <= budget:
             return
-        keep = protect_recent(self.slot_scores, self.method.recent_tokens).topk(self.method.budget, dim=-1).indices.sort(dim=-1).values
-        gather = keep[..., None].expand(-1, -1, -1, self.keys.shape[-1])
-        self.keys, self.values = self.keys.gather(2, gather), self.values.gather(2, gather)
-        self.slot_scores = self.slot_scores.gather(2, keep)
-        self.valid = None if self.valid is None else self.valid.gather(1, keep[:, 0])
-        self.positions = None  # positions of a decode-evicted cache mix prompt and generated tokens
+        score = protect_recent(self.slot_scores, self.method.recent_tokens).masked_fill(~self.slot_validity()[:, None, :], -math.inf)
+        keep = score.sort(dim=-1, descending=True, stable=True).indices[..., :budget].sort(dim=-1).values
+        valid = None if self.valid is None else self.valid.gather(1, keep[:, 0])
+        self.set_slots(gather_tokens(self.keys, keep), gather_tokens(self.values, keep), valid)
+        self.slot_scores, self.slot_positions = self.slot_scores.gather(2, keep), self.slot_positions.gather(2, keep)
+
+    def kept_positions(self) -> torch.Tensor:
+        """Prompt positions still held per head, ascending; -1 for slots holding padding or generated tokens."""
+        if self.slot_positions is None:
+            return super().kept_positions()
+        prompt = self.slot_positions.masked_fill(self.slot_positions >= self.prompt_tokens[:, None, None], -1)
+        return prompt.sort(dim=-1).values
+
+    def index_tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.slot_scores, self.slot_positions) if t is not None]
+
+    def batch_tensors(self) -> list[str]:
+        return [*super().batch_tensors(), "slot_scores", "slot_positions", "next_position"]

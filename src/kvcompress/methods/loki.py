@@ -1,10 +1,9 @@
 """Loki (Singhania et al., 2024, "Loki: Low-Rank Keys for Efficient Sparse Attention").
 
 Nothing is dropped. Keys are projected onto their top ``dim`` principal components (default: half
-the head dimension); at each
-decoding step attention scores are approximated in that subspace, ``(q P)(K P)^T``, and exact
-attention runs over the top ``token_budget`` prompt tokens per KV head (max over its query heads)
-plus the recent tokens.
+the head dimension); at each decoding step attention scores are approximated in that subspace,
+``(q P)(K P)^T``, and exact attention runs over the top ``budget`` prompt tokens per KV head (max
+over its query heads) plus the recent tokens.
 
 Difference from the paper: Loki computes the principal components offline, once per model, on a
 calibration set. Here they come from the prompt's own (post-RoPE) keys by default, per layer and
@@ -16,12 +15,14 @@ saved with ``torch.save``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from ..cache import SelectiveLayer
-from .base import InvalidParameterError, Method, check_positive_int
+from ..attention import grouped_logits
+from .base import InvalidParameterError, param
+from .sparse import SparseDecodeLayer, SparseMethod
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -37,50 +38,60 @@ def approximate_scores(query: torch.Tensor, projected_keys: torch.Tensor, compon
     """Approximate ``q . k`` in the component subspace, max over a group's query heads and queries ``[b, kv_heads, seq]``."""
     batch, q_heads, q_len, dim = query.shape
     kv_heads, rank = projected_keys.shape[1], projected_keys.shape[-1]
-    q = query.float().reshape(batch, kv_heads, q_heads // kv_heads * q_len, dim) @ components[..., :rank]
-    return (q @ projected_keys.float().transpose(-1, -2)).amax(dim=2)
+    projected_query = (query.float().reshape(batch, kv_heads, -1, dim) @ components[..., :rank]).view(batch, q_heads, q_len, rank)
+    return grouped_logits(projected_query, projected_keys, 1.0).view(batch, kv_heads, -1, projected_keys.shape[2]).amax(dim=2)
+
+
+def load_calibration(path: str, layers: int, kv_heads: int, head_dim: int) -> torch.Tensor:
+    """The calibration components ``[layers, kv_heads, head_dim, head_dim]`` saved at ``path``."""
+    if not Path(path).is_file():
+        raise InvalidParameterError(f"Loki: calibration={path!r} is not a file; give a tensor saved with torch.save")
+    try:
+        components = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # noqa: BLE001 - any unreadable file gets the same clear error
+        raise InvalidParameterError(f"Loki: calibration={path!r} could not be read as a saved tensor ({error})") from None
+    expected = (layers, kv_heads, head_dim, head_dim)
+    if not isinstance(components, torch.Tensor) or tuple(components.shape) != expected:
+        shape = tuple(components.shape) if isinstance(components, torch.Tensor) else type(components).__name__
+        raise InvalidParameterError(f"Loki: calibration={path!r} holds {shape}; expected a tensor of shape {list(expected)} (layers, kv_heads, head_dim, head_dim)")
+    return components
 
 
 @dataclass
-class Loki(Method):
+class Loki(SparseMethod):
     """Low-rank approximate scores pick the tokens; attention over them is exact."""
 
     name: ClassVar[str] = "loki"
-    token_budget: int = 2048
-    dim: int | None = None  # default: half the head dimension
-    recent: int = 32
-    calibration: str | None = None
-
-    def validate(self) -> None:
-        check_positive_int("Loki", "token_budget", self.token_budget)
-        if self.dim is not None:
-            check_positive_int("Loki", "dim", self.dim)
-        check_positive_int("Loki", "recent", self.recent, minimum=0)
+    dim: int | None = param(None, "principal components used for scoring (default half the head dimension)", minimum=1)
+    recent: int = param(32, "recent tokens kept dense, never selected", minimum=0)
+    calibration: str | None = param(None, "file of precomputed components [layers, kv_heads, head_dim, head_dim] (default: from the prompt)")
 
     def check_model(self, model: PreTrainedModel) -> None:
         config = model.config.get_text_config()
-        head_dim = getattr(config, "head_dim", config.hidden_size // config.num_attention_heads)
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         if self.dim is not None and self.dim > head_dim:
             raise InvalidParameterError(f"Loki: dim={self.dim} exceeds head_dim={head_dim}; valid: 1 to {head_dim}")
+        if self.calibration is not None:
+            self._components = load_calibration(self.calibration, config.num_hidden_layers, config.num_key_value_heads, head_dim)
 
     def make_layer(self, layer_idx: int, model: PreTrainedModel) -> LokiLayer:
-        components = None
-        if self.calibration is not None:
-            components = torch.load(self.calibration, map_location="cpu")[layer_idx]
-        return LokiLayer(self, layer_idx, components)
+        calibrated = self._components[layer_idx] if self.calibration is not None else None
+        return LokiLayer(self, layer_idx, calibrated)
 
 
-class LokiLayer(SelectiveLayer):
+class LokiLayer(SparseDecodeLayer):
     method: Loki
 
-    def __init__(self, method: Loki, layer_idx: int, components: torch.Tensor | None) -> None:
-        super().__init__(method, layer_idx)
-        self.calibrated = components
+    def __init__(self, method: Loki, layer_idx: int, calibrated: torch.Tensor | None) -> None:
+        super().__init__(method, layer_idx, unit=1, offload=False)
+        self.calibrated = calibrated
+        self.components: torch.Tensor | None = None
+        self.projected: torch.Tensor | None = None
 
-    def region_length(self, seq: int) -> int:
-        return max(0, seq - self.method.recent)
+    def region_chunks(self, lengths: torch.Tensor) -> torch.Tensor:
+        return lengths - self.method.recent
 
-    def prepare(self, keys: torch.Tensor, valid: torch.Tensor) -> None:
+    def prepare(self, keys: torch.Tensor, valid: torch.Tensor, chunks: torch.Tensor) -> None:
         if self.calibrated is not None:
             components = self.calibrated.to(keys.device, torch.float32)[None].expand(keys.shape[0], -1, -1, -1)
         else:
@@ -89,11 +100,11 @@ class LokiLayer(SelectiveLayer):
         self.components = components[..., :dim].contiguous()
         self.projected = (keys.float() @ self.components).to(keys.dtype)
 
-    def select(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
-        scores = approximate_scores(query, self.projected, self.components)
-        scores = scores.masked_fill(~self.region_valid[:, None, :], -torch.inf)
-        count = min(self.projected.shape[2], self.method.token_budget)
-        return scores.topk(count, dim=-1).indices.sort(dim=-1).values
+    def chunk_scores(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        return approximate_scores(query, self.projected, self.components)
 
     def index_tensors(self) -> list[torch.Tensor]:
-        return [self.components, self.projected] if self.region_keys is not None else []
+        return [t for t in (self.components, self.projected) if t is not None]
+
+    def batch_tensors(self) -> list[str]:
+        return [*super().batch_tensors(), "components", "projected"]

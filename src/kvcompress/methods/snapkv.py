@@ -21,7 +21,8 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from .base import Method, budget_counts, check_budget, check_positive_int, require
+from ..attention import grouped_logits
+from .base import BudgetMethod, check_reserved, param, require
 
 POOLINGS = ("max", "avg")
 
@@ -29,16 +30,12 @@ POOLINGS = ("max", "avg")
 def window_attention(query_window: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scaling: float) -> torch.Tensor:
     """Attention of the window queries over all prompt keys, float32 ``[batch, q_heads, window, seq]``.
 
-    Causal inside the window; padding keys (``valid`` False) get no weight. Query head ``h`` reads
-    KV head ``h // (q_heads // kv_heads)`` (the usual GQA grouping)."""
-    batch, q_heads, window, dim = query_window.shape
-    kv_heads, seq = keys.shape[1], keys.shape[2]
-    grouped = query_window.float().reshape(batch, kv_heads, (q_heads // kv_heads) * window, dim)
-    logits = (grouped @ keys.float().transpose(-1, -2)).view(batch, q_heads, window, seq) * scaling
+    Causal inside the window; padding keys (``valid`` False) get no weight."""
+    window, seq = query_window.shape[-2], keys.shape[-2]
+    logits = grouped_logits(query_window, keys, scaling)
     query_pos = torch.arange(seq - window, seq, device=keys.device)[:, None]
     visible = (torch.arange(seq, device=keys.device)[None, :] <= query_pos)[None, None] & valid[:, None, None, :]
-    logits = logits.masked_fill(~visible, torch.finfo(torch.float32).min)
-    return logits.softmax(dim=-1)
+    return logits.masked_fill(~visible, torch.finfo(torch.float32).min).softmax(dim=-1)
 
 
 def prefix_votes(attention: torch.Tensor) -> torch.Tensor:
@@ -75,40 +72,28 @@ def snapkv_scores(
 
 
 @dataclass
-class SnapKV(Method):
+class SnapKV(BudgetMethod):
     """Keep each KV head's top ``budget - window`` prompt positions (by window votes) plus the window.
 
-    ``budget`` counts the window. ``ratio`` (0, 1], when set, replaces ``budget``: each prompt keeps
-    ``ceil(ratio * length)`` tokens (at least the window). A prompt no longer than its budget is
-    left untouched."""
+    ``budget`` counts the window; with ``ratio`` each prompt keeps ``ceil(ratio * length)`` tokens
+    (at least the window). A prompt no longer than its budget is left untouched."""
 
     name: ClassVar[str] = "snapkv"
-    budget: int = 1024
-    window: int = 32
-    kernel: int = 7
-    pooling: str = "max"
-    ratio: float | None = None
+    window: int = param(32, "observation window: the last prompt tokens that vote (always kept)", minimum=1)
+    kernel: int = param(7, "pooling kernel over positions, odd (1 = no pooling)", minimum=1)
+    pooling: str = param("max", "pooling of the votes", choices=POOLINGS)
 
     def validate(self) -> None:
-        check_positive_int("SnapKV", "window", self.window)
-        require(
-            isinstance(self.kernel, int) and not isinstance(self.kernel, bool) and self.kernel >= 1 and self.kernel % 2 == 1,
-            f"SnapKV: kernel={self.kernel!r} is invalid; it must be a positive odd integer (1 = no pooling)",
-        )
-        require(self.pooling in POOLINGS, f"SnapKV: pooling={self.pooling!r} is unknown; valid: {', '.join(POOLINGS)}")
-        if self.ratio is not None:
-            require(
-                isinstance(self.ratio, (int, float)) and not isinstance(self.ratio, bool) and 0 < self.ratio <= 1,
-                f"SnapKV: ratio={self.ratio!r} is outside the valid range (0, 1]",
-            )
-            return
-        check_budget("SnapKV", self.budget, "window", self.window, "observation window")
+        super().validate()
+        require(self.kernel % 2 == 1, f"SnapKV: kernel={self.kernel} is invalid; it must be a positive odd integer (1 = no pooling)")
+        if self.ratio is None:
+            check_reserved("SnapKV", self.budget_tokens, "window", self.window, "observation window")
 
     def queries_needed(self) -> int:
         return self.window
 
     def keep_counts(self, lengths: torch.Tensor) -> torch.Tensor:
-        return budget_counts(lengths, self.budget, self.ratio, floor=self.window)
+        return self.token_budgets(lengths, floor=self.window)
 
     def scores(self, query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scaling: float) -> torch.Tensor:
         if query.shape[-2] < self.window:
@@ -117,7 +102,3 @@ class SnapKV(Method):
                 "(pass kvcompress.prefill(..., query_window=...) at least as large as the largest window)"
             )
         return snapkv_scores(query, keys, valid, scaling, self.window, self.kernel, self.pooling)
-
-    def describe(self) -> str:
-        size = f"ratio={self.ratio}" if self.ratio is not None else f"budget={self.budget}"
-        return f"snapkv({size}, window={self.window}, kernel={self.kernel}, pooling={self.pooling})"

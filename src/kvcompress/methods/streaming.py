@@ -14,8 +14,8 @@ from typing import ClassVar
 
 import torch
 
-from ..cache import prompt_positions
-from .base import Method, budget_counts, check_budget, check_positive_int
+from ..tensors import prompt_positions
+from .base import BudgetMethod, check_reserved, param
 
 
 def sink_and_recent_scores(valid: torch.Tensor, sinks: int, kv_heads: int) -> torch.Tensor:
@@ -27,19 +27,19 @@ def sink_and_recent_scores(valid: torch.Tensor, sinks: int, kv_heads: int) -> to
 
 
 @dataclass
-class StreamingLLM(Method):
+class StreamingLLM(BudgetMethod):
     """Keep ``sinks`` initial tokens plus the most recent ``budget - sinks`` prompt tokens."""
 
     name: ClassVar[str] = "streamingllm"
-    budget: int = 1024
-    sinks: int = 4
+    sinks: int = param(4, "attention-sink tokens kept at the start of the prompt", minimum=0)
 
     def validate(self) -> None:
-        check_positive_int("StreamingLLM", "sinks", self.sinks, minimum=0)
-        check_budget("StreamingLLM", self.budget, "sinks", self.sinks, "sinks")
+        super().validate()
+        if self.ratio is None:
+            check_reserved("StreamingLLM", self.budget_tokens, "sinks", self.sinks, "sinks")
 
     def keep_counts(self, lengths: torch.Tensor) -> torch.Tensor:
-        return budget_counts(lengths, self.budget, None, floor=self.sinks)
+        return self.token_budgets(lengths, floor=self.sinks)
 
     def scores(self, query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scaling: float) -> torch.Tensor:
         return sink_and_recent_scores(valid, self.sinks, keys.shape[1])

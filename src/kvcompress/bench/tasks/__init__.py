@@ -9,7 +9,7 @@ from transformers import PreTrainedTokenizerBase
 from .base import Sample, Turn
 from .dataset import load_dataset
 from .lines import lines
-from .niah import multiturn, niah, niah_multikey, niah_multiquery, niah_multivalue, niah_single, passkey
+from .niah import fact, multiturn, niah, niah_multikey, niah_multiquery, niah_multivalue, niah_single, passkey
 from .variables import variable_tracking
 from .words import common_words, frequent_words
 
@@ -17,6 +17,7 @@ Generator = Callable[[PreTrainedTokenizerBase, int, float, int], Sample]
 
 TASKS: dict[str, Generator] = {
     "niah": niah,
+    "fact": fact,
     "passkey": passkey,
     "lines": lines,
     "niah_single": niah_single,
@@ -29,8 +30,8 @@ TASKS: dict[str, Generator] = {
     "multiturn": multiturn,
 }
 # Tasks swept over the depth grid (heatmaps); the others draw one depth per sample from the seed.
-DEPTH_GRID_TASKS = ("niah", "passkey", "lines")
+DEPTH_GRID_TASKS = ("niah", "fact", "passkey", "lines")
 # Tasks whose context is a haystack with things hidden in it; they take haystack="prose" or "repeat".
-HAYSTACK_TASKS = ("niah", "passkey", "niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt", "multiturn")
+HAYSTACK_TASKS = ("niah", "fact", "passkey", "niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt", "multiturn")
 
 __all__ = ["DEPTH_GRID_TASKS", "HAYSTACK_TASKS", "TASKS", "Sample", "Turn", "load_dataset"]

@@ -27,6 +27,21 @@ def niah(tokenizer: PreTrainedTokenizerBase, length: int, depth: float, seed: in
     return Sample(f"niah-{length}-{depth:.2f}-{seed}", "niah", length, context, [Turn(question, [value])], depth=depth)
 
 
+ROOMS = ("archive room", "server room", "map room", "boiler room", "print room", "music room", "reading room", "store room")
+WINGS = ("east wing", "west wing", "north tower", "south hall", "basement", "top floor")
+
+
+def fact(tokenizer: PreTrainedTokenizerBase, length: int, depth: float, seed: int, haystack: str = "prose") -> Sample:
+    """One plain-English fact with a 4-digit code, asked at the end (the demo's buried fact)."""
+    rng = random.Random(seed)
+    room, wing, code = rng.choice(ROOMS), rng.choice(WINGS), number(rng, 4)
+    question = f"What is the access code for the {room} in the {wing}? Answer with the number only."
+    needle = f"The access code for the {room} in the {wing} is {code}."
+    prefix = "Read this document.\n\n"
+    context = fit_haystack(tokenizer, length, question, [(depth, needle)], kind=haystack, seed=seed, prefix=prefix)
+    return Sample(f"fact-{length}-{depth:.2f}-{seed}", "fact", length, context, [Turn(question, [code])], depth=depth, info={"haystack_start": len(prefix)})
+
+
 def passkey(tokenizer: PreTrainedTokenizerBase, length: int, depth: float, seed: int, haystack: str = "repeat") -> Sample:
     """A pass key in repeated filler, asked for at the end."""
     rng = random.Random(seed)

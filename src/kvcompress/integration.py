@@ -1,0 +1,217 @@
+"""The only place that touches transformers internals: how a ``KVCompressCache`` plugs into a model.
+
+kvcompress uses three public extension points:
+
+* ``AttentionInterface``: an attention implementation named ``"kvcompress"`` (torch SDPA underneath).
+  When the keys it receives come from a kvcompress cache layer, it builds the mask from the layer's
+  own slot validity (compressed slots no longer line up with transformers' logical mask), lets the
+  layer attend, then commits the step, which compresses the layer at the end of its prefill. For
+  any other cache it is plain SDPA, so the model behaves as before.
+* ``AttentionMaskInterface``: the same name gets SDPA's mask builder, so the padding (and sliding
+  window) mask of the new tokens still reaches the attention function.
+* a forward pre-hook on the model, which refuses inputs a cache cannot take (an empty prompt, a new
+  prompt on a cache that already holds one) before they fail deep inside the model.
+
+A cache layer announces itself in ``update`` (called by every attention module right before its
+attention function); the attention function checks, by tensor identity, that the keys it got are
+the ones that layer returned, and that the module is the one the cache was made for.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AttentionInterface, PreTrainedModel
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+from .attention import dense_attention
+from .cache import CacheMisuseError, KVCompressCache, KVLayer, LayerFactory, UnsupportedModelError, WindowLayer, take_announced
+
+IMPLEMENTATION = "kvcompress"
+
+
+def attention_modules(model: PreTrainedModel) -> list[torch.nn.Module]:
+    """The model's attention modules, by layer index."""
+    found = {m.layer_idx: m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "head_dim") and isinstance(m.layer_idx, int)}
+    return [found[i] for i in sorted(found)]
+
+
+def layer_windows(model: PreTrainedModel) -> list[int | None]:
+    """Each layer's sliding window (None: full attention), as the model's attention modules use it."""
+    config = model.config.get_text_config()
+    default = getattr(config, "sliding_window", None)
+    return [getattr(module, "sliding_window", default) for module in attention_modules(model)]
+
+
+def check_model(model: PreTrainedModel) -> None:
+    """Raise ``UnsupportedModelError`` (naming the model and the setting) for what kvcompress cannot drive.
+
+    Supported: any decoder whose attention dispatches through ``AttentionInterface`` with one cache
+    layer per attention module, including sliding-window layers (kept as windows), logit
+    soft-capping (Gemma 2) and models without RoPE. Refused: the variants below."""
+    name = type(model).__name__
+    config = model.config.get_text_config()
+    if not getattr(model, "_supports_attention_backend", False):
+        raise UnsupportedModelError(
+            f"kvcompress: {name} does not dispatch attention through transformers' AttentionInterface; its attention layout is not supported"
+        )
+    modules = attention_modules(model)
+    if len(modules) != config.num_hidden_layers:
+        raise UnsupportedModelError(
+            f"kvcompress: {name} has {len(modules)} attention modules with a layer index for {config.num_hidden_layers} layers; "
+            "models with other layer kinds (linear attention, shared KV, ...) are not supported"
+        )
+    refusals = (
+        (any(hasattr(m, "sinks") for m in modules), "attention sinks (learned per-head sink logits)"),
+        (getattr(config, "attention_chunk_size", None) is not None, f"chunked attention (attention_chunk_size={getattr(config, 'attention_chunk_size', None)})"),
+        (getattr(config, "kv_lora_rank", None) is not None, "multi-head latent attention (kv_lora_rank)"),
+    )
+    for refused, what in refusals:
+        if refused:
+            raise UnsupportedModelError(f"kvcompress: {name} uses {what}, which kvcompress does not support")
+
+
+def make_cache(method: LayerFactory, model: PreTrainedModel) -> KVCompressCache:
+    """A ``KVCompressCache`` applying ``method`` to ``model``: checks both, switches the model to the
+    ``"kvcompress"`` attention implementation (idempotent) and builds one layer per model layer;
+    sliding-window layers keep their window whatever the method."""
+    attach(model)
+    method.check_model(model)
+    layers: list[KVLayer] = []
+    for index, (module, window) in enumerate(zip(attention_modules(model), layer_windows(model))):
+        layer = WindowLayer(index, window) if window is not None else method.make_layer(index, model)
+        layer.module_id = id(module)
+        layers.append(layer)
+    return KVCompressCache(method, layers)
+
+
+def attach(model: PreTrainedModel) -> None:
+    """Check ``model``, register the attention implementation and switch the model to it (idempotent).
+
+    For caches that are not kvcompress caches it computes exactly what ``"sdpa"`` computes."""
+    check_model(model)
+    if IMPLEMENTATION not in AttentionInterface._global_mapping:
+        AttentionInterface.register(IMPLEMENTATION, kvcompress_attention)
+        AttentionMaskInterface.register(IMPLEMENTATION, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    if model.config._attn_implementation != IMPLEMENTATION:
+        model.set_attn_implementation(IMPLEMENTATION)
+    if not getattr(model, "_kvcompress_input_check", False):
+        model.register_forward_pre_hook(check_inputs, with_kwargs=True)
+        model._kvcompress_input_check = True
+
+
+def check_inputs(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    """Refuse, before the model runs, inputs a kvcompress cache cannot take."""
+    cache = kwargs.get("past_key_values")
+    if not isinstance(cache, KVCompressCache):
+        return
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    embeds = kwargs.get("inputs_embeds")
+    new = ids.shape[-1] if ids is not None else embeds.shape[1] if embeds is not None else None
+    if new == 0:
+        seen = cache.get_seq_length()
+        raise CacheMisuseError(
+            "kvcompress: the input has no tokens"
+            + (
+                f"; this cache already holds {seen} tokens, and generate() feeds only tokens beyond them: "
+                "a new prompt needs a new cache (method.make_cache(model))"
+                if seen
+                else " (an empty prompt)"
+            )
+        )
+    mask = kwargs.get("attention_mask")
+    seen = cache.get_seq_length()
+    if seen and new is not None and isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[-1] != seen + new:
+        raise CacheMisuseError(
+            f"kvcompress: this cache already holds {seen} tokens, so the attention mask must cover them plus the {new} new ones "
+            f"({seen + new} columns) but it has {mask.shape[-1]}; to continue, pass the whole mask; for a new prompt, make a new cache"
+        )
+
+
+def _layer_for(module: torch.nn.Module, key: torch.Tensor) -> KVLayer | None:
+    """The kvcompress cache layer this attention call works for, or None for any other cache."""
+    layer, keys = take_announced()
+    if layer is None:
+        return None
+    if keys is not key or getattr(module, "layer_idx", layer.layer_idx) != layer.layer_idx:
+        raise UnsupportedModelError(
+            f"kvcompress: {type(module).__name__} passed attention keys that are not the ones its cache layer returned; "
+            "this attention layout is not supported"
+        )
+    if getattr(layer, "module_id", id(module)) != id(module):
+        layer.awaiting_commit = False
+        raise CacheMisuseError(
+            f"kvcompress: this cache was made for another model (layer {layer.layer_idx} belongs to a different attention module); "
+            "make a cache for this model with method.make_cache(model)"
+        )
+    return layer
+
+
+def new_token_validity(attention_mask: torch.Tensor | None, q_len: int) -> torch.Tensor | None:
+    """``[batch, q_len]`` bool: which new tokens are real. A token sees itself unless it is padding,
+    so this is the diagonal of the newest block of the boolean 4-D mask."""
+    if attention_mask is None:
+        return None
+    block = attention_mask[:, 0, -q_len:, -q_len:]
+    return block.diagonal(dim1=-2, dim2=-1).bool()
+
+
+def build_mask(layer: KVLayer, attention_mask: torch.Tensor | None, q_len: int, kv_len: int, sliding_window: int | None) -> torch.Tensor | None:
+    """Boolean mask ``[batch, 1, q_len, kv_len]`` over the layer's slots, or None when plain causal
+    attention over everything is right. Every query may at least see itself, so padding queries
+    never produce NaNs."""
+    old = kv_len - q_len
+    windowed = sliding_window is not None and kv_len > sliding_window
+    if attention_mask is None and layer.valid is None and not windowed and (q_len == 1 or old == 0):
+        return None
+    device, batch = layer.keys.device, layer.keys.shape[0]
+    if attention_mask is not None:
+        new = attention_mask[:, :, -q_len:, -q_len:].bool()
+    else:
+        new = torch.ones(q_len, q_len, dtype=torch.bool, device=device).tril()[None, None]
+        if sliding_window is not None:
+            new = new & torch.ones(q_len, q_len, dtype=torch.bool, device=device).triu(1 - sliding_window)
+    new = (new | torch.eye(q_len, dtype=torch.bool, device=device)).expand(batch, 1, -1, -1)
+    if old == 0:
+        return new
+    if isinstance(layer, WindowLayer):
+        past = layer.past_visibility(q_len)
+    else:
+        past = layer.slot_validity()[:, :old][:, None, None, :].expand(-1, 1, q_len, -1)
+    return torch.cat([past, new], dim=-1)
+
+
+def kvcompress_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """Attention over a kvcompress cache layer (then commit the step), or plain SDPA otherwise."""
+    layer = _layer_for(module, key)
+    if layer is None:
+        if softcap is not None:  # SDPA has no soft-capping: the same math, spelled out
+            scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+            mask = None if attention_mask is None else attention_mask.bool()
+            return dense_attention(query, key, value, mask, scale, softcap).transpose(1, 2).contiguous(), None
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, sliding_window=sliding_window, **kwargs)
+    if "s_aux" in kwargs:
+        raise UnsupportedModelError(f"kvcompress: {type(module).__name__} uses attention sinks (s_aux), which kvcompress does not support")
+    expected = layer.window if isinstance(layer, WindowLayer) else None
+    if sliding_window != expected:
+        raise UnsupportedModelError(
+            f"kvcompress: layer {layer.layer_idx} attends with sliding_window={sliding_window} but its cache layer was built for "
+            f"{expected}; this model's per-layer attention pattern is not supported"
+        )
+    q_len = query.shape[-2]
+    scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+    mask = build_mask(layer, attention_mask, q_len, key.shape[-2], sliding_window)
+    out = layer.attend(query, key, value, mask, scaling, softcap)
+    layer.commit(query, new_token_validity(attention_mask, q_len), scaling)
+    return out.transpose(1, 2).contiguous(), None

@@ -1,0 +1,234 @@
+"""Sparse decoding (ShadowKV, Quest, Loki): nothing is dropped; each decoding step attends exactly to
+the prompt chunks a method selects for it, plus the dense slots.
+
+At the end of prefill, each row's first ``n`` whole chunks of ``unit`` tokens (counted from the
+row's own first token, so a row in a batch is chunked exactly as it would be alone) form the
+*region*: the method builds its selection index from the region's keys (``prepare``), and the
+region goes to a ``ChunkStore`` (on the device, or offloaded to host memory). The row's remaining
+tokens stay dense, together with any chunks the method wants kept dense (ShadowKV's outliers) and
+everything generated later. Each step the method scores the chunks (``chunk_scores``), the top
+``budget / unit`` selectable chunks of each row are gathered (from the previous step's buffer when
+they were selected then too, if the store is offloaded), and attention runs exactly over
+[selected chunks; dense slots].
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar
+
+import torch
+
+from ..attention import attend_selected
+from ..cache import KVLayer, OverlapProbe
+from ..offload import ChunkStore, match_previous
+from ..tensors import chunk_tokens, gather_tokens, nbytes, prompt_positions
+from .base import BudgetMethod, require
+
+
+@dataclass
+class SparseMethod(BudgetMethod):
+    """A method that attends to ``budget`` selected prompt tokens per KV head at every step."""
+
+    default_budget = 2048
+    unit_setting: ClassVar[tuple[str, str] | None] = None  # (field, word) of the selection unit, when it is a setting
+
+    def validate(self) -> None:
+        super().validate()
+        if self.unit_setting is not None and self.ratio is None:
+            field, word = self.unit_setting
+            size = getattr(self, field)
+            require(
+                self.budget_tokens >= size,
+                f"{type(self).__name__}: budget={self.budget_tokens} is smaller than one {word} ({field}={size}); valid: budget >= {size}",
+            )
+
+    def step_tokens(self, lengths: torch.Tensor) -> torch.Tensor:
+        """Prompt tokens each row attends to per step ``[batch]``."""
+        return self.token_budgets(lengths)
+
+    def summarize(self, totals: dict[str, Any]) -> dict[str, Any]:
+        lookups, layers = totals.get("chunk_lookups", 0), totals.get("sparse_layers", 0)
+        return {
+            "selected_tokens_per_step": totals["selected_tokens"] / layers if layers else None,
+            "chunk_hit_rate": totals["chunk_hits"] / lookups if lookups and "chunk_hits" in totals else None,
+            "fetched_bytes_per_step": totals.get("fetched_bytes_per_step"),
+        }
+
+
+class SparseDecodeLayer(KVLayer):
+    """The storage and step of every sparse-decoding method; subclasses say how to chunk the prompt,
+    what to index and how to score chunks."""
+
+    method: SparseMethod
+
+    def __init__(self, method: SparseMethod, layer_idx: int, unit: int, offload: bool) -> None:
+        super().__init__(layer_idx)
+        self.method, self.unit, self.offload = method, unit, offload
+        self.store: ChunkStore | None = None  # region chunks [b, h, n, unit, d'] (see stored_chunks)
+        self.selectable: torch.Tensor | None = None  # [b, h, n]: chunk may be selected
+        self.region_positions: torch.Tensor | None = None  # [b, n * unit]: prompt position of each region token
+        self.step_chunks: torch.Tensor | None = None  # [b]: chunks each row selects per step
+        self.step_count = 0  # chunks gathered per step (the largest row's)
+        self.selected: torch.Tensor | None = None  # [b, h, k]: last step's chunks (offloaded stores reuse them)
+        self.buffer: torch.Tensor | None = None  # their gathered chunks [b, h, k * unit, d']
+        self.steps = self.lookups = 0
+        self.hits: torch.Tensor | int = 0  # a device scalar once decoding runs: counted without a host sync
+
+    # --- what a method implements ---------------------------------------------------------------------
+
+    def region_chunks(self, lengths: torch.Tensor) -> torch.Tensor:
+        """Whole chunks of each row's prompt ``[batch]`` that become selectable (the rest stays dense)."""
+        raise NotImplementedError
+
+    def prepare(self, keys: torch.Tensor, valid: torch.Tensor, chunks: torch.Tensor) -> torch.Tensor | None:
+        """Build the selection index from the region's keys ``[b, h, n * unit, d]`` (``valid`` per
+        token, ``chunks [b]`` real chunks per row). May return a pair: chunk ids ``[b, h, m]`` to keep
+        dense instead (never selected) and their validity ``[b, m]``; or None."""
+        raise NotImplementedError
+
+    def chunk_scores(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """Score of every region chunk for this step's queries ``[b, h, n]`` (higher is attended)."""
+        raise NotImplementedError
+
+    def stored_chunks(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """What the store holds per chunk ``[b, h, n, unit, d']``: keys and values side by side."""
+        batch, heads, _, dim = keys.shape
+        return torch.cat([keys, values], dim=-1).view(batch, heads, -1, self.unit, 2 * dim)
+
+    def rebuild_keys(self, chunks: torch.Tensor) -> torch.Tensor | None:
+        """Keys of ``chunks [b, h, k]`` computed while their stored chunks are gathered, for methods
+        that store values only (ShadowKV); None: the keys are in the store."""
+        return None
+
+    def selected_kv(self, chunks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values ``[b, h, k * unit, d]`` of ``chunks [b, h, k]``."""
+        gathered, rebuilt = self.gather(chunks, overlap=lambda: self.rebuild_keys(chunks))
+        return gathered.chunk(2, dim=-1) if rebuilt is None else (rebuilt, gathered)
+
+    def index_tensors(self) -> list[torch.Tensor]:
+        """The selection index kept on the device (landmarks, page bounds, projected keys, factors)."""
+        return []
+
+    # --- the contract ----------------------------------------------------------------------------------
+
+    def compress(self, query: torch.Tensor, scaling: float) -> None:
+        lengths, seq = self.prompt_tokens, self.keys.shape[-2]
+        counts = self.region_chunks(lengths).clamp(min=0)
+        n = int(counts.max())
+        if n == 0:
+            return
+        batch, heads = self.keys.shape[:2]
+        device = self.keys.device
+        token = torch.arange(n * self.unit, device=device)
+        region_valid = token[None, :] < (counts * self.unit)[:, None]  # [b, n * unit]
+        slots = ((seq - lengths)[:, None] + token[None, :]).clamp(max=seq - 1)[:, None, :].expand(-1, heads, -1)
+        keys = gather_tokens(self.keys, slots) * region_valid[:, None, :, None]
+        values = gather_tokens(self.values, slots) * region_valid[:, None, :, None]
+        self.selectable = (torch.arange(n, device=device)[None, :] < counts[:, None])[:, None, :].expand(-1, heads, -1).clone()
+        kept_dense = self.prepare(keys, region_valid, counts)
+
+        # Dense slots: the chunks the method keeps dense, then each row's tokens after its region.
+        rest = lengths - counts * self.unit
+        tail = int(rest.max())
+        tail_valid = torch.arange(tail, device=device)[None, :] >= (tail - rest)[:, None]
+        tail_positions = ((lengths - tail)[:, None] + torch.arange(tail, device=device)[None, :]).masked_fill(~tail_valid, -1)
+        parts = [(self.keys[:, :, seq - tail :], self.values[:, :, seq - tail :], tail_valid, tail_positions[:, None, :].expand(-1, heads, -1))]
+        if kept_dense is not None:
+            chunks, chunk_valid = kept_dense
+            per_head = chunk_valid[:, None, :].expand_as(chunks)
+            self.selectable.scatter_(-1, chunks, self.selectable.gather(-1, chunks) & ~per_head)
+            tokens = chunk_tokens(chunks, self.unit)
+            token_valid = chunk_valid.repeat_interleave(self.unit, dim=-1)
+            parts.insert(0, (gather_tokens(keys, tokens), gather_tokens(values, tokens), token_valid, tokens.masked_fill(~token_valid[:, None, :], -1)))
+        dense_keys, dense_values, valid, positions = (torch.cat(column, dim=-2 if i < 2 else -1) for i, column in enumerate(zip(*parts)))
+        self.set_slots(dense_keys, dense_values, None if bool(valid.all()) else valid, positions)
+        self.store = ChunkStore(self.stored_chunks(keys, values), self.offload)
+        self.region_positions = token[None, :].expand(batch, -1)
+        per_step = torch.div(self.method.step_tokens(lengths), self.unit, rounding_mode="floor").clamp(min=1)
+        self.step_chunks = torch.minimum(per_step, counts)
+        self.step_count = int(self.step_chunks.max())  # chunks gathered per step: a fixed shape
+
+    def attend(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scaling: float, softcap: float | None = None) -> torch.Tensor:
+        if self.store is None:
+            return super().attend(query, keys, values, mask, scaling, softcap)
+        chosen, counted = self.select(query, scaling)
+        selected_keys, selected_values = self.selected_kv(chosen)
+        token_valid = counted.repeat_interleave(self.unit, dim=-1)
+        return attend_selected(query, (selected_keys, selected_values, token_valid), keys, values, mask, scaling, softcap)
+
+    def select(self, query: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """The chunks this step attends to ``[b, h, k]`` (ascending) and which of them count:
+        each row takes its own ``step_chunks`` best selectable chunks."""
+        scores = self.chunk_scores(query, scaling).masked_fill(~self.selectable, -math.inf)
+        top = scores.topk(self.step_count, dim=-1)
+        in_budget = torch.arange(self.step_count, device=scores.device)[None, None, :] < self.step_chunks[:, None, None]
+        chosen, order = top.indices.sort(dim=-1)
+        counted = (in_budget & self.selectable.gather(-1, top.indices)).gather(-1, order)
+        return chosen, counted
+
+    def gather(self, chunks: torch.Tensor, overlap: Callable[[], Any] = lambda: None) -> tuple[torch.Tensor, Any]:
+        """The stored ``chunks [b, h, k]`` as ``[b, h, k * unit, d']`` (reusing last step's buffer when
+        the store is offloaded) and the result of ``overlap()``, which runs meanwhile."""
+        reuse = self.store.offloaded
+        hit, slot = match_previous(chunks, self.selected if reuse else None)
+        self.steps += 1
+        if reuse:
+            self.lookups += chunks.numel()
+            self.hits = self.hits + hit.sum()
+        gathered, result = self.store.fetch(chunks, hit, slot, self.buffer if reuse else None, overlap)
+        if reuse:
+            self.selected, self.buffer = chunks, gathered
+        return gathered, result
+
+    def fetch_overlap(self) -> OverlapProbe | None:
+        """Last step's chunks read from the offload store alone, the keys rebuilt alone, and both as
+        a step runs them (for the speed benchmark)."""
+        if self.store is None or self.selected is None:
+            return None
+        chosen = self.selected
+        hit, slot = torch.zeros_like(chosen, dtype=torch.bool), torch.zeros_like(chosen)
+        return OverlapProbe(
+            fetch=lambda: self.store.fetch(chosen, hit, slot, None, overlap=lambda: None),
+            work=lambda: self.rebuild_keys(chosen),
+            both=lambda: self.store.fetch(chosen, hit, slot, None, overlap=lambda: self.rebuild_keys(chosen)),
+            concurrent=self.store.stream is not None,
+        )
+
+    def kept_positions(self) -> torch.Tensor:
+        """Every prompt position: nothing is dropped (padding of shorter rows reported as -1)."""
+        if self.store is None:
+            return super().kept_positions()
+        real = torch.arange(self.prefill_len, device=self.keys.device)[None, :] >= (self.prefill_len - self.prompt_tokens)[:, None]
+        return prompt_positions(real)[:, None, :].expand(-1, self.keys.shape[1], -1)
+
+    def stats(self) -> dict[str, Any]:
+        stats = super().stats()
+        if self.store is None:
+            return stats
+        stats["index_bytes"] += nbytes(self.selectable, self.region_positions, self.step_chunks, self.selected, self.buffer)
+        stats["offloaded_bytes" if self.store.offloaded else "kv_bytes_kept"] += self.store.nbytes
+        per_chunk = self.store.chunk_bytes
+        selected_bytes = self.keys.shape[0] * self.keys.shape[1] * self.step_count * per_chunk * self.read_factor()
+        stats["bytes_read_per_step"] += selected_bytes + nbytes(*self.index_tensors())
+        misses = self.lookups - (0 if self.store.reads_hits() else int(self.hits))
+        stats.update(
+            sparse_layers=1,
+            selected_tokens=self.step_count * self.unit,
+            chunk_hits=int(self.hits),
+            chunk_lookups=self.lookups,
+            fetched_bytes_per_step=misses * per_chunk / self.steps if self.steps else 0,
+        )
+        return stats
+
+    def info(self) -> dict[str, Any]:
+        return {} if self.store is None else {"value_fetch": self.store.mode}
+
+    def read_factor(self) -> float:
+        """Bytes read per selected chunk relative to a stored chunk (ShadowKV stores values and
+        rebuilds keys of the same size: 2)."""
+        return 1.0
+
+    def batch_tensors(self) -> list[str]:
+        return [*super().batch_tensors(), "store", "selectable", "region_positions", "step_chunks", "selected", "buffer"]

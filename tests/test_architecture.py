@@ -1,0 +1,131 @@
+"""The shape of the house: imports flow one way, and a method is one file plus a registry line."""
+
+from __future__ import annotations
+
+import ast
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+import pytest
+import torch
+
+import kvcompress as kvc
+from kvcompress.cli import build_parser, main
+from kvcompress.methods import METHODS, field_specs
+from kvcompress.methods.base import BudgetMethod, param
+
+from .fixtures import char_tokenizer, tiny_model
+
+PACKAGE = Path(kvc.__file__).parent
+
+
+def module_imports() -> dict[str, set[str]]:
+    """Every kvcompress module and the kvcompress modules it imports (anywhere in the file,
+    type-checking and function-local imports included)."""
+    graph = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+                target = ".".join(base + ([node.module] if node.module else []))
+                found.add(target)
+                found.update(f"{target}.{alias.name}" for alias in node.names)
+            elif isinstance(node, ast.Import):
+                found.update(alias.name for alias in node.names)
+        graph[name] = found
+    return {name: {t for t in targets if t in graph and t != name} for name, targets in graph.items()}
+
+
+def test_the_module_graph_has_no_cycle():
+    graph = module_imports()
+    packages = {name for name in graph if (PACKAGE.parent / name.replace(".", "/") / "__init__.py").exists()}
+    edges = {name: {t for t in targets if t not in packages} for name, targets in graph.items()}  # a package's face only hands names on
+    state: dict[str, str] = {}
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = "open"
+        for target in sorted(edges[node]):
+            assert state.get(target) != "open", f"import cycle: {' -> '.join(path + [node, target])}"
+            if target not in state:
+                visit(target, path + [node])
+        state[node] = "done"
+
+    for node in sorted(edges):
+        if node not in state:
+            visit(node, [])
+
+
+def test_the_cache_knows_no_method_and_no_integration():
+    graph = module_imports()
+    for storage in ("kvcompress.cache", "kvcompress.tensors", "kvcompress.attention", "kvcompress.offload"):
+        assert not {t for t in graph[storage] if t.startswith(("kvcompress.methods", "kvcompress.integration", "kvcompress.generation"))}, storage
+
+
+def test_every_method_field_is_a_flag_with_one_type():
+    options = {a.dest: a for a in build_parser()._subparsers._group_actions[0].choices["generate"]._actions}
+    for name, cls in METHODS.items():
+        for spec in field_specs(cls):
+            assert spec.name in options, f"{name}.{spec.name} has no flag"
+            assert spec.help, f"{name}.{spec.name} has no help text"
+    kinds = {}
+    for cls in METHODS.values():
+        for spec in field_specs(cls):
+            assert kinds.setdefault(spec.name, spec.kind) is spec.kind, f"field {spec.name} has two types"
+
+
+@dataclass
+class EveryOther(BudgetMethod):
+    """A toy prompt-compression method written the way a newcomer would: keep the last ``budget``
+    tokens whose position is a multiple of ``stride`` (plus, when too few, the most recent)."""
+
+    name: ClassVar[str] = "every-other"
+    stride: int = param(2, "keep positions that are multiples of this", minimum=1)
+
+    def keep_counts(self, lengths: torch.Tensor) -> torch.Tensor:
+        return self.token_budgets(lengths)
+
+    def scores(self, query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scaling: float) -> torch.Tensor:
+        position = valid.long().cumsum(-1).float()
+        return (position + 1e6 * (position % self.stride == 0))[:, None, :].expand(-1, keys.shape[1], -1)
+
+
+@pytest.fixture
+def toy_method():
+    kvc.register_method(EveryOther)
+    yield EveryOther
+    METHODS.pop(EveryOther.name)
+
+
+@pytest.fixture
+def saved_tiny_model(tmp_path: Path) -> Path:
+    folder = tmp_path / "tiny"
+    tiny_model(max_position_embeddings=2048).save_pretrained(folder)
+    char_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def test_a_new_method_is_one_class_and_a_registry_line(toy_method, saved_tiny_model, tmp_path, capsys):
+    model, tok = tiny_model(), char_tokenizer()
+    result = kvc.generate(model, tok, "x" * 100, method=EveryOther(budget=20, stride=3), max_new_tokens=2)
+    kept = result.cache.kept_positions(0)[0, 0].tolist()
+    assert len(kept) == 20 and all(p % 3 == 2 for p in kept)  # cumsum positions start at 1
+
+    assert main(["generate", "--model", str(saved_tiny_model), "--method", "every-other", "--budget", "24", "--stride", "4",
+                 "--raw", "--prompt", "y" * 80, "--max-new-tokens", "3", "--json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["method"] == "every-other(budget=24, stride=4)"
+    assert record["kv_tokens_per_layer"] == [24 + 2, 24 + 2]
+
+    out = tmp_path / "acc"
+    assert main(["bench", "accuracy", "--model", str(saved_tiny_model), "--tasks", "niah", "--methods", "full,every-other:stride=2",
+                 "--budgets", "64", "--lengths", "300", "--depths", "0.5", "--out", str(out)]) == 0
+    labels = {json.loads(line)["label"] for line in (out / "results.jsonl").read_text().splitlines()}
+    assert labels == {"full", "every-other:stride=2@64"}
+    assert main(["generate", "--model", str(saved_tiny_model), "--method", "every-other", "--window", "4", "--prompt", "z"]) == 2
+    assert "method 'every-other' does not take --window; it takes: --budget, --ratio, --stride" in capsys.readouterr().err
