@@ -6,7 +6,7 @@ import random
 
 import torch
 from tokenizers import Tokenizer, decoders, models, processors
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, PreTrainedTokenizerFast, Qwen2Config
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, MistralConfig, PreTrainedTokenizerFast, Qwen2Config
 
 CHARS = [chr(c) for c in range(32, 127)] + ["\n"]
 SPECIALS = ["<pad>", "<s>", "</s>"]
@@ -17,12 +17,13 @@ CHAT_TEMPLATE = (
 ARCHITECTURES = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config}
 
 
-def char_tokenizer() -> PreTrainedTokenizerFast:
-    """One token per character; BOS prepended to raw text; a simple chat template."""
+def char_tokenizer(bos: bool = True) -> PreTrainedTokenizerFast:
+    """One token per character; BOS prepended to raw text (unless ``bos=False``); a simple chat template."""
     vocab = {tok: i for i, tok in enumerate(SPECIALS + CHARS)}
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<pad>"))
     backend.decoder = decoders.Fuse()
-    backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    if bos:
+        backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
     return PreTrainedTokenizerFast(
         tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>", chat_template=CHAT_TEMPLATE
     )
@@ -50,6 +51,34 @@ def tiny_model(arch: str = "llama", seed: int = 0, **overrides) -> torch.nn.Modu
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(ARCHITECTURES[arch](**params), attn_implementation="sdpa")
     return model.eval()
+
+
+# The model families users run, as tiny random-weight models: sliding windows (all layers, or
+# alternating local/global), logit soft-capping, query/key norms, partial rotary, and no RoPE at all.
+FAMILIES = {
+    "llama": dict(model_type="llama"),
+    "mistral": dict(model_type="mistral", sliding_window=None),
+    "mistral-sliding": dict(model_type="mistral", sliding_window=16),
+    "qwen2": dict(model_type="qwen2"),
+    "qwen2-sliding": dict(model_type="qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=1),
+    "qwen3": dict(model_type="qwen3"),
+    "gemma2": dict(model_type="gemma2", sliding_window=16, query_pre_attn_scalar=16),
+    "gemma3": dict(model_type="gemma3_text", sliding_window=16, query_pre_attn_scalar=16, sliding_window_pattern=2),
+    "phi3-partial-rotary": dict(model_type="phi3", partial_rotary_factor=0.5),
+    "gpt2-no-rope": dict(model_type="gpt2", n_layer=2, n_head=4, n_embd=64, n_positions=1024),
+}
+
+
+def family_model(family: str, seed: int = 0) -> torch.nn.Module:
+    """A 2-layer random-weight model of ``family`` (see ``FAMILIES``), in its default attention implementation."""
+    settings = dict(FAMILIES[family])
+    model_type = settings.pop("model_type")
+    shared = dict(vocab_size=128, initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if model_type != "gpt2":
+        shared.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=16, max_position_embeddings=1024)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **shared, **settings)).eval()
 
 
 def prefilled_cache(method, prompt_tokens: int, **model_overrides):

@@ -89,3 +89,101 @@ def test_cli_reports_errors_without_traceback(argv, expected, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert expected in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "make, expected",
+    [
+        (lambda: kvc.SnapKV(ratio=0.5, budget=100), r"SnapKV: give budget or ratio, not both \(got budget=100, ratio=0.5\)"),
+        (lambda: kvc.ShadowKV(ratio=0.5, budget=8), r"ShadowKV: give budget or ratio, not both"),
+        (lambda: kvc.SnapKV(ratio=0.5, budget=-100), r"SnapKV: budget=-100 is invalid; it must be an integer >= 1"),
+        (lambda: kvc.H2O(evict_during_decoding="no"), r"H2O: evict_during_decoding='no' is invalid; it must be True or False"),
+        (lambda: kvc.Quest(offload="yes"), r"Quest: offload='yes' is invalid; it must be True or False"),
+        (lambda: kvc.H2O(budget="8"), r"H2O: budget='8' is invalid; it must be an integer >= 1 \(or None for the default\)"),
+        (lambda: kvc.SnapKV(window=None), r"SnapKV: window=None is invalid; give an integer >= 1"),
+        (lambda: kvc.SnapKV(kernel=3.0), r"SnapKV: kernel=3.0 is invalid; it must be an integer >= 1"),
+        (lambda: kvc.SnapKV(ratio=float("nan")), r"SnapKV: ratio=nan is invalid"),
+        (lambda: kvc.Loki(calibration="/missing.pt"), r"Loki: calibration='/missing.pt' is not a file"),
+    ],
+)
+def test_misuse_is_named(make, expected):
+    with pytest.raises(kvc.InvalidParameterError, match=expected):
+        make()
+
+
+def test_budget_none_means_the_default():
+    assert kvc.H2O(budget=None).budget_tokens == 1024 and kvc.ShadowKV().budget_tokens == 2048
+
+
+def test_loki_calibration_of_the_wrong_shape(tmp_path):
+    path = tmp_path / "components.pt"
+    torch.save(torch.eye(16).expand(3, 2, 16, 16).clone(), path)
+    with pytest.raises(kvc.InvalidParameterError, match=r"holds \(3, 2, 16, 16\); expected a tensor of shape \[2, 2, 16, 16\]"):
+        kvc.Loki(calibration=str(path)).make_cache(tiny_model())
+
+
+def test_an_empty_prompt_is_refused():
+    model = tiny_model()
+    with pytest.raises(kvc.InvalidParameterError, match=r"prompt 0 is empty: it has no tokens"):
+        kvc.generate(model, char_tokenizer(bos=False), "")
+    with pytest.raises(kvc.CacheMisuseError, match=r"the input has no tokens \(an empty prompt\)"):
+        with torch.no_grad():
+            model(torch.zeros(1, 0, dtype=torch.long), past_key_values=kvc.SnapKV().make_cache(model))
+
+
+def test_a_cache_refuses_a_second_prompt():
+    model, tok = tiny_model(), char_tokenizer()
+    cache = kvc.SnapKV(budget=40, window=8).make_cache(model)
+    model.generate(**tok(random_text(100), return_tensors="pt"), past_key_values=cache, max_new_tokens=3)
+    with pytest.raises(kvc.CacheMisuseError, match=r"this cache already holds 103 tokens but the 19 new tokens do not continue them"):
+        model.generate(**tok(random_text(60), return_tensors="pt"), past_key_values=cache, max_new_tokens=3)
+    with pytest.raises(kvc.CacheMisuseError, match=r"this cache already holds 103 tokens, and generate\(\) feeds only tokens beyond them: a new prompt needs a new cache"):
+        model.generate(**tok("ab", return_tensors="pt"), past_key_values=cache, max_new_tokens=3)
+    other = tok(random_text(60), return_tensors="pt")
+    with pytest.raises(kvc.CacheMisuseError, match=r"the attention mask must cover them plus the 61 new ones \(164 columns\) but it has 61"):
+        with torch.no_grad():
+            model(**other, past_key_values=cache)
+
+
+@pytest.mark.parametrize("made_for, used_with", [(4, 2), (2, 4)])
+def test_a_cache_refuses_another_model(made_for, used_with):
+    cache = kvc.FullKV().make_cache(tiny_model(num_hidden_layers=made_for))
+    model = tiny_model(num_hidden_layers=used_with)
+    kvc.FullKV().make_cache(model)  # the model is set up for kvcompress, but this cache is not its own
+    with pytest.raises(kvc.CacheMisuseError, match=rf"this cache was made for another model \({made_for} layers; this LlamaForCausalLM has {used_with}\)"):
+        with torch.no_grad():
+            model(torch.randint(3, 128, (1, 20)), past_key_values=cache)
+
+
+def test_generate_takes_a_method_or_its_name():
+    model, tok = tiny_model(), char_tokenizer()
+    by_name = kvc.generate(model, tok, random_text(100), method="streamingllm", max_new_tokens=4)
+    assert by_name.token_ids == kvc.generate(model, tok, random_text(100), method=kvc.StreamingLLM(), max_new_tokens=4).token_ids
+    with pytest.raises(kvc.InvalidParameterError, match=r"method=42 is invalid; give a kvcompress method"):
+        kvc.generate(model, tok, "hello", method=42)
+    with pytest.raises(kvc.InvalidParameterError, match=r"max_new_tokens=True is invalid"):
+        kvc.generate(model, tok, "hello", max_new_tokens=True)
+
+
+def test_cli_errors_name_files_flags_and_folders(tmp_path, capsys):
+    binary = tmp_path / "binary.txt"
+    binary.write_bytes(b"\xff\xfe\x00bad")
+    assert main(["generate", "--prompt-file", str(binary)]) == 2
+    assert f"--prompt-file {binary}: not UTF-8 text" in capsys.readouterr().err
+    assert main(["generate", "--model", "/missing/dir", "--prompt", "x"]) == 2
+    assert "model='/missing/dir': no such directory" in capsys.readouterr().err
+    assert main(["generate", "--method", "snapkv", "--ratio", "0.5", "--budget", "-100", "--prompt", "x"]) == 2
+    assert "SnapKV: budget=-100 is invalid; it must be an integer >= 1" in capsys.readouterr().err
+    assert main(["generate", "--method", "shadowkv", "--ratio", "0.5", "--budget", "300", "--prompt", "x"]) == 2
+    assert "ShadowKV: give budget or ratio, not both (got budget=300, ratio=0.5)" in capsys.readouterr().err
+
+
+def test_ctrl_c_in_a_long_command_says_where_results_are(tmp_path, monkeypatch, capsys):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("kvcompress.cli.run_accuracy", interrupted)
+    monkeypatch.setattr("kvcompress.cli.load_model", lambda *a, **k: (tiny_model(), char_tokenizer()))
+    assert main(["bench", "accuracy", "--out", str(tmp_path / "acc")]) == 130
+    err = capsys.readouterr().err
+    assert err == f"kvcompress: interrupted; results so far are in {tmp_path / 'acc'} and rerunning the same command resumes\n"

@@ -79,6 +79,7 @@ class KVLayer(DynamicLayer):
         self.seen_tokens = 0  # logical length: every token fed, padding included
         self.prefill_len: int | None = None  # slots of the first fill (the padded prompt), set after it
         self.prompt_tokens: torch.Tensor | None = None  # real prompt tokens per row, set after the prefill
+        self.real_tokens: torch.Tensor | None = None  # real tokens fed per row so far (prompt and later), on the device
         self.valid: torch.Tensor | None = None  # [batch, slots]; None when every slot is real
         self.positions: torch.Tensor | None = None  # [batch, kv_heads, prompt slots]: prompt positions held
         self.new_tokens = 0  # tokens added by the last update
@@ -198,6 +199,7 @@ class KVLayer(DynamicLayer):
             self._end_prefill(query, new_valid, scaling)
             return
         # Recorded without asking the device whether all are real: that would synchronize every step.
+        self.real_tokens = self.real_tokens + (new_valid.sum(-1) if new_valid is not None else self.new_tokens)
         if new_valid is not None:
             self.valid = torch.cat([self.slot_validity()[:, : self.keys.shape[-2] - new_valid.shape[-1]], new_valid], dim=-1)
         elif self.valid is not None:
@@ -214,6 +216,7 @@ class KVLayer(DynamicLayer):
             self.valid = new_valid
         self.prefill_len = self.keys.shape[-2]
         self.prompt_tokens = self.slot_validity().sum(dim=-1)
+        self.real_tokens = self.prompt_tokens.clone()
         if self.record_window is not False:
             self.recorded = (query if self.record_window is None else query[..., -self.record_window :, :], scaling)
         _sync(self.keys)
@@ -279,7 +282,7 @@ class KVLayer(DynamicLayer):
 
     def batch_tensors(self) -> list[str]:
         """Attributes holding a batch dimension first (reordered by beam search)."""
-        return ["keys", "values", "valid", "positions", "prompt_tokens"]
+        return ["keys", "values", "valid", "positions", "prompt_tokens", "real_tokens"]
 
     # --- batch operations (transformers' generate: beams, num_return_sequences) -----------------------
 
@@ -336,6 +339,7 @@ class WindowLayer(KVLayer):
         self.lazy_initialization(source.keys, source.values)
         self.set_slots(source.keys, source.values, source.valid, source.positions)
         self.seen_tokens, self.prefill_len, self.prompt_tokens = source.seen_tokens, source.prefill_len, source.prompt_tokens
+        self.real_tokens = source.real_tokens
 
 
 class LayerFactory(Protocol):
@@ -354,10 +358,10 @@ class KVCompressCache(Cache):
     """A ``Cache`` whose layers apply a method. Build it with ``method.make_cache(model)`` and pass it
     to ``model.generate(past_key_values=cache)`` or use ``kvcompress.generate``."""
 
-    def __init__(self, method: LayerFactory, layers: list[KVLayer], model_id: str = "") -> None:
+    def __init__(self, method: LayerFactory, layers: list[KVLayer], model_id: int | None = None) -> None:
         super().__init__(layers=layers)
         self.method = method
-        self.model_id = model_id  # checked by integration.py: a cache serves the model it was made for
+        self.model_id = model_id  # id() of the model it was made for: integration.py refuses any other
         self.timings: dict[str, float | None] = {"prefill_s": None, "decode_ms_per_token": None}
 
     def record_prefill(self, window: int | None) -> None:

@@ -82,7 +82,7 @@ def make_cache(method: LayerFactory, model: PreTrainedModel) -> KVCompressCache:
         layer = WindowLayer(index, window) if window is not None else method.make_layer(index, model)
         layer.module_id = id(module)
         layers.append(layer)
-    return KVCompressCache(method, layers)
+    return KVCompressCache(method, layers, model_id=id(model))
 
 
 def attach(model: PreTrainedModel) -> None:
@@ -105,6 +105,11 @@ def check_inputs(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
     cache = kwargs.get("past_key_values")
     if not isinstance(cache, KVCompressCache):
         return
+    if cache.model_id != id(module):
+        raise CacheMisuseError(
+            f"kvcompress: this cache was made for another model ({len(cache.layers)} layers; this {type(module).__name__} has "
+            f"{module.config.get_text_config().num_hidden_layers}); make a cache for this model with method.make_cache(model)"
+        )
     ids = kwargs.get("input_ids", args[0] if args else None)
     embeds = kwargs.get("inputs_embeds")
     new = ids.shape[-1] if ids is not None else embeds.shape[1] if embeds is not None else None
@@ -121,11 +126,23 @@ def check_inputs(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         )
     mask = kwargs.get("attention_mask")
     seen = cache.get_seq_length()
-    if seen and new is not None and isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[-1] != seen + new:
+    if not seen or new is None:
+        return
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[-1] != seen + new:
         raise CacheMisuseError(
             f"kvcompress: this cache already holds {seen} tokens, so the attention mask must cover them plus the {new} new ones "
             f"({seen + new} columns) but it has {mask.shape[-1]}; to continue, pass the whole mask; for a new prompt, make a new cache"
         )
+    positions, real = kwargs.get("position_ids"), cache.layers[0].real_tokens
+    if new > 1 and positions is not None and real is not None:  # several new tokens: a new turn, or a new prompt by mistake
+        new_real = mask[:, -new:].sum(-1) if isinstance(mask, torch.Tensor) and mask.dim() == 2 else torch.full_like(real, new)
+        last = positions[..., -1].reshape(-1, real.shape[0]).amax(0) if positions.dim() > 2 else positions[:, -1]
+        if bool(((new_real > 0) & (last.to(real.device) != real + new_real - 1)).any()):  # one check per turn, not per step
+            raise CacheMisuseError(
+                f"kvcompress: this cache already holds {seen} tokens but the {new} new tokens do not continue them (their positions "
+                f"end at {last.tolist()}); generate() with a used cache feeds only the tokens beyond what it holds, so a new prompt "
+                "needs a new cache (method.make_cache(model)); to continue a conversation, pass all of it"
+            )
 
 
 def _layer_for(module: torch.nn.Module, key: torch.Tensor) -> KVLayer | None:

@@ -102,11 +102,16 @@ def load_model(
     if dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     path = str(fetch_default_model()) if name in (None, DEFAULT_MODEL) else name
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    local = Path(path).expanduser()
+    if not local.exists() and (local.is_absolute() or path.startswith((".", "~"))):
+        raise ModelNotAvailableError(f"model={name!r}: no such directory (give a local model folder, or a name from_pretrained can load)")
     bars_were_on = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+    except (OSError, ValueError) as error:
+        raise ModelNotAvailableError(f"model={name!r} could not be loaded: {str(error).splitlines()[0]}") from None
     finally:
         if bars_were_on:
             hf_logging.enable_progress_bar()

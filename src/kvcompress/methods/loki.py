@@ -44,8 +44,6 @@ def approximate_scores(query: torch.Tensor, projected_keys: torch.Tensor, compon
 
 def load_calibration(path: str, layers: int, kv_heads: int, head_dim: int) -> torch.Tensor:
     """The calibration components ``[layers, kv_heads, head_dim, head_dim]`` saved at ``path``."""
-    if not Path(path).is_file():
-        raise InvalidParameterError(f"Loki: calibration={path!r} is not a file; give a tensor saved with torch.save")
     try:
         components = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # noqa: BLE001 - any unreadable file gets the same clear error
@@ -65,6 +63,11 @@ class Loki(SparseMethod):
     dim: int | None = param(None, "principal components used for scoring (default half the head dimension)", minimum=1)
     recent: int = param(32, "recent tokens kept dense, never selected", minimum=0)
     calibration: str | None = param(None, "file of precomputed components [layers, kv_heads, head_dim, head_dim] (default: from the prompt)")
+
+    def validate(self) -> None:
+        super().validate()
+        if self.calibration is not None and not Path(self.calibration).is_file():
+            raise InvalidParameterError(f"Loki: calibration={self.calibration!r} is not a file; give a tensor saved with torch.save")
 
     def check_model(self, model: PreTrainedModel) -> None:
         config = model.config.get_text_config()
