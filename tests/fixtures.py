@@ -84,7 +84,7 @@ def family_model(family: str, seed: int = 0) -> torch.nn.Module:
 def prefilled_cache(method, prompt_tokens: int, **model_overrides):
     """A tiny model's cache after prefilling ``prompt_tokens`` random tokens through ``method``."""
     model = tiny_model(**model_overrides)
-    cache = method.make_cache(model)
+    cache = method.make_cache(model, char_tokenizer())
     with torch.no_grad():
         model(torch.randint(3, 128, (1, prompt_tokens)), past_key_values=cache)
     return cache

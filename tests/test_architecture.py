@@ -90,7 +90,7 @@ class EveryOther(BudgetMethod):
     def keep_counts(self, lengths: torch.Tensor) -> torch.Tensor:
         return self.token_budgets(lengths)
 
-    def scores(self, query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scaling: float) -> torch.Tensor:
+    def scores(self, query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scaling: float, spans: torch.Tensor | None = None) -> torch.Tensor:
         position = valid.long().cumsum(-1).float()
         return (position + 1e6 * (position % self.stride == 0))[:, None, :].expand(-1, keys.shape[1], -1)
 

@@ -153,7 +153,7 @@ def prefilled_pair(method, length: int, seed: int = 0):
     model = tiny_model()
     prompt = torch.randint(3, 128, (1, length), generator=torch.Generator().manual_seed(seed))
     full = DynamicCache(config=model.config)
-    cache = method.make_cache(model)
+    cache = method.make_cache(model, char_tokenizer())
     with torch.no_grad():
         model(prompt, past_key_values=full)
         model(prompt, past_key_values=cache)

@@ -55,7 +55,7 @@ def test_shadowkv_refuses_a_model_without_rotary_attention():
 
 def test_attention_outside_kvcompress_is_detected():
     model = tiny_model()
-    cache = kvc.SnapKV(budget=40, window=8).make_cache(model)
+    cache = kvc.SnapKV(budget=40, window=8).make_cache(model, char_tokenizer())
     model.set_attn_implementation("eager")
     with pytest.raises(kvc.UnsupportedModelError, match=r"layer 0 was updated twice"):
         with torch.no_grad():
@@ -128,12 +128,12 @@ def test_an_empty_prompt_is_refused():
         kvc.generate(model, char_tokenizer(bos=False), "")
     with pytest.raises(kvc.CacheMisuseError, match=r"the input has no tokens \(an empty prompt\)"):
         with torch.no_grad():
-            model(torch.zeros(1, 0, dtype=torch.long), past_key_values=kvc.SnapKV().make_cache(model))
+            model(torch.zeros(1, 0, dtype=torch.long), past_key_values=kvc.SnapKV().make_cache(model, char_tokenizer()))
 
 
 def test_a_cache_refuses_a_second_prompt():
     model, tok = tiny_model(), char_tokenizer()
-    cache = kvc.SnapKV(budget=40, window=8).make_cache(model)
+    cache = kvc.SnapKV(budget=40, window=8).make_cache(model, char_tokenizer())
     model.generate(**tok(random_text(100), return_tensors="pt"), past_key_values=cache, max_new_tokens=3)
     with pytest.raises(kvc.CacheMisuseError, match=r"this cache already holds 103 tokens but the 19 new tokens do not continue them"):
         model.generate(**tok(random_text(60), return_tensors="pt"), past_key_values=cache, max_new_tokens=3)

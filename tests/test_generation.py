@@ -24,7 +24,7 @@ def test_model_generate_agrees_with_kvc_generate(method, tok):
     prompt = random_text(180, seed=2)
     ours = kvc.generate(model, tok, prompt, method=method, max_new_tokens=12)
     inputs = tok(prompt, return_tensors="pt")
-    cache = method.make_cache(model)
+    cache = method.make_cache(model, tok)
     out = model.generate(**inputs, past_key_values=cache, max_new_tokens=12, do_sample=False, eos_token_id=None)
     theirs = out[0, inputs["input_ids"].shape[1] :].tolist()
     assert theirs[: len(ours.token_ids[0])] == ours.token_ids[0]
@@ -52,7 +52,7 @@ def test_batched_model_generate_with_left_padding(tok):
     prompts = [random_text(60, seed=5), random_text(160, seed=6)]
     tok.padding_side = "left"
     inputs = tok(prompts, return_tensors="pt", padding=True)
-    out = model.generate(**inputs, past_key_values=method.make_cache(model), max_new_tokens=8, do_sample=False, eos_token_id=None)
+    out = model.generate(**inputs, past_key_values=method.make_cache(model, tok), max_new_tokens=8, do_sample=False, eos_token_id=None)
     ours = kvc.generate(model, tok, prompts, method=method, max_new_tokens=8)
     for row in range(2):
         generated = out[row, inputs["input_ids"].shape[1] :].tolist()
@@ -138,7 +138,7 @@ def test_model_behaves_as_sdpa_for_other_caches():
     ids = torch.randint(3, 128, (2, 50))
     with torch.no_grad():
         before = model(ids).logits
-        kvc.SnapKV(budget=40, window=8).make_cache(model)
+        kvc.SnapKV(budget=40, window=8).make_cache(model, char_tokenizer())
         after = model(ids).logits
     torch.testing.assert_close(after, before, rtol=0, atol=0)
 
@@ -147,7 +147,7 @@ def test_model_behaves_as_sdpa_for_other_caches():
 def test_model_generate_search_modes_keep_the_budget(options, tok):
     model = tiny_model()
     inputs = tok([random_text(150)], return_tensors="pt")
-    cache = kvc.SnapKV(budget=64, window=8).make_cache(model)
+    cache = kvc.SnapKV(budget=64, window=8).make_cache(model, char_tokenizer())
     out = model.generate(**inputs, past_key_values=cache, max_new_tokens=6, eos_token_id=None, **options)
     assert out.shape[-1] == inputs["input_ids"].shape[1] + 6
     assert cache.stats()["kv_tokens_per_layer"] == [64 + 5, 64 + 5]
@@ -162,7 +162,7 @@ def test_right_padding_is_refused(tok):
         tok.padding_side = "left"
     with pytest.raises(ValueError, match="kvcompress needs left-padded batches"):
         with torch.no_grad():
-            model(**batch, past_key_values=kvc.SnapKV(budget=64, window=8).make_cache(model))
+            model(**batch, past_key_values=kvc.SnapKV(budget=64, window=8).make_cache(model, char_tokenizer()))
 
 
 ALL_METHODS = METHODS + [kvc.ShadowKV(budget=32, rank=8)]

@@ -12,7 +12,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 import kvcompress as kvc
 from kvcompress.methods.base import select_kept
 
-from .fixtures import prefilled_cache, tiny_model
+from .fixtures import char_tokenizer, prefilled_cache, random_text, tiny_model
 
 
 def reference_keep(query: torch.Tensor, keys: torch.Tensor, budget: int, window: int, kernel: int, pooling: str) -> list[list[int]]:
@@ -53,11 +53,59 @@ def reference_keep(query: torch.Tensor, keys: torch.Tensor, budget: int, window:
     return kept
 
 
+def reference_spans(texts: list[str]) -> list[int]:
+    """Span number of each token, written from the definition: a token starts a new span when it
+    begins with a space or a word marker, is punctuation or special, except a '.' or ',' between
+    two digits; tokens are given as their strings."""
+    spans, current = [], -1
+    for i, text in enumerate(texts):
+        core = text.lstrip("Ġ▁ ")
+        between_digits = core in (".", ",") and 0 < i < len(texts) - 1 and texts[i - 1].lstrip("Ġ▁ ").isdigit() and texts[i + 1].lstrip("Ġ▁ ").isdigit()
+        starts = i == 0 or text[:1] in ("Ġ", "▁", " ") or (not core[:1].isalnum() and not between_digits)
+        current += starts
+        spans.append(current)
+    return spans
+
+
+def test_span_boundaries_keep_words_and_numbers_whole():
+    tokenizer = char_tokenizer()
+    text = "the key is 4817. pi=3.14, 2,500 cats"
+    ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    from kvcompress.tokens import spans_for
+
+    got = spans_for(tokenizer).span_ids(ids)[0].tolist()
+    assert got == reference_spans(tokenizer.convert_ids_to_tokens(ids[0].tolist()))
+    words = {}
+    for token, span in zip(text, got):
+        words.setdefault(span, "")
+        words[span] += token
+    assert list(words.values()) == ["the", " key", " is", " 4817", ".", " pi", "=3.14", ",", " 2,500", " cats"]
+
+
+def test_span_clustering_matches_a_reference():
+    """clustering="spans": the paper's pooled votes, then every token of a span gets its span's
+    highest pooled score (the reference computes both loop by loop)."""
+    torch.manual_seed(2)
+    query, keys = torch.randn(6, 90, 8), torch.randn(2, 90, 8)
+    spans = torch.tensor([[i // 4 + (i > 40) * (i % 3 == 0) for i in range(90)]]).cummax(-1).values  # spans of 1 to 4 tokens
+    valid = torch.ones(1, 90, dtype=torch.bool)
+    paper = kvc.SnapKV(budget=40, window=12, kernel=5, clustering="pool").scores(query[None], keys[None], valid, 8**-0.5)
+    clustered = kvc.SnapKV(budget=40, window=12, kernel=5).scores(query[None], keys[None], valid, 8**-0.5, spans)
+    for head in range(2):
+        for position in range(78):
+            members = [j for j in range(90) if spans[0, j] == spans[0, position]]
+            assert clustered[0, head, position] == max(paper[0, head, j] for j in members)
+    indices, _ = select_kept(clustered, valid, torch.tensor([40]))
+    kept = set(indices[0, 0].tolist())
+    cut = [s for s in set(spans[0, :78].tolist()) if 0 < len({j for j in range(78) if spans[0, j] == s} & kept) < len([j for j in range(78) if spans[0, j] == s])]
+    assert len(cut) <= 1  # at most the span at the budget's edge is cut
+
+
 def test_reference_confirms_pure_functions_on_random_tensors():
     torch.manual_seed(1)
     query, keys = torch.randn(6, 90, 8), torch.randn(2, 90, 8)
     for pooling, kernel in (("max", 7), ("avg", 5), ("max", 1)):
-        method = kvc.SnapKV(budget=40, window=12, kernel=kernel, pooling=pooling)
+        method = kvc.SnapKV(budget=40, window=12, kernel=kernel, pooling=pooling, clustering="pool")
         valid = torch.ones(1, 90, dtype=torch.bool)
         scores = method.scores(query[None], keys[None], valid, 8**-0.5)
         indices, slot_valid = select_kept(scores, valid, method.keep_counts(torch.tensor([90])))
@@ -90,7 +138,7 @@ def test_selection_matches_reference_in_every_layer(arch, pooling):
         model(ids, past_key_values=full)
     for h in handles:
         h.remove()
-    method = kvc.SnapKV(budget=48, window=16, kernel=5, pooling=pooling)
+    method = kvc.SnapKV(budget=48, window=16, kernel=5, pooling=pooling, clustering="pool")
     cache = method.make_cache(model)
     with torch.no_grad():
         model(ids, past_key_values=cache)
@@ -105,13 +153,13 @@ def test_prefill_attention_uses_the_full_cache():
     ids = torch.randint(3, 128, (1, 120), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         full = model(ids, past_key_values=kvc.FullKV().make_cache(model)).logits
-        snap = model(ids, past_key_values=kvc.SnapKV(budget=40, window=8).make_cache(model)).logits
+        snap = model(ids, past_key_values=kvc.SnapKV(budget=40, window=8).make_cache(model, char_tokenizer())).logits
     torch.testing.assert_close(snap, full, rtol=0, atol=0)
 
 
 def test_at_most_one_layer_holds_a_full_prompt():
     model = tiny_model(num_hidden_layers=4)
-    cache = kvc.SnapKV(budget=40, window=8).make_cache(model)
+    cache = kvc.SnapKV(budget=40, window=8).make_cache(model, char_tokenizer())
     seen = []
 
     def after_layer(module, args, output):
@@ -127,8 +175,6 @@ def test_at_most_one_layer_holds_a_full_prompt():
 
 
 def test_budget_at_least_prompt_is_identical_to_full():
-    from .fixtures import char_tokenizer, random_text
-
     model, tok = tiny_model(), char_tokenizer()
     prompt = random_text(100, seed=4)
     full = kvc.generate(model, tok, prompt, method=kvc.FullKV(), max_new_tokens=20)
@@ -141,7 +187,7 @@ def test_budget_at_least_prompt_is_identical_to_full():
 
 def test_compressed_tensors_hold_exactly_kv_heads_times_budget():
     model = tiny_model()
-    cache = kvc.SnapKV(budget=64, window=16).make_cache(model)
+    cache = kvc.SnapKV(budget=64, window=16).make_cache(model, char_tokenizer())
     with torch.no_grad():
         model(torch.randint(3, 128, (1, 300)), past_key_values=cache)
     stats = cache.stats()
@@ -168,8 +214,6 @@ def test_ratio_keeps_that_fraction_of_the_prompt():
 
 
 def test_question_agnostic_mode_compresses_the_context_alone():
-    from .fixtures import char_tokenizer, random_text
-
     model, tok = tiny_model(), char_tokenizer()
     context, question = random_text(200, seed=1), "what word comes first?"
     method = kvc.SnapKV(budget=64, window=8)

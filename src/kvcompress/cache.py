@@ -32,6 +32,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from .attention import dense_attention
 from .tensors import gather_rows, gather_tokens, nbytes, prompt_positions
+from .tokens import TokenSpans
 
 
 class UnsupportedModelError(ValueError):
@@ -85,6 +86,7 @@ class KVLayer(DynamicLayer):
         self.new_tokens = 0  # tokens added by the last update
         self.awaiting_commit = False
         self.compress_s = 0.0
+        self.spans: torch.Tensor | None = None  # [batch, prompt slots]: word/number span of each prompt token, when known
         self.record_window: int | None | bool = False  # False: no recording; None: every prefill query
         self.recorded: tuple[torch.Tensor, float] | None = None  # (last prefill queries, scaling)
         self.buffers: tuple[torch.Tensor, torch.Tensor] | None = None  # keys/values live at [start:start+slots]
@@ -233,6 +235,7 @@ class KVLayer(DynamicLayer):
         self.lazy_initialization(source.keys, source.values)
         self.set_slots(source.keys, source.values)
         self.seen_tokens = self.new_tokens = source.keys.shape[-2]
+        self.spans = source.spans
         query, scaling = source.recorded
         self._end_prefill(query, source.valid, scaling)
 
@@ -282,7 +285,7 @@ class KVLayer(DynamicLayer):
 
     def batch_tensors(self) -> list[str]:
         """Attributes holding a batch dimension first (reordered by beam search)."""
-        return ["keys", "values", "valid", "positions", "prompt_tokens", "real_tokens"]
+        return ["keys", "values", "valid", "positions", "prompt_tokens", "real_tokens", "spans"]
 
     # --- batch operations (transformers' generate: beams, num_return_sequences) -----------------------
 
@@ -351,6 +354,8 @@ class LayerFactory(Protocol):
 
     def describe(self) -> str: ...
 
+    def needs_tokens(self) -> bool: ...
+
     def summarize(self, totals: dict[str, Any]) -> dict[str, Any]: ...
 
 
@@ -358,11 +363,18 @@ class KVCompressCache(Cache):
     """A ``Cache`` whose layers apply a method. Build it with ``method.make_cache(model)`` and pass it
     to ``model.generate(past_key_values=cache)`` or use ``kvcompress.generate``."""
 
-    def __init__(self, method: LayerFactory, layers: list[KVLayer], model_id: int | None = None) -> None:
+    def __init__(self, method: LayerFactory, layers: list[KVLayer], model_id: int | None = None, spans: TokenSpans | None = None) -> None:
         super().__init__(layers=layers)
         self.method = method
         self.model_id = model_id  # id() of the model it was made for: integration.py refuses any other
+        self.span_table = spans  # the tokenizer's word boundaries, when known
         self.timings: dict[str, float | None] = {"prefill_s": None, "decode_ms_per_token": None}
+
+    def note_prompt(self, ids: torch.Tensor | None) -> None:
+        """The prompt's token ids (None: the model got embeddings): every layer learns its spans."""
+        spans = self.span_table.span_ids(ids) if ids is not None and self.span_table is not None else None
+        for layer in self.layers:
+            layer.spans = spans
 
     def record_prefill(self, window: int | None) -> None:
         """Keep each layer's last ``window`` prefill queries (None: all) for ``load_prefill``."""

@@ -185,11 +185,12 @@ class Prefill:
 
     rows: list[_Row]
     is_batch: bool
-    cache: KVCompressCache  # an uncompressed cache that kept each layer's last prefill queries
+    cache: KVCompressCache  # an uncompressed cache that kept each layer's last prefill queries (and the prompt's spans)
     logits: torch.Tensor
     attention_mask: torch.Tensor
     next_position: torch.Tensor
     prefill_s: float
+    tokenizer: PreTrainedTokenizerBase
 
 
 def _new_rows(tokenizer: PreTrainedTokenizerBase, prompt: Prompt | list[Prompt], question: str | list[str] | None) -> tuple[list[_Row], list[list[list[int]]], bool]:
@@ -222,17 +223,17 @@ def prefill(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompt: 
     (``generate(prefill=...)``). It must cover every method's ``queries_needed()``."""
     rows, chunk_lists, is_batch = _new_rows(tokenizer, prompt, None)
     _check_lengths(model, [len(chunks[0]) for chunks in chunk_lists], 1)
-    cache = FullKV().make_cache(model)
+    cache = FullKV().make_cache(model, tokenizer)
     cache.record_prefill(query_window)
     feeder = _Feeder(model, cache, *_empty_state(model, len(rows)), _pad_id(tokenizer))
     start = time.perf_counter()
     logits = _feed_chunks(feeder, chunk_lists)
     _sync(model.device)
-    return Prefill(rows, is_batch, cache, logits, feeder.mask, feeder.position, time.perf_counter() - start)
+    return Prefill(rows, is_batch, cache, logits, feeder.mask, feeder.position, time.perf_counter() - start, tokenizer)
 
 
 def _from_prefill(model: PreTrainedModel, method: Method, record: Prefill) -> KVCompressCache:
-    cache = method.make_cache(model)
+    cache = method.make_cache(model, record.tokenizer)
     for layer, recorded in zip(cache.layers, record.cache.layers):
         layer.load_prefill(recorded)
     return cache
@@ -292,7 +293,7 @@ def _start(model, tokenizer, prompt, method, question, past, record) -> _Start:
         return _Start(cache, copy.deepcopy(record.rows), record.is_batch, [], record.attention_mask, record.next_position, record.logits, record.prefill_s)
     if prompt is None:
         raise InvalidParameterError("give a prompt (or prefill=, or past=)")
-    cache = _resolve_method(method).make_cache(model)
+    cache = _resolve_method(method).make_cache(model, tokenizer)
     rows, chunk_lists, is_batch = _new_rows(tokenizer, prompt, question)
     return _Start(cache, rows, is_batch, chunk_lists, *_empty_state(model, len(rows)))
 

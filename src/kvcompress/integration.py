@@ -20,12 +20,13 @@ the ones that layer returned, and that the module is the one the cache was made 
 from __future__ import annotations
 
 import torch
-from transformers import AttentionInterface, PreTrainedModel
+from transformers import AttentionInterface, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
 from .attention import dense_attention
 from .cache import CacheMisuseError, KVCompressCache, KVLayer, LayerFactory, UnsupportedModelError, WindowLayer, take_announced
+from .tokens import TokenSpans, spans_for
 
 IMPLEMENTATION = "kvcompress"
 
@@ -71,18 +72,34 @@ def check_model(model: PreTrainedModel) -> None:
             raise UnsupportedModelError(f"kvcompress: {name} uses {what}, which kvcompress does not support")
 
 
-def make_cache(method: LayerFactory, model: PreTrainedModel) -> KVCompressCache:
+def make_cache(method: LayerFactory, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | TokenSpans | None = None) -> KVCompressCache:
     """A ``KVCompressCache`` applying ``method`` to ``model``: checks both, switches the model to the
     ``"kvcompress"`` attention implementation (idempotent) and builds one layer per model layer;
-    sliding-window layers keep their window whatever the method."""
+    sliding-window layers keep their window whatever the method. ``tokenizer`` gives the cache the
+    prompt's word boundaries (``tokens.TokenSpans``); methods that need them load the model's own
+    tokenizer from disk when it is not given."""
     attach(model)
     method.check_model(model)
+    if tokenizer is None and method.needs_tokens():
+        tokenizer = local_tokenizer(model, method)
     layers: list[KVLayer] = []
     for index, (module, window) in enumerate(zip(attention_modules(model), layer_windows(model))):
         layer = WindowLayer(index, window) if window is not None else method.make_layer(index, model)
         layer.module_id = id(module)
         layers.append(layer)
-    return KVCompressCache(method, layers, model_id=id(model))
+    return KVCompressCache(method, layers, model_id=id(model), spans=spans_for(tokenizer) if tokenizer is not None else None)
+
+
+def local_tokenizer(model: PreTrainedModel, method: LayerFactory) -> PreTrainedTokenizerBase:
+    """The model's tokenizer from its local folder or cache (never downloaded), for methods that need word boundaries."""
+    source = getattr(model.config, "_name_or_path", "") or ""
+    try:
+        return AutoTokenizer.from_pretrained(source, local_files_only=True)
+    except (OSError, ValueError, TypeError):
+        raise UnsupportedModelError(
+            f"kvcompress: {method.describe()} needs the tokenizer to find word and number boundaries, and none was found for "
+            f"model {source!r} on this machine; pass it: method.make_cache(model, tokenizer)"
+        ) from None
 
 
 def attach(model: PreTrainedModel) -> None:
@@ -126,6 +143,8 @@ def check_inputs(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         )
     mask = kwargs.get("attention_mask")
     seen = cache.get_seq_length()
+    if not seen:
+        cache.note_prompt(ids)
     if not seen or new is None:
         return
     if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[-1] != seen + new:

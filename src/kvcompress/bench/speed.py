@@ -27,6 +27,7 @@ from transformers import PreTrainedModel
 
 from ..cache import KVLayer
 from ..methods import FullKV, Method, method_from_spec
+from ..tokens import TokenSpans
 
 PRESETS: dict[str, dict] = {
     # The CPU check: the embedded model's shape, 1K-8K prompts (8000 leaves room to decode in 8K).
@@ -159,7 +160,7 @@ def measure(model: PreTrainedModel, method: Method, name: str, length: int, batc
         _reset_peak(device)
         generator = torch.Generator().manual_seed(length * 31 + batch)
         ids = torch.randint(10, model.config.get_text_config().vocab_size, (batch, length), generator=generator).to(device)
-        cache = method.make_cache(model)
+        cache = method.make_cache(model, TokenSpans.every(model.config.get_text_config().vocab_size))
         start = timer.start()
         token = model(ids, past_key_values=cache, logits_to_keep=1).logits[:, -1:].argmax(-1)
         prefill_ms = timer.ms_since(start)

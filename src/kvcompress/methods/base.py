@@ -29,9 +29,10 @@ import torch
 
 from ..cache import KVCompressCache, KVLayer
 from ..integration import make_cache
+from ..tokens import TokenSpans
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedModel
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 
 class InvalidParameterError(ValueError):
@@ -124,9 +125,15 @@ class Method:
     def validate(self) -> None:
         """Checks across fields; raise ``InvalidParameterError`` naming the values and the valid range."""
 
-    def make_cache(self, model: PreTrainedModel) -> KVCompressCache:
-        """A transformers ``Cache`` applying this method to ``model`` (see ``integration.make_cache``)."""
-        return make_cache(self, model)
+    def make_cache(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | TokenSpans | None = None) -> KVCompressCache:
+        """A transformers ``Cache`` applying this method to ``model`` (see ``integration.make_cache``);
+        ``tokenizer`` (or its ``TokenSpans``) tells it where words and numbers start (needed by
+        ``needs_tokens`` methods; without it they load the model's own tokenizer from disk)."""
+        return make_cache(self, model, tokenizer)
+
+    def needs_tokens(self) -> bool:
+        """Whether ``scores`` uses the prompt's word and number spans (then the cache needs the tokenizer)."""
+        return False
 
     def check_model(self, model: PreTrainedModel) -> None:
         """Raise where a hyperparameter or the method itself does not fit ``model``."""
@@ -144,9 +151,10 @@ class Method:
         ``None``: keep everything."""
         return None
 
-    def scores(self, query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scaling: float) -> torch.Tensor:
+    def scores(self, query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scaling: float, spans: torch.Tensor | None = None) -> torch.Tensor:
         """Importance of each prompt position per KV head ``[batch, kv_heads, seq]``; higher is kept.
-        ``query``: the prefill's post-RoPE queries; padding is excluded by the caller."""
+        ``query``: the prefill's post-RoPE queries; ``spans [batch, seq]``: the word/number span of
+        each token (``tokens.TokenSpans``; None when unknown); padding is excluded by the caller."""
         raise NotImplementedError
 
     def summarize(self, totals: dict[str, Any]) -> dict[str, Any]:
@@ -244,7 +252,7 @@ class EvictionLayer(KVLayer):
         self.method = method
 
     def compress(self, query: torch.Tensor, scaling: float) -> None:
-        self.keep_top(lambda: self.method.scores(query, self.keys, self.slot_validity(), scaling))
+        self.keep_top(lambda: self.method.scores(query, self.keys, self.slot_validity(), scaling, self.spans))
 
     def keep_top(self, scores) -> torch.Tensor | None:
         """Keep each row's ``keep_counts`` best positions by ``scores()`` (computed only when some row

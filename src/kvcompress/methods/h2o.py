@@ -82,7 +82,7 @@ class H2O(BudgetMethod):
     def keep_counts(self, lengths: torch.Tensor) -> torch.Tensor:
         return self.token_budgets(lengths, floor=self.recent_tokens)
 
-    def scores(self, query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scaling: float) -> torch.Tensor:
+    def scores(self, query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scaling: float, spans: torch.Tensor | None = None) -> torch.Tensor:
         return h2o_scores(query, keys, valid, scaling, self.recent_tokens, self.block)
 
     def make_layer(self, layer_idx: int, model: PreTrainedModel) -> KVLayer:
