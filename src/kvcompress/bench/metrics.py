@@ -40,9 +40,12 @@ def f1(prediction: str, answers: list[str]) -> float:
     return best
 
 
+METRICS = {"match_all": string_match_all, "match_part": string_match_any, "f1": f1}
+
+
 def score(prediction: str, answers: list[str], metric: str) -> float:
-    """The sample's score: string-match-all, or F1 for ``metric == "f1"``."""
-    return f1(prediction, answers) if metric == "f1" else string_match_all(prediction, answers)
+    """The sample's score: RULER's string-match-all (needles), string-match-part (QA: any answer), or F1."""
+    return METRICS[metric](prediction, answers)
 
 
 def fidelity(reference_logprobs: torch.Tensor, logprobs: torch.Tensor) -> dict[str, float]:

@@ -9,6 +9,7 @@ from transformers import PreTrainedTokenizerBase
 from .base import Sample, Turn
 from .dataset import load_dataset
 from .lines import lines
+from .qa import qa_hotpot, qa_squad
 from .niah import fact, multiturn, niah, niah_multikey, niah_multiquery, niah_multivalue, niah_single, passkey
 from .variables import variable_tracking
 from .words import common_words, frequent_words
@@ -28,10 +29,12 @@ TASKS: dict[str, Generator] = {
     "cwe": common_words,
     "fwe": frequent_words,
     "multiturn": multiturn,
+    "qa_1": qa_squad,
+    "qa_2": qa_hotpot,
 }
 # Tasks swept over the depth grid (heatmaps); the others draw one depth per sample from the seed.
 DEPTH_GRID_TASKS = ("niah", "fact", "passkey", "lines")
-# Tasks whose context is a haystack with things hidden in it; they take haystack="prose" or "repeat".
+# Tasks whose context is a haystack with things hidden in it; they take haystack= one of haystack.HAYSTACKS.
 HAYSTACK_TASKS = ("niah", "fact", "passkey", "niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt", "multiturn")
 
 __all__ = ["DEPTH_GRID_TASKS", "HAYSTACK_TASKS", "TASKS", "Sample", "Turn", "load_dataset"]
