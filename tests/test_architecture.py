@@ -14,7 +14,8 @@ import torch
 import kvcompress as kvc
 from kvcompress.cli import build_parser, main
 from kvcompress.methods import METHODS, field_specs
-from kvcompress.methods.base import BudgetMethod, param
+from kvcompress.methods.base import param
+from kvcompress.methods.prompt import PromptMethod
 
 from .fixtures import char_tokenizer, tiny_model
 
@@ -80,7 +81,7 @@ def test_every_method_field_is_a_flag_with_one_type():
 
 
 @dataclass
-class EveryOther(BudgetMethod):
+class EveryOther(PromptMethod):
     """A toy prompt-compression method written the way a newcomer would: keep the last ``budget``
     tokens whose position is a multiple of ``stride`` (plus, when too few, the most recent)."""
 

@@ -13,9 +13,11 @@ from .fixtures import char_tokenizer, random_text, tiny_model
 METHODS = [
     kvc.FullKV(),
     kvc.SnapKV(budget=64),
+    kvc.SnapKV(budget=64, heads="adaptive", layers="pyramid"),
     kvc.StreamingLLM(budget=48),
     kvc.H2O(budget=64),
     kvc.H2O(budget=64, evict_during_decoding=True),
+    kvc.H2O(budget=64, heads="adaptive"),
     kvc.ShadowKV(budget=32),
     kvc.Quest(budget=64),
     kvc.Quest(budget=64, offload=True),
@@ -35,8 +37,8 @@ def test_each_row_of_a_batch_equals_the_row_alone(method):
         assert batch.token_ids[row] == alone.token_ids[0], f"row {row} ({len(prompt) + 1} tokens)"
         if not (isinstance(method, kvc.H2O) and method.evict_during_decoding):
             for layer in range(2):
-                kept = batch.cache.kept_positions(layer)[row]
-                assert torch.equal(kept[kept >= 0].view(kept.shape[0], -1), alone.cache.kept_positions(layer)[0])
+                for head, (kept, expected) in enumerate(zip(batch.cache.kept_positions(layer)[row], alone.cache.kept_positions(layer)[0])):
+                    assert torch.equal(kept[kept >= 0], expected[expected >= 0]), f"row {row}, layer {layer}, head {head}"
 
 
 def test_quest_never_spends_its_pages_on_padding():

@@ -9,7 +9,7 @@ import torch
 from transformers import DynamicCache
 
 import kvcompress as kvc
-from kvcompress.methods.shadowkv import chunk_landmarks, landmark_scores, low_rank_factors, rebuild_keys
+from kvcompress.methods.shadowkv import chunk_landmarks, key_spectrum, landmark_scores, low_rank_factors, rebuild_keys, truncated_factors
 from kvcompress.offload import fetch_chunks
 from kvcompress.rope import apply_rope, invert_rope, rotary_for
 
@@ -51,6 +51,26 @@ def test_rank_r_reconstruction_error_is_the_svd_truncation_error():
         rebuilt = rebuild_keys(a[:, None].expand(-1, 2, -1, -1), b)
         error = (rebuilt - keys).pow(2).sum()
         torch.testing.assert_close(error, singular[rank:].pow(2).sum(), rtol=1e-3, atol=1e-3)
+
+
+def test_rank_from_the_error_target_is_the_smallest_that_reaches_it():
+    torch.manual_seed(1)
+    keys = torch.randn(2, 2, 120, 16) @ torch.diag(torch.logspace(0, -2, 16))  # a decaying spectrum
+    valid = torch.ones(2, 120, dtype=torch.bool)
+    valid[1, :40] = False  # the second row is shorter (padding first)
+    method = kvc.ShadowKV(rank_error=0.2)
+    matrix, energy, vectors = key_spectrum(keys, valid)
+    ranks = method.ranks(energy)
+    for row in range(2):
+        rows = keys[row].permute(1, 0, 2).reshape(120, 32)[valid[row]]
+        errors = [float((rows - rows @ v[:, :r] @ v[:, :r].T).norm() / rows.norm()) for r in range(1, 33) for v in [torch.linalg.svd(rows).Vh.T]]
+        expected = next(r for r in range(1, 33) if errors[r - 1] <= 0.2 + 1e-5)
+        assert int(ranks[row]) == min(expected, 16)  # capped at half of the 32-wide keys
+        a, b = low_rank_factors(keys[row : row + 1], valid[row : row + 1], int(ranks[row]))
+        batched_a, batched_b = truncated_factors(matrix, vectors, ranks, 2)
+        rebuilt_alone = rebuild_keys(a[:, None].expand(-1, 2, -1, -1), b)
+        rebuilt_batched = rebuild_keys(batched_a[row : row + 1, None].expand(-1, 2, -1, -1), batched_b[row : row + 1])
+        torch.testing.assert_close(rebuilt_batched, rebuilt_alone, rtol=1e-5, atol=1e-5)  # zero columns change nothing
 
 
 def reference_chunk_selection(query: torch.Tensor, landmarks: torch.Tensor, selectable: torch.Tensor, k: int) -> list[list[int]]:
@@ -129,7 +149,7 @@ def test_memory_split_between_device_and_offload_store():
     assert layer.store.host.shape == (1, 2, n_chunks, 8, 16) and layer.store.host.device.type == "cpu"
     assert stats["offloaded_bytes"] == 2 * n_chunks * 8 * 2 * 16 * 4
     def held(lyr) -> int:  # every tensor the layer keeps on the device between steps
-        names = ("valid", "positions", "factor_a", "factor_b", "landmarks", "selectable", "region_positions", "step_chunks", "selected", "buffer")
+        names = ("valid", "positions", "factor_a", "factor_b", "landmarks", "selectable", "step_chunks", "selected", "buffer")
         tensors = [*lyr.buffers, *(getattr(lyr, n) for n in names)]
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 

@@ -13,6 +13,7 @@ from .base import BudgetMethod, FieldSpec, InvalidParameterError, Method, field_
 from .full import FullKV
 from .h2o import H2O
 from .loki import Loki
+from .prompt import PromptMethod
 from .quest import Quest
 from .shadowkv import ShadowKV
 from .snapkv import SnapKV
@@ -76,6 +77,6 @@ def method_from_spec(spec: str, **defaults: Any) -> Method:
 
 
 __all__ = [
-    "BudgetMethod", "FieldSpec", "FullKV", "H2O", "InvalidParameterError", "Loki", "METHODS", "Method", "Quest", "ShadowKV",
+    "BudgetMethod", "FieldSpec", "FullKV", "H2O", "InvalidParameterError", "Loki", "METHODS", "Method", "PromptMethod", "Quest", "ShadowKV",
     "SnapKV", "StreamingLLM", "field_specs", "method_class", "method_from_name", "method_from_spec", "parse_value", "register_method",
 ]

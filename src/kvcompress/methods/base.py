@@ -7,9 +7,9 @@ the command line (``kvcompress generate --flag``) and the benchmarks' method spe
 
 Two kinds of methods share this base:
 
-* prompt compression (SnapKV, StreamingLLM, H2O): ``keep_counts`` says how many prompt tokens each
-  row keeps and ``scores`` how important each position is per KV head; ``EvictionLayer`` keeps the
-  top ones at the end of prefill;
+* prompt compression (SnapKV, StreamingLLM, H2O; ``prompt.py``): ``keep_counts`` says how many
+  prompt tokens each row keeps and ``scores`` how important each position is per KV head; the
+  layer keeps the top ones at the end of prefill;
 * sparse decoding (ShadowKV, Quest, Loki): nothing is dropped; their layers (``sparse.py``) choose
   what each decoding step attends to.
 
@@ -139,8 +139,9 @@ class Method:
         """Raise where a hyperparameter or the method itself does not fit ``model``."""
 
     def make_layer(self, layer_idx: int, model: PreTrainedModel) -> KVLayer:
-        """The cache layer that stores and attends for full-attention layer ``layer_idx``."""
-        return EvictionLayer(self, layer_idx)
+        """The cache layer that stores and attends for full-attention layer ``layer_idx`` (default:
+        one that keeps everything)."""
+        return KVLayer(layer_idx)
 
     def queries_needed(self) -> int | None:
         """How many of the last prefill queries the method reads at compression (None: all of them)."""
@@ -217,49 +218,3 @@ class BudgetMethod(Method):
 def check_reserved(owner: str, budget: int, reserved_name: str, reserved: int, what: str) -> None:
     """``budget`` must exceed the ``reserved`` tokens it always includes (a window, sinks, ...)."""
     require(budget > reserved, f"{owner}: budget={budget} must be greater than {reserved_name}={reserved} (budget counts the {what}; valid: budget > {reserved})")
-
-
-def select_kept(scores: torch.Tensor, valid: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pick, per row and KV head, the ``counts[row]`` highest-scoring real positions.
-
-    Returns ``(indices, slot_valid)``: ``indices [batch, kv_heads, n]`` with ``n = counts.max()``,
-    ascending within each head, and ``slot_valid [batch, n]``. Rows that keep fewer than ``n``
-    tokens get filler slots at the front (pointing at padding or dropped positions) that
-    ``slot_valid`` marks False, so every head of a batch stores the same number of slots.
-    Ties go to the earlier position.
-    """
-    batch, heads, seq = scores.shape
-    n = int(counts.max())
-    masked = scores.float().masked_fill(~valid[:, None, :], -math.inf)
-    order = masked.argsort(dim=-1, descending=True, stable=True)
-    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(seq, device=scores.device).expand_as(order))
-    chosen = rank < counts[:, None, None]
-    positions = torch.arange(seq, device=scores.device)
-    # Chosen positions sort after every filler candidate; among fillers the latest positions win.
-    sort_key = torch.where(chosen, positions + seq, positions)
-    picked = sort_key.topk(n, dim=-1).values.sort(dim=-1).values
-    indices = torch.where(picked >= seq, picked - seq, picked)
-    slot_valid = (picked >= seq)[:, 0, :]
-    return indices, slot_valid
-
-
-class EvictionLayer(KVLayer):
-    """Prompt compression: at the end of prefill each row keeps, per KV head, its ``keep_counts``
-    highest-scoring prompt tokens; decoding then appends to that fixed-size cache."""
-
-    def __init__(self, method: Method, layer_idx: int) -> None:
-        super().__init__(layer_idx)
-        self.method = method
-
-    def compress(self, query: torch.Tensor, scaling: float) -> None:
-        self.keep_top(lambda: self.method.scores(query, self.keys, self.slot_validity(), scaling, self.spans))
-
-    def keep_top(self, scores) -> torch.Tensor | None:
-        """Keep each row's ``keep_counts`` best positions by ``scores()`` (computed only when some row
-        is over its count); returns the kept slots ``[b, kv_heads, n]``, or None if nothing was dropped."""
-        counts = self.method.keep_counts(self.prompt_tokens)
-        if counts is None or bool((counts >= self.prompt_tokens).all()):
-            return None
-        indices, slot_valid = select_kept(scores(), self.slot_validity(), counts)
-        self.keep(indices, slot_valid)
-        return indices

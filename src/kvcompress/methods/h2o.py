@@ -23,7 +23,8 @@ import torch
 from ..attention import causal_slot_mask, grouped_logits, per_query_head
 from ..cache import KVLayer
 from ..tensors import gather_tokens
-from .base import BudgetMethod, EvictionLayer, check_reserved, param, require
+from .base import check_reserved, param, require
+from .prompt import EvictionLayer, PromptMethod
 from .snapkv import average_over_groups
 
 if TYPE_CHECKING:
@@ -58,7 +59,7 @@ def h2o_scores(query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, sca
 
 
 @dataclass
-class H2O(BudgetMethod):
+class H2O(PromptMethod):
     """Keep heavy hitters (top accumulated attention) plus recent tokens; optionally evict while decoding."""
 
     name: ClassVar[str] = "h2o"
@@ -69,12 +70,16 @@ class H2O(BudgetMethod):
     def validate(self) -> None:
         super().validate()
         require(not (self.evict_during_decoding and self.ratio is not None), "H2O: evict_during_decoding needs a fixed budget, not ratio")
+        require(not (self.evict_during_decoding and self.heads == "adaptive"), "H2O: evict_during_decoding keeps a uniform budget per head; it does not combine with heads='adaptive'")
         if self.ratio is None:
             check_reserved("H2O", self.budget_tokens, "recent", self.recent_tokens, "recent tokens")
 
     @property
     def recent_tokens(self) -> int:
         return self.recent if self.recent is not None else self.budget_tokens // 2
+
+    def reserved_tokens(self) -> int:
+        return self.recent_tokens
 
     def queries_needed(self) -> int | None:
         return None  # every prompt query votes
@@ -86,7 +91,8 @@ class H2O(BudgetMethod):
         return h2o_scores(query, keys, valid, scaling, self.recent_tokens, self.block)
 
     def make_layer(self, layer_idx: int, model: PreTrainedModel) -> KVLayer:
-        return H2OLayer(self, layer_idx) if self.evict_during_decoding else EvictionLayer(self, layer_idx)
+        layer = super().make_layer(layer_idx, model)
+        return H2OLayer(self, layer_idx, layer.share) if self.evict_during_decoding else layer
 
 
 class H2OLayer(EvictionLayer):
@@ -98,8 +104,9 @@ class H2OLayer(EvictionLayer):
 
     method: H2O
 
-    def __init__(self, method: H2O, layer_idx: int) -> None:
-        super().__init__(method, layer_idx)
+    def __init__(self, method: H2O, layer_idx: int, share: float = 1.0) -> None:
+        super().__init__(method, layer_idx, share)
+        self.budget = math.ceil(method.budget_tokens * share)  # this layer's budget while decoding
         self.slot_scores: torch.Tensor | None = None  # [batch, kv_heads, slots]
         self.slot_positions: torch.Tensor | None = None  # [batch, kv_heads, slots]: position in the row, -1 for padding
         self.next_position: torch.Tensor | None = None  # [batch]
@@ -135,7 +142,7 @@ class H2OLayer(EvictionLayer):
         position = (self.next_position[:, None] + real.long().cumsum(-1) - 1).masked_fill(~real, -1)
         self.next_position = self.next_position + real.sum(-1)
         self.slot_positions = torch.cat([self.slot_positions, position[:, None].expand(-1, self.keys.shape[1], -1)], dim=-1)
-        budget = self.method.budget_tokens
+        budget = self.budget
         if self.keys.shape[-2] <= budget:
             return
         score = protect_recent(self.slot_scores, self.method.recent_tokens).masked_fill(~self.slot_validity()[:, None, :], -math.inf)

@@ -44,23 +44,45 @@ from .sparse import SparseDecodeLayer, SparseMethod
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-RANK_FRACTION = 160 / (8 * 128)
+RANK_FRACTION = 160 / (8 * 128)  # the paper's rank for Llama-3.1-8B, as a fraction of kv_heads * head_dim
+MAX_RANK_FRACTION = 0.5  # an error-chosen rank never exceeds half the key width (the factors would save little)
 OUTLIER_FRACTION = 48 / (128 * 1024 // 8)
 
 
-def low_rank_factors(pre_rope_keys: torch.Tensor, valid: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rank-``rank`` truncated SVD of each row's keys ``[b, kv_heads, s, d]`` viewed as ``[s, kv_heads*d]``.
-
-    Returns ``A [b, s, rank]`` (left singular vectors times singular values) and
-    ``B [b, rank, kv_heads, d]``. The right singular vectors are the top eigenvectors of the small
-    ``[kv_heads*d, kv_heads*d]`` Gram matrix, which gives the same factors as a full SVD of the
-    ``s``-row matrix at a fraction of its cost for long prompts. Padding rows are zeroed so they
-    do not shape the subspace."""
+def key_spectrum(pre_rope_keys: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's keys ``[b, kv_heads, s, d]`` as a matrix ``[b, s, kv_heads*d]`` (padding rows zeroed
+    so they do not shape the subspace), its squared singular values ``[b, kv_heads*d]`` and right
+    singular vectors ``[b, kv_heads*d, kv_heads*d]``, largest first. They are the eigenpairs of the
+    small Gram matrix: the same factors as an SVD of the ``s``-row matrix at a fraction of its cost."""
     batch, heads, seq, dim = pre_rope_keys.shape
     matrix = pre_rope_keys.float().permute(0, 2, 1, 3).reshape(batch, seq, heads * dim) * valid[..., None]
-    _, vectors = torch.linalg.eigh((matrix.mT @ matrix).double())
-    basis = vectors[..., -rank:].flip(-1).float()  # eigh sorts ascending; keep the largest, largest first
-    return matrix @ basis, basis.mT.reshape(batch, rank, heads, dim)
+    energy, vectors = torch.linalg.eigh((matrix.mT @ matrix).double())
+    return matrix, energy.flip(-1).clamp(min=0), vectors.flip(-1).float()  # eigh sorts ascending
+
+
+def rank_for_error(energy: torch.Tensor, target: float, cap: int) -> torch.Tensor:
+    """Per row, the smallest rank whose relative reconstruction error ``sqrt(dropped / total energy)``
+    is at most ``target``, between 1 and ``cap``: ``energy [b, n]`` largest first -> ``[b]``."""
+    left = (energy.sum(-1, keepdim=True) - energy.cumsum(-1)).clamp(min=0)  # energy left out at rank 1, 2, ...
+    error = (left / energy.sum(-1, keepdim=True).clamp(min=1e-30)).sqrt()
+    return ((error > target).sum(-1) + 1).clamp(1, cap)
+
+
+def truncated_factors(matrix: torch.Tensor, vectors: torch.Tensor, ranks: int | torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``A [b, s, r]`` (left singular vectors times singular values) and ``B [b, r, kv_heads, d]`` of a
+    ``key_spectrum`` at rank ``ranks`` (one for all rows, or ``[b]``: a row with a smaller rank gets
+    zero columns, so it is rebuilt exactly as it would be alone); ``r`` is the largest rank."""
+    batch = matrix.shape[0]
+    ranks = torch.as_tensor(ranks, device=matrix.device).expand(batch)
+    rank = int(ranks.max())
+    basis = vectors[..., :rank] * (torch.arange(rank, device=matrix.device)[None, :] < ranks[:, None])[:, None, :]
+    return matrix @ basis, basis.mT.reshape(batch, rank, heads, -1)
+
+
+def low_rank_factors(pre_rope_keys: torch.Tensor, valid: torch.Tensor, ranks: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Truncated SVD of each row's keys ``[b, kv_heads, s, d]`` viewed as ``[s, kv_heads*d]`` (see ``truncated_factors``)."""
+    matrix, _, vectors = key_spectrum(pre_rope_keys, valid)
+    return truncated_factors(matrix, vectors, ranks, pre_rope_keys.shape[1])
 
 
 def rebuild_keys(a_rows: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -116,7 +138,10 @@ class ShadowKV(SparseMethod):
     unit_setting: ClassVar[tuple[str, str]] = ("chunk", "chunk")
     default_budget: ClassVar[int] = 2048
     chunk: int = param(8, "tokens per chunk: the unit of selection", minimum=1)
-    rank: int | None = param(None, "SVD rank of the pre-RoPE keys (default 15.625% of kv_heads * head_dim)", minimum=1)
+    rank: int | None = param(None, "SVD rank of the pre-RoPE keys, the same for every layer (default: from rank_error)", minimum=1)
+    rank_error: float | None = param(
+        0.1, "when rank is None: each layer takes the smallest rank whose relative reconstruction error of the pre-RoPE keys "
+        "is at most this (capped at half of kv_heads * head_dim); None with rank None: the paper's 15.625%", above=0, at_most=1)
     outliers: int | None = param(None, "outlier chunks kept dense per KV head (default ~0.3% of the chunks, at least 1)", minimum=0)
     local_chunks: int = param(4, "most recent prompt chunks kept dense", minimum=0)
 
@@ -135,8 +160,14 @@ class ShadowKV(SparseMethod):
     def make_layer(self, layer_idx: int, model: PreTrainedModel) -> ShadowKVLayer:
         return ShadowKVLayer(self, layer_idx, rotary_for(model, layer_idx))
 
-    def resolved_rank(self, width: int) -> int:
-        return self.rank if self.rank is not None else math.ceil(RANK_FRACTION * width)
+    def ranks(self, energy: torch.Tensor) -> int | torch.Tensor:
+        """The rank of each row from its keys' spectrum ``energy [b, kv_heads * head_dim]`` (largest first)."""
+        width = energy.shape[-1]
+        if self.rank is not None:
+            return self.rank
+        if self.rank_error is None:
+            return math.ceil(RANK_FRACTION * width)
+        return rank_for_error(energy, self.rank_error, math.ceil(MAX_RANK_FRACTION * width))
 
     def outlier_counts(self, chunks: torch.Tensor) -> torch.Tensor:
         """Outlier chunks per row for ``chunks [b]`` selectable chunks (at most all of them)."""
@@ -165,7 +196,8 @@ class ShadowKVLayer(SparseDecodeLayer):
         prompt_valid = self.slot_validity()
         cos, sin = self.rotary.cos_sin(prompt_positions(prompt_valid).clamp(min=0), self.keys)
         pre_rope = invert_rope(self.keys, cos[:, None], sin[:, None])
-        factor_a, factor_b = low_rank_factors(pre_rope, prompt_valid, self.method.resolved_rank(heads * dim))
+        matrix, energy, vectors = key_spectrum(pre_rope, prompt_valid)
+        factor_a, factor_b = truncated_factors(matrix, vectors, self.method.ranks(energy), heads)
         first = (self.keys.shape[-2] - self.prompt_tokens)[:, None]  # each row's first real slot
         region_slots = (first + torch.arange(keys.shape[-2], device=keys.device)[None, :]).clamp(max=self.keys.shape[-2] - 1)
         self.factor_a = factor_a.gather(1, region_slots[..., None].expand(-1, -1, factor_a.shape[-1])).to(self.keys.dtype)
@@ -186,8 +218,7 @@ class ShadowKVLayer(SparseDecodeLayer):
         heads = chunks.shape[1]
         tokens = chunk_tokens(chunks, self.unit)
         a_rows = gather_tokens(self.factor_a[:, None].expand(-1, heads, -1, -1), tokens)
-        positions = self.region_positions[:, None, :].expand(-1, heads, -1).gather(2, tokens)
-        cos, sin = self.rotary.cos_sin(positions, self.factor_a)
+        cos, sin = self.rotary.cos_sin(tokens, self.factor_a)  # a region token's index is its position in the prompt
         return apply_rope(rebuild_keys(a_rows, self.factor_b), cos, sin)
 
     def read_factor(self) -> float:

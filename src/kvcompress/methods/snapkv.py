@@ -31,7 +31,8 @@ import torch.nn.functional as F
 
 from ..attention import grouped_logits
 from ..tokens import span_max
-from .base import BudgetMethod, check_reserved, param, require
+from .base import check_reserved, param, require
+from .prompt import PromptMethod
 
 POOLINGS = ("max", "avg")
 CLUSTERINGS = ("spans", "pool")
@@ -82,7 +83,7 @@ def snapkv_scores(
 
 
 @dataclass
-class SnapKV(BudgetMethod):
+class SnapKV(PromptMethod):
     """Keep each KV head's top ``budget - window`` prompt positions (by window votes) plus the window.
 
     ``budget`` counts the window; with ``ratio`` each prompt keeps ``ceil(ratio * length)`` tokens
@@ -99,6 +100,9 @@ class SnapKV(BudgetMethod):
         require(self.kernel % 2 == 1, f"SnapKV: kernel={self.kernel} is invalid; it must be a positive odd integer (1 = no pooling)")
         if self.ratio is None:
             check_reserved("SnapKV", self.budget_tokens, "window", self.window, "observation window")
+
+    def reserved_tokens(self) -> int:
+        return self.window
 
     def queries_needed(self) -> int:
         return self.window

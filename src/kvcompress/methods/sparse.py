@@ -68,7 +68,6 @@ class SparseDecodeLayer(KVLayer):
         self.method, self.unit, self.offload = method, unit, offload
         self.store: ChunkStore | None = None  # region chunks [b, h, n, unit, d'] (see stored_chunks)
         self.selectable: torch.Tensor | None = None  # [b, h, n]: chunk may be selected
-        self.region_positions: torch.Tensor | None = None  # [b, n * unit]: prompt position of each region token
         self.step_chunks: torch.Tensor | None = None  # [b]: chunks each row selects per step
         self.step_count = 0  # chunks gathered per step (the largest row's)
         self.selected: torch.Tensor | None = None  # [b, h, k]: last step's chunks (offloaded stores reuse them)
@@ -119,7 +118,7 @@ class SparseDecodeLayer(KVLayer):
         n = int(counts.max())
         if n == 0:
             return
-        batch, heads = self.keys.shape[:2]
+        heads = self.keys.shape[1]
         device = self.keys.device
         token = torch.arange(n * self.unit, device=device)
         region_valid = token[None, :] < (counts * self.unit)[:, None]  # [b, n * unit]
@@ -145,7 +144,6 @@ class SparseDecodeLayer(KVLayer):
         dense_keys, dense_values, valid, positions = (torch.cat(column, dim=-2 if i < 2 else -1) for i, column in enumerate(zip(*parts)))
         self.set_slots(dense_keys, dense_values, None if bool(valid.all()) else valid, positions)
         self.store = ChunkStore(self.stored_chunks(keys, values), self.offload)
-        self.region_positions = token[None, :].expand(batch, -1)
         per_step = torch.div(self.method.step_tokens(lengths), self.unit, rounding_mode="floor").clamp(min=1)
         self.step_chunks = torch.minimum(per_step, counts)
         self.step_count = int(self.step_chunks.max())  # chunks gathered per step: a fixed shape
@@ -207,7 +205,7 @@ class SparseDecodeLayer(KVLayer):
         stats = super().stats()
         if self.store is None:
             return stats
-        stats["index_bytes"] += nbytes(self.selectable, self.region_positions, self.step_chunks, self.selected, self.buffer)
+        stats["index_bytes"] += nbytes(self.selectable, self.step_chunks, self.selected, self.buffer)
         stats["offloaded_bytes" if self.store.offloaded else "kv_bytes_kept"] += self.store.nbytes
         per_chunk = self.store.chunk_bytes
         selected_bytes = self.keys.shape[0] * self.keys.shape[1] * self.step_count * per_chunk * self.read_factor()
@@ -231,4 +229,4 @@ class SparseDecodeLayer(KVLayer):
         return 1.0
 
     def batch_tensors(self) -> list[str]:
-        return [*super().batch_tensors(), "store", "selectable", "region_positions", "step_chunks", "selected", "buffer"]
+        return [*super().batch_tensors(), "store", "selectable", "step_chunks", "selected", "buffer"]

@@ -15,7 +15,8 @@ from typing import ClassVar
 import torch
 
 from ..tensors import prompt_positions
-from .base import BudgetMethod, check_reserved, param
+from .base import check_reserved, param
+from .prompt import PromptMethod
 
 
 def sink_and_recent_scores(valid: torch.Tensor, sinks: int, kv_heads: int) -> torch.Tensor:
@@ -27,7 +28,7 @@ def sink_and_recent_scores(valid: torch.Tensor, sinks: int, kv_heads: int) -> to
 
 
 @dataclass
-class StreamingLLM(BudgetMethod):
+class StreamingLLM(PromptMethod):
     """Keep ``sinks`` initial tokens plus the most recent ``budget - sinks`` prompt tokens."""
 
     name: ClassVar[str] = "streamingllm"
@@ -37,6 +38,9 @@ class StreamingLLM(BudgetMethod):
         super().validate()
         if self.ratio is None:
             check_reserved("StreamingLLM", self.budget_tokens, "sinks", self.sinks, "sinks")
+
+    def reserved_tokens(self) -> int:
+        return self.sinks
 
     def keep_counts(self, lengths: torch.Tensor) -> torch.Tensor:
         return self.token_budgets(lengths, floor=self.sinks)

@@ -1,0 +1,212 @@
+"""Prompt compression (SnapKV, StreamingLLM, H2O): at the end of prefill each layer keeps, per KV
+head, the prompt positions its method scores highest; decoding then appends to that cache.
+
+``PromptMethod`` adds how a budget is spread, the same way for every scorer:
+
+* ``layers="pyramid"`` (PyramidKV, Cai et al., 2024): layer budgets fall linearly from the first
+  layer to the last (``budget / pyramid_beta``), averaging the uniform budget;
+* ``heads="adaptive"`` (Ada-KV, Feng et al., 2024): a layer's total budget (heads x budget) goes to
+  the highest scores over all its heads together, after every head keeps its own top
+  ``head_floor`` share of the uniform budget (Ada-KV's safeguard). Heads then hold different numbers
+  of tokens, stored packed (``packed.PackedSlots``), so the short heads really free their memory.
+
+The total kept per layer always equals the uniform budget's, so comparisons are at equal memory.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..cache import KVLayer
+from ..packed import PackedSlots
+from ..tensors import nbytes, prompt_positions
+from .base import BudgetMethod, param, require
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+
+def select_kept(scores: torch.Tensor, valid: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pick, per row and KV head, the ``counts[row]`` highest-scoring real positions.
+
+    Returns ``(indices, slot_valid)``: ``indices [batch, kv_heads, n]`` with ``n = counts.max()``,
+    ascending within each head, and ``slot_valid [batch, n]``. Rows that keep fewer than ``n``
+    tokens get filler slots at the front (pointing at padding or dropped positions) that
+    ``slot_valid`` marks False, so every head of a batch stores the same number of slots.
+    Ties go to the earlier position.
+    """
+    batch, heads, seq = scores.shape
+    n = int(counts.max())
+    masked = scores.float().masked_fill(~valid[:, None, :], -math.inf)
+    order = masked.argsort(dim=-1, descending=True, stable=True)
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(seq, device=scores.device).expand_as(order))
+    chosen = rank < counts[:, None, None]
+    positions = torch.arange(seq, device=scores.device)
+    # Chosen positions sort after every filler candidate; among fillers the latest positions win.
+    sort_key = torch.where(chosen, positions + seq, positions)
+    picked = sort_key.topk(n, dim=-1).values.sort(dim=-1).values
+    indices = torch.where(picked >= seq, picked - seq, picked)
+    slot_valid = (picked >= seq)[:, 0, :]
+    return indices, slot_valid
+
+
+def pyramid_budgets(budget: int, layers: int, beta: float) -> list[int]:
+    """PyramidKV's schedule: layer budgets falling linearly from ``2 * budget - budget / beta``
+    (first layer) to ``budget / beta`` (last), summing to ``layers * budget`` exactly."""
+    low = budget / beta
+    high = 2 * budget - low
+    raw = [high - (high - low) * i / max(1, layers - 1) for i in range(layers)]
+    rounded = [max(1, int(x)) for x in raw]
+    for i in sorted(range(layers), key=lambda i: rounded[i] - raw[i])[: layers * budget - sum(rounded)]:
+        rounded[i] += 1  # hand the rounding remainder to the layers rounded down most
+    return rounded
+
+
+def allocate_heads(scores: torch.Tensor, valid: torch.Tensor, counts: torch.Tensor, floor: float) -> torch.Tensor:
+    """Ada-KV's allocation over a layer's heads: ``[b, kv_heads, seq]`` bool, the positions kept.
+
+    Each row keeps ``kv_heads * counts[row]`` positions in all: first every head's own top
+    ``floor * counts[row]`` (the safeguard), then the highest remaining scores of any head. Ties go to
+    the lower head, then the earlier position; padding is never kept."""
+    batch, heads, seq = scores.shape
+    masked = scores.float().masked_fill(~valid[:, None, :], -math.inf)
+    keep = torch.zeros_like(masked, dtype=torch.bool)
+    for row in range(batch):
+        count = int(counts[row])
+        reserved = int(floor * count)
+        order = masked[row].argsort(dim=-1, descending=True, stable=True)
+        keep[row].scatter_(-1, order[:, :reserved], True)
+        rest = masked[row].masked_fill(keep[row], -math.inf).flatten()
+        chosen = rest.argsort(descending=True, stable=True)[: heads * count - heads * reserved]
+        keep[row].view(-1)[chosen] = True
+    return keep & valid[:, None, :]
+
+
+@dataclass
+class PromptMethod(BudgetMethod):
+    """A method that keeps each KV head's best prompt positions: ``keep_counts`` and ``scores``."""
+
+    heads: str = param("uniform", "how a layer's budget is shared by its KV heads: uniform, or adaptive (Ada-KV: by their scores)", choices=("uniform", "adaptive"))
+    head_floor: float = param(0.2, "with heads=adaptive: the share of the uniform budget every head keeps at least (Ada-KV's safeguard)", minimum=0, at_most=1)
+    layers: str = param("uniform", "how the budget is shared by the layers: uniform, or pyramid (PyramidKV: more in lower layers)", choices=("uniform", "pyramid"))
+    pyramid_beta: float = param(20.0, "with layers=pyramid: the last layer keeps budget / pyramid_beta", above=1)
+
+    def validate(self) -> None:
+        super().validate()
+        require(self.layers == "uniform" or self.ratio is None, f"{type(self).__name__}: layers='pyramid' needs a fixed budget, not ratio")
+
+    def reserved_tokens(self) -> int:
+        """Tokens every row keeps whatever the scores (a window, sinks, recent tokens): layer budgets
+        share out only the rest, as PyramidKV does with SnapKV's window."""
+        return 0
+
+    def make_layer(self, layer_idx: int, model: PreTrainedModel) -> KVLayer:
+        share = 1.0
+        if self.layers == "pyramid":
+            layers = model.config.get_text_config().num_hidden_layers
+            free = self.budget_tokens - self.reserved_tokens()
+            share = pyramid_budgets(free, layers, self.pyramid_beta)[layer_idx] / free
+        return (HeadAdaptiveLayer if self.heads == "adaptive" else EvictionLayer)(self, layer_idx, share)
+
+
+class EvictionLayer(KVLayer):
+    """Each row keeps, per KV head, its ``keep_counts`` highest-scoring prompt tokens (scaled by the
+    layer's ``share`` of the budget); decoding then appends to that fixed-size cache."""
+
+    def __init__(self, method: PromptMethod, layer_idx: int, share: float = 1.0) -> None:
+        super().__init__(layer_idx)
+        self.method, self.share = method, share
+
+    def counts(self) -> torch.Tensor | None:
+        """Tokens each row keeps per KV head in this layer, or None when no row is over its count."""
+        counts = self.method.keep_counts(self.prompt_tokens)
+        if counts is None:
+            return None
+        if self.share != 1.0:
+            reserved = self.method.reserved_tokens()
+            scaled = reserved + torch.ceil((counts - reserved).clamp(min=0).double() * self.share).long()
+            counts = torch.minimum(scaled.clamp(min=1), self.prompt_tokens)
+        return None if bool((counts >= self.prompt_tokens).all()) else counts
+
+    def prompt_scores(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        return self.method.scores(query, self.keys, self.slot_validity(), scaling, self.spans)
+
+    def compress(self, query: torch.Tensor, scaling: float) -> None:
+        self.keep_top(lambda: self.prompt_scores(query, scaling))
+
+    def keep_top(self, scores) -> torch.Tensor | None:
+        """Keep each row's best positions by ``scores()`` (computed only when some row is over its
+        count); returns the kept slots ``[b, kv_heads, n]``, or None if nothing was dropped."""
+        counts = self.counts()
+        if counts is None:
+            return None
+        indices, slot_valid = select_kept(scores(), self.slot_validity(), counts)
+        self.keep(indices, slot_valid)
+        return indices
+
+
+class HeadAdaptiveLayer(EvictionLayer):
+    """Ada-KV: the layer's budget shared by its KV heads by score, each head's tokens stored packed."""
+
+    def __init__(self, method: PromptMethod, layer_idx: int, share: float = 1.0) -> None:
+        super().__init__(method, layer_idx, share)
+        self.packed: PackedSlots | None = None
+
+    def compress(self, query: torch.Tensor, scaling: float) -> None:
+        counts = self.counts()
+        if counts is None:
+            return
+        valid = self.slot_validity()
+        keep = allocate_heads(self.prompt_scores(query, scaling), valid, counts, self.method.head_floor)
+        positions = prompt_positions(valid)
+        segments = []
+        for row in range(keep.shape[0]):
+            segments.append([])
+            for head in range(keep.shape[1]):
+                slots = keep[row, head].nonzero()[:, 0]
+                segments[row].append((self.keys[row, head, slots], self.values[row, head, slots], positions[row, slots]))
+        self.packed = PackedSlots(segments)
+        self.set_slots(self.keys[:, :, :0], self.values[:, :, :0])  # everything lives in the packed slots now
+
+    def _append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.packed is None:
+            return super()._append(key_states, value_states)
+        self.packed.append(key_states, value_states)
+        return key_states, value_states
+
+    def attend(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scaling: float, softcap: float | None = None) -> torch.Tensor:
+        if self.packed is None:
+            return super().attend(query, keys, values, mask, scaling, softcap)
+        q_len = query.shape[-2]
+        return self.packed.attend(query, None if mask is None else mask[..., -q_len:], scaling, softcap)
+
+    def commit(self, query: torch.Tensor, new_valid: torch.Tensor | None, scaling: float) -> None:
+        appended = self.packed is not None  # after the prefill, this step's tokens went into the packed slots
+        super().commit(query, new_valid, scaling)
+        if appended and new_valid is not None:
+            self.packed.mark_newest(new_valid)
+
+    def kept_positions(self) -> torch.Tensor:
+        return super().kept_positions() if self.packed is None else self.packed.kept_positions()
+
+    def stats(self) -> dict[str, Any]:
+        if self.packed is None:
+            return super().stats()
+        used, spare = self.packed.slot_bytes()
+        dim, size = self.packed.keys.shape[-1], self.packed.keys.element_size()
+        return {
+            "kv_tokens": max(map(max, self.packed.lengths)),
+            "kv_bytes_full": 2 * self.packed.rows * self.packed.heads * self.seen_tokens * dim * size,
+            "kv_bytes_kept": used,
+            "spare_bytes": spare,
+            "index_bytes": nbytes(self.packed.valid, *(p for row in self.packed.positions for p in row)),
+            "offloaded_bytes": 0,
+            "bytes_read_per_step": used,
+        }
+
+    def batch_tensors(self) -> list[str]:
+        return [*super().batch_tensors(), "packed"]

@@ -1,0 +1,126 @@
+"""Storage where every (row, KV head) of a layer holds its own number of tokens, packed.
+
+Head-adaptive budgets give each KV head a different share of a layer's budget; a ``[batch,
+kv_heads, slots, head_dim]`` tensor would have to be as long as the longest head, so the memory
+saved by the short heads would be spent on padding. ``PackedSlots`` keeps one flat buffer of
+slots instead: segment ``(row, head)`` lives at ``[start, start + length)`` with spare room after
+it, so decoding appends each head's new token in place; when a segment's room runs out, every
+segment is repacked with fresh room (once per ~6% of growth, as for uniform slot buffers).
+
+Attention reads each segment where it lies (a view, no copy): one exact SDPA per (row, KV head)
+over its own slots, the query heads of the GQA group stacked as queries.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .attention import causal_slot_mask
+from .tensors import nbytes
+
+
+def spare_for(length: int) -> int:
+    """Room a segment gets beyond ``length`` when (re)packed: ~6%, at least 8 and at most 512 slots."""
+    return min(512, max(8, length // 16))
+
+
+class PackedSlots:
+    """One layer's keys and values, a segment per (row, KV head), each with its own length."""
+
+    def __init__(self, segments: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]) -> None:
+        """``segments[row][head]``: that head's keys ``[n, d]``, values ``[n, d]`` and prompt
+        positions ``[n]`` (ascending)."""
+        self.rows, self.heads = len(segments), len(segments[0])
+        self.lengths = [[int(k.shape[0]) for k, _, _ in row] for row in segments]
+        self.positions = [[p for _, _, p in row] for row in segments]  # prompt positions held, per segment
+        self._pack([[(k, v) for k, v, _ in row] for row in segments], [[None] * self.heads for _ in range(self.rows)])
+
+    def _pack(self, parts: list[list[tuple[torch.Tensor, torch.Tensor]]], valid: list[list[torch.Tensor | None]]) -> None:
+        first = parts[0][0][0]
+        capacities = [[self.lengths[r][h] + spare_for(self.lengths[r][h]) for h in range(self.heads)] for r in range(self.rows)]
+        total = sum(map(sum, capacities))
+        self.keys = first.new_zeros(total, first.shape[-1])
+        self.values = first.new_zeros(total, first.shape[-1])
+        self.valid = torch.zeros(total, dtype=torch.bool, device=first.device)
+        self.starts, start = [], 0
+        for r in range(self.rows):
+            self.starts.append([])
+            for h in range(self.heads):
+                n = self.lengths[r][h]
+                self.starts[r].append(start)
+                keys, values = parts[r][h]
+                self.keys[start : start + n] = keys
+                self.values[start : start + n] = values
+                self.valid[start : start + n] = True if valid[r][h] is None else valid[r][h]
+                start += capacities[r][h]
+        self.capacities = capacities
+
+    def segment(self, row: int, head: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Keys, values ``[n, d]`` and validity ``[n]`` of one segment (views, no copy)."""
+        start, n = self.starts[row][head], self.lengths[row][head]
+        return self.keys[start : start + n], self.values[start : start + n], self.valid[start : start + n]
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Append ``keys``/``values [rows, heads, q, d]`` to every segment (real until ``mark_newest`` says otherwise)."""
+        new = keys.shape[2]
+        if any(self.lengths[r][h] + new > self.capacities[r][h] for r in range(self.rows) for h in range(self.heads)):
+            kept = [[self.segment(r, h) for h in range(self.heads)] for r in range(self.rows)]
+            self._pack([[(k.clone(), v.clone()) for k, v, _ in row] for row in kept], [[m.clone() for _, _, m in row] for row in kept])
+        index = torch.tensor([self.starts[r][h] + self.lengths[r][h] + i for r in range(self.rows) for h in range(self.heads) for i in range(new)],
+                             device=self.keys.device)
+        self.keys.index_copy_(0, index, keys.reshape(-1, keys.shape[-1]))
+        self.values.index_copy_(0, index, values.reshape(-1, values.shape[-1]))
+        self.valid.index_fill_(0, index, True)
+        self.lengths = [[n + new for n in row] for row in self.lengths]
+        self.newest = index
+
+    def mark_newest(self, valid: torch.Tensor) -> None:
+        """Record which of the last appended tokens are real: ``valid [rows, q]``."""
+        self.valid.index_copy_(0, self.newest, valid[:, None, :].expand(-1, self.heads, -1).reshape(-1))
+
+    def attend(self, query: torch.Tensor, new_mask: torch.Tensor | None, scaling: float, softcap: float | None = None) -> torch.Tensor:
+        """Exact attention of ``query [rows, q_heads, q, d]`` over each segment, whose newest ``q``
+        slots are these queries' own tokens, seen as ``new_mask [rows, 1, q, q]`` says (None: causal)."""
+        rows, q_heads, q_len, dim = query.shape
+        group = q_heads // self.heads
+        out = torch.empty_like(query)
+        for r in range(self.rows):
+            for h in range(self.heads):
+                keys, values, valid = self.segment(r, h)
+                new = causal_slot_mask(q_len, q_len, keys.device)[0, 0] if new_mask is None else new_mask[r, 0]
+                mask = torch.cat([valid[None, : keys.shape[0] - q_len].expand(q_len, -1), new], dim=-1)
+                grouped = query[r, h * group : (h + 1) * group].reshape(1, 1, group * q_len, dim)
+                mask = mask[None, None, None].expand(1, 1, group, q_len, -1).reshape(1, 1, group * q_len, -1)
+                if softcap is None:
+                    result = F.scaled_dot_product_attention(grouped, keys[None, None], values[None, None], attn_mask=mask, scale=scaling)
+                else:
+                    logits = softcap * torch.tanh((grouped.float() @ keys.float().T) * scaling / softcap)
+                    result = (logits.masked_fill(~mask, torch.finfo(torch.float32).min).softmax(-1) @ values.float()).to(query.dtype)
+                out[r, h * group : (h + 1) * group] = result.view(group, q_len, dim)
+        return out
+
+    def kept_positions(self) -> torch.Tensor:
+        """``[rows, heads, n]`` prompt positions of each segment, ascending; shorter segments padded with -1 at the front."""
+        width = max(len(p) for row in self.positions for p in row)
+        out = torch.full((self.rows, self.heads, width), -1, dtype=torch.long, device=self.keys.device)
+        for r in range(self.rows):
+            for h in range(self.heads):
+                held = self.positions[r][h]
+                if len(held):
+                    out[r, h, width - len(held) :] = held
+        return out
+
+    def slot_bytes(self) -> tuple[int, int]:
+        """(bytes of the slots in use, bytes of the spare room), keys and values."""
+        used = sum(map(sum, self.lengths)) * self.keys.shape[-1] * self.keys.element_size() * 2
+        return used, nbytes(self.keys, self.values) - used
+
+    def batch_apply(self, apply) -> None:
+        """A batch operation (beam reorder, repeat) over the rows: applied to each row's segments."""
+        rows = apply(torch.arange(self.rows)).tolist()
+        parts = [[self.segment(r, h) for h in range(self.heads)] for r in rows]
+        self.lengths = [list(self.lengths[r]) for r in rows]
+        self.positions = [list(self.positions[r]) for r in rows]
+        self.rows = len(rows)
+        self._pack([[(k.clone(), v.clone()) for k, v, _ in row] for row in parts], [[m.clone() for _, _, m in row] for row in parts])

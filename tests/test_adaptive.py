@@ -1,0 +1,108 @@
+"""Head-adaptive (Ada-KV) and layer-adaptive (PyramidKV) budgets, stored so the memory is really freed."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import kvcompress as kvc
+from kvcompress.methods.prompt import allocate_heads, pyramid_budgets
+
+from .fixtures import char_tokenizer, random_text, tiny_model
+
+
+def reference_allocation(scores: list[list[float]], count: int, floor: float) -> list[set[int]]:
+    """Ada-KV for one row, written out: each head first takes its own int(floor * count) best
+    positions; then the heads * count - heads * int(floor * count) best of all remaining
+    (head, position) pairs are taken, ties to the lower head then the earlier position."""
+    reserved = int(floor * count)
+    kept = [set(sorted(range(len(s)), key=lambda j: (-s[j], j))[:reserved]) for s in scores]
+    rest = sorted(((-s[j], h, j) for h, s in enumerate(scores) for j in range(len(s)) if j not in kept[h]))
+    for _, h, j in rest[: len(scores) * count - len(scores) * reserved]:
+        kept[h].add(j)
+    return kept
+
+
+@pytest.mark.parametrize("floor", [0.0, 0.2, 0.5, 1.0])
+def test_allocation_matches_a_reference(floor):
+    torch.manual_seed(0)
+    scores = torch.rand(2, 3, 40) ** torch.tensor([1.0, 4.0, 0.3])[None, :, None]  # heads of very different sharpness
+    valid = torch.ones(2, 40, dtype=torch.bool)
+    valid[1, :15] = False  # a shorter row (padding first)
+    counts = torch.tensor([10, 6])
+    keep = allocate_heads(scores, valid, counts, floor)
+    for row in range(2):
+        real = [j for j in range(40) if valid[row, j]]
+        expected = reference_allocation([[float(scores[row, h, j]) for j in real] for h in range(3)], int(counts[row]), floor)
+        got = [{real.index(j) for j in keep[row, h].nonzero()[:, 0].tolist()} for h in range(3)]
+        assert got == expected
+        assert int(keep[row].sum()) == 3 * int(counts[row])  # the same total as the uniform budget
+        assert all(len(g) >= int(floor * counts[row]) for g in got)
+
+
+def test_pyramid_schedule():
+    budgets = pyramid_budgets(1000, 30, 20)
+    assert sum(budgets) == 30 * 1000  # the uniform budget's total
+    assert budgets[0] == pytest.approx(2 * 1000 - 50, abs=1) and budgets[-1] == pytest.approx(50, abs=1)
+    steps = [a - b for a, b in zip(budgets, budgets[1:])]
+    assert max(steps) - min(steps) <= 2  # linear, up to rounding
+
+
+def teacher_forced(model, method, prompt, continuation):
+    cache = method.make_cache(model, char_tokenizer())
+    with torch.no_grad():
+        logits = [model(prompt, past_key_values=cache).logits[:, -1]]
+        logits += [model(continuation[:, t : t + 1], past_key_values=cache).logits[:, -1] for t in range(continuation.shape[1])]
+    return torch.stack(logits, 1), cache
+
+
+@pytest.mark.parametrize("method", [kvc.SnapKV(budget=64, window=8), kvc.H2O(budget=64), kvc.StreamingLLM(budget=48)], ids=lambda m: m.name)
+def test_equal_head_counts_in_the_packed_layout_give_the_uniform_cache(method):
+    """head_floor=1: every head keeps exactly the uniform budget, now stored packed per head."""
+    model = tiny_model()
+    gen = torch.Generator().manual_seed(3)
+    prompt, continuation = torch.randint(3, 128, (1, 300), generator=gen), torch.randint(3, 128, (1, 20), generator=gen)
+    uniform, uniform_cache = teacher_forced(model, method, prompt, continuation)
+    settings = {k: v for k, v in vars(method).items()}
+    packed, packed_cache = teacher_forced(model, type(method)(**{**settings, "heads": "adaptive", "head_floor": 1.0}), prompt, continuation)
+    torch.testing.assert_close(packed, uniform, rtol=1e-5, atol=1e-5)
+    for layer in range(2):
+        assert packed_cache.layers[layer].packed is not None
+        assert torch.equal(packed_cache.kept_positions(layer), uniform_cache.kept_positions(layer))
+    assert packed_cache.stats()["kv_bytes_kept"] == uniform_cache.stats()["kv_bytes_kept"]
+
+
+def test_adaptive_heads_hold_different_counts_in_the_same_memory():
+    model, tok = tiny_model(), char_tokenizer()
+    prompt = random_text(400, seed=5)
+    uniform = kvc.generate(model, tok, prompt, method=kvc.SnapKV(budget=64, window=8), max_new_tokens=6)
+    adaptive = kvc.generate(model, tok, prompt, method=kvc.SnapKV(budget=64, window=8, heads="adaptive"), max_new_tokens=6)
+    packed = adaptive.cache.layers[0].packed
+    lengths = packed.lengths[0]
+    assert len(set(lengths)) > 1 and sum(lengths) == sum(uniform.cache.layers[0].keys.shape[-2] for _ in lengths)
+    held = sum(t.numel() * t.element_size() for t in (packed.keys, packed.values))  # measured from the tensors
+    assert adaptive.cache.stats()["kv_bytes_kept"] + adaptive.cache.stats()["spare_bytes"] == sum(
+        lyr.packed.keys.numel() * lyr.packed.keys.element_size() * 2 for lyr in adaptive.cache.layers)
+    assert held < 1.2 * sum(t.numel() * t.element_size() for t in uniform.cache.layers[0].buffers)
+    for head, positions in enumerate(adaptive.cache.kept_positions(0)[0]):
+        real = positions[positions >= 0]
+        assert len(real) == lengths[head] - 5 and (real.diff() > 0).all()  # 5 generated tokens appended per head
+
+
+@pytest.mark.parametrize("method", [kvc.SnapKV(budget=64, window=8, heads="adaptive"), kvc.H2O(budget=64, layers="pyramid", heads="adaptive")], ids=lambda m: m.label())
+def test_model_generate_and_beams_with_adaptive_budgets(method):
+    model, tok = tiny_model(), char_tokenizer()
+    inputs = tok([random_text(200, seed=7)], return_tensors="pt")
+    greedy = model.generate(**inputs, past_key_values=method.make_cache(model, tok), max_new_tokens=8, do_sample=False, eos_token_id=None)
+    ours = kvc.generate(model, tok, random_text(200, seed=7), method=method, max_new_tokens=8)
+    assert greedy[0, inputs["input_ids"].shape[1] :].tolist() == ours.token_ids[0]
+    beams = model.generate(**inputs, past_key_values=method.make_cache(model, tok), max_new_tokens=8, num_beams=3, num_return_sequences=2, eos_token_id=None)
+    assert beams.shape == (2, inputs["input_ids"].shape[1] + 8)
+
+
+def test_h2o_eviction_refuses_adaptive_heads():
+    with pytest.raises(kvc.InvalidParameterError, match=r"evict_during_decoding keeps a uniform budget per head"):
+        kvc.H2O(evict_during_decoding=True, heads="adaptive")
+    assert math.isfinite(kvc.SnapKV(layers="pyramid").pyramid_beta)
