@@ -38,6 +38,7 @@ def test_grid_writes_json_csv_and_plots(tmp_path):
     with open(tmp_path / "speed.csv") as fh:
         assert len(list(csv.DictReader(fh))) == 12
     assert (tmp_path / "decode_latency.png").stat().st_size > 1000 and (tmp_path / "throughput.png").stat().st_size > 1000
+    assert (tmp_path / "peak_memory.png").stat().st_size > 1000
 
 
 @dataclass
@@ -112,3 +113,20 @@ def test_presets_fit_their_model_context(preset):
     settings = PRESETS[preset]
     context = ARCHITECTURES[settings["model"]]["max_position_embeddings"]
     assert max(settings["lengths"]) + settings["warmup"] + settings["steps"] + 1 <= context
+
+
+def test_cli_prints_the_table_and_the_overlap(tmp_path, capsys):
+    from kvcompress.cli import main
+
+    config = tmp_path / "tiny"
+    tiny_model().config.save_pretrained(config)
+    out = tmp_path / "run"
+    argv = ["bench", "speed", "--model", str(config), "--methods", "full,shadowkv:budget=32", "--lengths", "300", "--batches", "1",
+            "--steps", "2", "--warmup", "1", "--out", str(out)]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "shadowkv:budget=32 300 x 1: one layer's store read" in printed and "chunk hit rate" in printed
+    assert main(argv) == 0  # a rerun resumes: every row comes from rows.jsonl
+    assert len((out / "rows.jsonl").read_text().splitlines()) == 1 + 2
+    assert main([*argv[:-2], "--steps", "3", "--out", str(out)]) == 2  # other settings are refused, not mixed in
+    assert "holds a run with other settings" in capsys.readouterr().err

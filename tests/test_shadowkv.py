@@ -9,7 +9,7 @@ import torch
 from transformers import DynamicCache
 
 import kvcompress as kvc
-from kvcompress.methods.shadowkv import chunk_landmarks, key_spectrum, landmark_scores, low_rank_factors, rebuild_keys, truncated_factors
+from kvcompress.methods.shadowkv import chunk_landmarks, factor_basis, key_rows, key_spectrum, landmark_scores, low_rank_factors, rebuild_keys
 from kvcompress.offload import fetch_chunks
 from kvcompress.rope import apply_rope, invert_rope, rotary_for
 
@@ -59,7 +59,7 @@ def test_rank_from_the_error_target_is_the_smallest_that_reaches_it():
     valid = torch.ones(2, 120, dtype=torch.bool)
     valid[1, :40] = False  # the second row is shorter (padding first)
     method = kvc.ShadowKV(rank_error=0.2)
-    matrix, energy, vectors = key_spectrum(keys, valid)
+    energy, vectors = key_spectrum([(keys[:, :, :50], valid[:, :50]), (keys[:, :, 50:], valid[:, 50:])])  # streamed in two chunks
     ranks = method.ranks(energy)
     for row in range(2):
         rows = keys[row].permute(1, 0, 2).reshape(120, 32)[valid[row]]
@@ -67,7 +67,8 @@ def test_rank_from_the_error_target_is_the_smallest_that_reaches_it():
         expected = next(r for r in range(1, 33) if errors[r - 1] <= 0.2 + 1e-5)
         assert int(ranks[row]) == min(expected, 16)  # capped at half of the 32-wide keys
         a, b = low_rank_factors(keys[row : row + 1], valid[row : row + 1], int(ranks[row]))
-        batched_a, batched_b = truncated_factors(matrix, vectors, ranks, 2)
+        basis = factor_basis(vectors, ranks)
+        batched_a, batched_b = key_rows(keys, valid) @ basis, basis.mT.reshape(2, -1, 2, 16)
         rebuilt_alone = rebuild_keys(a[:, None].expand(-1, 2, -1, -1), b)
         rebuilt_batched = rebuild_keys(batched_a[row : row + 1, None].expand(-1, 2, -1, -1), batched_b[row : row + 1])
         torch.testing.assert_close(rebuilt_batched, rebuilt_alone, rtol=1e-5, atol=1e-5)  # zero columns change nothing

@@ -117,7 +117,9 @@ class KVLayer(DynamicLayer):
         """Append slots. After the first fill they live in buffers with spare room, so a decoding step
         writes its token instead of copying the whole cache; buffers are copied once per spare room."""
         if not self.is_initialized or self.keys.dim() < 4 or self.keys.shape[-2] == 0:
-            return super().update(key_states, value_states)
+            self.lazy_initialization(key_states, value_states)
+            self.keys, self.values = key_states, value_states  # the first fill is held as computed, not copied
+            return self.keys, self.values
         used, new = self.keys.shape[-2], key_states.shape[-2]
         if not self._in_buffers() or self._start + used + new > self.buffers[0].shape[-2]:
             capacity = used + new + spare_slots(used + new)

@@ -232,7 +232,7 @@ def _cmd_bench_speed(args: argparse.Namespace, console: Console) -> int:
     report = run_speed(
         model, settings["methods"], settings["lengths"], settings["batches"], args.out, budget=settings["budget"],
         steps=settings["steps"], warmup=settings["warmup"], find_max_context=args.find_max_context, find_max_batch=args.find_max_batch,
-        max_memory=int(args.max_memory * 2**30) if args.max_memory else None, model_name=settings["model"],
+        max_memory=int(args.max_memory * 2**30) if args.max_memory else None, model_name=settings["model"], search_step=args.search_step,
     )
     info = report["machine"]
     console.print(f"{settings['model']} ({report['dtype']}, weights {_mib(report['weight_bytes'])}) on {info.get('gpu', info['device'])}, "
@@ -249,10 +249,10 @@ def _cmd_bench_speed(args: argparse.Namespace, console: Console) -> int:
     console.print(table)
     for r in report["rows"]:
         if "fetch_hidden" in r:
-            console.print(f"{r['method']} {r['prompt_tokens']} x {r['batch']}: one layer's value fetch {r['layer_fetch_ms']:.3f} ms ({r['value_fetch']}), "
-                          f"key rebuild {r['layer_rebuild_ms']:.3f} ms, both overlapped {r['layer_fetch_and_rebuild_ms']:.3f} ms: "
+            console.print(f"{r['method']} {r['prompt_tokens']} x {r['batch']}: one layer's store read {r['layer_fetch_ms']:.3f} ms ({r['value_fetch']}), "
+                          f"the work overlapped with it {r['layer_work_ms']:.3f} ms, both {r['layer_fetch_and_work_ms']:.3f} ms: "
                           f"{'no side stream here' if r['fetch_hidden'] is None else format(r['fetch_hidden'], '.0%') + ' of the fetch hidden'}; "
-                          f"chunk hit rate {r['chunk_hit_rate']:.2f}")
+                          f"chunk hit rate {_fmt(r['chunk_hit_rate'])}")
     for limit in report.get("limits", []):
         console.print(f"{limit['method']}: {limit['kind']} = {limit['value']} ({len(limit['tried'])} runs tried)")
     console.print(f"wrote {args.out}/speed.json, speed.csv, decode_latency.png, throughput.png")
@@ -323,6 +323,7 @@ def build_parser() -> argparse.ArgumentParser:
     speed.add_argument("--find-max-context", action="store_true", help="search each method's longest prompt that fits (first batch size)")
     speed.add_argument("--find-max-batch", action="store_true", help="search each method's largest batch that fits (first length)")
     speed.add_argument("--max-memory", type=float, help="GiB a run may peak at to count as fitting (required for searches on CPU)")
+    speed.add_argument("--search-step", type=int, default=1024, help="the context search stops when the fitting and failing lengths are this close")
     speed.add_argument("--out", default="runs/speed")
     speed.set_defaults(run=_cmd_bench_speed)
 

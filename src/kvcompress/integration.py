@@ -8,7 +8,10 @@ kvcompress uses three public extension points:
   layer attend, then commits the step, which compresses the layer at the end of its prefill. For
   any other cache it is plain SDPA, so the model behaves as before.
 * ``AttentionMaskInterface``: the same name gets SDPA's mask builder, so the padding (and sliding
-  window) mask of the new tokens still reaches the attention function.
+  window) mask of the new tokens still reaches the attention function; a mask that would be large
+  (a padded or sliding-window prefill) comes as a ``longprompt.LazyMask`` and the prefill attention
+  runs in blocks of queries, each with its block of the mask.
+* wrapping modules: each decoder layer's MLP runs long sequences in chunks (``longprompt.SequenceChunked``).
 * a forward pre-hook on the model, which refuses inputs a cache cannot take (an empty prompt, a new
   prompt on a cache that already holds one) before they fail deep inside the model.
 
@@ -22,13 +25,16 @@ from __future__ import annotations
 import torch
 from transformers import AttentionInterface, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.masking_utils import AttentionMaskInterface
 
 from .attention import dense_attention
+from . import longprompt
+from .longprompt import LazyMask, chunk_mlps, lazy_sdpa_mask
 from .cache import CacheMisuseError, KVCompressCache, KVLayer, LayerFactory, UnsupportedModelError, WindowLayer, take_announced
 from .tokens import TokenSpans, spans_for
 
 IMPLEMENTATION = "kvcompress"
+
 
 
 def attention_modules(model: PreTrainedModel) -> list[torch.nn.Module]:
@@ -109,9 +115,10 @@ def attach(model: PreTrainedModel) -> None:
     check_model(model)
     if IMPLEMENTATION not in AttentionInterface._global_mapping:
         AttentionInterface.register(IMPLEMENTATION, kvcompress_attention)
-        AttentionMaskInterface.register(IMPLEMENTATION, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+        AttentionMaskInterface.register(IMPLEMENTATION, lazy_sdpa_mask)
     if model.config._attn_implementation != IMPLEMENTATION:
         model.set_attn_implementation(IMPLEMENTATION)
+    chunk_mlps(model, longprompt.MLP_CHUNK)
     if not getattr(model, "_kvcompress_input_check", False):
         model.register_forward_pre_hook(check_inputs, with_kwargs=True)
         model._kvcompress_input_check = True
@@ -183,38 +190,68 @@ def _layer_for(module: torch.nn.Module, key: torch.Tensor) -> KVLayer | None:
     return layer
 
 
-def new_token_validity(attention_mask: torch.Tensor | None, q_len: int) -> torch.Tensor | None:
+def new_token_validity(attention_mask: torch.Tensor | LazyMask | None, q_len: int) -> torch.Tensor | None:
     """``[batch, q_len]`` bool: which new tokens are real. A token sees itself unless it is padding,
     so this is the diagonal of the newest block of the boolean 4-D mask."""
     if attention_mask is None:
         return None
+    if isinstance(attention_mask, LazyMask):
+        return attention_mask.diagonal(q_len)
     block = attention_mask[:, 0, -q_len:, -q_len:]
     return block.diagonal(dim1=-2, dim2=-1).bool()
 
 
-def build_mask(layer: KVLayer, attention_mask: torch.Tensor | None, q_len: int, kv_len: int, sliding_window: int | None) -> torch.Tensor | None:
-    """Boolean mask ``[batch, 1, q_len, kv_len]`` over the layer's slots, or None when plain causal
-    attention over everything is right. Every query may at least see itself, so padding queries
-    never produce NaNs."""
+def newest_block(attention_mask: torch.Tensor | LazyMask, rows: tuple[int, int], q_len: int) -> torch.Tensor:
+    """Rows ``[start, end)`` of the new queries against the ``q_len`` new keys, ``[batch, 1, rows, q_len]``."""
+    if isinstance(attention_mask, LazyMask):
+        first = attention_mask.q_length - q_len
+        return attention_mask.block(first + rows[0], first + rows[1], attention_mask.kv_length - q_len, attention_mask.kv_length)
+    return attention_mask[:, :, attention_mask.shape[2] - q_len + rows[0] : attention_mask.shape[2] - q_len + rows[1], -q_len:].bool()
+
+
+def build_mask(
+    layer: KVLayer, attention_mask: torch.Tensor | LazyMask | None, q_len: int, kv_len: int, sliding_window: int | None, rows: tuple[int, int] | None = None
+) -> torch.Tensor | None:
+    """Boolean mask ``[batch, 1, rows, kv_len]`` over the layer's slots for the new queries ``rows``
+    (default: all ``q_len``), or None when plain causal attention over everything is right. Every
+    query may at least see itself, so padding queries never produce NaNs."""
     old = kv_len - q_len
+    first, last = rows or (0, q_len)
     windowed = sliding_window is not None and kv_len > sliding_window
-    if attention_mask is None and layer.valid is None and not windowed and (q_len == 1 or old == 0):
+    if attention_mask is None and layer.valid is None and not windowed and (q_len == 1 or old == 0) and rows is None:
         return None
     device, batch = layer.keys.device, layer.keys.shape[0]
+    query_index = torch.arange(first, last, device=device)[:, None]
+    key_index = torch.arange(q_len, device=device)[None, :]
     if attention_mask is not None:
-        new = attention_mask[:, :, -q_len:, -q_len:].bool()
+        new = newest_block(attention_mask, (first, last), q_len)
     else:
-        new = torch.ones(q_len, q_len, dtype=torch.bool, device=device).tril()[None, None]
+        new = (key_index <= query_index)[None, None]
         if sliding_window is not None:
-            new = new & torch.ones(q_len, q_len, dtype=torch.bool, device=device).triu(1 - sliding_window)
-    new = (new | torch.eye(q_len, dtype=torch.bool, device=device)).expand(batch, 1, -1, -1)
+            new = new & (key_index > query_index - sliding_window)[None, None]
+    new = (new | (key_index == query_index)[None, None]).expand(batch, 1, -1, -1)
     if old == 0:
         return new
     if isinstance(layer, WindowLayer):
-        past = layer.past_visibility(q_len)
+        past = layer.past_visibility(q_len)[:, :, first:last]
     else:
-        past = layer.slot_validity()[:, :old][:, None, None, :].expand(-1, 1, q_len, -1)
+        past = layer.slot_validity()[:, :old][:, None, None, :].expand(-1, 1, last - first, -1)
     return torch.cat([past, new], dim=-1)
+
+
+def attend_in_blocks(
+    layer: KVLayer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: LazyMask, sliding_window: int | None, scaling: float, softcap: float | None
+) -> torch.Tensor:
+    """A prefill's attention a block of queries at a time, each block with its own block of the
+    mask over the keys up to its last query: no ``prompt x prompt`` tensor is ever built."""
+    q_len = kv_len = key.shape[-2]
+    rows = max(1, longprompt.BLOCK_ELEMENTS // (key.shape[0] * kv_len))
+    out = torch.empty_like(query)
+    for first in range(0, q_len, rows):
+        last = min(q_len, first + rows)
+        mask = build_mask(layer, attention_mask, q_len, kv_len, sliding_window, (first, last))[..., :last]
+        out[:, :, first:last] = layer.attend(query[:, :, first:last], key[:, :, :last], value[:, :, :last], mask, scaling, softcap)
+    return out
 
 
 def kvcompress_attention(
@@ -231,6 +268,8 @@ def kvcompress_attention(
 ) -> tuple[torch.Tensor, None]:
     """Attention over a kvcompress cache layer (then commit the step), or plain SDPA otherwise."""
     layer = _layer_for(module, key)
+    if layer is None and isinstance(attention_mask, LazyMask):
+        attention_mask = attention_mask.materialize()  # another cache: SDPA as usual
     if layer is None:
         if softcap is not None:  # SDPA has no soft-capping: the same math, spelled out
             scale = scaling if scaling is not None else query.shape[-1] ** -0.5
@@ -247,7 +286,10 @@ def kvcompress_attention(
         )
     q_len = query.shape[-2]
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
-    mask = build_mask(layer, attention_mask, q_len, key.shape[-2], sliding_window)
-    out = layer.attend(query, key, value, mask, scaling, softcap)
+    if isinstance(attention_mask, LazyMask) and layer.is_prefill and q_len == key.shape[-2]:
+        out = attend_in_blocks(layer, query, key, value, attention_mask, sliding_window, scaling, softcap)
+    else:
+        mask = build_mask(layer, attention_mask, q_len, key.shape[-2], sliding_window)
+        out = layer.attend(query, key, value, mask, scaling, softcap)
     layer.commit(query, new_token_validity(attention_mask, q_len), scaling)
     return out.transpose(1, 2).contiguous(), None

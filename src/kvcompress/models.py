@@ -116,6 +116,22 @@ ARCHITECTURES: dict[str, dict] = {
                       "original_max_position_embeddings": 8192},
         rms_norm_eps=1e-5,
     ),
+    # The 8B shape with a 1M-token position range (random weights: memory and speed of very long prompts).
+    "llama-3.1-8b-1m": dict(
+        model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, vocab_size=128256, max_position_embeddings=1048576, rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 8192},
+        rms_norm_eps=1e-5,
+    ),
+    # Llama-3.1's RoPE (128K context) in a narrow 2-layer body: long-prompt memory curves on a CPU.
+    "llama-3.1-narrow": dict(
+        model_type="llama", hidden_size=256, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 8192},
+        rms_norm_eps=1e-5,
+    ),
     "mistral-7b": dict(
         model_type="mistral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
         num_key_value_heads=8, head_dim=128, vocab_size=32000, max_position_embeddings=32768, rope_theta=1000000.0,

@@ -295,6 +295,7 @@ def run_speed(
     max_memory: int | None = None,
     model_name: str = "",
     progress: bool = True,
+    search_step: int = 1024,
 ) -> dict:
     """Run the grid (and the optional searches), write ``speed.json``, ``speed.csv`` and plots; return
     the report. ``methods`` are specs (``name[:field=value...]``); ``budget`` applies to every method
@@ -308,7 +309,8 @@ def run_speed(
         raise ValueError(f"prompt lengths {too_long} plus {warmup + steps + 1} decoding steps exceed the model's context of {limit} tokens")
     built = {spec: method_from_spec(spec, budget=budget) for spec in methods}
     settings = {"model": model_name, "methods": methods, "lengths": lengths, "batches": batches, "budget": budget, "steps": steps,
-                "warmup": warmup, "max_memory": max_memory, "find_max_context": find_max_context, "find_max_batch": find_max_batch}
+                "warmup": warmup, "max_memory": max_memory, "find_max_context": find_max_context, "find_max_batch": find_max_batch,
+                "search_step": search_step}
     journal = Journal(Path(out_dir) / "rows.jsonl", settings)
     bandwidth = copy_bandwidth(device)
     rows = []
@@ -331,7 +333,7 @@ def run_speed(
                 return {**row, "fits": _fits(row, max_memory)}
 
             if find_max_context:
-                size, tried = search_limit(lambda n: fits("max_context", n, batches[0]), min(lengths), limit - 8, 1024)
+                size, tried = search_limit(lambda n: fits("max_context", n, batches[0]), min(lengths), limit - 8, search_step)
                 report["limits"].append({"method": spec, "kind": "max_context", "batch": batches[0], "value": size, "tried": tried})
             if find_max_batch:
                 size, tried = search_limit(lambda b: fits("max_batch", lengths[0], b), 1, 1024, 1)
@@ -353,17 +355,19 @@ def write_report(report: dict, out: Path) -> None:
 
 def plot_speed(report: dict, out: Path) -> None:
     """decode_latency.png: ms/token vs prompt length per method, a panel per batch (SnapKV Fig. 7);
-    throughput.png: tokens/s vs batch per method, a panel per length (ShadowKV Table 4's axis)."""
+    throughput.png: tokens/s vs batch per method, a panel per length (ShadowKV Table 4's axis);
+    peak_memory.png: peak memory vs prompt length per method, a panel per batch."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ok = [r for r in report["rows"] if r["status"] == "ok"]
+    ok = [{**r, "peak_gib": r["peak_bytes"] / 2**30} for r in report["rows"] if r["status"] == "ok"]
     methods = list(dict.fromkeys(r["method"] for r in report["rows"]))
     for name, panel_key, x_key, y_key, x_label, y_label in (
         ("decode_latency.png", "batch", "prompt_tokens", "decode_ms_per_token", "prompt tokens", "decode ms/token"),
         ("throughput.png", "prompt_tokens", "batch", "tokens_per_s", "batch size", "tokens/s"),
+        ("peak_memory.png", "batch", "prompt_tokens", "peak_gib", "prompt tokens", "peak memory (GiB)"),
     ):
         panels = sorted({r[panel_key] for r in report["rows"]})
         fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False)

@@ -33,16 +33,20 @@ if TYPE_CHECKING:
 
 def accumulated_attention(query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scaling: float, block: int = 256) -> torch.Tensor:
     """Attention each key receives, summed over all (real, causal) queries, per query head
-    ``[batch, q_heads, seq]``; computed ``block`` queries at a time."""
+    ``[batch, q_heads, seq]``; computed ``block`` queries and one KV head at a time, so memory stays
+    linear in the prompt length."""
     batch, q_heads, seq, _ = query.shape
+    kv_heads = keys.shape[1]
+    group = q_heads // kv_heads
     total = torch.zeros(batch, q_heads, seq, dtype=torch.float32, device=query.device)
     key_pos = torch.arange(seq, device=query.device)
     for start in range(0, seq, block):
-        logits = grouped_logits(query[:, :, start : start + block], keys, scaling)
-        rows = logits.shape[2]
+        rows = min(block, seq - start)
         visible = (key_pos[None, :] <= torch.arange(start, start + rows, device=query.device)[:, None])[None, None] & valid[:, None, None, :]
-        probs = logits.masked_fill(~visible, torch.finfo(torch.float32).min).softmax(dim=-1)
-        total += (probs * valid[:, None, start : start + rows, None]).sum(dim=2)  # padding queries vote nothing
+        for h in range(kv_heads):
+            logits = grouped_logits(query[:, h * group : (h + 1) * group, start : start + rows], keys[:, h : h + 1], scaling)
+            probs = logits.masked_fill(~visible, torch.finfo(torch.float32).min).softmax(dim=-1)
+            total[:, h * group : (h + 1) * group] += (probs * valid[:, None, start : start + rows, None]).sum(dim=2)  # padding queries vote nothing
     return total
 
 

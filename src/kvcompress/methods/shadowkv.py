@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Iterable
 
 import torch
 
@@ -49,15 +49,29 @@ MAX_RANK_FRACTION = 0.5  # an error-chosen rank never exceeds half the key width
 OUTLIER_FRACTION = 48 / (128 * 1024 // 8)
 
 
-def key_spectrum(pre_rope_keys: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Each row's keys ``[b, kv_heads, s, d]`` as a matrix ``[b, s, kv_heads*d]`` (padding rows zeroed
-    so they do not shape the subspace), its squared singular values ``[b, kv_heads*d]`` and right
-    singular vectors ``[b, kv_heads*d, kv_heads*d]``, largest first. They are the eigenpairs of the
-    small Gram matrix: the same factors as an SVD of the ``s``-row matrix at a fraction of its cost."""
+STREAM_TOKENS = 8192  # tokens whose pre-RoPE keys are formed at once while factorising (memory stays linear)
+
+
+def key_rows(pre_rope_keys: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Keys ``[b, kv_heads, s, d]`` as float32 rows ``[b, s, kv_heads*d]``, padding rows zeroed (they
+    must not shape the subspace)."""
     batch, heads, seq, dim = pre_rope_keys.shape
-    matrix = pre_rope_keys.float().permute(0, 2, 1, 3).reshape(batch, seq, heads * dim) * valid[..., None]
-    energy, vectors = torch.linalg.eigh((matrix.mT @ matrix).double())
-    return matrix, energy.flip(-1).clamp(min=0), vectors.flip(-1).float()  # eigh sorts ascending
+    return pre_rope_keys.float().permute(0, 2, 1, 3).reshape(batch, seq, heads * dim) * valid[..., None]
+
+
+def key_spectrum(chunks: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Squared singular values ``[b, kv_heads*d]`` and right singular vectors ``[b, kv_heads*d,
+    kv_heads*d]`` (largest first) of each row's keys, given as chunks of (pre-RoPE keys ``[b,
+    kv_heads, c, d]``, validity ``[b, c]``). They are the eigenpairs of the small Gram matrix,
+    accumulated chunk by chunk: the same factors as an SVD of the whole ``s``-row matrix, at a
+    fraction of its cost and without holding it in float32."""
+    gram = None
+    for keys, valid in chunks:
+        rows = key_rows(keys, valid)
+        part = (rows.mT @ rows).double()
+        gram = part if gram is None else gram + part
+    energy, vectors = torch.linalg.eigh(gram)
+    return energy.flip(-1).clamp(min=0), vectors.flip(-1).float()  # eigh sorts ascending
 
 
 def rank_for_error(energy: torch.Tensor, target: float, cap: int) -> torch.Tensor:
@@ -68,21 +82,20 @@ def rank_for_error(energy: torch.Tensor, target: float, cap: int) -> torch.Tenso
     return ((error > target).sum(-1) + 1).clamp(1, cap)
 
 
-def truncated_factors(matrix: torch.Tensor, vectors: torch.Tensor, ranks: int | torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``A [b, s, r]`` (left singular vectors times singular values) and ``B [b, r, kv_heads, d]`` of a
-    ``key_spectrum`` at rank ``ranks`` (one for all rows, or ``[b]``: a row with a smaller rank gets
-    zero columns, so it is rebuilt exactly as it would be alone); ``r`` is the largest rank."""
-    batch = matrix.shape[0]
-    ranks = torch.as_tensor(ranks, device=matrix.device).expand(batch)
+def factor_basis(vectors: torch.Tensor, ranks: int | torch.Tensor) -> torch.Tensor:
+    """The first ``ranks`` right singular vectors ``[b, n, r]`` (one rank for all rows, or ``[b]``: a
+    row with a smaller rank gets zero columns, so it is rebuilt exactly as it would be alone)."""
+    ranks = torch.as_tensor(ranks, device=vectors.device).expand(vectors.shape[0])
     rank = int(ranks.max())
-    basis = vectors[..., :rank] * (torch.arange(rank, device=matrix.device)[None, :] < ranks[:, None])[:, None, :]
-    return matrix @ basis, basis.mT.reshape(batch, rank, heads, -1)
+    return vectors[..., :rank] * (torch.arange(rank, device=vectors.device)[None, :] < ranks[:, None])[:, None, :]
 
 
 def low_rank_factors(pre_rope_keys: torch.Tensor, valid: torch.Tensor, ranks: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Truncated SVD of each row's keys ``[b, kv_heads, s, d]`` viewed as ``[s, kv_heads*d]`` (see ``truncated_factors``)."""
-    matrix, _, vectors = key_spectrum(pre_rope_keys, valid)
-    return truncated_factors(matrix, vectors, ranks, pre_rope_keys.shape[1])
+    """Truncated SVD of each row's keys ``[b, kv_heads, s, d]`` viewed as ``[s, kv_heads*d]``: ``A [b,
+    s, r]`` (left singular vectors times singular values) and ``B [b, r, kv_heads, d]``."""
+    _, vectors = key_spectrum([(pre_rope_keys, valid)])
+    basis = factor_basis(vectors, ranks)
+    return key_rows(pre_rope_keys, valid) @ basis, basis.mT.reshape(basis.shape[0], basis.shape[-1], pre_rope_keys.shape[1], -1)
 
 
 def rebuild_keys(a_rows: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -191,17 +204,24 @@ class ShadowKVLayer(SparseDecodeLayer):
     def region_chunks(self, lengths: torch.Tensor) -> torch.Tensor:
         return torch.div(lengths - self.method.local_chunks * self.unit, self.unit, rounding_mode="floor")
 
+    def pre_rope(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Post-RoPE ``keys [b, h, c, d]`` at ``positions [b, c]`` turned back into pre-RoPE keys."""
+        cos, sin = self.rotary.cos_sin(positions, keys)
+        return invert_rope(keys, cos[:, None], sin[:, None])
+
     def prepare(self, keys: torch.Tensor, valid: torch.Tensor, chunks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        batch, heads, _, dim = self.keys.shape
+        heads, seq = self.keys.shape[1], self.keys.shape[-2]
         prompt_valid = self.slot_validity()
-        cos, sin = self.rotary.cos_sin(prompt_positions(prompt_valid).clamp(min=0), self.keys)
-        pre_rope = invert_rope(self.keys, cos[:, None], sin[:, None])
-        matrix, energy, vectors = key_spectrum(pre_rope, prompt_valid)
-        factor_a, factor_b = truncated_factors(matrix, vectors, self.method.ranks(energy), heads)
-        first = (self.keys.shape[-2] - self.prompt_tokens)[:, None]  # each row's first real slot
-        region_slots = (first + torch.arange(keys.shape[-2], device=keys.device)[None, :]).clamp(max=self.keys.shape[-2] - 1)
-        self.factor_a = factor_a.gather(1, region_slots[..., None].expand(-1, -1, factor_a.shape[-1])).to(self.keys.dtype)
-        self.factor_b = factor_b.to(self.keys.dtype)
+        positions = prompt_positions(prompt_valid).clamp(min=0)
+        spans = [(start, min(seq, start + STREAM_TOKENS)) for start in range(0, seq, STREAM_TOKENS)]
+        energy, vectors = key_spectrum((self.pre_rope(self.keys[:, :, s:e], positions[:, s:e]), prompt_valid[:, s:e]) for s, e in spans)
+        basis = factor_basis(vectors, self.method.ranks(energy))
+        region = keys.shape[-2]
+        token = torch.arange(region, device=keys.device)[None, :].expand(keys.shape[0], -1)  # a region token's index is its position
+        parts = [(key_rows(self.pre_rope(keys[:, :, s:e], token[:, s:e]), valid[:, s:e]) @ basis).to(self.keys.dtype)
+                 for s in range(0, region, STREAM_TOKENS) for e in [min(region, s + STREAM_TOKENS)]]
+        self.factor_a = torch.cat(parts, dim=1)
+        self.factor_b = basis.mT.reshape(basis.shape[0], basis.shape[-1], heads, -1).to(self.keys.dtype)
         self.landmarks = chunk_landmarks(keys, valid, self.unit)
         eligible = self.selectable  # whole real chunks
         return select_outliers(chunk_min_cosine(keys, self.landmarks, valid, self.unit), self.method.outlier_counts(chunks), eligible)

@@ -55,6 +55,18 @@ def prefix_votes(attention: torch.Tensor) -> torch.Tensor:
     return attention[..., : attention.shape[-1] - window].sum(dim=-2)
 
 
+def window_votes(query_window: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scaling: float) -> torch.Tensor:
+    """``prefix_votes(window_attention(...))``, one KV head (and its query heads) at a time, so the
+    float32 attention held at once is ``[batch, group, window, seq]``, not all heads' at once."""
+    kv_heads = keys.shape[1]
+    group = query_window.shape[1] // kv_heads
+    parts = [
+        prefix_votes(window_attention(query_window[:, h * group : (h + 1) * group], keys[:, h : h + 1], valid, scaling))
+        for h in range(kv_heads)
+    ]
+    return torch.cat(parts, dim=1)
+
+
 def pool_votes(votes: torch.Tensor, kernel: int, pooling: str) -> torch.Tensor:
     """1-D pooling over positions (kernel odd, stride 1, padding ``kernel // 2``): the clustering
     step that keeps the neighbours of a selected position (Sec. 4.3)."""
@@ -76,8 +88,8 @@ def snapkv_scores(
 ) -> torch.Tensor:
     """SnapKV importance ``[batch, kv_heads, seq]``: pooled window votes on the prefix, ``+inf`` on
     the window so it is always kept."""
-    attention = window_attention(query[..., -window:, :], keys, valid, scaling)
-    prefix = average_over_groups(pool_votes(prefix_votes(attention), kernel, pooling), keys.shape[1])
+    votes = window_votes(query[..., -window:, :], keys, valid, scaling)
+    prefix = average_over_groups(pool_votes(votes, kernel, pooling), keys.shape[1])
     always = torch.full((*prefix.shape[:2], window), math.inf, device=prefix.device)
     return torch.cat([prefix, always], dim=-1)
 

@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# The whole GPU check, in slices of under 10 minutes each (30 minutes of device time per session).
+#
+#   bash scripts/gpu_check.sh SLICE        on a GPU machine (the device tool), results in $OUT/SLICE/
+#   GPU_CHECK_DRY=1 bash scripts/gpu_check.sh all   on a CPU: every slice at toy sizes (checks the plumbing)
+#
+# Slices, most important first:
+#   tests                the whole suite on the GPU (GPU-only tests included)
+#   latency              Llama-3.1-8B shape, bf16, batch 1: full / SnapKV 2048 / ShadowKV (default, 1.56%) at 16K-128K
+#   throughput-full      largest batch and tokens/s at ~122K (ShadowKV Table 4), one method per slice
+#   throughput-snapkv
+#   throughput-shadowkv
+#   adaptive             SnapKV uniform vs head-adaptive vs layer-adaptive budgets at 32K and 128K (issue 14)
+#   longprompt-snapkv    SnapKV budget 2048 at 256K / 512K / 768K on the 8B shape with a 1M position range (issue 15)
+#   longprompt-full      the full cache's largest prompt on the same GPU
+#   longprompt-1m        SnapKV at 1M tokens (close to the 10-minute limit)
+#
+# Needs only what the GPU image ships (torch, Triton, transformers, pytest, rich, tqdm, matplotlib):
+# the package is used from src/ (PYTHONPATH), models are random-weight architecture presets.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+OUT=${OUT:-runs/gpu-check}
+DRY=${GPU_CHECK_DRY:-0}
+
+# Sizes: real (GPU) or toy (CPU dry run).
+if [ "$DRY" = 1 ]; then
+  MODEL=smollm2-135m LONG_MODEL=smollm2-135m L_LAT=512,1024 L_TP=1024 L_AD=512,1024 L_LONG=1024,2048 L_1M=4096
+  STEPS="--steps 2 --warmup 1" MEM="--max-memory 64" STEP=512 BUDGET=128 MAXCTX_START=1024
+else
+  MODEL=llama-3.1-8b LONG_MODEL=llama-3.1-8b-1m L_LAT=16384,32768,65536,131000 L_TP=122880 L_AD=32768,131000 L_LONG=262144,524288,786432 L_1M=1040000
+  STEPS="--steps 16 --warmup 3" MEM="" STEP=65536 BUDGET=2048 MAXCTX_START=131072
+fi
+
+speed() {  # speed SLICE ARGS...: one bench run, its report under $OUT/SLICE
+  local slice=$1; shift
+  mkdir -p "$OUT/$slice"
+  $PY -m kvcompress.cli bench speed --out "$OUT/$slice" "$@" 2>&1 | tee "$OUT/$slice/log.txt"
+}
+
+run_slice() {
+  case "$1" in
+    tests)
+      mkdir -p "$OUT/tests"
+      $PY -c "import torch, transformers, triton; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'transformers', transformers.__version__, 'triton', triton.__version__)" | tee "$OUT/tests/versions.txt"
+      nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/tests/gpu.csv" 2>/dev/null || echo "no nvidia-smi" > "$OUT/tests/gpu.csv"
+      if [ "$DRY" = 1 ]; then TESTS="tests/test_offload.py tests/test_architecture.py"; else TESTS="tests"; fi
+      $PY -m pytest -q -p no:cacheprovider $TESTS --junitxml="$OUT/tests/junit.xml" 2>&1 | tee "$OUT/tests/log.txt"
+      $PY scripts/gpu_tables.py junit "$OUT/tests/junit.xml" > "$OUT/tests/summary.json" ;;
+    latency)
+      speed latency --model $MODEL --methods full,snapkv,shadowkv,shadowkv:ratio=0.0156 --budget $BUDGET --lengths $L_LAT --batches 1 $STEPS ;;
+    throughput-full|throughput-snapkv|throughput-shadowkv)
+      speed "$1" --model $MODEL --methods "${1#throughput-}" --budget $BUDGET --lengths $L_TP --batches 1 --find-max-batch $STEPS $MEM ;;
+    adaptive)
+      speed adaptive --model $MODEL --methods snapkv,snapkv:heads=adaptive,snapkv:layers=pyramid --budget $BUDGET --lengths $L_AD --batches 1 $STEPS ;;
+    longprompt-snapkv)
+      speed longprompt-snapkv --model $LONG_MODEL --methods snapkv --budget $BUDGET --lengths $L_LONG --batches 1 --steps 4 --warmup 1 ;;
+    longprompt-full)
+      speed longprompt-full --model $LONG_MODEL --methods full --lengths $MAXCTX_START --batches 1 --steps 2 --warmup 1 \
+        --find-max-context --search-step $STEP $MEM ;;
+    longprompt-1m)
+      speed longprompt-1m --model $LONG_MODEL --methods snapkv --budget $BUDGET --lengths $L_1M --batches 1 --steps 4 --warmup 1 ;;
+    *) echo "unknown slice: $1"; return 2 ;;
+  esac
+}
+
+SLICES="tests latency throughput-full throughput-snapkv throughput-shadowkv adaptive longprompt-snapkv longprompt-full longprompt-1m"
+if [ "${1:-}" = all ]; then
+  for s in $SLICES; do run_slice "$s" || exit $?; done
+else
+  run_slice "${1:?usage: gpu_check.sh SLICE|all (slices: $SLICES)}"
+fi
