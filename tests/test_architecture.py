@@ -129,4 +129,4 @@ def test_a_new_method_is_one_class_and_a_registry_line(toy_method, saved_tiny_mo
     labels = {json.loads(line)["label"] for line in (out / "results.jsonl").read_text().splitlines()}
     assert labels == {"full", "every-other:stride=2@64"}
     assert main(["generate", "--model", str(saved_tiny_model), "--method", "every-other", "--window", "4", "--prompt", "z"]) == 2
-    assert "method 'every-other' does not take --window; it takes: --budget, --ratio, --stride" in capsys.readouterr().err
+    assert "method 'every-other' does not take --window; it takes: --budget, --ratio, --heads, --head-floor, --layers, --pyramid-beta, --stride" in capsys.readouterr().err

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import kvcompress as kvc
+from kvcompress.methods.prompt import PromptMethod
 from kvcompress.bench.speed import PRESETS, copy_bandwidth, measure, run_speed, search_limit
 from kvcompress.models import ARCHITECTURES, random_model
 
@@ -42,7 +43,7 @@ def test_grid_writes_json_csv_and_plots(tmp_path):
 
 
 @dataclass
-class ExhaustsMemory(kvc.Method):
+class ExhaustsMemory(PromptMethod):
     """A method whose prefill runs out of memory beyond ``limit`` prompt tokens."""
 
     name: ClassVar[str] = "exhausts"

@@ -157,7 +157,8 @@ def check_inputs(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
     if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[-1] != seen + new:
         raise CacheMisuseError(
             f"kvcompress: this cache already holds {seen} tokens, so the attention mask must cover them plus the {new} new ones "
-            f"({seen + new} columns) but it has {mask.shape[-1]}; to continue, pass the whole mask; for a new prompt, make a new cache"
+            f"({seen + new} columns) but it has {mask.shape[-1]}; to continue, pass the whole mask; a new prompt needs a new cache "
+            "(method.make_cache(model))"
         )
     positions, real = kwargs.get("position_ids"), cache.layers[0].real_tokens
     if new > 1 and positions is not None and real is not None:  # several new tokens: a new turn, or a new prompt by mistake

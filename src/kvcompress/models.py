@@ -103,35 +103,24 @@ def load_model(
 
 
 # Architecture presets for random-weight models (timing and memory do not depend on weight values).
+LLAMA_31_8B = dict(
+    model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+    num_key_value_heads=8, head_dim=128, vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0,
+    rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    rms_norm_eps=1e-5,
+)
 ARCHITECTURES: dict[str, dict] = {
     "smollm2-135m": dict(
         model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
         num_key_value_heads=3, head_dim=64, vocab_size=49152, max_position_embeddings=8192, rope_theta=100000.0,
         tie_word_embeddings=True, rms_norm_eps=1e-5,
     ),
-    "llama-3.1-8b": dict(
-        model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-        num_key_value_heads=8, head_dim=128, vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                      "original_max_position_embeddings": 8192},
-        rms_norm_eps=1e-5,
-    ),
+    "llama-3.1-8b": LLAMA_31_8B,
     # The 8B shape with a 1M-token position range (random weights: memory and speed of very long prompts).
-    "llama-3.1-8b-1m": dict(
-        model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-        num_key_value_heads=8, head_dim=128, vocab_size=128256, max_position_embeddings=1048576, rope_theta=500000.0,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                      "original_max_position_embeddings": 8192},
-        rms_norm_eps=1e-5,
-    ),
+    "llama-3.1-8b-1m": {**LLAMA_31_8B, "max_position_embeddings": 1048576},
     # Llama-3.1's RoPE (128K context) in a narrow 2-layer body: long-prompt memory curves on a CPU.
-    "llama-3.1-narrow": dict(
-        model_type="llama", hidden_size=256, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=64, vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                      "original_max_position_embeddings": 8192},
-        rms_norm_eps=1e-5,
-    ),
+    "llama-3.1-narrow": {**LLAMA_31_8B, "hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": 2, "num_attention_heads": 4,
+                         "num_key_value_heads": 2, "head_dim": 64},
     "mistral-7b": dict(
         model_type="mistral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
         num_key_value_heads=8, head_dim=128, vocab_size=32000, max_position_embeddings=32768, rope_theta=1000000.0,

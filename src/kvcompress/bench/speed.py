@@ -317,7 +317,7 @@ def run_speed(
     grid = [(spec, n, b) for b in batches for n in lengths for spec in methods]
     for spec, n, b in tqdm(grid, desc="speed", disable=not progress, unit="run"):
         def run(spec=spec, n=n, b=b) -> dict:
-            if spec == methods[0]:
+            if spec == methods[0] and warmup > 0:  # warmup=0: no untimed prefill either (memory curves)
                 warm_up(model, n, b)
             return measure(model, built[spec], spec, n, b, steps, warmup, bandwidth)
         rows.append(journal.measure((None, spec, n, b), run))

@@ -116,6 +116,7 @@ class Method:
     """Base of all methods. Subclasses set ``name`` and declare their fields with ``param``."""
 
     name: ClassVar[str] = "method"
+    quiet_fields: ClassVar[tuple[str, ...]] = ()  # shown by describe() only when not at their default
 
     def __post_init__(self) -> None:
         for spec in field_specs(type(self)):
@@ -167,8 +168,9 @@ class Method:
         return {spec.name: getattr(self, spec.name) for spec in field_specs(type(self))}
 
     def describe(self) -> str:
-        """``snapkv(budget=256, window=32, ...)``: every setting."""
-        shown = ", ".join(f"{k}={v}" for k, v in self.settings().items() if v is not None)
+        """``snapkv(budget=256, window=32, ...)``: every setting (quiet ones only when changed)."""
+        defaults = {spec.name: spec.default for spec in field_specs(type(self))}
+        shown = ", ".join(f"{k}={v}" for k, v in self.settings().items() if v is not None and not (k in self.quiet_fields and v == defaults[k]))
         return f"{self.name}({shown})"
 
     def label(self) -> str:

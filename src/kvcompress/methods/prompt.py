@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -90,6 +90,7 @@ def allocate_heads(scores: torch.Tensor, valid: torch.Tensor, counts: torch.Tens
 class PromptMethod(BudgetMethod):
     """A method that keeps each KV head's best prompt positions: ``keep_counts`` and ``scores``."""
 
+    quiet_fields: ClassVar[tuple[str, ...]] = ("heads", "head_floor", "layers", "pyramid_beta")
     heads: str = param("uniform", "how a layer's budget is shared by its KV heads: uniform, or adaptive (Ada-KV: by their scores)", choices=("uniform", "adaptive"))
     head_floor: float = param(0.2, "with heads=adaptive: the share of the uniform budget every head keeps at least (Ada-KV's safeguard)", minimum=0, at_most=1)
     layers: str = param("uniform", "how the budget is shared by the layers: uniform, or pyramid (PyramidKV: more in lower layers)", choices=("uniform", "pyramid"))
