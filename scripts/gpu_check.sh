@@ -47,7 +47,7 @@ run_slice() {
       nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/tests/gpu.csv" 2>/dev/null || echo "no nvidia-smi" > "$OUT/tests/gpu.csv"
       if [ "$DRY" = 1 ]; then TESTS="tests/test_offload.py tests/test_architecture.py"; else TESTS="tests"; fi
       $PY -m pytest -q -p no:cacheprovider $TESTS --junitxml="$OUT/tests/junit.xml" 2>&1 | tee "$OUT/tests/log.txt"
-      $PY scripts/gpu_tables.py junit "$OUT/tests/junit.xml" > "$OUT/tests/summary.json" ;;
+      $PY scripts/tables.py junit "$OUT/tests/junit.xml" > "$OUT/tests/summary.json" ;;
     latency)
       speed latency --model $MODEL --methods full,snapkv,shadowkv,shadowkv:ratio=0.0156 --budget $BUDGET --lengths $L_LAT --batches 1 $STEPS ;;
     throughput-full|throughput-snapkv|throughput-shadowkv)

@@ -50,11 +50,14 @@ def test_pyramid_schedule():
     assert max(steps) - min(steps) <= 2  # linear, up to rounding
 
 
-def teacher_forced(model, method, prompt, continuation):
+def teacher_forced(model, method, prompt, continuation, follow_up):
+    """Logits of the prompt's last token, of each continuation token fed alone, then of every
+    token of a follow-up turn fed in one forward (longer than a segment's spare room)."""
     cache = method.make_cache(model, char_tokenizer())
     with torch.no_grad():
         logits = [model(prompt, past_key_values=cache).logits[:, -1]]
         logits += [model(continuation[:, t : t + 1], past_key_values=cache).logits[:, -1] for t in range(continuation.shape[1])]
+        logits += model(follow_up, past_key_values=cache).logits.unbind(1)
     return torch.stack(logits, 1), cache
 
 
@@ -63,10 +66,10 @@ def test_equal_head_counts_in_the_packed_layout_give_the_uniform_cache(method):
     """head_floor=1: every head keeps exactly the uniform budget, now stored packed per head."""
     model = tiny_model()
     gen = torch.Generator().manual_seed(3)
-    prompt, continuation = torch.randint(3, 128, (1, 300), generator=gen), torch.randint(3, 128, (1, 20), generator=gen)
-    uniform, uniform_cache = teacher_forced(model, method, prompt, continuation)
+    prompt, continuation, follow_up = (torch.randint(3, 128, (1, n), generator=gen) for n in (300, 20, 40))
+    uniform, uniform_cache = teacher_forced(model, method, prompt, continuation, follow_up)
     settings = {k: v for k, v in vars(method).items()}
-    packed, packed_cache = teacher_forced(model, type(method)(**{**settings, "heads": "adaptive", "head_floor": 1.0}), prompt, continuation)
+    packed, packed_cache = teacher_forced(model, type(method)(**{**settings, "heads": "adaptive", "head_floor": 1.0}), prompt, continuation, follow_up)
     torch.testing.assert_close(packed, uniform, rtol=1e-5, atol=1e-5)
     for layer in range(2):
         assert packed_cache.layers[layer].packed is not None

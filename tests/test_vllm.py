@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(not (default_model_dir() / "model.safetensors").
 
 def test_snapkv_in_vllm_keeps_what_kvcompress_keeps_and_frees_blocks():
     llm = vllm.LLM(model=str(default_model_dir()), dtype="float32", enforce_eager=True, max_model_len=2048, block_size=32,
-                   enable_prefix_caching=False, max_num_batched_tokens=2048, scheduler_cls="kvcompress.vllm_plugin.SnapKVScheduler",
+                   enable_prefix_caching=False, enable_chunked_prefill=False, max_num_batched_tokens=2048, scheduler_cls="kvcompress.vllm_plugin.SnapKVScheduler",
                    additional_config={"kvcompress": {"budget": 256}})
     model, tokenizer = kvc.load_model()
     messages = [{"role": "user", "content": f"Read this document.\n\n{demo.build_document(tokenizer, 1200, 0.3)}\n\n{demo.QUESTION}"}]

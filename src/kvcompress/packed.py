@@ -36,9 +36,10 @@ class PackedSlots:
         self.positions = [[p for _, _, p in row] for row in segments]  # prompt positions held, per segment
         self._pack([[(k, v) for k, v, _ in row] for row in segments], [[None] * self.heads for _ in range(self.rows)])
 
-    def _pack(self, parts: list[list[tuple[torch.Tensor, torch.Tensor]]], valid: list[list[torch.Tensor | None]]) -> None:
+    def _pack(self, parts: list[list[tuple[torch.Tensor, torch.Tensor]]], valid: list[list[torch.Tensor | None]], incoming: int = 0) -> None:
+        """Lay the segments out afresh, each with room for ``incoming`` tokens about to be appended plus spare."""
         first = parts[0][0][0]
-        capacities = [[self.lengths[r][h] + spare_for(self.lengths[r][h]) for h in range(self.heads)] for r in range(self.rows)]
+        capacities = [[n + incoming + spare_for(n + incoming) for n in row] for row in self.lengths]
         total = sum(map(sum, capacities))
         self.keys = first.new_zeros(total, first.shape[-1])
         self.values = first.new_zeros(total, first.shape[-1])
@@ -66,7 +67,7 @@ class PackedSlots:
         new = keys.shape[2]
         if any(self.lengths[r][h] + new > self.capacities[r][h] for r in range(self.rows) for h in range(self.heads)):
             kept = [[self.segment(r, h) for h in range(self.heads)] for r in range(self.rows)]
-            self._pack([[(k.clone(), v.clone()) for k, v, _ in row] for row in kept], [[m.clone() for _, _, m in row] for row in kept])
+            self._pack([[(k.clone(), v.clone()) for k, v, _ in row] for row in kept], [[m.clone() for _, _, m in row] for row in kept], new)
         index = torch.tensor([self.starts[r][h] + self.lengths[r][h] + i for r in range(self.rows) for h in range(self.heads) for i in range(new)],
                              device=self.keys.device)
         self.keys.index_copy_(0, index, keys.reshape(-1, keys.shape[-1]))

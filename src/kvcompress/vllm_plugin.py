@@ -61,8 +61,16 @@ def note_token_ids(module: torch.nn.Module, args: tuple) -> None:
 
 
 def method(vllm_config: Any = None) -> SnapKV:
-    """The SnapKV settings of this vLLM instance."""
+    """The SnapKV settings of this vLLM instance; refuses the settings the prototype cannot serve."""
     config = vllm_config or get_current_vllm_config()
+    refusals = (
+        (config.scheduler_config.enable_chunked_prefill, "enable_chunked_prefill=False (a prompt's prefill must run in one step)"),
+        (config.cache_config.enable_prefix_caching, "enable_prefix_caching=False (compressed blocks no longer hold what their hash says)"),
+        (config.speculative_config is not None, "no speculative decoding"),
+    )
+    for refused, what in refusals:
+        if refused:
+            raise ValueError(f"kvcompress: SnapKV in vLLM needs {what}")
     return SnapKV(**dict((config.additional_config or {}).get(SETTINGS_KEY, {})))
 
 
@@ -183,20 +191,23 @@ class SnapKVScheduler(Scheduler):
         self.peak_running = max(self.peak_running, len(self.running))
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         for request in self.running:
-            if request.request_id not in self.blocks_before_after and request.num_computed_tokens >= request.num_prompt_tokens:
+            if request.num_computed_tokens >= request.num_prompt_tokens:
                 self.shrink(request)
         return outputs
 
     def shrink(self, request: Any) -> None:
-        """Free the blocks past the compressed prompt plus room for every token the request may generate."""
-        kept = min(request.num_prompt_tokens, self.method.budget_tokens)
+        """Free the blocks past the compressed prompt plus room for every token the request may
+        generate. Called after every step: it also frees the blocks vLLM adds for the request's later
+        logical positions (its tokens go right after the kept ones instead), and it compresses again
+        after a preempted request is recomputed."""
+        if request.num_prompt_tokens <= self.method.budget_tokens:
+            return
         before = after = 0
         for manager in self.kv_cache_manager.coordinator.single_type_managers:
             blocks = manager.req_to_blocks.get(request.request_id, [])
             in_use = lambda: sum(block is not manager._null_block for block in blocks)  # noqa: E731
             before += in_use()
-            if kept < request.num_prompt_tokens:
-                keep = math.ceil((kept + request.max_tokens) / manager.block_size)
-                manager._remove_blocks_in_range(request.request_id, keep, len(blocks))
+            keep = math.ceil((self.method.budget_tokens + request.max_tokens) / manager.block_size)
+            manager._remove_blocks_in_range(request.request_id, keep, len(blocks))
             after += in_use()
-        self.blocks_before_after[request.request_id] = (before, after)
+        self.blocks_before_after.setdefault(request.request_id, (before, after))  # the first compression

@@ -1,11 +1,13 @@
-"""Tables from the GPU check's results (scripts/gpu_check.sh): markdown for docs/benchmarks.md.
+"""Markdown tables for the docs from benchmark outputs (and the GPU check's test counts).
 
-    python scripts/gpu_tables.py speed DIR...      one table per speed.json found under the folders
-    python scripts/gpu_tables.py junit FILE        a test run's counts as JSON
+    python scripts/tables.py speed DIR...          one table per speed.json found under the folders
+    python scripts/tables.py accuracy CSV...       the rows of accuracy summary.csv files
+    python scripts/tables.py junit FILE            a test run's counts as JSON (scripts/gpu_check.sh)
 """
 
 from __future__ import annotations
 
+import csv
 import json
 import sys
 import xml.etree.ElementTree as ElementTree
@@ -49,10 +51,25 @@ def speed_table(report: dict) -> str:
     return "\n".join(lines)
 
 
+def accuracy_table(paths: list[str]) -> str:
+    def number(text: str) -> str:
+        return "-" if text in ("", None) else f"{float(text):.2f}"
+
+    lines = ["| task | method | budget | n | score | retained | top-1 | KL | KV kept | device |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for path in paths:
+        for r in csv.DictReader(open(path)):
+            lines.append(f"| {r['task']} | {r['label'].split('@')[0]} | {r['budget'] or '-'} | {r['samples']} | {number(r['score'])} | {number(r['retained'])} | "
+                         f"{number(r['top1_agreement'])} | {number(r['kl'])} | {100 * float(r['kv_kept_fraction']):.1f}% | {100 * float(r['device_fraction']):.1f}% |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str]) -> None:
     kind, paths = argv[0], argv[1:]
     if kind == "junit":
         print(json.dumps(junit(paths[0]), indent=2))
+        return
+    if kind == "accuracy":
+        print(accuracy_table(paths))
         return
     for folder in paths:
         for path in sorted(Path(folder).rglob("speed.json")):
