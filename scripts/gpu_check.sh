@@ -27,10 +27,11 @@ DRY=${GPU_CHECK_DRY:-0}
 # Sizes: real (GPU) or toy (CPU dry run).
 if [ "$DRY" = 1 ]; then
   MODEL=smollm2-135m LONG_MODEL=smollm2-135m L_LAT=512,1024 L_TP=1024 L_AD=512,1024 L_LONG=1024,2048 L_1M=4096
-  STEPS="--steps 2 --warmup 1" MEM="--max-memory 64" STEP=512 BUDGET=128 MAXCTX_START=1024
+  STEPS="--steps 2 --warmup 1" MEM="--max-memory 1.5" STEP=512 BUDGET=128 MAXCTX_START=1024 BATCH_LIMIT=4
 else
   MODEL=llama-3.1-8b LONG_MODEL=llama-3.1-8b-1m L_LAT=16384,32768,65536,131000 L_TP=122880 L_AD=32768,131000 L_LONG=262144,524288,786432 L_1M=1040000
   STEPS="--steps 16 --warmup 3" MEM="" STEP=65536 BUDGET=2048 MAXCTX_START=131072
+  BATCH_LIMIT=16  # a 122K prefill of the 8B shape takes ~15-20 s per row: batches 1+2+4+8+16 stay under 10 minutes
 fi
 
 speed() {  # speed SLICE ARGS...: one bench run, its report under $OUT/SLICE
@@ -51,7 +52,7 @@ run_slice() {
     latency)
       speed latency --model $MODEL --methods full,snapkv,shadowkv,shadowkv:ratio=0.0156 --budget $BUDGET --lengths $L_LAT --batches 1 $STEPS ;;
     throughput-full|throughput-snapkv|throughput-shadowkv)
-      speed "$1" --model $MODEL --methods "${1#throughput-}" --budget $BUDGET --lengths $L_TP --batches 1 --find-max-batch $STEPS $MEM ;;
+      speed "$1" --model $MODEL --methods "${1#throughput-}" --budget $BUDGET --lengths $L_TP --batches 1 --find-max-batch --batch-limit $BATCH_LIMIT $STEPS $MEM ;;
     adaptive)
       speed adaptive --model $MODEL --methods snapkv,snapkv:heads=adaptive,snapkv:layers=pyramid --budget $BUDGET --lengths $L_AD --batches 1 $STEPS ;;
     longprompt-snapkv)

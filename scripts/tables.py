@@ -3,6 +3,9 @@
     python scripts/tables.py speed DIR...          one table per speed.json found under the folders
     python scripts/tables.py accuracy CSV...       the rows of accuracy summary.csv files
     python scripts/tables.py junit FILE            a test run's counts as JSON (scripts/gpu_check.sh)
+    python scripts/tables.py memory NAME=DIR... [--plot PNG]
+                                                   peak memory vs prompt length of speed runs (e.g. before=...
+                                                   after=...), each method's fitted slope in bytes per token
 """
 
 from __future__ import annotations
@@ -63,10 +66,54 @@ def accuracy_table(paths: list[str]) -> str:
     return "\n".join(lines)
 
 
+def memory_curves(named: list[str], plot: str | None) -> str:
+    """Peak memory per (run, method, prompt) and the least-squares slope of peak bytes over prompt tokens."""
+    curves: dict[tuple[str, str], list[tuple[int, int]]] = {}
+    for item in named:
+        name, folder = item.split("=", 1)
+        for r in json.loads((Path(folder) / "speed.json").read_text())["rows"]:
+            if r["status"] == "ok":
+                curves.setdefault((name, r["method"]), []).append((r["prompt_tokens"], r["peak_bytes"]))
+    lengths = sorted({n for points in curves.values() for n, _ in points})
+    shared = set.intersection(*({n for n, _ in points} for points in curves.values()))  # slopes over the same range
+    lines = ["| run | method | " + " | ".join(f"{n // 1024}K" for n in lengths) + f" | slope {min(shared) // 1024}K-{max(shared) // 1024}K, bytes per token |",
+             "| --- | --- | " + " | ".join("---:" for _ in lengths) + " | ---: |"]
+    for (name, method), points in curves.items():
+        peaks = dict(points)
+        fitted = [(x, y) for x, y in points if x in shared]
+        mean_x, mean_y = sum(x for x, _ in fitted) / len(fitted), sum(y for _, y in fitted) / len(fitted)
+        slope = sum((x - mean_x) * (y - mean_y) for x, y in fitted) / max(sum((x - mean_x) ** 2 for x, _ in fitted), 1)
+        cells = " | ".join(gib(peaks[n]) if n in peaks else "-" for n in lengths)
+        lines.append(f"| {name} | {method} | {cells} | {slope:,.0f} |")
+    if plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        figure, axes = plt.subplots(figsize=(7, 4.5))
+        methods = list(dict.fromkeys(method for _, method in curves))
+        runs = list(dict.fromkeys(name for name, _ in curves))
+        for (name, method), points in curves.items():  # a colour per method, a line style per run
+            xs, ys = zip(*sorted(points))
+            axes.plot([x / 1024 for x in xs], [y / 2**30 for y in ys], marker="o", color=f"C{methods.index(method)}",
+                      linestyle=["--", "-", ":", "-."][runs.index(name) % 4], label=f"{method} ({name})")
+        axes.set(xlabel="prompt tokens (K)", ylabel="peak memory (GiB)", title="Peak memory of a prefill + one decoding step")
+        axes.grid(alpha=0.3)
+        axes.legend()
+        figure.tight_layout()
+        figure.savefig(plot, dpi=120)
+    return "Peak GiB per prompt length:\n\n" + "\n".join(lines)
+
+
 def main(argv: list[str]) -> None:
     kind, paths = argv[0], argv[1:]
     if kind == "junit":
         print(json.dumps(junit(paths[0]), indent=2))
+        return
+    if kind == "memory":
+        plot = paths[paths.index("--plot") + 1] if "--plot" in paths else None
+        print(memory_curves([p for p in paths if "=" in p], plot))
         return
     if kind == "accuracy":
         print(accuracy_table(paths))

@@ -12,6 +12,7 @@ import torch
 from kvcompress.bench.accuracy import build_samples, method_configs, run_accuracy, run_matrix, summarize
 from kvcompress.bench.haystack import fill, haystack_sentences
 from kvcompress.bench.metrics import f1, fidelity, score, string_match_all, string_match_any
+from kvcompress.bench.plots import budget_curves
 from kvcompress.bench.tasks import TASKS, load_dataset
 from kvcompress.bench.ruler import essay_sentences, questions
 from kvcompress.bench.tasks.base import prompt_tokens
@@ -171,6 +172,13 @@ def test_summary_retained_accuracy_and_outputs(tmp_path, tok):
     full = [r for r in rows if r["label"] == "full"]
     assert all(r["top1_agreement"] == 1.0 and r["kl"] == pytest.approx(0.0, abs=1e-6) for r in full)
     assert {r["label"] for r in rows} == {"full", "snapkv@64", "snapkv@128"}
+
+
+def test_score_vs_budget_draws_a_curve_per_method_setting():
+    rows = [{"task": "t", "label": f"{setting}@{b}", "method": "snapkv", "budget": b, "score": score}
+            for setting, scores in (("snapkv", (0.5, 1.0)), ("snapkv:heads=adaptive", (0.25, 0.75))) for b, score in zip((128, 256), scores)]
+    rows.append({"task": "t", "label": "full", "method": "full", "budget": None, "score": 1.0})
+    assert budget_curves(rows, "t") == {"snapkv": [(128, 0.5), (256, 1.0)], "snapkv:heads=adaptive": [(128, 0.25), (256, 0.75)]}
 
 
 def test_summarize_pairs_samples_for_retained_accuracy():

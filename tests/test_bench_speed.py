@@ -88,6 +88,15 @@ def test_bad_settings_are_refused(tmp_path):
         run_speed(model, ["full"], [510], [1], tmp_path, steps=16, warmup=3, progress=False)
     with pytest.raises(ValueError, match="method='magic' is unknown"):
         run_speed(model, ["magic"], [128], [1], tmp_path, progress=False)
+    with pytest.raises(ValueError, match=r"batch_limit=0 is not a valid search setting; valid: an integer of at least 1"):
+        run_speed(model, ["full"], [128], [1], tmp_path, find_max_batch=True, max_memory=2**40, batch_limit=0, progress=False)
+
+
+def test_batch_search_stops_at_its_limit(tmp_path):
+    model = tiny_model(max_position_embeddings=512)
+    report = run_speed(model, ["full"], [64], [1], tmp_path, steps=1, warmup=0, find_max_batch=True, max_memory=2**40, batch_limit=3, progress=False)
+    (limit,) = report["limits"]
+    assert limit["value"] == 3 and max(row["batch"] for row in limit["tried"]) == 3
 
 
 def test_architecture_presets_have_the_documented_shapes():

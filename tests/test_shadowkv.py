@@ -9,7 +9,7 @@ import torch
 from transformers import DynamicCache
 
 import kvcompress as kvc
-from kvcompress.methods.shadowkv import chunk_landmarks, factor_basis, key_rows, key_spectrum, landmark_scores, low_rank_factors, rebuild_keys
+from kvcompress.methods.shadowkv import chunk_landmarks, factor_basis, key_rows, key_spectrum, landmark_scores, low_rank_factors, rank_for_error, rebuild_keys
 from kvcompress.offload import fetch_chunks
 from kvcompress.rope import apply_rope, invert_rope, rotary_for
 
@@ -54,24 +54,30 @@ def test_rank_r_reconstruction_error_is_the_svd_truncation_error():
 
 
 def test_rank_from_the_error_target_is_the_smallest_that_reaches_it():
+    """The rank rebuilds the keys' deviations from their mean within the target, plus one direction
+    for the mean: a large component shared by every key (here an offset) does not hide the rest."""
     torch.manual_seed(1)
-    keys = torch.randn(2, 2, 120, 16) @ torch.diag(torch.logspace(0, -2, 16))  # a decaying spectrum
+    keys = torch.randn(2, 2, 120, 16) @ torch.diag(torch.logspace(0, -2, 16)) + 5.0 * torch.randn(1, 2, 1, 16)  # decaying spectrum + shared offset
     valid = torch.ones(2, 120, dtype=torch.bool)
     valid[1, :40] = False  # the second row is shorter (padding first)
     method = kvc.ShadowKV(rank_error=0.2)
-    energy, vectors = key_spectrum([(keys[:, :, :50], valid[:, :50]), (keys[:, :, 50:], valid[:, 50:])])  # streamed in two chunks
-    ranks = method.ranks(energy)
+    spectrum = key_spectrum([(keys[:, :, :50], valid[:, :50]), (keys[:, :, 50:], valid[:, 50:])])  # streamed in two chunks
+    ranks = method.ranks(spectrum)
     for row in range(2):
         rows = keys[row].permute(1, 0, 2).reshape(120, 32)[valid[row]]
-        errors = [float((rows - rows @ v[:, :r] @ v[:, :r].T).norm() / rows.norm()) for r in range(1, 33) for v in [torch.linalg.svd(rows).Vh.T]]
-        expected = next(r for r in range(1, 33) if errors[r - 1] <= 0.2 + 1e-5)
-        assert int(ranks[row]) == min(expected, 16)  # capped at half of the 32-wide keys
+        centered = rows - rows.mean(dim=0)
+        vh = torch.linalg.svd(centered.double()).Vh.T.float()
+        errors = [float((centered - centered @ vh[:, :r] @ vh[:, :r].T).norm() / centered.norm()) for r in range(1, 33)]
+        expected = next(r for r in range(1, 33) if errors[r - 1] <= 0.2 + 1e-5) + 1
+        assert expected > 2 and int(ranks[row]) == min(expected, 16)  # capped at half of the 32-wide keys
         a, b = low_rank_factors(keys[row : row + 1], valid[row : row + 1], int(ranks[row]))
-        basis = factor_basis(vectors, ranks)
+        basis = factor_basis(spectrum.vectors, ranks)
         batched_a, batched_b = key_rows(keys, valid) @ basis, basis.mT.reshape(2, -1, 2, 16)
         rebuilt_alone = rebuild_keys(a[:, None].expand(-1, 2, -1, -1), b)
         rebuilt_batched = rebuild_keys(batched_a[row : row + 1, None].expand(-1, 2, -1, -1), batched_b[row : row + 1])
         torch.testing.assert_close(rebuilt_batched, rebuilt_alone, rtol=1e-5, atol=1e-5)  # zero columns change nothing
+    uncentered = rank_for_error(spectrum.energy, 0.2, 16)
+    assert (uncentered < ranks).all()  # the offset's energy alone would have met the target with fewer
 
 
 def reference_chunk_selection(query: torch.Tensor, landmarks: torch.Tensor, selectable: torch.Tensor, k: int) -> list[list[int]]:

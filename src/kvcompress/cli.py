@@ -233,6 +233,7 @@ def _cmd_bench_speed(args: argparse.Namespace, console: Console) -> int:
         model, settings["methods"], settings["lengths"], settings["batches"], args.out, budget=settings["budget"],
         steps=settings["steps"], warmup=settings["warmup"], find_max_context=args.find_max_context, find_max_batch=args.find_max_batch,
         max_memory=int(args.max_memory * 2**30) if args.max_memory else None, model_name=settings["model"], search_step=args.search_step,
+        batch_limit=args.batch_limit,
     )
     info = report["machine"]
     console.print(f"{settings['model']} ({report['dtype']}, weights {_mib(report['weight_bytes'])}) on {info.get('gpu', info['device'])}, "
@@ -322,6 +323,7 @@ def build_parser() -> argparse.ArgumentParser:
     speed.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: bfloat16 on GPU, float32 on CPU")
     speed.add_argument("--find-max-context", action="store_true", help="search each method's longest prompt that fits (first batch size)")
     speed.add_argument("--find-max-batch", action="store_true", help="search each method's largest batch that fits (first length)")
+    speed.add_argument("--batch-limit", type=int, default=1024, help="largest batch --find-max-batch tries (each try is a whole prefill)")
     speed.add_argument("--max-memory", type=float, help="GiB a run may peak at to count as fitting (required for searches on CPU)")
     speed.add_argument("--search-step", type=int, default=1024, help="the context search stops when the fitting and failing lengths are this close")
     speed.add_argument("--out", default="runs/speed")

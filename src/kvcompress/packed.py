@@ -4,8 +4,10 @@ Head-adaptive budgets give each KV head a different share of a layer's budget; a
 kv_heads, slots, head_dim]`` tensor would have to be as long as the longest head, so the memory
 saved by the short heads would be spent on padding. ``PackedSlots`` keeps one flat buffer of
 slots instead: segment ``(row, head)`` lives at ``[start, start + length)`` with spare room after
-it, so decoding appends each head's new token in place; when a segment's room runs out, every
-segment is repacked with fresh room (once per ~6% of growth, as for uniform slot buffers).
+it, so decoding appends each head's new token in place. Every segment gets the same spare room,
+the room a uniform slot buffer of the segments' mean length gets: all segments grow by one token
+per step, so they run out together and are repacked together, once per ~6% of growth, and the
+spare bytes equal the uniform cache's at an equal total budget.
 
 Attention reads each segment where it lies (a view, no copy): one exact SDPA per (row, KV head)
 over its own slots, the query heads of the GQA group stacked as queries.
@@ -17,12 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from .attention import causal_slot_mask
+from .cache import spare_slots
 from .tensors import nbytes
-
-
-def spare_for(length: int) -> int:
-    """Room a segment gets beyond ``length`` when (re)packed: ~6%, at least 8 and at most 512 slots."""
-    return min(512, max(8, length // 16))
 
 
 class PackedSlots:
@@ -39,7 +37,8 @@ class PackedSlots:
     def _pack(self, parts: list[list[tuple[torch.Tensor, torch.Tensor]]], valid: list[list[torch.Tensor | None]], incoming: int = 0) -> None:
         """Lay the segments out afresh, each with room for ``incoming`` tokens about to be appended plus spare."""
         first = parts[0][0][0]
-        capacities = [[n + incoming + spare_for(n + incoming) for n in row] for row in self.lengths]
+        room = spare_slots(sum(map(sum, self.lengths)) // (self.rows * self.heads) + incoming)
+        capacities = [[n + incoming + room for n in row] for row in self.lengths]
         total = sum(map(sum, capacities))
         self.keys = first.new_zeros(total, first.shape[-1])
         self.values = first.new_zeros(total, first.shape[-1])

@@ -45,17 +45,26 @@ def needle_heatmaps(records: list[dict], path: str | Path, task: str = "niah") -
     return True
 
 
+def budget_curves(rows: list[dict], task: str) -> dict[str, list[tuple[int, float]]]:
+    """``task``'s (budget, score) points per method setting: the row's label without its ``@budget``,
+    so two settings of one method (``snapkv`` and ``snapkv:heads=adaptive``) are two curves."""
+    curves: dict[str, list[tuple[int, float]]] = {}
+    for r in rows:
+        if r["task"] == task and r["budget"] is not None:
+            curves.setdefault(r["label"].rsplit("@", 1)[0], []).append((r["budget"], r["score"]))
+    return {setting: sorted(points) for setting, points in curves.items()}
+
+
 def score_vs_budget(rows: list[dict], path: str | Path) -> None:
-    """One panel per task: mean score against budget per method, the full cache as a dashed line."""
+    """One panel per task: mean score against budget per method setting, the full cache as a dashed line."""
     tasks = list(dict.fromkeys(r["task"] for r in rows))
     cols = min(4, len(tasks))
     nrows = -(-len(tasks) // cols)
     fig, axes = plt.subplots(nrows, cols, figsize=(3.4 * cols, 2.8 * nrows), squeeze=False)
     for ax, task in zip(axes.flat, tasks):
         mine = [r for r in rows if r["task"] == task]
-        for method in dict.fromkeys(r["method"] for r in mine if r["budget"] is not None):
-            points = sorted((r["budget"], r["score"]) for r in mine if r["method"] == method)
-            ax.plot(*zip(*points), marker="o", label=method)
+        for setting, points in budget_curves(rows, task).items():
+            ax.plot(*zip(*points), marker="o", label=setting)
         for r in mine:
             if r["budget"] is None:
                 ax.axhline(r["score"], color="black", linestyle="--", linewidth=1, label="full")

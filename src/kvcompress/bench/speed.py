@@ -11,6 +11,7 @@ followed by ``warmup + steps`` single-token decoding steps; the decode figure is
 from __future__ import annotations
 
 import csv
+import ctypes
 import gc
 import json
 import platform
@@ -71,10 +72,20 @@ def _reset_peak(device: torch.device) -> None:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     else:
+        _return_free_memory()
         try:  # Linux: "5" resets the process's peak resident set size (VmHWM)
             Path("/proc/self/clear_refs").write_text("5")
         except OSError:
             pass
+
+
+def _return_free_memory() -> None:
+    """Hand the C allocator's free pages back to the system (glibc), so that a run's resident-set
+    peak is not inflated by what earlier, larger runs freed but the process kept."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _peak_bytes(device: torch.device) -> int:
@@ -296,13 +307,18 @@ def run_speed(
     model_name: str = "",
     progress: bool = True,
     search_step: int = 1024,
+    batch_limit: int = 1024,
 ) -> dict:
     """Run the grid (and the optional searches), write ``speed.json``, ``speed.csv`` and plots; return
     the report. ``methods`` are specs (``name[:field=value...]``); ``budget`` applies to every method
-    with a budget whose spec does not set one. Rerunning with the same ``out_dir`` resumes."""
+    with a budget whose spec does not set one; ``batch_limit`` is the largest batch the batch search
+    tries (each try is a full prefill of that batch). Rerunning with the same ``out_dir`` resumes."""
     device = model.device
     if (find_max_context or find_max_batch) and device.type == "cpu" and max_memory is None:
         raise ValueError("on a CPU the limit searches need max_memory (bytes): running out of RAM kills the process instead of raising")
+    for name, value in (("search_step", search_step), ("batch_limit", batch_limit)):
+        if value < 1:
+            raise ValueError(f"{name}={value} is not a valid search setting; valid: an integer of at least 1")
     limit = model.config.get_text_config().max_position_embeddings
     too_long = [n for n in lengths if n + warmup + steps + 1 > limit]
     if too_long:
@@ -310,7 +326,7 @@ def run_speed(
     built = {spec: method_from_spec(spec, budget=budget) for spec in methods}
     settings = {"model": model_name, "methods": methods, "lengths": lengths, "batches": batches, "budget": budget, "steps": steps,
                 "warmup": warmup, "max_memory": max_memory, "find_max_context": find_max_context, "find_max_batch": find_max_batch,
-                "search_step": search_step}
+                "search_step": search_step, "batch_limit": batch_limit}
     journal = Journal(Path(out_dir) / "rows.jsonl", settings)
     bandwidth = copy_bandwidth(device)
     rows = []
@@ -336,7 +352,7 @@ def run_speed(
                 size, tried = search_limit(lambda n: fits("max_context", n, batches[0]), min(lengths), limit - 8, search_step)
                 report["limits"].append({"method": spec, "kind": "max_context", "batch": batches[0], "value": size, "tried": tried})
             if find_max_batch:
-                size, tried = search_limit(lambda b: fits("max_batch", lengths[0], b), 1, 1024, 1)
+                size, tried = search_limit(lambda b: fits("max_batch", lengths[0], b), 1, batch_limit, 1)
                 report["limits"].append({"method": spec, "kind": "max_batch", "prompt_tokens": lengths[0], "value": size, "tried": tried})
     write_report(report, Path(out_dir))
     return report

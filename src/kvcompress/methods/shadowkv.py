@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Iterable
+from typing import TYPE_CHECKING, Any, ClassVar, Iterable, NamedTuple
 
 import torch
 
@@ -59,19 +59,31 @@ def key_rows(pre_rope_keys: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return pre_rope_keys.float().permute(0, 2, 1, 3).reshape(batch, seq, heads * dim) * valid[..., None]
 
 
-def key_spectrum(chunks: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Squared singular values ``[b, kv_heads*d]`` and right singular vectors ``[b, kv_heads*d,
-    kv_heads*d]`` (largest first) of each row's keys, given as chunks of (pre-RoPE keys ``[b,
-    kv_heads, c, d]``, validity ``[b, c]``). They are the eigenpairs of the small Gram matrix,
-    accumulated chunk by chunk: the same factors as an SVD of the whole ``s``-row matrix, at a
-    fraction of its cost and without holding it in float32."""
-    gram = None
+class Spectrum(NamedTuple):
+    """A row's pre-RoPE keys, decomposed: ``energy [b, n]`` (squared singular values, largest first)
+    and ``vectors [b, n, n]`` (right singular vectors) of the keys as they are; ``spread [b, n]``
+    (largest first) of their deviations from the mean key, which is what attention tells apart: a
+    component every key shares shifts every logit of a query alike."""
+
+    energy: torch.Tensor
+    vectors: torch.Tensor
+    spread: torch.Tensor
+
+
+def key_spectrum(chunks: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> Spectrum:
+    """The spectrum of each row's keys, given as chunks of (pre-RoPE keys ``[b, kv_heads, c, d]``,
+    validity ``[b, c]``). The eigenpairs of the small Gram matrix, accumulated chunk by chunk: the
+    same factors as an SVD of the whole ``s``-row matrix, at a fraction of its cost and without
+    holding it in float32."""
+    gram = total = count = None
     for keys, valid in chunks:
-        rows = key_rows(keys, valid)
-        part = (rows.mT @ rows).double()
-        gram = part if gram is None else gram + part
+        rows = key_rows(keys, valid).double()  # float32 products lose the small directions next to a large mean
+        parts = (rows.mT @ rows, rows.sum(dim=1), valid.sum(dim=-1).double())
+        gram, total, count = parts if gram is None else (gram + parts[0], total + parts[1], count + parts[2])
     energy, vectors = torch.linalg.eigh(gram)
-    return energy.flip(-1).clamp(min=0), vectors.flip(-1).float()  # eigh sorts ascending
+    mean = total / count.clamp(min=1)[:, None]
+    spread = torch.linalg.eigvalsh(gram - count[:, None, None] * mean[:, :, None] * mean[:, None, :])
+    return Spectrum(energy.flip(-1).clamp(min=0), vectors.flip(-1).float(), spread.flip(-1).clamp(min=0))  # eigh sorts ascending
 
 
 def rank_for_error(energy: torch.Tensor, target: float, cap: int) -> torch.Tensor:
@@ -93,8 +105,7 @@ def factor_basis(vectors: torch.Tensor, ranks: int | torch.Tensor) -> torch.Tens
 def low_rank_factors(pre_rope_keys: torch.Tensor, valid: torch.Tensor, ranks: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Truncated SVD of each row's keys ``[b, kv_heads, s, d]`` viewed as ``[s, kv_heads*d]``: ``A [b,
     s, r]`` (left singular vectors times singular values) and ``B [b, r, kv_heads, d]``."""
-    _, vectors = key_spectrum([(pre_rope_keys, valid)])
-    basis = factor_basis(vectors, ranks)
+    basis = factor_basis(key_spectrum([(pre_rope_keys, valid)]).vectors, ranks)
     return key_rows(pre_rope_keys, valid) @ basis, basis.mT.reshape(basis.shape[0], basis.shape[-1], pre_rope_keys.shape[1], -1)
 
 
@@ -153,8 +164,9 @@ class ShadowKV(SparseMethod):
     chunk: int = param(8, "tokens per chunk: the unit of selection", minimum=1)
     rank: int | None = param(None, "SVD rank of the pre-RoPE keys, the same for every layer (default: from rank_error)", minimum=1)
     rank_error: float | None = param(
-        0.1, "when rank is None: each layer takes the smallest rank whose relative reconstruction error of the pre-RoPE keys "
-        "is at most this (capped at half of kv_heads * head_dim); None with rank None: the paper's 15.625%", above=0, at_most=1)
+        0.1, "when rank is None: each layer takes the smallest rank that rebuilds its pre-RoPE keys' deviations from their mean "
+        "within this relative error, plus one for the mean (capped at half of kv_heads * head_dim); None with rank None: the paper's "
+        "15.625%", above=0, at_most=1)
     outliers: int | None = param(None, "outlier chunks kept dense per KV head (default ~0.3% of the chunks, at least 1)", minimum=0)
     local_chunks: int = param(4, "most recent prompt chunks kept dense", minimum=0)
 
@@ -173,14 +185,16 @@ class ShadowKV(SparseMethod):
     def make_layer(self, layer_idx: int, model: PreTrainedModel) -> ShadowKVLayer:
         return ShadowKVLayer(self, layer_idx, rotary_for(model, layer_idx))
 
-    def ranks(self, energy: torch.Tensor) -> int | torch.Tensor:
-        """The rank of each row from its keys' spectrum ``energy [b, kv_heads * head_dim]`` (largest first)."""
-        width = energy.shape[-1]
+    def ranks(self, spectrum: Spectrum) -> int | torch.Tensor:
+        """The rank of each row from its keys' spectrum: enough directions to rebuild the keys'
+        deviations from their mean within ``rank_error``, plus one for the mean itself (capped)."""
+        width = spectrum.energy.shape[-1]
         if self.rank is not None:
             return self.rank
         if self.rank_error is None:
             return math.ceil(RANK_FRACTION * width)
-        return rank_for_error(energy, self.rank_error, math.ceil(MAX_RANK_FRACTION * width))
+        cap = math.ceil(MAX_RANK_FRACTION * width)
+        return (rank_for_error(spectrum.spread, self.rank_error, cap) + 1).clamp(max=cap)
 
     def outlier_counts(self, chunks: torch.Tensor) -> torch.Tensor:
         """Outlier chunks per row for ``chunks [b]`` selectable chunks (at most all of them)."""
@@ -214,8 +228,8 @@ class ShadowKVLayer(SparseDecodeLayer):
         prompt_valid = self.slot_validity()
         positions = prompt_positions(prompt_valid).clamp(min=0)
         spans = [(start, min(seq, start + STREAM_TOKENS)) for start in range(0, seq, STREAM_TOKENS)]
-        energy, vectors = key_spectrum((self.pre_rope(self.keys[:, :, s:e], positions[:, s:e]), prompt_valid[:, s:e]) for s, e in spans)
-        basis = factor_basis(vectors, self.method.ranks(energy))
+        spectrum = key_spectrum((self.pre_rope(self.keys[:, :, s:e], positions[:, s:e]), prompt_valid[:, s:e]) for s, e in spans)
+        basis = factor_basis(spectrum.vectors, self.method.ranks(spectrum))
         region = keys.shape[-2]
         token = torch.arange(region, device=keys.device)[None, :].expand(keys.shape[0], -1)  # a region token's index is its position
         parts = [(key_rows(self.pre_rope(keys[:, :, s:e], token[:, s:e]), valid[:, s:e]) @ basis).to(self.keys.dtype)
