@@ -90,6 +90,8 @@ def test_adaptive_heads_hold_different_counts_in_the_same_memory():
         lyr.packed.keys.numel() * lyr.packed.keys.element_size() * 2 for lyr in adaptive.cache.layers)
     assert held <= 1.02 * sum(t.numel() * t.element_size() for t in uniform.cache.layers[0].buffers)  # same spare room
     assert abs(adaptive.cache.stats()["device_bytes"] / uniform.cache.stats()["device_bytes"] - 1) <= 0.02
+    for layer in adaptive.cache.layers:  # the full prompt's keys and values are freed, not held by an empty view
+        assert all(t.untyped_storage().nbytes() == 0 for t in (layer.keys, layer.values))
     for head, positions in enumerate(adaptive.cache.kept_positions(0)[0]):
         real = positions[positions >= 0]
         assert len(real) == lengths[head] - 5 and (real.diff() > 0).all()  # 5 generated tokens appended per head

@@ -9,8 +9,10 @@ the room a uniform slot buffer of the segments' mean length gets: all segments g
 per step, so they run out together and are repacked together, once per ~6% of growth, and the
 spare bytes equal the uniform cache's at an equal total budget.
 
-Attention reads each segment where it lies (a view, no copy): one exact SDPA per (row, KV head)
-over its own slots, the query heads of the GQA group stacked as queries.
+A decoding step (one query token) gathers every segment into one ``[segments, longest, d]`` block
+and runs one exact SDPA call, the GQA group's query heads stacked as queries and each segment's
+unused tail masked out. Longer steps (a follow-up turn) read each segment where it lies (a view)
+with one SDPA per (row, KV head).
 """
 
 from __future__ import annotations
@@ -54,7 +56,10 @@ class PackedSlots:
                 self.values[start : start + n] = values
                 self.valid[start : start + n] = True if valid[r][h] is None else valid[r][h]
                 start += capacities[r][h]
-        self.capacities = capacities
+        self.room_left = incoming + room  # the same for every segment: equal room, equal growth
+        device = first.device
+        self.starts_t = torch.tensor([s for row in self.starts for s in row], device=device)  # [segments], row-major
+        self.lengths_t = torch.tensor([n for row in self.lengths for n in row], device=device)
 
     def segment(self, row: int, head: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Keys, values ``[n, d]`` and validity ``[n]`` of one segment (views, no copy)."""
@@ -64,15 +69,16 @@ class PackedSlots:
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Append ``keys``/``values [rows, heads, q, d]`` to every segment (real until ``mark_newest`` says otherwise)."""
         new = keys.shape[2]
-        if any(self.lengths[r][h] + new > self.capacities[r][h] for r in range(self.rows) for h in range(self.heads)):
+        if new > self.room_left:
             kept = [[self.segment(r, h) for h in range(self.heads)] for r in range(self.rows)]
             self._pack([[(k.clone(), v.clone()) for k, v, _ in row] for row in kept], [[m.clone() for _, _, m in row] for row in kept], new)
-        index = torch.tensor([self.starts[r][h] + self.lengths[r][h] + i for r in range(self.rows) for h in range(self.heads) for i in range(new)],
-                             device=self.keys.device)
+        index = ((self.starts_t + self.lengths_t)[:, None] + torch.arange(new, device=self.keys.device)[None, :]).reshape(-1)
         self.keys.index_copy_(0, index, keys.reshape(-1, keys.shape[-1]))
         self.values.index_copy_(0, index, values.reshape(-1, values.shape[-1]))
         self.valid.index_fill_(0, index, True)
         self.lengths = [[n + new for n in row] for row in self.lengths]
+        self.lengths_t += new
+        self.room_left -= new
         self.newest = index
 
     def mark_newest(self, valid: torch.Tensor) -> None:
@@ -82,6 +88,8 @@ class PackedSlots:
     def attend(self, query: torch.Tensor, new_mask: torch.Tensor | None, scaling: float, softcap: float | None = None) -> torch.Tensor:
         """Exact attention of ``query [rows, q_heads, q, d]`` over each segment, whose newest ``q``
         slots are these queries' own tokens, seen as ``new_mask [rows, 1, q, q]`` says (None: causal)."""
+        if query.shape[2] == 1 and softcap is None:
+            return self.attend_one(query, scaling)
         rows, q_heads, q_len, dim = query.shape
         group = q_heads // self.heads
         out = torch.empty_like(query)
@@ -99,6 +107,21 @@ class PackedSlots:
                     result = (logits.masked_fill(~mask, torch.finfo(torch.float32).min).softmax(-1) @ values.float()).to(query.dtype)
                 out[r, h * group : (h + 1) * group] = result.view(group, q_len, dim)
         return out
+
+    def attend_one(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """A decoding step (one query token per row, already appended) in one SDPA call: every
+        segment gathered into a ``[segments, longest, d]`` block, its unused tail masked out."""
+        rows, q_heads, _, dim = query.shape
+        group = q_heads // self.heads
+        lengths = self.lengths_t
+        offsets = torch.arange(max(map(max, self.lengths)), device=self.keys.device)
+        used = offsets[None, :] < lengths[:, None]
+        index = self.starts_t[:, None] + torch.where(used, offsets[None, :], 0)  # [segments, longest]
+        newest = offsets[None, :] == lengths[:, None] - 1  # the query's own token, seen as in the causal mask
+        mask = (used & (self.valid[index] | newest))[:, None, None, :]
+        grouped = query.reshape(rows * self.heads, 1, group, dim)
+        out = F.scaled_dot_product_attention(grouped, self.keys[index][:, None], self.values[index][:, None], attn_mask=mask, scale=scaling)
+        return out.reshape(rows, q_heads, 1, dim)
 
     def kept_positions(self) -> torch.Tensor:
         """``[rows, heads, n]`` prompt positions of each segment, ascending; shorter segments padded with -1 at the front."""

@@ -171,7 +171,8 @@ class HeadAdaptiveLayer(EvictionLayer):
                 slots = keep[row, head].nonzero()[:, 0]
                 segments[row].append((self.keys[row, head, slots], self.values[row, head, slots], positions[row, slots]))
         self.packed = PackedSlots(segments)
-        self.set_slots(self.keys[:, :, :0], self.values[:, :, :0])  # everything lives in the packed slots now
+        empty = self.keys.new_empty(*self.keys.shape[:2], 0, self.keys.shape[-1])  # not a view: the prompt's KV is freed
+        self.set_slots(empty, empty.clone())  # everything lives in the packed slots now
 
     def _append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.packed is None:

@@ -1,0 +1,65 @@
+"""Interleaved decode timing: method specs compared on one prompt, step blocks taken in turn.
+
+    python scripts/decode_ab.py --model smollm2-135m --methods snapkv,snapkv:heads=adaptive --budget 256 --length 4096
+
+`kvcompress bench speed` times each method in its own stretch, so on a shared machine a slow
+minute lands on one method only (two settings with identical decode work differed by 15-40% there).
+Here every method is prefilled once, then blocks of decoding steps run method after method, round
+after round: drift hits all of them alike. Prints and writes (``--out``) each method's median ms per
+step and its ratio to the first method.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from kvcompress.bench.speed import machine
+from kvcompress.methods import method_from_spec
+from kvcompress.models import random_model
+from kvcompress.tokens import TokenSpans
+
+
+@torch.inference_mode()
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m", help="an architecture preset or a config.json (random weights)")
+    parser.add_argument("--methods", required=True, help="comma-separated specs; the first is the reference")
+    parser.add_argument("--budget", type=int, default=256)
+    parser.add_argument("--length", type=int, default=4096)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=8, help="decoding steps per block")
+    parser.add_argument("--out", help="JSON file for the results")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    model = random_model(args.model)
+    vocab = model.config.get_text_config().vocab_size
+    prompt = torch.randint(10, vocab, (args.batch, args.length))
+    specs = args.methods.split(",")
+    caches, tokens = {}, {}
+    for spec in specs:
+        caches[spec] = method_from_spec(spec, budget=args.budget).make_cache(model, TokenSpans.every(vocab))  # random ids: every token a span, as bench speed
+        tokens[spec] = model(prompt, past_key_values=caches[spec], logits_to_keep=1).logits[:, -1:].argmax(-1)
+    blocks: dict[str, list[float]] = {spec: [] for spec in specs}
+    for _ in range(args.rounds + 1):  # the first round warms up and is not counted
+        for spec in specs:
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                tokens[spec] = model(tokens[spec], past_key_values=caches[spec], logits_to_keep=1).logits[:, -1:].argmax(-1)
+            blocks[spec].append((time.perf_counter() - start) * 1000 / args.steps)
+    medians = {spec: statistics.median(times[1:]) for spec, times in blocks.items()}
+    reference = medians[specs[0]]
+    for spec in specs:
+        print(f"{spec:32s} {medians[spec]:8.2f} ms/step  x{medians[spec] / reference:.3f}  (blocks: {', '.join(f'{t:.1f}' for t in blocks[spec][1:])})")
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump({"machine": machine(model.device), "settings": vars(args), "ms_per_step": medians, "blocks": blocks}, fh, indent=2)
+
+
+if __name__ == "__main__":
+    main()
