@@ -14,6 +14,7 @@ import json
 import os
 import platform
 import time
+from pathlib import Path
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -93,6 +94,7 @@ def main() -> None:
         "compare": compare(args.budget, [0.1, 0.25, 0.5, 0.75, 0.9], args.tokens),
         "pool": [pool(budget, args.pool_blocks, [i / 10 for i in range(1, 9)], args.tokens) for budget in (100_000, args.budget)],
     }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "w") as fh:
         json.dump(report, fh, indent=2)
     for row in report["compare"]:
