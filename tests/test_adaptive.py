@@ -10,7 +10,7 @@ import torch
 import kvcompress as kvc
 from kvcompress.methods.prompt import allocate_heads, pyramid_budgets
 
-from .fixtures import char_tokenizer, random_text, tiny_model
+from .fixtures import char_tokenizer, family_model, random_text, tiny_model
 
 
 def reference_allocation(scores: list[list[float]], count: int, floor: float) -> list[set[int]]:
@@ -75,6 +75,18 @@ def test_equal_head_counts_in_the_packed_layout_give_the_uniform_cache(method):
         assert packed_cache.layers[layer].packed is not None
         assert torch.equal(packed_cache.kept_positions(layer), uniform_cache.kept_positions(layer))
     assert packed_cache.stats()["kv_bytes_kept"] == uniform_cache.stats()["kv_bytes_kept"]
+
+
+def test_packed_layout_with_soft_capped_logits():
+    """Gemma 2 (logit soft-capping, sliding-window layers beside global ones): head_floor=1 packed == uniform."""
+    model = family_model("gemma2")
+    gen = torch.Generator().manual_seed(4)
+    prompt, continuation, follow_up = (torch.randint(3, 128, (1, n), generator=gen) for n in (120, 8, 12))
+    method = kvc.SnapKV(budget=24, window=4)
+    uniform, _ = teacher_forced(model, method, prompt, continuation, follow_up)
+    packed, cache = teacher_forced(model, kvc.SnapKV(budget=24, window=4, heads="adaptive", head_floor=1.0), prompt, continuation, follow_up)
+    assert any(getattr(layer, "packed", None) is not None for layer in cache.layers)
+    torch.testing.assert_close(packed, uniform, rtol=1e-5, atol=1e-5)
 
 
 def test_adaptive_heads_hold_different_counts_in_the_same_memory():

@@ -256,7 +256,7 @@ def _cmd_bench_speed(args: argparse.Namespace, console: Console) -> int:
                           f"chunk hit rate {_fmt(r['chunk_hit_rate'])}")
     for limit in report.get("limits", []):
         console.print(f"{limit['method']}: {limit['kind']} = {limit['value']} ({len(limit['tried'])} runs tried)")
-    console.print(f"wrote {args.out}/speed.json, speed.csv, decode_latency.png, throughput.png")
+    console.print(f"wrote {args.out}/speed.json, speed.csv, decode_latency.png, throughput.png, peak_memory.png")
     return 0
 
 

@@ -9,18 +9,16 @@ the room a uniform slot buffer of the segments' mean length gets: all segments g
 per step, so they run out together and are repacked together, once per ~6% of growth, and the
 spare bytes equal the uniform cache's at an equal total budget.
 
-A decoding step (one query token) gathers every segment into one ``[segments, longest, d]`` block
-and runs one exact SDPA call, the GQA group's query heads stacked as queries and each segment's
-unused tail masked out. Longer steps (a follow-up turn) read each segment where it lies (a view)
-with one SDPA per (row, KV head).
+Attention gathers every segment into one ``[segments, longest, d]`` block and runs one exact call
+(SDPA, or the soft-capped math of ``dense_attention``), the GQA group's query heads stacked as
+queries and each segment's unused tail masked out.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from .attention import causal_slot_mask
+from .attention import causal_slot_mask, dense_attention
 from .cache import spare_slots
 from .tensors import nbytes
 
@@ -87,41 +85,22 @@ class PackedSlots:
 
     def attend(self, query: torch.Tensor, new_mask: torch.Tensor | None, scaling: float, softcap: float | None = None) -> torch.Tensor:
         """Exact attention of ``query [rows, q_heads, q, d]`` over each segment, whose newest ``q``
-        slots are these queries' own tokens, seen as ``new_mask [rows, 1, q, q]`` says (None: causal)."""
-        if query.shape[2] == 1 and softcap is None:
-            return self.attend_one(query, scaling)
+        slots are these queries' own tokens, seen as ``new_mask [rows, 1, q, q]`` says (None: causal).
+        Every segment is gathered into one ``[segments, longest, d]`` block (its tail past its length
+        masked out) and attended in one call, the GQA group's query heads stacked as queries."""
         rows, q_heads, q_len, dim = query.shape
-        group = q_heads // self.heads
-        out = torch.empty_like(query)
-        for r in range(self.rows):
-            for h in range(self.heads):
-                keys, values, valid = self.segment(r, h)
-                new = causal_slot_mask(q_len, q_len, keys.device)[0, 0] if new_mask is None else new_mask[r, 0]
-                mask = torch.cat([valid[None, : keys.shape[0] - q_len].expand(q_len, -1), new], dim=-1)
-                grouped = query[r, h * group : (h + 1) * group].reshape(1, 1, group * q_len, dim)
-                mask = mask[None, None, None].expand(1, 1, group, q_len, -1).reshape(1, 1, group * q_len, -1)
-                if softcap is None:
-                    result = F.scaled_dot_product_attention(grouped, keys[None, None], values[None, None], attn_mask=mask, scale=scaling)
-                else:
-                    logits = softcap * torch.tanh((grouped.float() @ keys.float().T) * scaling / softcap)
-                    result = (logits.masked_fill(~mask, torch.finfo(torch.float32).min).softmax(-1) @ values.float()).to(query.dtype)
-                out[r, h * group : (h + 1) * group] = result.view(group, q_len, dim)
-        return out
-
-    def attend_one(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
-        """A decoding step (one query token per row, already appended) in one SDPA call: every
-        segment gathered into a ``[segments, longest, d]`` block, its unused tail masked out."""
-        rows, q_heads, _, dim = query.shape
-        group = q_heads // self.heads
-        lengths = self.lengths_t
-        offsets = torch.arange(max(map(max, self.lengths)), device=self.keys.device)
-        used = offsets[None, :] < lengths[:, None]
-        index = self.starts_t[:, None] + torch.where(used, offsets[None, :], 0)  # [segments, longest]
-        newest = offsets[None, :] == lengths[:, None] - 1  # the query's own token, seen as in the causal mask
-        mask = (used & (self.valid[index] | newest))[:, None, None, :]
-        grouped = query.reshape(rows * self.heads, 1, group, dim)
-        out = F.scaled_dot_product_attention(grouped, self.keys[index][:, None], self.values[index][:, None], attn_mask=mask, scale=scaling)
-        return out.reshape(rows, q_heads, 1, dim)
+        lengths = self.lengths_t[:, None]
+        offsets = torch.arange(max(map(max, self.lengths)), device=self.keys.device)[None, :]
+        index = self.starts_t[:, None] + torch.minimum(offsets, lengths - 1)  # [segments, longest], clamped inside the segment
+        newcomer = offsets - (lengths - q_len)  # which of this step's tokens a slot holds (< 0: an earlier one)
+        segments = rows * self.heads
+        step = (causal_slot_mask(q_len, q_len, self.keys.device)[0] if new_mask is None else new_mask[:, 0]).expand(rows, -1, -1)
+        step = step.repeat_interleave(self.heads, dim=0)  # [segments, q, q]: which of this step's tokens each query sees
+        seen_new = step.gather(2, newcomer.clamp(0, q_len - 1)[:, None, :].expand(segments, q_len, -1)) & ((newcomer >= 0) & (newcomer < q_len))[:, None, :]
+        mask = ((newcomer < 0) & self.valid[index])[:, None, :] | seen_new  # [segments, q, longest]
+        grouped = query.reshape(segments, q_heads // self.heads, q_len, dim)
+        out = dense_attention(grouped, self.keys[index][:, None], self.values[index][:, None], mask[:, None], scaling, softcap)
+        return out.reshape(rows, q_heads, q_len, dim)
 
     def kept_positions(self) -> torch.Tensor:
         """``[rows, heads, n]`` prompt positions of each segment, ascending; shorter segments padded with -1 at the front."""

@@ -52,6 +52,11 @@ OUTLIER_FRACTION = 48 / (128 * 1024 // 8)
 STREAM_TOKENS = 8192  # tokens whose pre-RoPE keys are formed at once while factorising (memory stays linear)
 
 
+def stream_spans(length: int) -> list[tuple[int, int]]:
+    """``[start, end)`` pieces of ``STREAM_TOKENS`` covering ``length`` tokens."""
+    return [(start, min(length, start + STREAM_TOKENS)) for start in range(0, length, STREAM_TOKENS)]
+
+
 def key_rows(pre_rope_keys: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """Keys ``[b, kv_heads, s, d]`` as float32 rows ``[b, s, kv_heads*d]``, padding rows zeroed (they
     must not shape the subspace)."""
@@ -61,13 +66,19 @@ def key_rows(pre_rope_keys: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
 
 class Spectrum(NamedTuple):
     """A row's pre-RoPE keys, decomposed: ``energy [b, n]`` (squared singular values, largest first)
-    and ``vectors [b, n, n]`` (right singular vectors) of the keys as they are; ``spread [b, n]``
-    (largest first) of their deviations from the mean key, which is what attention tells apart: a
+    and ``vectors [b, n, n]`` (right singular vectors) of the keys as they are; ``centred [b, n, n]``,
+    the Gram matrix of their deviations from the mean key, which is what attention tells apart: a
     component every key shares shifts every logit of a query alike."""
 
     energy: torch.Tensor
     vectors: torch.Tensor
-    spread: torch.Tensor
+    centred: torch.Tensor
+
+    @property
+    def spread(self) -> torch.Tensor:
+        """Squared singular values ``[b, n]`` of the deviations from the mean, largest first (computed
+        on demand: only a rank chosen by ``rank_error`` needs them)."""
+        return torch.linalg.eigvalsh(self.centred).flip(-1).clamp(min=0)
 
 
 def key_spectrum(chunks: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> Spectrum:
@@ -82,8 +93,8 @@ def key_spectrum(chunks: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> Spectru
         gram, total, count = parts if gram is None else (gram + parts[0], total + parts[1], count + parts[2])
     energy, vectors = torch.linalg.eigh(gram)
     mean = total / count.clamp(min=1)[:, None]
-    spread = torch.linalg.eigvalsh(gram - count[:, None, None] * mean[:, :, None] * mean[:, None, :])
-    return Spectrum(energy.flip(-1).clamp(min=0), vectors.flip(-1).float(), spread.flip(-1).clamp(min=0))  # eigh sorts ascending
+    centred = gram - count[:, None, None] * mean[:, :, None] * mean[:, None, :]
+    return Spectrum(energy.flip(-1).clamp(min=0), vectors.flip(-1).float(), centred)  # eigh sorts ascending
 
 
 def rank_for_error(energy: torch.Tensor, target: float, cap: int) -> torch.Tensor:
@@ -227,13 +238,12 @@ class ShadowKVLayer(SparseDecodeLayer):
         heads, seq = self.keys.shape[1], self.keys.shape[-2]
         prompt_valid = self.slot_validity()
         positions = prompt_positions(prompt_valid).clamp(min=0)
-        spans = [(start, min(seq, start + STREAM_TOKENS)) for start in range(0, seq, STREAM_TOKENS)]
-        spectrum = key_spectrum((self.pre_rope(self.keys[:, :, s:e], positions[:, s:e]), prompt_valid[:, s:e]) for s, e in spans)
+        spectrum = key_spectrum((self.pre_rope(self.keys[:, :, s:e], positions[:, s:e]), prompt_valid[:, s:e]) for s, e in stream_spans(seq))
         basis = factor_basis(spectrum.vectors, self.method.ranks(spectrum))
         region = keys.shape[-2]
         token = torch.arange(region, device=keys.device)[None, :].expand(keys.shape[0], -1)  # a region token's index is its position
         parts = [(key_rows(self.pre_rope(keys[:, :, s:e], token[:, s:e]), valid[:, s:e]) @ basis).to(self.keys.dtype)
-                 for s in range(0, region, STREAM_TOKENS) for e in [min(region, s + STREAM_TOKENS)]]
+                 for s, e in stream_spans(region)]
         self.factor_a = torch.cat(parts, dim=1)
         self.factor_b = basis.mT.reshape(basis.shape[0], basis.shape[-1], heads, -1).to(self.keys.dtype)
         self.landmarks = chunk_landmarks(keys, valid, self.unit)
