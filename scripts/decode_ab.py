@@ -5,8 +5,10 @@
 `kvcompress bench speed` times each method in its own stretch, so on a shared machine a slow
 minute lands on one method only (two settings with identical decode work differed by 15-40% there).
 Here every method is prefilled once, then blocks of decoding steps run method after method, round
-after round: drift hits all of them alike. Prints and writes (``--out``) each method's median ms per
-step and its ratio to the first method.
+after round (every other round in reverse order, so no method always follows the same one): drift
+hits all of them alike. Each method's ratio to the first is taken within each round, where the
+blocks ran seconds apart, and the median over rounds is reported beside the median ms per step.
+Prints and writes (``--out``) both.
 """
 
 from __future__ import annotations
@@ -40,25 +42,26 @@ def main() -> None:
     model = random_model(args.model)
     vocab = model.config.get_text_config().vocab_size
     prompt = torch.randint(10, vocab, (args.batch, args.length))
-    specs = args.methods.split(",")
+    specs = list(dict.fromkeys(args.methods.split(",")))
     caches, tokens = {}, {}
     for spec in specs:
         caches[spec] = method_from_spec(spec, budget=args.budget).make_cache(model, TokenSpans.every(vocab))  # random ids: every token a span, as bench speed
         tokens[spec] = model(prompt, past_key_values=caches[spec], logits_to_keep=1).logits[:, -1:].argmax(-1)
     blocks: dict[str, list[float]] = {spec: [] for spec in specs}
-    for _ in range(args.rounds + 1):  # the first round warms up and is not counted
-        for spec in specs:
+    for round_ in range(args.rounds + 1):  # the first round warms up and is not counted
+        for spec in specs if round_ % 2 == 0 else specs[::-1]:
             start = time.perf_counter()
             for _ in range(args.steps):
                 tokens[spec] = model(tokens[spec], past_key_values=caches[spec], logits_to_keep=1).logits[:, -1:].argmax(-1)
             blocks[spec].append((time.perf_counter() - start) * 1000 / args.steps)
     medians = {spec: statistics.median(times[1:]) for spec, times in blocks.items()}
-    reference = medians[specs[0]]
-    for spec in specs:
-        print(f"{spec:32s} {medians[spec]:8.2f} ms/step  x{medians[spec] / reference:.3f}  (blocks: {', '.join(f'{t:.1f}' for t in blocks[spec][1:])})")
+    reference = blocks[specs[0]]
+    ratios = {spec: statistics.median(t / r for t, r in zip(times[1:], reference[1:])) for spec, times in blocks.items()}
+    for spec in blocks:
+        print(f"{spec:36s} {medians[spec]:8.2f} ms/step  x{ratios[spec]:.3f} (median of per-round ratios)  (blocks: {', '.join(f'{t:.1f}' for t in blocks[spec][1:])})")
     if args.out:
         with open(args.out, "w") as fh:
-            json.dump({"machine": machine(model.device), "settings": vars(args), "ms_per_step": medians, "blocks": blocks}, fh, indent=2)
+            json.dump({"machine": machine(model.device), "settings": vars(args), "ms_per_step": medians, "ratio_to_first": ratios, "blocks": blocks}, fh, indent=2)
 
 
 if __name__ == "__main__":

@@ -3,22 +3,26 @@
 Head-adaptive budgets give each KV head a different share of a layer's budget; a ``[batch,
 kv_heads, slots, head_dim]`` tensor would have to be as long as the longest head, so the memory
 saved by the short heads would be spent on padding. ``PackedSlots`` keeps one flat buffer of
-slots instead: segment ``(row, head)`` lives at ``[start, start + length)`` with spare room after
-it, so decoding appends each head's new token in place. Every segment gets the same spare room,
-the room a uniform slot buffer of the segments' mean length gets: all segments grow by one token
-per step, so they run out together and are repacked together, once per ~6% of growth, and the
-spare bytes equal the uniform cache's at an equal total budget.
+slots instead, a stretch of equal length per row: segment ``(row, head)`` lives at ``[start, start +
+length)`` of its row's stretch with spare room after it, so decoding appends each head's new token
+in place. Every segment gets the same spare room, the room a uniform slot buffer of the segments'
+mean length gets: all segments grow by one token per step, so they run out together and are
+repacked together, once per ~6% of growth, and the spare bytes equal the uniform cache's at an
+equal total budget.
 
-Attention gathers every segment into one ``[segments, longest, d]`` block and runs one exact call
-(SDPA, or the soft-capped math of ``dense_attention``), the GQA group's query heads stacked as
-queries and each segment's unused tail masked out.
+Attention gathers every segment into one ``[rows, heads, longest, d]`` block through an index built
+once per packing (``index_select``), with the validity of every slot as its mask, and runs one exact
+call, the GQA group's query heads sharing their KV head's segment. Slots past a segment's room
+point at a sentinel slot that is never valid. Tokens are valid from their append (a decoding token
+sees itself) until ``commit`` says otherwise; queries of a longer step also get the step's causal
+mask over its own tokens.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .attention import causal_slot_mask, dense_attention
+from .attention import dense_attention
 from .cache import spare_slots
 from .tensors import nbytes
 
@@ -37,12 +41,13 @@ class PackedSlots:
     def _pack(self, parts: list[list[tuple[torch.Tensor, torch.Tensor]]], valid: list[list[torch.Tensor | None]], incoming: int = 0) -> None:
         """Lay the segments out afresh, each with room for ``incoming`` tokens about to be appended plus spare."""
         first = parts[0][0][0]
+        device = first.device
         room = spare_slots(sum(map(sum, self.lengths)) // (self.rows * self.heads) + incoming)
         capacities = [[n + incoming + room for n in row] for row in self.lengths]
         total = sum(map(sum, capacities))
-        self.keys = first.new_zeros(total, first.shape[-1])
-        self.values = first.new_zeros(total, first.shape[-1])
-        self.valid = torch.zeros(total, dtype=torch.bool, device=first.device)
+        self.keys = first.new_zeros(total + 1, first.shape[-1])  # the last slot: the sentinel
+        self.values = first.new_zeros(total + 1, first.shape[-1])
+        self.valid = torch.zeros(total + 1, dtype=torch.bool, device=device)
         self.starts, start = [], 0
         for r in range(self.rows):
             self.starts.append([])
@@ -55,9 +60,11 @@ class PackedSlots:
                 self.valid[start : start + n] = True if valid[r][h] is None else valid[r][h]
                 start += capacities[r][h]
         self.room_left = incoming + room  # the same for every segment: equal room, equal growth
-        device = first.device
         self.starts_t = torch.tensor([s for row in self.starts for s in row], device=device)  # [segments], row-major
         self.lengths_t = torch.tensor([n for row in self.lengths for n in row], device=device)
+        offsets = torch.arange(max(map(max, capacities)), device=device)
+        capacity = torch.tensor([c for row in capacities for c in row], device=device)
+        self.gather_index = torch.where(offsets < capacity[:, None], self.starts_t[:, None] + offsets, total)  # [segments, widest]
 
     def segment(self, row: int, head: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Keys, values ``[n, d]`` and validity ``[n]`` of one segment (views, no copy)."""
@@ -65,12 +72,14 @@ class PackedSlots:
         return self.keys[start : start + n], self.values[start : start + n], self.valid[start : start + n]
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Append ``keys``/``values [rows, heads, q, d]`` to every segment (real until ``mark_newest`` says otherwise)."""
+        """Append ``keys``/``values [rows, heads, q, d]`` to every segment (valid until ``commit`` says otherwise)."""
         new = keys.shape[2]
         if new > self.room_left:
             kept = [[self.segment(r, h) for h in range(self.heads)] for r in range(self.rows)]
             self._pack([[(k.clone(), v.clone()) for k, v, _ in row] for row in kept], [[m.clone() for _, _, m in row] for row in kept], new)
-        index = ((self.starts_t + self.lengths_t)[:, None] + torch.arange(new, device=self.keys.device)[None, :]).reshape(-1)
+        index = self.starts_t + self.lengths_t
+        if new > 1:
+            index = (index[:, None] + torch.arange(new, device=index.device)).view(-1)
         self.keys.index_copy_(0, index, keys.reshape(-1, keys.shape[-1]))
         self.values.index_copy_(0, index, values.reshape(-1, values.shape[-1]))
         self.valid.index_fill_(0, index, True)
@@ -79,28 +88,27 @@ class PackedSlots:
         self.room_left -= new
         self.newest = index
 
-    def mark_newest(self, valid: torch.Tensor) -> None:
+    def commit(self, valid: torch.Tensor) -> None:
         """Record which of the last appended tokens are real: ``valid [rows, q]``."""
         self.valid.index_copy_(0, self.newest, valid[:, None, :].expand(-1, self.heads, -1).reshape(-1))
 
     def attend(self, query: torch.Tensor, new_mask: torch.Tensor | None, scaling: float, softcap: float | None = None) -> torch.Tensor:
         """Exact attention of ``query [rows, q_heads, q, d]`` over each segment, whose newest ``q``
-        slots are these queries' own tokens, seen as ``new_mask [rows, 1, q, q]`` says (None: causal).
-        Every segment is gathered into one ``[segments, longest, d]`` block (its tail past its length
-        masked out) and attended in one call, the GQA group's query heads stacked as queries."""
+        slots are these queries' own tokens, seen as ``new_mask [rows, 1, q, q]`` says (None: causal;
+        one query always sees its own token). A KV head's group of query heads is stacked as one
+        head's queries, so the mask is the segment's and nothing is repeated."""
         rows, q_heads, q_len, dim = query.shape
-        lengths = self.lengths_t[:, None]
-        offsets = torch.arange(max(map(max, self.lengths)), device=self.keys.device)[None, :]
-        index = self.starts_t[:, None] + torch.minimum(offsets, lengths - 1)  # [segments, longest], clamped inside the segment
-        newcomer = offsets - (lengths - q_len)  # which of this step's tokens a slot holds (< 0: an earlier one)
-        segments = rows * self.heads
-        step = (causal_slot_mask(q_len, q_len, self.keys.device)[0] if new_mask is None else new_mask[:, 0]).expand(rows, -1, -1)
-        step = step.repeat_interleave(self.heads, dim=0)  # [segments, q, q]: which of this step's tokens each query sees
-        seen_new = step.gather(2, newcomer.clamp(0, q_len - 1)[:, None, :].expand(segments, q_len, -1)) & ((newcomer >= 0) & (newcomer < q_len))[:, None, :]
-        mask = ((newcomer < 0) & self.valid[index])[:, None, :] | seen_new  # [segments, q, longest]
-        grouped = query.reshape(segments, q_heads // self.heads, q_len, dim)
-        out = dense_attention(grouped, self.keys[index][:, None], self.values[index][:, None], mask[:, None], scaling, softcap)
-        return out.reshape(rows, q_heads, q_len, dim)
+        longest = max(map(max, self.lengths))
+        index = self.gather_index[:, :longest].reshape(-1)
+        keys, values = (t.index_select(0, index).view(rows, self.heads, longest, dim) for t in (self.keys, self.values))
+        seen = self.valid.index_select(0, index).view(rows, self.heads, 1, longest)
+        if q_len > 1:  # the step's own tokens: each query sees those its mask allows
+            step = torch.ones(q_len, q_len, dtype=torch.bool, device=query.device).tril() if new_mask is None else new_mask[:, 0]
+            newest = (self.lengths_t.view(rows, self.heads, 1, 1) - q_len + torch.arange(q_len, device=query.device)).expand(-1, -1, q_len, -1)
+            seen = seen.expand(-1, -1, q_len, -1).scatter(3, newest, step.expand(rows, 1, -1, -1).expand(-1, self.heads, -1, -1))
+            seen = seen[:, :, None].expand(-1, -1, q_heads // self.heads, -1, -1).reshape(rows, self.heads, -1, longest)
+        grouped = query.reshape(rows, self.heads, -1, dim)  # [rows, kv_heads, group x q, d]
+        return dense_attention(grouped, keys, values, seen, scaling, softcap).view(rows, q_heads, q_len, dim)
 
     def kept_positions(self) -> torch.Tensor:
         """``[rows, heads, n]`` prompt positions of each segment, ascending; shorter segments padded with -1 at the front."""
@@ -116,7 +124,7 @@ class PackedSlots:
     def slot_bytes(self) -> tuple[int, int]:
         """(bytes of the slots in use, bytes of the spare room), keys and values."""
         used = sum(map(sum, self.lengths)) * self.keys.shape[-1] * self.keys.element_size() * 2
-        return used, nbytes(self.keys, self.values) - used
+        return used, nbytes(self.keys, self.values) - used  # the sentinel slot counts as spare
 
     def batch_apply(self, apply) -> None:
         """A batch operation (beam reorder, repeat) over the rows: applied to each row's segments."""

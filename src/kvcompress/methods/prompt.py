@@ -190,7 +190,7 @@ class HeadAdaptiveLayer(EvictionLayer):
         appended = self.packed is not None  # after the prefill, this step's tokens went into the packed slots
         super().commit(query, new_valid, scaling)
         if appended and new_valid is not None:
-            self.packed.mark_newest(new_valid)
+            self.packed.commit(new_valid)
 
     def kept_positions(self) -> torch.Tensor:
         return super().kept_positions() if self.packed is None else self.packed.kept_positions()
