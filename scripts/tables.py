@@ -3,6 +3,9 @@
     python scripts/tables.py speed DIR...          one table per speed.json found under the folders
     python scripts/tables.py accuracy CSV...       the rows of accuracy summary.csv files
     python scripts/tables.py junit FILE            a test run's counts as JSON (scripts/gpu_check.sh)
+    python scripts/tables.py paired BASE OTHER[,OTHER...] RESULTS...
+                                                   settings against a base setting on the same samples
+                                                   (accuracy results.jsonl): scores, samples won / lost, KL, top-1
     python scripts/tables.py memory NAME=DIR... [--plot PNG]
                                                    peak memory vs prompt length of speed runs (e.g. before=...
                                                    after=...), each method's fitted slope in bytes per token
@@ -66,6 +69,31 @@ def accuracy_table(paths: list[str]) -> str:
     return "\n".join(lines)
 
 
+def paired_table(base: str, others: list[str], paths: list[str]) -> str:
+    """Per (task, budget): each setting's score, KL and top-1 beside the base setting's on the samples
+    both ran, and how many samples scored higher or lower than the base (a sample, not a mean, is
+    what a single wrong digit changes)."""
+    records: dict[tuple, dict] = {}
+    for path in paths:
+        for line in open(path):
+            r = json.loads(line)
+            records[(r["task"], r["budget"], r["sample"], r.get("turn", 1), r["label"].split("@")[0])] = r
+    full = {key[:1] + key[2:4]: r["score"] for key, r in records.items() if key[4] == "full"}
+    head = "| task | budget | n | full | " + " | ".join(["base " + base, *others]) + " | higher / lower than base | KL | top-1 |"
+    lines = [head, "|" + " --- |" * 2 + " ---: |" * (3 + len(others)) + " --- | --- | --- |"]
+    cells = sorted({(k[0], k[1]) for k in records if k[1] is not None and k[4] == base})
+    for task, budget in cells:
+        samples = [k[2:4] for k in records if k[:2] == (task, budget) and k[4] == base and all((task, budget, *k[2:4], o) in records for o in others)]
+        rows = {name: [records[(task, budget, *s, name)] for s in samples] for name in [base, *others]}
+        mean = lambda name, field: sum(r[field] for r in rows[name]) / len(samples)
+        moves = ", ".join(f"{sum(o['score'] > b['score'] for o, b in zip(rows[n], rows[base]))} / {sum(o['score'] < b['score'] for o, b in zip(rows[n], rows[base]))}" for n in others)
+        kl = " / ".join(f"{mean(n, 'kl'):.3f}" for n in [base, *others])
+        top1 = " / ".join(f"{mean(n, 'top1_agreement'):.3f}" for n in [base, *others])
+        scores = " | ".join(f"{mean(n, 'score'):.2f}" for n in [base, *others])
+        lines.append(f"| {task} | {budget} | {len(samples)} | {sum(full[(task, *s)] for s in samples) / len(samples):.2f} | {scores} | {moves} | {kl} | {top1} |")
+    return "\n".join(lines)
+
+
 def memory_curves(named: list[str], plot: str | None) -> str:
     """Peak memory per (run, method, prompt) and the least-squares slope of peak bytes over prompt tokens."""
     curves: dict[tuple[str, str], list[tuple[int, int]]] = {}
@@ -114,6 +142,9 @@ def main(argv: list[str]) -> None:
     if kind == "memory":
         plot = paths[paths.index("--plot") + 1] if "--plot" in paths else None
         print(memory_curves([p for p in paths if "=" in p], plot))
+        return
+    if kind == "paired":
+        print(paired_table(paths[0], paths[1].split(","), paths[2:]))
         return
     if kind == "accuracy":
         print(accuracy_table(paths))

@@ -14,21 +14,33 @@ from .fixtures import char_tokenizer, family_model, random_text, tiny_model
 
 
 def reference_allocation(scores: list[list[float]], count: int, floor: float) -> list[set[int]]:
-    """Ada-KV for one row, written out: each head first takes its own int(floor * count) best
-    positions; then the heads * count - heads * int(floor * count) best of all remaining
-    (head, position) pairs are taken, ties to the lower head then the earlier position."""
-    reserved = int(floor * count)
-    kept = [set(sorted(range(len(s)), key=lambda j: (-s[j], j))[:reserved]) for s in scores]
-    rest = sorted(((-s[j], h, j) for h, s in enumerate(scores) for j in range(len(s)) if j not in kept[h]))
-    for _, h, j in rest[: len(scores) * count - len(scores) * reserved]:
-        kept[h].add(j)
+    """Ada-KV for one row, written out. Positions scored inf are kept by every head, outside the
+    sharing; of the other ``free = count - pinned`` per head, the heads * free best (score, then
+    lower head, then earlier position) of all heads give each head a count c; head h keeps
+    floor * free + (1 - floor) * c, rounded down, the leftover tokens going one each to the largest
+    fractions (then the lower head); each head keeps its own best (then the earlier position)."""
+    heads = len(scores)
+    pinned = [{j for j, x in enumerate(s) if x == math.inf} for s in scores]
+    free = count - len(pinned[0])
+    ranked = sorted((-s[j], h, j) for h, s in enumerate(scores) for j in range(len(s)) if j not in pinned[h])
+    won = [sum(1 for _, h, _ in ranked[: heads * free] if h == head) for head in range(heads)]
+    shares = [floor * free + (1 - floor) * c for c in won]
+    room = [math.floor(x) for x in shares]
+    for head in sorted(range(heads), key=lambda h: (-(shares[h] - room[h]), h))[: heads * free - sum(room)]:
+        room[head] += 1
+    kept = []
+    for head, s in enumerate(scores):
+        own = sorted((j for j in range(len(s)) if j not in pinned[head]), key=lambda j: (-s[j], j))
+        kept.append(pinned[head] | set(own[: room[head]]))
     return kept
 
 
 @pytest.mark.parametrize("floor", [0.0, 0.2, 0.5, 1.0])
-def test_allocation_matches_a_reference(floor):
+@pytest.mark.parametrize("window", [0, 4])
+def test_allocation_matches_a_reference(floor, window):
     torch.manual_seed(0)
     scores = torch.rand(2, 3, 40) ** torch.tensor([1.0, 4.0, 0.3])[None, :, None]  # heads of very different sharpness
+    scores[..., 40 - window :] = math.inf  # a window every head keeps, as SnapKV scores it
     valid = torch.ones(2, 40, dtype=torch.bool)
     valid[1, :15] = False  # a shorter row (padding first)
     counts = torch.tensor([10, 6])
@@ -39,7 +51,8 @@ def test_allocation_matches_a_reference(floor):
         got = [{real.index(j) for j in keep[row, h].nonzero()[:, 0].tolist()} for h in range(3)]
         assert got == expected
         assert int(keep[row].sum()) == 3 * int(counts[row])  # the same total as the uniform budget
-        assert all(len(g) >= int(floor * counts[row]) for g in got)
+        assert all(len(g) >= window + int(floor * (counts[row] - window)) for g in got)
+        assert all(set(range(len(real) - window, len(real))) <= g for g in got)  # the window is every head's
 
 
 def test_pyramid_schedule():

@@ -5,10 +5,11 @@ head, the prompt positions its method scores highest; decoding then appends to t
 
 * ``layers="pyramid"`` (PyramidKV, Cai et al., 2024): layer budgets fall linearly from the first
   layer to the last (``budget / pyramid_beta``), averaging the uniform budget;
-* ``heads="adaptive"`` (Ada-KV, Feng et al., 2024): a layer's total budget (heads x budget) goes to
-  the highest scores over all its heads together, after every head keeps its own top
-  ``head_floor`` share of the uniform budget (Ada-KV's safeguard). Heads then hold different numbers
-  of tokens, stored packed (``packed.PackedSlots``), so the short heads really free their memory.
+* ``heads="adaptive"`` (Ada-KV, Feng et al., 2024): the part of a layer's total budget not pinned
+  by the method (window, sinks, recent tokens) goes to its heads by where the highest scores over
+  all its heads together fall, mixed with the uniform share by ``head_floor`` (Ada-KV's safeguard).
+  Heads then hold different numbers of tokens, stored packed (``packed.PackedSlots``), so the short
+  heads really free their memory.
 
 The total kept per layer always equals the uniform budget's, so comparisons are at equal memory.
 """
@@ -69,20 +70,31 @@ def pyramid_budgets(budget: int, layers: int, beta: float) -> list[int]:
 def allocate_heads(scores: torch.Tensor, valid: torch.Tensor, counts: torch.Tensor, floor: float) -> torch.Tensor:
     """Ada-KV's allocation over a layer's heads: ``[b, kv_heads, seq]`` bool, the positions kept.
 
-    Each row keeps ``kv_heads * counts[row]`` positions in all: first every head's own top
-    ``floor * counts[row]`` (the safeguard), then the highest remaining scores of any head. Ties go to
-    the lower head, then the earlier position; padding is never kept."""
+    Positions scored ``+inf`` (SnapKV's window, sinks, recent tokens) are kept by every head and
+    stay out of the sharing, as in Ada-KV, where the window is kept apart. The rest of a row's
+    budget, ``free = counts[row] - pinned`` per head, is shared: the ``heads * free`` highest finite
+    scores of all heads together give each head a count, which the safeguard mixes with the uniform
+    share, ``floor * free + (1 - floor) * count`` (so every head keeps at least ``floor * free``),
+    rounded by largest remainders (ties to the lower head) so the row's total stays the uniform
+    budget's. Each head then keeps its own best. Ties go to the lower head, then the earlier position;
+    padding is never kept."""
     batch, heads, seq = scores.shape
     masked = scores.float().masked_fill(~valid[:, None, :], -math.inf)
+    pinned = masked == math.inf
+    order = masked.argsort(dim=-1, descending=True, stable=True)
     keep = torch.zeros_like(masked, dtype=torch.bool)
     for row in range(batch):
-        count = int(counts[row])
-        reserved = int(floor * count)
-        order = masked[row].argsort(dim=-1, descending=True, stable=True)
-        keep[row].scatter_(-1, order[:, :reserved], True)
-        rest = masked[row].masked_fill(keep[row], -math.inf).flatten()
-        chosen = rest.argsort(descending=True, stable=True)[: heads * count - heads * reserved]
-        keep[row].view(-1)[chosen] = True
+        always = int(pinned[row, 0].sum())
+        free = max(0, int(counts[row]) - always)
+        shared = masked[row].masked_fill(pinned[row], -math.inf).flatten()
+        winners = shared.argsort(descending=True, stable=True)[: heads * free] // seq
+        share = floor * free + (1 - floor) * torch.bincount(winners, minlength=heads).double()
+        room = share.floor().long()
+        fraction = (share - room).tolist()
+        for head in sorted(range(heads), key=lambda h: -fraction[h])[: heads * free - int(room.sum())]:
+            room[head] += 1
+        for head in range(heads):
+            keep[row, head, order[row, head, : always + int(room[head])]] = True
     return keep & valid[:, None, :]
 
 
@@ -92,7 +104,7 @@ class PromptMethod(BudgetMethod):
 
     quiet_fields: ClassVar[tuple[str, ...]] = ("heads", "head_floor", "layers", "pyramid_beta")
     heads: str = param("uniform", "how a layer's budget is shared by its KV heads: uniform, or adaptive (Ada-KV: by their scores)", choices=("uniform", "adaptive"))
-    head_floor: float = param(0.2, "with heads=adaptive: the share of the uniform budget every head keeps at least (Ada-KV's safeguard)", minimum=0, at_most=1)
+    head_floor: float = param(0.2, "with heads=adaptive: the weight of the uniform share in each head's budget, so every head keeps at least this share (Ada-KV's safeguard)", minimum=0, at_most=1)
     layers: str = param("uniform", "how the budget is shared by the layers: uniform, or pyramid (PyramidKV: more in lower layers)", choices=("uniform", "pyramid"))
     pyramid_beta: float = param(20.0, "with layers=pyramid: the last layer keeps budget / pyramid_beta", above=1)
 
