@@ -3,12 +3,11 @@
 Head-adaptive budgets give each KV head a different share of a layer's budget; a ``[batch,
 kv_heads, slots, head_dim]`` tensor would have to be as long as the longest head, so the memory
 saved by the short heads would be spent on padding. ``PackedSlots`` keeps one flat buffer of
-slots instead, a stretch of equal length per row: segment ``(row, head)`` lives at ``[start, start +
-length)`` of its row's stretch with spare room after it, so decoding appends each head's new token
-in place. Every segment gets the same spare room, the room a uniform slot buffer of the segments'
-mean length gets: all segments grow by one token per step, so they run out together and are
-repacked together, once per ~6% of growth, and the spare bytes equal the uniform cache's at an
-equal total budget.
+slots instead: segment ``(row, head)`` lives at ``[start, start + length)`` with spare room after
+it, so decoding appends each head's new token in place. Every segment gets the same spare room,
+the room a uniform slot buffer of the segments' mean length gets: all segments grow by one token
+per step, so they run out together and are repacked together, once per ~6% of growth, and the
+spare bytes equal the uniform cache's at an equal total budget.
 
 Attention gathers every segment into one ``[rows, heads, longest, d]`` block through an index built
 once per packing (``index_select``), with the validity of every slot as its mask, and runs one exact
@@ -22,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from .attention import dense_attention
+from .attention import causal_slot_mask, dense_attention
 from .cache import spare_slots
 from .tensors import nbytes
 
@@ -103,7 +102,7 @@ class PackedSlots:
         keys, values = (t.index_select(0, index).view(rows, self.heads, longest, dim) for t in (self.keys, self.values))
         seen = self.valid.index_select(0, index).view(rows, self.heads, 1, longest)
         if q_len > 1:  # the step's own tokens: each query sees those its mask allows
-            step = torch.ones(q_len, q_len, dtype=torch.bool, device=query.device).tril() if new_mask is None else new_mask[:, 0]
+            step = causal_slot_mask(q_len, q_len, query.device)[0] if new_mask is None else new_mask[:, 0]
             newest = (self.lengths_t.view(rows, self.heads, 1, 1) - q_len + torch.arange(q_len, device=query.device)).expand(-1, -1, q_len, -1)
             seen = seen.expand(-1, -1, q_len, -1).scatter(3, newest, step.expand(rows, 1, -1, -1).expand(-1, self.heads, -1, -1))
             seen = seen[:, :, None].expand(-1, -1, q_heads // self.heads, -1, -1).reshape(rows, self.heads, -1, longest)
