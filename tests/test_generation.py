@@ -214,12 +214,12 @@ def test_decoding_appends_into_spare_slots_and_counts_them():
             copies += layer.keys.data_ptr() != storage
             storage = layer.keys.data_ptr()
     torch.testing.assert_close(torch.stack(got), torch.stack(expected))
-    assert layer.keys.shape[-2] == 360 and layer.keys.data_ptr() == layer.buffers[0].data_ptr()
+    assert layer.used == 360 and layer.valid[0, :360].all() and not layer.valid[0, 360:].any()
     # the first step moves the prompt into 301 + 18 slots; it grows at 320 (+20) and 341 (+21) slots:
     # three copies in 60 steps, not 60
-    assert copies == 3 and layer.buffers[0].shape[-2] == 341 + 21
-    held = sum(t.numel() * t.element_size() for lyr in ours.layers for t in (*lyr.buffers, lyr.valid, lyr.positions) if t is not None)
+    assert copies == 3 and layer.keys.shape[-2] == 341 + 21
+    held = sum(t.numel() * t.element_size() for lyr in ours.layers for t in (lyr.keys, lyr.values, lyr.valid, lyr.positions, lyr.cursor) if t is not None)
     stats = ours.stats()
     assert stats["device_bytes"] == held  # spare slots count as memory
     assert stats["kv_bytes_kept"] == stats["kv_bytes_full"] and stats["kv_kept_fraction"] == 1.0  # but not as kept tokens
-    assert stats["spare_bytes"] == held - stats["kv_bytes_full"]
+    assert stats["spare_bytes"] == held - stats["index_bytes"] - stats["kv_bytes_full"]

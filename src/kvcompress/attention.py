@@ -1,13 +1,33 @@
-"""Attention over cache slots: exact SDPA with GQA, and the grouped logits every scorer needs.
+"""Attention over cache slots: exact SDPA with GQA, the grouped logits every scorer needs, and the
+choice of SDPA kernel for each phase of a generation.
 
 Query head ``h`` reads KV head ``h // (q_heads // kv_heads)`` (the usual GQA grouping), so a KV
-head is never repeated in memory: the queries of a group are stacked instead.
+head is never repeated in memory: when the mask differs per KV head (or a single query attends to a
+cache), the queries of a group are stacked as one head's queries instead.
+
+Which SDPA kernel runs is chosen per phase, not left to PyTorch's default order: ``decode`` (one
+new query per row), ``turn`` (several new queries over a cache) and ``prefill`` (the queries are the
+keys, causal). The first call of a phase on a device and dtype times every kernel that accepts its
+inputs on a probe of the same shape (at most ``PROBE_TOKENS`` keys) and keeps them fastest first.
+cuDNN's kernel is never a candidate for ``decode`` or ``turn``: it builds a plan per shape, and a
+cache's length changes with every call (measured on an H100: 1.6 ms of host time per call).
 """
 
 from __future__ import annotations
 
+import inspect
+import os
+import time
+
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+PROBE_TOKENS = 4096  # keys of the probe a phase's kernels are timed on
+BACKEND_NAMES = {"math": SDPBackend.MATH, "flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
+PHASES = ("decode", "turn", "prefill")
+_chosen: dict[tuple, tuple[str, ...]] = {}  # (phase, device type, dtype, head_dim, masked) -> kernels, fastest first
+_PRIORITY = "set_priority" in inspect.signature(sdpa_kernel).parameters
 
 
 def grouped_logits(query: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -19,65 +39,145 @@ def grouped_logits(query: torch.Tensor, keys: torch.Tensor, scaling: float) -> t
     return (stacked @ keys.float().transpose(-1, -2)).view(batch, q_heads, q_len, seq) * scaling
 
 
-def per_query_head(mask: torch.Tensor, q_heads: int) -> torch.Tensor:
-    """A boolean mask ``[b, 1 | kv_heads | q_heads, q, s]`` broadcastable over query heads."""
-    if 1 < mask.shape[1] < q_heads:
-        return mask.repeat_interleave(q_heads // mask.shape[1], dim=1)
-    return mask
+def phase_of(q_len: int, seq: int) -> str:
+    """``decode`` (one query), ``prefill`` (queries are the keys) or ``turn`` (several queries over a cache)."""
+    return "decode" if q_len == 1 else "prefill" if q_len == seq else "turn"
+
+
+def candidates(phase: str) -> tuple[str, ...]:
+    """Kernels a phase may use: all but cuDNN's where the key length changes from call to call."""
+    return tuple(name for name in BACKEND_NAMES if not (name == "cudnn" and phase != "prefill"))
+
+
+def forced_backends(phase: str) -> tuple[str, ...] | None:
+    """``KVCOMPRESS_SDPA`` (e.g. ``decode=efficient,math;prefill=flash``) overrides the timing."""
+    for part in os.environ.get("KVCOMPRESS_SDPA", "").split(";"):
+        name, _, kernels = part.partition("=")
+        if name.strip() == phase and kernels:
+            chosen = tuple(k.strip() for k in kernels.split(","))
+            unknown = [k for k in chosen if k not in BACKEND_NAMES]
+            if unknown:
+                raise ValueError(f"KVCOMPRESS_SDPA names unknown kernels {unknown} for {phase}; valid: {', '.join(BACKEND_NAMES)}")
+            return chosen
+    return None
+
+
+def sdpa_choices() -> dict[str, tuple[str, ...]]:
+    """The kernels chosen so far in this process, fastest first, per ``phase/device/dtype/head_dim/masked``."""
+    return {"/".join(str(part) for part in key): kernels for key, kernels in _chosen.items()}
+
+
+@torch.compiler.assume_constant_result
+def _backends_for(phase: str, device_type: str, dtype: str, head_dim: int, masked: bool) -> str:
+    """The chosen kernels as a string (a compiled step bakes the choice in without guarding on it)."""
+    forced = forced_backends(phase)
+    if forced is not None:
+        return ",".join(forced)
+    return ",".join(_chosen.get((phase, device_type, dtype, head_dim, masked), candidates(phase)))
+
+
+def _time_backend(name: str, probe: tuple, is_causal: bool, enable_gqa: bool) -> float | None:
+    """Median seconds of three calls with only kernel ``name`` enabled, or None where it does not run."""
+    query, keys, values, mask = probe
+    cuda = query.is_cuda
+    try:
+        with sdpa_kernel([BACKEND_NAMES[name]]):
+            times = []
+            for _ in range(4):
+                if cuda:
+                    torch.cuda.synchronize(query.device)
+                start = time.perf_counter()
+                F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, is_causal=is_causal, enable_gqa=enable_gqa)
+                if cuda:
+                    torch.cuda.synchronize(query.device)
+                times.append(time.perf_counter() - start)
+    except RuntimeError:
+        return None
+    return sorted(times[1:])[1]
+
+
+def _probe(query: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor | None, phase: str) -> tuple:
+    """Random inputs shaped like these, with at most ``PROBE_TOKENS`` keys (and queries, for a prefill)
+    and at most 4 rows."""
+    seq = min(keys.shape[-2], PROBE_TOKENS)
+    q_len = seq if phase == "prefill" else min(query.shape[-2], seq)
+    batch = min(query.shape[0], 4)
+    like = dict(device=query.device, dtype=query.dtype)
+    probe_query = torch.randn(batch, query.shape[1], q_len, query.shape[-1], **like)
+    probe_keys = torch.randn(batch, keys.shape[1], seq, keys.shape[-1], **like)
+    probe_mask = None if mask is None else torch.ones(batch, mask.shape[1], q_len, seq, dtype=torch.bool, device=query.device)
+    return probe_query, probe_keys, torch.randn_like(probe_keys), probe_mask
+
+
+def choose_backends(phase: str, query: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor | None, is_causal: bool, enable_gqa: bool) -> tuple[str, ...]:
+    """The phase's kernels, fastest first (timed once per phase, device, dtype, head size and masking)."""
+    key = (phase, query.device.type, str(query.dtype).removeprefix("torch."), query.shape[-1], mask is not None)
+    if key not in _chosen and forced_backends(phase) is None and not torch.compiler.is_compiling():
+        probe = _probe(query, keys, mask, phase)
+        timed = [(t, name) for name in candidates(phase) if (t := _time_backend(name, probe, is_causal, enable_gqa)) is not None]
+        _chosen[key] = tuple(name for _, name in sorted(timed)) or ("math",)
+    return tuple(_backends_for(*key).split(","))
+
+
+def kernel_context(chosen: tuple[str, ...]):
+    """``sdpa_kernel`` enabling ``chosen`` in that order of priority (where this torch can order them)."""
+    backends = [BACKEND_NAMES[name] for name in chosen]
+    return sdpa_kernel(backends, set_priority=True) if _PRIORITY else sdpa_kernel(backends)
+
+
+def chosen_kernels(query: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor | None):
+    """The chosen kernels as a context, for SDPA called by someone else (transformers' own cache)."""
+    phase = phase_of(query.shape[-2], keys.shape[-2])
+    return kernel_context(choose_backends(phase, query, keys, mask, is_causal=mask is None and phase == "prefill", enable_gqa=query.shape[1] != keys.shape[1]))
+
+
+def sdpa(
+    phase: str, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scaling: float | None, is_causal: bool = False, enable_gqa: bool = False
+) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` with the kernels chosen for ``phase`` (see ``phase_of``)."""
+    with kernel_context(choose_backends(phase, query, keys, mask, is_causal, enable_gqa)):
+        return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, is_causal=is_causal, scale=scaling, enable_gqa=enable_gqa)
+
+
+def stack_groups(query: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """``[b, q_heads, q, d]`` -> ``[b, kv_heads, group * q, d]``: a KV head's query heads as one head's queries."""
+    batch, q_heads, q_len, dim = query.shape
+    return query.reshape(batch, kv_heads, (q_heads // kv_heads) * q_len, dim)
+
+
+def group_mask(mask: torch.Tensor, group: int) -> torch.Tensor:
+    """A mask ``[b, 1 | kv_heads, q, s]`` for stacked queries ``[b, kv_heads, group * q, s]`` (one query: a broadcast)."""
+    if mask.shape[2] == 1:
+        return mask
+    batch, heads, q_len, seq = mask.shape
+    return mask[:, :, None].expand(batch, heads, group, q_len, seq).reshape(batch, heads, group * q_len, seq)
 
 
 def dense_attention(
     query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scaling: float, softcap: float | None = None
 ) -> torch.Tensor:
-    """Exact attention ``[b, q_heads, q, d]``. ``mask`` is boolean, ``[b, 1 | kv_heads | q_heads, q, s]``;
+    """Exact attention ``[b, q_heads, q, d]``. ``mask`` is boolean, ``[b, 1 | kv_heads, q, s]``;
     None means causal over the last ``q`` slots (or no mask for one query). ``softcap`` (Gemma 2):
     logits become ``softcap * tanh(logits / softcap)`` before the softmax."""
-    q_heads, kv_heads = query.shape[1], keys.shape[1]
-    q_len, seq = query.shape[-2], keys.shape[-2]
+    batch, q_heads, q_len, dim = query.shape
+    kv_heads, seq = keys.shape[1], keys.shape[-2]
     if mask is None and 1 < q_len and (q_len != seq or softcap is not None):
         mask = causal_slot_mask(q_len, seq, keys.device)
     if softcap is not None:
         logits = grouped_logits(query, keys, scaling)
         logits = softcap * torch.tanh(logits / softcap)
         if mask is not None:
-            logits = logits.masked_fill(~per_query_head(mask, q_heads), torch.finfo(torch.float32).min)
-        probs = logits.softmax(dim=-1)
-        batch, _, q_len, seq = probs.shape
-        out = probs.view(batch, kv_heads, -1, seq) @ values.float()
-        return out.view(batch, q_heads, q_len, -1).to(query.dtype)
-    return F.scaled_dot_product_attention(
-        query,
-        keys,
-        values,
-        attn_mask=None if mask is None else per_query_head(mask, q_heads),
-        is_causal=mask is None and q_len > 1,  # only when queries and slots coincide (a prefill)
-        scale=scaling,
-        enable_gqa=q_heads != kv_heads,
-    )
+            logits = logits.view(batch, kv_heads, -1, seq).masked_fill(~group_mask(mask, q_heads // kv_heads), torch.finfo(torch.float32).min)
+        probs = logits.view(batch, kv_heads, -1, seq).softmax(dim=-1)
+        return (probs @ values.float()).view(batch, q_heads, q_len, -1).to(query.dtype)
+    phase = phase_of(q_len, seq)
+    if q_len == 1 or (mask is not None and mask.shape[1] > 1):  # stacked: KV read once per KV head, a per-head mask as is
+        mask = None if mask is None else group_mask(mask, q_heads // kv_heads)
+        out = sdpa(phase, stack_groups(query, kv_heads), keys, values, mask, scaling)
+        return out.view(batch, q_heads, q_len, dim)
+    return sdpa(phase, query, keys, values, mask, scaling, is_causal=mask is None, enable_gqa=q_heads != kv_heads)
 
 
 def causal_slot_mask(q_len: int, slots: int, device: torch.device) -> torch.Tensor:
     """``[1, 1, q_len, slots]``: the newest ``q_len`` slots are the queries, each sees itself and all before."""
     return torch.ones(q_len, slots, dtype=torch.bool, device=device).tril(slots - q_len)[None, None]
-
-
-def attend_selected(
-    query: torch.Tensor,
-    selected: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    mask: torch.Tensor | None,
-    scaling: float,
-    softcap: float | None = None,
-) -> torch.Tensor:
-    """Exact attention over per-head selected tokens (``keys, values, valid [b, h, n]``) followed by
-    the layer's dense slots (``keys``/``values`` with their ``mask``; None = causal)."""
-    chosen_keys, chosen_values, chosen_valid = selected
-    q_len = query.shape[-2]
-    if mask is None:
-        mask = causal_slot_mask(q_len, keys.shape[-2], keys.device)
-    dense = mask.expand(keys.shape[0], -1, -1, -1)
-    if dense.shape[1] == 1:
-        dense = dense.expand(-1, keys.shape[1], -1, -1)
-    full_mask = torch.cat([chosen_valid[:, :, None, :].expand(-1, -1, q_len, -1), dense], dim=-1)
-    return dense_attention(query, torch.cat([chosen_keys, keys], dim=2), torch.cat([chosen_values, values], dim=2), full_mask, scaling, softcap)

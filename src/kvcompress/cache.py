@@ -30,7 +30,7 @@ from typing import Any, Callable, NamedTuple, Protocol
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from .attention import dense_attention
+from .attention import causal_slot_mask, dense_attention
 from .tensors import gather_rows, gather_tokens, nbytes, prompt_positions
 from .tokens import TokenSpans
 
@@ -72,25 +72,31 @@ def spare_slots(slots: int) -> int:
 
 
 class KVLayer(DynamicLayer):
-    """One layer's KV storage; uncompressed unless a method's subclass overrides the contract."""
+    """One layer's KV storage; uncompressed unless a method's subclass overrides the contract.
+
+    The prompt is held as the prefill computed it. From the first later step on, the slots live in
+    buffers of a fixed capacity with room to spare: ``keys``/``values`` are those whole buffers,
+    ``valid [batch, capacity]`` marks the slots holding real tokens (False for padding and for the
+    room), and every step attends over all of them. A step writes its tokens at ``cursor`` (a
+    device tensor), so it reads no host value and keeps every shape: a decoding step is one
+    capturable graph. Host-side counters (``seen_tokens``, ``used``) are kept by ``advance``, which
+    eager steps call from ``update`` and a compiled decoding loop calls after each step."""
 
     def __init__(self, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.seen_tokens = 0  # logical length: every token fed, padding included
+        self.used = 0  # slots holding tokens: [0, used)
+        self.cursor: torch.Tensor | None = None  # [1] on the device: the slot the next token goes to (= used)
         self.prefill_len: int | None = None  # slots of the first fill (the padded prompt), set after it
         self.prompt_tokens: torch.Tensor | None = None  # real prompt tokens per row, set after the prefill
-        self.real_tokens: torch.Tensor | None = None  # real tokens fed per row so far (prompt and later), on the device
-        self.valid: torch.Tensor | None = None  # [batch, slots]; None when every slot is real
+        self.valid: torch.Tensor | None = None  # [batch, slots]; None while every slot is real (a prefill without padding)
         self.positions: torch.Tensor | None = None  # [batch, kv_heads, prompt slots]: prompt positions held
-        self.new_tokens = 0  # tokens added by the last update
         self.awaiting_commit = False
         self.compress_s = 0.0
         self.spans: torch.Tensor | None = None  # [batch, prompt slots]: word/number span of each prompt token, when known
         self.record_window: int | None | bool = False  # False: no recording; None: every prefill query
         self.recorded: tuple[torch.Tensor, float] | None = None  # (last prefill queries, scaling)
-        self.buffers: tuple[torch.Tensor, torch.Tensor] | None = None  # keys/values live at [start:start+slots]
-        self._start = 0
 
     # --- storage ----------------------------------------------------------------------------------
 
@@ -106,49 +112,67 @@ class KVLayer(DynamicLayer):
                 f"kvcompress: this cache holds a batch of {self.keys.shape[0]} rows but got {key_states.shape[0]}; "
                 "make a new cache for a new batch"
             )
-        keys, values = self._append(key_states, value_states)
-        self.seen_tokens += key_states.shape[-2]
-        self.new_tokens = key_states.shape[-2]
-        self.awaiting_commit = True
-        _announced.layer, _announced.keys = self, keys
-        return keys, values
-
-    def _append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append slots. After the first fill they live in buffers with spare room, so a decoding step
-        writes its token instead of copying the whole cache; buffers are copied once per spare room."""
-        if not self.is_initialized or self.keys.dim() < 4 or self.keys.shape[-2] == 0:
+        new = key_states.shape[-2]
+        counted = not torch.compiler.is_compiling()  # a compiled step's loop counts after the step
+        if self.prefill_len is None:  # the first fill is held as computed, not copied
             self.lazy_initialization(key_states, value_states)
-            self.keys, self.values = key_states, value_states  # the first fill is held as computed, not copied
-            return self.keys, self.values
-        used, new = self.keys.shape[-2], key_states.shape[-2]
-        if not self._in_buffers() or self._start + used + new > self.buffers[0].shape[-2]:
-            capacity = used + new + spare_slots(used + new)
-            held = (self.keys, self.values)
-            self.buffers = tuple(t.new_empty(*t.shape[:2], capacity, t.shape[-1]) for t in held)
-            self._start = 0
-            for buffer, tensor in zip(self.buffers, held):
-                buffer[:, :, :used].copy_(tensor)
-        end = self._start + used
-        for buffer, tensor in zip(self.buffers, (key_states, value_states)):
-            buffer[:, :, end : end + new].copy_(tensor)
-        self.keys, self.values = (buffer[:, :, self._start : end + new] for buffer in self.buffers)
+            self.keys, self.values = key_states, value_states
+        else:
+            if counted:
+                self.make_room(new)
+            self.write(key_states, value_states)
+        if counted:
+            self.advance(new)
+        self.awaiting_commit = True
+        _announced.layer, _announced.keys = self, self.keys
         return self.keys, self.values
 
-    def _in_buffers(self) -> bool:
-        """Whether keys/values are the live window of ``buffers`` (set_slots and batch ops leave them)."""
-        if self.buffers is None:
-            return False
-        offset = self._start * self.buffers[0].stride(2)
-        return all(
-            held.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr() and held.storage_offset() == offset
-            for held, buffer in zip((self.keys, self.values), self.buffers)
-        )
+    def advance(self, new: int) -> None:
+        """Host-side counters after a step of ``new`` tokens."""
+        self.seen_tokens += new
+        self.used += new
+
+    def make_room(self, new: int) -> None:
+        """Buffers with room for ``new`` more tokens: moved into larger ones (room ~6% of the slots,
+        see ``spare_slots``) only when the room runs out, so decoding copies the cache once per room."""
+        if self.cursor is None or self.keys.shape[-2] - self.used < new:
+            self.relayout(self.used + new + spare_slots(self.used + new))
+
+    def reserve(self, tokens: int) -> None:
+        """Room for ``tokens`` more tokens now (at least the usual spare room), so the steps that
+        append them keep every shape."""
+        if self.cursor is None or self.keys.shape[-2] - self.used < tokens:
+            self.relayout(self.used + max(tokens, spare_slots(self.used)))
+
+    def relayout(self, capacity: int) -> None:
+        """Move the ``used`` slots into buffers of ``capacity`` slots (the rest: room, invalid)."""
+        held = (self.keys[:, :, : self.used], self.values[:, :, : self.used])
+        self.keys, self.values = (t.new_zeros(*t.shape[:2], capacity, t.shape[-1]) for t in held)
+        for buffer, tensor in zip((self.keys, self.values), held):
+            buffer[:, :, : self.used].copy_(tensor)
+        valid = torch.zeros(self.keys.shape[0], capacity, dtype=torch.bool, device=self.keys.device)
+        valid[:, : self.used] = True if self.valid is None else self.valid[:, : self.used]
+        self.valid = valid
+        self.cursor = torch.tensor([self.used], device=self.keys.device)
+
+    def write(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Store new tokens at ``cursor`` (valid until ``commit`` says otherwise) and move it on."""
+        slots = self.new_slots(key_states.shape[-2])
+        self.keys.index_copy_(2, slots, key_states)
+        self.values.index_copy_(2, slots, value_states)
+        self.valid.index_fill_(1, slots, True)
+        self.cursor.add_(key_states.shape[-2])
+
+    def new_slots(self, new: int, written: bool = False) -> torch.Tensor:
+        """Slot indices ``[new]`` of the next ``new`` tokens (``written``: of the last ``new`` written)."""
+        first = self.cursor - new if written else self.cursor
+        return first if new == 1 else first + torch.arange(new, device=first.device)
 
     def set_slots(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> None:
         """Replace every slot (e.g. by the kept ones). ``valid [b, slots]`` (None: all real),
         ``positions [b, kv_heads, prompt slots]`` (None: derived from validity)."""
         self.keys, self.values, self.valid, self.positions = keys, values, valid, positions
-        self.buffers, self._start = None, 0
+        self.used, self.cursor = keys.shape[-2], None
 
     def keep(self, indices: torch.Tensor, slot_valid: torch.Tensor) -> None:
         """Keep, per row and KV head, the prompt slots ``indices [b, kv_heads, n]`` (ascending);
@@ -157,21 +181,25 @@ class KVLayer(DynamicLayer):
         valid = None if bool(slot_valid.all()) else slot_valid
         self.set_slots(gather_tokens(self.keys, indices), gather_tokens(self.values, indices), valid, kept)
 
-    def drop_oldest(self, count: int) -> None:
-        """Forget the ``count`` oldest slots (the buffers keep their room)."""
-        if count <= 0:
-            return
-        prompt_slots = self.kept_positions()
-        self.keys, self.values = self.keys[:, :, count:], self.values[:, :, count:]
-        self._start += count
-        self.valid = None if self.valid is None else self.valid[:, count:]
-        self.positions = prompt_slots[..., count:]
-
     def slot_validity(self) -> torch.Tensor:
         """``[batch, slots]`` bool, True for real tokens."""
         if self.valid is not None:
             return self.valid
         return torch.ones(self.keys.shape[0], self.keys.shape[-2], dtype=torch.bool, device=self.keys.device)
+
+    def visibility(self, new_block: torch.Tensor | None, q_len: int) -> torch.Tensor | None:
+        """Boolean mask ``[b, 1, q_len, slots]`` of what the new queries see, from each slot's validity
+        and ``new_block [b, 1, q_len, q_len]``, the new tokens among themselves (None: causal). None
+        when plain causal attention over the slots is right (a prefill without padding)."""
+        if self.is_prefill:
+            return new_block  # the slots are exactly the new tokens
+        seen = self.valid[:, None, None, :]
+        if q_len == 1:
+            return seen  # a decoding token is valid from its write on: it sees itself and every real slot
+        block = new_block if new_block is not None else causal_slot_mask(q_len, q_len, self.keys.device)
+        mask = seen.expand(-1, -1, q_len, -1).clone()
+        mask[..., self.used - q_len : self.used] = block
+        return mask
 
     def kept_positions(self) -> torch.Tensor:
         """Prompt positions held, ``[batch, kv_heads, prompt slots]`` ascending per head; -1 marks
@@ -184,7 +212,7 @@ class KVLayer(DynamicLayer):
     def get_seq_length(self) -> int:
         return self.seen_tokens
 
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+    def get_mask_sizes(self, query_length: int, *args) -> tuple[int, int]:
         # transformers' mask covers logical positions; integration.py keeps only its newest columns.
         return self.seen_tokens + query_length, 0
 
@@ -197,18 +225,18 @@ class KVLayer(DynamicLayer):
         return self.prefill_len is None
 
     def commit(self, query: torch.Tensor, new_valid: torch.Tensor | None, scaling: float) -> None:
-        """Record which new tokens are real; after the first fill, let the method compress."""
+        """Record which new tokens are real (``new_valid [b, q]``; None: all); after the first fill, let the method compress."""
         self.awaiting_commit = False
         if self.is_prefill:
             self._end_prefill(query, new_valid, scaling)
             return
-        # Recorded without asking the device whether all are real: that would synchronize every step.
-        self.real_tokens = self.real_tokens + (new_valid.sum(-1) if new_valid is not None else self.new_tokens)
-        if new_valid is not None:
-            self.valid = torch.cat([self.slot_validity()[:, : self.keys.shape[-2] - new_valid.shape[-1]], new_valid], dim=-1)
-        elif self.valid is not None:
-            self.valid = torch.nn.functional.pad(self.valid, (0, self.new_tokens), value=True)
+        if new_valid is not None:  # written without asking the device whether all are real: that would synchronize
+            self.mark_padding(new_valid)
         self.after_step(query, scaling)
+
+    def mark_padding(self, new_valid: torch.Tensor) -> None:
+        """The validity ``[b, q]`` of the last ``q`` tokens written."""
+        self.valid.index_copy_(1, self.new_slots(new_valid.shape[-1], written=True), new_valid)
 
     def _end_prefill(self, query: torch.Tensor, new_valid: torch.Tensor | None, scaling: float) -> None:
         if new_valid is not None and not bool(new_valid.all()):
@@ -220,7 +248,6 @@ class KVLayer(DynamicLayer):
             self.valid = new_valid
         self.prefill_len = self.keys.shape[-2]
         self.prompt_tokens = self.slot_validity().sum(dim=-1)
-        self.real_tokens = self.prompt_tokens.clone()
         if self.record_window is not False:
             self.recorded = (query if self.record_window is None else query[..., -self.record_window :, :], scaling)
         _sync(self.keys)
@@ -235,11 +262,11 @@ class KVLayer(DynamicLayer):
         if source.recorded is None:
             raise CacheMisuseError("kvcompress: the prefill record has no queries for this layer")
         self.lazy_initialization(source.keys, source.values)
-        self.set_slots(source.keys, source.values)
-        self.seen_tokens = self.new_tokens = source.keys.shape[-2]
+        self.set_slots(source.keys[:, :, : source.prefill_len], source.values[:, :, : source.prefill_len])
+        self.seen_tokens = source.prefill_len
         self.spans = source.spans
         query, scaling = source.recorded
-        self._end_prefill(query, source.valid, scaling)
+        self._end_prefill(query, None if source.valid is None else source.valid[:, : source.prefill_len], scaling)
 
     # --- the contract a method's layer overrides ----------------------------------------------------
 
@@ -256,22 +283,30 @@ class KVLayer(DynamicLayer):
 
     def stats(self) -> dict[str, Any]:
         """This layer's counters. Numbers are summed over layers by the cache."""
-        kept = nbytes(self.keys, self.values)
-        held = nbytes(*self.buffers) if self._in_buffers() else kept
-        dense_full = 2 * self.keys.shape[0] * self.keys.shape[1] * self.full_tokens() * self.keys.shape[-1] * self.keys.element_size()
+        batch, heads, _, dim = self.keys.shape
+        kept = 2 * batch * heads * self.held_tokens() * dim * self.keys.element_size()
+        held = nbytes(self.keys, self.values)
         return {
-            "kv_tokens": self.keys.shape[-2],
-            "kv_bytes_full": dense_full,
+            "kv_tokens": self.held_tokens(),
+            "kv_bytes_full": 2 * batch * heads * self.full_tokens() * dim * self.keys.element_size(),
             "kv_bytes_kept": kept,
             "spare_bytes": held - kept,
-            "index_bytes": nbytes(self.valid, self.positions, *self.index_tensors()),
+            "index_bytes": nbytes(self.valid, self.positions, self.cursor, *self.index_tensors()),
             "offloaded_bytes": 0,
-            "bytes_read_per_step": kept,
+            "bytes_read_per_step": held,  # a step attends over every slot, the room included (masked)
         }
+
+    def held_tokens(self) -> int:
+        """Slots holding tokens (per row and KV head)."""
+        return self.used
 
     def info(self) -> dict[str, Any]:
         """Facts about this layer shown in the cache's stats (kept when every layer agrees)."""
         return {}
+
+    def uncapturable(self) -> str | None:
+        """Why this layer's decoding step cannot be one compiled graph (None: it can)."""
+        return None
 
     def fetch_overlap(self) -> OverlapProbe | None:
         """For layers that read an offload store while decoding: the parts to time. Default: None."""
@@ -287,7 +322,7 @@ class KVLayer(DynamicLayer):
 
     def batch_tensors(self) -> list[str]:
         """Attributes holding a batch dimension first (reordered by beam search)."""
-        return ["keys", "values", "valid", "positions", "prompt_tokens", "real_tokens", "spans"]
+        return ["keys", "values", "valid", "positions", "prompt_tokens", "spans"]
 
     # --- batch operations (transformers' generate: beams, num_return_sequences) -----------------------
 
@@ -303,7 +338,6 @@ class KVLayer(DynamicLayer):
     def _batch_apply(self, apply) -> None:
         if not self.is_initialized:
             return
-        self.buffers, self._start = None, 0
         for name in self.batch_tensors():
             value = getattr(self, name)
             if isinstance(value, torch.Tensor):
@@ -313,38 +347,100 @@ class KVLayer(DynamicLayer):
 
 
 class WindowLayer(KVLayer):
-    """A sliding-window attention layer (Mistral, Gemma 2/3 local layers, ...): it keeps exactly the
-    last ``window - 1`` tokens, all the model ever attends to from the next token on, whatever the
-    method (the method compresses the full-attention layers)."""
+    """A sliding-window attention layer (Mistral, Gemma 2/3 local layers, ...): it keeps the last
+    ``window - 1`` tokens, all the model ever attends to from the next token on, whatever the
+    method (the method compresses the full-attention layers).
+
+    After the prefill the slots form a ring: the token of logical index ``t`` lives in slot
+    ``t % capacity`` and ``slot_index`` says which token each slot holds, so a step overwrites the
+    oldest token in place and sees the slots less than ``window`` tokens before it."""
 
     is_sliding = True
 
     def __init__(self, layer_idx: int, window: int) -> None:
         super().__init__(layer_idx)
         self.window = window
+        self.slot_index: torch.Tensor | None = None  # [capacity]: logical index of each slot's token (-window: empty)
 
     def compress(self, query: torch.Tensor, scaling: float) -> None:
-        self.drop_oldest(self.keys.shape[-2] - (self.window - 1))
+        keep = min(self.used, self.window - 1)  # copied, so the prompt's KV is freed
+        positions = self.kept_positions()[..., self.used - keep :].clone()
+        valid = None if self.valid is None else self.valid[:, self.used - keep :].clone()
+        self.set_slots(self.keys[:, :, self.used - keep :].clone(), self.values[:, :, self.used - keep :].clone(), valid, positions)
 
-    def after_step(self, query: torch.Tensor, scaling: float) -> None:
-        self.drop_oldest(self.keys.shape[-2] - (self.window - 1))
+    def advance(self, new: int) -> None:
+        self.seen_tokens += new
+        self.used = new if self.prefill_len is None else min(self.used + new, self.window - 1)
 
-    def past_visibility(self, q_len: int) -> torch.Tensor:
-        """``[b, 1, q, past]``: past slot ``j`` (the last ``past`` tokens) is visible to new query ``i``
-        while they are less than ``window`` tokens apart."""
-        past = self.keys.shape[-2] - q_len
-        distance = torch.arange(q_len, device=self.keys.device)[:, None] + past - torch.arange(past, device=self.keys.device)[None, :]
-        return self.slot_validity()[:, None, None, :past] & (distance < self.window)[None, None]
+    def make_room(self, new: int) -> None:
+        needed = self.window - 1 + new  # every token of a longer turn sees the window before it
+        if self.cursor is None or self.keys.shape[-2] < needed:
+            self.relayout(needed + spare_slots(needed))
+
+    def reserve(self, tokens: int) -> None:
+        self.make_room(1)  # a ring: decoding steps overwrite the oldest token
+
+    def relayout(self, capacity: int) -> None:
+        """The held tokens (the last ``used`` before ``seen_tokens``) into a ring of ``capacity`` slots."""
+        if self.cursor is None:
+            order = torch.arange(self.used, device=self.keys.device)
+            logical = order + (self.seen_tokens - self.used)
+            valid = self.slot_validity()
+        else:
+            logical = torch.arange(self.seen_tokens - self.used, self.seen_tokens, device=self.keys.device)
+            order = logical % self.keys.shape[-2]
+            valid = self.valid[:, order]
+        slots = logical % capacity
+        keys, values = (t.new_zeros(*t.shape[:2], capacity, t.shape[-1]) for t in (self.keys, self.values))
+        keys.index_copy_(2, slots, self.keys[:, :, order])
+        values.index_copy_(2, slots, self.values[:, :, order])
+        self.keys, self.values = keys, values
+        self.valid = torch.zeros(keys.shape[0], capacity, dtype=torch.bool, device=keys.device).index_copy_(1, slots, valid)
+        self.slot_index = torch.full((capacity,), -self.window, device=keys.device).index_copy_(0, slots, logical)
+        self.cursor = torch.tensor([self.seen_tokens], device=keys.device)
+
+    def new_slots(self, new: int, written: bool = False) -> torch.Tensor:
+        return self.new_logical(new, written) % self.keys.shape[-2]
+
+    def new_logical(self, new: int, written: bool = False) -> torch.Tensor:
+        """Logical indices ``[new]`` of the next (``written``: the last) ``new`` tokens."""
+        return super().new_slots(new, written)
+
+    def write(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.slot_index.index_copy_(0, self.new_slots(key_states.shape[-2]), self.new_logical(key_states.shape[-2]))
+        super().write(key_states, value_states)
+
+    def visibility(self, new_block: torch.Tensor | None, q_len: int) -> torch.Tensor | None:
+        """Each new query sees the real slots less than ``window`` tokens before it (and the new
+        tokens as ``new_block`` says, which carries the window too)."""
+        if self.is_prefill:
+            return new_block
+        query = self.new_logical(q_len, written=True)[:, None]  # [q, 1]
+        near = (self.slot_index[None, :] > query - self.window) & (self.slot_index[None, :] <= query)
+        mask = self.valid[:, None, None, :] & near[None, None]
+        if q_len == 1 or new_block is None:
+            return mask
+        return mask.index_copy(3, self.new_slots(q_len, written=True), new_block.expand(mask.shape[0], -1, -1, -1))
+
+    def kept_positions(self) -> torch.Tensor:
+        """Prompt positions still inside the window."""
+        positions = super().kept_positions()
+        if self.prefill_len is None:
+            return positions
+        gone = max(0, positions.shape[-1] + self.seen_tokens - self.prefill_len - (self.window - 1))  # pushed out by later tokens
+        return positions[..., gone:]
 
     def full_tokens(self) -> int:
         return min(self.seen_tokens, self.window - 1)
+
+    def index_tensors(self) -> list[torch.Tensor]:
+        return [] if self.slot_index is None else [self.slot_index]
 
     def load_prefill(self, source: KVLayer) -> None:
         """The recorded window is already what this layer keeps."""
         self.lazy_initialization(source.keys, source.values)
         self.set_slots(source.keys, source.values, source.valid, source.positions)
         self.seen_tokens, self.prefill_len, self.prompt_tokens = source.seen_tokens, source.prefill_len, source.prompt_tokens
-        self.real_tokens = source.real_tokens
 
 
 class LayerFactory(Protocol):
@@ -386,6 +482,17 @@ class KVCompressCache(Cache):
     def kept_positions(self, layer_idx: int) -> torch.Tensor:
         """LongTensor ``[batch, kv_heads, n_kept]``: original prompt positions kept by ``layer_idx``."""
         return self.layers[layer_idx].kept_positions()
+
+    def reserve(self, tokens: int) -> None:
+        """Room in every layer for ``tokens`` more tokens, so the steps that append them keep every
+        shape (a compiled decoding step is one graph only while nothing is reallocated)."""
+        for layer in self.layers:
+            layer.reserve(tokens)
+
+    def advance(self, new: int) -> None:
+        """Host-side counters after a compiled step of ``new`` tokens (eager steps count in ``update``)."""
+        for layer in self.layers:
+            layer.advance(new)
 
     def stats(self) -> dict[str, Any]:
         """What is held versus what a full cache would hold, measured from the tensors, plus the

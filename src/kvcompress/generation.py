@@ -17,6 +17,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .cache import KVCompressCache
+from .decode import Compile, greedy_decode
 from .methods import FullKV, InvalidParameterError, Method, method_from_name
 
 Messages = list[dict[str, str]]
@@ -298,26 +299,6 @@ def _start(model, tokenizer, prompt, method, question, past, record) -> _Start:
     return _Start(cache, rows, is_batch, chunk_lists, *_empty_state(model, len(rows)))
 
 
-def _greedy(feeder: _Feeder, logits: torch.Tensor, max_new_tokens: int, eos: set[int]) -> tuple[list[list[int]], list[bool], int]:
-    """Greedy decoding until every row emits an end token or ``max_new_tokens`` are produced.
-    Returns each row's tokens, whether it finished, and the decoding steps run."""
-    generated: list[list[int]] = [[] for _ in range(logits.shape[0])]
-    eos_ids = torch.tensor(sorted(eos), dtype=torch.long, device=logits.device)
-    finished = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
-    steps = 0
-    for produced in range(1, max_new_tokens + 1):
-        token = logits.argmax(dim=-1)
-        for i, (t, done) in enumerate(zip(token.tolist(), finished.tolist())):
-            if not done:
-                generated[i].append(t)
-        finished |= torch.isin(token, eos_ids)
-        if produced == max_new_tokens or bool(finished.all()):
-            break
-        logits = feeder.forward(token[:, None], (~finished).long()[:, None])
-        steps += 1
-    return generated, finished.tolist(), steps
-
-
 @torch.inference_mode()
 def generate(
     model: PreTrainedModel,
@@ -328,6 +309,7 @@ def generate(
     question: str | list[str] | None = None,
     past: Result | None = None,
     prefill: Prefill | None = None,
+    compile: bool | Compile = False,
 ) -> Result:
     """Greedy generation with ``method`` (a method, or its name) applied to the prompt's KV cache.
 
@@ -336,9 +318,13 @@ def generate(
     prompt without it first (question-agnostic), then append it. ``past``: a previous Result whose
     conversation (and cache) this call continues with ``prompt`` as the next user message; the
     method is the one that built that cache and is not applied again. ``prefill``: a ``Prefill``
-    of the prompt to start from instead of prefilling again (``prompt`` is then not given)."""
+    of the prompt to start from instead of prefilling again (``prompt`` is then not given).
+    ``compile``: decode with one compiled graph per step (``torch.compile(fullgraph=True)``; on a GPU
+    replayed as a CUDA graph), or a ``Compile`` with other options; the prompt runs eagerly."""
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
         raise InvalidParameterError(f"max_new_tokens={max_new_tokens!r} is invalid; it must be an integer >= 1")
+    if not isinstance(compile, (bool, Compile)):
+        raise InvalidParameterError(f"compile={compile!r} is invalid; give True, False or a kvcompress.Compile")
     clock = time.perf_counter()
     begin = _start(model, tokenizer, prompt, method, question, past, prefill)
     fed = [int(p) + sum(len(c) for c in chunks) for p, chunks in zip(begin.position.tolist(), begin.chunk_lists)] if begin.chunk_lists else begin.position.tolist()
@@ -350,9 +336,12 @@ def generate(
 
     eos = _eos_ids(model, tokenizer)
     decode_start = time.perf_counter()
-    generated, finished, steps = _greedy(feeder, logits, max_new_tokens, eos)
+    options = Compile() if compile is True else compile or None
+    decoded = greedy_decode(model, begin.cache, logits, feeder.position, max_new_tokens, eos, options)
     _sync(model.device)
     decode_s = time.perf_counter() - decode_start
+    feeder.mask, feeder.position = torch.cat([feeder.mask, decoded.fed_real.long()], dim=-1), decoded.position
+    generated, finished, steps = decoded.tokens, decoded.finished, decoded.steps
 
     for row, tokens, done in zip(begin.rows, generated, finished):
         row.generated = [t for t in tokens if t not in eos]

@@ -27,6 +27,7 @@ from transformers import AttentionInterface, AutoTokenizer, PreTrainedModel, Pre
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface
 
+from . import attention
 from .attention import dense_attention
 from . import longprompt
 from .longprompt import LazyMask, chunk_mlps, lazy_sdpa_mask
@@ -127,7 +128,7 @@ def attach(model: PreTrainedModel) -> None:
 def check_inputs(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
     """Refuse, before the model runs, inputs a kvcompress cache cannot take."""
     cache = kwargs.get("past_key_values")
-    if not isinstance(cache, KVCompressCache):
+    if not isinstance(cache, KVCompressCache) or torch.compiler.is_compiling():  # a compiled step's loop checked before it
         return
     if cache.model_id != id(module):
         raise CacheMisuseError(
@@ -160,9 +161,12 @@ def check_inputs(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
             f"({seen + new} columns) but it has {mask.shape[-1]}; to continue, pass the whole mask; a new prompt needs a new cache "
             "(method.make_cache(model))"
         )
-    positions, real = kwargs.get("position_ids"), cache.layers[0].real_tokens
-    if new > 1 and positions is not None and real is not None:  # several new tokens: a new turn, or a new prompt by mistake
-        new_real = mask[:, -new:].sum(-1) if isinstance(mask, torch.Tensor) and mask.dim() == 2 else torch.full_like(real, new)
+    positions = kwargs.get("position_ids")
+    if new > 1 and positions is not None:  # several new tokens: a new turn, or a new prompt by mistake
+        rows = positions.shape[-2] if positions.dim() > 1 else 1
+        padded = isinstance(mask, torch.Tensor) and mask.dim() == 2
+        real = mask[:, :seen].sum(-1) if padded else torch.full((rows,), seen, device=positions.device)
+        new_real = mask[:, -new:].sum(-1) if padded else torch.full_like(real, new)
         last = positions[..., -1].reshape(-1, real.shape[0]).amax(0) if positions.dim() > 2 else positions[:, -1]
         if bool(((new_real > 0) & (last.to(real.device) != real + new_real - 1)).any()):  # one check per turn, not per step
             raise CacheMisuseError(
@@ -202,42 +206,28 @@ def new_token_validity(attention_mask: torch.Tensor | LazyMask | None, q_len: in
     return block.diagonal(dim1=-2, dim2=-1).bool()
 
 
-def newest_block(attention_mask: torch.Tensor | LazyMask, rows: tuple[int, int], q_len: int) -> torch.Tensor:
-    """Rows ``[start, end)`` of the new queries against the ``q_len`` new keys, ``[batch, 1, rows, q_len]``."""
-    if isinstance(attention_mask, LazyMask):
-        first = attention_mask.q_length - q_len
-        return attention_mask.block(first + rows[0], first + rows[1], attention_mask.kv_length - q_len, attention_mask.kv_length)
-    return attention_mask[:, :, attention_mask.shape[2] - q_len + rows[0] : attention_mask.shape[2] - q_len + rows[1], -q_len:].bool()
-
-
-def build_mask(
-    layer: KVLayer, attention_mask: torch.Tensor | LazyMask | None, q_len: int, kv_len: int, sliding_window: int | None, rows: tuple[int, int] | None = None
-) -> torch.Tensor | None:
-    """Boolean mask ``[batch, 1, rows, kv_len]`` over the layer's slots for the new queries ``rows``
-    (default: all ``q_len``), or None when plain causal attention over everything is right. Every
-    query may at least see itself, so padding queries never produce NaNs."""
-    old = kv_len - q_len
+def new_block(attention_mask: torch.Tensor | LazyMask | None, q_len: int, sliding_window: int | None, rows: tuple[int, int] | None = None) -> torch.Tensor | None:
+    """Boolean mask ``[batch, 1, rows, q_len]`` of the new queries ``rows`` (default: all) against
+    the new tokens (padding, causality, a sliding window), from the newest block of transformers'
+    mask; None when that is plain causal. Every query sees itself, so padding never gives NaNs."""
     first, last = rows or (0, q_len)
-    windowed = sliding_window is not None and kv_len > sliding_window
-    if attention_mask is None and layer.valid is None and not windowed and (q_len == 1 or old == 0) and rows is None:
+    windowed = sliding_window is not None and q_len > sliding_window
+    if attention_mask is None and not windowed and rows is None:
         return None
-    device, batch = layer.keys.device, layer.keys.shape[0]
+    device = attention_mask.device if attention_mask is not None else None
     query_index = torch.arange(first, last, device=device)[:, None]
     key_index = torch.arange(q_len, device=device)[None, :]
-    if attention_mask is not None:
-        new = newest_block(attention_mask, (first, last), q_len)
+    if isinstance(attention_mask, LazyMask):
+        start = attention_mask.q_length - q_len
+        block = attention_mask.block(start + first, start + last, attention_mask.kv_length - q_len, attention_mask.kv_length)
+    elif attention_mask is not None:
+        start = attention_mask.shape[2] - q_len
+        block = attention_mask[:, :, start + first : start + last, -q_len:].bool()
     else:
-        new = (key_index <= query_index)[None, None]
+        block = (key_index <= query_index)[None, None]
         if sliding_window is not None:
-            new = new & (key_index > query_index - sliding_window)[None, None]
-    new = (new | (key_index == query_index)[None, None]).expand(batch, 1, -1, -1)
-    if old == 0:
-        return new
-    if isinstance(layer, WindowLayer):
-        past = layer.past_visibility(q_len)[:, :, first:last]
-    else:
-        past = layer.slot_validity()[:, :old][:, None, None, :].expand(-1, 1, last - first, -1)
-    return torch.cat([past, new], dim=-1)
+            block = block & (key_index > query_index - sliding_window)[None, None]
+    return block | (key_index == query_index).to(block.device)[None, None]
 
 
 def attend_in_blocks(
@@ -245,12 +235,12 @@ def attend_in_blocks(
 ) -> torch.Tensor:
     """A prefill's attention a block of queries at a time, each block with its own block of the
     mask over the keys up to its last query: no ``prompt x prompt`` tensor is ever built."""
-    q_len = kv_len = key.shape[-2]
-    rows = max(1, longprompt.BLOCK_ELEMENTS // (key.shape[0] * kv_len))
+    q_len = key.shape[-2]
+    rows = max(1, longprompt.BLOCK_ELEMENTS // (key.shape[0] * q_len))
     out = torch.empty_like(query)
     for first in range(0, q_len, rows):
         last = min(q_len, first + rows)
-        mask = build_mask(layer, attention_mask, q_len, kv_len, sliding_window, (first, last))[..., :last]
+        mask = new_block(attention_mask, q_len, sliding_window, (first, last))[..., :last]
         out[:, :, first:last] = layer.attend(query[:, :, first:last], key[:, :, :last], value[:, :, :last], mask, scaling, softcap)
     return out
 
@@ -276,7 +266,8 @@ def kvcompress_attention(
             scale = scaling if scaling is not None else query.shape[-1] ** -0.5
             mask = None if attention_mask is None else attention_mask.bool()
             return dense_attention(query, key, value, mask, scale, softcap).transpose(1, 2).contiguous(), None
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, sliding_window=sliding_window, **kwargs)
+        with attention.chosen_kernels(query, key, attention_mask):
+            return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, sliding_window=sliding_window, **kwargs)
     if "s_aux" in kwargs:
         raise UnsupportedModelError(f"kvcompress: {type(module).__name__} uses attention sinks (s_aux), which kvcompress does not support")
     expected = layer.window if isinstance(layer, WindowLayer) else None
@@ -290,7 +281,7 @@ def kvcompress_attention(
     if isinstance(attention_mask, LazyMask) and layer.is_prefill and q_len == key.shape[-2]:
         out = attend_in_blocks(layer, query, key, value, attention_mask, sliding_window, scaling, softcap)
     else:
-        mask = build_mask(layer, attention_mask, q_len, key.shape[-2], sliding_window)
+        mask = layer.visibility(new_block(attention_mask, q_len, sliding_window), q_len)
         out = layer.attend(query, key, value, mask, scaling, softcap)
     layer.commit(query, new_token_validity(attention_mask, q_len), scaling)
     return out.transpose(1, 2).contiguous(), None

@@ -117,7 +117,7 @@ class ChunkStore:
     def fetch(self, chunks: torch.Tensor, hit: torch.Tensor, slot: torch.Tensor, previous: torch.Tensor | None, overlap: Callable[[], T]) -> tuple[torch.Tensor, T]:
         """Gather ``chunks [b, h, k]`` (hits from ``previous``) on the side stream while ``overlap()``
         runs on the current one; returns the gathered ``[b, h, k * chunk, d]`` and ``overlap()``'s result."""
-        if self.stream is None:
+        if self.stream is None or torch.compiler.is_compiling():  # a compiled step runs on one stream
             return self._gather(chunks, hit, slot, previous), overlap()
         main = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(main)

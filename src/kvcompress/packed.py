@@ -9,12 +9,14 @@ the room a uniform slot buffer of the segments' mean length gets: all segments g
 per step, so they run out together and are repacked together, once per ~6% of growth, and the
 spare bytes equal the uniform cache's at an equal total budget.
 
-Attention gathers every segment into one ``[rows, heads, longest, d]`` block through an index built
-once per packing (``index_select``), with the validity of every slot as its mask, and runs one exact
-call, the GQA group's query heads sharing their KV head's segment. Slots past a segment's room
-point at a sentinel slot that is never valid. Tokens are valid from their append (a decoding token
-sees itself) until ``commit`` says otherwise; queries of a longer step also get the step's causal
-mask over its own tokens.
+Attention gathers every segment, room included, into one ``[rows, heads, widest, d]`` block
+(``index_select``; the index comes from each segment's start and capacity), with the validity of every slot as its
+mask, and runs one exact call, the GQA group's query heads sharing their KV head's segment. Slots
+past a segment's room point at a sentinel slot that is never valid. Tokens are valid from their
+append (a decoding token sees itself) until ``mark_padding`` says otherwise; queries of a longer
+step also get the step's causal mask over its own tokens. Between packings every shape is fixed
+and the write positions are device tensors, so a decoding step is one capturable graph; the host
+mirrors (``lengths``, ``room_left``) move on in ``advance``.
 """
 
 from __future__ import annotations
@@ -33,16 +35,18 @@ class PackedSlots:
         """``segments[row][head]``: that head's keys ``[n, d]``, values ``[n, d]`` and prompt
         positions ``[n]`` (ascending)."""
         self.rows, self.heads = len(segments), len(segments[0])
-        self.lengths = [[int(k.shape[0]) for k, _, _ in row] for row in segments]
+        self.lengths = [[int(k.shape[0]) for k, _, _ in row] for row in segments]  # host mirror of lengths_t
         self.positions = [[p for _, _, p in row] for row in segments]  # prompt positions held, per segment
-        self._pack([[(k, v) for k, v, _ in row] for row in segments], [[None] * self.heads for _ in range(self.rows)])
+        self._pack([[(k, v) for k, v, _ in row] for row in segments], [[None] * self.heads for _ in range(self.rows)], spare_slots(self.mean_length()))
 
-    def _pack(self, parts: list[list[tuple[torch.Tensor, torch.Tensor]]], valid: list[list[torch.Tensor | None]], incoming: int = 0) -> None:
-        """Lay the segments out afresh, each with room for ``incoming`` tokens about to be appended plus spare."""
+    def mean_length(self) -> int:
+        return sum(map(sum, self.lengths)) // (self.rows * self.heads)
+
+    def _pack(self, parts: list[list[tuple[torch.Tensor, torch.Tensor]]], valid: list[list[torch.Tensor | None]], room: int) -> None:
+        """Lay the segments out afresh, each with ``room`` slots after it."""
         first = parts[0][0][0]
         device = first.device
-        room = spare_slots(sum(map(sum, self.lengths)) // (self.rows * self.heads) + incoming)
-        capacities = [[n + incoming + room for n in row] for row in self.lengths]
+        capacities = [[n + room for n in row] for row in self.lengths]
         total = sum(map(sum, capacities))
         self.keys = first.new_zeros(total + 1, first.shape[-1])  # the last slot: the sentinel
         self.values = first.new_zeros(total + 1, first.shape[-1])
@@ -58,56 +62,72 @@ class PackedSlots:
                 self.values[start : start + n] = values
                 self.valid[start : start + n] = True if valid[r][h] is None else valid[r][h]
                 start += capacities[r][h]
-        self.room_left = incoming + room  # the same for every segment: equal room, equal growth
+        self.room_left = room  # the same for every segment: equal room, equal growth
         self.starts_t = torch.tensor([s for row in self.starts for s in row], device=device)  # [segments], row-major
         self.lengths_t = torch.tensor([n for row in self.lengths for n in row], device=device)
-        offsets = torch.arange(max(map(max, capacities)), device=device)
-        capacity = torch.tensor([c for row in capacities for c in row], device=device)
-        self.gather_index = torch.where(offsets < capacity[:, None], self.starts_t[:, None] + offsets, total)  # [segments, widest]
+        self.capacities_t = torch.tensor([c for row in capacities for c in row], device=device)
+        self.widest = max(map(max, capacities))
 
     def segment(self, row: int, head: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Keys, values ``[n, d]`` and validity ``[n]`` of one segment (views, no copy)."""
         start, n = self.starts[row][head], self.lengths[row][head]
         return self.keys[start : start + n], self.values[start : start + n], self.valid[start : start + n]
 
-    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Append ``keys``/``values [rows, heads, q, d]`` to every segment (valid until ``commit`` says otherwise)."""
-        new = keys.shape[2]
+    def make_room(self, new: int) -> None:
+        """Repack (every segment with room for ``new`` more tokens plus spare) when the room runs out."""
         if new > self.room_left:
-            kept = [[self.segment(r, h) for h in range(self.heads)] for r in range(self.rows)]
-            self._pack([[(k.clone(), v.clone()) for k, v, _ in row] for row in kept], [[m.clone() for _, _, m in row] for row in kept], new)
-        index = self.starts_t + self.lengths_t
-        if new > 1:
-            index = (index[:, None] + torch.arange(new, device=index.device)).view(-1)
+            self._repack(new + spare_slots(self.mean_length() + new))
+
+    def reserve(self, tokens: int) -> None:
+        """Room for ``tokens`` more tokens in every segment (at least the usual spare room)."""
+        if tokens > self.room_left:
+            self._repack(max(tokens, spare_slots(self.mean_length())))
+
+    def _repack(self, room: int) -> None:
+        kept = [[self.segment(r, h) for h in range(self.heads)] for r in range(self.rows)]
+        self._pack([[(k.clone(), v.clone()) for k, v, _ in row] for row in kept], [[m.clone() for _, _, m in row] for row in kept], room)
+
+    def newest(self, new: int, written: bool = False) -> torch.Tensor:
+        """Flat slots ``[segments * new]`` of the next (``written``: the last) ``new`` tokens of every segment."""
+        first = self.starts_t + self.lengths_t - (new if written else 0)
+        return first if new == 1 else (first[:, None] + torch.arange(new, device=first.device)).view(-1)
+
+    def write(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Append ``keys``/``values [rows, heads, q, d]`` to every segment (valid until ``mark_padding``)."""
+        index = self.newest(keys.shape[2])
         self.keys.index_copy_(0, index, keys.reshape(-1, keys.shape[-1]))
         self.values.index_copy_(0, index, values.reshape(-1, values.shape[-1]))
         self.valid.index_fill_(0, index, True)
-        self.lengths = [[n + new for n in row] for row in self.lengths]
-        self.lengths_t += new
-        self.room_left -= new
-        self.newest = index
+        self.lengths_t.add_(keys.shape[2])
 
-    def commit(self, valid: torch.Tensor) -> None:
+    def advance(self, new: int) -> None:
+        """The host mirrors after ``new`` tokens were appended to every segment."""
+        self.lengths = [[n + new for n in row] for row in self.lengths]
+        self.room_left -= new
+
+    def mark_padding(self, valid: torch.Tensor) -> None:
         """Record which of the last appended tokens are real: ``valid [rows, q]``."""
-        self.valid.index_copy_(0, self.newest, valid[:, None, :].expand(-1, self.heads, -1).reshape(-1))
+        index = self.newest(valid.shape[-1], written=True)
+        self.valid.index_copy_(0, index, valid[:, None, :].expand(-1, self.heads, -1).reshape(-1))
 
     def attend(self, query: torch.Tensor, new_mask: torch.Tensor | None, scaling: float, softcap: float | None = None) -> torch.Tensor:
         """Exact attention of ``query [rows, q_heads, q, d]`` over each segment, whose newest ``q``
         slots are these queries' own tokens, seen as ``new_mask [rows, 1, q, q]`` says (None: causal;
-        one query always sees its own token). A KV head's group of query heads is stacked as one
-        head's queries, so the mask is the segment's and nothing is repeated."""
+        one query always sees its own token)."""
         rows, q_heads, q_len, dim = query.shape
-        longest = max(map(max, self.lengths))
-        index = self.gather_index[:, :longest].reshape(-1)
-        keys, values = (t.index_select(0, index).view(rows, self.heads, longest, dim) for t in (self.keys, self.values))
-        seen = self.valid.index_select(0, index).view(rows, self.heads, 1, longest)
+        index = self.gather_index()
+        keys, values = (t.index_select(0, index).view(rows, self.heads, self.widest, dim) for t in (self.keys, self.values))
+        seen = self.valid.index_select(0, index).view(rows, self.heads, 1, self.widest)
         if q_len > 1:  # the step's own tokens: each query sees those its mask allows
             step = causal_slot_mask(q_len, q_len, query.device)[0] if new_mask is None else new_mask[:, 0]
             newest = (self.lengths_t.view(rows, self.heads, 1, 1) - q_len + torch.arange(q_len, device=query.device)).expand(-1, -1, q_len, -1)
             seen = seen.expand(-1, -1, q_len, -1).scatter(3, newest, step.expand(rows, 1, -1, -1).expand(-1, self.heads, -1, -1))
-            seen = seen[:, :, None].expand(-1, -1, q_heads // self.heads, -1, -1).reshape(rows, self.heads, -1, longest)
-        grouped = query.reshape(rows, self.heads, -1, dim)  # [rows, kv_heads, group x q, d]
-        return dense_attention(grouped, keys, values, seen, scaling, softcap).view(rows, q_heads, q_len, dim)
+        return dense_attention(query, keys, values, seen, scaling, softcap)
+
+    def gather_index(self) -> torch.Tensor:
+        """Flat slots ``[segments * widest]`` of every segment, room included; past a segment's room, the sentinel."""
+        offsets = torch.arange(self.widest, device=self.starts_t.device)  # a slot's place in its segment
+        return torch.where(offsets < self.capacities_t[:, None], self.starts_t[:, None] + offsets, self.valid.shape[0] - 1).view(-1)
 
     def kept_positions(self) -> torch.Tensor:
         """``[rows, heads, n]`` prompt positions of each segment, ascending; shorter segments padded with -1 at the front."""
@@ -132,4 +152,4 @@ class PackedSlots:
         self.lengths = [list(self.lengths[r]) for r in rows]
         self.positions = [list(self.positions[r]) for r in rows]
         self.rows = len(rows)
-        self._pack([[(k.clone(), v.clone()) for k, v, _ in row] for row in parts], [[m.clone() for _, _, m in row] for row in parts])
+        self._pack([[(k.clone(), v.clone()) for k, v, _ in row] for row in parts], [[m.clone() for _, _, m in row] for row in parts], self.room_left)

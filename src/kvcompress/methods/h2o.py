@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from ..attention import causal_slot_mask, grouped_logits, per_query_head
+from ..attention import group_mask, grouped_logits
 from ..cache import KVLayer
 from ..tensors import gather_tokens
 from .base import check_reserved, param, require
@@ -102,9 +102,12 @@ class H2O(PromptMethod):
 class H2OLayer(EvictionLayer):
     """H2O with eviction while decoding: the layer keeps its slots' accumulated scores and positions.
 
-    Slots of padding (filler slots, tokens of rows that finished) score lowest, and ties are broken
-    by slot order, so every KV head of a row evicts the same padding slots and slot validity stays
-    per row."""
+    Each step writes its tokens after the held ones, adds the step's attention to every slot's
+    score, then keeps, per KV head, the ``budget`` best slots (the recent window first, then by
+    score, padding and free room last) moved to the front in slot order. Every shape is fixed by
+    the buffers' capacity, so a decoding step is one capturable graph. Slots of padding (filler
+    slots, tokens of rows that finished) score lowest, and ties are broken by slot order, so every
+    KV head of a row evicts the same padding slots and slot validity stays per row."""
 
     method: H2O
 
@@ -123,43 +126,65 @@ class H2OLayer(EvictionLayer):
         self.slot_scores = full if kept is None else full.gather(2, kept)
         self.next_position = self.prompt_tokens.clone()
 
+    def relayout(self, capacity: int) -> None:
+        held = self.used
+        super().relayout(capacity)
+        self.slot_scores, self.slot_positions = (
+            torch.nn.functional.pad(t[..., :held], (0, capacity - held), value=fill) for t, fill in ((self.slot_scores, 0.0), (self.slot_positions, -1))
+        )
+
+    def reserve(self, tokens: int) -> None:
+        super().reserve(max(1, min(tokens, self.budget + 1 - self.used)))  # evicting: never more than the budget and a step
+
+    def advance(self, new: int) -> None:
+        super().advance(new)
+        if self.prefill_len is not None:
+            self.used = min(self.used, self.budget)
+
     def attend(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scaling: float, softcap: float | None = None) -> torch.Tensor:
         if self.is_prefill:
             return super().attend(query, keys, values, mask, scaling, softcap)
         batch, q_heads, q_len, dim = query.shape
-        kv_heads = keys.shape[1]
-        logits = grouped_logits(query, keys, scaling)
+        kv_heads, slots = keys.shape[1], keys.shape[-2]
+        logits = grouped_logits(query, keys, scaling).view(batch, kv_heads, -1, slots)
         if softcap is not None:
             logits = softcap * torch.tanh(logits / softcap)
-        if mask is None:
-            mask = causal_slot_mask(q_len, keys.shape[-2], keys.device)
-        probs = logits.masked_fill(~per_query_head(mask, q_heads), torch.finfo(torch.float32).min).softmax(dim=-1)
-        new = torch.zeros(batch, kv_heads, q_len, device=keys.device)
-        self.slot_scores = torch.cat([self.slot_scores, new], dim=-1) + average_over_groups(probs.sum(dim=2), kv_heads)
-        out = (probs.view(batch, kv_heads, -1, keys.shape[-2]) @ values.float()).view(batch, q_heads, q_len, dim)
-        return out.to(query.dtype)
+        probs = logits.masked_fill(~group_mask(mask, q_heads // kv_heads), torch.finfo(torch.float32).min).softmax(dim=-1)
+        self.slot_scores.add_(average_over_groups(probs.view(batch, q_heads, q_len, slots).sum(dim=2), kv_heads))
+        return (probs @ values.float()).view(batch, q_heads, q_len, dim).to(query.dtype)
+
+    def write(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        slots = self.new_slots(key_states.shape[-2])
+        self.slot_scores.index_fill_(2, slots, 0.0)  # the room may hold an evicted slot's score
+        super().write(key_states, value_states)
 
     def after_step(self, query: torch.Tensor, scaling: float) -> None:
-        """Record the new tokens' positions, then drop, per KV head, the lowest-scoring slots outside
-        the recent window until ``budget`` remain."""
-        real = self.slot_validity()[:, -self.new_tokens :]
+        """Record the new tokens' positions, then keep, per KV head, the ``budget`` best slots at the front."""
+        q_len = query.shape[-2]
+        new = self.new_slots(q_len, written=True)
+        real = self.valid.index_select(1, new)
         position = (self.next_position[:, None] + real.long().cumsum(-1) - 1).masked_fill(~real, -1)
-        self.next_position = self.next_position + real.sum(-1)
-        self.slot_positions = torch.cat([self.slot_positions, position[:, None].expand(-1, self.keys.shape[1], -1)], dim=-1)
-        budget = self.budget
-        if self.keys.shape[-2] <= budget:
-            return
-        score = protect_recent(self.slot_scores, self.method.recent_tokens).masked_fill(~self.slot_validity()[:, None, :], -math.inf)
-        keep = score.sort(dim=-1, descending=True, stable=True).indices[..., :budget].sort(dim=-1).values
-        valid = None if self.valid is None else self.valid.gather(1, keep[:, 0])
-        self.set_slots(gather_tokens(self.keys, keep), gather_tokens(self.values, keep), valid)
-        self.slot_scores, self.slot_positions = self.slot_scores.gather(2, keep), self.slot_positions.gather(2, keep)
+        self.next_position.add_(real.sum(-1))
+        self.slot_positions.index_copy_(2, new, position[:, None].expand(-1, self.keys.shape[1], -1))
+        slot = torch.arange(self.keys.shape[-2], device=self.keys.device)
+        recent = (slot >= self.cursor - self.method.recent_tokens) & (slot < self.cursor)
+        score = self.slot_scores.masked_fill(recent, math.inf).masked_fill(~self.valid[:, None, :], -math.inf)
+        keep = score.sort(dim=-1, descending=True, stable=True).indices[..., : self.budget].sort(dim=-1).values
+        front = slice(0, self.budget)
+        for buffer in (self.keys, self.values):
+            buffer[:, :, front].copy_(gather_tokens(buffer, keep))
+        for kept in (self.slot_scores, self.slot_positions):
+            kept[..., front].copy_(kept.gather(2, keep))
+        self.valid[:, front].copy_(self.valid.gather(1, keep[:, 0]))
+        self.valid[:, self.budget :] = False
+        self.cursor.clamp_(max=self.budget)
 
     def kept_positions(self) -> torch.Tensor:
         """Prompt positions still held per head, ascending; -1 for slots holding padding or generated tokens."""
         if self.slot_positions is None:
             return super().kept_positions()
-        prompt = self.slot_positions.masked_fill(self.slot_positions >= self.prompt_tokens[:, None, None], -1)
+        held = self.slot_positions[..., : self.used]
+        prompt = held.masked_fill(held >= self.prompt_tokens[:, None, None], -1)
         return prompt.sort(dim=-1).values
 
     def index_tensors(self) -> list[torch.Tensor]:

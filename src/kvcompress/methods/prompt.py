@@ -186,23 +186,38 @@ class HeadAdaptiveLayer(EvictionLayer):
         empty = self.keys.new_empty(*self.keys.shape[:2], 0, self.keys.shape[-1])  # not a view: the prompt's KV is freed
         self.set_slots(empty, empty.clone())  # everything lives in the packed slots now
 
-    def _append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def make_room(self, new: int) -> None:
         if self.packed is None:
-            return super()._append(key_states, value_states)
-        self.packed.append(key_states, value_states)
-        return key_states, value_states
+            return super().make_room(new)
+        self.packed.make_room(new)
+
+    def reserve(self, tokens: int) -> None:
+        if self.packed is None:
+            return super().reserve(tokens)
+        self.packed.reserve(tokens)
+
+    def write(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        if self.packed is None:
+            return super().write(key_states, value_states)
+        self.packed.write(key_states, value_states)
+
+    def advance(self, new: int) -> None:
+        super().advance(new)
+        if self.packed is not None:
+            self.packed.advance(new)
+
+    def mark_padding(self, new_valid: torch.Tensor) -> None:
+        if self.packed is None:
+            return super().mark_padding(new_valid)
+        self.packed.mark_padding(new_valid)
+
+    def visibility(self, new_block: torch.Tensor | None, q_len: int) -> torch.Tensor | None:
+        return super().visibility(new_block, q_len) if self.packed is None else new_block  # the packed slots know the rest
 
     def attend(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scaling: float, softcap: float | None = None) -> torch.Tensor:
         if self.packed is None:
             return super().attend(query, keys, values, mask, scaling, softcap)
-        q_len = query.shape[-2]
-        return self.packed.attend(query, None if mask is None else mask[..., -q_len:], scaling, softcap)
-
-    def commit(self, query: torch.Tensor, new_valid: torch.Tensor | None, scaling: float) -> None:
-        appended = self.packed is not None  # after the prefill, this step's tokens went into the packed slots
-        super().commit(query, new_valid, scaling)
-        if appended and new_valid is not None:
-            self.packed.commit(new_valid)
+        return self.packed.attend(query, mask, scaling, softcap)
 
     def kept_positions(self) -> torch.Tensor:
         return super().kept_positions() if self.packed is None else self.packed.kept_positions()
@@ -217,9 +232,10 @@ class HeadAdaptiveLayer(EvictionLayer):
             "kv_bytes_full": 2 * self.packed.rows * self.packed.heads * self.seen_tokens * dim * size,
             "kv_bytes_kept": used,
             "spare_bytes": spare,
-            "index_bytes": nbytes(self.packed.valid, *(p for row in self.packed.positions for p in row)),
+            "index_bytes": nbytes(self.packed.valid, self.packed.capacities_t, self.packed.starts_t, self.packed.lengths_t,
+                                  *(p for row in self.packed.positions for p in row)),
             "offloaded_bytes": 0,
-            "bytes_read_per_step": used,
+            "bytes_read_per_step": 2 * self.packed.rows * self.packed.heads * self.packed.widest * dim * size,  # the gathered block, room included
         }
 
     def batch_tensors(self) -> list[str]:

@@ -257,6 +257,9 @@ class ShadowKVLayer(SparseDecodeLayer):
         batch, heads, _, dim = values.shape
         return values.reshape(batch, heads, -1, self.unit, dim)
 
+    def previous_chunks(self) -> torch.Tensor:
+        return self.values[:, :, : self.front]
+
     def rebuild_keys(self, chunks: torch.Tensor) -> torch.Tensor:
         """Post-RoPE keys of ``chunks [b, h, m]``, rebuilt from the low-rank factors and rotated at their original positions."""
         heads = chunks.shape[1]

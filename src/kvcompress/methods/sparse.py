@@ -20,7 +20,7 @@ from typing import Any, Callable, ClassVar
 
 import torch
 
-from ..attention import attend_selected
+from ..attention import dense_attention
 from ..cache import KVLayer, OverlapProbe
 from ..offload import ChunkStore, match_previous
 from ..tensors import chunk_tokens, gather_tokens, nbytes, prompt_positions
@@ -70,10 +70,10 @@ class SparseDecodeLayer(KVLayer):
         self.selectable: torch.Tensor | None = None  # [b, h, n]: chunk may be selected
         self.step_chunks: torch.Tensor | None = None  # [b]: chunks each row selects per step
         self.step_count = 0  # chunks gathered per step (the largest row's)
+        self.front = 0  # slots at the front of the buffers that hold the step's selected chunks
         self.selected: torch.Tensor | None = None  # [b, h, k]: last step's chunks (offloaded stores reuse them)
-        self.buffer: torch.Tensor | None = None  # their gathered chunks [b, h, k * unit, d']
         self.steps = self.lookups = 0
-        self.hits: torch.Tensor | int = 0  # a device scalar once decoding runs: counted without a host sync
+        self.hits: torch.Tensor | None = None  # a device scalar: counted without a host sync
 
     # --- what a method implements ---------------------------------------------------------------------
 
@@ -105,6 +105,11 @@ class SparseDecodeLayer(KVLayer):
         """Keys and values ``[b, h, k * unit, d]`` of ``chunks [b, h, k]``."""
         gathered, rebuilt = self.gather(chunks, overlap=lambda: self.rebuild_keys(chunks))
         return gathered.chunk(2, dim=-1) if rebuilt is None else (rebuilt, gathered)
+
+    def previous_chunks(self) -> torch.Tensor:
+        """Last step's gathered chunks as the store holds them (the front slots; keys and values side by side)."""
+        front = slice(0, self.front)
+        return torch.cat([self.keys[:, :, front], self.values[:, :, front]], dim=-1)
 
     def index_tensors(self) -> list[torch.Tensor]:
         """The selection index kept on the device (landmarks, page bounds, projected keys, factors)."""
@@ -142,19 +147,29 @@ class SparseDecodeLayer(KVLayer):
             token_valid = chunk_valid.repeat_interleave(self.unit, dim=-1)
             parts.insert(0, (gather_tokens(keys, tokens), gather_tokens(values, tokens), token_valid, tokens.masked_fill(~token_valid[:, None, :], -1)))
         dense_keys, dense_values, valid, positions = (torch.cat(column, dim=-2 if i < 2 else -1) for i, column in enumerate(zip(*parts)))
-        self.set_slots(dense_keys, dense_values, None if bool(valid.all()) else valid, positions)
         self.store = ChunkStore(self.stored_chunks(keys, values), self.offload)
         per_step = torch.div(self.method.step_tokens(lengths), self.unit, rounding_mode="floor").clamp(min=1)
         self.step_chunks = torch.minimum(per_step, counts)
         self.step_count = int(self.step_chunks.max())  # chunks gathered per step: a fixed shape
+        self.front = self.step_count * self.unit
+        front = dense_keys.new_zeros(*dense_keys.shape[:2], self.front, dense_keys.shape[-1])
+        front_valid = torch.ones(valid.shape[0], self.front, dtype=torch.bool, device=device)  # per head: from each step's selection
+        self.set_slots(torch.cat([front, dense_keys], dim=2), torch.cat([front, dense_values], dim=2),
+                       None if bool(valid.all()) else torch.cat([front_valid, valid], dim=1), positions)
+        self.selected = torch.full((valid.shape[0], heads, self.step_count), -1, device=device)  # no chunk yet
+        self.hits = torch.zeros((), dtype=torch.long, device=device)
 
     def attend(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scaling: float, softcap: float | None = None) -> torch.Tensor:
+        """Exact attention over the step's selected chunks, written into the front slots, and the dense slots."""
         if self.store is None:
             return super().attend(query, keys, values, mask, scaling, softcap)
         chosen, counted = self.select(query, scaling)
         selected_keys, selected_values = self.selected_kv(chosen)
-        token_valid = counted.repeat_interleave(self.unit, dim=-1)
-        return attend_selected(query, (selected_keys, selected_values, token_valid), keys, values, mask, scaling, softcap)
+        keys[:, :, : self.front].copy_(selected_keys)
+        values[:, :, : self.front].copy_(selected_values)
+        front = counted.repeat_interleave(self.unit, dim=-1)[:, :, None, :].expand(-1, -1, mask.shape[2], -1)
+        mask = torch.cat([front, mask[..., self.front :].expand(-1, keys.shape[1], -1, -1)], dim=-1)
+        return dense_attention(query, keys, values, mask, scaling, softcap)
 
     def select(self, query: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
         """The chunks this step attends to ``[b, h, k]`` (ascending) and which of them count:
@@ -167,23 +182,26 @@ class SparseDecodeLayer(KVLayer):
         return chosen, counted
 
     def gather(self, chunks: torch.Tensor, overlap: Callable[[], Any] = lambda: None) -> tuple[torch.Tensor, Any]:
-        """The stored ``chunks [b, h, k]`` as ``[b, h, k * unit, d']`` (reusing last step's buffer when
-        the store is offloaded) and the result of ``overlap()``, which runs meanwhile."""
-        reuse = self.store.offloaded
-        hit, slot = match_previous(chunks, self.selected if reuse else None)
-        self.steps += 1
-        if reuse:
-            self.lookups += chunks.numel()
-            self.hits = self.hits + hit.sum()
-        gathered, result = self.store.fetch(chunks, hit, slot, self.buffer if reuse else None, overlap)
-        if reuse:
-            self.selected, self.buffer = chunks, gathered
-        return gathered, result
+        """The stored ``chunks [b, h, k]`` as ``[b, h, k * unit, d']`` (reusing last step's when the
+        store is offloaded) and the result of ``overlap()``, which runs meanwhile."""
+        if not self.store.offloaded:
+            hit = torch.zeros_like(chunks, dtype=torch.bool)
+            return self.store.fetch(chunks, hit, chunks, None, overlap)
+        hit, slot = match_previous(chunks, self.selected)
+        self.hits.add_(hit.sum())
+        self.selected.copy_(chunks)
+        return self.store.fetch(chunks, hit, slot, self.previous_chunks(), overlap)
+
+    def advance(self, new: int) -> None:
+        super().advance(new)
+        if self.store is not None:
+            self.steps += 1
+            self.lookups += self.selected.numel() if self.store.offloaded else 0
 
     def fetch_overlap(self) -> OverlapProbe | None:
         """Last step's chunks read from the offload store alone, the keys rebuilt alone, and both as
         a step runs them (for the speed benchmark)."""
-        if self.store is None or self.selected is None:
+        if self.store is None or not self.store.offloaded or not self.steps:
             return None
         chosen = self.selected
         hit, slot = torch.zeros_like(chosen, dtype=torch.bool), torch.zeros_like(chosen)
@@ -205,7 +223,7 @@ class SparseDecodeLayer(KVLayer):
         stats = super().stats()
         if self.store is None:
             return stats
-        stats["index_bytes"] += nbytes(self.selectable, self.step_chunks, self.selected, self.buffer)
+        stats["index_bytes"] += nbytes(self.selectable, self.step_chunks, self.selected, self.hits)
         stats["offloaded_bytes" if self.store.offloaded else "kv_bytes_kept"] += self.store.nbytes
         per_chunk = self.store.chunk_bytes
         selected_bytes = self.keys.shape[0] * self.keys.shape[1] * self.step_count * per_chunk * self.read_factor()
@@ -223,10 +241,15 @@ class SparseDecodeLayer(KVLayer):
     def info(self) -> dict[str, Any]:
         return {} if self.store is None else {"value_fetch": self.store.mode}
 
+    def uncapturable(self) -> str | None:
+        if self.store is not None and self.store.mode == "host-gather":
+            return "its offloaded chunks are gathered through the host (no zero-copy view of pinned memory on this machine)"
+        return None
+
     def read_factor(self) -> float:
         """Bytes read per selected chunk relative to a stored chunk (ShadowKV stores values and
         rebuilds keys of the same size: 2)."""
         return 1.0
 
     def batch_tensors(self) -> list[str]:
-        return [*super().batch_tensors(), "store", "selectable", "step_chunks", "selected", "buffer"]
+        return [*super().batch_tensors(), "store", "selectable", "step_chunks", "selected"]

@@ -1,0 +1,191 @@
+"""Greedy decoding: one step as a single graph, and the loop that runs it without waiting on the device.
+
+``greedy_step`` feeds every row's last token through the model and writes the next one, all in
+place on a ``DecodeState`` of device tensors (tokens, positions, which rows finished, what each step
+produced). Together with the cache's fixed-capacity buffers and device-side write positions
+(``cache.py``), nothing in a step depends on a host value, so ``torch.compile(fullgraph=True)``
+traces it once and, on a GPU, the compiled step is captured as a CUDA graph by hand and replayed:
+one launch per token instead of a thousand. The host keeps its counters with ``cache.advance``
+after each compiled step, and learns whether every row finished one step late (a pinned flag copied
+asynchronously), so it never waits for the step it just launched.
+
+The first step always runs eagerly: it times the SDPA kernels for the decoding phase
+(``attention.choose_backends``) before any tracing bakes the choice in. On a GPU the second step
+runs the compiled function once on a side stream (the warm-up a capture needs), and the third is
+captured and replayed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from transformers import PreTrainedModel
+
+from .cache import KVCompressCache
+
+RECOMPILE_LIMIT = 64  # distinct cache layouts (methods, models, batch sizes) one process may compile
+
+
+@dataclass(frozen=True)
+class Compile:
+    """How ``generate(..., compile=...)`` compiles the decoding step: ``torch.compile``'s ``backend``
+    and ``mode``; ``cuda_graph`` captures the compiled step as a CUDA graph on a GPU (by hand, so
+    ``mode`` should not ask inductor for its own graphs as well)."""
+
+    backend: str = "inductor"
+    mode: str | None = None
+    cuda_graph: bool = True
+
+
+@dataclass
+class DecodeState:
+    """What greedy decoding carries from step to step, on the device."""
+
+    token: torch.Tensor  # [b]: each row's last produced token, fed by the next step
+    position: torch.Tensor  # [b]: RoPE position of each row's next real token
+    finished: torch.Tensor  # [b] bool: the row produced an end token (its later tokens are fed as padding)
+    produced: torch.Tensor  # [b, max_new_tokens]: the tokens produced, one column per step
+    fed_real: torch.Tensor  # [b, max_new_tokens - 1]: whether each fed token was real
+    count: torch.Tensor  # [1]: tokens produced so far
+    eos: torch.Tensor  # [e]: the end tokens
+
+    @classmethod
+    def start(cls, logits: torch.Tensor, position: torch.Tensor, max_new_tokens: int, eos: set[int]) -> DecodeState:
+        """The state after the prompt: ``logits [b, vocab]`` give each row's first token."""
+        device = logits.device
+        token = logits.argmax(dim=-1)
+        eos_ids = torch.tensor(sorted(eos), dtype=torch.long, device=device)
+        produced = torch.zeros(token.shape[0], max_new_tokens, dtype=torch.long, device=device)
+        produced[:, 0] = token
+        fed_real = torch.zeros(token.shape[0], max_new_tokens - 1, dtype=torch.bool, device=device)
+        count = torch.ones(1, dtype=torch.long, device=device)
+        return cls(token, position.clone(), torch.isin(token, eos_ids), produced, fed_real, count, eos_ids)
+
+
+def greedy_step(model: PreTrainedModel, cache: KVCompressCache, state: DecodeState) -> None:
+    """Feed each row's last token (as padding where the row finished) and record the next greedy token."""
+    real = ~state.finished
+    fed_position = (state.position + real.long() - 1).clamp(min=0)  # padding: the position before (never attended)
+    logits = model(
+        input_ids=state.token[:, None],
+        position_ids=fed_position[:, None],
+        attention_mask=real[:, None, None, None],  # the new token's own block: the kvcompress attention reads padding from it
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    ).logits
+    token = logits[:, -1].argmax(dim=-1)
+    state.fed_real.index_copy_(1, state.count - 1, real[:, None])
+    state.produced.index_copy_(1, state.count, token[:, None])
+    state.count.add_(1)
+    state.position.add_(real.long())
+    state.finished.logical_or_(torch.isin(token, state.eos))
+    state.token.copy_(token)
+
+
+_compiled: dict[Compile, Callable] = {}
+
+
+def compiled_step(options: Compile) -> Callable:
+    """``greedy_step`` compiled as one graph (``fullgraph=True``: a graph break raises)."""
+    if options not in _compiled:
+        _compiled[options] = torch.compile(greedy_step, fullgraph=True, dynamic=False, backend=options.backend, mode=options.mode)
+    return _compiled[options]
+
+
+class StepRunner:
+    """Runs greedy steps over one cache: eagerly, or compiled (and on a GPU replayed as a CUDA graph)."""
+
+    def __init__(self, model: PreTrainedModel, cache: KVCompressCache, state: DecodeState, compile: Compile | None) -> None:
+        self.model, self.cache, self.state, self.options = model, cache, state, compile
+        self.cuda = state.token.is_cuda
+        self.calls = 0
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.flags = torch.zeros(2, dtype=torch.bool, pin_memory=True) if self.cuda else None  # lagged "all finished"
+        self.events = [torch.cuda.Event(), torch.cuda.Event()] if self.cuda else []
+
+    def step(self) -> None:
+        """One step; the host's counters move on with it."""
+        if self.options is None or self.calls == 0:  # eager (the first step also times the SDPA kernels)
+            greedy_step(self.model, self.cache, self.state)
+        else:
+            with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+                self._compiled()
+            self.cache.advance(1)
+        if self.cuda:
+            slot = self.calls % 2
+            self.flags[slot].copy_(self.state.finished.all(), non_blocking=True)
+            self.events[slot].record()
+        self.calls += 1
+
+    def _compiled(self) -> None:
+        run = compiled_step(self.options)
+        if not (self.cuda and self.options.cuda_graph):
+            run(self.model, self.cache, self.state)
+        elif self.graph is not None:
+            self.graph.replay()
+        elif self.calls == 1:  # the warm-up a capture needs: the compiled step once, on a side stream
+            side = torch.cuda.Stream(self.state.token.device)
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                run(self.model, self.cache, self.state)
+            torch.cuda.current_stream().wait_stream(side)
+        else:
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                run(self.model, self.cache, self.state)
+            self.graph.replay()  # capturing records the step; replaying runs it
+
+    def all_finished(self) -> bool:
+        """Whether every row had finished as of the step before last (on a CPU: as of the last
+        step), so the host never waits for the step it just launched."""
+        if not self.cuda:
+            return bool(self.state.finished.all())
+        if self.calls < 2:
+            return False
+        slot = (self.calls - 2) % 2
+        self.events[slot].synchronize()
+        return bool(self.flags[slot])
+
+
+def check_capturable(cache: KVCompressCache) -> None:
+    """Refuse, naming it, a cache whose decoding step reads the host (it cannot be one graph)."""
+    for layer in cache.layers:
+        problem = layer.uncapturable()
+        if problem:
+            raise ValueError(f"kvcompress: compile=True cannot capture {cache.method.describe()}'s decoding step: {problem}; run it without compile")
+
+
+@dataclass
+class Decoded:
+    """What ``greedy_decode`` returns."""
+
+    tokens: list[list[int]]  # each row's tokens, up to and including its end token
+    finished: list[bool]  # whether the row produced an end token
+    steps: int  # decoding steps run
+    fed_real: torch.Tensor  # [b, steps]: which fed tokens were real (a finished row is fed padding until the loop stops)
+    position: torch.Tensor  # [b]: each row's next RoPE position
+
+
+def greedy_decode(model: PreTrainedModel, cache: KVCompressCache, logits: torch.Tensor, position: torch.Tensor, max_new_tokens: int, eos: set[int], compile: Compile | None) -> Decoded:
+    """Greedy decoding after the prompt (``logits [b, vocab]``, next positions ``position [b]``) until
+    every row produced an end token or ``max_new_tokens`` are produced."""
+    state = DecodeState.start(logits, position, max_new_tokens, eos)
+    if compile is not None:
+        check_capturable(cache)
+    cache.reserve(max_new_tokens - 1)
+    runner = StepRunner(model, cache, state, compile)
+    steps = 0
+    done = bool(state.finished.all())
+    while steps < max_new_tokens - 1 and not done:
+        runner.step()
+        steps += 1
+        done = runner.all_finished()
+    produced, finished = state.produced[:, : steps + 1].tolist(), state.finished.tolist()
+    tokens = []
+    for row in produced:
+        end = next((i for i, t in enumerate(row) if t in eos), len(row) - 1)
+        tokens.append(row[: end + 1])
+    return Decoded(tokens, finished, steps, state.fed_real[:, :steps], state.position)
