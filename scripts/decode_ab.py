@@ -1,6 +1,7 @@
 """Interleaved decode timing: method specs compared on one prompt, step blocks taken in turn.
 
     python scripts/decode_ab.py --model smollm2-135m --methods snapkv,snapkv:heads=adaptive --budget 256 --length 4096
+    python scripts/decode_ab.py --methods snapkv,snapkv@compile --length 4096     # eager vs the compiled step
 
 `kvcompress bench speed` times each method in its own stretch, so on a shared machine a slow
 minute lands on one method only (two settings with identical decode work differed by 15-40% there).
@@ -8,7 +9,8 @@ Here every method is prefilled once, then blocks of decoding steps run method af
 after round (every other round in reverse order, so no method always follows the same one): drift
 hits all of them alike. Each method's ratio to the first is taken within each round, where the
 blocks ran seconds apart, and the median over rounds is reported beside the median ms per step.
-Prints and writes (``--out``) both.
+Prints and writes (``--out``) both. A spec ending in ``@compile`` decodes with the compiled step
+(``kvc.generate(compile=True)``); its compilation happens in the warm-up round.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import time
 import torch
 
 from kvcompress.bench.speed import machine
+from kvcompress.decode import Compile, DecodeState, StepRunner
 from kvcompress.methods import method_from_spec
 from kvcompress.models import random_model
 from kvcompress.tokens import TokenSpans
@@ -41,18 +44,27 @@ def main() -> None:
     torch.manual_seed(0)
     model = random_model(args.model)
     vocab = model.config.get_text_config().vocab_size
-    prompt = torch.randint(10, vocab, (args.batch, args.length))
+    prompt = torch.randint(10, vocab, (args.batch, args.length), device=model.device)
     specs = list(dict.fromkeys(args.methods.split(",")))
-    caches, tokens = {}, {}
+    total = (args.rounds + 1) * args.steps + 2
+    runners = {}
     for spec in specs:
-        caches[spec] = method_from_spec(spec, budget=args.budget).make_cache(model, TokenSpans.every(vocab))  # random ids: every token a span, as bench speed
-        tokens[spec] = model(prompt, past_key_values=caches[spec], logits_to_keep=1).logits[:, -1:].argmax(-1)
+        method_spec, _, mode = spec.partition("@")
+        cache = method_from_spec(method_spec, budget=args.budget).make_cache(model, TokenSpans.every(vocab))  # random ids: every token a span, as bench speed
+        logits = model(prompt, past_key_values=cache, logits_to_keep=1).logits[:, -1]
+        state = DecodeState.start(logits, torch.full((args.batch,), args.length), total, set())
+        cache.reserve(total)
+        runners[spec] = StepRunner(model, cache, state, Compile() if mode == "compile" else None)
     blocks: dict[str, list[float]] = {spec: [] for spec in specs}
-    for round_ in range(args.rounds + 1):  # the first round warms up and is not counted
+    for round_ in range(args.rounds + 1):  # the first round warms up (and compiles) and is not counted
         for spec in specs if round_ % 2 == 0 else specs[::-1]:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
             start = time.perf_counter()
             for _ in range(args.steps):
-                tokens[spec] = model(tokens[spec], past_key_values=caches[spec], logits_to_keep=1).logits[:, -1:].argmax(-1)
+                runners[spec].step()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
             blocks[spec].append((time.perf_counter() - start) * 1000 / args.steps)
     medians = {spec: statistics.median(times[1:]) for spec, times in blocks.items()}
     reference = blocks[specs[0]]

@@ -63,7 +63,7 @@ def test_quest_bound_is_never_below_the_true_page_maximum():
     torch.manual_seed(1)
     keys, query = torch.randn(1, 2, 64, 8), torch.randn(1, 4, 1, 8)
     low, high = page_bounds(keys, torch.ones(1, 64, dtype=torch.bool), 16)
-    bounds = page_upper_bounds(query, low, high)
+    bounds = page_upper_bounds(query, low, high - low)
     true = (query.view(1, 2, 2, 1, 8) @ keys.view(1, 2, 1, 64, 8).transpose(-1, -2)).view(1, 2, 2, 4, 16).amax(-1).amax(2)
     assert (bounds >= true - 1e-5).all()
 
@@ -198,7 +198,7 @@ def test_quest_bounds_and_pages_match_a_loop_reference():
         exact = [max(float(query[0, h, 0] @ keys[g, t]) for h in (2 * g, 2 * g + 1) for t in range(16 * p, 16 * (p + 1))) for p in range(pages)]
         assert all(b >= e - 1e-4 for b, e in zip(bounds, exact))
         torch.testing.assert_close(layer.chunk_scores(query, 0.25)[0, g], torch.tensor(bounds), rtol=1e-5, atol=1e-5)
-        assert chosen[0, g].tolist() == sorted(sorted(range(pages), key=lambda p: -bounds[p])[:3]) and counted.all()
+        assert sorted(chosen[0, g].tolist()) == sorted(sorted(range(pages), key=lambda p: -bounds[p])[:3]) and counted is None  # every chunk counts
 
 
 def test_shadowkv_outliers_are_the_chunks_least_like_their_landmark():
@@ -233,4 +233,4 @@ def test_loki_components_and_selection_match_a_reference():
         torch.testing.assert_close(layer.components[0, g].double().abs(), reference.abs(), rtol=1e-3, atol=1e-3)
         projected = region @ reference
         score = [max(float((query[0, h, 0].double() @ reference) @ projected[t]) for h in (2 * g, 2 * g + 1)) for t in range(140)]
-        assert chosen[0, g].tolist() == sorted(sorted(range(140), key=lambda t: -score[t])[:40]) and counted.all()
+        assert sorted(chosen[0, g].tolist()) == sorted(sorted(range(140), key=lambda t: -score[t])[:40]) and counted is None

@@ -9,7 +9,7 @@ import torch
 from transformers import DynamicCache
 
 import kvcompress as kvc
-from kvcompress.methods.shadowkv import chunk_landmarks, factor_basis, key_rows, key_spectrum, landmark_scores, low_rank_factors, rank_for_error, rebuild_keys
+from kvcompress.methods.shadowkv import chunk_landmarks, factor_basis, key_rows, key_spectrum, landmark_bias, landmark_scores, low_rank_factors, rank_for_error, rebuild_keys
 from kvcompress.offload import fetch_chunks
 from kvcompress.rope import apply_rope, invert_rope, rotary_for
 
@@ -106,7 +106,7 @@ def test_landmark_scoring_and_top_k_match_algorithm_2():
     torch.manual_seed(3)
     query, landmarks = torch.randn(1, 6, 3, 8), torch.randn(1, 2, 40, 8)
     selectable = torch.rand(1, 2, 40) > 0.2
-    scores = landmark_scores(query, landmarks, selectable, 8**-0.5)
+    scores = landmark_scores(query, landmarks, landmark_bias(selectable, landmarks.dtype), 8**-0.5)
     chosen = scores.topk(7, dim=-1).indices.sort(dim=-1).values
     assert chosen[0].tolist() == reference_chunk_selection(query[0], landmarks[0], selectable[0], 7)
 
@@ -156,7 +156,7 @@ def test_memory_split_between_device_and_offload_store():
     assert layer.store.host.shape == (1, 2, n_chunks, 8, 16) and layer.store.host.device.type == "cpu"
     assert stats["offloaded_bytes"] == 2 * n_chunks * 8 * 2 * 16 * 4
     def held(lyr) -> int:  # every tensor the layer keeps on the device between steps
-        names = ("keys", "values", "valid", "positions", "cursor", "factor_a", "factor_b", "landmarks", "selectable", "step_chunks", "selected", "hits")
+        names = ("keys", "values", "valid", "positions", "cursor", "factor_a", "factor_b", "landmarks", "bias", "inv_freq", "selectable", "unselectable", "step_chunks", "selected", "hits")
         tensors = [getattr(lyr, n) for n in names]
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 

@@ -6,12 +6,14 @@
 """
 
 from .cache import CacheMisuseError, KVCompressCache, UnsupportedModelError
+from .decode import Compile
 from .generation import Prefill, PromptTooLongError, Result, generate, prefill, teacher_forced_logprobs
 from .methods import H2O, METHODS, FullKV, InvalidParameterError, Loki, Method, Quest, ShadowKV, SnapKV, StreamingLLM, method_from_name, method_from_spec, register_method
 from .models import ModelNotAvailableError, load_model
 
 __all__ = [
     "CacheMisuseError",
+    "Compile",
     "FullKV",
     "H2O",
     "InvalidParameterError",

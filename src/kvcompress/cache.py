@@ -78,8 +78,8 @@ class KVLayer(DynamicLayer):
     buffers of a fixed capacity with room to spare: ``keys``/``values`` are those whole buffers,
     ``valid [batch, capacity]`` marks the slots holding real tokens (False for padding and for the
     room), and every step attends over all of them. A step writes its tokens at ``cursor`` (a
-    device tensor), so it reads no host value and keeps every shape: a decoding step is one
-    capturable graph. Host-side counters (``seen_tokens``, ``used``) are kept by ``advance``, which
+    device tensor, moved on when the step commits), so it reads no host value and keeps every
+    shape: a decoding step is one capturable graph. Host-side counters (``seen_tokens``, ``used``) are kept by ``advance``, which
     eager steps call from ``update`` and a compiled decoding loop calls after each step."""
 
     def __init__(self, layer_idx: int) -> None:
@@ -87,7 +87,7 @@ class KVLayer(DynamicLayer):
         self.layer_idx = layer_idx
         self.seen_tokens = 0  # logical length: every token fed, padding included
         self.used = 0  # slots holding tokens: [0, used)
-        self.cursor: torch.Tensor | None = None  # [1] on the device: the slot the next token goes to (= used)
+        self.cursor: torch.Tensor | None = None  # [1] on the device: the slot of the next (during a step: this step's first) token
         self.prefill_len: int | None = None  # slots of the first fill (the padded prompt), set after it
         self.prompt_tokens: torch.Tensor | None = None  # real prompt tokens per row, set after the prefill
         self.valid: torch.Tensor | None = None  # [batch, slots]; None while every slot is real (a prefill without padding)
@@ -156,17 +156,19 @@ class KVLayer(DynamicLayer):
         self.cursor = torch.tensor([self.used], device=self.keys.device)
 
     def write(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Store new tokens at ``cursor`` (valid until ``commit`` says otherwise) and move it on."""
+        """Store this step's tokens at ``cursor`` (valid until ``commit`` says otherwise)."""
         slots = self.new_slots(key_states.shape[-2])
         self.keys.index_copy_(2, slots, key_states)
         self.values.index_copy_(2, slots, value_states)
         self.valid.index_fill_(1, slots, True)
-        self.cursor.add_(key_states.shape[-2])
 
-    def new_slots(self, new: int, written: bool = False) -> torch.Tensor:
-        """Slot indices ``[new]`` of the next ``new`` tokens (``written``: of the last ``new`` written)."""
-        first = self.cursor - new if written else self.cursor
-        return first if new == 1 else first + torch.arange(new, device=first.device)
+    def new_slots(self, new: int) -> torch.Tensor:
+        """Slot indices ``[new]`` of this step's ``new`` tokens."""
+        return self.cursor if new == 1 else self.cursor + torch.arange(new, device=self.cursor.device)
+
+    def close_step(self, new: int) -> None:
+        """Move the cursor past this step's ``new`` tokens."""
+        self.cursor.add_(new)
 
     def set_slots(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> None:
         """Replace every slot (e.g. by the kept ones). ``valid [b, slots]`` (None: all real),
@@ -193,7 +195,7 @@ class KVLayer(DynamicLayer):
         when plain causal attention over the slots is right (a prefill without padding)."""
         if self.is_prefill:
             return new_block  # the slots are exactly the new tokens
-        seen = self.valid[:, None, None, :]
+        seen = self.valid.view(self.valid.shape[0], 1, 1, -1)
         if q_len == 1:
             return seen  # a decoding token is valid from its write on: it sees itself and every real slot
         block = new_block if new_block is not None else causal_slot_mask(q_len, q_len, self.keys.device)
@@ -233,10 +235,11 @@ class KVLayer(DynamicLayer):
         if new_valid is not None:  # written without asking the device whether all are real: that would synchronize
             self.mark_padding(new_valid)
         self.after_step(query, scaling)
+        self.close_step(query.shape[-2])
 
     def mark_padding(self, new_valid: torch.Tensor) -> None:
-        """The validity ``[b, q]`` of the last ``q`` tokens written."""
-        self.valid.index_copy_(1, self.new_slots(new_valid.shape[-1], written=True), new_valid)
+        """The validity ``[b, q]`` of this step's tokens."""
+        self.valid.index_copy_(1, self.new_slots(new_valid.shape[-1]), new_valid)
 
     def _end_prefill(self, query: torch.Tensor, new_valid: torch.Tensor | None, scaling: float) -> None:
         if new_valid is not None and not bool(new_valid.all()):
@@ -399,12 +402,12 @@ class WindowLayer(KVLayer):
         self.slot_index = torch.full((capacity,), -self.window, device=keys.device).index_copy_(0, slots, logical)
         self.cursor = torch.tensor([self.seen_tokens], device=keys.device)
 
-    def new_slots(self, new: int, written: bool = False) -> torch.Tensor:
-        return self.new_logical(new, written) % self.keys.shape[-2]
+    def new_slots(self, new: int) -> torch.Tensor:
+        return self.new_logical(new) % self.keys.shape[-2]
 
-    def new_logical(self, new: int, written: bool = False) -> torch.Tensor:
-        """Logical indices ``[new]`` of the next (``written``: the last) ``new`` tokens."""
-        return super().new_slots(new, written)
+    def new_logical(self, new: int) -> torch.Tensor:
+        """Logical indices ``[new]`` of this step's tokens."""
+        return super().new_slots(new)
 
     def write(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.slot_index.index_copy_(0, self.new_slots(key_states.shape[-2]), self.new_logical(key_states.shape[-2]))
@@ -415,12 +418,12 @@ class WindowLayer(KVLayer):
         tokens as ``new_block`` says, which carries the window too)."""
         if self.is_prefill:
             return new_block
-        query = self.new_logical(q_len, written=True)[:, None]  # [q, 1]
+        query = self.new_logical(q_len)[:, None]  # [q, 1]
         near = (self.slot_index[None, :] > query - self.window) & (self.slot_index[None, :] <= query)
         mask = self.valid[:, None, None, :] & near[None, None]
         if q_len == 1 or new_block is None:
             return mask
-        return mask.index_copy(3, self.new_slots(q_len, written=True), new_block.expand(mask.shape[0], -1, -1, -1))
+        return mask.index_copy(3, self.new_slots(q_len), new_block.expand(mask.shape[0], -1, -1, -1))
 
     def kept_positions(self) -> torch.Tensor:
         """Prompt positions still inside the window."""

@@ -112,7 +112,7 @@ def _cmd_generate(args: argparse.Namespace, console: Console) -> int:
     model, tokenizer = load_model(args.model)
     messages = prompt if args.raw else [{"role": "user", "content": prompt}]
     with contextlib.nullcontext() if args.json else console.status(f"generating with {method.describe()}"):
-        result = generate(model, tokenizer, messages, method=method, max_new_tokens=args.max_new_tokens, question=args.question)
+        result = generate(model, tokenizer, messages, method=method, max_new_tokens=args.max_new_tokens, question=args.question, compile=args.compile)
     if args.json:
         print(json.dumps({"text": result.text, **result.stats}))
     else:
@@ -233,20 +233,23 @@ def _cmd_bench_speed(args: argparse.Namespace, console: Console) -> int:
         model, settings["methods"], settings["lengths"], settings["batches"], args.out, budget=settings["budget"],
         steps=settings["steps"], warmup=settings["warmup"], find_max_context=args.find_max_context, find_max_batch=args.find_max_batch,
         max_memory=int(args.max_memory * 2**30) if args.max_memory else None, model_name=settings["model"], search_step=args.search_step,
-        batch_limit=args.batch_limit,
+        batch_limit=args.batch_limit, compile=args.compile,
     )
     info = report["machine"]
     console.print(f"{settings['model']} ({report['dtype']}, weights {_mib(report['weight_bytes'])}) on {info.get('gpu', info['device'])}, "
                   f"torch {info['torch']}, transformers {info['transformers']}, {info['cpu_threads']} threads; "
                   f"measured copy bandwidth {report['device_bandwidth'] / 1e9:.1f} GB/s")
-    table = Table("method", "prompt", "batch", "prefill s", "compress", "ms/token", "tokens/s", "KV dev MiB", "offload MiB", "peak MiB", "GB/s read", "of copy bw", title="speed")
+    compiled = " (compiled decoding)" if args.compile else ""
+    table = Table("method", "prompt", "batch", "prefill s", "compress", "ms/token", "bound ms", "tokens/s", "KV dev MiB", "offload MiB", "peak MiB", "GB/s read",
+                  "of copy bw", "ops/step", title="speed" + compiled)
     for r in report["rows"]:
         if r["status"] != "ok":
-            table.add_row(r["method"], str(r["prompt_tokens"]), str(r["batch"]), r["status"], *["-"] * 8)
+            table.add_row(r["method"], str(r["prompt_tokens"]), str(r["batch"]), r["status"], *["-"] * 10)
             continue
         table.add_row(r["method"], str(r["prompt_tokens"]), str(r["batch"]), f"{r['prefill_s']:.2f}", f"{r['compress_share']:.1%}", f"{r['decode_ms_per_token']:.1f}",
-                      f"{r['tokens_per_s']:.1f}", f"{r['kv_device_bytes'] / 2**20:.1f}", f"{r['offloaded_bytes'] / 2**20:.1f}", f"{r['peak_bytes'] / 2**20:.0f}",
-                      f"{r['achieved_bandwidth'] / 1e9:.1f}", f"{r['bandwidth_fraction']:.0%}")
+                      f"{r['bound_ms_per_token']:.1f}", f"{r['tokens_per_s']:.1f}", f"{r['kv_device_bytes'] / 2**20:.1f}", f"{r['offloaded_bytes'] / 2**20:.1f}",
+                      f"{r['peak_bytes'] / 2**20:.0f}", f"{r['achieved_bandwidth'] / 1e9:.1f}", f"{r['bandwidth_fraction']:.0%}",
+                      f"{r['ops_per_step']} ({r['ops_vs_transformers']:.2f}x)")
     console.print(table)
     for r in report["rows"]:
         if "fetch_hidden" in r:
@@ -283,6 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--raw", action="store_true", help="feed the prompt as raw text, without the chat template")
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--json", action="store_true", help="print one JSON object with text and stats")
+    gen.add_argument("--compile", action="store_true", help="decode with one compiled graph per step (torch.compile; a CUDA graph on a GPU)")
     add_method_flags(gen)
     gen.set_defaults(run=_cmd_generate)
 
@@ -326,6 +330,7 @@ def build_parser() -> argparse.ArgumentParser:
     speed.add_argument("--batch-limit", type=int, default=1024, help="largest batch --find-max-batch tries (each try is a whole prefill)")
     speed.add_argument("--max-memory", type=float, help="GiB a run may peak at to count as fitting (required for searches on CPU)")
     speed.add_argument("--search-step", type=int, default=1024, help="the context search stops when the fitting and failing lengths are this close")
+    speed.add_argument("--compile", action="store_true", help="decode with the compiled step (one graph per token; a CUDA graph on a GPU)")
     speed.add_argument("--out", default="runs/speed")
     speed.set_defaults(run=_cmd_bench_speed)
 

@@ -91,7 +91,7 @@ _compiled: dict[Compile, Callable] = {}
 def compiled_step(options: Compile) -> Callable:
     """``greedy_step`` compiled as one graph (``fullgraph=True``: a graph break raises)."""
     if options not in _compiled:
-        _compiled[options] = torch.compile(greedy_step, fullgraph=True, dynamic=False, backend=options.backend, mode=options.mode)
+        _compiled[options] = torch.compile(greedy_step, fullgraph=True, backend=options.backend, mode=options.mode)
     return _compiled[options]
 
 

@@ -202,8 +202,11 @@ def new_token_validity(attention_mask: torch.Tensor | LazyMask | None, q_len: in
         return None
     if isinstance(attention_mask, LazyMask):
         return attention_mask.diagonal(q_len)
-    block = attention_mask[:, 0, -q_len:, -q_len:]
-    return block.diagonal(dim1=-2, dim2=-1).bool()
+    if q_len == 1:  # [b, 1, 1, kv]: the last element
+        real = attention_mask.view(-1, 1) if attention_mask.shape[-1] == 1 else attention_mask.flatten(1)[:, -1:]
+    else:
+        real = attention_mask[:, 0, -q_len:, -q_len:].diagonal(dim1=-2, dim2=-1)
+    return real if real.dtype == torch.bool else real.bool()
 
 
 def new_block(attention_mask: torch.Tensor | LazyMask | None, q_len: int, sliding_window: int | None, rows: tuple[int, int] | None = None) -> torch.Tensor | None:
@@ -281,7 +284,8 @@ def kvcompress_attention(
     if isinstance(attention_mask, LazyMask) and layer.is_prefill and q_len == key.shape[-2]:
         out = attend_in_blocks(layer, query, key, value, attention_mask, sliding_window, scaling, softcap)
     else:
-        mask = layer.visibility(new_block(attention_mask, q_len, sliding_window), q_len)
+        block = new_block(attention_mask, q_len, sliding_window) if q_len > 1 or layer.is_prefill else None  # one query sees itself
+        mask = layer.visibility(block, q_len)
         out = layer.attend(query, key, value, mask, scaling, softcap)
     layer.commit(query, new_token_validity(attention_mask, q_len), scaling)
     return out.transpose(1, 2).contiguous(), None

@@ -13,15 +13,17 @@ caller does meanwhile on the current stream (ShadowKV: rebuilding the keys).
 from __future__ import annotations
 
 import functools
-import warnings
+import importlib.util
 from types import SimpleNamespace
-from typing import Callable, TypeVar
+from typing import Callable, Optional, TypeVar
 
 import torch
 
+from .ops import fused
 from .tensors import chunk_tokens, gather_tokens, to_host
 
 T = TypeVar("T")
+TRITON = importlib.util.find_spec("triton") is not None  # ops.fused runs the Triton gather on CUDA
 
 
 def zero_copy_view(host: torch.Tensor, device: torch.device) -> torch.Tensor | None:
@@ -31,6 +33,9 @@ def zero_copy_view(host: torch.Tensor, device: torch.device) -> torch.Tensor | N
     viewed back as the host dtype. One small read checks that the device really sees the host bytes."""
     if not host.is_pinned() or not host.is_contiguous() or host.numel() == 0:
         return None
+    device = torch.device(device)
+    if device.index is None:  # "cuda" means the current GPU; the view's device names its index
+        device = torch.device(device.type, torch.cuda.current_device())
     raw = host.view(torch.uint8)
     interface = {"shape": tuple(raw.shape), "typestr": "|u1", "data": (raw.data_ptr(), False), "version": 2, "strides": None}
     try:
@@ -68,6 +73,29 @@ def reuse_previous(fetched: torch.Tensor, hit: torch.Tensor, slot: torch.Tensor,
     return torch.where(hit.repeat_interleave(c, dim=-1)[..., None], reused, fetched)
 
 
+def reuse(fetched: torch.Tensor, chunks: torch.Tensor, previous_chunks: torch.Tensor | None, previous: torch.Tensor | None, hits: torch.Tensor | None) -> torch.Tensor:
+    """``fetched`` (the tokens of ``chunks [b, h, k]``) with the chunks last step also selected
+    (``previous_chunks``, ascending) taken from its buffer ``previous``, counted in ``hits``."""
+    if previous is None:
+        return fetched
+    hit, slot = match_previous(chunks, previous_chunks)
+    hits.add_(hit.sum())
+    return reuse_previous(fetched, hit, slot, previous)
+
+
+def _gathered_like(store: torch.Tensor, chunks: torch.Tensor, *args) -> torch.Tensor:
+    batch, heads, k = chunks.shape
+    return store.new_empty(batch, heads, k * store.shape[-2], store.shape[-1], device=chunks.device)
+
+
+@fused("gather_chunks", mutates_args=("hits",), fake=_gathered_like)
+def gather_chunks(store: torch.Tensor, chunks: torch.Tensor, previous_chunks: Optional[torch.Tensor], previous: Optional[torch.Tensor], hits: Optional[torch.Tensor]) -> torch.Tensor:
+    """The tokens of ``chunks [b, h, k]`` from ``store [b, h, n_chunks, chunk, d]`` as ``[b, h, k *
+    chunk, d]``; given last step's chunks ``previous_chunks [b, h, k]`` (ascending) and their tokens
+    ``previous``, a chunk selected again is copied from there (counted in the scalar ``hits``)."""
+    return reuse(fetch_chunks(store, chunks), chunks, previous_chunks, previous, hits)
+
+
 class ChunkStore:
     """Chunks a decoding step gathers from, and the fastest way this machine has to gather them.
 
@@ -82,20 +110,18 @@ class ChunkStore:
         self.host = to_host(chunks) if offload else chunks
         self.view: torch.Tensor | None = self.host
         self.stream: torch.cuda.Stream | None = None
-        self.kernel: Callable | None = None  # the Triton gather, when it can read the store
         if offload and chunks.is_cuda:
             self._connect()
 
     def _connect(self) -> None:
         self.view = zero_copy_view(self.host, self.device)
         self.stream = side_stream(self.device)
-        self.kernel = _triton_gather() if self.view is not None else None
 
     @property
     def mode(self) -> str:
         if not self.offloaded:
             return "device"
-        if self.kernel is not None:
+        if self.view is not None and self.stream is not None and TRITON:
             return "zero-copy+triton"
         if self.stream is None:
             return "cpu"
@@ -112,34 +138,29 @@ class ChunkStore:
 
     def reads_hits(self) -> bool:
         """Whether a chunk selected again is read from the store again (all modes but the Triton kernel)."""
-        return self.kernel is None
+        return self.mode != "zero-copy+triton"
 
-    def fetch(self, chunks: torch.Tensor, hit: torch.Tensor, slot: torch.Tensor, previous: torch.Tensor | None, overlap: Callable[[], T]) -> tuple[torch.Tensor, T]:
-        """Gather ``chunks [b, h, k]`` (hits from ``previous``) on the side stream while ``overlap()``
-        runs on the current one; returns the gathered ``[b, h, k * chunk, d]`` and ``overlap()``'s result."""
+    def fetch(
+        self, chunks: torch.Tensor, previous_chunks: torch.Tensor | None, previous: torch.Tensor | None, hits: torch.Tensor | None, overlap: Callable[[], T]
+    ) -> tuple[torch.Tensor, T]:
+        """Gather ``chunks [b, h, k]`` (see ``gather_chunks``; with ``previous``, chunks selected again
+        come from it) on the side stream while ``overlap()`` runs on the current one; returns the
+        gathered ``[b, h, k * chunk, d]`` and ``overlap()``'s result."""
         if self.stream is None or torch.compiler.is_compiling():  # a compiled step runs on one stream
-            return self._gather(chunks, hit, slot, previous), overlap()
+            return self._gather(chunks, previous_chunks, previous, hits), overlap()
         main = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(main)
         with torch.cuda.stream(self.stream):
-            gathered = self._gather(chunks, hit, slot, previous)
+            gathered = self._gather(chunks, previous_chunks, previous, hits)
         result = overlap()
         main.wait_stream(self.stream)
         gathered.record_stream(main)
         return gathered, result
 
-    def _gather(self, chunks: torch.Tensor, hit: torch.Tensor, slot: torch.Tensor, previous: torch.Tensor | None) -> torch.Tensor:
-        if self.kernel is not None:
-            try:
-                return self.kernel(self.view, chunks, hit, slot, previous)
-            except Exception as error:  # noqa: BLE001 - any compile/launch failure: fall back, say so once
-                warnings.warn(f"kvcompress: the Triton chunk gather failed ({error}); using torch ops instead", stacklevel=2)
-                self.kernel = None
-        if self.view is None:
-            fetched = fetch_chunks(self.host, chunks.cpu()).to(self.device, non_blocking=True)
-        else:
-            fetched = fetch_chunks(self.view, chunks)
-        return reuse_previous(fetched, hit, slot, previous)
+    def _gather(self, chunks: torch.Tensor, previous_chunks: torch.Tensor | None, previous: torch.Tensor | None, hits: torch.Tensor | None) -> torch.Tensor:
+        if self.view is None:  # no zero-copy view: the chunk ids go to the host (a synchronisation)
+            return reuse(fetch_chunks(self.host, chunks.cpu()).to(self.device, non_blocking=True), chunks, previous_chunks, previous, hits)
+        return gather_chunks(self.view, chunks, previous_chunks, previous, hits)
 
     def batch_apply(self, apply: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Apply a batch operation (beam reorder, repeat) to the stored rows."""
@@ -155,12 +176,3 @@ class ChunkStore:
 def side_stream(device: torch.device) -> torch.cuda.Stream:
     """One side stream per GPU, shared by every store (layers run one after another)."""
     return torch.cuda.Stream(device)
-
-
-def _triton_gather() -> Callable | None:
-    """The Triton gather kernel's launcher, or None when Triton is not installed."""
-    try:
-        from .kernels import gather_chunks_triton
-    except ImportError:
-        return None
-    return gather_chunks_triton

@@ -87,9 +87,9 @@ class PackedSlots:
         kept = [[self.segment(r, h) for h in range(self.heads)] for r in range(self.rows)]
         self._pack([[(k.clone(), v.clone()) for k, v, _ in row] for row in kept], [[m.clone() for _, _, m in row] for row in kept], room)
 
-    def newest(self, new: int, written: bool = False) -> torch.Tensor:
-        """Flat slots ``[segments * new]`` of the next (``written``: the last) ``new`` tokens of every segment."""
-        first = self.starts_t + self.lengths_t - (new if written else 0)
+    def newest(self, new: int) -> torch.Tensor:
+        """Flat slots ``[segments * new]`` of this step's ``new`` tokens in every segment."""
+        first = self.starts_t + self.lengths_t
         return first if new == 1 else (first[:, None] + torch.arange(new, device=first.device)).view(-1)
 
     def write(self, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -98,7 +98,10 @@ class PackedSlots:
         self.keys.index_copy_(0, index, keys.reshape(-1, keys.shape[-1]))
         self.values.index_copy_(0, index, values.reshape(-1, values.shape[-1]))
         self.valid.index_fill_(0, index, True)
-        self.lengths_t.add_(keys.shape[2])
+
+    def close_step(self, new: int) -> None:
+        """Every segment's length past this step's ``new`` tokens."""
+        self.lengths_t.add_(new)
 
     def advance(self, new: int) -> None:
         """The host mirrors after ``new`` tokens were appended to every segment."""
@@ -106,8 +109,8 @@ class PackedSlots:
         self.room_left -= new
 
     def mark_padding(self, valid: torch.Tensor) -> None:
-        """Record which of the last appended tokens are real: ``valid [rows, q]``."""
-        index = self.newest(valid.shape[-1], written=True)
+        """Record which of this step's tokens are real: ``valid [rows, q]``."""
+        index = self.newest(valid.shape[-1])
         self.valid.index_copy_(0, index, valid[:, None, :].expand(-1, self.heads, -1).reshape(-1))
 
     def attend(self, query: torch.Tensor, new_mask: torch.Tensor | None, scaling: float, softcap: float | None = None) -> torch.Tensor:
@@ -119,9 +122,9 @@ class PackedSlots:
         keys, values = (t.index_select(0, index).view(rows, self.heads, self.widest, dim) for t in (self.keys, self.values))
         seen = self.valid.index_select(0, index).view(rows, self.heads, 1, self.widest)
         if q_len > 1:  # the step's own tokens: each query sees those its mask allows
-            step = causal_slot_mask(q_len, q_len, query.device)[0] if new_mask is None else new_mask[:, 0]
-            newest = (self.lengths_t.view(rows, self.heads, 1, 1) - q_len + torch.arange(q_len, device=query.device)).expand(-1, -1, q_len, -1)
-            seen = seen.expand(-1, -1, q_len, -1).scatter(3, newest, step.expand(rows, 1, -1, -1).expand(-1, self.heads, -1, -1))
+            step = causal_slot_mask(q_len, q_len, query.device) if new_mask is None else new_mask  # [rows | 1, 1, q, q]
+            newest = (self.lengths_t.view(rows, self.heads, 1, 1) + torch.arange(q_len, device=query.device)).expand(-1, -1, q_len, -1)
+            seen = seen.expand(-1, -1, q_len, -1).scatter(3, newest, step.expand(rows, self.heads, -1, -1))
         return dense_attention(query, keys, values, seen, scaling, softcap)
 
     def gather_index(self) -> torch.Tensor:

@@ -31,6 +31,25 @@ class Rotary:
         shape = (*positions.shape, cos.shape[-1])
         return cos.reshape(shape).to(like.dtype), sin.reshape(shape).to(like.dtype)
 
+    def frequencies(self) -> tuple[torch.Tensor, float] | None:
+        """The module's current inverse frequencies ``[rotary_dim / 2]`` (float32) and cos/sin scale,
+        or None when it keeps them elsewhere. A module may update them for the length it last saw
+        (dynamic RoPE): read after a prefill, they are the prefill's."""
+        prefix = f"{self.extra['layer_type']}_" if self.extra else ""
+        inv_freq = getattr(self.module, f"{prefix}inv_freq", None)
+        scale = getattr(self.module, f"{prefix}attention_scaling", None)
+        if not isinstance(inv_freq, torch.Tensor) or scale is None:
+            return None
+        return inv_freq.float(), float(scale)
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scale: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin ``[..., rotary_dim]`` of ``positions`` as transformers' rotary modules compute them
+    (the angle ``position * inv_freq`` in float32, each frequency twice, times ``scale``)."""
+    angle = positions[..., None].float() * inv_freq
+    angle = torch.cat([angle, angle], dim=-1)
+    return (angle.cos() * scale).to(dtype), (angle.sin() * scale).to(dtype)
+
 
 def rotary_for(model: PreTrainedModel, layer_idx: int) -> Rotary | None:
     """The rotary embedding that layer ``layer_idx`` of ``model`` uses, or None without RoPE."""
@@ -83,4 +102,10 @@ def check_rope(model: PreTrainedModel, layer_idx: int, head_dim: int) -> str | N
         return f"its apply_rotary_pos_emb could not be called the usual way ({error})"
     if not torch.allclose(apply_rope(keys, cos[:, None].float(), sin[:, None].float()), expected, atol=1e-4, rtol=1e-4):
         return "its rotary embedding is not the rotate-half form kvcompress can invert"
+    frequencies = rotary.frequencies()
+    if frequencies is None:
+        return "its rotary module keeps no inv_freq / attention_scaling to rotate rebuilt keys with"
+    again = rope_cos_sin(positions, *frequencies, torch.float32)
+    if not all(torch.allclose(ours, theirs.float(), atol=1e-5, rtol=1e-5) for ours, theirs in zip(again, (cos, sin))):
+        return "its rotary module's cos/sin are not cos/sin(position * inv_freq) * attention_scaling"
     return None

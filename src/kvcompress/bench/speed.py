@@ -18,17 +18,24 @@ import platform
 import resource
 import statistics
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 import transformers
+from torch.utils._python_dispatch import TorchDispatchMode
 from tqdm import tqdm
-from transformers import PreTrainedModel
+from transformers import DynamicCache, PreTrainedModel
 
 from ..cache import KVLayer
+from .. import attention
+from ..decode import Compile, DecodeState, StepRunner
 from ..methods import FullKV, Method, method_from_spec
 from ..tokens import TokenSpans
+
+HOST_READS = {"_local_scalar_dense", "item", "nonzero", "is_nonzero", "equal"}  # ops that hand a tensor's value to the host
 
 PRESETS: dict[str, dict] = {
     # The CPU check: the embedded model's shape, 1K-8K prompts (8000 leaves room to decode in 8K).
@@ -156,15 +163,58 @@ def fetch_overlap_times(layer: KVLayer, timer: Timer, repeats: int = 10) -> dict
     }
 
 
+class StepAudit(TorchDispatchMode):
+    """The ops a step dispatches, by name (a fused ``kvcompress`` op counts once: it launches one
+    kernel on a GPU), and those that read a value back to the host (``HOST_READS``, or a copy from a
+    GPU to the host), which would stall the host until the GPU caught up."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter = Counter()
+        self.host_reads: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func.overloadpacket)
+        self.ops[name] += 1
+        out = func(*args, **(kwargs or {}))
+        asynchronous = name == "aten.copy_" and bool(args[2] if len(args) > 2 else (kwargs or {}).get("non_blocking")) and args[0].is_pinned()
+        to_host = name in ("aten._to_copy", "aten.copy_") and isinstance(out, torch.Tensor) and out.device.type == "cpu" and not asynchronous and any(
+            isinstance(a, torch.Tensor) and a.device.type != "cpu" for a in args)
+        if name.split(".")[-1] in HOST_READS or to_host:
+            self.host_reads[name] += 1
+        return out
+
+    @property
+    def total(self) -> int:
+        return sum(self.ops.values())
+
+
+def audit_step(step: Callable[[], Any]) -> StepAudit:
+    """Run one step under a ``StepAudit``."""
+    with StepAudit() as audit:
+        step()
+    return audit
+
+
+@torch.inference_mode()
+def transformers_step_ops(model: PreTrainedModel) -> int:
+    """Ops one decoding step of plain transformers dispatches (its own cache, after a 16-token prompt): the reference."""
+    cache = DynamicCache(config=model.config)
+    ids = torch.randint(10, model.config.get_text_config().vocab_size, (1, 16), device=model.device)
+    token = model(ids, past_key_values=cache, logits_to_keep=1).logits[:, -1:].argmax(-1)
+    return audit_step(lambda: model(token, past_key_values=cache, logits_to_keep=1)).total
+
+
 def weight_bytes(model: PreTrainedModel) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 @torch.inference_mode()
-def measure(model: PreTrainedModel, method: Method, name: str, length: int, batch: int, steps: int, warmup: int, bandwidth: float) -> dict:
-    """One run: prefill ``batch`` random prompts of ``length`` tokens, then decode; never raises on OOM."""
+def measure(model: PreTrainedModel, method: Method, name: str, length: int, batch: int, steps: int, warmup: int, bandwidth: float, compile: Compile | None = None) -> dict:
+    """One run: prefill ``batch`` random prompts of ``length`` tokens, then decode greedily (eagerly,
+    or with ``compile``); never raises on OOM."""
     device = model.device
-    row: dict = {"method": name, "method_params": method.describe(), "prompt_tokens": length, "batch": batch}
+    row: dict = {"method": name, "method_params": method.describe(), "prompt_tokens": length, "batch": batch, "compiled": compile is not None}
     timer = Timer(device)
     cache = ids = None
     try:
@@ -173,12 +223,16 @@ def measure(model: PreTrainedModel, method: Method, name: str, length: int, batc
         ids = torch.randint(10, model.config.get_text_config().vocab_size, (batch, length), generator=generator).to(device)
         cache = method.make_cache(model, TokenSpans.every(model.config.get_text_config().vocab_size))
         start = timer.start()
-        token = model(ids, past_key_values=cache, logits_to_keep=1).logits[:, -1:].argmax(-1)
+        logits = model(ids, past_key_values=cache, logits_to_keep=1).logits[:, -1]
         prefill_ms = timer.ms_since(start)
+        state = DecodeState.start(logits, torch.full((batch,), length, device=device), warmup + steps + 2, set())
+        cache.reserve(warmup + steps + 1)
+        runner = StepRunner(model, cache, state, compile)
+        audit = audit_step(runner.step)  # the runner's first step runs eagerly: its ops are counted
         times = []
         for _ in range(warmup + steps):
             start = timer.start()
-            token = model(token, past_key_values=cache, logits_to_keep=1).logits[:, -1:].argmax(-1)
+            runner.step()
             times.append(timer.ms_since(start))
         stats = cache.stats()
         decode_ms = statistics.median(times[warmup:])
@@ -197,6 +251,10 @@ def measure(model: PreTrainedModel, method: Method, name: str, length: int, batc
             bytes_read_per_step=read,
             achieved_bandwidth=read / (decode_ms / 1000),
             bandwidth_fraction=read / (decode_ms / 1000) / bandwidth,
+            bound_ms_per_token=read / bandwidth * 1000,
+            ops_per_step=audit.total,
+            host_reads_per_step=sum(audit.host_reads.values()),
+            sdpa=attention.sdpa_choices(),
         )
         overlap = fetch_overlap_times(cache.layers[len(cache.layers) // 2], timer)
         if overlap is not None:
@@ -308,11 +366,13 @@ def run_speed(
     progress: bool = True,
     search_step: int = 1024,
     batch_limit: int = 1024,
+    compile: bool = False,
 ) -> dict:
     """Run the grid (and the optional searches), write ``speed.json``, ``speed.csv`` and plots; return
     the report. ``methods`` are specs (``name[:field=value...]``); ``budget`` applies to every method
     with a budget whose spec does not set one; ``batch_limit`` is the largest batch the batch search
-    tries (each try is a full prefill of that batch). Rerunning with the same ``out_dir`` resumes."""
+    tries (each try is a full prefill of that batch); ``compile`` decodes with the compiled step
+    (``kvc.generate(compile=True)``). Rerunning with the same ``out_dir`` resumes."""
     device = model.device
     if (find_max_context or find_max_batch) and device.type == "cpu" and max_memory is None:
         raise ValueError("on a CPU the limit searches need max_memory (bytes): running out of RAM kills the process instead of raising")
@@ -326,7 +386,8 @@ def run_speed(
     built = {spec: method_from_spec(spec, budget=budget) for spec in methods}
     settings = {"model": model_name, "methods": methods, "lengths": lengths, "batches": batches, "budget": budget, "steps": steps,
                 "warmup": warmup, "max_memory": max_memory, "find_max_context": find_max_context, "find_max_batch": find_max_batch,
-                "search_step": search_step, "batch_limit": batch_limit}
+                "search_step": search_step, "batch_limit": batch_limit, "compile": compile}
+    options = Compile() if compile else None
     journal = Journal(Path(out_dir) / "rows.jsonl", settings)
     bandwidth = copy_bandwidth(device)
     rows = []
@@ -335,17 +396,21 @@ def run_speed(
         def run(spec=spec, n=n, b=b) -> dict:
             if spec == methods[0] and warmup > 0:  # warmup=0: no untimed prefill either (memory curves)
                 warm_up(model, n, b)
-            return measure(model, built[spec], spec, n, b, steps, warmup, bandwidth)
+            return measure(model, built[spec], spec, n, b, steps, warmup, bandwidth, options)
         rows.append(journal.measure((None, spec, n, b), run))
     report = {
         "machine": machine(device), "model": model_name, "dtype": str(next(model.parameters()).dtype),
         "weight_bytes": weight_bytes(model), "device_bandwidth": bandwidth, "settings": settings, "rows": rows,
+        "transformers_ops_per_step": transformers_step_ops(model),
     }
+    for row in rows:
+        if row["status"] == "ok":
+            row["ops_vs_transformers"] = row["ops_per_step"] / report["transformers_ops_per_step"]
     if find_max_context or find_max_batch:
         report["limits"] = []
         for spec, method in built.items():
             def fits(kind: str, n: int, b: int, spec=spec, method=method) -> dict:
-                row = journal.measure((kind, spec, n, b), lambda: measure(model, method, spec, n, b, 2, 1, bandwidth))
+                row = journal.measure((kind, spec, n, b), lambda: measure(model, method, spec, n, b, 2, 1, bandwidth, options))
                 return {**row, "fits": _fits(row, max_memory)}
 
             if find_max_context:

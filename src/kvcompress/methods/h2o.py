@@ -161,13 +161,14 @@ class H2OLayer(EvictionLayer):
     def after_step(self, query: torch.Tensor, scaling: float) -> None:
         """Record the new tokens' positions, then keep, per KV head, the ``budget`` best slots at the front."""
         q_len = query.shape[-2]
-        new = self.new_slots(q_len, written=True)
+        new = self.new_slots(q_len)
         real = self.valid.index_select(1, new)
         position = (self.next_position[:, None] + real.long().cumsum(-1) - 1).masked_fill(~real, -1)
         self.next_position.add_(real.sum(-1))
         self.slot_positions.index_copy_(2, new, position[:, None].expand(-1, self.keys.shape[1], -1))
         slot = torch.arange(self.keys.shape[-2], device=self.keys.device)
-        recent = (slot >= self.cursor - self.method.recent_tokens) & (slot < self.cursor)
+        end = self.cursor + q_len  # past this step's tokens
+        recent = (slot >= end - self.method.recent_tokens) & (slot < end)
         score = self.slot_scores.masked_fill(recent, math.inf).masked_fill(~self.valid[:, None, :], -math.inf)
         keep = score.sort(dim=-1, descending=True, stable=True).indices[..., : self.budget].sort(dim=-1).values
         front = slice(0, self.budget)
@@ -177,7 +178,9 @@ class H2OLayer(EvictionLayer):
             kept[..., front].copy_(kept.gather(2, keep))
         self.valid[:, front].copy_(self.valid.gather(1, keep[:, 0]))
         self.valid[:, self.budget :] = False
-        self.cursor.clamp_(max=self.budget)
+
+    def close_step(self, new: int) -> None:
+        self.cursor.add_(new).clamp_(max=self.budget)  # the slots after the budget were evicted
 
     def kept_positions(self) -> torch.Tensor:
         """Prompt positions still held per head, ascending; -1 for slots holding padding or generated tokens."""

@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from ..attention import grouped_logits
 from .base import InvalidParameterError, param
 from .sparse import SparseDecodeLayer, SparseMethod
 
@@ -35,11 +34,13 @@ def principal_components(keys: torch.Tensor, valid: torch.Tensor) -> torch.Tenso
 
 
 def approximate_scores(query: torch.Tensor, projected_keys: torch.Tensor, components: torch.Tensor) -> torch.Tensor:
-    """Approximate ``q . k`` in the component subspace, max over a group's query heads and queries ``[b, kv_heads, seq]``."""
+    """Approximate ``q . k`` in the component subspace, max over a group's query heads and queries ``[b, kv_heads, seq]``
+    (``projected_keys [b, kv_heads, seq, r]``, ``components [b, kv_heads, d, r]``)."""
     batch, q_heads, q_len, dim = query.shape
-    kv_heads, rank = projected_keys.shape[1], projected_keys.shape[-1]
-    projected_query = (query.float().reshape(batch, kv_heads, -1, dim) @ components[..., :rank]).view(batch, q_heads, q_len, rank)
-    return grouped_logits(projected_query, projected_keys, 1.0).view(batch, kv_heads, -1, projected_keys.shape[2]).amax(dim=2)
+    kv_heads, seq, rank = projected_keys.shape[1:]
+    stacked = query.reshape(batch * kv_heads, -1, dim).to(components.dtype) @ components.reshape(batch * kv_heads, dim, rank)
+    scores = stacked.to(projected_keys.dtype) @ projected_keys.view(batch * kv_heads, seq, rank).mT
+    return scores.view(batch, kv_heads, -1, seq).amax(dim=2)
 
 
 def load_calibration(path: str, layers: int, kv_heads: int, head_dim: int) -> torch.Tensor:

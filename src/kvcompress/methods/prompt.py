@@ -206,6 +206,11 @@ class HeadAdaptiveLayer(EvictionLayer):
         if self.packed is not None:
             self.packed.advance(new)
 
+    def close_step(self, new: int) -> None:
+        if self.packed is None:
+            return super().close_step(new)
+        self.packed.close_step(new)
+
     def mark_padding(self, new_valid: torch.Tensor) -> None:
         if self.packed is None:
             return super().mark_padding(new_valid)

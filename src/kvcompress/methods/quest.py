@@ -35,13 +35,15 @@ def page_bounds(keys: torch.Tensor, valid: torch.Tensor, page_size: int) -> tupl
     return low.masked_fill(empty, 0.0), high.masked_fill(empty, 0.0)
 
 
-def page_upper_bounds(query: torch.Tensor, low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
-    """Upper bound of ``q . k`` over each page, max over query heads of a group and over queries ``[b, kv_heads, pages]``."""
+def page_upper_bounds(query: torch.Tensor, low: torch.Tensor, span: torch.Tensor) -> torch.Tensor:
+    """Upper bound of ``q . k`` over each page, max over query heads of a group and over queries ``[b, kv_heads, pages]``,
+    from the pages' ``low`` and ``span = high - low``: ``sum_d max(q_d low_d, q_d high_d)`` is
+    ``relu(q) . span + q . low``, two matrix products."""
     batch, q_heads, q_len, dim = query.shape
-    kv_heads = low.shape[1]
-    q = query.float().reshape(batch, kv_heads, q_heads // kv_heads * q_len, 1, dim)
-    bound = torch.maximum(q * low.float()[:, :, None], q * high.float()[:, :, None]).sum(dim=-1)
-    return bound.amax(dim=2)
+    kv_heads, pages = low.shape[1], low.shape[2]
+    stacked = query.reshape(batch * kv_heads, -1, dim)
+    bound = torch.baddbmm(stacked @ low.view(batch * kv_heads, pages, dim).mT, stacked.clamp(min=0), span.view(batch * kv_heads, pages, dim).mT)
+    return bound.view(batch, kv_heads, -1, pages).amax(dim=2)
 
 
 @dataclass
@@ -64,13 +66,14 @@ class QuestLayer(SparseDecodeLayer):
         return torch.div(lengths, self.unit, rounding_mode="floor")
 
     def prepare(self, keys: torch.Tensor, valid: torch.Tensor, chunks: torch.Tensor) -> None:
-        self.low, self.high = page_bounds(keys, valid, self.unit)
+        self.low, high = page_bounds(keys, valid, self.unit)
+        self.span = high - self.low
 
     def chunk_scores(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
-        return page_upper_bounds(query, self.low, self.high)
+        return page_upper_bounds(query, self.low, self.span)
 
     def index_tensors(self) -> list[torch.Tensor]:
-        return [self.low, self.high] if self.store is not None else []
+        return [self.low, self.span] if self.store is not None else []
 
     def batch_tensors(self) -> list[str]:
-        return [*super().batch_tensors(), "low", "high"]
+        return [*super().batch_tensors(), "low", "span"]

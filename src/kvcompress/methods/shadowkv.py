@@ -33,10 +33,10 @@ from typing import TYPE_CHECKING, Any, ClassVar, Iterable, NamedTuple
 
 import torch
 
-from ..attention import grouped_logits
 from ..cache import UnsupportedModelError
 from ..integration import layer_windows
-from ..rope import Rotary, apply_rope, check_rope, invert_rope, rotary_for
+from ..ops import fused
+from ..rope import Rotary, apply_rope, check_rope, invert_rope, rope_cos_sin, rotary_for
 from ..tensors import chunk_tokens, gather_tokens, prompt_positions
 from .base import InvalidParameterError, param
 from .sparse import SparseDecodeLayer, SparseMethod
@@ -125,6 +125,21 @@ def rebuild_keys(a_rows: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.einsum("bhnr,brhd->bhnd", a_rows, b)
 
 
+def _keys_like(factor_a: torch.Tensor, factor_b: torch.Tensor, chunks: torch.Tensor, *args) -> torch.Tensor:
+    return factor_a.new_empty(*chunks.shape[:2], chunks.shape[-1] * args[-1], factor_b.shape[-1])
+
+
+@fused("rotated_keys", mutates_args=(), fake=_keys_like)
+def rotated_keys(factor_a: torch.Tensor, factor_b: torch.Tensor, chunks: torch.Tensor, inv_freq: torch.Tensor, scale: float, unit: int) -> torch.Tensor:
+    """Post-RoPE keys ``[b, kv_heads, k * unit, d]`` of ``chunks [b, kv_heads, k]``: rebuilt from the
+    factors (``A [b, region, r]``, ``B [b, r, kv_heads, d]``) and rotated at their positions (a region
+    token's index is its position) with the model's frequencies ``inv_freq`` and ``scale``."""
+    tokens = chunk_tokens(chunks, unit)
+    a_rows = gather_tokens(factor_a[:, None].expand(-1, chunks.shape[1], -1, -1), tokens)
+    cos, sin = rope_cos_sin(tokens, inv_freq, scale, factor_a.dtype)
+    return apply_rope(rebuild_keys(a_rows, factor_b), cos, sin)
+
+
 def chunk_landmarks(keys: torch.Tensor, valid: torch.Tensor, chunk: int) -> torch.Tensor:
     """Mean of each chunk's real post-RoPE keys ``[b, kv_heads, n_chunks, d]`` (zeros for all-padding chunks)."""
     batch, heads, seq, dim = keys.shape
@@ -152,14 +167,23 @@ def select_outliers(min_cosine: torch.Tensor, counts: torch.Tensor, eligible: to
     return ids, real[:, None, :].expand_as(order).gather(-1, order)[:, 0]
 
 
-def landmark_scores(query: torch.Tensor, landmarks: torch.Tensor, selectable: torch.Tensor, scaling: float) -> torch.Tensor:
-    """Chunk scores per KV head ``[b, kv_heads, n_chunks]`` (Algorithm 2, lines 2-4): softmax over chunks of
-    each query head and position, summed over positions, max over the query heads of a KV group."""
-    batch, q_heads, q_len, _ = query.shape
+def landmark_bias(selectable: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``[b, kv_heads, 1, n_chunks]``: 0 for selectable chunks, -inf for the others (added to their logits)."""
+    return torch.zeros(selectable.shape, dtype=dtype, device=selectable.device).masked_fill(~selectable, -math.inf)[:, :, None]
+
+
+def landmark_scores(query: torch.Tensor, landmarks: torch.Tensor, bias: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Chunk scores per KV head ``[b, kv_heads, n_chunks]`` (Algorithm 2, lines 2-4): softmax over the
+    selectable chunks (``bias``, see ``landmark_bias``) of each query head and position, summed over
+    positions, max over the query heads of a KV group. A head with no selectable chunk scores NaN."""
+    batch, q_heads, q_len, dim = query.shape
     kv_heads, n_chunks = landmarks.shape[1], landmarks.shape[2]
-    logits = grouped_logits(query, landmarks, scaling).view(batch, kv_heads, -1, n_chunks)
-    probs = logits.masked_fill(~selectable[:, :, None, :], -math.inf).softmax(dim=-1).nan_to_num(0.0)
-    return probs.view(batch, kv_heads, q_heads // kv_heads, q_len, n_chunks).sum(dim=3).amax(dim=2)
+    stacked = query.reshape(batch * kv_heads, -1, dim)
+    logits = torch.baddbmm(bias.flatten(0, 1), stacked, landmarks.view(batch * kv_heads, n_chunks, dim).mT, alpha=scaling)
+    probs = logits.softmax(dim=-1, dtype=torch.float32)
+    if q_len > 1:
+        probs = probs.view(batch, kv_heads, q_heads // kv_heads, q_len, n_chunks).sum(dim=3)
+    return probs.view(batch, kv_heads, q_heads // kv_heads, n_chunks).amax(dim=2)
 
 
 @dataclass
@@ -225,6 +249,9 @@ class ShadowKVLayer(SparseDecodeLayer):
         self.factor_a: torch.Tensor | None = None  # [b, region, r]
         self.factor_b: torch.Tensor | None = None  # [b, r, kv_heads, d]
         self.landmarks: torch.Tensor | None = None  # [b, kv_heads, n_chunks, d]
+        self.bias: torch.Tensor | None = None  # [b, kv_heads, 1, n_chunks]: see landmark_bias
+        self.inv_freq: torch.Tensor | None = None  # the model's rotary frequencies after the prefill, and their scale
+        self.rope_scale = 1.0
 
     def region_chunks(self, lengths: torch.Tensor) -> torch.Tensor:
         return torch.div(lengths - self.method.local_chunks * self.unit, self.unit, rounding_mode="floor")
@@ -250,8 +277,13 @@ class ShadowKVLayer(SparseDecodeLayer):
         eligible = self.selectable  # whole real chunks
         return select_outliers(chunk_min_cosine(keys, self.landmarks, valid, self.unit), self.method.outlier_counts(chunks), eligible)
 
+    def index_selection(self, scaling: float) -> None:
+        self.bias = landmark_bias(self.selectable, self.landmarks.dtype)
+        self.inv_freq, self.rope_scale = self.rotary.frequencies()
+        self.inv_freq = self.inv_freq.to(self.keys.device)
+
     def chunk_scores(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
-        return landmark_scores(query, self.landmarks, self.selectable, scaling)
+        return landmark_scores(query, self.landmarks, self.bias, scaling)
 
     def stored_chunks(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         batch, heads, _, dim = values.shape
@@ -262,20 +294,16 @@ class ShadowKVLayer(SparseDecodeLayer):
 
     def rebuild_keys(self, chunks: torch.Tensor) -> torch.Tensor:
         """Post-RoPE keys of ``chunks [b, h, m]``, rebuilt from the low-rank factors and rotated at their original positions."""
-        heads = chunks.shape[1]
-        tokens = chunk_tokens(chunks, self.unit)
-        a_rows = gather_tokens(self.factor_a[:, None].expand(-1, heads, -1, -1), tokens)
-        cos, sin = self.rotary.cos_sin(tokens, self.factor_a)  # a region token's index is its position in the prompt
-        return apply_rope(rebuild_keys(a_rows, self.factor_b), cos, sin)
+        return rotated_keys(self.factor_a, self.factor_b, chunks, self.inv_freq, self.rope_scale, self.unit)
 
     def read_factor(self) -> float:
         return 2.0  # the selected chunks' values, and their keys rebuilt to the same size
 
     def index_tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.factor_a, self.factor_b, self.landmarks) if t is not None]
+        return [t for t in (self.factor_a, self.factor_b, self.landmarks, self.bias, self.inv_freq) if t is not None]
 
     def batch_tensors(self) -> list[str]:
-        return [*super().batch_tensors(), "factor_a", "factor_b", "landmarks"]
+        return [*super().batch_tensors(), "factor_a", "factor_b", "landmarks", "bias"]
 
     def info(self) -> dict[str, Any]:
         if self.factor_b is None:

@@ -22,7 +22,7 @@ import torch
 
 from ..attention import dense_attention
 from ..cache import KVLayer, OverlapProbe
-from ..offload import ChunkStore, match_previous
+from ..offload import ChunkStore
 from ..tensors import chunk_tokens, gather_tokens, nbytes, prompt_positions
 from .base import BudgetMethod, require
 
@@ -71,6 +71,7 @@ class SparseDecodeLayer(KVLayer):
         self.step_chunks: torch.Tensor | None = None  # [b]: chunks each row selects per step
         self.step_count = 0  # chunks gathered per step (the largest row's)
         self.front = 0  # slots at the front of the buffers that hold the step's selected chunks
+        self.front_slots: torch.Tensor | None = None  # [front]: their indices
         self.selected: torch.Tensor | None = None  # [b, h, k]: last step's chunks (offloaded stores reuse them)
         self.steps = self.lookups = 0
         self.hits: torch.Tensor | None = None  # a device scalar: counted without a host sync
@@ -152,12 +153,21 @@ class SparseDecodeLayer(KVLayer):
         self.step_chunks = torch.minimum(per_step, counts)
         self.step_count = int(self.step_chunks.max())  # chunks gathered per step: a fixed shape
         self.front = self.step_count * self.unit
+        self.front_slots = torch.arange(self.front, device=device)
         front = dense_keys.new_zeros(*dense_keys.shape[:2], self.front, dense_keys.shape[-1])
         front_valid = torch.ones(valid.shape[0], self.front, dtype=torch.bool, device=device)  # per head: from each step's selection
         self.set_slots(torch.cat([front, dense_keys], dim=2), torch.cat([front, dense_values], dim=2),
                        None if bool(valid.all()) else torch.cat([front_valid, valid], dim=1), positions)
         self.selected = torch.full((valid.shape[0], heads, self.step_count), -1, device=device)  # no chunk yet
         self.hits = torch.zeros((), dtype=torch.long, device=device)
+        self.unselectable = ~self.selectable
+        # Every row selects as many chunks as the step gathers, from enough selectable ones: every
+        # gathered chunk counts, so the front slots need no mask of their own (checked once, here).
+        self.all_counted = bool((self.step_chunks == self.step_count).all() and (self.selectable.sum(-1) >= self.step_count).all())
+        self.index_selection(scaling)
+
+    def index_selection(self, scaling: float) -> None:
+        """After ``compress``: lay out what ``chunk_scores`` reads each step (``selectable`` is final)."""
 
     def attend(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scaling: float, softcap: float | None = None) -> torch.Tensor:
         """Exact attention over the step's selected chunks, written into the front slots, and the dense slots."""
@@ -165,32 +175,34 @@ class SparseDecodeLayer(KVLayer):
             return super().attend(query, keys, values, mask, scaling, softcap)
         chosen, counted = self.select(query, scaling)
         selected_keys, selected_values = self.selected_kv(chosen)
-        keys[:, :, : self.front].copy_(selected_keys)
-        values[:, :, : self.front].copy_(selected_values)
-        front = counted.repeat_interleave(self.unit, dim=-1)[:, :, None, :].expand(-1, -1, mask.shape[2], -1)
-        mask = torch.cat([front, mask[..., self.front :].expand(-1, keys.shape[1], -1, -1)], dim=-1)
+        keys.index_copy_(2, self.front_slots, selected_keys)
+        values.index_copy_(2, self.front_slots, selected_values)
+        if counted is not None:  # some gathered chunks do not count: the front slots get a mask per head
+            front = counted.repeat_interleave(self.unit, dim=-1)[:, :, None, :].expand(-1, -1, mask.shape[2], -1)
+            mask = torch.cat([front, mask[..., self.front :].expand(-1, keys.shape[1], -1, -1)], dim=-1)
         return dense_attention(query, keys, values, mask, scaling, softcap)
 
-    def select(self, query: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """The chunks this step attends to ``[b, h, k]`` (ascending) and which of them count:
-        each row takes its own ``step_chunks`` best selectable chunks."""
-        scores = self.chunk_scores(query, scaling).masked_fill(~self.selectable, -math.inf)
-        top = scores.topk(self.step_count, dim=-1)
-        in_budget = torch.arange(self.step_count, device=scores.device)[None, None, :] < self.step_chunks[:, None, None]
+    def select(self, query: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The chunks this step attends to ``[b, h, k]`` (ascending where an offload store reuses
+        them) and which of them count (None: all do): each row takes its own ``step_chunks`` best
+        selectable chunks."""
+        scores = self.chunk_scores(query, scaling).masked_fill(self.unselectable, -math.inf)
+        top = scores.topk(self.step_count, dim=-1, sorted=not self.all_counted)
+        if self.all_counted:
+            return (top.indices.sort(dim=-1).values if self.store.offloaded else top.indices), None
+        in_budget = torch.arange(self.step_count, device=scores.device)[None, None, :] < self.step_chunks[:, None, None]  # by rank
         chosen, order = top.indices.sort(dim=-1)
-        counted = (in_budget & self.selectable.gather(-1, top.indices)).gather(-1, order)
-        return chosen, counted
+        return chosen, (in_budget & (top.values > -math.inf)).gather(-1, order)
 
     def gather(self, chunks: torch.Tensor, overlap: Callable[[], Any] = lambda: None) -> tuple[torch.Tensor, Any]:
-        """The stored ``chunks [b, h, k]`` as ``[b, h, k * unit, d']`` (reusing last step's when the
-        store is offloaded) and the result of ``overlap()``, which runs meanwhile."""
+        """The stored ``chunks [b, h, k]`` as ``[b, h, k * unit, d']`` (chunks last step also selected
+        come from its front slots when the store is offloaded) and the result of ``overlap()``, which
+        runs meanwhile."""
         if not self.store.offloaded:
-            hit = torch.zeros_like(chunks, dtype=torch.bool)
-            return self.store.fetch(chunks, hit, chunks, None, overlap)
-        hit, slot = match_previous(chunks, self.selected)
-        self.hits.add_(hit.sum())
+            return self.store.fetch(chunks, None, None, None, overlap)
+        gathered, result = self.store.fetch(chunks, self.selected, self.previous_chunks(), self.hits, overlap)
         self.selected.copy_(chunks)
-        return self.store.fetch(chunks, hit, slot, self.previous_chunks(), overlap)
+        return gathered, result
 
     def advance(self, new: int) -> None:
         super().advance(new)
@@ -204,11 +216,10 @@ class SparseDecodeLayer(KVLayer):
         if self.store is None or not self.store.offloaded or not self.steps:
             return None
         chosen = self.selected
-        hit, slot = torch.zeros_like(chosen, dtype=torch.bool), torch.zeros_like(chosen)
         return OverlapProbe(
-            fetch=lambda: self.store.fetch(chosen, hit, slot, None, overlap=lambda: None),
+            fetch=lambda: self.store.fetch(chosen, None, None, None, overlap=lambda: None),
             work=lambda: self.rebuild_keys(chosen),
-            both=lambda: self.store.fetch(chosen, hit, slot, None, overlap=lambda: self.rebuild_keys(chosen)),
+            both=lambda: self.store.fetch(chosen, None, None, None, overlap=lambda: self.rebuild_keys(chosen)),
             concurrent=self.store.stream is not None,
         )
 
@@ -223,7 +234,7 @@ class SparseDecodeLayer(KVLayer):
         stats = super().stats()
         if self.store is None:
             return stats
-        stats["index_bytes"] += nbytes(self.selectable, self.step_chunks, self.selected, self.hits)
+        stats["index_bytes"] += nbytes(self.selectable, self.unselectable, self.step_chunks, self.selected, self.hits, self.front_slots)
         stats["offloaded_bytes" if self.store.offloaded else "kv_bytes_kept"] += self.store.nbytes
         per_chunk = self.store.chunk_bytes
         selected_bytes = self.keys.shape[0] * self.keys.shape[1] * self.step_count * per_chunk * self.read_factor()
@@ -252,4 +263,4 @@ class SparseDecodeLayer(KVLayer):
         return 1.0
 
     def batch_tensors(self) -> list[str]:
-        return [*super().batch_tensors(), "store", "selectable", "step_chunks", "selected"]
+        return [*super().batch_tensors(), "store", "selectable", "unselectable", "step_chunks", "selected"]

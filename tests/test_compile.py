@@ -1,0 +1,140 @@
+"""Decoding as one compiled graph: the eager tokens for every method and model family, in batches and
+follow-up turns; no graph break, no recompile across steps, no host read inside a step; the ops a
+step dispatches. Most checks compile with dynamo's capture alone (``backend="eager"``): graph breaks
+and recompiles are decided there, at a fraction of inductor's compile time; one test runs inductor."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import pytest
+import torch
+import torch._dynamo
+from torch._dynamo.utils import counters
+
+import kvcompress as kvc
+from kvcompress.bench.speed import audit_step, transformers_step_ops
+from kvcompress.cache import KVLayer
+from kvcompress.decode import DecodeState, greedy_step
+from kvcompress.models import random_model
+from kvcompress.tokens import TokenSpans
+
+from .fixtures import FAMILIES, char_tokenizer, family_model, random_text, tiny_model
+from .test_batches import LENGTHS, METHODS
+
+CAPTURE = kvc.Compile(backend="eager")
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def graphs() -> int:
+    return counters["stats"]["unique_graphs"]
+
+
+def compiled(model, tok, prompt, compile=CAPTURE, **kwargs) -> kvc.Result:
+    """``kvc.generate`` with a compiled decoding step: one graph for all its steps, no break."""
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        result = kvc.generate(model, tok, prompt, compile=compile, **kwargs)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    return result
+
+
+@pytest.mark.parametrize("method", METHODS, ids=lambda m: m.label())
+def test_compiled_decoding_gives_the_eager_tokens_in_a_batch(method):
+    model, tok = tiny_model(), char_tokenizer()
+    prompts = [random_text(n, seed=n) for n in LENGTHS]
+    eager = kvc.generate(model, tok, prompts, method=method, max_new_tokens=12)
+    ours = compiled(model, tok, prompts, method=method, max_new_tokens=12)
+    assert ours.token_ids == eager.token_ids and graphs() == 1
+    assert torch.equal(ours.attention_mask, eager.attention_mask) and torch.equal(ours.next_position, eager.next_position)
+    again = compiled(model, tok, prompts, method=method, max_new_tokens=12)  # a new cache of the same layout: the same graph
+    assert again.token_ids == eager.token_ids and graphs() == 1
+
+
+@pytest.mark.parametrize("method", [kvc.SnapKV(budget=64, heads="adaptive"), kvc.H2O(budget=64, evict_during_decoding=True), kvc.ShadowKV(budget=32)], ids=lambda m: m.label())
+def test_follow_up_turns_recompile_once_then_reuse_the_graph(method):
+    """A longer turn grows the buffers: the next decoding compiles once more, with the capacity as a
+    symbol (dynamo's automatic dynamic shapes), and later turns reuse that graph."""
+    model, tok = tiny_model(), char_tokenizer()
+    prompts = [random_text(n, seed=n) for n in LENGTHS]
+    eager = kvc.generate(model, tok, prompts, method=method, max_new_tokens=8)
+    ours = compiled(model, tok, prompts, method=method, max_new_tokens=8)
+    for turn in range(3):
+        eager = kvc.generate(model, tok, f"and then {turn}?", past=eager, max_new_tokens=8)
+        before = graphs()
+        ours = kvc.generate(model, tok, f"and then {turn}?", past=ours, max_new_tokens=8, compile=CAPTURE)
+        assert ours.token_ids == eager.token_ids, f"turn {turn}"
+        assert graphs() - before <= (1 if turn == 0 else 0) and not counters["graph_break"]
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_compiled_decoding_on_every_model_family(family):
+    model, tok = family_model(family), char_tokenizer()
+    prompts = [random_text(n, seed=n) for n in LENGTHS]
+    rotary = family in ("phi3-partial-rotary", "gemma3")  # ShadowKV's key rotation: partial, per layer type
+    for method in [kvc.SnapKV(budget=64), *([kvc.ShadowKV(budget=32)] if rotary else [])]:
+        torch._dynamo.reset()
+        assert compiled(model, tok, prompts, method=method, max_new_tokens=10).token_ids == kvc.generate(model, tok, prompts, method=method, max_new_tokens=10).token_ids
+
+
+def test_inductor_compiles_the_step_to_the_eager_tokens():
+    model, tok = tiny_model(), char_tokenizer()
+    prompts = [random_text(n, seed=n) for n in LENGTHS]
+    eager = kvc.generate(model, tok, prompts, method=kvc.SnapKV(budget=64), max_new_tokens=12)
+    assert compiled(model, tok, prompts, compile=True, method=kvc.SnapKV(budget=64), max_new_tokens=12).token_ids == eager.token_ids
+
+
+@pytest.mark.parametrize("method", METHODS, ids=lambda m: m.label())
+def test_a_decoding_step_reads_nothing_back_to_the_host(method):
+    model = tiny_model()
+    cache = method.make_cache(model, char_tokenizer())
+    with torch.inference_mode():
+        logits = model(torch.randint(3, 128, (2, 300)), past_key_values=cache, logits_to_keep=1).logits[:, -1]
+        state = DecodeState.start(logits, torch.full((2,), 300), 4, {2})
+        cache.reserve(3)
+        greedy_step(model, cache, state)
+        audit = audit_step(lambda: greedy_step(model, cache, state))
+    assert not audit.host_reads and audit.total > 0
+
+
+def test_sparse_steps_dispatch_at_most_one_and_a_half_times_transformers_ops():
+    """A fused op (the chunk gather, ShadowKV's key rebuild) counts once: on a GPU it is one Triton kernel."""
+    model = random_model("smollm2-135m")
+    reference = transformers_step_ops(model)
+    ratios = {}
+    with torch.inference_mode():
+        for method in (kvc.ShadowKV(budget=64), kvc.Quest(budget=64), kvc.Loki(budget=64), kvc.SnapKV(budget=64), kvc.FullKV()):
+            cache = method.make_cache(model, TokenSpans.every(model.config.vocab_size))
+            logits = model(torch.randint(10, 1000, (1, 256)), past_key_values=cache, logits_to_keep=1).logits[:, -1]
+            state = DecodeState.start(logits, torch.tensor([256]), 4, set())
+            cache.reserve(3)
+            greedy_step(model, cache, state)
+            ratios[method.name] = audit_step(lambda: greedy_step(model, cache, state)).total / reference
+    assert all(ratio <= 1.5 for ratio in ratios.values()), ratios
+
+
+@dataclass
+class HostBound(kvc.FullKV):
+    """A toy method whose decoding step would read the host."""
+
+    name: ClassVar[str] = "hostbound"
+
+    def make_layer(self, layer_idx, model) -> KVLayer:
+        layer = KVLayer(layer_idx)
+        layer.uncapturable = lambda: "its layers read chunk ids on the host"
+        return layer
+
+
+def test_a_step_that_cannot_be_one_graph_is_refused_by_name():
+    model, tok = tiny_model(), char_tokenizer()
+    with pytest.raises(ValueError, match=r"compile=True cannot capture hostbound\(\)'s decoding step: its layers read chunk ids on the host; run it without compile"):
+        kvc.generate(model, tok, random_text(50), method=HostBound(), compile=True)
+    with pytest.raises(kvc.InvalidParameterError, match=r"compile='yes' is invalid; give True, False or a kvcompress.Compile"):
+        kvc.generate(model, tok, random_text(50), compile="yes")
