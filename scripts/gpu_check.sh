@@ -6,6 +6,11 @@
 #
 # Slices, most important first:
 #   tests                the whole suite on the GPU (GPU-only tests included)
+#   decode-compiled      issue 21: the compiled step (a CUDA graph per token), batch 1, 16K and 32K: full, SnapKV 2048,
+#                        SnapKV head-adaptive, ShadowKV at the paper's setting; the bandwidth bound beside each figure
+#   decode-compiled-long the same at 64K and 128K (each new cache layout compiles: two slices stay under 10 minutes)
+#   decode-eager         the same at 16K-128K, decoding eagerly (cuDNN's SDPA never chosen for a decoding step)
+#   decode-batch         batch 8 at 16K and 32K, eager then compiled (same methods)
 #   latency              Llama-3.1-8B shape, bf16, batch 1: full / SnapKV 2048 / ShadowKV (default, 1.56%) at 16K-128K
 #   throughput-full      largest batch and tokens/s at ~122K (ShadowKV Table 4), one method per slice
 #   throughput-snapkv
@@ -26,10 +31,12 @@ DRY=${GPU_CHECK_DRY:-0}
 
 # Sizes: real (GPU) or toy (CPU dry run).
 if [ "$DRY" = 1 ]; then
-  MODEL=smollm2-135m LONG_MODEL=smollm2-135m L_LAT=512,1024 L_TP=1024 L_AD=512,1024 L_LONG=1024,2048 L_1M=4096
+  MODEL=smollm2-135m LONG_MODEL=smollm2-135m L_LAT=512,1024 L_TP=1024 L_AD=512,1024 L_LONG=1024,2048 L_1M=4096 L_BATCH=512 B_DEC=2
+  L_DEC=512 L_DEC_LONG=1024
   STEPS="--steps 2 --warmup 1" MEM="--max-memory 1.5" STEP=512 BUDGET=128 MAXCTX_START=1024 BATCH_LIMIT=4
 else
   MODEL=llama-3.1-8b LONG_MODEL=llama-3.1-8b-1m L_LAT=16384,32768,65536,131000 L_TP=122880 L_AD=32768,131000 L_LONG=262144,524288,786432 L_1M=1040000
+  L_BATCH=16384,32768 B_DEC=8 L_DEC=16384,32768 L_DEC_LONG=65536,131000
   STEPS="--steps 16 --warmup 3" MEM="" STEP=65536 BUDGET=2048 MAXCTX_START=131072
   BATCH_LIMIT=16  # a 122K prefill of the 8B shape takes ~15-20 s per row: batches 1+2+4+8+16 stay under 10 minutes
 fi
@@ -40,8 +47,19 @@ speed() {  # speed SLICE ARGS...: one bench run, its report under $OUT/SLICE
   $PY -m kvcompress.cli bench speed --out "$OUT/$slice" "$@" 2>&1 | tee "$OUT/$slice/log.txt"
 }
 
+DECODE_METHODS=full,snapkv,snapkv:heads=adaptive,shadowkv:rank=160:outliers=48:ratio=0.0156
+
 run_slice() {
   case "$1" in
+    decode-compiled)
+      speed decode-compiled --model $MODEL --methods $DECODE_METHODS --budget $BUDGET --lengths $L_DEC --batches 1 $STEPS --compile ;;
+    decode-compiled-long)
+      speed decode-compiled-long --model $MODEL --methods $DECODE_METHODS --budget $BUDGET --lengths $L_DEC_LONG --batches 1 $STEPS --compile ;;
+    decode-eager)
+      speed decode-eager --model $MODEL --methods $DECODE_METHODS --budget $BUDGET --lengths $L_LAT --batches 1 $STEPS ;;
+    decode-batch)
+      speed decode-batch/eager --model $MODEL --methods $DECODE_METHODS --budget $BUDGET --lengths $L_BATCH --batches $B_DEC $STEPS $MEM
+      speed decode-batch/compiled --model $MODEL --methods $DECODE_METHODS --budget $BUDGET --lengths $L_BATCH --batches $B_DEC $STEPS $MEM --compile ;;
     tests)
       mkdir -p "$OUT/tests"
       $PY -c "import torch, transformers, triton; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'transformers', transformers.__version__, 'triton', triton.__version__)" | tee "$OUT/tests/versions.txt"
@@ -66,7 +84,7 @@ run_slice() {
   esac
 }
 
-SLICES="tests latency throughput-full throughput-snapkv throughput-shadowkv adaptive longprompt-snapkv longprompt-full longprompt-1m"
+SLICES="tests decode-compiled decode-compiled-long decode-eager decode-batch latency throughput-full throughput-snapkv throughput-shadowkv adaptive longprompt-snapkv longprompt-full longprompt-1m"
 if [ "${1:-}" = all ]; then
   for s in $SLICES; do run_slice "$s" || exit $?; done
 else

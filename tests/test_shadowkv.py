@@ -156,7 +156,7 @@ def test_memory_split_between_device_and_offload_store():
     assert layer.store.host.shape == (1, 2, n_chunks, 8, 16) and layer.store.host.device.type == "cpu"
     assert stats["offloaded_bytes"] == 2 * n_chunks * 8 * 2 * 16 * 4
     def held(lyr) -> int:  # every tensor the layer keeps on the device between steps
-        names = ("keys", "values", "valid", "positions", "cursor", "factor_a", "factor_b", "landmarks", "bias", "inv_freq", "selectable", "unselectable", "step_chunks", "selected", "hits")
+        names = ("keys", "values", "valid", "positions", "cursor", "factor_a", "factor_b", "landmarks", "bias", "inv_freq", "selectable", "unselectable", "step_chunks", "selected", "hits", "front_slots")
         tensors = [getattr(lyr, n) for n in names]
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 

@@ -6,6 +6,7 @@
 """
 
 from .cache import CacheMisuseError, KVCompressCache, UnsupportedModelError
+from .attention import sdpa_choices
 from .decode import Compile
 from .generation import Prefill, PromptTooLongError, Result, generate, prefill, teacher_forced_logprobs
 from .methods import H2O, METHODS, FullKV, InvalidParameterError, Loki, Method, Quest, ShadowKV, SnapKV, StreamingLLM, method_from_name, method_from_spec, register_method
@@ -37,4 +38,5 @@ __all__ = [
     "method_from_name",
     "method_from_spec",
     "register_method",
+    "sdpa_choices",
 ]

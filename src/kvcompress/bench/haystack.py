@@ -63,20 +63,21 @@ def token_len(tokenizer: PreTrainedTokenizerBase, text: str) -> int:
 
 def fill(tokenizer: PreTrainedTokenizerBase, n_tokens: int, inserts: list[tuple[float, str]], kind: str = "prose", seed: int | None = None) -> str:
     """About ``n_tokens`` tokens of haystack with each ``(depth, text)`` insert placed at that depth
-    (0 = start, 1 = end) between sentences. The last sentence is cut at a token boundary so the
-    haystack lands on its target."""
+    (0 = start, 1 = end): at the sentence boundary nearest to that fraction of the haystack's tokens
+    (of the haystack alone, not of haystack + inserts). The last sentence is cut at a token boundary
+    so the haystack lands on its target."""
     chosen: list[str] = []
-    total = 0
+    before = [0]  # tokens before each sentence boundary
     for sentence in haystack_sentences(kind, seed):
         size = token_len(tokenizer, " " + sentence.rstrip(".") + ".")
-        if total + size > n_tokens:
-            ids = tokenizer(" " + sentence, add_special_tokens=False)["input_ids"][: n_tokens - total]
+        if before[-1] + size > n_tokens:
+            ids = tokenizer(" " + sentence, add_special_tokens=False)["input_ids"][: n_tokens - before[-1]]
             if ids:
                 chosen.append(tokenizer.decode(ids).strip())
+                before.append(before[-1] + len(ids))
             break
         chosen.append(sentence.rstrip(".") + ".")
-        total += size
-    slots = len(chosen)  # positions are fractions of the haystack alone, not of haystack + inserts
+        before.append(before[-1] + size)
     for depth, text in sorted(inserts, key=lambda item: item[0], reverse=True):
-        chosen.insert(round(depth * slots), text)
+        chosen.insert(min(range(len(before)), key=lambda i: abs(before[i] - depth * before[-1])), text)
     return " ".join(chosen)

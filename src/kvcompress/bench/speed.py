@@ -166,16 +166,21 @@ def fetch_overlap_times(layer: KVLayer, timer: Timer, repeats: int = 10) -> dict
 class StepAudit(TorchDispatchMode):
     """The ops a step dispatches, by name (a fused ``kvcompress`` op counts once: it launches one
     kernel on a GPU), and those that read a value back to the host (``HOST_READS``, or a copy from a
-    GPU to the host), which would stall the host until the GPU caught up."""
+    GPU to the host), which would stall the host until the GPU caught up. ``record_fused`` keeps the
+    fused ops' inputs (``fused_calls``), so their torch implementations can be counted too."""
 
-    def __init__(self) -> None:
+    def __init__(self, record_fused: bool = False) -> None:
         super().__init__()
         self.ops: Counter = Counter()
         self.host_reads: Counter = Counter()
+        self.record_fused = record_fused
+        self.fused_calls: list[tuple[str, tuple[tuple, dict]]] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = str(func.overloadpacket)
         self.ops[name] += 1
+        if self.record_fused and name.startswith("kvcompress."):
+            self.fused_calls.append((name, (tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args), dict(kwargs or {}))))
         out = func(*args, **(kwargs or {}))
         asynchronous = name == "aten.copy_" and bool(args[2] if len(args) > 2 else (kwargs or {}).get("non_blocking")) and args[0].is_pinned()
         to_host = name in ("aten._to_copy", "aten.copy_") and isinstance(out, torch.Tensor) and out.device.type == "cpu" and not asynchronous and any(
@@ -189,9 +194,9 @@ class StepAudit(TorchDispatchMode):
         return sum(self.ops.values())
 
 
-def audit_step(step: Callable[[], Any]) -> StepAudit:
+def audit_step(step: Callable[[], Any], record_fused: bool = False) -> StepAudit:
     """Run one step under a ``StepAudit``."""
-    with StepAudit() as audit:
+    with StepAudit(record_fused) as audit:
         step()
     return audit
 
