@@ -15,6 +15,7 @@ cache's length changes with every call (measured on an H100: 1.6 ms of host time
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 import time
@@ -23,9 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-PROBE_TOKENS = 4096  # keys of the probe a phase's kernels are timed on
+PROBE_TOKENS = 4096  # keys of the probe a phase's kernels are timed on (a prefill's probe: a quarter, its cost is quadratic)
 BACKEND_NAMES = {"math": SDPBackend.MATH, "flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
-PHASES = ("decode", "turn", "prefill")
+_NAMES = {int(backend): name for name, backend in BACKEND_NAMES.items()}  # PyTorch's kernel numbers
 _chosen: dict[tuple, tuple[str, ...]] = {}  # (phase, device type, dtype, head_dim, masked) -> kernels, fastest first
 _PRIORITY = "set_priority" in inspect.signature(sdpa_kernel).parameters
 
@@ -50,30 +51,35 @@ def candidates(phase: str) -> tuple[str, ...]:
 
 
 def forced_backends(phase: str) -> tuple[str, ...] | None:
-    """``KVCOMPRESS_SDPA`` (e.g. ``decode=efficient,math;prefill=flash``) overrides the timing."""
-    for part in os.environ.get("KVCOMPRESS_SDPA", "").split(";"):
+    """``KVCOMPRESS_SDPA`` (e.g. ``decode=efficient,math;prefill=flash``) overrides the timing (read
+    when a phase is first used)."""
+    return _parse_forced(os.environ.get("KVCOMPRESS_SDPA", "")).get(phase)
+
+
+@functools.cache
+def _parse_forced(text: str) -> dict[str, tuple[str, ...]]:
+    forced = {}
+    for part in text.split(";"):
         name, _, kernels = part.partition("=")
-        if name.strip() == phase and kernels:
+        if kernels:
             chosen = tuple(k.strip() for k in kernels.split(","))
             unknown = [k for k in chosen if k not in BACKEND_NAMES]
             if unknown:
-                raise ValueError(f"KVCOMPRESS_SDPA names unknown kernels {unknown} for {phase}; valid: {', '.join(BACKEND_NAMES)}")
-            return chosen
-    return None
+                raise ValueError(f"KVCOMPRESS_SDPA names unknown kernels {unknown} for {name.strip()}; valid: {', '.join(BACKEND_NAMES)}")
+            forced[name.strip()] = chosen
+    return forced
 
 
 def sdpa_choices() -> dict[str, tuple[str, ...]]:
     """The kernels chosen so far in this process, fastest first, per ``phase/device/dtype/head_dim/masked``."""
-    return {"/".join(str(part) for part in key): kernels for key, kernels in _chosen.items()}
+    return {"/".join(str(part).removeprefix("torch.") for part in key): kernels for key, kernels in _chosen.items()}
 
 
 @torch.compiler.assume_constant_result
-def _backends_for(phase: str, device_type: str, dtype: str, head_dim: int, masked: bool) -> str:
-    """The chosen kernels as a string (a compiled step bakes the choice in without guarding on it)."""
-    forced = forced_backends(phase)
-    if forced is not None:
-        return ",".join(forced)
-    return ",".join(_chosen.get((phase, device_type, dtype, head_dim, masked), candidates(phase)))
+def _compiled_backends(phase: str, device_type: str, dtype: str, head_dim: int, masked: bool) -> str:
+    """The chosen kernels as a string: a compiled step bakes the choice in without guarding on it."""
+    key = next((k for k in _chosen if k[:2] == (phase, device_type) and str(k[2]) == dtype and k[3:] == (head_dim, masked)), None)
+    return ",".join(_chosen[key] if key is not None else forced_backends(phase) or candidates(phase))
 
 
 def _time_backend(name: str, probe: tuple, is_causal: bool, enable_gqa: bool) -> float | None:
@@ -97,9 +103,9 @@ def _time_backend(name: str, probe: tuple, is_causal: bool, enable_gqa: bool) ->
 
 
 def _probe(query: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor | None, phase: str) -> tuple:
-    """Random inputs shaped like these, with at most ``PROBE_TOKENS`` keys (and queries, for a prefill)
-    and at most 4 rows."""
-    seq = min(keys.shape[-2], PROBE_TOKENS)
+    """Random inputs shaped like these, with at most ``PROBE_TOKENS`` keys (a quarter, and as many
+    queries, for a prefill) and at most 4 rows."""
+    seq = min(keys.shape[-2], PROBE_TOKENS // 4 if phase == "prefill" else PROBE_TOKENS)
     q_len = seq if phase == "prefill" else min(query.shape[-2], seq)
     batch = min(query.shape[0], 4)
     like = dict(device=query.device, dtype=query.dtype)
@@ -111,12 +117,18 @@ def _probe(query: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor | None, p
 
 def choose_backends(phase: str, query: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor | None, is_causal: bool, enable_gqa: bool) -> tuple[str, ...]:
     """The phase's kernels, fastest first (timed once per phase, device, dtype, head size and masking)."""
-    key = (phase, query.device.type, str(query.dtype).removeprefix("torch."), query.shape[-1], mask is not None)
-    if key not in _chosen and forced_backends(phase) is None and not torch.compiler.is_compiling():
-        probe = _probe(query, keys, mask, phase)
-        timed = [(t, name) for name in candidates(phase) if (t := _time_backend(name, probe, is_causal, enable_gqa)) is not None]
-        _chosen[key] = tuple(name for _, name in sorted(timed)) or ("math",)
-    return tuple(_backends_for(*key).split(","))
+    if torch.compiler.is_compiling():
+        return tuple(_compiled_backends(phase, query.device.type, str(query.dtype), query.shape[-1], mask is not None).split(","))
+    key = (phase, query.device.type, query.dtype, query.shape[-1], mask is not None)
+    chosen = _chosen.get(key)
+    if chosen is None:
+        chosen = forced_backends(phase)
+        if chosen is None:
+            probe = _probe(query, keys, mask, phase)
+            timed = [(t, name) for name in candidates(phase) if (t := _time_backend(name, probe, is_causal, enable_gqa)) is not None]
+            chosen = tuple(name for _, name in sorted(timed)) or ("math",)
+        _chosen[key] = chosen
+    return chosen
 
 
 def kernel_context(chosen: tuple[str, ...]):
@@ -134,9 +146,21 @@ def chosen_kernels(query: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor |
 def sdpa(
     phase: str, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scaling: float | None, is_causal: bool = False, enable_gqa: bool = False
 ) -> torch.Tensor:
-    """``F.scaled_dot_product_attention`` with the kernels chosen for ``phase`` (see ``phase_of``)."""
-    with kernel_context(choose_backends(phase, query, keys, mask, is_causal, enable_gqa)):
+    """``F.scaled_dot_product_attention`` with the kernels chosen for ``phase`` (see ``phase_of``).
+    Where PyTorch would pick the fastest one anyway, no context is entered (it costs ~20 us a call)."""
+    chosen = choose_backends(phase, query, keys, mask, is_causal, enable_gqa)
+    if not torch.compiler.is_compiling() and default_backend(query, keys, values, mask, is_causal, scaling, enable_gqa) == chosen[0]:
         return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, is_causal=is_causal, scale=scaling, enable_gqa=enable_gqa)
+    with kernel_context(chosen):
+        return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, is_causal=is_causal, scale=scaling, enable_gqa=enable_gqa)
+
+
+def default_backend(query, keys, values, mask, is_causal, scaling, enable_gqa) -> str | None:
+    """The kernel PyTorch would pick by itself for these inputs (None where this torch cannot say)."""
+    try:
+        return _NAMES.get(torch._fused_sdp_choice(query, keys, values, mask, 0.0, is_causal, scale=scaling, enable_gqa=enable_gqa))
+    except (AttributeError, TypeError, RuntimeError):
+        return None
 
 
 def stack_groups(query: torch.Tensor, kv_heads: int) -> torch.Tensor:
