@@ -27,6 +27,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 PROBE_TOKENS = 4096  # keys of the probe a phase's kernels are timed on (a prefill's probe: a quarter, its cost is quadratic)
 BACKEND_NAMES = {"math": SDPBackend.MATH, "flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
 _NAMES = {int(backend): name for name, backend in BACKEND_NAMES.items()}  # PyTorch's kernel numbers
+_default_picks: dict[tuple, str | None] = {}  # input shapes -> the kernel PyTorch picks for them
 _chosen: dict[tuple, tuple[str, ...]] = {}  # (phase, device type, dtype, head_dim, masked) -> kernels, fastest first
 _PRIORITY = "set_priority" in inspect.signature(sdpa_kernel).parameters
 
@@ -156,11 +157,15 @@ def sdpa(
 
 
 def default_backend(query, keys, values, mask, is_causal, scaling, enable_gqa) -> str | None:
-    """The kernel PyTorch would pick by itself for these inputs (None where this torch cannot say)."""
-    try:
-        return _NAMES.get(torch._fused_sdp_choice(query, keys, values, mask, 0.0, is_causal, scale=scaling, enable_gqa=enable_gqa))
-    except (AttributeError, TypeError, RuntimeError):
-        return None
+    """The kernel PyTorch would pick by itself for these inputs (None where this torch cannot say),
+    asked once per shapes: a decoding step's shapes repeat."""
+    key = (query.shape, keys.shape, None if mask is None else (mask.shape, mask.dtype), query.dtype, query.device, is_causal, enable_gqa)
+    if key not in _default_picks:
+        try:
+            _default_picks[key] = _NAMES.get(torch._fused_sdp_choice(query, keys, values, mask, 0.0, is_causal, scale=scaling, enable_gqa=enable_gqa))
+        except (AttributeError, TypeError, RuntimeError):
+            _default_picks[key] = None
+    return _default_picks[key]
 
 
 def stack_groups(query: torch.Tensor, kv_heads: int) -> torch.Tensor:
