@@ -97,6 +97,7 @@ class KVLayer(DynamicLayer):
         self.spans: torch.Tensor | None = None  # [batch, prompt slots]: word/number span of each prompt token, when known
         self.record_window: int | None | bool = False  # False: no recording; None: every prefill query
         self.recorded: tuple[torch.Tensor, float] | None = None  # (last prefill queries, scaling)
+        self.batch_lengths: torch.Tensor | None = None  # a group of a batch: every row's real prompt tokens (they set the shapes)
 
     # --- storage ----------------------------------------------------------------------------------
 
@@ -182,6 +183,11 @@ class KVLayer(DynamicLayer):
         kept = gather_rows(prompt_positions(self.slot_validity()), indices).masked_fill(~slot_valid[:, None, :], -1)
         valid = None if bool(slot_valid.all()) else slot_valid
         self.set_slots(gather_tokens(self.keys, indices), gather_tokens(self.values, indices), valid, kept)
+
+    def batch_prompt_tokens(self) -> torch.Tensor:
+        """Real prompt tokens of every row of the batch: a cache prefilled for a group of a batch's
+        rows compresses them into the shapes the whole batch would take, so the groups can be joined."""
+        return self.prompt_tokens if self.batch_lengths is None else self.batch_lengths
 
     def slot_validity(self) -> torch.Tensor:
         """``[batch, slots]`` bool, True for real tokens."""
@@ -338,6 +344,34 @@ class KVLayer(DynamicLayer):
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self.batch_select_indices(beam_idx)
 
+    def concat(self, others: list[KVLayer]) -> None:
+        """Append the rows of ``others`` (this layer in caches of other groups of one batch, prefilled
+        and compressed with the batch's shapes, not decoded yet) to this layer's rows."""
+        layers = [self, *others]
+        if any(layer.cursor is not None or layer.prefill_len is None for layer in layers):
+            raise CacheMisuseError("kvcompress: only caches holding a compressed prompt, not yet decoded, can be joined")
+        for name, complete in (("valid", KVLayer.slot_validity), ("positions", KVLayer.kept_positions)):
+            if any(getattr(layer, name) is not None for layer in layers):  # a group without padding holds None
+                for layer in layers:
+                    setattr(layer, name, complete(layer))
+        ragged = self.ragged_dims()
+        for name in self.batch_tensors():
+            values = [getattr(layer, name) for layer in layers]
+            if values[0] is None:
+                continue
+            joined = concat_rows(values, ragged.get(name)) if isinstance(values[0], torch.Tensor) else type(values[0]).concat(values)
+            setattr(self, name, joined)
+            for layer in others:
+                setattr(layer, name, None)  # freed as the join goes, not held twice
+        self.batch_lengths = None
+        self.used = self.keys.shape[-2]
+        self.compress_s += sum(layer.compress_s for layer in others)
+
+    def ragged_dims(self) -> dict[str, int]:
+        """Batch tensors whose size along one dimension depends on the data (a factor's rank): groups
+        are padded with zeros at its end before they are joined."""
+        return {}
+
     def _batch_apply(self, apply) -> None:
         if not self.is_initialized:
             return
@@ -486,6 +520,21 @@ class KVCompressCache(Cache):
         """LongTensor ``[batch, kv_heads, n_kept]``: original prompt positions kept by ``layer_idx``."""
         return self.layers[layer_idx].kept_positions()
 
+    def note_batch(self, lengths: torch.Tensor) -> None:
+        """This cache holds a group of a batch's rows, whose real prompt lengths are ``lengths``: its
+        layers compress into the batch's shapes, so ``concat`` can join the groups."""
+        for layer in self.layers:
+            layer.batch_lengths = lengths
+
+    @classmethod
+    def concat(cls, caches: list[KVCompressCache]) -> KVCompressCache:
+        """The rows of ``caches`` (groups of one batch, in order, each prefilled after ``note_batch``)
+        as one cache: the first, with the others' rows appended layer by layer."""
+        first = caches[0]
+        for index, layer in enumerate(first.layers):
+            layer.concat([cache.layers[index] for cache in caches[1:]])
+        return first
+
     def reserve(self, tokens: int) -> None:
         """Room in every layer for ``tokens`` more tokens, so the steps that append them keep every
         shape (a compiled decoding step is one graph only while nothing is reallocated)."""
@@ -529,6 +578,15 @@ class KVCompressCache(Cache):
             **self.method.summarize(totals),
             **self.timings,
         }
+
+
+def concat_rows(tensors: list[torch.Tensor], ragged: int | None = None) -> torch.Tensor:
+    """Tensors with the batch first, joined along it; with ``ragged``, each padded with zeros at the
+    end of that dimension to the largest first."""
+    if ragged is not None:
+        size = max(t.shape[ragged] for t in tensors)
+        tensors = [torch.nn.functional.pad(t, (0, 0) * (t.dim() - 1 - ragged) + (0, size - t.shape[ragged])) for t in tensors]
+    return torch.cat(tensors, dim=0)
 
 
 def merge_counters(per_layer: list[dict[str, Any]]) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.table import Table
 
 from .cache import CacheMisuseError, UnsupportedModelError
-from .generation import PromptTooLongError, generate
+from .generation import PREFILL_TOKENS, PromptTooLongError, generate
 from .methods import METHODS, FieldSpec, InvalidParameterError, Method, field_specs, method_class
 from .bench.accuracy import PRESETS as ACCURACY_PRESETS
 from .bench.accuracy import run_accuracy
@@ -233,7 +233,8 @@ def _cmd_bench_speed(args: argparse.Namespace, console: Console) -> int:
         model, settings["methods"], settings["lengths"], settings["batches"], args.out, budget=settings["budget"],
         steps=settings["steps"], warmup=settings["warmup"], find_max_context=args.find_max_context, find_max_batch=args.find_max_batch,
         max_memory=int(args.max_memory * 2**30) if args.max_memory else None, model_name=settings["model"], search_step=args.search_step,
-        batch_limit=args.batch_limit, compile=args.compile,
+        batch_limit=args.batch_limit, compile=args.compile, prefill_tokens=None if args.prefill_tokens == 0 else args.prefill_tokens,
+        replicate=args.replicate,
     )
     info = report["machine"]
     console.print(f"{settings['model']} ({report['dtype']}, weights {_mib(report['weight_bytes'])}) on {info.get('gpu', info['device'])}, "
@@ -331,6 +332,10 @@ def build_parser() -> argparse.ArgumentParser:
     speed.add_argument("--max-memory", type=float, help="GiB a run may peak at to count as fitting (required for searches on CPU)")
     speed.add_argument("--search-step", type=int, default=1024, help="the context search stops when the fitting and failing lengths are this close")
     speed.add_argument("--compile", action="store_true", help="decode with the compiled step (one graph per token; a CUDA graph on a GPU)")
+    speed.add_argument("--prefill-tokens", type=int, default=PREFILL_TOKENS, help=f"prefill a batch in groups of rows of at most this many tokens, "
+                       f"each compressed before the next (default {PREFILL_TOKENS}; 0: all rows at once)")
+    speed.add_argument("--replicate", action="store_true", help="prefill one prompt and copy its compressed cache to every row of a batch "
+                       "(the batch's decoding and memory at the cost of one prefill: batch searches at long prompts)")
     speed.add_argument("--out", default="runs/speed")
     speed.set_defaults(run=_cmd_bench_speed)
 

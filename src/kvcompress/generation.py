@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import time
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any, Callable, Union
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -22,6 +22,9 @@ from .methods import FullKV, InvalidParameterError, Method, method_from_name
 
 Messages = list[dict[str, str]]
 Prompt = Union[str, Messages]
+
+
+PREFILL_TOKENS = 8192  # padded prompt tokens one prefill forward takes at most: a larger batch is prefilled in groups of rows
 
 
 class PromptTooLongError(ValueError):
@@ -139,9 +142,9 @@ class _Feeder:
         self.model, self.cache, self.mask, self.position, self.pad_id = model, cache, mask, position, pad_id
         self.device = model.device
 
-    def feed(self, chunks: list[list[int]]) -> torch.Tensor:
-        """Feed one token list per row (left-padded to a common length); return last logits ``[batch, vocab]``."""
-        width = max(len(c) for c in chunks)
+    def feed(self, chunks: list[list[int]], width: int | None = None) -> torch.Tensor:
+        """Feed one token list per row (left-padded to a common length, at least ``width``); return last logits ``[batch, vocab]``."""
+        width = max(width or 0, max(len(c) for c in chunks))
         ids = torch.full((len(chunks), width), self.pad_id, dtype=torch.long)
         real = torch.zeros(len(chunks), width, dtype=torch.long)
         for i, chunk in enumerate(chunks):
@@ -203,10 +206,35 @@ def _new_rows(tokenizer: PreTrainedTokenizerBase, prompt: Prompt | list[Prompt],
     return [t[0] for t in turns], [t[1] for t in turns], is_batch
 
 
-def _feed_chunks(feeder: _Feeder, chunk_lists: list[list[list[int]]]) -> torch.Tensor:
+def _feed_chunks(feeder: _Feeder, chunk_lists: list[list[list[int]]], logits: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Feed each row's chunks, one step per chunk; the last logits (``logits`` when nothing is left)."""
     for step in range(max(len(c) for c in chunk_lists)):
         logits = feeder.feed([chunks[step] if step < len(chunks) else [] for chunks in chunk_lists])
     return logits
+
+
+def prefill_groups(model: PreTrainedModel, make_cache: Callable[[], KVCompressCache], prompts: list[list[int]], pad_id: int, prefill_tokens: int | None) -> tuple[_Feeder, torch.Tensor]:
+    """Feed each row's prompt into a new cache. A batch whose padded prompt tokens exceed
+    ``prefill_tokens`` is prefilled in groups of rows that fit (at least one row each): each group's
+    cache compresses into the shapes the whole batch takes (``note_batch``) before the next group is
+    prefilled, and the groups are joined (``KVCompressCache.concat``). The peak then holds one group's
+    prefill plus the kept cache of every row, and the result is the batched prefill's."""
+    width = max(len(p) for p in prompts)
+    per_group = len(prompts) if prefill_tokens is None else max(1, prefill_tokens // width)
+    lengths = torch.tensor([len(p) for p in prompts], device=model.device)
+    feeders, logits = [], []
+    for start in range(0, len(prompts), per_group):
+        group = prompts[start : start + per_group]
+        cache = make_cache()
+        if per_group < len(prompts):
+            cache.note_batch(lengths)
+        feeders.append(_Feeder(model, cache, *_empty_state(model, len(group)), pad_id))
+        logits.append(feeders[-1].feed(group, width))
+    if len(feeders) == 1:
+        return feeders[0], logits[0]
+    cache = KVCompressCache.concat([feeder.cache for feeder in feeders])
+    mask, position = (torch.cat([getattr(feeder, name) for feeder in feeders]) for name in ("mask", "position"))
+    return _Feeder(model, cache, mask, position, pad_id), torch.cat(logits)
 
 
 def _pad_id(tokenizer: PreTrainedTokenizerBase) -> int:
@@ -258,9 +286,10 @@ def teacher_forced_logprobs(model: PreTrainedModel, record: Prefill, method: Met
 
 @dataclass
 class _Start:
-    """Where a generation starts: its cache, conversations, what is left to feed, and the state."""
+    """Where a generation starts: its cache (None for a new prompt: ``make_cache`` makes it, per group
+    of rows), conversations, what is left to feed, and the state."""
 
-    cache: KVCompressCache
+    cache: KVCompressCache | None
     rows: list[_Row]
     is_batch: bool
     chunk_lists: list[list[list[int]]]
@@ -268,6 +297,7 @@ class _Start:
     position: torch.Tensor
     logits: torch.Tensor | None = None  # known already (a prefill record)
     prefill_s: float = 0.0  # spent before (a shared prefill)
+    make_cache: Callable[[], KVCompressCache] | None = None
 
 
 def _resolve_method(method: Method | str | None) -> Method:
@@ -294,9 +324,9 @@ def _start(model, tokenizer, prompt, method, question, past, record) -> _Start:
         return _Start(cache, copy.deepcopy(record.rows), record.is_batch, [], record.attention_mask, record.next_position, record.logits, record.prefill_s)
     if prompt is None:
         raise InvalidParameterError("give a prompt (or prefill=, or past=)")
-    cache = _resolve_method(method).make_cache(model, tokenizer)
+    resolved = _resolve_method(method)
     rows, chunk_lists, is_batch = _new_rows(tokenizer, prompt, question)
-    return _Start(cache, rows, is_batch, chunk_lists, *_empty_state(model, len(rows)))
+    return _Start(None, rows, is_batch, chunk_lists, *_empty_state(model, len(rows)), make_cache=lambda: resolved.make_cache(model, tokenizer))
 
 
 @torch.inference_mode()
@@ -310,6 +340,7 @@ def generate(
     past: Result | None = None,
     prefill: Prefill | None = None,
     compile: bool | Compile = False,
+    prefill_tokens: int | None = PREFILL_TOKENS,
 ) -> Result:
     """Greedy generation with ``method`` (a method, or its name) applied to the prompt's KV cache.
 
@@ -320,24 +351,34 @@ def generate(
     method is the one that built that cache and is not applied again. ``prefill``: a ``Prefill``
     of the prompt to start from instead of prefilling again (``prompt`` is then not given).
     ``compile``: decode with one compiled graph per step (``torch.compile(fullgraph=True)``; on a GPU
-    replayed as a CUDA graph), or a ``Compile`` with other options; the prompt runs eagerly."""
+    replayed as a CUDA graph), or a ``Compile`` with other options; the prompt runs eagerly.
+    ``prefill_tokens``: the most padded prompt tokens one prefill forward takes; a larger batch is
+    prefilled in groups of rows, each compressed before the next (``prefill_groups``; None: all rows
+    at once)."""
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
         raise InvalidParameterError(f"max_new_tokens={max_new_tokens!r} is invalid; it must be an integer >= 1")
     if not isinstance(compile, (bool, Compile)):
         raise InvalidParameterError(f"compile={compile!r} is invalid; give True, False or a kvcompress.Compile")
+    if prefill_tokens is not None and (not isinstance(prefill_tokens, int) or isinstance(prefill_tokens, bool) or prefill_tokens < 1):
+        raise InvalidParameterError(f"prefill_tokens={prefill_tokens!r} is invalid; give an integer >= 1, or None for one prefill of all rows")
     clock = time.perf_counter()
     begin = _start(model, tokenizer, prompt, method, question, past, prefill)
     fed = [int(p) + sum(len(c) for c in chunks) for p, chunks in zip(begin.position.tolist(), begin.chunk_lists)] if begin.chunk_lists else begin.position.tolist()
     _check_lengths(model, fed, max_new_tokens)
-    feeder = _Feeder(model, begin.cache, begin.mask, begin.position, _pad_id(tokenizer))
-    logits = _feed_chunks(feeder, begin.chunk_lists) if begin.chunk_lists else begin.logits
+    if begin.cache is None:  # a new prompt: prefilled in groups of rows when the batch is large
+        feeder, first = prefill_groups(model, begin.make_cache, [chunks[0] for chunks in begin.chunk_lists], _pad_id(tokenizer), prefill_tokens)
+        logits = _feed_chunks(feeder, [chunks[1:] for chunks in begin.chunk_lists], first)
+    else:
+        feeder = _Feeder(model, begin.cache, begin.mask, begin.position, _pad_id(tokenizer))
+        logits = _feed_chunks(feeder, begin.chunk_lists) if begin.chunk_lists else begin.logits
+    cache = feeder.cache
     _sync(model.device)
     prefill_s = begin.prefill_s + time.perf_counter() - clock
 
     eos = _eos_ids(model, tokenizer)
     decode_start = time.perf_counter()
     options = Compile() if compile is True else compile or None
-    decoded = greedy_decode(model, begin.cache, logits, feeder.position, max_new_tokens, eos, options)
+    decoded = greedy_decode(model, cache, logits, feeder.position, max_new_tokens, eos, options)
     _sync(model.device)
     decode_s = time.perf_counter() - decode_start
     feeder.mask, feeder.position = torch.cat([feeder.mask, decoded.fed_real.long()], dim=-1), decoded.position
@@ -347,13 +388,13 @@ def generate(
         row.generated = [t for t in tokens if t not in eos]
         row.pending = None if done else tokens[-1]
     texts = [tokenizer.decode(row.generated, skip_special_tokens=True) for row in begin.rows]
-    begin.cache.timings = {"prefill_s": prefill_s, "decode_ms_per_token": 1000 * decode_s / steps if steps else None}
-    stats = begin.cache.stats()
+    cache.timings = {"prefill_s": prefill_s, "decode_ms_per_token": 1000 * decode_s / steps if steps else None}
+    stats = cache.stats()
     stats["new_tokens"] = [len(g) for g in generated] if begin.is_batch else len(generated[0])
     return Result(
         text=texts if begin.is_batch else texts[0],
         stats=stats,
-        cache=begin.cache,
+        cache=cache,
         token_ids=generated,
         rows=begin.rows,
         attention_mask=feeder.mask,

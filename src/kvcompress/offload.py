@@ -12,6 +12,7 @@ caller does meanwhile on the current stream (ShadowKV: rebuilding the keys).
 
 from __future__ import annotations
 
+import copy
 import functools
 import importlib.util
 from types import SimpleNamespace
@@ -162,12 +163,24 @@ class ChunkStore:
             return reuse(fetch_chunks(self.host, chunks.cpu()).to(self.device, non_blocking=True), chunks, previous_chunks, previous, hits)
         return gather_chunks(self.view, chunks, previous_chunks, previous, hits)
 
+    @classmethod
+    def concat(cls, stores: list[ChunkStore]) -> ChunkStore:
+        """The rows of ``stores`` (groups of one batch, with the batch's chunk count) as one store."""
+        first, hosts = stores[0], [store.host for store in stores]
+        host = torch.empty((sum(h.shape[0] for h in hosts), *hosts[0].shape[1:]), dtype=hosts[0].dtype, device=hosts[0].device, pin_memory=hosts[0].is_pinned())
+        torch.cat(hosts, out=host)
+        joined = copy.copy(first)
+        joined.host = joined.view = host
+        if first.offloaded and first.device.type == "cuda":
+            joined._connect()
+        return joined
+
     def batch_apply(self, apply: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        """Apply a batch operation (beam reorder, repeat) to the stored rows."""
-        self.host = apply(self.host)
-        if self.offloaded:
-            self.host = to_host(self.host.to(self.device)) if self.device.type == "cuda" else self.host
-        self.view = self.host
+        """Apply a batch operation (beam reorder, repeat) to the stored rows, where they are."""
+        host = apply(self.host)
+        if self.host.is_pinned():  # stays pinned, without a trip through the GPU
+            host = torch.empty(host.shape, dtype=host.dtype, pin_memory=True).copy_(host)
+        self.host = self.view = host
         if self.offloaded and self.device.type == "cuda":
             self._connect()
 

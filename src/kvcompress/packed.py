@@ -148,6 +148,12 @@ class PackedSlots:
         used = sum(map(sum, self.lengths)) * self.keys.shape[-1] * self.keys.element_size() * 2
         return used, nbytes(self.keys, self.values) - used  # the sentinel slot counts as spare
 
+    @classmethod
+    def concat(cls, parts: list[PackedSlots]) -> PackedSlots:
+        """The rows of ``parts`` (groups of one batch, not decoded yet) as one packing."""
+        segments = [[(*part.segment(r, h)[:2], part.positions[r][h]) for h in range(part.heads)] for part in parts for r in range(part.rows)]
+        return cls(segments)
+
     def batch_apply(self, apply) -> None:
         """A batch operation (beam reorder, repeat) over the rows: applied to each row's segments."""
         rows = apply(torch.arange(self.rows)).tolist()

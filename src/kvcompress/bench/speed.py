@@ -31,7 +31,8 @@ from transformers import DynamicCache, PreTrainedModel
 
 from ..cache import KVLayer
 from .. import attention
-from ..decode import Compile, DecodeState, StepRunner
+from ..decode import Compile, DecodeState, StepRunner, greedy_step
+from ..generation import PREFILL_TOKENS, prefill_groups
 from ..methods import FullKV, Method, method_from_spec
 from ..tokens import TokenSpans
 
@@ -215,25 +216,36 @@ def weight_bytes(model: PreTrainedModel) -> int:
 
 
 @torch.inference_mode()
-def measure(model: PreTrainedModel, method: Method, name: str, length: int, batch: int, steps: int, warmup: int, bandwidth: float, compile: Compile | None = None) -> dict:
-    """One run: prefill ``batch`` random prompts of ``length`` tokens, then decode greedily (eagerly,
-    or with ``compile``); never raises on OOM."""
+def measure(
+    model: PreTrainedModel, method: Method, name: str, length: int, batch: int, steps: int, warmup: int, bandwidth: float,
+    compile: Compile | None = None, prefill_tokens: int | None = PREFILL_TOKENS, replicate: bool = False,
+) -> dict:
+    """One run: prefill ``batch`` random prompts of ``length`` tokens (in groups of rows of at most
+    ``prefill_tokens`` tokens, see ``generation.prefill_groups``; with ``replicate``, one prompt whose
+    compressed cache is then copied to every row), then decode greedily (eagerly, or with
+    ``compile``); never raises on OOM."""
     device = model.device
-    row: dict = {"method": name, "method_params": method.describe(), "prompt_tokens": length, "batch": batch, "compiled": compile is not None}
+    row: dict = {"method": name, "method_params": method.describe(), "prompt_tokens": length, "batch": batch, "compiled": compile is not None,
+                 "replicated": replicate}
     timer = Timer(device)
     cache = ids = None
     try:
         _reset_peak(device)
         generator = torch.Generator().manual_seed(length * 31 + batch)
-        ids = torch.randint(10, model.config.get_text_config().vocab_size, (batch, length), generator=generator).to(device)
-        cache = method.make_cache(model, TokenSpans.every(model.config.get_text_config().vocab_size))
+        ids = torch.randint(10, model.config.get_text_config().vocab_size, (batch, length), generator=generator).tolist()
+        spans = TokenSpans.every(model.config.get_text_config().vocab_size)
         start = timer.start()
-        logits = model(ids, past_key_values=cache, logits_to_keep=1).logits[:, -1]
+        feeder, logits = prefill_groups(model, lambda: method.make_cache(model, spans), ids[:1] if replicate else ids, 0, prefill_tokens)
         prefill_ms = timer.ms_since(start)
-        state = DecodeState.start(logits, torch.full((batch,), length, device=device), warmup + steps + 2, set())
-        cache.reserve(warmup + steps + 1)
+        cache = feeder.cache
+        if replicate and batch > 1:  # the decoding and the memory of a batch, without its prefill
+            cache.batch_repeat_interleave(batch)
+            logits = logits.expand(batch, -1)
+        state = DecodeState.start(logits, torch.full((batch,), length, device=device), warmup + steps + 3, set())
+        cache.reserve(warmup + steps + 2)
         runner = StepRunner(model, cache, state, compile)
-        audit = audit_step(runner.step)  # the runner's first step runs eagerly: its ops are counted
+        runner.step()  # the first step runs eagerly (and times the SDPA kernels)
+        audit = audit_step(lambda: greedy_step(model, cache, state))  # one more eager step: its ops are counted
         times = []
         for _ in range(warmup + steps):
             start = timer.start()
@@ -372,16 +384,21 @@ def run_speed(
     search_step: int = 1024,
     batch_limit: int = 1024,
     compile: bool = False,
+    prefill_tokens: int | None = PREFILL_TOKENS,
+    replicate: bool = False,
 ) -> dict:
     """Run the grid (and the optional searches), write ``speed.json``, ``speed.csv`` and plots; return
     the report. ``methods`` are specs (``name[:field=value...]``); ``budget`` applies to every method
     with a budget whose spec does not set one; ``batch_limit`` is the largest batch the batch search
     tries (each try is a full prefill of that batch); ``compile`` decodes with the compiled step
-    (``kvc.generate(compile=True)``). Rerunning with the same ``out_dir`` resumes."""
+    (``kvc.generate(compile=True)``); a batch is prefilled in groups of rows of at most ``prefill_tokens``
+    tokens (None: all rows at once); ``replicate`` prefills one prompt and copies its compressed cache to
+    every row of a batch (decoding and memory of the batch, at the cost of one prefill: batch searches
+    at long prompts). Rerunning with the same ``out_dir`` resumes."""
     device = model.device
     if (find_max_context or find_max_batch) and device.type == "cpu" and max_memory is None:
         raise ValueError("on a CPU the limit searches need max_memory (bytes): running out of RAM kills the process instead of raising")
-    for name, value in (("search_step", search_step), ("batch_limit", batch_limit)):
+    for name, value in (("search_step", search_step), ("batch_limit", batch_limit), ("prefill_tokens", prefill_tokens or 1)):
         if value < 1:
             raise ValueError(f"{name}={value} is not a valid search setting; valid: an integer of at least 1")
     limit = model.config.get_text_config().max_position_embeddings
@@ -391,7 +408,7 @@ def run_speed(
     built = {spec: method_from_spec(spec, budget=budget) for spec in methods}
     settings = {"model": model_name, "methods": methods, "lengths": lengths, "batches": batches, "budget": budget, "steps": steps,
                 "warmup": warmup, "max_memory": max_memory, "find_max_context": find_max_context, "find_max_batch": find_max_batch,
-                "search_step": search_step, "batch_limit": batch_limit, "compile": compile}
+                "search_step": search_step, "batch_limit": batch_limit, "compile": compile, "prefill_tokens": prefill_tokens, "replicate": replicate}
     options = Compile() if compile else None
     journal = Journal(Path(out_dir) / "rows.jsonl", settings)
     bandwidth = copy_bandwidth(device)
@@ -401,7 +418,7 @@ def run_speed(
         def run(spec=spec, n=n, b=b) -> dict:
             if spec == methods[0] and warmup > 0:  # warmup=0: no untimed prefill either (memory curves)
                 warm_up(model, n, b)
-            return measure(model, built[spec], spec, n, b, steps, warmup, bandwidth, options)
+            return measure(model, built[spec], spec, n, b, steps, warmup, bandwidth, options, prefill_tokens, replicate)
         rows.append(journal.measure((None, spec, n, b), run))
     report = {
         "machine": machine(device), "model": model_name, "dtype": str(next(model.parameters()).dtype),
@@ -415,7 +432,7 @@ def run_speed(
         report["limits"] = []
         for spec, method in built.items():
             def fits(kind: str, n: int, b: int, spec=spec, method=method) -> dict:
-                row = journal.measure((kind, spec, n, b), lambda: measure(model, method, spec, n, b, 2, 1, bandwidth, options))
+                row = journal.measure((kind, spec, n, b), lambda: measure(model, method, spec, n, b, 2, 1, bandwidth, options, prefill_tokens, replicate))
                 return {**row, "fits": _fits(row, max_memory)}
 
             if find_max_context:

@@ -31,17 +31,18 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 
-def select_kept(scores: torch.Tensor, valid: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def select_kept(scores: torch.Tensor, valid: torch.Tensor, counts: torch.Tensor, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick, per row and KV head, the ``counts[row]`` highest-scoring real positions.
 
-    Returns ``(indices, slot_valid)``: ``indices [batch, kv_heads, n]`` with ``n = counts.max()``,
+    Returns ``(indices, slot_valid)``: ``indices [batch, kv_heads, n]`` with ``n = width`` (default
+    ``counts.max()``; a group of a batch takes the batch's),
     ascending within each head, and ``slot_valid [batch, n]``. Rows that keep fewer than ``n``
     tokens get filler slots at the front (pointing at padding or dropped positions) that
     ``slot_valid`` marks False, so every head of a batch stores the same number of slots.
     Ties go to the earlier position.
     """
     batch, heads, seq = scores.shape
-    n = int(counts.max())
+    n = int(counts.max()) if width is None else width
     masked = scores.float().masked_fill(~valid[:, None, :], -math.inf)
     order = masked.argsort(dim=-1, descending=True, stable=True)
     rank = torch.empty_like(order).scatter_(-1, order, torch.arange(seq, device=scores.device).expand_as(order))
@@ -134,16 +135,23 @@ class EvictionLayer(KVLayer):
         super().__init__(layer_idx)
         self.method, self.share = method, share
 
-    def counts(self) -> torch.Tensor | None:
-        """Tokens each row keeps per KV head in this layer, or None when no row is over its count."""
-        counts = self.method.keep_counts(self.prompt_tokens)
-        if counts is None:
+    def counts(self) -> tuple[torch.Tensor, int] | None:
+        """Tokens each row keeps per KV head in this layer and the slots the batch needs for them (its
+        largest count; a group of a batch prefilled in groups takes the whole batch's), or None when no
+        row of the batch is over its count."""
+        everyone, lengths = self.layer_counts(self.batch_prompt_tokens()), self.batch_prompt_tokens()
+        if everyone is None or bool((everyone >= lengths).all()):
             return None
-        if self.share != 1.0:
-            reserved = self.method.reserved_tokens()
-            scaled = reserved + torch.ceil((counts - reserved).clamp(min=0).double() * self.share).long()
-            counts = torch.minimum(scaled.clamp(min=1), self.prompt_tokens)
-        return None if bool((counts >= self.prompt_tokens).all()) else counts
+        return self.layer_counts(self.prompt_tokens), int(everyone.max())
+
+    def layer_counts(self, lengths: torch.Tensor) -> torch.Tensor | None:
+        """``keep_counts`` for rows of ``lengths``, scaled by this layer's share of the budget."""
+        counts = self.method.keep_counts(lengths)
+        if counts is None or self.share == 1.0:
+            return counts
+        reserved = self.method.reserved_tokens()
+        scaled = reserved + torch.ceil((counts - reserved).clamp(min=0).double() * self.share).long()
+        return torch.minimum(scaled.clamp(min=1), lengths)
 
     def prompt_scores(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
         return self.method.scores(query, self.keys, self.slot_validity(), scaling, self.spans)
@@ -154,10 +162,10 @@ class EvictionLayer(KVLayer):
     def keep_top(self, scores) -> torch.Tensor | None:
         """Keep each row's best positions by ``scores()`` (computed only when some row is over its
         count); returns the kept slots ``[b, kv_heads, n]``, or None if nothing was dropped."""
-        counts = self.counts()
-        if counts is None:
+        kept = self.counts()
+        if kept is None:
             return None
-        indices, slot_valid = select_kept(scores(), self.slot_validity(), counts)
+        indices, slot_valid = select_kept(scores(), self.slot_validity(), *kept)
         self.keep(indices, slot_valid)
         return indices
 
@@ -170,11 +178,11 @@ class HeadAdaptiveLayer(EvictionLayer):
         self.packed: PackedSlots | None = None
 
     def compress(self, query: torch.Tensor, scaling: float) -> None:
-        counts = self.counts()
-        if counts is None:
+        kept = self.counts()
+        if kept is None:
             return
         valid = self.slot_validity()
-        keep = allocate_heads(self.prompt_scores(query, scaling), valid, counts, self.method.head_floor)
+        keep = allocate_heads(self.prompt_scores(query, scaling), valid, kept[0], self.method.head_floor)
         positions = prompt_positions(valid)
         segments = []
         for row in range(keep.shape[0]):

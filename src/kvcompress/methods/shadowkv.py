@@ -155,11 +155,11 @@ def chunk_min_cosine(keys: torch.Tensor, landmarks: torch.Tensor, valid: torch.T
     return cosine.masked_fill(~valid.view(batch, 1, seq // chunk, chunk), math.inf).amin(dim=-1)
 
 
-def select_outliers(min_cosine: torch.Tensor, counts: torch.Tensor, eligible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def select_outliers(min_cosine: torch.Tensor, counts: torch.Tensor, eligible: torch.Tensor, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row, its ``counts[row]`` eligible chunks with the lowest minimum cosine similarity:
-    ids ``[b, kv_heads, m]`` ascending (``m = counts.max()``) and which of them are real ``[b, m]``
-    (a row with fewer gets filler entries, never padding chunks marked real)."""
-    m = int(counts.max())
+    ids ``[b, kv_heads, m]`` ascending (``m = width``, default ``counts.max()``) and which of them are
+    real ``[b, m]`` (a row with fewer gets filler entries, never padding chunks marked real)."""
+    m = int(counts.max()) if width is None else width
     score = (-min_cosine).masked_fill(~eligible, -math.inf)
     top = score.topk(m, dim=-1)
     real = torch.arange(m, device=score.device)[None, :] < counts[:, None]
@@ -275,7 +275,8 @@ class ShadowKVLayer(SparseDecodeLayer):
         self.factor_b = basis.mT.reshape(basis.shape[0], basis.shape[-1], heads, -1).to(self.keys.dtype)
         self.landmarks = chunk_landmarks(keys, valid, self.unit)
         eligible = self.selectable  # whole real chunks
-        return select_outliers(chunk_min_cosine(keys, self.landmarks, valid, self.unit), self.method.outlier_counts(chunks), eligible)
+        width = int(self.method.outlier_counts(self.batch_chunks).max())  # the batch's, for a group of its rows too
+        return select_outliers(chunk_min_cosine(keys, self.landmarks, valid, self.unit), self.method.outlier_counts(chunks), eligible, width)
 
     def index_selection(self, scaling: float) -> None:
         self.bias = landmark_bias(self.selectable, self.landmarks.dtype)
@@ -304,6 +305,9 @@ class ShadowKVLayer(SparseDecodeLayer):
 
     def batch_tensors(self) -> list[str]:
         return [*super().batch_tensors(), "factor_a", "factor_b", "landmarks", "bias"]
+
+    def ragged_dims(self) -> dict[str, int]:
+        return {"factor_a": 2, "factor_b": 1}  # each group's rank comes from its keys: zero columns are exact
 
     def info(self) -> dict[str, Any]:
         if self.factor_b is None:

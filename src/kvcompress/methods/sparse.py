@@ -74,6 +74,7 @@ class SparseDecodeLayer(KVLayer):
         self.front_slots: torch.Tensor | None = None  # [front]: their indices
         self.selected: torch.Tensor | None = None  # [b, h, k]: last step's chunks (offloaded stores reuse them)
         self.steps = self.lookups = 0
+        self.batch_chunks: torch.Tensor | None = None  # region chunks of every row of the batch (they set the shapes)
         self.hits: torch.Tensor | None = None  # a device scalar: counted without a host sync
 
     # --- what a method implements ---------------------------------------------------------------------
@@ -121,7 +122,9 @@ class SparseDecodeLayer(KVLayer):
     def compress(self, query: torch.Tensor, scaling: float) -> None:
         lengths, seq = self.prompt_tokens, self.keys.shape[-2]
         counts = self.region_chunks(lengths).clamp(min=0)
-        n = int(counts.max())
+        everyone = self.batch_prompt_tokens()  # the batch's rows set the shapes (a group of them too)
+        self.batch_chunks = self.region_chunks(everyone).clamp(min=0)
+        n = int(self.batch_chunks.max())
         if n == 0:
             return
         heads = self.keys.shape[1]
@@ -136,7 +139,7 @@ class SparseDecodeLayer(KVLayer):
 
         # Dense slots: the chunks the method keeps dense, then each row's tokens after its region.
         rest = lengths - counts * self.unit
-        tail = int(rest.max())
+        tail = int((everyone - self.batch_chunks * self.unit).max())
         tail_valid = torch.arange(tail, device=device)[None, :] >= (tail - rest)[:, None]
         tail_positions = ((lengths - tail)[:, None] + torch.arange(tail, device=device)[None, :]).masked_fill(~tail_valid, -1)
         parts = [(self.keys[:, :, seq - tail :], self.values[:, :, seq - tail :], tail_valid, tail_positions[:, None, :].expand(-1, heads, -1))]
@@ -151,7 +154,8 @@ class SparseDecodeLayer(KVLayer):
         self.store = ChunkStore(self.stored_chunks(keys, values), self.offload)
         per_step = torch.div(self.method.step_tokens(lengths), self.unit, rounding_mode="floor").clamp(min=1)
         self.step_chunks = torch.minimum(per_step, counts)
-        self.step_count = int(self.step_chunks.max())  # chunks gathered per step: a fixed shape
+        batch_steps = torch.minimum(torch.div(self.method.step_tokens(everyone), self.unit, rounding_mode="floor").clamp(min=1), self.batch_chunks)
+        self.step_count = int(batch_steps.max())  # chunks gathered per step: a fixed shape
         self.front = self.step_count * self.unit
         self.front_slots = torch.arange(self.front, device=device)
         front = dense_keys.new_zeros(*dense_keys.shape[:2], self.front, dense_keys.shape[-1])
@@ -203,6 +207,11 @@ class SparseDecodeLayer(KVLayer):
         gathered, result = self.store.fetch(chunks, self.selected, self.previous_chunks(), self.hits, overlap)
         self.selected.copy_(chunks)
         return gathered, result
+
+    def concat(self, others: list[KVLayer]) -> None:
+        counted = all(layer.all_counted for layer in [self, *others] if layer.store is not None)
+        super().concat(others)
+        self.all_counted = counted
 
     def advance(self, new: int) -> None:
         super().advance(new)
