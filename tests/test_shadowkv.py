@@ -9,7 +9,7 @@ import torch
 from transformers import DynamicCache
 
 import kvcompress as kvc
-from kvcompress.methods.shadowkv import chunk_landmarks, factor_basis, key_rows, key_spectrum, landmark_bias, landmark_scores, low_rank_factors, rank_for_error, rebuild_keys
+from kvcompress.methods.shadowkv import chunk_landmarks, key_rows, key_spectrum, landmark_bias, landmark_scores, low_rank_factors, rank_for_error, rebuild_keys
 from kvcompress.offload import fetch_chunks
 from kvcompress.rope import apply_rope, invert_rope, rotary_for
 
@@ -71,7 +71,7 @@ def test_rank_from_the_error_target_is_the_smallest_that_reaches_it():
         expected = next(r for r in range(1, 33) if errors[r - 1] <= 0.2 + 1e-5) + 1
         assert expected > 2 and int(ranks[row]) == min(expected, 16)  # capped at half of the 32-wide keys
         a, b = low_rank_factors(keys[row : row + 1], valid[row : row + 1], int(ranks[row]))
-        basis = factor_basis(spectrum.vectors, ranks)
+        basis = spectrum.basis(ranks)
         batched_a, batched_b = key_rows(keys, valid) @ basis, basis.mT.reshape(2, -1, 2, 16)
         rebuilt_alone = rebuild_keys(a[:, None].expand(-1, 2, -1, -1), b)
         rebuilt_batched = rebuild_keys(batched_a[row : row + 1, None].expand(-1, 2, -1, -1), batched_b[row : row + 1])

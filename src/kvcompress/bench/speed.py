@@ -108,6 +108,17 @@ def _peak_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def host_available() -> int:
+    """Bytes of host memory the system can still give (``MemAvailable``; unlimited where unknown)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 1 << 62
+
+
 def _is_oom(error: BaseException) -> bool:
     return isinstance(error, (torch.OutOfMemoryError, MemoryError)) or "out of memory" in str(error).lower()
 
@@ -239,6 +250,10 @@ def measure(
         prefill_ms = timer.ms_since(start)
         cache = feeder.cache
         if replicate and batch > 1:  # the decoding and the memory of a batch, without its prefill
+            needed = 2 * batch * cache.stats()["offloaded_bytes"]  # the copies, and the rows being copied
+            if needed > host_available():  # the OS would kill the process, not raise
+                row.update(status="oom", oom="host memory", host_bytes_needed=needed)
+                return row
             cache.batch_repeat_interleave(batch)
             logits = logits.expand(batch, -1)
         state = DecodeState.start(logits, torch.full((batch,), length, device=device), warmup + steps + 3, set())

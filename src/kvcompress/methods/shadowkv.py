@@ -64,15 +64,38 @@ def key_rows(pre_rope_keys: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return pre_rope_keys.float().permute(0, 2, 1, 3).reshape(batch, seq, heads * dim) * valid[..., None]
 
 
-class Spectrum(NamedTuple):
-    """A row's pre-RoPE keys, decomposed: ``energy [b, n]`` (squared singular values, largest first)
-    and ``vectors [b, n, n]`` (right singular vectors) of the keys as they are; ``centred [b, n, n]``,
-    the Gram matrix of their deviations from the mean key, which is what attention tells apart: a
-    component every key shares shifts every logit of a query alike."""
+OVERSAMPLE, SUBSPACE_ITERATIONS = 16, 4  # randomized subspace iteration (Halko, Martinsson and Tropp, 2011, Alg. 4.4)
 
-    energy: torch.Tensor
-    vectors: torch.Tensor
+
+def leading_eigenvectors(gram: torch.Tensor, rank: int) -> torch.Tensor:
+    """The ``rank`` leading eigenvectors ``[n, rank]`` of a symmetric positive semi-definite ``gram
+    [n, n]`` (float64). Far below ``n``: randomized subspace iteration (a seeded ``n x (rank + 16)``
+    sketch, 4 power iterations re-orthonormalized by QR, then the small Rayleigh-Ritz problem), a
+    few products of the small matrix instead of its full eigendecomposition; otherwise ``eigh``."""
+    n = gram.shape[-1]
+    if rank + OVERSAMPLE >= 3 * n // 4:
+        return torch.linalg.eigh(gram).eigenvectors.flip(-1)[:, :rank]
+    sketch = torch.randn(n, rank + OVERSAMPLE, generator=torch.Generator().manual_seed(0), dtype=torch.float64).to(gram.device)
+    basis = torch.linalg.qr(gram @ sketch).Q
+    for _ in range(SUBSPACE_ITERATIONS):
+        basis = torch.linalg.qr(gram @ basis).Q
+    vectors = torch.linalg.eigh(basis.mT @ gram @ basis).eigenvectors.flip(-1)[:, :rank]
+    return basis @ vectors
+
+
+class Spectrum(NamedTuple):
+    """Each row's pre-RoPE keys, summarized: ``gram [b, n, n]`` (float64) of the keys as they are,
+    whose leading eigenvectors are the factors' basis, and ``centred [b, n, n]``, the Gram matrix of
+    their deviations from the mean key, which is what attention tells apart: a component every key
+    shares shifts every logit of a query alike."""
+
+    gram: torch.Tensor
     centred: torch.Tensor
+
+    @property
+    def energy(self) -> torch.Tensor:
+        """Squared singular values ``[b, n]`` of the keys as they are, largest first."""
+        return torch.linalg.eigvalsh(self.gram).flip(-1).clamp(min=0)
 
     @property
     def spread(self) -> torch.Tensor:
@@ -80,21 +103,28 @@ class Spectrum(NamedTuple):
         on demand: only a rank chosen by ``rank_error`` needs them)."""
         return torch.linalg.eigvalsh(self.centred).flip(-1).clamp(min=0)
 
+    def basis(self, ranks: int | torch.Tensor) -> torch.Tensor:
+        """The leading right singular vectors of each row's keys, ``[b, n, r]`` (one rank for all rows,
+        or ``[b]``: a row with a smaller rank gets zero columns, so it is rebuilt exactly as it would
+        be alone)."""
+        ranks = torch.as_tensor(ranks).expand(self.gram.shape[0]).tolist()
+        width = max(ranks)
+        columns = [torch.nn.functional.pad(leading_eigenvectors(gram, rank), (0, width - rank)) for gram, rank in zip(self.gram, ranks)]
+        return torch.stack(columns).float()
+
 
 def key_spectrum(chunks: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> Spectrum:
     """The spectrum of each row's keys, given as chunks of (pre-RoPE keys ``[b, kv_heads, c, d]``,
-    validity ``[b, c]``). The eigenpairs of the small Gram matrix, accumulated chunk by chunk: the
-    same factors as an SVD of the whole ``s``-row matrix, at a fraction of its cost and without
-    holding it in float32."""
+    validity ``[b, c]``): the small Gram matrix, accumulated chunk by chunk, which has the same
+    eigenvectors as the whole ``s``-row matrix's right singular vectors, at a fraction of the cost
+    and without holding it in float32."""
     gram = total = count = None
     for keys, valid in chunks:
         rows = key_rows(keys, valid).double()  # float32 products lose the small directions next to a large mean
         parts = (rows.mT @ rows, rows.sum(dim=1), valid.sum(dim=-1).double())
         gram, total, count = parts if gram is None else (gram + parts[0], total + parts[1], count + parts[2])
-    energy, vectors = torch.linalg.eigh(gram)
     mean = total / count.clamp(min=1)[:, None]
-    centred = gram - count[:, None, None] * mean[:, :, None] * mean[:, None, :]
-    return Spectrum(energy.flip(-1).clamp(min=0), vectors.flip(-1).float(), centred)  # eigh sorts ascending
+    return Spectrum(gram, gram - count[:, None, None] * mean[:, :, None] * mean[:, None, :])
 
 
 def rank_for_error(energy: torch.Tensor, target: float, cap: int) -> torch.Tensor:
@@ -105,18 +135,10 @@ def rank_for_error(energy: torch.Tensor, target: float, cap: int) -> torch.Tenso
     return ((error > target).sum(-1) + 1).clamp(1, cap)
 
 
-def factor_basis(vectors: torch.Tensor, ranks: int | torch.Tensor) -> torch.Tensor:
-    """The first ``ranks`` right singular vectors ``[b, n, r]`` (one rank for all rows, or ``[b]``: a
-    row with a smaller rank gets zero columns, so it is rebuilt exactly as it would be alone)."""
-    ranks = torch.as_tensor(ranks, device=vectors.device).expand(vectors.shape[0])
-    rank = int(ranks.max())
-    return vectors[..., :rank] * (torch.arange(rank, device=vectors.device)[None, :] < ranks[:, None])[:, None, :]
-
-
 def low_rank_factors(pre_rope_keys: torch.Tensor, valid: torch.Tensor, ranks: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Truncated SVD of each row's keys ``[b, kv_heads, s, d]`` viewed as ``[s, kv_heads*d]``: ``A [b,
     s, r]`` (left singular vectors times singular values) and ``B [b, r, kv_heads, d]``."""
-    basis = factor_basis(key_spectrum([(pre_rope_keys, valid)]).vectors, ranks)
+    basis = key_spectrum([(pre_rope_keys, valid)]).basis(ranks)
     return key_rows(pre_rope_keys, valid) @ basis, basis.mT.reshape(basis.shape[0], basis.shape[-1], pre_rope_keys.shape[1], -1)
 
 
@@ -223,7 +245,7 @@ class ShadowKV(SparseMethod):
     def ranks(self, spectrum: Spectrum) -> int | torch.Tensor:
         """The rank of each row from its keys' spectrum: enough directions to rebuild the keys'
         deviations from their mean within ``rank_error``, plus one for the mean itself (capped)."""
-        width = spectrum.energy.shape[-1]
+        width = spectrum.gram.shape[-1]
         if self.rank is not None:
             return self.rank
         if self.rank_error is None:
@@ -266,7 +288,7 @@ class ShadowKVLayer(SparseDecodeLayer):
         prompt_valid = self.slot_validity()
         positions = prompt_positions(prompt_valid).clamp(min=0)
         spectrum = key_spectrum((self.pre_rope(self.keys[:, :, s:e], positions[:, s:e]), prompt_valid[:, s:e]) for s, e in stream_spans(seq))
-        basis = factor_basis(spectrum.vectors, self.method.ranks(spectrum))
+        basis = spectrum.basis(self.method.ranks(spectrum)).to(self.keys.device)
         region = keys.shape[-2]
         token = torch.arange(region, device=keys.device)[None, :].expand(keys.shape[0], -1)  # a region token's index is its position
         parts = [(key_rows(self.pre_rope(keys[:, :, s:e], token[:, s:e]), valid[:, s:e]) @ basis).to(self.keys.dtype)
