@@ -94,3 +94,76 @@ def test_no_tensor_grows_with_prompt_squared_or_intermediate_size(method, small_
     with torch.no_grad(), watch:
         model(**inputs, past_key_values=cache, logits_to_keep=1)
     assert watch.largest <= 2 * 400 * 64
+
+
+@pytest.fixture
+def small_blocks(monkeypatch, small_limits):
+    """Decoder layers take long prompts 64 positions at a time (re-wrapped on the next make_cache)."""
+    monkeypatch.setattr(longprompt, "PREFILL_BLOCK", 64)
+
+
+def blocked_and_plain(model, method, prompts, monkeypatch, **kwargs):
+    tok = char_tokenizer()
+    blocked = kvc.generate(model, tok, prompts, method=method, max_new_tokens=8, **kwargs)
+    monkeypatch.setattr(longprompt, "PREFILL_BLOCK", 1 << 20)
+    kvc.FullKV().make_cache(model)
+    return blocked, kvc.generate(model, tok, prompts, method=method, max_new_tokens=8, **kwargs)
+
+
+@pytest.mark.parametrize("method", METHODS + [kvc.H2O(budget=64, evict_during_decoding=True), kvc.SnapKV(budget=64, heads="adaptive")], ids=lambda m: m.label())
+def test_a_prompt_in_blocks_gives_the_same_outputs(method, small_blocks, monkeypatch):
+    model = tiny_model()
+    blocked, plain = blocked_and_plain(model, method, [random_text(n, seed=n) for n in (40, 300, 170)], monkeypatch)
+    assert blocked.token_ids == plain.token_ids
+    if not getattr(method, "evict_during_decoding", False):
+        for a, b in zip(blocked.cache.layers, plain.cache.layers):
+            assert torch.equal(a.kept_positions(), b.kept_positions())
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3", "mistral-sliding", "gpt2-no-rope"])
+def test_a_prompt_in_blocks_on_windows_soft_capping_and_other_signatures(family, small_blocks, monkeypatch):
+    model = family_model(family)
+    blocked, plain = blocked_and_plain(model, kvc.SnapKV(budget=40, window=8), [random_text(n, seed=n) for n in (60, 230)], monkeypatch)
+    assert blocked.token_ids == plain.token_ids
+
+
+def test_a_prompt_in_blocks_writes_each_layer_over_its_input(small_blocks, monkeypatch):
+    """Per prompt token, the peak of the tensors a prefill creates (between two lengths) grows by less
+    than 5 hidden-sized vectors in blocks of 64, by more without them. A model whose hidden size is
+    large next to its keys and values, as in real models (hidden 256; 1 KV head of 32)."""
+    from .test_prefill_groups import LiveBytes
+
+    model, tok = tiny_model(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=1, head_dim=32), char_tokenizer()
+
+    def per_token(block: int) -> float:
+        monkeypatch.setattr(longprompt, "PREFILL_BLOCK", block)
+        kvc.FullKV().make_cache(model)
+        peaks = {}
+        for n in (400, 800):
+            cache = kvc.SnapKV(budget=64, window=8).make_cache(model, tok)
+            with torch.inference_mode(), LiveBytes() as live:
+                model(torch.randint(3, 128, (1, n), generator=torch.Generator().manual_seed(n)), past_key_values=cache, logits_to_keep=1)
+            peaks[n] = live.peak()
+        return (peaks[800] - peaks[400]) / 400 / (model.config.hidden_size * 4)
+
+    blocked, whole = per_token(64), per_token(1 << 20)
+    assert blocked < 5 <= whole, (blocked, whole)
+    calls = []
+    handle = model.model.layers[0].inner.register_forward_hook(lambda module, args, out: calls.append(out.shape[1]))
+    monkeypatch.setattr(longprompt, "PREFILL_BLOCK", 64)
+    kvc.FullKV().make_cache(model)
+    with torch.inference_mode():  # observed by a hook: not in blocks
+        model(torch.randint(3, 128, (1, 300)), past_key_values=kvc.SnapKV(budget=64).make_cache(model, tok), logits_to_keep=1)
+    handle.remove()
+    assert calls == [300]
+
+
+def test_given_embeddings_are_not_overwritten(small_blocks):
+    model, tok = tiny_model(), char_tokenizer()
+    embeds = model.model.embed_tokens(torch.randint(3, 128, (1, 300), generator=torch.Generator().manual_seed(1))).detach()
+    kept = embeds.clone()
+    with torch.inference_mode():
+        out = model(inputs_embeds=embeds, past_key_values=kvc.SnapKV(budget=64, clustering="pool").make_cache(model, tok), logits_to_keep=1).logits
+        plain = model(inputs_embeds=embeds, logits_to_keep=1).logits
+    assert torch.equal(embeds, kept)
+    torch.testing.assert_close(out, plain, rtol=1e-4, atol=1e-4)

@@ -23,6 +23,7 @@ import time
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 PROBE_TOKENS = 4096  # keys of the probe a phase's kernels are timed on (a prefill's probe: a quarter, its cost is quadratic)
 BACKEND_NAMES = {"math": SDPBackend.MATH, "flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
@@ -112,7 +113,10 @@ def _probe(query: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor | None, p
     like = dict(device=query.device, dtype=query.dtype)
     probe_query = torch.randn(batch, query.shape[1], q_len, query.shape[-1], **like)
     probe_keys = torch.randn(batch, keys.shape[1], seq, keys.shape[-1], **like)
-    probe_mask = None if mask is None else torch.ones(batch, mask.shape[1], q_len, seq, dtype=torch.bool, device=query.device)
+    if isinstance(mask, CausalBias):
+        probe_mask = causal_lower_right(q_len, seq)
+    else:
+        probe_mask = None if mask is None else torch.ones(batch, mask.shape[1], q_len, seq, dtype=torch.bool, device=query.device)
     return probe_query, probe_keys, torch.randn_like(probe_keys), probe_mask
 
 
@@ -185,9 +189,9 @@ def group_mask(mask: torch.Tensor, group: int) -> torch.Tensor:
 def dense_attention(
     query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scaling: float, softcap: float | None = None
 ) -> torch.Tensor:
-    """Exact attention ``[b, q_heads, q, d]``. ``mask`` is boolean, ``[b, 1 | kv_heads, q, s]``;
-    None means causal over the last ``q`` slots (or no mask for one query). ``softcap`` (Gemma 2):
-    logits become ``softcap * tanh(logits / softcap)`` before the softmax."""
+    """Exact attention ``[b, q_heads, q, d]``. ``mask`` is boolean, ``[b, 1 | kv_heads, q, s]``, or
+    SDPA's lower-right causal bias; None means causal over the last ``q`` slots (or no mask for one
+    query). ``softcap`` (Gemma 2): logits become ``softcap * tanh(logits / softcap)`` before the softmax."""
     batch, q_heads, q_len, dim = query.shape
     kv_heads, seq = keys.shape[1], keys.shape[-2]
     if mask is None and 1 < q_len and (q_len != seq or softcap is not None):
@@ -200,6 +204,8 @@ def dense_attention(
         probs = logits.view(batch, kv_heads, -1, seq).softmax(dim=-1)
         return (probs @ values.float()).view(batch, q_heads, q_len, -1).to(query.dtype)
     phase = phase_of(q_len, seq)
+    if isinstance(mask, CausalBias):  # the newest q of the slots, causal, without building the mask
+        return sdpa(phase, query, keys, values, mask, scaling, enable_gqa=q_heads != kv_heads)
     if q_len == 1 or (mask is not None and mask.shape[1] > 1):  # stacked: KV read once per KV head, a per-head mask as is
         mask = None if mask is None else group_mask(mask, q_heads // kv_heads)
         out = sdpa(phase, stack_groups(query, kv_heads), keys, values, mask, scaling)

@@ -98,6 +98,9 @@ class KVLayer(DynamicLayer):
         self.record_window: int | None | bool = False  # False: no recording; None: every prefill query
         self.recorded: tuple[torch.Tensor, float] | None = None  # (last prefill queries, scaling)
         self.batch_lengths: torch.Tensor | None = None  # a group of a batch: every row's real prompt tokens (they set the shapes)
+        self.prompt_total: int | None = None  # a prompt arriving in blocks (longprompt.BlockedPrefill): its length
+        self.prompt_valid: torch.Tensor | None = None  # [b, prompt]: its real tokens, block by block
+        self.prompt_queries: torch.Tensor | None = None  # the last prefill queries compress needs, block by block
 
     # --- storage ----------------------------------------------------------------------------------
 
@@ -115,7 +118,9 @@ class KVLayer(DynamicLayer):
             )
         new = key_states.shape[-2]
         counted = not torch.compiler.is_compiling()  # a compiled step's loop counts after the step
-        if self.prefill_len is None:  # the first fill is held as computed, not copied
+        if self.prefill_len is None and self.prompt_total is not None:  # a block of a prompt: into the prompt's buffer
+            self.write_prompt_block(key_states, value_states)
+        elif self.prefill_len is None:  # the first fill is held as computed, not copied
             self.lazy_initialization(key_states, value_states)
             self.keys, self.values = key_states, value_states
         else:
@@ -125,8 +130,39 @@ class KVLayer(DynamicLayer):
         if counted:
             self.advance(new)
         self.awaiting_commit = True
-        _announced.layer, _announced.keys = self, self.keys
-        return self.keys, self.values
+        keys, values = (self.keys, self.values) if self.prompt_total is None else (t[:, :, : self.used] for t in (self.keys, self.values))
+        _announced.layer, _announced.keys = self, keys
+        return keys, values
+
+    def expect_prompt(self, total: int) -> None:
+        """The prompt will arrive in blocks, ``total`` tokens in all (``longprompt.BlockedPrefill``):
+        each block is written into one buffer, and the layer compresses after the last."""
+        self.prompt_total = total
+
+    def write_prompt_block(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        if self.used == 0:
+            self.lazy_initialization(key_states, value_states)
+            self.keys, self.values = (t.new_empty(*t.shape[:2], self.prompt_total, t.shape[-1]) for t in (key_states, value_states))
+        end = self.used + key_states.shape[-2]
+        self.keys[:, :, self.used : end] = key_states
+        self.values[:, :, self.used : end] = value_states
+
+    def queries_needed(self) -> int | None:
+        """The last prefill queries ``compress`` reads (None: all of them). Default: none."""
+        return 0
+
+    def keep_prompt_block(self, query: torch.Tensor, new_valid: torch.Tensor | None) -> None:
+        """A prompt block's real tokens and, of its queries, those ``compress`` (or a prefill record) needs."""
+        start = self.used - query.shape[-2]
+        if new_valid is not None:
+            if self.prompt_valid is None:
+                self.prompt_valid = torch.ones(new_valid.shape[0], self.prompt_total, dtype=torch.bool, device=new_valid.device)
+            self.prompt_valid[:, start : self.used] = new_valid
+        needs = [self.queries_needed(), self.record_window if self.record_window is not False else 0]
+        kept = None if None in needs else max(needs)
+        if kept != 0:
+            queries = query if self.prompt_queries is None else torch.cat([self.prompt_queries, query], dim=-2)
+            self.prompt_queries = queries if kept is None else queries[..., -kept:, :]
 
     def advance(self, new: int) -> None:
         """Host-side counters after a step of ``new`` tokens."""
@@ -235,6 +271,12 @@ class KVLayer(DynamicLayer):
     def commit(self, query: torch.Tensor, new_valid: torch.Tensor | None, scaling: float) -> None:
         """Record which new tokens are real (``new_valid [b, q]``; None: all); after the first fill, let the method compress."""
         self.awaiting_commit = False
+        if self.is_prefill and self.prompt_total is not None:  # a prompt in blocks: compressed after its last
+            self.keep_prompt_block(query, new_valid)
+            if self.used < self.prompt_total:
+                return
+            query, new_valid, self.prompt_queries, self.prompt_valid = self.prompt_queries, self.prompt_valid, None, None
+            self.prompt_total = None
         if self.is_prefill:
             self._end_prefill(query, new_valid, scaling)
             return
@@ -407,7 +449,7 @@ class WindowLayer(KVLayer):
 
     def advance(self, new: int) -> None:
         self.seen_tokens += new
-        self.used = new if self.prefill_len is None else min(self.used + new, self.window - 1)
+        self.used = self.used + new if self.prefill_len is None else min(self.used + new, self.window - 1)
 
     def make_room(self, new: int) -> None:
         needed = self.window - 1 + new  # every token of a longer turn sees the window before it
@@ -504,10 +546,13 @@ class KVCompressCache(Cache):
         self.model_id = model_id  # id() of the model it was made for: integration.py refuses any other
         self.span_table = spans  # the tokenizer's word boundaries, when known
         self.timings: dict[str, float | None] = {"prefill_s": None, "decode_ms_per_token": None}
+        self.embeds_itself = False  # the model embedded this cache's prompt itself (no one else holds its hidden states)
 
     def note_prompt(self, ids: torch.Tensor | None) -> None:
-        """The prompt's token ids (None: the model got embeddings): every layer learns its spans."""
+        """The prompt's token ids (None: the model got embeddings): every layer learns its spans, and
+        whether the model embeds the prompt itself (then no one else holds its hidden states)."""
         spans = self.span_table.span_ids(ids) if ids is not None and self.span_table is not None else None
+        self.embeds_itself = ids is not None
         for layer in self.layers:
             layer.spans = spans
 

@@ -252,6 +252,9 @@ def _cmd_bench_speed(args: argparse.Namespace, console: Console) -> int:
                       f"{r['peak_bytes'] / 2**20:.0f}", f"{r['achieved_bandwidth'] / 1e9:.1f}", f"{r['bandwidth_fraction']:.0%}",
                       f"{r['ops_per_step']} ({r['ops_vs_transformers']:.2f}x)")
     console.print(table)
+    for slope in report.get("peak_slopes", []):
+        console.print(f"{slope['method']} x {slope['batch']}: the peak grows {slope['bytes_per_token'] / 1024:.2f} KiB per prompt token "
+                      f"({slope['hidden_vectors_per_token']:.2f} hidden-sized vectors) from {slope['from_tokens']} to {slope['to_tokens']} tokens")
     for r in report["rows"]:
         if "fetch_hidden" in r:
             console.print(f"{r['method']} {r['prompt_tokens']} x {r['batch']}: one layer's store read {r['layer_fetch_ms']:.3f} ms ({r['value_fetch']}), "

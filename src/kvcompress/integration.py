@@ -23,6 +23,7 @@ the ones that layer returned, and that the module is the one the cache was made 
 from __future__ import annotations
 
 import torch
+from torch.nn.attention.bias import causal_lower_right
 from transformers import AttentionInterface, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface
@@ -30,7 +31,7 @@ from transformers.masking_utils import AttentionMaskInterface
 from . import attention
 from .attention import dense_attention
 from . import longprompt
-from .longprompt import LazyMask, chunk_mlps, lazy_sdpa_mask
+from .longprompt import LazyMask, block_prefills, chunk_mlps, lazy_sdpa_mask
 from .cache import CacheMisuseError, KVCompressCache, KVLayer, LayerFactory, UnsupportedModelError, WindowLayer, take_announced
 from .tokens import TokenSpans, spans_for
 
@@ -119,6 +120,7 @@ def attach(model: PreTrainedModel) -> None:
         AttentionMaskInterface.register(IMPLEMENTATION, lazy_sdpa_mask)
     if model.config._attn_implementation != IMPLEMENTATION:
         model.set_attn_implementation(IMPLEMENTATION)
+    block_prefills(model, longprompt.PREFILL_BLOCK)
     chunk_mlps(model, longprompt.MLP_CHUNK)
     if not getattr(model, "_kvcompress_input_check", False):
         model.register_forward_pre_hook(check_inputs, with_kwargs=True)
@@ -209,23 +211,23 @@ def new_token_validity(attention_mask: torch.Tensor | LazyMask | None, q_len: in
     return real if real.dtype == torch.bool else real.bool()
 
 
-def new_block(attention_mask: torch.Tensor | LazyMask | None, q_len: int, sliding_window: int | None, rows: tuple[int, int] | None = None) -> torch.Tensor | None:
-    """Boolean mask ``[batch, 1, rows, q_len]`` of the new queries ``rows`` (default: all) against
-    the new tokens (padding, causality, a sliding window), from the newest block of transformers'
-    mask; None when that is plain causal. Every query sees itself, so padding never gives NaNs."""
-    first, last = rows or (0, q_len)
-    windowed = sliding_window is not None and q_len > sliding_window
-    if attention_mask is None and not windowed and rows is None:
-        return None
+def mask_block(
+    attention_mask: torch.Tensor | LazyMask | None, q_len: int, kv_len: int, sliding_window: int | None, rows: tuple[int, int], columns: tuple[int, int]
+) -> torch.Tensor:
+    """Boolean mask ``[batch | 1, 1, rows, columns]``: rows ``rows`` of the ``q_len`` new queries,
+    which are the newest of ``kv_len`` keys, against keys ``columns`` (padding, causality, a sliding
+    window), from transformers' mask (its newest rows and columns). Every query sees itself, so
+    padding never gives NaNs."""
+    (first, last), (start, end) = rows, columns
     device = attention_mask.device if attention_mask is not None else None
-    query_index = torch.arange(first, last, device=device)[:, None]
-    key_index = torch.arange(q_len, device=device)[None, :]
+    query_index = torch.arange(first, last, device=device)[:, None] + (kv_len - q_len)
+    key_index = torch.arange(start, end, device=device)[None, :]
     if isinstance(attention_mask, LazyMask):
-        start = attention_mask.q_length - q_len
-        block = attention_mask.block(start + first, start + last, attention_mask.kv_length - q_len, attention_mask.kv_length)
+        top, left = attention_mask.q_length - q_len, attention_mask.kv_length - kv_len
+        block = attention_mask.block(top + first, top + last, left + start, left + end)
     elif attention_mask is not None:
-        start = attention_mask.shape[2] - q_len
-        block = attention_mask[:, :, start + first : start + last, -q_len:].bool()
+        top, left = attention_mask.shape[2] - q_len, attention_mask.shape[3] - kv_len
+        block = attention_mask[:, :, top + first : top + last, left + start : left + end].bool()
     else:
         block = (key_index <= query_index)[None, None]
         if sliding_window is not None:
@@ -233,18 +235,37 @@ def new_block(attention_mask: torch.Tensor | LazyMask | None, q_len: int, slidin
     return block | (key_index == query_index).to(block.device)[None, None]
 
 
-def attend_in_blocks(
-    layer: KVLayer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: LazyMask, sliding_window: int | None, scaling: float, softcap: float | None
+def new_block(attention_mask: torch.Tensor | LazyMask | None, q_len: int, sliding_window: int | None) -> torch.Tensor | None:
+    """Boolean mask ``[batch, 1, q_len, q_len]`` of the new queries against the new tokens, from the
+    newest block of transformers' mask; None when that is plain causal."""
+    if attention_mask is None and (sliding_window is None or q_len <= sliding_window):
+        return None
+    return mask_block(attention_mask, q_len, q_len, sliding_window, (0, q_len), (0, q_len))
+
+
+def attend_prompt(
+    layer: KVLayer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | LazyMask | None,
+    sliding_window: int | None, scaling: float, softcap: float | None,
 ) -> torch.Tensor:
-    """A prefill's attention a block of queries at a time, each block with its own block of the
-    mask over the keys up to its last query: no ``prompt x prompt`` tensor is ever built."""
-    q_len = key.shape[-2]
-    rows = max(1, longprompt.BLOCK_ELEMENTS // (key.shape[0] * q_len))
+    """A prefill's attention: the new queries are the newest of the prompt's keys so far (the whole
+    prompt, or a block of it: ``longprompt.BlockedPrefill``). Plain causal attention is one call
+    (SDPA's causal kernel, or its lower-right causal bias for a block); otherwise blocks of queries,
+    each with its block of the mask over the keys it can see: no ``prompt x prompt`` tensor is built
+    (a GPU attends a causal block with the bias; a CPU would build it, so it takes blocks too)."""
+    q_len, kv_len = query.shape[-2], key.shape[-2]
+    if attention_mask is None and (sliding_window is None or kv_len <= sliding_window) and softcap is None:
+        if q_len == kv_len:
+            return layer.attend(query, key, value, None, scaling, softcap)
+        if query.is_cuda:  # CPU kernels would build the bias as a q x kv mask: blocks of rows there
+            return layer.attend(query, key, value, causal_lower_right(q_len, kv_len), scaling, softcap)
+    rows = max(1, longprompt.BLOCK_ELEMENTS // (key.shape[0] * kv_len))
     out = torch.empty_like(query)
     for first in range(0, q_len, rows):
         last = min(q_len, first + rows)
-        mask = new_block(attention_mask, q_len, sliding_window, (first, last))[..., :last]
-        out[:, :, first:last] = layer.attend(query[:, :, first:last], key[:, :, :last], value[:, :, :last], mask, scaling, softcap)
+        end = kv_len - q_len + last  # the keys up to the block's last query
+        start = max(0, kv_len - q_len + first - sliding_window + 1) if sliding_window is not None else 0  # older keys are out of every window
+        mask = mask_block(attention_mask, q_len, kv_len, sliding_window, (first, last), (start, end))
+        out[:, :, first:last] = layer.attend(query[:, :, first:last], key[:, :, start:end], value[:, :, start:end], mask, scaling, softcap)
     return out
 
 
@@ -281,10 +302,10 @@ def kvcompress_attention(
         )
     q_len = query.shape[-2]
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
-    if isinstance(attention_mask, LazyMask) and layer.is_prefill and q_len == key.shape[-2]:
-        out = attend_in_blocks(layer, query, key, value, attention_mask, sliding_window, scaling, softcap)
+    if layer.is_prefill:
+        out = attend_prompt(layer, query, key, value, attention_mask, sliding_window, scaling, softcap)
     else:
-        block = new_block(attention_mask, q_len, sliding_window) if q_len > 1 or layer.is_prefill else None  # one query sees itself
+        block = new_block(attention_mask, q_len, sliding_window) if q_len > 1 else None  # one query sees itself
         mask = layer.visibility(block, q_len)
         out = layer.attend(query, key, value, mask, scaling, softcap)
     layer.commit(query, new_token_validity(attention_mask, q_len), scaling)

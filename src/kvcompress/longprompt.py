@@ -12,24 +12,27 @@ intermediate size or prompt x vocabulary.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 from transformers.masking_utils import and_masks, causal_mask_function, padding_mask_function, prepare_padding_mask, sdpa_mask
 
+from .cache import KVCompressCache
+
+PREFILL_BLOCK = 8192  # prompt positions a decoder layer processes at once during a long prefill (BlockedPrefill)
 MLP_CHUNK = 8192  # tokens an MLP processes at once during a long prefill
 MASK_LIMIT = 1 << 24  # masks with more elements than this stay lazy (16M booleans)
 BLOCK_ELEMENTS = 1 << 26  # mask elements built per block of queries (64M booleans)
 
 
-class SequenceChunked(torch.nn.Module):
-    """A per-token module (a decoder layer's MLP) run over long sequences in chunks of ``tokens``."""
+class Wrapper(torch.nn.Module):
+    """A module around another, invisible from outside: state-dict names and attributes stay the inner module's."""
 
-    def __init__(self, inner: torch.nn.Module, tokens: int) -> None:
+    def __init__(self, inner: torch.nn.Module) -> None:
         super().__init__()
         self.inner = inner
-        self.tokens = tokens
         self.register_state_dict_post_hook(_drop_inner_prefix)
         self.register_load_state_dict_pre_hook(_add_inner_prefix)
 
@@ -39,10 +42,94 @@ class SequenceChunked(torch.nn.Module):
         except AttributeError:
             return getattr(super().__getattr__("inner"), name)
 
+
+class SequenceChunked(Wrapper):
+    """A per-token module (a decoder layer's MLP) run over long sequences in chunks of ``tokens``."""
+
+    def __init__(self, inner: torch.nn.Module, tokens: int) -> None:
+        super().__init__(inner)
+        self.tokens = tokens
+
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         if hidden_states.dim() < 3 or hidden_states.shape[-2] <= self.tokens:
             return self.inner(hidden_states, *args, **kwargs)
         return torch.cat([self.inner(part, *args, **kwargs) for part in hidden_states.split(self.tokens, dim=-2)], dim=-2)
+
+
+class BlockedPrefill(Wrapper):
+    """A decoder layer that runs a long prompt, a kvcompress cache's first fill, ``tokens`` positions at
+    a time. A decoder layer works on each position alone except in its attention, which is causal: so
+    each block, attending to the cache's keys so far, gives exactly its part of the layer's output,
+    written over its own input (no later block reads an earlier position's hidden state): the prompt
+    is held as one hidden-sized tensor, and the queries, rotated queries, attention output and MLP
+    activations of one block only. The cache layer is told the prompt's length first
+    (``expect_prompt``), so it writes each block's keys and values into one buffer and compresses
+    after the last block. Only where no one else can see the hidden states: the model embedded the
+    prompt itself, nothing is recorded (no hooks), no gradient. Anything else (a short input, another
+    cache, decoding) passes through unchanged."""
+
+    def __init__(self, inner: torch.nn.Module, layer_idx: int, tokens: int) -> None:
+        super().__init__(inner)
+        self.layer_idx, self.tokens = layer_idx, tokens
+        self.signature = inspect.signature(inner.forward)
+
+    def forward(self, *args, **kwargs) -> torch.Tensor:
+        bound = self.signature.bind(*args, **kwargs)
+        arguments = {**bound.arguments, **bound.arguments.get("kwargs", {})}
+        hidden, cache = next(iter(bound.arguments.values())), arguments.get("past_key_values")
+        layer = cache.layers[self.layer_idx] if isinstance(cache, KVCompressCache) else None
+        unseen = cache is not None and getattr(cache, "embeds_itself", False) and not self.observed() and not torch.is_grad_enabled()
+        if layer is None or not layer.is_prefill or hidden.dim() != 3 or hidden.shape[1] <= self.tokens or not unseen:
+            return self.inner(*args, **kwargs)
+        length = hidden.shape[1]
+        layer.expect_prompt(length)
+        for start in range(0, length, self.tokens):
+            end = min(length, start + self.tokens)
+            block = self.signature.bind(*args, **kwargs)
+            for name in list(block.arguments):
+                block.arguments[name] = block_of(name, block.arguments[name], start, end, length)
+            hidden[:, start:end] = self.inner(*block.args, **block.kwargs)
+        return hidden
+
+    def observed(self) -> bool:
+        """Whether hooks watch this layer (recording hidden states, say), which blocks would cut up."""
+        return any(m._forward_hooks or m._forward_pre_hooks for m in (self, self.inner)) or bool(torch.nn.modules.module._global_forward_hooks)
+
+
+def block_of(name: str, value: Any, start: int, end: int, length: int) -> Any:
+    """The part of a decoder layer's argument ``name`` that positions ``[start, end)`` of a
+    ``length``-position prompt need: their hidden states, positions and rotary angles, and their rows
+    of the mask over the keys up to ``end`` (causal: no later key is needed)."""
+    if name == "kwargs":
+        return {key: block_of(key, item, start, end, length) for key, item in value.items()}
+    if name == "attention_mask":
+        if isinstance(value, LazyMask):
+            return LazyMask(value.batch_size, end - start, end, value.q_offset + start, value.kv_offset, value.rule, value.device)
+        return value[:, :, start:end, :end] if isinstance(value, torch.Tensor) and value.dim() == 4 else value
+    if isinstance(value, tuple):
+        return tuple(block_of(name, item, start, end, length) for item in value)
+    if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[-2] == length and name != "position_ids":
+        return value[..., start:end, :]  # hidden states, rotary angles: [..., positions, features]
+    if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[-1] == length:
+        return value[..., start:end]  # position ids
+    return value
+
+
+def block_prefills(model: torch.nn.Module, tokens: int) -> int:
+    """Wrap every decoder layer (the module right above an attention module with a ``layer_idx``)
+    in ``BlockedPrefill``. Idempotent; returns how many are wrapped."""
+    wrapped = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, BlockedPrefill):
+                child.tokens = tokens
+                wrapped += 1
+                continue
+            attention = next((m for m in child.children() if isinstance(getattr(m, "layer_idx", None), int) and hasattr(m, "head_dim")), None)
+            if attention is not None and not isinstance(parent, BlockedPrefill):
+                setattr(parent, name, BlockedPrefill(child, attention.layer_idx, tokens))
+                wrapped += 1
+    return wrapped
 
 
 def _drop_inner_prefix(module: torch.nn.Module, state: dict, prefix: str, local_metadata: Any) -> None:
@@ -55,10 +142,21 @@ def _add_inner_prefix(module: torch.nn.Module, state: dict, prefix: str, *args: 
         state[prefix + "inner." + key[len(prefix) :]] = state.pop(key)
 
 
+FINAL_NORMS = ("norm", "ln_f", "final_layernorm", "norm_f")  # the base model's last per-token module, as families name it
+
+
 def chunk_mlps(model: torch.nn.Module, tokens: int) -> int:
-    """Wrap every decoder layer's dense MLP (an ``mlp`` next to a ``self_attn``) in ``SequenceChunked``;
-    mixture-of-experts blocks (which return router logits too) are left as they are. Idempotent;
-    returns how many are wrapped."""
+    """Wrap every decoder layer's dense MLP (an ``mlp`` next to a ``self_attn``), and the final norm
+    after the decoder layers, in ``SequenceChunked``; mixture-of-experts blocks (which return router
+    logits too) are left as they are. Idempotent; returns how many MLPs are wrapped."""
+    for base in model.modules():
+        if any(isinstance(child, torch.nn.ModuleList) and len(child) and isinstance(child[0], BlockedPrefill) for child in base.children()):
+            for name in FINAL_NORMS:
+                norm = getattr(base, name, None)
+                if isinstance(norm, SequenceChunked):
+                    norm.tokens = tokens
+                elif isinstance(norm, torch.nn.Module):
+                    setattr(base, name, SequenceChunked(norm, tokens))
     wrapped = 0
     for layer in model.modules():
         mlp = getattr(layer, "mlp", None)

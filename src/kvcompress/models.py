@@ -117,7 +117,7 @@ ARCHITECTURES: dict[str, dict] = {
     ),
     "llama-3.1-8b": LLAMA_31_8B,
     # The 8B shape with a 1M-token position range (random weights: memory and speed of very long prompts).
-    "llama-3.1-8b-1m": {**LLAMA_31_8B, "max_position_embeddings": 1048576},
+    "llama-3.1-8b-1m": {**LLAMA_31_8B, "max_position_embeddings": 1048576 + 1024},  # a 2**20-token prompt, then decoding
     # Llama-3.1's RoPE (128K context) in a narrow 2-layer body: long-prompt memory curves on a CPU.
     "llama-3.1-narrow": {**LLAMA_31_8B, "hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": 2, "num_attention_heads": 4,
                          "num_key_value_heads": 2, "head_dim": 64},

@@ -33,7 +33,7 @@ from ..cache import KVLayer
 from .. import attention
 from ..decode import Compile, DecodeState, StepRunner, greedy_step
 from ..generation import PREFILL_TOKENS, prefill_groups
-from ..methods import FullKV, Method, method_from_spec
+from ..methods import Method, method_from_spec
 from ..tokens import TokenSpans
 
 HOST_READS = {"_local_scalar_dense", "item", "nonzero", "is_nonzero", "equal"}  # ops that hand a tensor's value to the host
@@ -302,12 +302,14 @@ def measure(
 
 
 @torch.inference_mode()
-def warm_up(model: PreTrainedModel, length: int, batch: int) -> None:
-    """One untimed prefill of this shape, so the first timed run does not pay the allocator's and
-    kernels' first-use costs (seen as 2-5x slower first prefills on CPU)."""
+def warm_up(model: PreTrainedModel, method: Method, length: int, batch: int, prefill_tokens: int | None) -> None:
+    """One untimed prefill of this shape with ``method`` (as the timed run prefills: a full cache
+    would need far more memory at long prompts), so the first timed run does not pay the allocator's
+    and kernels' first-use costs (seen as 2-5x slower first prefills on CPU)."""
     try:
-        ids = torch.randint(10, model.config.get_text_config().vocab_size, (batch, length), device=model.device)
-        model(ids, past_key_values=FullKV().make_cache(model), logits_to_keep=1)
+        ids = torch.randint(10, model.config.get_text_config().vocab_size, (batch, length)).tolist()
+        spans = TokenSpans.every(model.config.get_text_config().vocab_size)
+        prefill_groups(model, lambda: method.make_cache(model, spans), ids, 0, prefill_tokens)
     except (RuntimeError, MemoryError) as error:
         if not _is_oom(error):
             raise
@@ -432,7 +434,7 @@ def run_speed(
     for spec, n, b in tqdm(grid, desc="speed", disable=not progress, unit="run"):
         def run(spec=spec, n=n, b=b) -> dict:
             if spec == methods[0] and warmup > 0:  # warmup=0: no untimed prefill either (memory curves)
-                warm_up(model, n, b)
+                warm_up(model, built[spec], n, b, prefill_tokens)
             return measure(model, built[spec], spec, n, b, steps, warmup, bandwidth, options, prefill_tokens, replicate)
         rows.append(journal.measure((None, spec, n, b), run))
     report = {
@@ -443,6 +445,7 @@ def run_speed(
     for row in rows:
         if row["status"] == "ok":
             row["ops_vs_transformers"] = row["ops_per_step"] / report["transformers_ops_per_step"]
+    report["peak_slopes"] = peak_slopes(rows, hidden_vector_bytes(model))
     if find_max_context or find_max_batch:
         report["limits"] = []
         for spec, method in built.items():
@@ -458,6 +461,24 @@ def run_speed(
                 report["limits"].append({"method": spec, "kind": "max_batch", "prompt_tokens": lengths[0], "value": size, "tried": tried})
     write_report(report, Path(out_dir))
     return report
+
+
+def hidden_vector_bytes(model: PreTrainedModel) -> int:
+    """Bytes of one token's hidden state: the unit a prefill's memory per prompt token is counted in."""
+    return model.config.get_text_config().hidden_size * next(model.parameters()).element_size()
+
+
+def peak_slopes(rows: list[dict], vector_bytes: int) -> list[dict]:
+    """Per method and batch with two or more prompt lengths: how the peak grows per prompt token
+    between the shortest and the longest that ran, in bytes and in hidden-sized vectors."""
+    slopes = []
+    for method, batch in dict.fromkeys((r["method"], r["batch"]) for r in rows):
+        ok = sorted((r["prompt_tokens"], r["peak_bytes"]) for r in rows if r["method"] == method and r["batch"] == batch and r["status"] == "ok")
+        if len(ok) >= 2 and ok[-1][0] > ok[0][0]:
+            per_token = (ok[-1][1] - ok[0][1]) / ((ok[-1][0] - ok[0][0]) * batch)
+            slopes.append({"method": method, "batch": batch, "from_tokens": ok[0][0], "to_tokens": ok[-1][0],
+                           "bytes_per_token": per_token, "hidden_vectors_per_token": per_token / vector_bytes})
+    return slopes
 
 
 def write_report(report: dict, out: Path) -> None:

@@ -153,6 +153,9 @@ class EvictionLayer(KVLayer):
         scaled = reserved + torch.ceil((counts - reserved).clamp(min=0).double() * self.share).long()
         return torch.minimum(scaled.clamp(min=1), lengths)
 
+    def queries_needed(self) -> int | None:
+        return self.method.queries_needed()
+
     def prompt_scores(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
         return self.method.scores(query, self.keys, self.slot_validity(), scaling, self.spans)
 
