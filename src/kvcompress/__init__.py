@@ -8,11 +8,14 @@
 from .cache import CacheMisuseError, KVCompressCache, UnsupportedModelError
 from .attention import sdpa_choices
 from .decode import Compile
-from .generation import Prefill, PromptTooLongError, Result, generate, prefill, teacher_forced_logprobs
+from .generation import Prefill, PromptTooLongError, compress, generate, prefill, teacher_forced_logprobs
+from .result import Result, load
+from .saved import CacheFileError
 from .methods import H2O, METHODS, FullKV, InvalidParameterError, Loki, Method, Quest, ShadowKV, SnapKV, StreamingLLM, method_from_name, method_from_spec, register_method
 from .models import ModelNotAvailableError, load_model
 
 __all__ = [
+    "CacheFileError",
     "CacheMisuseError",
     "Compile",
     "FullKV",
@@ -31,7 +34,9 @@ __all__ = [
     "SnapKV",
     "StreamingLLM",
     "UnsupportedModelError",
+    "compress",
     "generate",
+    "load",
     "load_model",
     "prefill",
     "teacher_forced_logprobs",

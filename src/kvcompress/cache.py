@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from typing import Any, Callable, NamedTuple, Protocol
 
 import torch
@@ -306,6 +307,8 @@ class KVLayer(DynamicLayer):
         self.compress(query, scaling)
         _sync(self.keys)
         self.compress_s = time.perf_counter() - start
+        if self.record_window is False:
+            self.spans = None  # read by compress only (a prefill record keeps them for the methods it makes)
 
     def load_prefill(self, source: KVLayer) -> None:
         """Fill this empty layer with a prompt recorded by ``source`` (an uncompressed layer that kept
@@ -540,10 +543,11 @@ class KVCompressCache(Cache):
     """A ``Cache`` whose layers apply a method. Build it with ``method.make_cache(model)`` and pass it
     to ``model.generate(past_key_values=cache)`` or use ``kvcompress.generate``."""
 
-    def __init__(self, method: LayerFactory, layers: list[KVLayer], model_id: int | None = None, spans: TokenSpans | None = None) -> None:
+    def __init__(self, method: LayerFactory, layers: list[KVLayer], model: torch.nn.Module | None = None, spans: TokenSpans | None = None) -> None:
         super().__init__(layers=layers)
         self.method = method
-        self.model_id = model_id  # id() of the model it was made for: integration.py refuses any other
+        self.model_id = id(model) if model is not None else None  # the model it was made for: integration.py refuses any other
+        self.model = weakref.ref(model) if model is not None else lambda: None  # for a saved cache's fingerprint
         self.span_table = spans  # the tokenizer's word boundaries, when known
         self.timings: dict[str, float | None] = {"prefill_s": None, "decode_ms_per_token": None}
         self.embeds_itself = False  # the model embedded this cache's prompt itself (no one else holds its hidden states)

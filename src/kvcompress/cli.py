@@ -20,7 +20,9 @@ from rich.console import Console
 from rich.table import Table
 
 from .cache import CacheMisuseError, UnsupportedModelError
-from .generation import PREFILL_TOKENS, PromptTooLongError, generate
+from .generation import PREFILL_TOKENS, PromptTooLongError, compress, generate
+from .result import load
+from .saved import CacheFileError
 from .methods import METHODS, FieldSpec, InvalidParameterError, Method, field_specs, method_class
 from .bench.accuracy import PRESETS as ACCURACY_PRESETS
 from .bench.accuracy import run_accuracy
@@ -32,7 +34,7 @@ from .bench.tasks import TASKS, load_dataset
 from .models import ARCHITECTURES, fetch_default_model, load_model, random_model
 from .wheels import NotFetchedError
 
-USER_ERRORS = (InvalidParameterError, PromptTooLongError, UnsupportedModelError, CacheMisuseError, NotFetchedError, OSError, ValueError)
+USER_ERRORS = (InvalidParameterError, PromptTooLongError, UnsupportedModelError, CacheMisuseError, CacheFileError, NotFetchedError, OSError, ValueError)
 
 
 def _mib(n: int) -> str:
@@ -104,20 +106,45 @@ def _read_prompt(path: str) -> str:
         raise InvalidParameterError(f"--prompt-file {path}: {error.strerror or error}") from None
 
 
-def _cmd_generate(args: argparse.Namespace, console: Console) -> int:
+def _prompt_of(args: argparse.Namespace) -> str:
     if (args.prompt is None) == (args.prompt_file is None):
         raise InvalidParameterError("give exactly one of --prompt TEXT or --prompt-file FILE")
-    prompt = args.prompt if args.prompt is not None else _read_prompt(args.prompt_file)
-    method = method_from_args(args.method, args)
+    return args.prompt if args.prompt is not None else _read_prompt(args.prompt_file)
+
+
+def _cmd_generate(args: argparse.Namespace, console: Console) -> int:
+    prompt = _prompt_of(args)
     model, tokenizer = load_model(args.model)
-    messages = prompt if args.raw else [{"role": "user", "content": prompt}]
-    with contextlib.nullcontext() if args.json else console.status(f"generating with {method.describe()}"):
-        result = generate(model, tokenizer, messages, method=method, max_new_tokens=args.max_new_tokens, question=args.question, compile=args.compile)
+    if args.past is not None:  # a saved compressed conversation, continued: its method is the one it was made with
+        past = load(args.past, model, tokenizer)
+        with contextlib.nullcontext() if args.json else console.status(f"answering over {args.past}"):
+            result = generate(model, tokenizer, prompt, past=past, max_new_tokens=args.max_new_tokens, compile=args.compile)
+    else:
+        method = method_from_args(args.method, args)
+        messages = prompt if args.raw else [{"role": "user", "content": prompt}]
+        with contextlib.nullcontext() if args.json else console.status(f"generating with {method.describe()}"):
+            result = generate(model, tokenizer, messages, method=method, max_new_tokens=args.max_new_tokens, question=args.question, compile=args.compile)
+    if args.save:
+        result.save(args.save)
     if args.json:
         print(json.dumps({"text": result.text, **result.stats}))
     else:
         console.print(result.text)
         console.print(_stats_table(result.stats))
+    return 0
+
+
+def _cmd_compress(args: argparse.Namespace, console: Console) -> int:
+    prompt = _prompt_of(args)
+    method = method_from_args(args.method, args)
+    model, tokenizer = load_model(args.model)
+    with console.status(f"compressing with {method.describe()}"):
+        result = compress(model, tokenizer, prompt if args.raw else [{"role": "user", "content": prompt}], method=method)
+        result.save(args.out)
+    stats = result.stats
+    console.print(f"wrote {args.out}: {Path(args.out).stat().st_size / 2**20:.2f} MiB for {stats['prompt_tokens']} prompt tokens "
+                  f"({stats['device_bytes'] / 2**20:.2f} MiB on the device, {stats['offloaded_bytes'] / 2**20:.2f} MiB offloaded); "
+                  f"ask with: kvcompress generate --past {args.out} --prompt QUESTION")
     return 0
 
 
@@ -291,8 +318,20 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--json", action="store_true", help="print one JSON object with text and stats")
     gen.add_argument("--compile", action="store_true", help="decode with one compiled graph per step (torch.compile; a CUDA graph on a GPU)")
+    gen.add_argument("--past", help="continue a conversation saved by `kvcompress compress` or --save (the prompt is the next question)")
+    gen.add_argument("--save", help="write the conversation and its compressed cache to this file")
     add_method_flags(gen)
     gen.set_defaults(run=_cmd_generate)
+
+    comp = sub.add_parser("compress", help="compress a document once, with no question, and save it (ask later with generate --past)")
+    comp.add_argument("--method", default="snapkv", help=f"one of: {', '.join(METHODS)} (default snapkv)")
+    comp.add_argument("--model", help="model path or name (default: the embedded SmolLM2-135M-Instruct)")
+    comp.add_argument("--prompt", help="the document text (sent as a user chat message)")
+    comp.add_argument("--prompt-file", help="read the document from this file")
+    comp.add_argument("--raw", action="store_true", help="feed the document as raw text, without the chat template")
+    comp.add_argument("--out", required=True, help="the file to write (safetensors)")
+    add_method_flags(comp)
+    comp.set_defaults(run=_cmd_compress)
 
     demo = sub.add_parser("demo", help="buried-fact demo: full cache vs SnapKV vs StreamingLLM")
     demo.add_argument("--model", help="model path or name (default: the embedded model)")

@@ -19,6 +19,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from .cache import KVCompressCache
 from .decode import Compile, greedy_decode
 from .methods import FullKV, InvalidParameterError, Method, method_from_name
+from .result import Result, Row
 
 Messages = list[dict[str, str]]
 Prompt = Union[str, Messages]
@@ -29,30 +30,6 @@ PREFILL_TOKENS = 8192  # padded prompt tokens one prefill forward takes at most:
 
 class PromptTooLongError(ValueError):
     """A prompt (plus the tokens to generate) does not fit the model's context."""
-
-
-@dataclass
-class _Row:
-    """One conversation of a batch: what was said, and what the cache has not seen yet."""
-
-    chat: bool
-    messages: Messages = field(default_factory=list)  # chat rows: the conversation so far
-    transcript: str = ""  # everything fed, as text (used to continue raw-text rows)
-    generated: list[int] = field(default_factory=list)
-    pending: int | None = None  # last sampled token, not yet fed to the cache
-
-
-@dataclass
-class Result:
-    """What ``generate`` returns: ``text`` (a list for a batch), ``stats`` and the live ``cache``."""
-
-    text: str | list[str]
-    stats: dict[str, Any]
-    cache: KVCompressCache
-    token_ids: list[list[int]]
-    rows: list[_Row]
-    attention_mask: torch.Tensor  # [batch, logical length] of everything fed so far
-    next_position: torch.Tensor  # [batch] RoPE position of each row's next real token
 
 
 def _as_rows(prompt: Prompt | list[Prompt]) -> tuple[list[Prompt], bool]:
@@ -78,27 +55,51 @@ def _render(tokenizer: PreTrainedTokenizerBase, messages: Messages) -> str:
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
-def _first_turn(tokenizer: PreTrainedTokenizerBase, prompt: Prompt, question: str | None) -> tuple[_Row, list[list[int]]]:
-    """Token chunks for a new conversation: ``[prompt]`` or ``[context, question]``."""
-    if isinstance(prompt, str):
-        row = _Row(chat=False, transcript=prompt + ("\n" + question if question else ""))
-        chunks = [tokenizer(prompt, add_special_tokens=True)["input_ids"]]
-        if question is not None:
-            chunks.append(tokenizer("\n" + question, add_special_tokens=False)["input_ids"])
-        return row, chunks
-    messages = [dict(m) for m in prompt]
+QUESTION_MARK = "⟦kvcompress question⟧"  # stands for a question not asked yet, where the chat template puts it
+
+
+def _first_turn(tokenizer: PreTrainedTokenizerBase, prompt: Prompt, question: str | None) -> tuple[Row, list[list[int]]]:
+    """Token chunks for a new conversation: ``[prompt]``, or ``[context, question]`` (the context
+    compressed without the question, which is then appended: see ``_context_turn`` and ``_ask``)."""
     if question is not None:
-        messages[-1]["content"] = messages[-1]["content"] + "\n\n" + question
+        row, context = _context_turn(tokenizer, prompt)
+        return row, [context, _ask(tokenizer, row, question)]
+    if isinstance(prompt, str):
+        return Row(chat=False, transcript=prompt), [tokenizer(prompt, add_special_tokens=True)["input_ids"]]
+    messages = [dict(m) for m in prompt]
     text = _render(tokenizer, messages)
-    row = _Row(chat=True, messages=messages, transcript=text)
-    if question is None:
-        return row, [tokenizer(text, add_special_tokens=False)["input_ids"]]
-    cut = text.rfind(question)
-    return row, [tokenizer(part, add_special_tokens=False)["input_ids"] for part in (text[:cut], text[cut:])]
+    return Row(chat=True, messages=messages, transcript=text), [tokenizer(text, add_special_tokens=False)["input_ids"]]
 
 
-def _follow_up(tokenizer: PreTrainedTokenizerBase, row: _Row, prompt: str) -> list[int]:
-    """Tokens that continue a finished turn with a new user message (plus the unfed last token)."""
+def _context_turn(tokenizer: PreTrainedTokenizerBase, prompt: Prompt) -> tuple[Row, list[int]]:
+    """A context whose question comes later: a raw text, or the chat rendered up to where the
+    question will be appended to the last user message (the turn stays open)."""
+    if isinstance(prompt, str):
+        return Row(chat=False, transcript=prompt, open_turn=True), tokenizer(prompt, add_special_tokens=True)["input_ids"]
+    messages = [dict(m) for m in prompt]
+    marked = [*messages[:-1], {**messages[-1], "content": messages[-1]["content"] + "\n\n" + QUESTION_MARK}]
+    text = _render(tokenizer, marked)
+    context = text[: text.rfind(QUESTION_MARK)]
+    return Row(chat=True, messages=messages, transcript=context, open_turn=True), tokenizer(context, add_special_tokens=False)["input_ids"]
+
+
+def _ask(tokenizer: PreTrainedTokenizerBase, row: Row, question: str) -> list[int]:
+    """Tokens that close an open turn with its question (and, for a chat, the assistant's prompt)."""
+    row.open_turn = False
+    if not row.chat:
+        row.transcript += "\n" + question
+        return tokenizer("\n" + question, add_special_tokens=False)["input_ids"]
+    row.messages[-1]["content"] += "\n\n" + question
+    text = _render(tokenizer, row.messages)
+    row.transcript = text
+    return tokenizer(text[text.rfind(question) :], add_special_tokens=False)["input_ids"]
+
+
+def _follow_up(tokenizer: PreTrainedTokenizerBase, row: Row, prompt: str) -> list[int]:
+    """Tokens that continue a finished turn with a new user message (plus the unfed last token), or
+    that ask an open turn's question."""
+    if row.open_turn:
+        return _ask(tokenizer, row, prompt)
     answer = tokenizer.decode(row.generated, skip_special_tokens=True)
     head = [row.pending] if row.pending is not None else []
     row.pending = None
@@ -187,7 +188,7 @@ class Prefill:
     cache from it: every method attends to the full prompt during prefill and compresses each layer
     from its keys, values and last queries, so this gives exactly what a fresh prefill would."""
 
-    rows: list[_Row]
+    rows: list[Row]
     is_batch: bool
     cache: KVCompressCache  # an uncompressed cache that kept each layer's last prefill queries (and the prompt's spans)
     logits: torch.Tensor
@@ -197,7 +198,7 @@ class Prefill:
     tokenizer: PreTrainedTokenizerBase
 
 
-def _new_rows(tokenizer: PreTrainedTokenizerBase, prompt: Prompt | list[Prompt], question: str | list[str] | None) -> tuple[list[_Row], list[list[list[int]]], bool]:
+def _new_rows(tokenizer: PreTrainedTokenizerBase, prompt: Prompt | list[Prompt], question: str | list[str] | None) -> tuple[list[Row], list[list[list[int]]], bool]:
     prompts, is_batch = _as_rows(prompt)
     turns = [_first_turn(tokenizer, p, q) for p, q in zip(prompts, _per_row(question, len(prompts), "question"))]
     for i, (_, chunks) in enumerate(turns):
@@ -290,7 +291,7 @@ class _Start:
     of rows), conversations, what is left to feed, and the state."""
 
     cache: KVCompressCache | None
-    rows: list[_Row]
+    rows: list[Row]
     is_batch: bool
     chunk_lists: list[list[list[int]]]
     mask: torch.Tensor
@@ -399,4 +400,28 @@ def generate(
         rows=begin.rows,
         attention_mask=feeder.mask,
         next_position=feeder.position,
+    )
+
+
+@torch.inference_mode()
+def compress(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompt: Prompt | list[Prompt], method: Method | str | None = None,
+    prefill_tokens: int | None = PREFILL_TOKENS,
+) -> Result:
+    """Prefill and compress ``prompt`` (a document, a codebase, a chat history; or a list of them)
+    once, with no question: the result waits for one, ``generate(model, tokenizer, question,
+    past=result)``, asked of it or of copies saved with ``result.save(path)`` and ``load``. The cache
+    is the one ``generate(prompt, question=...)`` compresses, so asking gives its tokens."""
+    clock = time.perf_counter()
+    prompts, is_batch = _as_rows(prompt)
+    turns = [_context_turn(tokenizer, p) for p in prompts]
+    _check_lengths(model, [len(context) for _, context in turns], 1)
+    resolved = _resolve_method(method)
+    feeder, _ = prefill_groups(model, lambda: resolved.make_cache(model, tokenizer), [context for _, context in turns], _pad_id(tokenizer), prefill_tokens)
+    _sync(model.device)
+    feeder.cache.timings = {"prefill_s": time.perf_counter() - clock, "decode_ms_per_token": None}
+    rows = [row for row, _ in turns]
+    return Result(
+        text=[""] * len(rows) if is_batch else "", stats=feeder.cache.stats(), cache=feeder.cache, token_ids=[[] for _ in rows], rows=rows,
+        attention_mask=feeder.mask, next_position=feeder.position,
     )

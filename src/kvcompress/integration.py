@@ -95,7 +95,7 @@ def make_cache(method: LayerFactory, model: PreTrainedModel, tokenizer: PreTrain
         layer = WindowLayer(index, window) if window is not None else method.make_layer(index, model)
         layer.module_id = id(module)
         layers.append(layer)
-    return KVCompressCache(method, layers, model_id=id(model), spans=spans_for(tokenizer) if tokenizer is not None else None)
+    return KVCompressCache(method, layers, model, spans=spans_for(tokenizer) if tokenizer is not None else None)
 
 
 def local_tokenizer(model: PreTrainedModel, method: LayerFactory) -> PreTrainedTokenizerBase:

@@ -163,6 +163,16 @@ class ChunkStore:
             return reuse(fetch_chunks(self.host, chunks.cpu()).to(self.device, non_blocking=True), chunks, previous_chunks, previous, hits)
         return gather_chunks(self.view, chunks, previous_chunks, previous, hits)
 
+    def restored(self, device: torch.device) -> None:
+        """After loading ``host`` and ``offloaded`` from a file: serve a model on ``device``."""
+        self.device = torch.device(device)
+        if self.offloaded and self.device.type == "cuda":
+            self.host = torch.empty(self.host.shape, dtype=self.host.dtype, pin_memory=True).copy_(self.host)
+            self._connect()
+        else:
+            self.host = self.host if self.offloaded else self.host.to(self.device)
+            self.view, self.stream = self.host, None
+
     @classmethod
     def concat(cls, stores: list[ChunkStore]) -> ChunkStore:
         """The rows of ``stores`` (groups of one batch, with the batch's chunk count) as one store."""

@@ -1,0 +1,101 @@
+"""A conversation over a compressed cache: what ``generate`` returns, and how it is saved and loaded.
+
+``Result.save(path)`` writes one safetensors file: every tensor the cache holds on the device (and
+the offload store of ShadowKV or Quest with ``offload=True``), the conversation's mask and positions,
+and as metadata the format version, the method and its settings, a fingerprint of the model's
+config and weights, each layer's other state and the conversation itself (messages, transcript,
+tokens). ``load(path, model, tokenizer)`` makes a fresh cache of that method for ``model``, puts the
+saved state into it and returns a ``Result`` that ``generate(..., past=...)`` continues exactly as the
+one it was saved from. A file from another model, another format version, a method not registered
+here, or a damaged or truncated file is refused with ``CacheFileError``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from .cache import KVCompressCache
+from .methods import METHODS, field_specs
+from .saved import CacheFileError, cache_state, model_fingerprint, restore_cache, to_json
+
+FORMAT, VERSION = "kvcompress-cache", 1
+Messages = list[dict[str, str]]
+
+
+@dataclass
+class Row:
+    """One conversation of a batch: what was said, and what the cache has not seen yet."""
+
+    chat: bool
+    messages: Messages = field(default_factory=list)  # chat rows: the conversation so far
+    transcript: str = ""  # everything fed, as text (used to continue raw-text rows)
+    generated: list[int] = field(default_factory=list)
+    pending: int | None = None  # last sampled token, not yet fed to the cache
+    open_turn: bool = False  # the last user message (a compressed context) waits for its question
+
+
+@dataclass
+class Result:
+    """What ``generate`` returns: ``text`` (a list for a batch), ``stats`` and the live ``cache``."""
+
+    text: str | list[str]
+    stats: dict[str, Any]
+    cache: KVCompressCache
+    token_ids: list[list[int]]
+    rows: list[Row]
+    attention_mask: torch.Tensor  # [batch, logical length] of everything fed so far
+    next_position: torch.Tensor  # [batch] RoPE position of each row's next real token
+
+    def save(self, path: str | Path) -> None:
+        """Write this conversation and its cache to ``path`` (see the module docstring); the model is
+        the one the cache was made for."""
+        model = self.cache.model()
+        if model is None:
+            raise CacheFileError("kvcompress: the model this cache was made for is gone; save while it is loaded")
+        tensors, layers = cache_state(self.cache)
+        tensors["conversation.attention_mask"] = self.attention_mask.bool().cpu()  # one byte per token fed
+        tensors["conversation.next_position"] = self.next_position.cpu()
+        method = self.cache.method
+        meta = {
+            "format": FORMAT, "version": VERSION, "model": model_fingerprint(model),
+            "method": {"name": method.name, "fields": {spec.name: getattr(method, spec.name) for spec in field_specs(type(method))}},
+            "layers": layers, "rows": [asdict(row) for row in self.rows], "text": self.text, "token_ids": self.token_ids,
+            "stats": self.stats, "embeds_itself": self.cache.embeds_itself,
+        }
+        save_file(tensors, str(path), metadata={FORMAT: to_json(meta)})
+
+
+def load(path: str | Path, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None = None) -> Result:
+    """The conversation saved at ``path``, its cache rebuilt for ``model`` (which must be the model it
+    was saved from), ready to continue with ``generate(model, tokenizer, prompt, past=...)``."""
+    try:
+        with safe_open(str(path), framework="pt") as file:
+            meta = json.loads((file.metadata() or {})[FORMAT])
+            tensors = {key: file.get_tensor(key) for key in file.keys()}
+    except FileNotFoundError:
+        raise
+    except Exception as error:  # noqa: BLE001 - a damaged file fails in many ways; each is this one error
+        raise CacheFileError(f"kvcompress: {path} is not a whole kvcompress cache file ({type(error).__name__}: {error})") from None
+    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
+        raise CacheFileError(f"kvcompress: {path} is format {meta.get('format')!r} version {meta.get('version')!r}; this kvcompress reads {FORMAT!r} version {VERSION}")
+    if meta["model"] != model_fingerprint(model):
+        raise CacheFileError(f"kvcompress: {path} was saved from another model (fingerprint {meta['model']}, this {type(model).__name__}: {model_fingerprint(model)}); load it into the model it was made with")
+    name = meta["method"]["name"]
+    if name not in METHODS:
+        raise CacheFileError(f"kvcompress: {path} was made with method {name!r}, which is not registered here (register it with kvc.register_method first)")
+    cache = METHODS[name](**meta["method"]["fields"]).make_cache(model, tokenizer)
+    restore_cache(cache, meta["layers"], tensors, model.device)
+    cache.embeds_itself = meta["embeds_itself"]
+    cache.timings = {key: meta["stats"].get(key) for key in cache.timings}
+    return Result(
+        text=meta["text"], stats=meta["stats"], cache=cache, token_ids=meta["token_ids"], rows=[Row(**row) for row in meta["rows"]],
+        attention_mask=tensors["conversation.attention_mask"].long().to(model.device), next_position=tensors["conversation.next_position"].to(model.device),
+    )
