@@ -6,6 +6,8 @@
     python scripts/tables.py paired BASE OTHER[,OTHER...] RESULTS...
                                                    settings against a base setting on the same samples
                                                    (accuracy results.jsonl): scores, samples won / lost, KL, top-1
+    python scripts/tables.py retained RESULTS...   per setting: the mean score per task and the score retained
+                                                   against the full cache over every question (accuracy results.jsonl)
     python scripts/tables.py memory NAME=DIR... [--plot PNG]
                                                    peak memory vs prompt length of speed runs (e.g. before=...
                                                    after=...), each method's fitted slope in bytes per token
@@ -94,6 +96,30 @@ def paired_table(base: str, others: list[str], paths: list[str]) -> str:
     return "\n".join(lines)
 
 
+def retained_table(paths: list[str]) -> str:
+    """Per method setting: the mean score per task (over every question of every sample) and, over
+    all of them together, the score retained against the full cache on the same questions (the sum
+    of the setting's scores over the full cache's) and the part of the full cache's answers it keeps
+    (its score capped at the full cache's, question by question: a lucky answer the full cache
+    missed does not make up for one it found)."""
+    records = [json.loads(line) for path in paths for line in open(path) if line.strip()]
+    full = {(r["sample"], r["turn"]): r["score"] for r in records if r["label"] == "full"}
+    tasks = list(dict.fromkeys(r["task"] for r in records))
+    labels = sorted({r["label"] for r in records}, key=lambda label: (label != "full", label.split("@")[0], int(label.split("@")[1]) if "@" in label else 0))
+    lines = ["| method | budget | " + " | ".join(tasks) + " | questions | retained (all) | full's answers kept |", "| --- | ---: |" + " ---: |" * (len(tasks) + 3)]
+    for label in labels:
+        mine = [r for r in records if r["label"] == label and (r["sample"], r["turn"]) in full]
+        cells = []
+        for task in tasks:
+            scores = [r["score"] for r in mine if r["task"] == task]
+            cells.append(f"{sum(scores) / len(scores):.2f}" if scores else "-")
+        reference = sum(full[(r["sample"], r["turn"])] for r in mine)
+        retained = f"{sum(r['score'] for r in mine) / reference:.2f}" if reference else "-"
+        kept = f"{sum(min(r['score'], full[(r['sample'], r['turn'])]) for r in mine) / reference:.2f}" if reference else "-"
+        lines.append(f"| {label.split('@')[0]} | {mine[0]['budget'] or '-'} | " + " | ".join(cells) + f" | {len(mine)} | {retained} | {kept} |")
+    return "\n".join(lines)
+
+
 def memory_curves(named: list[str], plot: str | None) -> str:
     """Peak memory per (run, method, prompt) and the least-squares slope of peak bytes over prompt tokens."""
     curves: dict[tuple[str, str], list[tuple[int, int]]] = {}
@@ -148,6 +174,9 @@ def main(argv: list[str]) -> None:
         return
     if kind == "accuracy":
         print(accuracy_table(paths))
+        return
+    if kind == "retained":
+        print(retained_table(paths))
         return
     for folder in paths:
         for path in sorted(Path(folder).rglob("speed.json")):

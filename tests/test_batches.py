@@ -22,6 +22,9 @@ METHODS = [
     kvc.Quest(budget=64),
     kvc.Quest(budget=64, offload=True),
     kvc.Loki(budget=64),
+    kvc.KVzip(budget=64, chunk=100),
+    kvc.KVzip(budget=64, layers="global"),
+    kvc.ExpectedAttention(budget=64),
 ]
 # 12 tokens: under every budget, one Quest page and ShadowKV's local chunks; 150 and 420: compressed.
 LENGTHS = (11, 149, 419)

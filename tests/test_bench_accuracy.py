@@ -9,6 +9,7 @@ from collections import Counter
 import pytest
 import torch
 
+from kvcompress import FullKV, generate
 from kvcompress.bench.accuracy import build_samples, method_configs, run_accuracy, run_matrix, summarize
 from kvcompress.bench.haystack import fill, haystack_sentences
 from kvcompress.bench.metrics import f1, fidelity, score, string_match_all, string_match_any
@@ -162,6 +163,26 @@ def test_runner_resumes_after_an_interrupt_without_redoing_work(tmp_path, tok):
     assert len(again) == len(lines)
     keys = [(r["sample"], r["label"], r["turn"]) for r in resumed]
     assert len(keys) == len(set(keys)) and set(keys) == {(r["sample"], r["label"], r["turn"]) for r in records}
+
+
+def test_question_agnostic_track_asks_every_question_of_one_compressed_context(tmp_path, tok):
+    model = tiny_model(max_position_embeddings=2048)
+    samples = build_samples(tok, ["niah_multikey", "qa_1"], [1200], [0.5], 1, seed=0)
+    for sample in samples:  # multikey: every key; qa: other questions whose documents are all in the context
+        assert len(sample.questions()) > 1 and all(turn.answers[0] in sample.context for turn in sample.probes)
+    configs = method_configs(["full", "snapkv"], [64])
+    records = run_matrix(model, tok, samples, configs, tmp_path, progress=False, question_agnostic=True)
+    assert {(r["sample"], r["label"], r["turn"]) for r in records} == {
+        (s.id, c.label, t) for s in samples for c in configs for t in range(1, len(s.questions()) + 1)
+    }
+    sample, number = samples[0], 3
+    alone = generate(model, tok, [{"role": "user", "content": sample.context}], question=sample.questions()[number - 1].question,
+                     method=FullKV(), max_new_tokens=sample.max_new_tokens)
+    asked = next(r for r in records if (r["sample"], r["label"], r["turn"]) == (sample.id, "full", number))
+    assert asked["track"] == "agnostic" and asked["prediction"] == alone.text  # as if asked first and alone
+    assert {r["task"] for r in summarize(records)} == {"niah_multikey", "qa_1"}  # independent questions, summed per task
+    with pytest.raises(ValueError, match="holds question-agnostic results; this is a question-aware run: give it another output folder"):
+        run_matrix(model, tok, samples, configs, tmp_path, progress=False)
 
 
 def test_summary_retained_accuracy_and_outputs(tmp_path, tok):

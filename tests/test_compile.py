@@ -14,9 +14,10 @@ import torch._dynamo
 from torch._dynamo.utils import counters
 
 import kvcompress as kvc
-from kvcompress.bench.speed import audit_step, transformers_step_ops
+from kvcompress.bench.speed import audit_step, stand_in_lead, transformers_step_ops
 from kvcompress.cache import KVLayer
 from kvcompress.decode import DecodeState, greedy_step
+from kvcompress.generation import prefill_groups
 from kvcompress.models import random_model
 from kvcompress.tokens import TokenSpans
 
@@ -96,8 +97,8 @@ def test_inductor_compiles_the_step_to_the_eager_tokens():
 def test_a_decoding_step_reads_nothing_back_to_the_host(method):
     model = tiny_model()
     cache = method.make_cache(model, char_tokenizer())
-    with torch.inference_mode():
-        logits = model(torch.randint(3, 128, (2, 300)), past_key_values=cache, logits_to_keep=1).logits[:, -1]
+    with torch.inference_mode():  # prefilled as kvcompress does (with the observation pass of a method that has one)
+        _, logits = prefill_groups(model, lambda: cache, torch.randint(3, 128, (2, 300)).tolist(), 0, None, stand_in_lead)
         state = DecodeState.start(logits, torch.full((2,), 300), 4, {2})
         cache.reserve(3)
         greedy_step(model, cache, state)

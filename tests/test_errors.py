@@ -27,7 +27,10 @@ from .fixtures import char_tokenizer, random_text, tiny_model
         (lambda: kvc.SnapKV(window=0), r"window=0 is invalid"),
         (lambda: kvc.StreamingLLM(budget=4, sinks=4), r"budget=4 must be greater than sinks=4"),
         (lambda: kvc.StreamingLLM(sinks=-1), r"sinks=-1 is invalid"),
-        (lambda: kvc.method_from_name("h2o2"), r"method='h2o2' is unknown; valid: full, snapkv, streamingllm, h2o, shadowkv, quest, loki"),
+        (lambda: kvc.ExpectedAttention(budget=4, sinks=4), r"ExpectedAttention: budget=4 must be greater than sinks=4"),
+        (lambda: kvc.KVzip(chunk=0), r"KVzip: chunk=0 is invalid; it must be an integer >= 1"),
+        (lambda: kvc.KVzip(clustering="pool"), r"KVzip: clustering='pool' is unknown; valid: spans, none"),
+        (lambda: kvc.method_from_name("h2o2"), r"method='h2o2' is unknown; valid: full, snapkv, streamingllm, h2o, kvzip, expected, shadowkv, quest, loki"),
         (lambda: kvc.method_from_name("full", budget=3), r"method 'full' does not take budget"),
     ],
 )

@@ -25,3 +25,14 @@ def test_paired_table_counts_samples_won_and_lost_on_shared_samples(tmp_path):
     table = tables.paired_table("snapkv", ["snapkv:heads=adaptive"], [str(path)]).splitlines()
     assert len(table) == 3
     assert table[2] == "| niah | 128 | 2 | 0.50 | 0.50 | 0.50 | 1 / 1 | 0.300 / 0.100 | 0.700 / 0.900 |"
+
+
+def test_retained_table_sums_every_question_against_the_full_cache(tmp_path):
+    rows = [record("a", "full", None, 1.0), record("b", "full", None, 1.0), record("c", "full", None, 0.0),
+            record("a", "kvzip", 64, 1.0), record("b", "kvzip", 64, 0.0), record("c", "kvzip", 64, 1.0),
+            {**record("d", "kvzip", 64, 1.0), "task": "qa_1"}]  # d: no full-cache answer, left out
+    path = tmp_path / "results.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    table = tables.retained_table([str(path)]).splitlines()
+    assert table[0] == "| method | budget | niah | qa_1 | questions | retained (all) | full's answers kept |"
+    assert table[2:] == ["| full | - | 0.67 | - | 3 | 1.00 | 1.00 |", "| kvzip | 64 | 0.67 | - | 3 | 1.00 | 0.50 |"]

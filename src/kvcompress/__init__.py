@@ -11,17 +11,19 @@ from .decode import Compile
 from .generation import Prefill, PromptTooLongError, compress, generate, prefill, teacher_forced_logprobs
 from .result import Result, load
 from .saved import CacheFileError
-from .methods import H2O, METHODS, FullKV, InvalidParameterError, Loki, Method, Quest, ShadowKV, SnapKV, StreamingLLM, method_from_name, method_from_spec, register_method
+from .methods import H2O, KVzip, METHODS, ExpectedAttention, FullKV, InvalidParameterError, Loki, Method, Quest, ShadowKV, SnapKV, StreamingLLM, method_from_name, method_from_spec, register_method
 from .models import ModelNotAvailableError, load_model
 
 __all__ = [
     "CacheFileError",
     "CacheMisuseError",
     "Compile",
+    "ExpectedAttention",
     "FullKV",
     "H2O",
     "InvalidParameterError",
     "KVCompressCache",
+    "KVzip",
     "Loki",
     "METHODS",
     "Method",

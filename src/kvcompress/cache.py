@@ -7,7 +7,9 @@ prompt lengths), the prompt positions its slots hold, and batch operations. It k
 method: a method's layer subclasses it and overrides the contract:
 
 * ``compress(query, scaling)``: called once, right after the prefill attention of this layer, while
-  the layer holds the whole prompt; decide what to keep (``keep``) or where to store it.
+  the layer holds the whole prompt; decide what to keep (``keep``) or where to store it. A method
+  that scores from an observation pass (KVzip: the model repeating the prompt) has it called after
+  that pass instead, which ``observe`` watches: the pass's tokens are attended, never stored.
 * ``attend(query, keys, values, mask, scaling, softcap)``: the attention of one step over this layer.
 * ``after_step(query, scaling)``: called after every later step's tokens are stored.
 * ``index_tensors()``: other device tensors it keeps (counted as memory).
@@ -102,6 +104,10 @@ class KVLayer(DynamicLayer):
         self.prompt_total: int | None = None  # a prompt arriving in blocks (longprompt.BlockedPrefill): its length
         self.prompt_valid: torch.Tensor | None = None  # [b, prompt]: its real tokens, block by block
         self.prompt_queries: torch.Tensor | None = None  # the last prefill queries compress needs, block by block
+        self.observes = False  # compress waits for an observation pass (KVCompressCache.observe_first)
+        self.deferred: tuple[torch.Tensor, float] | None = None  # (prefill queries, scaling) compress gets after the pass
+        self.passing: tuple[torch.Tensor, torch.Tensor] | None = None  # an observation step's keys and values (prompt + its tokens)
+        self.in_pass = False  # the observation pass is running (KVCompressCache.begin_observation)
 
     # --- storage ----------------------------------------------------------------------------------
 
@@ -117,6 +123,17 @@ class KVLayer(DynamicLayer):
                 f"kvcompress: this cache holds a batch of {self.keys.shape[0]} rows but got {key_states.shape[0]}; "
                 "make a new cache for a new batch"
             )
+        if self.observing:  # an observation pass: its tokens are attended with the prompt, never stored
+            if not self.in_pass:
+                raise CacheMisuseError(
+                    "kvcompress: this cache's method compresses the prompt after an observation pass (KVzip: the model repeating "
+                    "the prompt), and the model was called again before that pass ran; kvcompress.generate and kvcompress.compress "
+                    "run it (model.generate() cannot): use them to prefill"
+                )
+            self.passing = tuple(torch.cat([t[:, :, : self.prefill_len], new], dim=-2) for t, new in ((self.keys, key_states), (self.values, value_states)))
+            self.awaiting_commit = True
+            _announced.layer, _announced.keys = self, self.passing[0]
+            return self.passing
         new = key_states.shape[-2]
         counted = not torch.compiler.is_compiling()  # a compiled step's loop counts after the step
         if self.prefill_len is None and self.prompt_total is not None:  # a block of a prompt: into the prompt's buffer
@@ -269,9 +286,20 @@ class KVLayer(DynamicLayer):
         """True while the layer holds only its first fill (the prompt), before ``compress``."""
         return self.prefill_len is None
 
+    @property
+    def observing(self) -> bool:
+        """True between the prefill and the end of its observation pass (``compress`` waits for it)."""
+        return self.deferred is not None
+
     def commit(self, query: torch.Tensor, new_valid: torch.Tensor | None, scaling: float) -> None:
         """Record which new tokens are real (``new_valid [b, q]``; None: all); after the first fill, let the method compress."""
         self.awaiting_commit = False
+        if self.observing:
+            keys, self.passing = self.passing[0], None
+            new = query.shape[-2]
+            valid = torch.cat([self.slot_validity(), new_valid if new_valid is not None else keys.new_ones(keys.shape[0], new, dtype=torch.bool)], dim=-1)
+            self.observe(query, keys, valid, scaling)
+            return
         if self.is_prefill and self.prompt_total is not None:  # a prompt in blocks: compressed after its last
             self.keep_prompt_block(query, new_valid)
             if self.used < self.prompt_total:
@@ -302,13 +330,26 @@ class KVLayer(DynamicLayer):
         self.prompt_tokens = self.slot_validity().sum(dim=-1)
         if self.record_window is not False:
             self.recorded = (query if self.record_window is None else query[..., -self.record_window :, :], scaling)
+        if self.observes:
+            self.deferred = (query, scaling)
+            return
+        self.timed_compress(query, scaling)
+
+    def timed_compress(self, query: torch.Tensor, scaling: float) -> None:
         _sync(self.keys)
         start = time.perf_counter()
         self.compress(query, scaling)
         _sync(self.keys)
-        self.compress_s = time.perf_counter() - start
+        self.compress_s += time.perf_counter() - start
         if self.record_window is False:
             self.spans = None  # read by compress only (a prefill record keeps them for the methods it makes)
+
+    def end_observation(self) -> None:
+        """The observation pass is over: compress as the prefill would have."""
+        if self.observing:
+            query, scaling = self.deferred
+            self.deferred = None
+            self.timed_compress(query, scaling)
 
     def load_prefill(self, source: KVLayer) -> None:
         """Fill this empty layer with a prompt recorded by ``source`` (an uncompressed layer that kept
@@ -334,6 +375,10 @@ class KVLayer(DynamicLayer):
 
     def after_step(self, query: torch.Tensor, scaling: float) -> None:
         """After a later step's tokens are stored (e.g. evict while decoding). Default: nothing."""
+
+    def observe(self, query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scaling: float) -> None:
+        """A step of the observation pass: ``query [b, q_heads, new, d]`` attended ``keys`` (the prompt's
+        ``prefill_len`` slots, then the step's own), ``valid [b, prefill_len + new]``. Default: nothing."""
 
     def stats(self) -> dict[str, Any]:
         """This layer's counters. Numbers are summed over layers by the cache."""
@@ -538,6 +583,10 @@ class LayerFactory(Protocol):
 
     def summarize(self, totals: dict[str, Any]) -> dict[str, Any]: ...
 
+    def observation(self) -> Any: ...
+
+    def before_compress(self, layers: list[KVLayer]) -> None: ...
+
 
 class KVCompressCache(Cache):
     """A ``Cache`` whose layers apply a method. Build it with ``method.make_cache(model)`` and pass it
@@ -551,6 +600,10 @@ class KVCompressCache(Cache):
         self.span_table = spans  # the tokenizer's word boundaries, when known
         self.timings: dict[str, float | None] = {"prefill_s": None, "decode_ms_per_token": None}
         self.embeds_itself = False  # the model embedded this cache's prompt itself (no one else holds its hidden states)
+        self.observe_first = method.observation() is not None  # layers compress after an observation pass (end_observation)
+        self.observe_s = 0.0  # time the observation pass took (part of compressing)
+        for layer in layers:
+            layer.observes = self.observe_first
 
     def note_prompt(self, ids: torch.Tensor | None) -> None:
         """The prompt's token ids (None: the model got embeddings): every layer learns its spans, and
@@ -583,6 +636,22 @@ class KVCompressCache(Cache):
         for index, layer in enumerate(first.layers):
             layer.concat([cache.layers[index] for cache in caches[1:]])
         return first
+
+    def begin_observation(self) -> None:
+        """The observation pass starts: until ``end_observation`` the model's calls are its pieces."""
+        for layer in self.layers:
+            layer.in_pass = layer.observing
+
+    def end_observation(self, seconds: float) -> None:
+        """The observation pass (``seconds`` long) is over: the method sees every layer that waited
+        for it (e.g. to share a budget across layers), then every layer compresses."""
+        for layer in self.layers:
+            layer.in_pass = False
+        start = time.perf_counter()
+        self.method.before_compress([layer for layer in self.layers if layer.observing])
+        self.observe_s += seconds + time.perf_counter() - start
+        for layer in self.layers:
+            layer.end_observation()
 
     def reserve(self, tokens: int) -> None:
         """Room in every layer for ``tokens`` more tokens, so the steps that append them keep every
@@ -622,7 +691,7 @@ class KVCompressCache(Cache):
             "index_bytes": totals["index_bytes"],
             "offloaded_bytes": totals["offloaded_bytes"],
             "bytes_read_per_step": totals["bytes_read_per_step"],
-            "compress_s": sum(layer.compress_s for layer in layers),
+            "compress_s": self.observe_s + sum(layer.compress_s for layer in layers),
             **facts,
             **self.method.summarize(totals),
             **self.timings,

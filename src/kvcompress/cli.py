@@ -227,16 +227,18 @@ def _cmd_bench_accuracy(args: argparse.Namespace, console: Console) -> int:
         preset["tasks"] = []
     model, tokenizer = load_model(args.model)
     dataset = load_dataset(args.dataset, tokenizer, limit=args.samples) if args.dataset else None
+    out = args.out = args.out or ("runs/accuracy-agnostic" if args.question_agnostic else "runs/accuracy")  # named if interrupted
     console.print(f"accuracy: tasks={preset['tasks']} methods={preset['methods']} budgets={preset['budgets']} "
-                  f"lengths={preset['lengths']} samples={preset['samples']} seed={args.seed} -> {args.out}")
-    rows = run_accuracy(model, tokenizer, preset["tasks"], preset["methods"], preset["budgets"], preset["lengths"], args.out,
-                        depths=preset["depths"], samples=preset["samples"], seed=args.seed, dataset=dataset, haystack=args.haystack)
+                  f"lengths={preset['lengths']} samples={preset['samples']} seed={args.seed}"
+                  f"{' question-agnostic' if args.question_agnostic else ''} -> {out}")
+    rows = run_accuracy(model, tokenizer, preset["tasks"], preset["methods"], preset["budgets"], preset["lengths"], out, depths=preset["depths"],
+                        samples=preset["samples"], seed=args.seed, dataset=dataset, haystack=args.haystack, question_agnostic=args.question_agnostic)
     table = Table("task", "method", "budget", "n", "score", "retained", "top-1 agr.", "KL", "KV kept", "device", title="accuracy summary")
     for row in rows:
         table.add_row(row["task"], row["label"], _fmt(row["budget"]), str(row["samples"]), _fmt(row["score"]), _fmt(row["retained"]),
                       _fmt(row["top1_agreement"]), _fmt(row["kl"]), f"{row['kv_kept_fraction']:.1%}", f"{row['device_fraction']:.1%}")
     console.print(table)
-    console.print(f"wrote {args.out}/results.jsonl, summary.csv, niah_heatmaps.png, score_vs_budget.png")
+    console.print(f"wrote {out}/results.jsonl, summary.csv, niah_heatmaps.png, score_vs_budget.png")
     return 0
 
 
@@ -355,7 +357,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "repeated filler (passkey's default) or Paul Graham's essays (RULER's; fetched on first use)")
     accuracy.add_argument("--model", help="model path or name (default: the embedded model)")
     accuracy.add_argument("--dataset", help="JSONL with context, input, answers (LongBench field names), scored with F1")
-    accuracy.add_argument("--out", default="runs/accuracy", help="output folder; rerunning with it resumes")
+    accuracy.add_argument("--question-agnostic", action="store_true", help="compress each context without its question, then ask every question "
+                          "of the sample (its probes too) of its own copy (compress once, ask many)")
+    accuracy.add_argument("--out", help="output folder (default runs/accuracy, or runs/accuracy-agnostic); rerunning with it resumes")
     accuracy.set_defaults(run=_cmd_bench_accuracy)
 
     speed = bench.add_parser("speed", help="decode latency, throughput, memory, max context / batch")

@@ -169,6 +169,51 @@ class _Feeder:
         )
         return out.logits if every_position else out.logits[:, -1, :]
 
+    def peek(self, chunks: list[list[int]]) -> None:
+        """Feed tokens the cache attends but does not keep (an observation pass): mask and positions stay."""
+        mask, position = self.mask, self.position
+        self.feed(chunks)
+        self.mask, self.position = mask, position
+
+
+Lead = Callable[[int, str, list[int]], list[int]]  # (row, instruction, tokens before the piece) -> the tokens that introduce it
+
+
+def observe_prompts(feeder: _Feeder, prompts: list[list[int]], lead: Lead | None) -> None:
+    """Run the observation pass of the cache's method over each row's prompt, if it has one (KVzip:
+    the model asked to repeat the prompt, and the prompt as its answer), piece by piece, then let
+    the cache compress. ``lead`` gives the tokens that introduce a piece to a row."""
+    observation = feeder.cache.method.observation() if feeder.cache.observe_first else None
+    if observation is None:
+        return
+    if lead is None:
+        raise ValueError(f"{feeder.cache.method.describe()} compresses after an observation pass, whose instruction needs the tokenizer")
+    clock = time.perf_counter()
+    feeder.cache.begin_observation()
+    size = observation.chunk
+    for start in range(0, max(len(p) for p in prompts), size):
+        pieces = []
+        for row, ids in enumerate(prompts):
+            text = observation.first if start == 0 else observation.later
+            before = ids[max(0, start - observation.overlap) : start]
+            pieces.append(lead(row, text, before) + ids[start : start + size] if start < len(ids) else [])
+        feeder.peek(pieces)
+    _sync(feeder.device)
+    feeder.cache.end_observation(time.perf_counter() - clock)
+
+
+def chat_leads(tokenizer: PreTrainedTokenizerBase, rows: list[Row]) -> Lead:
+    """Introductions of observation pieces: for a context waiting for its question, the instruction
+    asked as that question would be (closing the turn; a chat's assistant then answers), otherwise
+    the instruction as text after the prompt; then the tokens before the piece."""
+
+    def lead(row: int, text: str, before: list[int]) -> list[int]:
+        if rows[row].open_turn:
+            return _ask(tokenizer, copy.deepcopy(rows[row]), text) + before
+        return tokenizer("\n\n" + text, add_special_tokens=False)["input_ids"] + before
+
+    return lead
+
 
 def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[int]:
     ids = {tokenizer.eos_token_id}
@@ -196,6 +241,7 @@ class Prefill:
     next_position: torch.Tensor
     prefill_s: float
     tokenizer: PreTrainedTokenizerBase
+    prompts: list[list[int]]  # each row's prompt tokens (for a method's observation pass)
 
 
 def _new_rows(tokenizer: PreTrainedTokenizerBase, prompt: Prompt | list[Prompt], question: str | list[str] | None) -> tuple[list[Row], list[list[list[int]]], bool]:
@@ -214,8 +260,12 @@ def _feed_chunks(feeder: _Feeder, chunk_lists: list[list[list[int]]], logits: to
     return logits
 
 
-def prefill_groups(model: PreTrainedModel, make_cache: Callable[[], KVCompressCache], prompts: list[list[int]], pad_id: int, prefill_tokens: int | None) -> tuple[_Feeder, torch.Tensor]:
-    """Feed each row's prompt into a new cache. A batch whose padded prompt tokens exceed
+def prefill_groups(
+    model: PreTrainedModel, make_cache: Callable[[], KVCompressCache], prompts: list[list[int]], pad_id: int, prefill_tokens: int | None,
+    lead: Lead | None = None,
+) -> tuple[_Feeder, torch.Tensor]:
+    """Feed each row's prompt into a new cache (and run its method's observation pass, introduced by
+    ``lead``: ``observe_prompts``). A batch whose padded prompt tokens exceed
     ``prefill_tokens`` is prefilled in groups of rows that fit (at least one row each): each group's
     cache compresses into the shapes the whole batch takes (``note_batch``) before the next group is
     prefilled, and the groups are joined (``KVCompressCache.concat``). The peak then holds one group's
@@ -231,6 +281,7 @@ def prefill_groups(model: PreTrainedModel, make_cache: Callable[[], KVCompressCa
             cache.note_batch(lengths)
         feeders.append(_Feeder(model, cache, *_empty_state(model, len(group)), pad_id))
         logits.append(feeders[-1].feed(group, width))
+        observe_prompts(feeders[-1], group, None if lead is None else lambda row, text, before, first=start: lead(first + row, text, before))
     if len(feeders) == 1:
         return feeders[0], logits[0]
     cache = KVCompressCache.concat([feeder.cache for feeder in feeders])
@@ -259,13 +310,15 @@ def prefill(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompt: 
     start = time.perf_counter()
     logits = _feed_chunks(feeder, chunk_lists)
     _sync(model.device)
-    return Prefill(rows, is_batch, cache, logits, feeder.mask, feeder.position, time.perf_counter() - start, tokenizer)
+    return Prefill(rows, is_batch, cache, logits, feeder.mask, feeder.position, time.perf_counter() - start, tokenizer, [chunks[0] for chunks in chunk_lists])
 
 
 def _from_prefill(model: PreTrainedModel, method: Method, record: Prefill) -> KVCompressCache:
     cache = method.make_cache(model, record.tokenizer)
     for layer, recorded in zip(cache.layers, record.cache.layers):
         layer.load_prefill(recorded)
+    feeder = _Feeder(model, cache, record.attention_mask, record.next_position, _pad_id(record.tokenizer))
+    observe_prompts(feeder, record.prompts, chat_leads(record.tokenizer, record.rows))
     return cache
 
 
@@ -367,7 +420,11 @@ def generate(
     fed = [int(p) + sum(len(c) for c in chunks) for p, chunks in zip(begin.position.tolist(), begin.chunk_lists)] if begin.chunk_lists else begin.position.tolist()
     _check_lengths(model, fed, max_new_tokens)
     if begin.cache is None:  # a new prompt: prefilled in groups of rows when the batch is large
-        feeder, first = prefill_groups(model, begin.make_cache, [chunks[0] for chunks in begin.chunk_lists], _pad_id(tokenizer), prefill_tokens)
+        # an observation pass is introduced as the rows stood after their first chunk (a question comes after it)
+        prefilled = begin.rows if question is None else [_context_turn(tokenizer, p)[0] for p in _as_rows(prompt)[0]]
+        feeder, first = prefill_groups(
+            model, begin.make_cache, [chunks[0] for chunks in begin.chunk_lists], _pad_id(tokenizer), prefill_tokens, chat_leads(tokenizer, prefilled)
+        )
         logits = _feed_chunks(feeder, [chunks[1:] for chunks in begin.chunk_lists], first)
     else:
         feeder = _Feeder(model, begin.cache, begin.mask, begin.position, _pad_id(tokenizer))
@@ -417,10 +474,12 @@ def compress(
     turns = [_context_turn(tokenizer, p) for p in prompts]
     _check_lengths(model, [len(context) for _, context in turns], 1)
     resolved = _resolve_method(method)
-    feeder, _ = prefill_groups(model, lambda: resolved.make_cache(model, tokenizer), [context for _, context in turns], _pad_id(tokenizer), prefill_tokens)
+    rows = [row for row, _ in turns]
+    feeder, _ = prefill_groups(
+        model, lambda: resolved.make_cache(model, tokenizer), [context for _, context in turns], _pad_id(tokenizer), prefill_tokens, chat_leads(tokenizer, rows)
+    )
     _sync(model.device)
     feeder.cache.timings = {"prefill_s": time.perf_counter() - clock, "decode_ms_per_token": None}
-    rows = [row for row, _ in turns]
     return Result(
         text=[""] * len(rows) if is_batch else "", stats=feeder.cache.stats(), cache=feeder.cache, token_ids=[[] for _ in rows], rows=rows,
         attention_mask=feeder.mask, next_position=feeder.position,

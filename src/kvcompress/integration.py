@@ -302,7 +302,7 @@ def kvcompress_attention(
         )
     q_len = query.shape[-2]
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
-    if layer.is_prefill:
+    if layer.is_prefill or layer.observing:  # the new tokens are the newest of the prompt's (an observation pass: just after it)
         out = attend_prompt(layer, query, key, value, attention_mask, sliding_window, scaling, softcap)
     else:
         block = new_block(attention_mask, q_len, sliding_window) if q_len > 1 else None  # one query sees itself

@@ -12,6 +12,7 @@ here, or a damaged or truncated file is refused with ``CacheFileError``.
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -23,8 +24,9 @@ from safetensors.torch import save_file
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .cache import KVCompressCache
-from .methods import METHODS, field_specs
+from .methods import METHODS, Method, field_specs
 from .saved import CacheFileError, cache_state, model_fingerprint, restore_cache, to_json
+from .tokens import TokenSpans
 
 FORMAT, VERSION = "kvcompress-cache", 1
 Messages = list[dict[str, str]]
@@ -72,6 +74,28 @@ class Result:
         }
         save_file(tensors, str(path), metadata={FORMAT: to_json(meta)})
 
+    def copy(self) -> Result:
+        """An independent copy of this conversation and its cache (what ``save`` then ``load`` would
+        give, without a file): each question asked of its own copy of one compressed context sees
+        none of the others."""
+        model = self.cache.model()
+        if model is None:
+            raise CacheFileError("kvcompress: the model this cache was made for is gone; copy while it is loaded")
+        tensors, layers = cache_state(self.cache)
+        cache = _rebuilt(self.cache.method, model, self.cache.span_table, layers, {key: t.clone() for key, t in tensors.items()})
+        cache.embeds_itself, cache.timings = self.cache.embeds_itself, dict(self.cache.timings)
+        return Result(
+            text=copy.deepcopy(self.text), stats=dict(self.stats), cache=cache, token_ids=copy.deepcopy(self.token_ids),
+            rows=copy.deepcopy(self.rows), attention_mask=self.attention_mask.clone(), next_position=self.next_position.clone(),
+        )
+
+
+def _rebuilt(method: Method, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | TokenSpans | None, layers: list[dict[str, Any]], tensors: dict[str, torch.Tensor]) -> KVCompressCache:
+    """A fresh cache of ``method`` for ``model`` holding a saved state."""
+    cache = method.make_cache(model, tokenizer)
+    restore_cache(cache, layers, tensors, model.device)
+    return cache
+
 
 def load(path: str | Path, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None = None) -> Result:
     """The conversation saved at ``path``, its cache rebuilt for ``model`` (which must be the model it
@@ -91,8 +115,7 @@ def load(path: str | Path, model: PreTrainedModel, tokenizer: PreTrainedTokenize
     name = meta["method"]["name"]
     if name not in METHODS:
         raise CacheFileError(f"kvcompress: {path} was made with method {name!r}, which is not registered here (register it with kvc.register_method first)")
-    cache = METHODS[name](**meta["method"]["fields"]).make_cache(model, tokenizer)
-    restore_cache(cache, meta["layers"], tensors, model.device)
+    cache = _rebuilt(METHODS[name](**meta["method"]["fields"]), model, tokenizer, meta["layers"], tensors)
     cache.embeds_itself = meta["embeds_itself"]
     cache.timings = {key: meta["stats"].get(key) for key in cache.timings}
     return Result(

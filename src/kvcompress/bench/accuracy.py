@@ -5,6 +5,10 @@ is derived from that prefill, so the matrix costs one prefill per sample, not on
 full cache's own greedy answer is the reference for fidelity: each method is teacher-forced along
 it and compared with the full cache step by step (top-1 agreement, KL divergence).
 
+The question-agnostic track (``question_agnostic=True``) is the compress-once, ask-many setting:
+each method compresses the context alone (``compress``), and every question the sample has (its
+turns and probes) is then asked, uncompressed, of its own copy of that compressed context.
+
 Every finished (sample, method) pair is appended to ``results.jsonl`` at once; a rerun with the
 same output folder skips what is there, so an interrupted run resumes where it stopped.
 """
@@ -15,16 +19,17 @@ import csv
 import json
 import random
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from ..generation import Result, generate, prefill, teacher_forced_logprobs
+from ..generation import Result, compress, generate, prefill, teacher_forced_logprobs
 from ..methods import BudgetMethod, FullKV, Method, method_class, method_from_spec
 from .metrics import fidelity, score, string_match_any
-from .tasks import DEPTH_GRID_TASKS, HAYSTACK_TASKS, TASKS, Sample
+from .tasks import DEPTH_GRID_TASKS, HAYSTACK_TASKS, TASKS, Sample, Turn
 
 PRESETS: dict[str, dict] = {
     "quick": {
@@ -103,9 +108,10 @@ def build_samples(
     return built
 
 
-def _resume(path: Path) -> set[tuple[str, str]]:
+def _resume(path: Path, track: str) -> set[tuple[str, str]]:
     """The (sample, config) pairs already complete in ``path``. Lines an interrupt left behind (a
-    cut-off last line, a pair missing some of its turns) are removed so they are run again."""
+    cut-off last line, a pair missing some of its turns) are removed so they are run again. Results
+    of the other track (question-aware or -agnostic) are refused, not mixed in."""
     if not path.exists():
         return set()
     groups: dict[tuple[str, str], list[str]] = defaultdict(list)
@@ -116,6 +122,8 @@ def _resume(path: Path) -> set[tuple[str, str]]:
         except json.JSONDecodeError:
             complete = False
             continue
+        if record.get("track", "aware") != track:
+            raise ValueError(f"{path} holds question-{record.get('track', 'aware')} results; this is a question-{track} run: give it another output folder")
         groups[record["sample"], record["label"]].append(line)
     done = {key: lines for key, lines in groups.items() if len(lines) == json.loads(lines[0])["turns"]}
     if not complete or len(done) != len(groups):
@@ -130,14 +138,56 @@ def _turns(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, sample: S
     return results
 
 
+def _record(sample: Sample, config: Config, number: int, count: int, turn: Turn, result: Result, first: Result) -> dict:
+    """One scored answer: the sample, the config, the answer and the first answer's cache stats."""
+    return {
+        "sample": sample.id, "task": sample.task, "length": sample.length, "depth": sample.depth,
+        "turn": number, "turns": count, "label": config.label, "method": config.method_name,
+        "budget": config.budget, "score": score(result.text, turn.answers, sample.metric), "prediction": result.text,
+        "answers": turn.answers, "prompt_tokens": first.stats["prompt_tokens"],
+        "kv_kept_fraction": first.stats["kv_kept_fraction"], "device_fraction": first.stats["device_fraction"],
+        **{k: first.stats[k] for k in STAT_FIELDS if first.stats.get(k) is not None},
+        **({"string_match": string_match_any(result.text, turn.answers)} if sample.metric == "f1" else {}),
+    }
+
+
+def _aware_records(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, sample: Sample, configs: list[Config], window: int | None) -> Iterator[list[dict]]:
+    """Question-aware: one prefill of context and question; each config's cache derived from it,
+    teacher-forced along the full cache's answer (fidelity), then the follow-up turns."""
+    record = prefill(model, tokenizer, sample.messages(), query_window=window)
+    reference = generate(model, tokenizer, method=FullKV(), prefill=record, max_new_tokens=sample.max_new_tokens)
+    answer_tokens = reference.token_ids[0] or [tokenizer.eos_token_id]
+    reference_logprobs = teacher_forced_logprobs(model, record, FullKV(), answer_tokens)
+    for config in configs:
+        first = reference if config.label == "full" else generate(model, tokenizer, method=config.method, prefill=record, max_new_tokens=sample.max_new_tokens)
+        agreement = fidelity(reference_logprobs, teacher_forced_logprobs(model, record, config.method, answer_tokens))
+        results = _turns(model, tokenizer, sample, first)
+        lines = [_record(sample, config, i, len(sample.turns), turn, result, first) for i, (turn, result) in enumerate(zip(sample.turns, results), start=1)]
+        lines[0].update(agreement)
+        yield lines
+
+
+def _agnostic_records(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, sample: Sample, configs: list[Config]) -> Iterator[list[dict]]:
+    """Question-agnostic: each config compresses the context alone; every question is asked of its own copy."""
+    questions = sample.questions()
+    for config in configs:
+        context = compress(model, tokenizer, [{"role": "user", "content": sample.context}], method=config.method)
+        results = [generate(model, tokenizer, turn.question, past=context.copy(), max_new_tokens=sample.max_new_tokens) for turn in questions]
+        lines = [_record(sample, config, i, len(questions), turn, result, context) for i, (turn, result) in enumerate(zip(questions, results), start=1)]
+        for line in lines:
+            line["track"] = "agnostic"
+        yield lines
+
+
 def run_matrix(
-    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, samples: list[Sample], configs: list[Config], out_dir: str | Path, progress: bool = True
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, samples: list[Sample], configs: list[Config], out_dir: str | Path, progress: bool = True,
+    question_agnostic: bool = False,
 ) -> list[dict]:
     """Run every sample with every config, appending to ``out_dir/results.jsonl``; return all records."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "results.jsonl"
-    done = _resume(path)
+    done = _resume(path, "agnostic" if question_agnostic else "aware")
     needed = [c.method.queries_needed() for c in configs]
     window = None if None in needed else max(needed + [1])
     bar = tqdm(total=len(samples) * len(configs), desc="accuracy", disable=not progress, unit="run")
@@ -147,24 +197,8 @@ def run_matrix(
         if not todo:
             continue
         bar.set_postfix_str(sample.id)
-        record = prefill(model, tokenizer, sample.messages(), query_window=window)
-        reference = generate(model, tokenizer, method=FullKV(), prefill=record, max_new_tokens=sample.max_new_tokens)
-        answer_tokens = reference.token_ids[0] or [tokenizer.eos_token_id]
-        reference_logprobs = teacher_forced_logprobs(model, record, FullKV(), answer_tokens)
-        for config in todo:
-            first = reference if config.label == "full" else generate(model, tokenizer, method=config.method, prefill=record, max_new_tokens=sample.max_new_tokens)
-            agreement = fidelity(reference_logprobs, teacher_forced_logprobs(model, record, config.method, answer_tokens))
-            lines = []
-            for turn_index, (turn, result) in enumerate(zip(sample.turns, _turns(model, tokenizer, sample, first)), start=1):
-                lines.append({
-                    "sample": sample.id, "task": sample.task, "length": sample.length, "depth": sample.depth,
-                    "turn": turn_index, "turns": len(sample.turns), "label": config.label, "method": config.method_name,
-                    "budget": config.budget, "score": score(result.text, turn.answers, sample.metric), "prediction": result.text,
-                    "answers": turn.answers, "prompt_tokens": first.stats["prompt_tokens"],
-                    "kv_kept_fraction": first.stats["kv_kept_fraction"], "device_fraction": first.stats["device_fraction"],
-                    **{k: first.stats[k] for k in STAT_FIELDS if first.stats.get(k) is not None}, **(agreement if turn_index == 1 else {}),
-                    **({"string_match": string_match_any(result.text, turn.answers)} if sample.metric == "f1" else {}),
-                })
+        runs = _agnostic_records(model, tokenizer, sample, todo) if question_agnostic else _aware_records(model, tokenizer, sample, todo, window)
+        for lines in runs:
             with path.open("a") as fh:
                 fh.write("".join(json.dumps(line) + "\n" for line in lines))
             bar.update(1)
@@ -173,7 +207,9 @@ def run_matrix(
 
 
 def task_key(record: dict) -> str:
-    return record["task"] if record["turns"] == 1 else f"{record['task']} t{record['turn']}"
+    """Where a record is summed: its task, and per turn for follow-up turns (the question-agnostic
+    track's questions are independent, summed together)."""
+    return record["task"] if record["turns"] == 1 or record.get("track") == "agnostic" else f"{record['task']} t{record['turn']}"
 
 
 def summarize(records: list[dict]) -> list[dict]:
@@ -230,10 +266,12 @@ def run_accuracy(
     haystack: str | None = None,
     progress: bool = True,
     plots: bool = True,
+    question_agnostic: bool = False,
 ) -> list[dict]:
-    """Build the samples, run the matrix (resuming), write ``summary.csv`` and plots; return the summary rows."""
+    """Build the samples, run the matrix (resuming; ``question_agnostic``: that track, see the module
+    docstring), write ``summary.csv`` and plots; return the summary rows."""
     built = build_samples(tokenizer, tasks, lengths, list(depths), samples, seed, haystack) + list(dataset or [])
-    records = run_matrix(model, tokenizer, built, method_configs(methods, budgets), out_dir, progress)
+    records = run_matrix(model, tokenizer, built, method_configs(methods, budgets), out_dir, progress, question_agnostic)
     rows = summarize(records)
     write_summary(rows, Path(out_dir) / "summary.csv")
     if plots:

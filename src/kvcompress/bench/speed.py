@@ -222,6 +222,12 @@ def transformers_step_ops(model: PreTrainedModel) -> int:
     return audit_step(lambda: model(token, past_key_values=cache, logits_to_keep=1)).total
 
 
+def stand_in_lead(row: int, text: str, before: list[int]) -> list[int]:
+    """What introduces a piece of an observation pass (KVzip's repeat instruction) to a random-weight
+    model without a tokenizer: a token per word of the instruction, then the tokens before the piece."""
+    return [11] * len(text.split()) + before
+
+
 def weight_bytes(model: PreTrainedModel) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
@@ -246,7 +252,7 @@ def measure(
         ids = torch.randint(10, model.config.get_text_config().vocab_size, (batch, length), generator=generator).tolist()
         spans = TokenSpans.every(model.config.get_text_config().vocab_size)
         start = timer.start()
-        feeder, logits = prefill_groups(model, lambda: method.make_cache(model, spans), ids[:1] if replicate else ids, 0, prefill_tokens)
+        feeder, logits = prefill_groups(model, lambda: method.make_cache(model, spans), ids[:1] if replicate else ids, 0, prefill_tokens, stand_in_lead)
         prefill_ms = timer.ms_since(start)
         cache = feeder.cache
         if replicate and batch > 1:  # the decoding and the memory of a batch, without its prefill
@@ -309,7 +315,7 @@ def warm_up(model: PreTrainedModel, method: Method, length: int, batch: int, pre
     try:
         ids = torch.randint(10, model.config.get_text_config().vocab_size, (batch, length)).tolist()
         spans = TokenSpans.every(model.config.get_text_config().vocab_size)
-        prefill_groups(model, lambda: method.make_cache(model, spans), ids, 0, prefill_tokens)
+        prefill_groups(model, lambda: method.make_cache(model, spans), ids, 0, prefill_tokens, stand_in_lead)
     except (RuntimeError, MemoryError) as error:
         if not _is_oom(error):
             raise

@@ -11,7 +11,9 @@ from typing import Any
 
 from .base import BudgetMethod, FieldSpec, InvalidParameterError, Method, field_specs
 from .full import FullKV
+from .expected import ExpectedAttention
 from .h2o import H2O
+from .kvzip import KVzip
 from .loki import Loki
 from .prompt import PromptMethod
 from .quest import Quest
@@ -19,7 +21,7 @@ from .shadowkv import ShadowKV
 from .snapkv import SnapKV
 from .streaming import StreamingLLM
 
-METHODS: dict[str, type[Method]] = {cls.name: cls for cls in (FullKV, SnapKV, StreamingLLM, H2O, ShadowKV, Quest, Loki)}
+METHODS: dict[str, type[Method]] = {cls.name: cls for cls in (FullKV, SnapKV, StreamingLLM, H2O, KVzip, ExpectedAttention, ShadowKV, Quest, Loki)}
 
 
 def register_method(cls: type[Method]) -> type[Method]:
@@ -77,6 +79,6 @@ def method_from_spec(spec: str, **defaults: Any) -> Method:
 
 
 __all__ = [
-    "BudgetMethod", "FieldSpec", "FullKV", "H2O", "InvalidParameterError", "Loki", "METHODS", "Method", "PromptMethod", "Quest", "ShadowKV",
+    "BudgetMethod", "ExpectedAttention", "FieldSpec", "FullKV", "H2O", "KVzip", "InvalidParameterError", "Loki", "METHODS", "Method", "PromptMethod", "Quest", "ShadowKV",
     "SnapKV", "StreamingLLM", "field_specs", "method_class", "method_from_name", "method_from_spec", "parse_value", "register_method",
 ]

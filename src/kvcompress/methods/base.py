@@ -27,8 +27,9 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from ..cache import KVCompressCache, KVLayer
-from ..integration import make_cache
+from ..cache import KVCompressCache, KVLayer, UnsupportedModelError
+from ..integration import layer_windows, make_cache
+from ..rope import check_rope
 from ..tokens import TokenSpans
 
 if TYPE_CHECKING:
@@ -111,6 +112,19 @@ def field_specs(cls: type) -> list[FieldSpec]:
     return specs
 
 
+@dataclass(frozen=True)
+class Observation:
+    """A pass the model runs over its prompt before the prompt is compressed, for methods that score
+    from it: in ``chunk``-token pieces, the first led by ``first`` (an instruction, asked as the
+    question would be), each later one by ``later`` and the last ``overlap`` tokens before it. Its
+    tokens are attended, never kept; the layers' ``observe`` sees each piece's queries."""
+
+    first: str
+    later: str
+    chunk: int
+    overlap: int
+
+
 @dataclass
 class Method:
     """Base of all methods. Subclasses set ``name`` and declare their fields with ``param``."""
@@ -147,6 +161,15 @@ class Method:
     def queries_needed(self) -> int | None:
         """How many of the last prefill queries the method reads at compression (None: all of them)."""
         return 1
+
+    def observation(self) -> Observation | None:
+        """The pass over the prompt this method scores from before compressing (None: it scores from
+        the prefill itself)."""
+        return None
+
+    def before_compress(self, layers: list[KVLayer]) -> None:
+        """After an observation pass, before any of ``layers`` (each holding its whole prompt)
+        compresses. Default: nothing."""
 
     def keep_counts(self, lengths: torch.Tensor) -> torch.Tensor | None:
         """Prompt tokens each row keeps after prefill, given each row's real length ``[batch]``;
@@ -215,6 +238,17 @@ class BudgetMethod(Method):
         if self.ratio is None:
             values["budget"] = self.budget_tokens
         return values
+
+
+def require_rope(model: PreTrainedModel, owner: str) -> None:
+    """Raise ``UnsupportedModelError`` unless every full-attention layer of ``model`` uses a rotary
+    embedding kvcompress can reproduce and invert (``rope.check_rope``)."""
+    config = model.config.get_text_config()
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    for index, window in enumerate(layer_windows(model)):
+        problem = check_rope(model, index, head_dim) if window is None else None
+        if problem:
+            raise UnsupportedModelError(f"{owner} needs rotary position embeddings it can invert, and {type(model).__name__}: {problem}")
 
 
 def check_reserved(owner: str, budget: int, reserved_name: str, reserved: int, what: str) -> None:

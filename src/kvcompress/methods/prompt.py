@@ -10,8 +10,12 @@ head, the prompt positions its method scores highest; decoding then appends to t
   all its heads together fall, mixed with the uniform share by ``head_floor`` (Ada-KV's safeguard).
   Heads then hold different numbers of tokens, stored packed (``packed.PackedSlots``), so the short
   heads really free their memory.
+* ``layers="global"`` (KVzip's selection, for methods with an observation pass, after which every
+  layer still holds its prompt): each row's budget over all layers and heads goes where the highest
+  scores of all of them together fall; each layer's part is then shared by its heads as above.
 
-The total kept per layer always equals the uniform budget's, so comparisons are at equal memory.
+The total kept per layer always equals the uniform budget's (with ``layers="global"``, the total
+over the layers, up to rounding), so comparisons are at equal memory.
 """
 
 from __future__ import annotations
@@ -54,6 +58,27 @@ def select_kept(scores: torch.Tensor, valid: torch.Tensor, counts: torch.Tensor,
     indices = torch.where(picked >= seq, picked - seq, picked)
     slot_valid = (picked >= seq)[:, 0, :]
     return indices, slot_valid
+
+
+def global_shares(scores: list[torch.Tensor], valid: torch.Tensor, free: torch.Tensor) -> list[torch.Tensor]:
+    """Each layer's share of each row's budget when every layer's scores are ranked together: of the
+    ``layers * heads * free[row]`` highest finite scores of a row over all layers ``scores [b, heads,
+    seq]`` (real positions only; ``+inf``, pinned by the method, stays out), the fraction that falls
+    in each layer, times the number of layers (1.0: the uniform share). Ties go to the lower layer,
+    then the lower head and the earlier position. Returns a ``[b]`` float64 tensor per layer."""
+    stacked = torch.stack([s.float() for s in scores])  # [layers, b, heads, seq]
+    layers, batch, heads, seq = stacked.shape
+    finite = stacked.masked_fill(~valid[None, :, None, :] | (stacked == math.inf), -math.inf)
+    shares = torch.zeros(layers, batch, dtype=torch.float64, device=stacked.device)
+    for row in range(batch):
+        flat = finite[:, row].reshape(-1)
+        room = min(layers * heads * int(free[row]), int((flat > -math.inf).sum()))
+        if room == 0:
+            shares[:, row] = 1.0
+            continue
+        winners = flat.argsort(descending=True, stable=True)[:room] // (heads * seq)
+        shares[:, row] = torch.bincount(winners, minlength=layers).double() * layers / room
+    return list(shares)
 
 
 def pyramid_budgets(budget: int, layers: int, beta: float) -> list[int]:
@@ -106,17 +131,35 @@ class PromptMethod(BudgetMethod):
     quiet_fields: ClassVar[tuple[str, ...]] = ("heads", "head_floor", "layers", "pyramid_beta")
     heads: str = param("uniform", "how a layer's budget is shared by its KV heads: uniform, or adaptive (Ada-KV: by their scores)", choices=("uniform", "adaptive"))
     head_floor: float = param(0.2, "with heads=adaptive: the weight of the uniform share in each head's budget, so every head keeps at least this share (Ada-KV's safeguard)", minimum=0, at_most=1)
-    layers: str = param("uniform", "how the budget is shared by the layers: uniform, or pyramid (PyramidKV: more in lower layers)", choices=("uniform", "pyramid"))
+    layers: str = param(
+        "uniform", "how the budget is shared by the layers: uniform; pyramid (PyramidKV: more in lower layers); global (all layers' scores "
+        "ranked together, per head: methods with an observation pass, e.g. KVzip)", choices=("uniform", "pyramid", "global"),
+    )
     pyramid_beta: float = param(20.0, "with layers=pyramid: the last layer keeps budget / pyramid_beta", above=1)
 
     def validate(self) -> None:
         super().validate()
-        require(self.layers == "uniform" or self.ratio is None, f"{type(self).__name__}: layers='pyramid' needs a fixed budget, not ratio")
+        require(self.layers != "pyramid" or self.ratio is None, f"{type(self).__name__}: layers='pyramid' needs a fixed budget, not ratio")
+        require(
+            self.layers != "global" or self.observation() is not None,
+            f"{type(self).__name__}: layers='global' ranks every layer's scores together, so every layer must hold its prompt until they are "
+            "all scored, which only a method with an observation pass does (KVzip); valid here: uniform, pyramid",
+        )
 
     def reserved_tokens(self) -> int:
         """Tokens every row keeps whatever the scores (a window, sinks, recent tokens): layer budgets
         share out only the rest, as PyramidKV does with SnapKV's window."""
         return 0
+
+    def layer_scores(self, layer: EvictionLayer, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """Scores of one layer's prompt: ``scores`` of its keys by default. A method that needs more of
+        the layer (its rotary module, what its observation pass saw) overrides this."""
+        return self.scores(query, layer.keys, layer.slot_validity(), scaling, layer.spans)
+
+    def observe(self, seen: torch.Tensor | None, query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, prompt: int, scaling: float) -> torch.Tensor:
+        """What a method with an ``observation`` pass keeps from one step of it, ``[b, kv_heads, prompt]``,
+        merged with what earlier steps left (``seen``); see ``KVLayer.observe`` for the arguments."""
+        raise NotImplementedError(f"{type(self).__name__} has no observation pass")
 
     def make_layer(self, layer_idx: int, model: PreTrainedModel) -> KVLayer:
         share = 1.0
@@ -124,7 +167,20 @@ class PromptMethod(BudgetMethod):
             layers = model.config.get_text_config().num_hidden_layers
             free = self.budget_tokens - self.reserved_tokens()
             share = pyramid_budgets(free, layers, self.pyramid_beta)[layer_idx] / free
-        return (HeadAdaptiveLayer if self.heads == "adaptive" else EvictionLayer)(self, layer_idx, share)
+        packed = self.heads == "adaptive" or self.layers == "global"  # global budgets differ per head
+        return (HeadAdaptiveLayer if packed else EvictionLayer)(self, layer_idx, share)
+
+    def before_compress(self, layers: list[KVLayer]) -> None:
+        """``layers="global"``: each layer's share of every row's budget (``global_shares``) from the
+        scores it will compress with."""
+        if self.layers != "global" or not layers:
+            return
+        counts = self.keep_counts(layers[0].prompt_tokens)
+        if counts is None:
+            return
+        scores = [layer.prompt_scores(*layer.deferred) for layer in layers]
+        for layer, share in zip(layers, global_shares(scores, layers[0].slot_validity(), counts - self.reserved_tokens())):
+            layer.share = share
 
 
 class EvictionLayer(KVLayer):
@@ -133,7 +189,10 @@ class EvictionLayer(KVLayer):
 
     def __init__(self, method: PromptMethod, layer_idx: int, share: float = 1.0) -> None:
         super().__init__(layer_idx)
-        self.method, self.share = method, share
+        self.method = method
+        self.share: float | torch.Tensor = share  # of the budget; per row [b] with layers="global"
+        self.observed: torch.Tensor | None = None  # what the method kept from its observation pass, until compress
+        self.rotary = None  # the model's rotary module for this layer, for methods that score with it
 
     def counts(self) -> tuple[torch.Tensor, int] | None:
         """Tokens each row keeps per KV head in this layer and the slots the batch needs for them (its
@@ -147,7 +206,7 @@ class EvictionLayer(KVLayer):
     def layer_counts(self, lengths: torch.Tensor) -> torch.Tensor | None:
         """``keep_counts`` for rows of ``lengths``, scaled by this layer's share of the budget."""
         counts = self.method.keep_counts(lengths)
-        if counts is None or self.share == 1.0:
+        if counts is None or (isinstance(self.share, float) and self.share == 1.0):
             return counts
         reserved = self.method.reserved_tokens()
         scaled = reserved + torch.ceil((counts - reserved).clamp(min=0).double() * self.share).long()
@@ -157,7 +216,14 @@ class EvictionLayer(KVLayer):
         return self.method.queries_needed()
 
     def prompt_scores(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
-        return self.method.scores(query, self.keys, self.slot_validity(), scaling, self.spans)
+        return self.method.layer_scores(self, query, scaling)
+
+    def observe(self, query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scaling: float) -> None:
+        self.observed = self.method.observe(self.observed, query, keys, valid, self.prefill_len, scaling)
+
+    def timed_compress(self, query: torch.Tensor, scaling: float) -> None:
+        super().timed_compress(query, scaling)
+        self.observed = None
 
     def compress(self, query: torch.Tensor, scaling: float) -> None:
         self.keep_top(lambda: self.prompt_scores(query, scaling))
@@ -179,6 +245,12 @@ class HeadAdaptiveLayer(EvictionLayer):
     def __init__(self, method: PromptMethod, layer_idx: int, share: float = 1.0) -> None:
         super().__init__(method, layer_idx, share)
         self.packed: PackedSlots | None = None
+
+    def counts(self) -> tuple[torch.Tensor, int] | None:
+        if isinstance(self.share, float):
+            return super().counts()
+        counts = self.layer_counts(self.prompt_tokens)  # shares of this group's rows: every row packs, whatever its count
+        return None if counts is None else (counts, int(counts.max()))
 
     def compress(self, query: torch.Tensor, scaling: float) -> None:
         kept = self.counts()

@@ -33,12 +33,10 @@ from typing import TYPE_CHECKING, Any, ClassVar, Iterable, NamedTuple
 
 import torch
 
-from ..cache import UnsupportedModelError
-from ..integration import layer_windows
 from ..ops import fused
-from ..rope import Rotary, apply_rope, check_rope, invert_rope, rope_cos_sin, rotary_for
+from ..rope import Rotary, apply_rope, invert_rope, rope_cos_sin, rotary_for
 from ..tensors import chunk_tokens, gather_tokens, prompt_positions
-from .base import InvalidParameterError, param
+from .base import InvalidParameterError, param, require_rope
 from .sparse import SparseDecodeLayer, SparseMethod
 
 if TYPE_CHECKING:
@@ -228,13 +226,9 @@ class ShadowKV(SparseMethod):
     local_chunks: int = param(4, "most recent prompt chunks kept dense", minimum=0)
 
     def check_model(self, model: PreTrainedModel) -> None:
+        require_rope(model, "ShadowKV")
         config = model.config.get_text_config()
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        for index, window in enumerate(layer_windows(model)):
-            if window is None:
-                problem = check_rope(model, index, head_dim)
-                if problem:
-                    raise UnsupportedModelError(f"ShadowKV needs rotary position embeddings it can invert, and {type(model).__name__}: {problem}")
         width = config.num_key_value_heads * head_dim
         if self.rank is not None and self.rank > width:
             raise InvalidParameterError(f"ShadowKV: rank={self.rank} exceeds kv_heads * head_dim = {width} of this model; valid: 1 to {width}")

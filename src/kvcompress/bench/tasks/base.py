@@ -30,7 +30,8 @@ class Turn:
 @dataclass
 class Sample:
     """One prompt: ``context`` then ``turns[0].question`` in one user message; later turns are
-    follow-up questions over the same cache. Scored per turn with ``metric``."""
+    follow-up questions over the same cache. Scored per turn with ``metric``. ``probes`` are
+    questions on the same context that only the question-agnostic track asks."""
 
     id: str
     task: str
@@ -41,6 +42,12 @@ class Sample:
     metric: str = "match_all"  # RULER's string-match-all; "f1" for bring-your-own datasets
     max_new_tokens: int = 24
     info: dict = field(default_factory=dict)  # haystack_start: characters of instructions before the haystack
+    probes: list[Turn] = field(default_factory=list)  # more questions on the context, for the question-agnostic track
+
+    def questions(self) -> list[Turn]:
+        """Every question the context answers, each asked on its own by the question-agnostic track
+        (RULER's multi-query: one compressed context, several questions)."""
+        return self.turns + self.probes
 
     def messages(self) -> list[dict[str, str]]:
         return [{"role": "user", "content": f"{self.context}\n\n{self.turns[0].question}"}]

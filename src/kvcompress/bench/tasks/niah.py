@@ -60,14 +60,16 @@ def niah_single(tokenizer: PreTrainedTokenizerBase, length: int, depth: float, s
 
 
 def niah_multikey(tokenizer: PreTrainedTokenizerBase, length: int, depth: float, seed: int, haystack: str = "prose") -> Sample:
-    """Four needles with different keys; one is asked (the others distract)."""
+    """Four needles with different keys; one is asked (the others distract; the question-agnostic
+    track asks for each of them)."""
     rng = random.Random(seed)
     keys = distinct_keys(rng, 4)
     values = [number(rng, 7) for _ in keys]
     depths = [depth] + [rng.random() for _ in keys[1:]]
     question = _ask(keys[0])
     context = fit_haystack(tokenizer, length, question, [(d, _needle(k, v)) for d, k, v in zip(depths, keys, values)], kind=haystack, seed=seed)
-    return Sample(f"niah_multikey-{length}-{depth:.2f}-{seed}", "niah_multikey", length, context, [Turn(question, [values[0]])], depth=depth)
+    probes = [Turn(_ask(k), [v]) for k, v in zip(keys[1:], values[1:])]
+    return Sample(f"niah_multikey-{length}-{depth:.2f}-{seed}", "niah_multikey", length, context, [Turn(question, [values[0]])], depth=depth, probes=probes)
 
 
 def niah_multivalue(tokenizer: PreTrainedTokenizerBase, length: int, depth: float, seed: int, haystack: str = "prose") -> Sample:

@@ -3,7 +3,8 @@ distractors, scored as RULER scores QA (any reference answer contained in the pr
 
 As in RULER, the answering documents come first, then distractors (the related paragraphs, then
 random ones from the pool) until the prompt reaches its length; the documents are shuffled, each
-rendered as ``Document {i}:\\n{text}``, between RULER's instructions."""
+rendered as ``Document {i}:\\n{text}``, between RULER's instructions. Up to ``PROBES`` other
+questions of the pool whose documents all made it into the context are kept as probes."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from ..haystack import token_len
 from ..ruler import questions
 from .base import Sample, Turn, prompt_tokens
 
+PROBES = 3  # other questions whose documents the context holds whole, asked by the question-agnostic track
 INSTRUCTION = "Answer the question based on the given documents. Only give me the answer and do not output any other words."
 
 
@@ -55,7 +57,10 @@ def qa(tokenizer: PreTrainedTokenizerBase, length: int, depth: float, seed: int,
         if -8 <= over <= 0 or keep == 0:
             break
         keep = max(0, keep - over - 4)
-    return Sample(f"{task}-{length}-{seed}", task, length, context, [Turn(question, list(chosen.answers))], metric="match_part", max_new_tokens=32)
+    held = set(picked)
+    others = [q for q in pool if q is not chosen and set(q.documents) <= held][:PROBES]
+    probes = [Turn(f"{INSTRUCTION}\n\nQuestion: {q.question} Answer:", list(q.answers)) for q in others]
+    return Sample(f"{task}-{length}-{seed}", task, length, context, [Turn(question, list(chosen.answers))], metric="match_part", max_new_tokens=32, probes=probes)
 
 
 def qa_squad(tokenizer: PreTrainedTokenizerBase, length: int, depth: float, seed: int) -> Sample:

@@ -1,0 +1,179 @@
+"""Question-agnostic scoring: KVzip (the context's own reconstruction as the observation queries) and
+expected attention (future queries modelled from the prompt's), each against a loop-by-loop
+reference written from its paper on a plain transformers model; and asking many questions of one
+compressed context."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import kvcompress as kvc
+from kvcompress.methods.kvzip import FIRST, LATER
+from kvcompress.methods.prompt import global_shares
+
+from .fixtures import char_tokenizer, random_text, tiny_model
+
+
+def reconstruction_reference(model, tok, text: str, chunk: int, overlap: int) -> list[torch.Tensor]:
+    """KVzip's scores per layer ``[kv_heads, prompt]``: for each chunk, the prompt, then the repeat
+    instruction (with the ``overlap`` tokens before the chunk) and the chunk, run through the plain
+    model with eager attention; a prompt position's score is the largest attention weight any
+    instruction or chunk token pays it, over the query heads of its KV head and over the chunks."""
+    prompt = tok(text)["input_ids"]
+    n = len(prompt)
+    group = model.config.num_attention_heads // model.config.num_key_value_heads
+    best = None
+    for start in range(0, n, chunk):
+        instruction = FIRST if start == 0 else LATER
+        lead = tok("\n" + instruction, add_special_tokens=False)["input_ids"] + prompt[max(0, start - overlap) : start]
+        ids = torch.tensor([prompt + lead + prompt[start : start + chunk]])
+        with torch.no_grad():
+            attentions = model(ids, output_attentions=True).attentions
+        scores = []
+        for weights in attentions:  # [1, q_heads, total, total]
+            per_head = weights[0, :, n:, :n].amax(dim=1)  # [q_heads, prompt]: over the reconstruction's queries
+            scores.append(torch.stack([per_head[h * group : (h + 1) * group].amax(dim=0) for h in range(per_head.shape[0] // group)]))
+        best = scores if best is None else [torch.maximum(a, b) for a, b in zip(best, scores)]
+    return best
+
+
+def top_positions(scores: torch.Tensor, budget: int) -> list[list[int]]:
+    return [sorted(head.topk(budget).indices.tolist()) for head in scores]
+
+
+@pytest.mark.parametrize("chunk", [1000, 70])
+def test_kvzip_keeps_what_the_reconstruction_attends_most(chunk):
+    model = tiny_model(num_hidden_layers=3, attn_implementation="eager")
+    tok = char_tokenizer()
+    text = random_text(200, seed=5)
+    method = kvc.KVzip(budget=48, chunk=chunk, overlap=6, clustering="none")
+    cache = kvc.compress(model, tok, text, method=method).cache
+    for layer, scores in enumerate(reconstruction_reference(model, tok, text, chunk, 6)):
+        assert cache.kept_positions(layer)[0].tolist() == top_positions(scores, 48), f"layer {layer}"
+
+
+def rotation(position: int, inv_freq: torch.Tensor) -> torch.Tensor:
+    """RoPE at ``position`` as a ``d x d`` matrix (rotate-half layout: dimension i turns with i + d/2)."""
+    half = inv_freq.shape[0]
+    matrix = torch.zeros(2 * half, 2 * half, dtype=torch.float64)
+    for i in range(half):
+        angle = position * float(inv_freq[i])
+        matrix[i, i] = matrix[i + half, i + half] = math.cos(angle)
+        matrix[i, i + half], matrix[i + half, i] = -math.sin(angle), math.sin(angle)
+    return matrix
+
+
+def expected_reference(model, ids: torch.Tensor, future: int, sinks: int) -> list[torch.Tensor]:
+    """Expected attention per layer ``[kv_heads, prompt]`` (+inf on the sinks): per query head, the
+    mean and covariance of the prompt's queries before RoPE (sinks left out), moved by the average of
+    the next ``future`` positions' rotation matrices; each key's ``exp(s mu.k + s^2 k'Sk / 2)``
+    normalised over the non-sink keys, averaged over the KV head's query heads, times the value norm."""
+    pre_rope = {}
+
+    def hook(module, args, kwargs, output):
+        hidden = kwargs["hidden_states"]
+        pre_rope[module.layer_idx] = module.q_proj(hidden).view(*hidden.shape[:-1], -1, module.head_dim)[0].transpose(0, 1).double()
+
+    handles = [layer.self_attn.register_forward_hook(hook, with_kwargs=True) for layer in model.model.layers]
+    full = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids, past_key_values=full)
+    for handle in handles:
+        handle.remove()
+    n = ids.shape[1]
+    inv_freq = model.model.rotary_emb.inv_freq
+    ahead = sum(rotation(n + i, inv_freq) for i in range(future)) / future
+    scaling = model.config.head_dim**-0.5
+    group = model.config.num_attention_heads // model.config.num_key_value_heads
+    result = []
+    for layer, queries in sorted(pre_rope.items()):
+        keys, values = full.layers[layer].keys[0].double(), full.layers[layer].values[0].double()
+        scores = torch.full((keys.shape[0], n), math.inf, dtype=torch.float64)
+        for kv_head in range(keys.shape[0]):
+            weights = torch.zeros(n - sinks, dtype=torch.float64)
+            for head in range(kv_head * group, (kv_head + 1) * group):
+                counted = queries[head, sinks:]
+                mean = counted.mean(dim=0)
+                cov = sum(torch.outer(q - mean, q - mean) for q in counted) / counted.shape[0]
+                mean, cov = ahead @ mean, ahead @ cov @ ahead.T
+                exponent = torch.tensor([scaling * mean @ k + scaling**2 / 2 * k @ cov @ k for k in keys[kv_head, sinks:]])
+                weights += exponent.softmax(dim=0) / group
+            scores[kv_head, sinks:] = weights * values[kv_head, sinks:].norm(dim=-1)
+        result.append(scores)
+    return result
+
+
+def test_expected_attention_keeps_what_modelled_future_queries_attend_most():
+    model, tok = tiny_model(num_hidden_layers=3), char_tokenizer()
+    text = random_text(180, seed=6)
+    method = kvc.ExpectedAttention(budget=40, future=32, sinks=4, clustering="none")
+    cache = kvc.compress(model, tok, text, method=method).cache
+    ids = torch.tensor([tok(text)["input_ids"]])
+    for layer, scores in enumerate(expected_reference(model, ids, 32, 4)):
+        assert cache.kept_positions(layer)[0].tolist() == top_positions(scores, 40), f"layer {layer}"
+
+
+@pytest.mark.parametrize("method", [kvc.KVzip(budget=64, chunk=90), kvc.ExpectedAttention(budget=64)], ids=lambda m: m.name)
+def test_one_context_asked_many_questions_each_on_its_own_copy(method):
+    model, tok = tiny_model(), char_tokenizer()
+    document = [{"role": "user", "content": random_text(400, seed=7)}]
+    context = kvc.compress(model, tok, document, method=method)
+    kept = [layer.keys.clone() for layer in context.cache.layers]
+    answers = [kvc.generate(model, tok, question, past=context.copy(), max_new_tokens=6) for question in ("first?", "second one?")]
+    assert [layer.keys for layer in context.cache.layers] != [] and all(torch.equal(a.keys, b) for a, b in zip(context.cache.layers, kept))
+    for question, answer in zip(("first?", "second one?"), answers):
+        asked = kvc.generate(model, tok, document, question=question, method=method, max_new_tokens=6)
+        assert answer.token_ids == asked.token_ids  # each copy answers as if the context had been compressed for it alone
+
+
+def test_the_observation_pass_is_timed_and_needs_a_tokenizer():
+    model, tok = tiny_model(), char_tokenizer()
+    result = kvc.compress(model, tok, random_text(300, seed=8), method=kvc.KVzip(budget=32))
+    assert 0 < result.stats["compress_s"] <= result.stats["prefill_s"]
+    cache = kvc.KVzip(budget=32, clustering="none").make_cache(model)
+    with pytest.raises(ValueError, match="KVzip scores from the prompt's reconstruction, which did not run"), torch.no_grad():
+        model(torch.tensor([tok(random_text(300, seed=8))["input_ids"]]), past_key_values=cache)
+        cache.end_observation(0.0)
+
+
+def test_global_shares_rank_every_layer_together():
+    """Against a sort of every (score, layer, head, position) of a row, ties to the lower layer, head, position."""
+    generator = torch.Generator().manual_seed(4)
+    scores = [torch.randint(0, 6, (2, 3, 10), generator=generator).float() for _ in range(4)]  # many ties
+    scores[1][0, 2, 3] = math.inf  # pinned: stays out of the ranking
+    valid = torch.ones(2, 10, dtype=torch.bool)
+    valid[1, :4] = False  # a padded row
+    free = torch.tensor([2, 3])
+    shares = global_shares(scores, valid, free)
+    for row in range(2):
+        entries = sorted(
+            (-float(scores[layer][row, head, pos]), layer, head, pos)
+            for layer in range(4) for head in range(3) for pos in range(10) if valid[row, pos] and scores[layer][row, head, pos] != math.inf
+        )
+        winners = [layer for _, layer, _, _ in entries[: 4 * 3 * int(free[row])]]
+        assert [float(share[row]) for share in shares] == [winners.count(layer) * 4 / len(winners) for layer in range(4)]
+
+
+def test_a_global_budget_keeps_the_uniform_total_spread_over_the_layers():
+    model, tok = tiny_model(num_hidden_layers=4), char_tokenizer()
+    text = random_text(300, seed=9)
+    cache = kvc.compress(model, tok, text, method=kvc.KVzip(budget=40, layers="global", head_floor=0.0)).cache
+    kept = [int((cache.kept_positions(layer)[0] >= 0).sum()) for layer in range(4)]
+    assert len(set(kept)) > 1  # layers keep different numbers of tokens
+    assert 4 * 2 * 40 <= sum(kept) <= 4 * 2 * 40 + 4 * 2  # the uniform total, up to rounding each layer's share up
+    with pytest.raises(kvc.InvalidParameterError, match="ExpectedAttention: layers='global' ranks every layer's scores together"):
+        kvc.ExpectedAttention(layers="global")
+
+
+def test_a_model_called_directly_cannot_skip_the_observation_pass():
+    model, tok = tiny_model(), char_tokenizer()
+    cache = kvc.KVzip(budget=32).make_cache(model, tok)
+    ids = torch.tensor([tok(random_text(200, seed=10))["input_ids"]])
+    with torch.no_grad():
+        model(ids, past_key_values=cache)
+        with pytest.raises(kvc.CacheMisuseError, match="compresses the prompt after an observation pass .* kvcompress.generate and kvcompress.compress run it"):
+            model(ids[:, -1:], past_key_values=cache)
