@@ -58,17 +58,21 @@ def _render(tokenizer: PreTrainedTokenizerBase, messages: Messages) -> str:
 QUESTION_MARK = "⟦kvcompress question⟧"  # stands for a question not asked yet, where the chat template puts it
 
 
-def _first_turn(tokenizer: PreTrainedTokenizerBase, prompt: Prompt, question: str | None) -> tuple[Row, list[list[int]]]:
-    """Token chunks for a new conversation: ``[prompt]``, or ``[context, question]`` (the context
-    compressed without the question, which is then appended: see ``_context_turn`` and ``_ask``)."""
+def _first_turn(tokenizer: PreTrainedTokenizerBase, prompt: Prompt, question: str | None) -> tuple[Row, list[list[int]], Row]:
+    """A new conversation, its token chunks (``[prompt]``, or ``[context, question]``: the context
+    compressed without the question, which is then appended, see ``_context_turn`` and ``_ask``), and
+    the row as its first chunk leaves it (what introduces an observation pass: ``chat_leads``)."""
     if question is not None:
         row, context = _context_turn(tokenizer, prompt)
-        return row, [context, _ask(tokenizer, row, question)]
+        opened = copy.deepcopy(row)
+        return row, [context, _ask(tokenizer, row, question)], opened
     if isinstance(prompt, str):
-        return Row(chat=False, transcript=prompt), [tokenizer(prompt, add_special_tokens=True)["input_ids"]]
+        row = Row(chat=False, transcript=prompt)
+        return row, [tokenizer(prompt, add_special_tokens=True)["input_ids"]], row
     messages = [dict(m) for m in prompt]
     text = _render(tokenizer, messages)
-    return Row(chat=True, messages=messages, transcript=text), [tokenizer(text, add_special_tokens=False)["input_ids"]]
+    row = Row(chat=True, messages=messages, transcript=text)
+    return row, [tokenizer(text, add_special_tokens=False)["input_ids"]], row
 
 
 def _context_turn(tokenizer: PreTrainedTokenizerBase, prompt: Prompt) -> tuple[Row, list[int]]:
@@ -244,13 +248,16 @@ class Prefill:
     prompts: list[list[int]]  # each row's prompt tokens (for a method's observation pass)
 
 
-def _new_rows(tokenizer: PreTrainedTokenizerBase, prompt: Prompt | list[Prompt], question: str | list[str] | None) -> tuple[list[Row], list[list[list[int]]], bool]:
+def _new_rows(
+    tokenizer: PreTrainedTokenizerBase, prompt: Prompt | list[Prompt], question: str | list[str] | None
+) -> tuple[list[Row], list[list[list[int]]], bool, list[Row]]:
+    """Rows, token chunks, whether a batch, and each row as its first chunk leaves it (``_first_turn``)."""
     prompts, is_batch = _as_rows(prompt)
     turns = [_first_turn(tokenizer, p, q) for p, q in zip(prompts, _per_row(question, len(prompts), "question"))]
-    for i, (_, chunks) in enumerate(turns):
+    for i, (_, chunks, _) in enumerate(turns):
         if not chunks[0]:
             raise InvalidParameterError(f"prompt {i} is empty: it has no tokens (give some text, or use the chat template)")
-    return [t[0] for t in turns], [t[1] for t in turns], is_batch
+    return [t[0] for t in turns], [t[1] for t in turns], is_batch, [t[2] for t in turns]
 
 
 def _feed_chunks(feeder: _Feeder, chunk_lists: list[list[list[int]]], logits: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -302,7 +309,7 @@ def prefill(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompt: 
     """Prefill ``prompt`` once (full cache), keeping the last ``query_window`` queries per layer
     (None: all, as H2O needs), so several methods can be compared on it without prefilling again
     (``generate(prefill=...)``). It must cover every method's ``queries_needed()``."""
-    rows, chunk_lists, is_batch = _new_rows(tokenizer, prompt, None)
+    rows, chunk_lists, is_batch, _ = _new_rows(tokenizer, prompt, None)
     _check_lengths(model, [len(chunks[0]) for chunks in chunk_lists], 1)
     cache = FullKV().make_cache(model, tokenizer)
     cache.record_prefill(query_window)
@@ -352,6 +359,7 @@ class _Start:
     logits: torch.Tensor | None = None  # known already (a prefill record)
     prefill_s: float = 0.0  # spent before (a shared prefill)
     make_cache: Callable[[], KVCompressCache] | None = None
+    lead: Lead | None = None  # introduces the method's observation pass over a new prompt (chat_leads)
 
 
 def _resolve_method(method: Method | str | None) -> Method:
@@ -379,8 +387,11 @@ def _start(model, tokenizer, prompt, method, question, past, record) -> _Start:
     if prompt is None:
         raise InvalidParameterError("give a prompt (or prefill=, or past=)")
     resolved = _resolve_method(method)
-    rows, chunk_lists, is_batch = _new_rows(tokenizer, prompt, question)
-    return _Start(None, rows, is_batch, chunk_lists, *_empty_state(model, len(rows)), make_cache=lambda: resolved.make_cache(model, tokenizer))
+    rows, chunk_lists, is_batch, opened = _new_rows(tokenizer, prompt, question)
+    return _Start(
+        None, rows, is_batch, chunk_lists, *_empty_state(model, len(rows)), make_cache=lambda: resolved.make_cache(model, tokenizer),
+        lead=chat_leads(tokenizer, opened),
+    )
 
 
 @torch.inference_mode()
@@ -420,11 +431,7 @@ def generate(
     fed = [int(p) + sum(len(c) for c in chunks) for p, chunks in zip(begin.position.tolist(), begin.chunk_lists)] if begin.chunk_lists else begin.position.tolist()
     _check_lengths(model, fed, max_new_tokens)
     if begin.cache is None:  # a new prompt: prefilled in groups of rows when the batch is large
-        # an observation pass is introduced as the rows stood after their first chunk (a question comes after it)
-        prefilled = begin.rows if question is None else [_context_turn(tokenizer, p)[0] for p in _as_rows(prompt)[0]]
-        feeder, first = prefill_groups(
-            model, begin.make_cache, [chunks[0] for chunks in begin.chunk_lists], _pad_id(tokenizer), prefill_tokens, chat_leads(tokenizer, prefilled)
-        )
+        feeder, first = prefill_groups(model, begin.make_cache, [chunks[0] for chunks in begin.chunk_lists], _pad_id(tokenizer), prefill_tokens, begin.lead)
         logits = _feed_chunks(feeder, [chunks[1:] for chunks in begin.chunk_lists], first)
     else:
         feeder = _Feeder(model, begin.cache, begin.mask, begin.position, _pad_id(tokenizer))
