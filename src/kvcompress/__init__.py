@@ -3,47 +3,38 @@
     import kvcompress as kvc
     model, tokenizer = kvc.load_model()
     result = kvc.generate(model, tokenizer, prompt, method=kvc.SnapKV(budget=1024))
+
+The public names are imported on first use (PEP 562), so the command line starts by importing this
+package alone and can answer Ctrl-C during the heavy imports (torch, transformers) in one line.
 """
 
-from .cache import CacheMisuseError, KVCompressCache, UnsupportedModelError
-from .attention import sdpa_choices
-from .decode import Compile
-from .generation import Prefill, PromptTooLongError, compress, generate, prefill, teacher_forced_logprobs
-from .result import Result, load
-from .saved import CacheFileError
-from .methods import H2O, KVzip, METHODS, ExpectedAttention, FullKV, InvalidParameterError, Loki, Method, Quest, ShadowKV, SnapKV, StreamingLLM, method_from_name, method_from_spec, register_method
-from .models import ModelNotAvailableError, load_model
+from __future__ import annotations
 
-__all__ = [
-    "CacheFileError",
-    "CacheMisuseError",
-    "Compile",
-    "ExpectedAttention",
-    "FullKV",
-    "H2O",
-    "InvalidParameterError",
-    "KVCompressCache",
-    "KVzip",
-    "Loki",
-    "METHODS",
-    "Method",
-    "ModelNotAvailableError",
-    "Prefill",
-    "PromptTooLongError",
-    "Quest",
-    "Result",
-    "ShadowKV",
-    "SnapKV",
-    "StreamingLLM",
-    "UnsupportedModelError",
-    "compress",
-    "generate",
-    "load",
-    "load_model",
-    "prefill",
-    "teacher_forced_logprobs",
-    "method_from_name",
-    "method_from_spec",
-    "register_method",
-    "sdpa_choices",
-]
+import importlib
+from typing import Any
+
+_WHERE = {  # public name -> the module that defines it
+    **dict.fromkeys(("CacheMisuseError", "KVCompressCache", "UnsupportedModelError"), "cache"),
+    "sdpa_choices": "attention",
+    "Compile": "decode",
+    **dict.fromkeys(("Prefill", "PromptTooLongError", "compress", "generate", "prefill", "teacher_forced_logprobs"), "generation"),
+    **dict.fromkeys(("Result", "load"), "result"),
+    "CacheFileError": "saved",
+    **dict.fromkeys(("H2O", "KVzip", "METHODS", "ExpectedAttention", "FullKV", "InvalidParameterError", "Loki", "Method", "Quest", "ShadowKV",
+                     "SnapKV", "StreamingLLM", "method_from_name", "method_from_spec", "register_method"), "methods"),
+    **dict.fromkeys(("ModelNotAvailableError", "load_model"), "models"),
+}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module 'kvcompress' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_WHERE})

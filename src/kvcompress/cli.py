@@ -1,6 +1,9 @@
 """The ``kvcompress`` command line: a thin layer over the library.
 
     kvcompress generate --method snapkv --budget 1024 --prompt "..." [--json]
+    kvcompress compress --prompt-file doc.txt --out doc.kvc
+    kvcompress generate --past doc.kvc --prompt "question"
+    kvcompress methods
     kvcompress demo
     kvcompress bench accuracy --preset quick
     kvcompress bench speed --preset quick
@@ -12,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -21,7 +25,7 @@ from rich.table import Table
 
 from .cache import CacheMisuseError, UnsupportedModelError
 from .generation import PREFILL_TOKENS, PromptTooLongError, compress, generate
-from .result import load
+from .result import load, saved_method
 from .saved import CacheFileError
 from .methods import METHODS, FieldSpec, InvalidParameterError, Method, field_specs, method_class
 from .bench.accuracy import PRESETS as ACCURACY_PRESETS
@@ -67,34 +71,85 @@ def method_flag_owners() -> dict[str, list[tuple[str, FieldSpec]]]:
     return owners
 
 
-def add_method_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per method field (``--budget``, ``--window``, ...), typed and described by the fields."""
-    group = parser.add_argument_group("method settings (each applies to the methods named in brackets)")
+DEFAULT_METHODS = {"generate": "snapkv", "compress": "kvzip"}  # compress: the context alone, so a question-agnostic scorer
+
+
+def given_method(argv: list[str]) -> str | None:
+    """The ``--method`` named on a command line, if any (the parser's method flags follow it)."""
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre.add_argument("--method")
+    return pre.parse_known_args(argv)[0].method
+
+
+def add_method_flags(parser: argparse.ArgumentParser, command: str, chosen: str | None) -> None:
+    """One flag per field of the chosen method (``--budget``, ``--window``, ...), typed, ranged and
+    described by that method's field, its default shown. Other methods' fields are parsed too, out of
+    sight, so that ``method_from_args`` refuses them by name."""
+    shown = DEFAULT_METHODS[command] if chosen is None else chosen if chosen in METHODS else None
+    specs = {spec.name: spec for spec in field_specs(METHODS[shown])} if shown else {}
+    defaults = METHODS[shown]().settings() if shown else {}
+    note = f" (the default method; `kvcompress {command} --method NAME --help` shows another's)" if chosen is None else ""
+    group = parser.add_argument_group(f"settings of --method {shown}{note}" if shown else "method settings")
     for field, owners in method_flag_owners().items():
-        spec = owners[0][1]
-        if len({s.kind for _, s in owners}) > 1:
-            raise TypeError(f"methods {[n for n, _ in owners]} declare field {field!r} with different types")
-        helps = list(dict.fromkeys(s.help for _, s in owners))
-        names = ", ".join(n for n, _ in owners)
-        text = f"{helps[0]} [{names}]" if len(helps) == 1 else "; ".join(f"{n}: {s.help}" for n, s in owners)
+        spec = specs.get(field)
+        if spec is None:
+            hidden = {"default": None, "help": argparse.SUPPRESS}
+            if owners[0][1].kind is bool:
+                group.add_argument(owners[0][1].flag, action=argparse.BooleanOptionalAction, **hidden)
+            else:
+                group.add_argument(owners[0][1].flag, **hidden)
+            continue
+        default = defaults.get(field)
+        text = f"{spec.help}; {spec.valid()}" + (f" (default: {default})" if default is not None else "")
         options = {"default": None, "help": text.replace("%", "%%")}
         if spec.kind is bool:
             group.add_argument(spec.flag, action=argparse.BooleanOptionalAction, **options)
         else:
-            group.add_argument(spec.flag, type=spec.kind, choices=spec.choices, metavar=spec.kind.__name__.upper(), **options)
+            metavar = None if spec.choices else spec.kind.__name__.upper()
+            group.add_argument(spec.flag, type=spec.kind, choices=spec.choices, metavar=metavar, **options)
+
+
+def given_settings(args: argparse.Namespace) -> dict[str, object]:
+    """The method settings given on the command line, by field name."""
+    return {field: getattr(args, field) for field in method_flag_owners() if getattr(args, field, None) is not None}
 
 
 def method_from_args(name: str, args: argparse.Namespace) -> Method:
     """The method ``name`` with the flags given on the command line; a flag it does not take is refused."""
     cls = method_class(name)
     taken = {spec.name: spec for spec in field_specs(cls)}
-    given = {field: getattr(args, field) for field in method_flag_owners() if getattr(args, field, None) is not None}
+    given = given_settings(args)
     refused = [field for field in given if field not in taken]
     if refused:
         flags = ", ".join("--" + f.replace("_", "-") for f in refused)
         accepted = ", ".join(spec.flag for spec in taken.values()) or "no settings"
         raise InvalidParameterError(f"method {name!r} does not take {flags}; it takes: {accepted}")
     return cls(**given)
+
+
+def check_output(flag: str, path: str, force: bool, inputs: dict[str, str | None]) -> None:
+    """Before any work: ``path`` can be written, is none of the ``inputs`` (flag -> file) and, unless
+    ``force``, does not exist yet."""
+    target = Path(path)
+    for name, given in inputs.items():
+        if given is not None and Path(given).resolve() == target.resolve():
+            raise InvalidParameterError(f"{flag} {path} is the input file ({name}); write to another file")
+    if target.is_dir():
+        raise InvalidParameterError(f"{flag} {path} is a folder; give a file name")
+    folder = target.parent
+    if not folder.is_dir():
+        raise InvalidParameterError(f"{flag} {path}: the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise InvalidParameterError(f"{flag} {path}: the folder {folder} is not writable")
+    if target.exists() and not force:
+        raise InvalidParameterError(f"{flag} {path} exists; add --force to replace it")
+
+
+def _unwritten(path: str | None) -> str:
+    """What an interrupted command left of the file it was to write (``Result.save`` replaces a file whole)."""
+    if path is None:
+        return ""
+    return f"; {path} is unchanged" if Path(path).exists() else f"; nothing was written to {path}"
 
 
 def _read_prompt(path: str) -> str:
@@ -109,21 +164,55 @@ def _read_prompt(path: str) -> str:
 def _prompt_of(args: argparse.Namespace) -> str:
     if (args.prompt is None) == (args.prompt_file is None):
         raise InvalidParameterError("give exactly one of --prompt TEXT or --prompt-file FILE")
-    return args.prompt if args.prompt is not None else _read_prompt(args.prompt_file)
+    text, source = (args.prompt, "--prompt") if args.prompt is not None else (_read_prompt(args.prompt_file), f"--prompt-file {args.prompt_file}")
+    if not text.strip():
+        raise InvalidParameterError(f"{source} is empty; give the text to {'compress' if args.command == 'compress' else 'answer'}")
+    return text
+
+
+def _question_of(args: argparse.Namespace) -> str | None:
+    if args.question is not None and not args.question.strip():
+        raise InvalidParameterError("--question is empty; give the question, or leave --question out")
+    return args.question
+
+
+def _past_question(args: argparse.Namespace) -> str:
+    """With ``--past``: the question asked of the saved context (``--prompt``/``--prompt-file``, or ``--question``)."""
+    if args.question is not None and (args.prompt is not None or args.prompt_file is not None):
+        raise InvalidParameterError("with --past, give the question once: --prompt (or --prompt-file) or --question, not both")
+    return _question_of(args) if args.question is not None else _prompt_of(args)
+
+
+def _check_past_settings(args: argparse.Namespace) -> None:
+    """``--past FILE`` keeps the method FILE was compressed with: method flags that differ from it are refused."""
+    saved = saved_method(args.past)
+    given = given_settings(args)
+    if args.method is not None:
+        given = {"method": args.method, **given}
+    differ = {key: value for key, value in given.items() if (saved.name if key == "method" else getattr(saved, key, None)) != value}
+    if differ:
+        flags = " ".join(f"--{key.replace('_', '-')} {value}" for key, value in differ.items())
+        raise InvalidParameterError(f"{args.past} was compressed with {saved.describe()}, and --past keeps it: {flags} would not apply "
+                                    "(leave them out, or compress the document again with them)")
 
 
 def _cmd_generate(args: argparse.Namespace, console: Console) -> int:
-    prompt = _prompt_of(args)
-    model, tokenizer = load_model(args.model)
+    if args.save:
+        check_output("--save", args.save, args.force, {"--prompt-file": args.prompt_file, "--past": args.past})
     if args.past is not None:  # a saved compressed conversation, continued: its method is the one it was made with
+        question = _past_question(args)
+        _check_past_settings(args)
+        model, tokenizer = load_model(args.model)
         past = load(args.past, model, tokenizer)
         with contextlib.nullcontext() if args.json else console.status(f"answering over {args.past}"):
-            result = generate(model, tokenizer, prompt, past=past, max_new_tokens=args.max_new_tokens, compile=args.compile)
+            result = generate(model, tokenizer, question, past=past, max_new_tokens=args.max_new_tokens, compile=args.compile)
     else:
-        method = method_from_args(args.method, args)
+        prompt, question = _prompt_of(args), _question_of(args)
+        method = method_from_args(args.method or DEFAULT_METHODS["generate"], args)
+        model, tokenizer = load_model(args.model)
         messages = prompt if args.raw else [{"role": "user", "content": prompt}]
         with contextlib.nullcontext() if args.json else console.status(f"generating with {method.describe()}"):
-            result = generate(model, tokenizer, messages, method=method, max_new_tokens=args.max_new_tokens, question=args.question, compile=args.compile)
+            result = generate(model, tokenizer, messages, method=method, max_new_tokens=args.max_new_tokens, question=question, compile=args.compile)
     if args.save:
         result.save(args.save)
     if args.json:
@@ -135,16 +224,29 @@ def _cmd_generate(args: argparse.Namespace, console: Console) -> int:
 
 
 def _cmd_compress(args: argparse.Namespace, console: Console) -> int:
+    check_output("--out", args.out, args.force, {"--prompt-file": args.prompt_file})
     prompt = _prompt_of(args)
-    method = method_from_args(args.method, args)
+    method = method_from_args(args.method or DEFAULT_METHODS["compress"], args)
     model, tokenizer = load_model(args.model)
     with console.status(f"compressing with {method.describe()}"):
         result = compress(model, tokenizer, prompt if args.raw else [{"role": "user", "content": prompt}], method=method)
         result.save(args.out)
     stats = result.stats
     console.print(f"wrote {args.out}: {Path(args.out).stat().st_size / 2**20:.2f} MiB for {stats['prompt_tokens']} prompt tokens "
-                  f"({stats['device_bytes'] / 2**20:.2f} MiB on the device, {stats['offloaded_bytes'] / 2**20:.2f} MiB offloaded); "
-                  f"ask with: kvcompress generate --past {args.out} --prompt QUESTION")
+                  f"({stats['device_bytes'] / 2**20:.2f} MiB on the device, {stats['offloaded_bytes'] / 2**20:.2f} MiB offloaded; "
+                  f"compressed in {stats['compress_s']:.1f} s); ask with: kvcompress generate --past {args.out} --prompt QUESTION", soft_wrap=True)
+    return 0
+
+
+def _cmd_methods(args: argparse.Namespace, console: Console) -> int:
+    for name, cls in METHODS.items():
+        summary = " ".join((cls.__doc__ or "").strip().split("\n\n")[0].split()).replace("``", "")
+        table = Table("flag", "default", "valid", "what it sets", title=f"{name}: {summary}", title_justify="left")
+        defaults = cls().settings()
+        for spec in field_specs(cls):
+            default = defaults.get(spec.name)
+            table.add_row(spec.flag, "-" if default is None else str(default), spec.valid(), spec.help)
+        console.print(table if table.rows else f"{name}: {summary} (no settings)")
     return 0
 
 
@@ -167,7 +269,7 @@ def _cmd_demo(args: argparse.Namespace, console: Console) -> int:
             depth=args.depth,
             on_start=lambda m: status.update(f"running {m.describe()} ({methods.index(m) + 1}/{len(methods)})"),
         )
-    table = Table("method", "answer ends", "correct", "KV/head", "KV held", "of full", "prefill s", "ms/token", title="kvcompress demo")
+    table = Table("method", "answer ends", "correct", "KV/head", "KV kept", "of full", "on device", "prefill s", "ms/token", title="kvcompress demo")
     for row in rows:
         s = row.stats
         table.add_row(
@@ -175,13 +277,15 @@ def _cmd_demo(args: argparse.Namespace, console: Console) -> int:
             row.answer[-24:],
             "yes" if row.correct else "no",
             str(max(s["kv_tokens_per_layer"])),
+            _mib(s["kv_bytes_kept"]),
+            f"{100 * s['kv_kept_fraction']:.1f}%",
             _mib(s["device_bytes"]),
-            f"{100 * s['device_fraction']:.1f}%",
             f"{s['prefill_s']:.2f}",
             _ms(s["decode_ms_per_token"]),
         )
     console.print(table)
-    console.print(f"prompt: {rows[0].stats['prompt_tokens']} tokens; full KV cache {_mib(rows[0].stats['kv_bytes_full'])}")
+    console.print(f"prompt: {rows[0].stats['prompt_tokens']} tokens; full KV cache {_mib(rows[0].stats['kv_bytes_full'])}; "
+                  "on device: kept tokens plus room for the tokens to generate and each method's index")
     if args.json:
         Path(args.json).write_text(json.dumps([vars(r) for r in rows], indent=2))
     return 0
@@ -231,14 +335,14 @@ def _cmd_bench_accuracy(args: argparse.Namespace, console: Console) -> int:
     console.print(f"accuracy: tasks={preset['tasks']} methods={preset['methods']} budgets={preset['budgets']} "
                   f"lengths={preset['lengths']} samples={preset['samples']} seed={args.seed}"
                   f"{' question-agnostic' if args.question_agnostic else ''} -> {out}")
-    rows = run_accuracy(model, tokenizer, preset["tasks"], preset["methods"], preset["budgets"], preset["lengths"], out, depths=preset["depths"],
+    rows, written = run_accuracy(model, tokenizer, preset["tasks"], preset["methods"], preset["budgets"], preset["lengths"], out, depths=preset["depths"],
                         samples=preset["samples"], seed=args.seed, dataset=dataset, haystack=args.haystack, question_agnostic=args.question_agnostic)
     table = Table("task", "method", "budget", "n", "score", "retained", "top-1 agr.", "KL", "KV kept", "device", title="accuracy summary")
     for row in rows:
         table.add_row(row["task"], row["label"], _fmt(row["budget"]), str(row["samples"]), _fmt(row["score"]), _fmt(row["retained"]),
                       _fmt(row["top1_agreement"]), _fmt(row["kl"]), f"{row['kv_kept_fraction']:.1%}", f"{row['device_fraction']:.1%}")
     console.print(table)
-    console.print(f"wrote {out}/results.jsonl, summary.csv, niah_heatmaps.png, score_vs_budget.png")
+    console.print(f"wrote {out}/{', '.join(written)}", soft_wrap=True)
     return 0
 
 
@@ -292,7 +396,7 @@ def _cmd_bench_speed(args: argparse.Namespace, console: Console) -> int:
                           f"chunk hit rate {_fmt(r['chunk_hit_rate'])}")
     for limit in report.get("limits", []):
         console.print(f"{limit['method']}: {limit['kind']} = {limit['value']} ({len(limit['tried'])} runs tried)")
-    console.print(f"wrote {args.out}/speed.json, speed.csv, decode_latency.png, throughput.png, peak_memory.png")
+    console.print(f"wrote {args.out}/speed.json, speed.csv, decode_latency.png, throughput.png, peak_memory.png", soft_wrap=True)
     return 0
 
 
@@ -306,45 +410,82 @@ def _cmd_fetch_data(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvcompress", description="KV-cache compression for transformers models")
-    sub = parser.add_subparsers(dest="command", required=True)
+class _Parser(argparse.ArgumentParser):
+    """A parser whose errors are one line (the usage is one ``--help`` away)."""
 
-    gen = sub.add_parser("generate", help="answer a prompt with a compressed KV cache")
-    gen.add_argument("--method", default="snapkv", help=f"one of: {', '.join(METHODS)} (default snapkv)")
-    gen.add_argument("--model", help="model path or name (default: the embedded SmolLM2-135M-Instruct)")
-    gen.add_argument("--prompt", help="the prompt text (sent as a user chat message)")
-    gen.add_argument("--prompt-file", help="read the prompt from this file")
-    gen.add_argument("--question", help="compress the prompt without this question, then ask it (question-agnostic)")
-    gen.add_argument("--raw", action="store_true", help="feed the prompt as raw text, without the chat template")
-    gen.add_argument("--max-new-tokens", type=int, default=64)
+    def error(self, message: str) -> None:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Help texts with each option's default, where it has one."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.option_strings and "%(default)" not in text and "(default" not in text and action.default not in (None, False, argparse.SUPPRESS):
+            text += " (default: %(default)s)"
+        return text
+
+
+def _command(sub: argparse._SubParsersAction, name: str, text: str) -> argparse.ArgumentParser:
+    return sub.add_parser(name, help=text, description=text, formatter_class=_HelpFormatter, allow_abbrev=False)
+
+
+def _resumable(args: argparse.Namespace) -> str:
+    return f"; results so far are in {args.out} and rerunning the same command resumes"
+
+
+def _prompt_flags(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument("--model", help="model folder or name (default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--prompt", help=f"the {what} text (sent as a user chat message)")
+    parser.add_argument("--prompt-file", help=f"read the {what} from this file (UTF-8)")
+    parser.add_argument("--raw", action="store_true", help=f"feed the {what} as raw text, without the chat template")
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The command line; ``generate`` and ``compress`` show the flags of the method ``argv`` names."""
+    chosen = given_method(sys.argv[1:] if argv is None else argv)
+    parser = _Parser(prog="kvcompress", description="KV-cache compression for transformers models", allow_abbrev=False)
+    sub = parser.add_subparsers(dest="command", required=True)
+    names = ", ".join(METHODS)
+
+    gen = _command(sub, "generate", "answer a prompt with a compressed KV cache")
+    gen.add_argument("--method", help=f"one of: {names} (default {DEFAULT_METHODS['generate']}; `kvcompress methods` lists them)")
+    _prompt_flags(gen, "prompt")
+    gen.add_argument("--question", help="compress the prompt without this question, then ask it (question-agnostic); "
+                     "with --past, the question asked of the saved context")
+    gen.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most")
     gen.add_argument("--json", action="store_true", help="print one JSON object with text and stats")
     gen.add_argument("--compile", action="store_true", help="decode with one compiled graph per step (torch.compile; a CUDA graph on a GPU)")
-    gen.add_argument("--past", help="continue a conversation saved by `kvcompress compress` or --save (the prompt is the next question)")
+    gen.add_argument("--past", help="continue a conversation saved by `kvcompress compress` or --save, with the method it was saved with "
+                     "(--prompt is the next question)")
     gen.add_argument("--save", help="write the conversation and its compressed cache to this file")
-    add_method_flags(gen)
-    gen.set_defaults(run=_cmd_generate)
+    gen.add_argument("--force", action="store_true", help="let --save replace an existing file")
+    add_method_flags(gen, "generate", chosen)
+    gen.set_defaults(run=_cmd_generate, interrupted=lambda args: _unwritten(args.save))
 
-    comp = sub.add_parser("compress", help="compress a document once, with no question, and save it (ask later with generate --past)")
-    comp.add_argument("--method", default="snapkv", help=f"one of: {', '.join(METHODS)} (default snapkv)")
-    comp.add_argument("--model", help="model path or name (default: the embedded SmolLM2-135M-Instruct)")
-    comp.add_argument("--prompt", help="the document text (sent as a user chat message)")
-    comp.add_argument("--prompt-file", help="read the document from this file")
-    comp.add_argument("--raw", action="store_true", help="feed the document as raw text, without the chat template")
-    comp.add_argument("--out", required=True, help="the file to write (safetensors)")
-    add_method_flags(comp)
-    comp.set_defaults(run=_cmd_compress)
+    comp = _command(sub, "compress", "compress a document once, with no question, and save it (ask later with generate --past)")
+    comp.add_argument("--method", help=f"one of: {names} (default {DEFAULT_METHODS['compress']}, a question-agnostic scorer: "
+                      "docs/accuracy.md compares them)")
+    _prompt_flags(comp, "document")
+    comp.add_argument("--out", required=True, help="the file to write (safetensors; it holds the document's text too)")
+    comp.add_argument("--force", action="store_true", help="let --out replace an existing file")
+    add_method_flags(comp, "compress", chosen)
+    comp.set_defaults(run=_cmd_compress, interrupted=lambda args: _unwritten(args.out))
 
-    demo = sub.add_parser("demo", help="buried-fact demo: full cache vs SnapKV vs StreamingLLM")
-    demo.add_argument("--model", help="model path or name (default: the embedded model)")
-    demo.add_argument("--budget", type=int, default=256)
+    methods = _command(sub, "methods", "list the methods, each with what it keeps and its settings (defaults and valid values)")
+    methods.set_defaults(run=_cmd_methods)
+
+    demo = _command(sub, "demo", "buried-fact demo: full cache vs SnapKV vs StreamingLLM")
+    demo.add_argument("--model", help="model folder or name (default: the embedded model)")
+    demo.add_argument("--budget", type=int, default=256, help="tokens kept per KV head")
     demo.add_argument("--tokens", type=int, default=2000, help="document length in tokens")
     demo.add_argument("--depth", type=float, default=0.5, help="where the fact sits, 0 (start) to 1 (end)")
     demo.add_argument("--json", metavar="FILE", help="also write the rows as JSON to FILE")
-    demo.set_defaults(run=_cmd_demo)
+    demo.set_defaults(run=_cmd_demo, interrupted=lambda args: _unwritten(args.json))
 
-    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
-    accuracy = bench.add_parser("accuracy", help="long-context accuracy matrix: tasks x methods x budgets x lengths")
+    bench = _command(sub, "bench", "benchmarks").add_subparsers(dest="bench", required=True)
+    accuracy = _command(bench, "accuracy", "long-context accuracy matrix: tasks x methods x budgets x lengths")
     accuracy.add_argument("--preset", choices=list(ACCURACY_PRESETS), help="a named matrix (default quick); flags below override it")
     accuracy.add_argument("--tasks", help=f"comma-separated: {', '.join(TASKS)}")
     accuracy.add_argument("--methods", help=f"comma-separated method specs name[:field=value...], e.g. full,snapkv,snapkv:window=16 ({', '.join(METHODS)})")
@@ -360,9 +501,9 @@ def build_parser() -> argparse.ArgumentParser:
     accuracy.add_argument("--question-agnostic", action="store_true", help="compress each context without its question, then ask every question "
                           "of the sample (its probes too) of its own copy (compress once, ask many)")
     accuracy.add_argument("--out", help="output folder (default runs/accuracy, or runs/accuracy-agnostic); rerunning with it resumes")
-    accuracy.set_defaults(run=_cmd_bench_accuracy)
+    accuracy.set_defaults(run=_cmd_bench_accuracy, interrupted=_resumable)
 
-    speed = bench.add_parser("speed", help="decode latency, throughput, memory, max context / batch")
+    speed = _command(bench, "speed", "decode latency, throughput, memory, max context / batch")
     speed.add_argument("--preset", choices=list(SPEED_PRESETS), help="quick: embedded-model shape on CPU, 1K-8K; gpu: llama-3.1-8b, 16K-128K, batch 1-8")
     speed.add_argument("--model", help="architecture preset (smollm2-135m, llama-3.1-8b, mistral-7b), a config file, 'embedded', or a model path")
     speed.add_argument("--methods", help=f"comma-separated method specs name[:field=value...], e.g. full,snapkv,shadowkv:rank=64 ({', '.join(METHODS)})")
@@ -383,26 +524,26 @@ def build_parser() -> argparse.ArgumentParser:
     speed.add_argument("--replicate", action="store_true", help="prefill one prompt and copy its compressed cache to every row of a batch "
                        "(the batch's decoding and memory at the cost of one prefill: batch searches at long prompts)")
     speed.add_argument("--out", default="runs/speed")
-    speed.set_defaults(run=_cmd_bench_speed)
+    speed.set_defaults(run=_cmd_bench_speed, interrupted=_resumable)
 
-    fetch = sub.add_parser("fetch-model", help="fetch and cache the embedded model (done automatically on first use)")
+    fetch = _command(sub, "fetch-model", "fetch and cache the embedded model (done automatically on first use)")
     fetch.set_defaults(run=_cmd_fetch_model)
-    data = sub.add_parser("fetch-data", help="fetch and cache RULER's data (essays haystack, qa_1, qa_2; done automatically on first use)")
+    data = _command(sub, "fetch-data", "fetch and cache RULER's data (essays haystack, qa_1, qa_2; done automatically on first use)")
     data.set_defaults(run=_cmd_fetch_data)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser(argv).parse_args(argv)
     console = Console() if sys.stdout.isatty() else Console(width=120)
     try:
         return args.run(args, console)
     except USER_ERRORS as err:
-        print(f"kvcompress: error: {err}", file=sys.stderr)
+        print(f"kvcompress: error: {str(err).removeprefix('kvcompress: ')}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        where = f"; results so far are in {args.out} and rerunning the same command resumes" if getattr(args, "out", None) else ""
-        print(f"kvcompress: interrupted{where}", file=sys.stderr)
+        said = getattr(args, "interrupted", None)
+        print(f"kvcompress: interrupted{said(args) if said else ''}", file=sys.stderr)
         return 130
 
 

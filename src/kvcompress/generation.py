@@ -16,7 +16,7 @@ from typing import Any, Callable, Union
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from .cache import KVCompressCache
+from .cache import CacheMisuseError, KVCompressCache
 from .decode import Compile, greedy_decode
 from .methods import FullKV, InvalidParameterError, Method, method_from_name
 from .result import Result, Row
@@ -43,6 +43,17 @@ def _as_rows(prompt: Prompt | list[Prompt]) -> tuple[list[Prompt], bool]:
     )
 
 
+def _prompt_rows(prompt: Prompt | list[Prompt]) -> tuple[list[Prompt], bool]:
+    """Each row's prompt and whether a batch (``_as_rows``); an empty prompt (no text of its own: a
+    chat template alone is no prompt) is refused."""
+    prompts, is_batch = _as_rows(prompt)
+    for i, row in enumerate(prompts):
+        text = row if isinstance(row, str) else "".join(str(m.get("content") or "") for m in row)
+        if not text.strip():
+            raise InvalidParameterError(f"prompt {i} is empty: it has no tokens of its own (give some text; a chat template alone is not a prompt)")
+    return prompts, is_batch
+
+
 def _per_row(value: str | list[str] | None, n: int, name: str) -> list[str | None]:
     if value is None or isinstance(value, str):
         return [value] * n
@@ -55,7 +66,10 @@ def _render(tokenizer: PreTrainedTokenizerBase, messages: Messages) -> str:
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
-QUESTION_MARK = "⟦kvcompress question⟧"  # stands for a question not asked yet, where the chat template puts it
+CHAT_SEPARATOR, RAW_SEPARATOR = "\n\n", "\n"  # what joins a context and its question (chat message / raw text)
+# Questions that begin as differently as questions can: the context's tokens are those every joined
+# prompt starts with (a byte-level BPE ends "doc.\n\n" with one "\n\n" token but splits it before a word).
+PROBES = ("Q", "1", "?", " q", "\n", "\u00e9")
 
 
 def _first_turn(tokenizer: PreTrainedTokenizerBase, prompt: Prompt, question: str | None) -> tuple[Row, list[list[int]], Row]:
@@ -75,28 +89,51 @@ def _first_turn(tokenizer: PreTrainedTokenizerBase, prompt: Prompt, question: st
     return row, [tokenizer(text, add_special_tokens=False)["input_ids"]], row
 
 
+def _joined_ids(tokenizer: PreTrainedTokenizerBase, row: Row, question: str | None) -> tuple[list[int], str]:
+    """Tokens of the prompt an open turn becomes with ``question`` (as ``generate`` would tokenize
+    that prompt whole; None: the context alone, no separator), and its text."""
+    tail = "" if question is None else (CHAT_SEPARATOR if row.chat else RAW_SEPARATOR) + question
+    if not row.chat:
+        text = row.transcript + tail
+        return tokenizer(text, add_special_tokens=True)["input_ids"], text
+    messages = [*row.messages[:-1], {**row.messages[-1], "content": row.messages[-1]["content"] + tail}]
+    text = _render(tokenizer, messages)
+    return tokenizer(text, add_special_tokens=False)["input_ids"], text
+
+
+def _context_ids(tokenizer: PreTrainedTokenizerBase, row: Row) -> list[int]:
+    """The tokens of an open turn's context: the longest prefix that the context alone and its joined
+    prompts with very different questions (``PROBES``) share. So the separator goes with the question,
+    whose tokens are what follows in the joined prompt: asking gives the question-aware prompt's tokens."""
+    probes = [_joined_ids(tokenizer, row, probe)[0] for probe in (None, *PROBES)]
+    shared = 0
+    while all(len(p) > shared and p[shared] == probes[0][shared] for p in probes):
+        shared += 1
+    return probes[0][:shared]
+
+
 def _context_turn(tokenizer: PreTrainedTokenizerBase, prompt: Prompt) -> tuple[Row, list[int]]:
-    """A context whose question comes later: a raw text, or the chat rendered up to where the
-    question will be appended to the last user message (the turn stays open)."""
-    if isinstance(prompt, str):
-        return Row(chat=False, transcript=prompt, open_turn=True), tokenizer(prompt, add_special_tokens=True)["input_ids"]
-    messages = [dict(m) for m in prompt]
-    marked = [*messages[:-1], {**messages[-1], "content": messages[-1]["content"] + "\n\n" + QUESTION_MARK}]
-    text = _render(tokenizer, marked)
-    context = text[: text.rfind(QUESTION_MARK)]
-    return Row(chat=True, messages=messages, transcript=context, open_turn=True), tokenizer(context, add_special_tokens=False)["input_ids"]
+    """A context whose question comes later: a raw text, or a chat whose last user message the
+    question will be appended to (the turn stays open); its tokens (``_context_ids``)."""
+    row = Row(chat=False, transcript=prompt, open_turn=True) if isinstance(prompt, str) else Row(chat=True, messages=[dict(m) for m in prompt], open_turn=True)
+    context = _context_ids(tokenizer, row)
+    if row.chat:
+        row.transcript = tokenizer.decode(context)
+    return row, context
 
 
 def _ask(tokenizer: PreTrainedTokenizerBase, row: Row, question: str) -> list[int]:
-    """Tokens that close an open turn with its question (and, for a chat, the assistant's prompt)."""
+    """Tokens that close an open turn with its question (and, for a chat, the assistant's prompt):
+    what follows the context's tokens in the joined prompt's own tokens."""
+    context = _context_ids(tokenizer, row)
+    ids, text = _joined_ids(tokenizer, row, question)
+    if ids[: len(context)] != context:
+        raise ValueError(f"question {question[:40]!r} changes how this tokenizer splits the end of its context; put text before it")
     row.open_turn = False
-    if not row.chat:
-        row.transcript += "\n" + question
-        return tokenizer("\n" + question, add_special_tokens=False)["input_ids"]
-    row.messages[-1]["content"] += "\n\n" + question
-    text = _render(tokenizer, row.messages)
     row.transcript = text
-    return tokenizer(text[text.rfind(question) :], add_special_tokens=False)["input_ids"]
+    if row.chat:
+        row.messages[-1]["content"] += CHAT_SEPARATOR + question
+    return ids[len(context) :]
 
 
 def _follow_up(tokenizer: PreTrainedTokenizerBase, row: Row, prompt: str) -> list[int]:
@@ -252,11 +289,8 @@ def _new_rows(
     tokenizer: PreTrainedTokenizerBase, prompt: Prompt | list[Prompt], question: str | list[str] | None
 ) -> tuple[list[Row], list[list[list[int]]], bool, list[Row]]:
     """Rows, token chunks, whether a batch, and each row as its first chunk leaves it (``_first_turn``)."""
-    prompts, is_batch = _as_rows(prompt)
+    prompts, is_batch = _prompt_rows(prompt)
     turns = [_first_turn(tokenizer, p, q) for p, q in zip(prompts, _per_row(question, len(prompts), "question"))]
-    for i, (_, chunks, _) in enumerate(turns):
-        if not chunks[0]:
-            raise InvalidParameterError(f"prompt {i} is empty: it has no tokens (give some text, or use the chat template)")
     return [t[0] for t in turns], [t[1] for t in turns], is_batch, [t[2] for t in turns]
 
 
@@ -377,6 +411,11 @@ def _start(model, tokenizer, prompt, method, question, past, record) -> _Start:
     if past is not None:
         if method is not None:
             raise InvalidParameterError("method must be None when continuing a conversation (past=...): the cache keeps its method")
+        if past.cache.get_seq_length() != past.attention_mask.shape[-1]:
+            raise CacheMisuseError(
+                "kvcompress: this conversation was already continued by another generate(past=...) call, which appended to its "
+                "cache; ask each question of its own copy (past=context.copy()), or continue the Result that call returned"
+            )
         chunk_lists = [[_follow_up(tokenizer, row, text)] for row, text in zip(past.rows, _per_row(prompt, len(past.rows), "prompt"))]
         return _Start(past.cache, past.rows, len(past.rows) > 1, chunk_lists, past.attention_mask, past.next_position)
     if record is not None:
@@ -477,7 +516,7 @@ def compress(
     past=result)``, asked of it or of copies saved with ``result.save(path)`` and ``load``. The cache
     is the one ``generate(prompt, question=...)`` compresses, so asking gives its tokens."""
     clock = time.perf_counter()
-    prompts, is_batch = _as_rows(prompt)
+    prompts, is_batch = _prompt_rows(prompt)
     turns = [_context_turn(tokenizer, p) for p in prompts]
     _check_lengths(model, [len(context) for _, context in turns], 1)
     resolved = _resolve_method(method)

@@ -84,6 +84,11 @@ def load_model(
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     path = str(fetch_default_model()) if name in (None, DEFAULT_MODEL) else name
     local = Path(path).expanduser()
+    if not local.exists() and path in ARCHITECTURES:
+        raise ModelNotAvailableError(
+            f"model={name!r} is a random-weight architecture preset, for timing only (bench speed --model); give a model "
+            f"folder, or leave the model out for the embedded SmolLM2-135M-Instruct ({DEFAULT_MODEL!r})"
+        )
     if not local.exists() and (local.is_absolute() or path.startswith((".", "~"))):
         raise ModelNotAvailableError(f"model={name!r}: no such directory (give a local model folder, or a name from_pretrained can load)")
     bars_were_on = hf_logging.is_progress_bar_enabled()

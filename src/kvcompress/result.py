@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -58,10 +59,14 @@ class Result:
 
     def save(self, path: str | Path) -> None:
         """Write this conversation and its cache to ``path`` (see the module docstring); the model is
-        the one the cache was made for."""
+        the one the cache was made for. An existing file is replaced whole (never left half
+        written); the file's mode follows the umask, as any new file's does."""
         model = self.cache.model()
         if model is None:
-            raise CacheFileError("kvcompress: the model this cache was made for is gone; save while it is loaded")
+            raise CacheFileError("the model this cache was made for is gone; save while it is loaded")
+        target = Path(path)
+        if not target.parent.is_dir():
+            raise FileNotFoundError(f"cannot save to {target}: the folder {target.parent} does not exist")
         tensors, layers = cache_state(self.cache)
         tensors["conversation.attention_mask"] = self.attention_mask.bool().cpu()  # one byte per token fed
         tensors["conversation.next_position"] = self.next_position.cpu()
@@ -70,9 +75,15 @@ class Result:
             "format": FORMAT, "version": VERSION, "model": model_fingerprint(model),
             "method": {"name": method.name, "fields": {spec.name: getattr(method, spec.name) for spec in field_specs(type(method))}},
             "layers": layers, "rows": [asdict(row) for row in self.rows], "text": self.text, "token_ids": self.token_ids,
-            "stats": self.stats, "embeds_itself": self.cache.embeds_itself,
+            "stats": self.stats, "embeds_itself": self.cache.embeds_itself, "observe_s": self.cache.observe_s,
         }
-        save_file(tensors, str(path), metadata={FORMAT: to_json(meta)})
+        staging = target.with_name(f".{target.name}.{os.getpid()}.partial")
+        try:
+            save_file(tensors, str(staging), metadata={FORMAT: to_json(meta)})
+            os.chmod(staging, 0o666 & ~_umask())
+            os.replace(staging, target)
+        finally:
+            staging.unlink(missing_ok=True)
 
     def copy(self) -> Result:
         """An independent copy of this conversation and its cache (what ``save`` then ``load`` would
@@ -80,10 +91,10 @@ class Result:
         none of the others."""
         model = self.cache.model()
         if model is None:
-            raise CacheFileError("kvcompress: the model this cache was made for is gone; copy while it is loaded")
+            raise CacheFileError("the model this cache was made for is gone; copy while it is loaded")
         tensors, layers = cache_state(self.cache)
         cache = _rebuilt(self.cache.method, model, self.cache.span_table, layers, {key: t.clone() for key, t in tensors.items()})
-        cache.embeds_itself, cache.timings = self.cache.embeds_itself, dict(self.cache.timings)
+        cache.embeds_itself, cache.timings, cache.observe_s = self.cache.embeds_itself, dict(self.cache.timings), self.cache.observe_s
         return Result(
             text=copy.deepcopy(self.text), stats=dict(self.stats), cache=cache, token_ids=copy.deepcopy(self.token_ids),
             rows=copy.deepcopy(self.rows), attention_mask=self.attention_mask.clone(), next_position=self.next_position.clone(),
@@ -97,26 +108,49 @@ def _rebuilt(method: Method, model: PreTrainedModel, tokenizer: PreTrainedTokeni
     return cache
 
 
-def load(path: str | Path, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None = None) -> Result:
-    """The conversation saved at ``path``, its cache rebuilt for ``model`` (which must be the model it
-    was saved from), ready to continue with ``generate(model, tokenizer, prompt, past=...)``."""
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def read_header(path: str | Path) -> dict[str, Any]:
+    """The metadata of a saved conversation (format, model fingerprint, method, conversation), read
+    without its tensors; ``CacheFileError`` when ``path`` is not a kvcompress cache file of this version."""
     try:
         with safe_open(str(path), framework="pt") as file:
             meta = json.loads((file.metadata() or {})[FORMAT])
-            tensors = {key: file.get_tensor(key) for key in file.keys()}
     except FileNotFoundError:
-        raise
+        raise FileNotFoundError(f"{path}: no such file") from None
     except Exception as error:  # noqa: BLE001 - a damaged file fails in many ways; each is this one error
-        raise CacheFileError(f"kvcompress: {path} is not a whole kvcompress cache file ({type(error).__name__}: {error})") from None
+        raise CacheFileError(f"{path} is not a whole kvcompress cache file ({type(error).__name__}: {error})") from None
     if meta.get("format") != FORMAT or meta.get("version") != VERSION:
-        raise CacheFileError(f"kvcompress: {path} is format {meta.get('format')!r} version {meta.get('version')!r}; this kvcompress reads {FORMAT!r} version {VERSION}")
-    if meta["model"] != model_fingerprint(model):
-        raise CacheFileError(f"kvcompress: {path} was saved from another model (fingerprint {meta['model']}, this {type(model).__name__}: {model_fingerprint(model)}); load it into the model it was made with")
+        raise CacheFileError(f"{path} is format {meta.get('format')!r} version {meta.get('version')!r}; this kvcompress reads {FORMAT!r} version {VERSION}")
     name = meta["method"]["name"]
     if name not in METHODS:
-        raise CacheFileError(f"kvcompress: {path} was made with method {name!r}, which is not registered here (register it with kvc.register_method first)")
-    cache = _rebuilt(METHODS[name](**meta["method"]["fields"]), model, tokenizer, meta["layers"], tensors)
-    cache.embeds_itself = meta["embeds_itself"]
+        raise CacheFileError(f"{path} was made with method {name!r}, which is not registered here (register it with kvc.register_method first)")
+    return meta
+
+
+def saved_method(path: str | Path) -> Method:
+    """The method (with its settings) that compressed the conversation saved at ``path``."""
+    meta = read_header(path)
+    return METHODS[meta["method"]["name"]](**meta["method"]["fields"])
+
+
+def load(path: str | Path, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None = None) -> Result:
+    """The conversation saved at ``path``, its cache rebuilt for ``model`` (which must be the model it
+    was saved from), ready to continue with ``generate(model, tokenizer, prompt, past=...)``."""
+    meta = read_header(path)
+    if meta["model"] != model_fingerprint(model):
+        raise CacheFileError(f"{path} was saved from another model (fingerprint {meta['model']}, this {type(model).__name__}: {model_fingerprint(model)}); load it into the model it was made with")
+    try:
+        with safe_open(str(path), framework="pt") as file:
+            tensors = {key: file.get_tensor(key) for key in file.keys()}
+    except Exception as error:  # noqa: BLE001 - as in read_header
+        raise CacheFileError(f"{path} is not a whole kvcompress cache file ({type(error).__name__}: {error})") from None
+    cache = _rebuilt(saved_method(path), model, tokenizer, meta["layers"], tensors)
+    cache.embeds_itself, cache.observe_s = meta["embeds_itself"], meta.get("observe_s", 0.0)
     cache.timings = {key: meta["stats"].get(key) for key in cache.timings}
     return Result(
         text=meta["text"], stats=meta["stats"], cache=cache, token_ids=meta["token_ids"], rows=[Row(**row) for row in meta["rows"]],

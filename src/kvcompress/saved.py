@@ -63,7 +63,7 @@ def take_apart(obj: Any, prefix: str, tensors: dict[str, torch.Tensor]) -> dict[
         elif plain(value):
             state[name] = {"value": value}
         else:
-            raise CacheFileError(f"kvcompress: cannot save {type(obj).__name__}.{name} ({type(value).__name__}); this cache holds state the file format does not know")
+            raise CacheFileError(f"cannot save {type(obj).__name__}.{name} ({type(value).__name__}); this cache holds state the file format does not know")
     return state
 
 
@@ -113,10 +113,10 @@ def cache_state(cache: KVCompressCache) -> tuple[dict[str, torch.Tensor], list[d
 def restore_cache(cache: KVCompressCache, layers: list[dict[str, Any]], tensors: dict[str, torch.Tensor], device: torch.device) -> None:
     """Put a saved state into ``cache``, a fresh cache of the same method for the same model."""
     if len(layers) != len(cache.layers):
-        raise CacheFileError(f"kvcompress: the file holds {len(layers)} layers, this model has {len(cache.layers)}")
+        raise CacheFileError(f"the file holds {len(layers)} layers, this model has {len(cache.layers)}")
     for index, (layer, saved) in enumerate(zip(cache.layers, layers)):
         if saved["class"] != type(layer).__name__:
-            raise CacheFileError(f"kvcompress: layer {index} was saved as a {saved['class']}, this method makes a {type(layer).__name__}")
+            raise CacheFileError(f"layer {index} was saved as a {saved['class']}, this method makes a {type(layer).__name__}")
         put_back(layer, saved["state"], tensors, device)
         if isinstance(layer, KVLayer) and layer.keys is not None:
             layer.dtype, layer.device = layer.keys.dtype, layer.keys.device

@@ -267,16 +267,21 @@ def run_accuracy(
     progress: bool = True,
     plots: bool = True,
     question_agnostic: bool = False,
-) -> list[dict]:
+) -> tuple[list[dict], list[str]]:
     """Build the samples, run the matrix (resuming; ``question_agnostic``: that track, see the module
-    docstring), write ``summary.csv`` and plots; return the summary rows."""
+    docstring), write ``summary.csv`` and plots; return the summary rows and the names of the files
+    written in ``out_dir``."""
     built = build_samples(tokenizer, tasks, lengths, list(depths), samples, seed, haystack) + list(dataset or [])
     records = run_matrix(model, tokenizer, built, method_configs(methods, budgets), out_dir, progress, question_agnostic)
     rows = summarize(records)
     write_summary(rows, Path(out_dir) / "summary.csv")
+    written = ["results.jsonl", "summary.csv"]
     if plots:
         from .plots import needle_heatmaps, score_vs_budget
 
-        needle_heatmaps(records, Path(out_dir) / "niah_heatmaps.png")
-        score_vs_budget(rows, Path(out_dir) / "score_vs_budget.png")
-    return rows
+        if needle_heatmaps(records, Path(out_dir) / "niah_heatmaps.png"):
+            written.append("niah_heatmaps.png")
+        if rows:
+            score_vs_budget(rows, Path(out_dir) / "score_vs_budget.png")
+            written.append("score_vs_budget.png")
+    return rows, written

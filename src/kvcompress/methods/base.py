@@ -83,17 +83,26 @@ class FieldSpec:
             require(value in self.choices, f"{owner}: {self.name}={value!r} is unknown; valid: {', '.join(self.choices)}")
         in_range = (self.minimum is None or value >= self.minimum) and (self.above is None or value > self.above) and (self.at_most is None or value <= self.at_most)
         if self.above is not None or self.at_most is not None:
-            low = f"({self.above:g}" if self.above is not None else f"[{self.minimum:g}" if self.minimum is not None else "(-inf"
-            high = f"{self.at_most:g}]" if self.at_most is not None else "inf)"
-            require(in_range, f"{owner}: {self.name}={value!r} is outside the valid range {low}, {high}")
+            require(in_range, f"{owner}: {self.name}={value!r} is outside the valid range {self._interval()}")
         require(in_range, f"{owner}: {self.name}={value!r} is invalid; it must be {self._what()}")
 
-    def _what(self) -> str:
+    def valid(self) -> str:
+        """The valid values in words (help texts, ``kvcompress methods``)."""
+        if self.above is not None or self.at_most is not None:
+            return f"a number in {self._interval()}"
+        return self._what(optional_note=False)
+
+    def _interval(self) -> str:
+        low = f"({self.above:g}" if self.above is not None else f"[{self.minimum:g}" if self.minimum is not None else "(-inf"
+        high = f"{self.at_most:g}]" if self.at_most is not None else "inf)"
+        return f"{low}, {high}"
+
+    def _what(self, optional_note: bool = True) -> str:
         if self.choices:
             return f"one of {', '.join(self.choices)}"
         kind = {int: "an integer", float: "a number", bool: "True or False", str: "a string"}[self.kind]
         text = f"{kind} >= {self.minimum:g}" if self.minimum is not None else kind
-        return text + (" (or None for the default)" if self.optional else "")
+        return text + (" (or None for the default)" if self.optional and optional_note else "")
 
 
 def field_specs(cls: type) -> list[FieldSpec]:
@@ -210,7 +219,7 @@ class BudgetMethod(Method):
     default_budget: ClassVar[int] = 1024
     budget: int | None = param(
         None, "working-set size in tokens per KV head: prompt tokens kept (prompt compression) or attended per decoding "
-        "step (sparse decoding); default per method", minimum=1)
+        "step (sparse decoding)", minimum=1)
     ratio: float | None = param(None, "fraction of each prompt used instead of a fixed budget, in (0, 1]", above=0, at_most=1)
 
     def validate(self) -> None:

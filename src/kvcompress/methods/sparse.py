@@ -245,6 +245,10 @@ class SparseDecodeLayer(KVLayer):
             return stats
         stats["index_bytes"] += nbytes(self.selectable, self.unselectable, self.step_chunks, self.selected, self.hits, self.front_slots)
         stats["offloaded_bytes" if self.store.offloaded else "kv_bytes_kept"] += self.store.nbytes
+        batch, heads, _, dim = self.keys.shape
+        copies = 2 * batch * heads * self.front * dim * self.keys.element_size()  # the front slots: the step's chunks, copied from the store
+        stats["kv_bytes_kept"] -= copies
+        stats["spare_bytes"] += copies
         per_chunk = self.store.chunk_bytes
         selected_bytes = self.keys.shape[0] * self.keys.shape[1] * self.step_count * per_chunk * self.read_factor()
         stats["bytes_read_per_step"] += selected_bytes + nbytes(*self.index_tensors())
