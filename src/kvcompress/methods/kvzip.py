@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from ..attention import grouped_logits
 from ..tokens import span_max
 from .base import Observation, param
 from .prompt import PromptMethod
@@ -44,23 +43,28 @@ def reconstruction_scores(query: torch.Tensor, keys: torch.Tensor, valid: torch.
 
     ``query [b, q_heads, new, d]`` are the step's queries, the newest of ``keys [b, kv_heads, prompt +
     new, d]``; ``valid [b, prompt + new]`` marks real tokens. A query sees every real prompt token and
-    the real new tokens up to itself. Blocks of queries keep the weights held at once bounded."""
-    batch, q_heads, new, _ = query.shape
+    the real new tokens up to itself. Every KV head is scored at once, a block of queries at a time
+    (bounded memory), each block's softmax computed in place: the scale folded into the queries, the
+    causal mask only over the step's own tokens, and each query's weights over the prompt formed
+    only to take their maximum."""
+    batch, q_heads, new, dim = query.shape
     kv_heads, total = keys.shape[1], keys.shape[2]
-    group = q_heads // kv_heads
     best = torch.zeros(batch, kv_heads, prompt, dtype=torch.float32, device=keys.device)
-    rows = max(1, SCORE_ELEMENTS // (batch * group * total))
-    key_index = torch.arange(total, device=keys.device)
+    rows = max(1, SCORE_ELEMENTS // (batch * q_heads * total))
+    own = torch.arange(new, device=keys.device)
+    padded = not bool(valid[:, :prompt].all())
+    flat_keys = keys.float().transpose(-1, -2)
     for start in range(0, new, rows):
         end = min(new, start + rows)
-        query_index = prompt + torch.arange(start, end, device=keys.device)
-        visible = (key_index[None, :] <= query_index[:, None])[None, None] & valid[:, None, None, :]
-        real_query = valid[:, prompt + start : prompt + end][:, None, :, None]
-        for head in range(kv_heads):
-            logits = grouped_logits(query[:, head * group : (head + 1) * group, start:end], keys[:, head : head + 1], scaling)
-            weights = logits.masked_fill(~visible, torch.finfo(torch.float32).min).softmax(dim=-1)[..., :prompt]
-            peak = (weights * real_query).amax(dim=(1, 2))
-            best[:, head] = torch.maximum(best[:, head], peak)
+        block = (query[:, :, start:end].float() * scaling).reshape(batch, kv_heads, -1, dim)  # a KV head's query heads stacked
+        logits = (block @ flat_keys).view(batch, kv_heads, q_heads // kv_heads, end - start, total)
+        unseen = ~((own[None, :] <= own[start:end, None])[None] & valid[:, None, prompt:])  # [b, block, new]
+        logits[..., prompt:].masked_fill_(unseen[:, None, None], -torch.inf)
+        if padded:
+            logits[..., :prompt].masked_fill_(~valid[:, None, None, None, :prompt], -torch.inf)
+        logits.sub_(logits.amax(dim=-1, keepdim=True)).exp_()
+        scale = logits.sum(dim=-1, keepdim=True).reciprocal_().mul_(valid[:, None, None, prompt + start : prompt + end, None])  # padding queries: 0
+        best = torch.maximum(best, (logits[..., :prompt] * scale).amax(dim=(2, 3)))
     return best
 
 
