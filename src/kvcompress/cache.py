@@ -74,6 +74,12 @@ def spare_slots(slots: int) -> int:
     return min(1024, max(16, slots // 16))
 
 
+def capacity_bucket(slots: int) -> int:
+    """The capacity a compiled decoding step's buffer of ``slots`` slots takes: the next power of two
+    (at least 64), so requests of other lengths in the same bucket reuse the compiled step."""
+    return 1 << max(6, (slots - 1).bit_length())
+
+
 class KVLayer(DynamicLayer):
     """One layer's KV storage; uncompressed unless a method's subclass overrides the contract.
 
@@ -92,6 +98,7 @@ class KVLayer(DynamicLayer):
         self.used = 0  # slots holding tokens: [0, used)
         self.cursor: torch.Tensor | None = None  # [1] on the device: the slot of the next (during a step: this step's first) token
         self.prefill_len: int | None = None  # slots of the first fill (the padded prompt), set after it
+        self.prefilled = False  # prefill_len is set (a bool: a compiled step reads it, and an int would be guarded by value)
         self.prompt_tokens: torch.Tensor | None = None  # real prompt tokens per row, set after the prefill
         self.valid: torch.Tensor | None = None  # [batch, slots]; None while every slot is real (a prefill without padding)
         self.positions: torch.Tensor | None = None  # [batch, kv_heads, prompt slots]: prompt positions held
@@ -136,9 +143,9 @@ class KVLayer(DynamicLayer):
             return self.passing
         new = key_states.shape[-2]
         counted = not torch.compiler.is_compiling()  # a compiled step's loop counts after the step
-        if self.prefill_len is None and self.prompt_total is not None:  # a block of a prompt: into the prompt's buffer
+        if not self.prefilled and self.prompt_total is not None:  # a block of a prompt: into the prompt's buffer
             self.write_prompt_block(key_states, value_states)
-        elif self.prefill_len is None:  # the first fill is held as computed, not copied
+        elif not self.prefilled:  # the first fill is held as computed, not copied
             self.lazy_initialization(key_states, value_states)
             self.keys, self.values = key_states, value_states
         else:
@@ -193,10 +200,14 @@ class KVLayer(DynamicLayer):
         if self.cursor is None or self.keys.shape[-2] - self.used < new:
             self.relayout(self.used + new + spare_slots(self.used + new))
 
-    def reserve(self, tokens: int) -> None:
+    def reserve(self, tokens: int, buckets: bool = False) -> None:
         """Room for ``tokens`` more tokens now (at least the usual spare room), so the steps that
-        append them keep every shape."""
-        if self.cursor is None or self.keys.shape[-2] - self.used < tokens:
+        append them keep every shape; with ``buckets``, a capacity of ``capacity_bucket`` exactly."""
+        if buckets:
+            capacity = capacity_bucket(self.used + tokens)
+            if self.cursor is None or self.keys.shape[-2] != capacity:
+                self.relayout(capacity)
+        elif self.cursor is None or self.keys.shape[-2] - self.used < tokens:
             self.relayout(self.used + max(tokens, spare_slots(self.used)))
 
     def relayout(self, capacity: int) -> None:
@@ -284,7 +295,7 @@ class KVLayer(DynamicLayer):
     @property
     def is_prefill(self) -> bool:
         """True while the layer holds only its first fill (the prompt), before ``compress``."""
-        return self.prefill_len is None
+        return not self.prefilled
 
     @property
     def observing(self) -> bool:
@@ -326,7 +337,7 @@ class KVLayer(DynamicLayer):
                     "gives); this batch has padding after real tokens"
                 )
             self.valid = new_valid
-        self.prefill_len = self.keys.shape[-2]
+        self.prefill_len, self.prefilled = self.keys.shape[-2], True
         self.prompt_tokens = self.slot_validity().sum(dim=-1)
         if self.record_window is not False:
             self.recorded = (query if self.record_window is None else query[..., -self.record_window :, :], scaling)
@@ -438,7 +449,7 @@ class KVLayer(DynamicLayer):
         """Append the rows of ``others`` (this layer in caches of other groups of one batch, prefilled
         and compressed with the batch's shapes, not decoded yet) to this layer's rows."""
         layers = [self, *others]
-        if any(layer.cursor is not None or layer.prefill_len is None for layer in layers):
+        if any(layer.cursor is not None or not layer.prefilled for layer in layers):
             raise CacheMisuseError("kvcompress: only caches holding a compressed prompt, not yet decoded, can be joined")
         for name, complete in (("valid", KVLayer.slot_validity), ("positions", KVLayer.kept_positions)):
             if any(getattr(layer, name) is not None for layer in layers):  # a group without padding holds None
@@ -497,15 +508,15 @@ class WindowLayer(KVLayer):
 
     def advance(self, new: int) -> None:
         self.seen_tokens += new
-        self.used = self.used + new if self.prefill_len is None else min(self.used + new, self.window - 1)
+        self.used = self.used + new if not self.prefilled else min(self.used + new, self.window - 1)
 
     def make_room(self, new: int) -> None:
         needed = self.window - 1 + new  # every token of a longer turn sees the window before it
         if self.cursor is None or self.keys.shape[-2] < needed:
             self.relayout(needed + spare_slots(needed))
 
-    def reserve(self, tokens: int) -> None:
-        self.make_room(1)  # a ring: decoding steps overwrite the oldest token
+    def reserve(self, tokens: int, buckets: bool = False) -> None:
+        self.make_room(1)  # a ring: decoding steps overwrite the oldest token (its size is the model's window, whatever the request)
 
     def relayout(self, capacity: int) -> None:
         """The held tokens (the last ``used`` before ``seen_tokens``) into a ring of ``capacity`` slots."""
@@ -552,7 +563,7 @@ class WindowLayer(KVLayer):
     def kept_positions(self) -> torch.Tensor:
         """Prompt positions still inside the window."""
         positions = super().kept_positions()
-        if self.prefill_len is None:
+        if not self.prefilled:
             return positions
         gone = max(0, positions.shape[-1] + self.seen_tokens - self.prefill_len - (self.window - 1))  # pushed out by later tokens
         return positions[..., gone:]
@@ -598,7 +609,7 @@ class KVCompressCache(Cache):
         self.model_id = id(model) if model is not None else None  # the model it was made for: integration.py refuses any other
         self.model = weakref.ref(model) if model is not None else lambda: None  # for a saved cache's fingerprint
         self.span_table = spans  # the tokenizer's word boundaries, when known
-        self.timings: dict[str, float | None] = {"prefill_s": None, "decode_ms_per_token": None}
+        self.timings: dict[str, float | None] = {"prefill_s": None, "decode_ms_per_token": None, "compile_s": None}
         self.embeds_itself = False  # the model embedded this cache's prompt itself (no one else holds its hidden states)
         self.observe_first = method.observation() is not None  # layers compress after an observation pass (end_observation)
         self.observe_s = 0.0  # time the observation pass took (part of compressing)
@@ -653,11 +664,12 @@ class KVCompressCache(Cache):
         for layer in self.layers:
             layer.end_observation()
 
-    def reserve(self, tokens: int) -> None:
+    def reserve(self, tokens: int, buckets: bool = False) -> None:
         """Room in every layer for ``tokens`` more tokens, so the steps that append them keep every
-        shape (a compiled decoding step is one graph only while nothing is reallocated)."""
+        shape (a compiled decoding step is one graph only while nothing is reallocated); with
+        ``buckets``, capacities rounded to ``capacity_bucket``, so other requests reuse the graph."""
         for layer in self.layers:
-            layer.reserve(tokens)
+            layer.reserve(tokens, buckets)
 
     def advance(self, new: int) -> None:
         """Host-side counters after a compiled step of ``new`` tokens (eager steps count in ``update``)."""
@@ -667,7 +679,7 @@ class KVCompressCache(Cache):
     def stats(self) -> dict[str, Any]:
         """What is held versus what a full cache would hold, measured from the tensors, plus the
         method's own fields (from its layers' counters) and the last run's timings."""
-        layers = [layer for layer in self.layers if layer.is_initialized and layer.prefill_len is not None]
+        layers = [layer for layer in self.layers if layer.is_initialized and layer.prefilled]
         if not layers:
             return {"method": self.method.describe(), "prompt_tokens": 0, "new_tokens": 0}
         per_layer = [layer.stats() for layer in layers]

@@ -9,6 +9,11 @@ one launch per token instead of a thousand. The host keeps its counters with ``c
 after each compiled step, and learns whether every row finished one step late (a pinned flag copied
 asynchronously), so it never waits for the step it just launched.
 
+Compiled decoding rounds every shape a request sets to a bucket (``cache.capacity_bucket``: the
+buffers' capacities, the width of the produced tokens), so a request of another prompt length or
+``max_new_tokens`` in the same bucket reuses the compiled step; the time spent compiling (and, on a
+GPU, capturing) is counted apart (``compile_s``), never as decoding.
+
 The first step always runs eagerly: it times the SDPA kernels for the decoding phase
 (``attention.choose_backends``) before any tracing bakes the choice in. On a GPU the second step
 runs the compiled function once on a side stream (the warm-up a capture needs), and the third is
@@ -17,13 +22,15 @@ captured and replayed.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
+from torch._dynamo.utils import counters
 from transformers import PreTrainedModel
 
-from .cache import KVCompressCache
+from .cache import KVCompressCache, capacity_bucket
 
 RECOMPILE_LIMIT = 64  # distinct cache layouts (methods, models, batch sizes) one process may compile
 
@@ -52,14 +59,15 @@ class DecodeState:
     eos: torch.Tensor  # [e]: the end tokens
 
     @classmethod
-    def start(cls, logits: torch.Tensor, position: torch.Tensor, max_new_tokens: int, eos: set[int]) -> DecodeState:
-        """The state after the prompt: ``logits [b, vocab]`` give each row's first token."""
+    def start(cls, logits: torch.Tensor, position: torch.Tensor, width: int, eos: set[int]) -> DecodeState:
+        """The state after the prompt: ``logits [b, vocab]`` give each row's first token; room for
+        ``width`` tokens (at least ``max_new_tokens``)."""
         device = logits.device
         token = logits.argmax(dim=-1)
         eos_ids = torch.tensor(sorted(eos), dtype=torch.long, device=device)
-        produced = torch.zeros(token.shape[0], max_new_tokens, dtype=torch.long, device=device)
+        produced = torch.zeros(token.shape[0], width, dtype=torch.long, device=device)
         produced[:, 0] = token
-        fed_real = torch.zeros(token.shape[0], max_new_tokens - 1, dtype=torch.bool, device=device)
+        fed_real = torch.zeros(token.shape[0], width - 1, dtype=torch.bool, device=device)
         count = torch.ones(1, dtype=torch.long, device=device)
         return cls(token, position.clone(), torch.isin(token, eos_ids), produced, fed_real, count, eos_ids)
 
@@ -102,6 +110,7 @@ class StepRunner:
         self.model, self.cache, self.state, self.options = model, cache, state, compile
         self.cuda = state.token.is_cuda
         self.calls = 0
+        self.compile_s, self.compile_steps = 0.0, 0  # steps that compiled (or captured) and their time
         self.graph: torch.cuda.CUDAGraph | None = None
         self.flags = torch.zeros(2, dtype=torch.bool, pin_memory=True) if self.cuda else None  # lagged "all finished"
         self.events = [torch.cuda.Event(), torch.cuda.Event()] if self.cuda else []
@@ -111,8 +120,15 @@ class StepRunner:
         if self.options is None or self.calls == 0:  # eager (the first step also times the SDPA kernels)
             greedy_step(self.model, self.cache, self.state)
         else:
+            graphs, capturing = counters["stats"]["unique_graphs"], self.cuda and self.options.cuda_graph and self.graph is None
+            start = time.perf_counter()
             with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
                 self._compiled()
+            if capturing or counters["stats"]["unique_graphs"] != graphs:
+                if self.cuda:
+                    torch.cuda.synchronize(self.state.token.device)
+                self.compile_s += time.perf_counter() - start
+                self.compile_steps += 1
             self.cache.advance(1)
         if self.cuda:
             slot = self.calls % 2
@@ -165,17 +181,21 @@ class Decoded:
     tokens: list[list[int]]  # each row's tokens, up to and including its end token
     finished: list[bool]  # whether the row produced an end token
     steps: int  # decoding steps run
+    compile_s: float  # seconds of the steps that compiled the decoding step (or captured it), included in the loop's time
+    compile_steps: int  # those steps
     fed_real: torch.Tensor  # [b, steps]: which fed tokens were real (a finished row is fed padding until the loop stops)
     position: torch.Tensor  # [b]: each row's next RoPE position
 
 
 def greedy_decode(model: PreTrainedModel, cache: KVCompressCache, logits: torch.Tensor, position: torch.Tensor, max_new_tokens: int, eos: set[int], compile: Compile | None) -> Decoded:
     """Greedy decoding after the prompt (``logits [b, vocab]``, next positions ``position [b]``) until
-    every row produced an end token or ``max_new_tokens`` are produced."""
-    state = DecodeState.start(logits, position, max_new_tokens, eos)
-    if compile is not None:
+    every row produced an end token or ``max_new_tokens`` are produced. Compiled, every shape the
+    request sets is rounded to a bucket, so later requests in it reuse the graph."""
+    buckets = compile is not None
+    state = DecodeState.start(logits, position, capacity_bucket(max_new_tokens) if buckets else max_new_tokens, eos)
+    if buckets:
         check_capturable(cache)
-    cache.reserve(max_new_tokens - 1)
+    cache.reserve(max_new_tokens - 1, buckets)
     runner = StepRunner(model, cache, state, compile)
     steps = 0
     done = bool(state.finished.all())
@@ -188,4 +208,4 @@ def greedy_decode(model: PreTrainedModel, cache: KVCompressCache, logits: torch.
     for row in produced:
         end = next((i for i, t in enumerate(row) if t in eos), len(row) - 1)
         tokens.append(row[: end + 1])
-    return Decoded(tokens, finished, steps, state.fed_real[:, :steps], state.position)
+    return Decoded(tokens, finished, steps, runner.compile_s, runner.compile_steps, state.fed_real[:, :steps], state.position)

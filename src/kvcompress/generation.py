@@ -492,7 +492,9 @@ def generate(
         row.generated = [t for t in tokens if t not in eos]
         row.pending = None if done else tokens[-1]
     texts = [tokenizer.decode(row.generated, skip_special_tokens=True) for row in begin.rows]
-    cache.timings = {"prefill_s": prefill_s, "decode_ms_per_token": 1000 * decode_s / steps if steps else None}
+    timed = steps - decoded.compile_steps  # the steps that compiled are timed as compile_s, never as decoding
+    cache.timings = {"prefill_s": prefill_s, "decode_ms_per_token": 1000 * (decode_s - decoded.compile_s) / timed if timed else None,
+                     "compile_s": decoded.compile_s if options is not None else None}
     stats = cache.stats()
     stats["new_tokens"] = [len(g) for g in generated] if begin.is_batch else len(generated[0])
     return Result(
@@ -525,7 +527,7 @@ def compress(
         model, lambda: resolved.make_cache(model, tokenizer), [context for _, context in turns], _pad_id(tokenizer), prefill_tokens, chat_leads(tokenizer, rows)
     )
     _sync(model.device)
-    feeder.cache.timings = {"prefill_s": time.perf_counter() - clock, "decode_ms_per_token": None}
+    feeder.cache.timings = {"prefill_s": time.perf_counter() - clock, "decode_ms_per_token": None, "compile_s": None}
     return Result(
         text=[""] * len(rows) if is_batch else "", stats=feeder.cache.stats(), cache=feeder.cache, token_ids=[[] for _ in rows], rows=rows,
         attention_mask=feeder.mask, next_position=feeder.position,

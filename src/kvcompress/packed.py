@@ -43,7 +43,9 @@ class PackedSlots:
         return sum(map(sum, self.lengths)) // (self.rows * self.heads)
 
     def _pack(self, parts: list[list[tuple[torch.Tensor, torch.Tensor]]], valid: list[list[torch.Tensor | None]], room: int) -> None:
-        """Lay the segments out afresh, each with ``room`` slots after it."""
+        """Lay the segments out afresh, each with ``room`` slots after it. The flat buffer's length
+        and the widest segment differ by layer and request (they follow attention): a compiled step
+        takes both as symbols (tensor sizes marked dynamic, never Python ints), so no request recompiles it."""
         first = parts[0][0][0]
         device = first.device
         capacities = [[n + room for n in row] for row in self.lengths]
@@ -67,6 +69,14 @@ class PackedSlots:
         self.lengths_t = torch.tensor([n for row in self.lengths for n in row], device=device)
         self.capacities_t = torch.tensor([c for row in capacities for c in row], device=device)
         self.widest = max(map(max, capacities))
+        self.restored(device)
+
+    def restored(self, device: torch.device) -> None:
+        """What the packing derives (also after loading it from a file): each slot's place in its
+        segment, and the sizes a compiled step takes as symbols."""
+        self.offsets = torch.arange(self.widest, device=device)
+        for size in (self.keys, self.values, self.valid, self.offsets):
+            torch._dynamo.maybe_mark_dynamic(size, 0)
 
     def segment(self, row: int, head: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Keys, values ``[n, d]`` and validity ``[n]`` of one segment (views, no copy)."""
@@ -79,7 +89,8 @@ class PackedSlots:
             self._repack(new + spare_slots(self.mean_length() + new))
 
     def reserve(self, tokens: int) -> None:
-        """Room for ``tokens`` more tokens in every segment (at least the usual spare room)."""
+        """Room for ``tokens`` more tokens in every segment (at least the usual spare room). No
+        buckets are needed: a compiled step sees the packing's sizes as symbols (``_pack``)."""
         if tokens > self.room_left:
             self._repack(max(tokens, spare_slots(self.mean_length())))
 
@@ -119,8 +130,8 @@ class PackedSlots:
         one query always sees its own token)."""
         rows, q_heads, q_len, dim = query.shape
         index = self.gather_index()
-        keys, values = (t.index_select(0, index).view(rows, self.heads, self.widest, dim) for t in (self.keys, self.values))
-        seen = self.valid.index_select(0, index).view(rows, self.heads, 1, self.widest)
+        keys, values = (t.index_select(0, index).view(rows, self.heads, -1, dim) for t in (self.keys, self.values))
+        seen = self.valid.index_select(0, index).view(rows, self.heads, 1, -1)
         if q_len > 1:  # the step's own tokens: each query sees those its mask allows
             step = causal_slot_mask(q_len, q_len, query.device) if new_mask is None else new_mask  # [rows | 1, 1, q, q]
             newest = (self.lengths_t.view(rows, self.heads, 1, 1) + torch.arange(q_len, device=query.device)).expand(-1, -1, q_len, -1)
@@ -129,7 +140,7 @@ class PackedSlots:
 
     def gather_index(self) -> torch.Tensor:
         """Flat slots ``[segments * widest]`` of every segment, room included; past a segment's room, the sentinel."""
-        offsets = torch.arange(self.widest, device=self.starts_t.device)  # a slot's place in its segment
+        offsets = self.offsets
         return torch.where(offsets < self.capacities_t[:, None], self.starts_t[:, None] + offsets, self.valid.shape[0] - 1).view(-1)
 
     def kept_positions(self) -> torch.Tensor:

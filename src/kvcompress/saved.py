@@ -24,7 +24,7 @@ from .cache import KVCompressCache, KVLayer
 from .offload import ChunkStore
 from .packed import PackedSlots
 
-REBUILT = {"method", "rotary", "module_id", "dtype", "device", "view", "stream"}  # made by make_cache / restored from the rest
+REBUILT = {"method", "rotary", "module_id", "dtype", "device", "view", "stream", "offsets"}  # made by make_cache / restored from the rest
 STATEFUL = {cls.__name__: cls for cls in (ChunkStore, PackedSlots)}
 
 
@@ -93,8 +93,7 @@ def put_back(obj: Any, state: dict[str, Any], tensors: dict[str, torch.Tensor], 
         elif "object" in entry:
             value = STATEFUL[entry["object"]].__new__(STATEFUL[entry["object"]])
             put_back(value, entry["state"], tensors, device)
-            if isinstance(value, ChunkStore):
-                value.restored(device)
+            value.restored(device)
         elif "segments" in entry:
             value = [[tensors[key].to(device) for key in row] for row in entry["segments"]]
         else:
@@ -118,8 +117,10 @@ def restore_cache(cache: KVCompressCache, layers: list[dict[str, Any]], tensors:
         if saved["class"] != type(layer).__name__:
             raise CacheFileError(f"layer {index} was saved as a {saved['class']}, this method makes a {type(layer).__name__}")
         put_back(layer, saved["state"], tensors, device)
-        if isinstance(layer, KVLayer) and layer.keys is not None:
-            layer.dtype, layer.device = layer.keys.dtype, layer.keys.device
+        if isinstance(layer, KVLayer):
+            layer.prefilled = layer.prefill_len is not None  # files written before the flag existed
+            if layer.keys is not None:
+                layer.dtype, layer.device = layer.keys.dtype, layer.keys.device
 
 
 def to_json(value: Any) -> str:

@@ -29,7 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from tqdm import tqdm
 from transformers import DynamicCache, PreTrainedModel
 
-from ..cache import KVLayer
+from ..cache import KVLayer, capacity_bucket
 from .. import attention
 from ..decode import Compile, DecodeState, StepRunner, greedy_step
 from ..generation import PREFILL_TOKENS, prefill_groups
@@ -44,6 +44,9 @@ PRESETS: dict[str, dict] = {
     # SnapKV Fig. 7 / ShadowKV Table 4 shapes on one GPU.
     "gpu": {"model": "llama-3.1-8b", "methods": ["full", "snapkv", "shadowkv"], "lengths": [16384, 32768, 65536, 131000], "batches": [1, 2, 4, 8], "budget": 2048, "steps": 32, "warmup": 5},
 }
+
+
+COMPILING_STEPS = 3  # compiled decoding: the step that compiles, and on a GPU the warm-up and the capture of its CUDA graph
 
 
 def machine(device: torch.device) -> dict:
@@ -262,16 +265,21 @@ def measure(
                 return row
             cache.batch_repeat_interleave(batch)
             logits = logits.expand(batch, -1)
-        state = DecodeState.start(logits, torch.full((batch,), length, device=device), warmup + steps + 3, set())
-        cache.reserve(warmup + steps + 2)
+        buckets = compile is not None  # the shapes generate(compile=True) gives this request: its bucket's graph
+        run = warmup + steps + COMPILING_STEPS  # steps that compile (and, on a GPU, warm up and capture) are not timed
+        state = DecodeState.start(logits, torch.full((batch,), length, device=device), capacity_bucket(run + 3) if buckets else run + 3, set())
+        cache.reserve(run + 2, buckets)
         runner = StepRunner(model, cache, state, compile)
         runner.step()  # the first step runs eagerly (and times the SDPA kernels)
         audit = audit_step(lambda: greedy_step(model, cache, state))  # one more eager step: its ops are counted
         times = []
-        for _ in range(warmup + steps):
-            start = timer.start()
+        for _ in range(run):  # a step that compiled (a new bucket) is timed as compile_s, never as decoding
+            if len(times) == warmup + steps:
+                break
+            start, compiled = timer.start(), runner.compile_steps
             runner.step()
-            times.append(timer.ms_since(start))
+            if runner.compile_steps == compiled:
+                times.append(timer.ms_since(start))
         stats = cache.stats()
         decode_ms = statistics.median(times[warmup:])
         read = weight_bytes(model) + stats["bytes_read_per_step"]
@@ -280,6 +288,7 @@ def measure(
             prefill_s=prefill_ms / 1000,
             compress_share=stats["compress_s"] / (prefill_ms / 1000),
             decode_ms_per_token=decode_ms,
+            compile_s=runner.compile_s if compile is not None else None,
             tokens_per_s=batch * 1000 / decode_ms,
             kv_device_bytes=stats["device_bytes"],
             kv_full_bytes=stats["kv_bytes_full"],

@@ -133,12 +133,12 @@ class H2OLayer(EvictionLayer):
             torch.nn.functional.pad(t[..., :held], (0, capacity - held), value=fill) for t, fill in ((self.slot_scores, 0.0), (self.slot_positions, -1))
         )
 
-    def reserve(self, tokens: int) -> None:
-        super().reserve(max(1, min(tokens, self.budget + 1 - self.used)))  # evicting: never more than the budget and a step
+    def reserve(self, tokens: int, buckets: bool = False) -> None:
+        super().reserve(max(1, min(tokens, self.budget + 1 - self.used)), buckets)  # evicting: never more than the budget and a step
 
     def advance(self, new: int) -> None:
         super().advance(new)
-        if self.prefill_len is not None:
+        if self.prefilled:
             self.used = min(self.used, self.budget)
 
     def attend(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scaling: float, softcap: float | None = None) -> torch.Tensor:

@@ -274,9 +274,9 @@ class HeadAdaptiveLayer(EvictionLayer):
             return super().make_room(new)
         self.packed.make_room(new)
 
-    def reserve(self, tokens: int) -> None:
+    def reserve(self, tokens: int, buckets: bool = False) -> None:
         if self.packed is None:
-            return super().reserve(tokens)
+            return super().reserve(tokens, buckets)
         self.packed.reserve(tokens)
 
     def write(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
