@@ -5,8 +5,10 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvcompress-installed
 
 VLLM_VENV ?= .venv-vllm
+KVPRESS_VENV ?= .venv-kvpress
+QUICK := runs/kvpress-quick
 
-.PHONY: run test setup model clean vllm
+.PHONY: run test setup model clean vllm kvpress
 
 $(STAMP): pyproject.toml scripts/setup.sh
 	VENV=$(VENV) bash scripts/setup.sh
@@ -32,5 +34,19 @@ vllm: model
 	$(VLLM_VENV)/bin/python -m pytest -q tests/test_vllm.py
 	$(VLLM_VENV)/bin/python scripts/vllm_check.py --out runs/vllm_check.json
 
+# `make kvpress`: opt-in, never a dependency. kvpress (transformers < 5.3) in its own venv answers the
+# question-agnostic track's questions beside kvcompress, on the same samples and weights
+# (scripts/peers/kvpress_agnostic.py; docs/accuracy.md has the full commands). The quick setting: one
+# 1K-token needle, budget 64.
+kvpress: model
+	test -x $(KVPRESS_VENV)/bin/python || python3 -m venv $(KVPRESS_VENV)
+	$(KVPRESS_VENV)/bin/pip install -q torch==2.13.0 kvpress==0.5.5
+	$(PY) -m kvcompress.cli bench accuracy --question-agnostic --tasks niah --lengths 1000 --depths 0.5 --haystack essays \
+		--methods full,kvzip:layers=global --budgets 64 --out $(QUICK)
+	$(PY) scripts/peers/kvpress_agnostic.py samples --tasks niah --lengths 1000 --depths 0.5 --out $(QUICK)/samples.jsonl
+	$(KVPRESS_VENV)/bin/python scripts/peers/kvpress_agnostic.py run --samples $(QUICK)/samples.jsonl --budgets 64 --out $(QUICK)/kvpress_answers.jsonl
+	$(PY) scripts/peers/kvpress_agnostic.py score --samples $(QUICK)/samples.jsonl --answers $(QUICK)/kvpress_answers.jsonl --results $(QUICK)/results.jsonl
+	$(PY) scripts/tables.py retained $(QUICK)/results.jsonl
+
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) build src/*.egg-info .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(KVPRESS_VENV) build src/*.egg-info .pytest_cache

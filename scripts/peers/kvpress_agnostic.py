@@ -1,0 +1,151 @@
+"""kvpress's presses on the samples of the question-agnostic track, their rows in the same results table.
+
+kvpress pins transformers < 5.3 and kvcompress needs >= 5.17, so this script runs in two
+environments, one step each (`make kvpress` runs all three on a small setting):
+
+    .venv/bin/python scripts/peers/kvpress_agnostic.py samples --tasks niah,niah_multikey,niah_multivalue,qa_1 \
+        --lengths 1000 --haystack essays --out runs/agnostic-1000/samples.jsonl           # kvcompress's venv
+    .venv-kvpress/bin/python scripts/peers/kvpress_agnostic.py run --samples runs/agnostic-1000/samples.jsonl \
+        --budgets 64,256 --out runs/agnostic-1000/kvpress_answers.jsonl                    # kvpress's venv
+    .venv/bin/python scripts/peers/kvpress_agnostic.py score --samples runs/agnostic-1000/samples.jsonl \
+        --answers runs/agnostic-1000/kvpress_answers.jsonl --results runs/agnostic-1000/results.jsonl
+    .venv/bin/python scripts/tables.py retained runs/agnostic-1000/results.jsonl
+
+``samples`` writes exactly the samples ``kvcompress bench accuracy --question-agnostic`` builds for the
+same flags (the contexts, every question of each, the answers). ``run`` loads the same weights (the
+embedded model's folder) into kvpress's pipeline and asks every question of a context compressed
+once per press, as kvpress's evaluation does: the context alone is compressed, then each question
+(``"\\n\\n" + question``, so the prompt is the track's joined prompt) is answered over it. A budget is
+kept tokens per KV head: ``compression_ratio = 1 - budget / context tokens``. ``score`` scores the
+answers with the track's own metric and appends them to the track's ``results.jsonl`` as rows
+labelled ``kvpress-<press>@<budget>``, which ``scripts/tables.py retained`` lists beside kvcompress's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+PRESSES = ("kvzip", "kvzip+", "expected", "snapkv")
+
+
+def _names(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def write_samples(args: argparse.Namespace) -> None:
+    """kvcompress's venv: the track's samples for these flags, one JSON object per line."""
+    import kvcompress as kvc
+    from kvcompress.bench.accuracy import build_samples
+
+    _, tokenizer = kvc.load_model()
+    samples = build_samples(tokenizer, _names(args.tasks), [int(n) for n in _names(args.lengths)], [float(d) for d in _names(args.depths)],
+                            args.samples, args.seed, args.haystack)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    with open(args.out, "w") as out:
+        for sample in samples:
+            out.write(json.dumps({"id": sample.id, "task": sample.task, "length": sample.length, "depth": sample.depth, "metric": sample.metric,
+                                  "max_new_tokens": sample.max_new_tokens, "context": sample.context,
+                                  "questions": [{"question": t.question, "answers": t.answers} for t in sample.questions()]}) + "\n")
+    print(f"wrote {len(samples)} samples to {args.out}")
+
+
+def _press(name: str, ratio: float):
+    from kvpress import ExpectedAttentionPress, KVzipPress, SnapKVPress
+
+    return {"kvzip": lambda: KVzipPress(compression_ratio=ratio), "kvzip+": lambda: KVzipPress(compression_ratio=ratio, kvzip_plus_normalization=True),
+            "expected": lambda: ExpectedAttentionPress(compression_ratio=ratio), "snapkv": lambda: SnapKVPress(compression_ratio=ratio)}[name]()
+
+
+def run_presses(args: argparse.Namespace) -> None:
+    """kvpress's venv: every question of every sample, per press and budget; resumes from ``--out``."""
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
+
+    import kvpress  # noqa: F401 - registers the kv-press-text-generation pipeline
+
+    transformers.utils.logging.disable_progress_bar()
+    model_dir = Path(args.model).expanduser()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer, device="cpu")
+    samples = [json.loads(line) for line in open(args.samples) if line.strip()]
+    out = Path(args.out)
+    done = {(r["sample"], r["press"], r["budget"]) for r in map(json.loads, out.read_text().splitlines())} if out.exists() else set()
+    print(f"kvpress {kvpress.__version__ if hasattr(kvpress, '__version__') else '?'}, transformers {transformers.__version__}, torch {torch.__version__}")
+    for sample in samples:
+        context_tokens = len(tokenizer.encode(sample["context"], add_special_tokens=False))
+        for name in _names(args.presses):
+            for budget in [int(b) for b in _names(args.budgets)]:
+                if (sample["id"], name, budget) in done:
+                    continue
+                ratio = max(0.0, 1 - budget / context_tokens)
+                start = time.perf_counter()
+                with torch.inference_mode():
+                    answers = pipe(sample["context"], questions=["\n\n" + q["question"] for q in sample["questions"]], press=_press(name, ratio),
+                                   max_new_tokens=sample["max_new_tokens"])["answers"]
+                row = {"sample": sample["id"], "press": name, "budget": budget, "compression_ratio": ratio, "context_tokens": context_tokens,
+                       "answers": answers, "seconds": time.perf_counter() - start}
+                with open(out, "a") as file:
+                    file.write(json.dumps(row) + "\n")
+                print(f"{sample['id']} {name}@{budget}: {row['seconds']:.1f} s", flush=True)
+
+
+def score_answers(args: argparse.Namespace) -> None:
+    """kvcompress's venv: kvpress's answers scored as the track scores its own, appended to its results."""
+    from kvcompress.bench.metrics import score
+
+    samples = {s["id"]: s for s in map(json.loads, open(args.samples)) if s}
+    results = Path(args.results)
+    labelled = {(r["sample"], r["label"]) for r in map(json.loads, results.read_text().splitlines())} if results.exists() else set()
+    rows = []
+    for answer in map(json.loads, open(args.answers)):
+        sample, label = samples[answer["sample"]], f"kvpress-{answer['press']}@{answer['budget']}"
+        if (sample["id"], label) in labelled:
+            continue
+        count = len(sample["questions"])
+        for number, (question, prediction) in enumerate(zip(sample["questions"], answer["answers"]), start=1):
+            rows.append({"sample": sample["id"], "task": sample["task"], "length": sample["length"], "depth": sample["depth"], "turn": number,
+                         "turns": count, "label": label, "method": f"kvpress-{answer['press']}", "budget": answer["budget"],
+                         "score": score(prediction, question["answers"], sample["metric"]), "prediction": prediction, "answers": question["answers"],
+                         "prompt_tokens": answer["context_tokens"], "kv_kept_fraction": 1 - answer["compression_ratio"],
+                         "device_fraction": 1 - answer["compression_ratio"], "track": "agnostic"})
+    with open(results, "a") as file:
+        file.writelines(json.dumps(row) + "\n" for row in rows)
+    print(f"appended {len(rows)} rows to {results}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="step", required=True)
+    samples = sub.add_parser("samples", help="kvcompress's venv: write the track's samples")
+    samples.add_argument("--tasks", default="niah,niah_multikey,niah_multivalue,qa_1")
+    samples.add_argument("--lengths", default="1000")
+    samples.add_argument("--depths", default="0.1,0.5,0.9")
+    samples.add_argument("--samples", type=int, default=1)
+    samples.add_argument("--seed", type=int, default=0)
+    samples.add_argument("--haystack", default="essays")
+    samples.add_argument("--out", required=True)
+    samples.set_defaults(run=write_samples)
+    run = sub.add_parser("run", help="kvpress's venv: answer every question with each press")
+    run.add_argument("--samples", required=True)
+    run.add_argument("--presses", default=",".join(PRESSES), help=f"comma-separated: {', '.join(PRESSES)}")
+    run.add_argument("--budgets", default="64,256", help="kept tokens per KV head")
+    run.add_argument("--model", default="~/.cache/kvcompress/smollm2-135m-instruct", help="the embedded model's folder (kvcompress fetch-model)")
+    run.add_argument("--out", required=True)
+    run.set_defaults(run=run_presses)
+    scored = sub.add_parser("score", help="kvcompress's venv: score kvpress's answers into the track's results")
+    scored.add_argument("--samples", required=True)
+    scored.add_argument("--answers", required=True)
+    scored.add_argument("--results", required=True)
+    scored.set_defaults(run=score_answers)
+    args = parser.parse_args()
+    args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
