@@ -252,3 +252,11 @@ def test_the_readme_walk(tmp_path):
     direct = cli("generate", "--method", "snapkv", "--budget", "64", "--prompt-file", "doc.txt", "--question",
                  "What is the vault code for the east wing?", "--max-new-tokens", "24", "--json", cwd=tmp_path)
     assert direct.returncode == 0 and json.loads(direct.stdout)["method"].startswith("snapkv(budget=64")
+
+
+def test_a_choice_named_none_is_that_choice_in_a_method_spec():
+    """`kvzip:clustering=none` (bench specs) is KVzip's per-token choice, not Python's None; a field
+    whose choices lack it still takes `none` as its default rule."""
+    assert kvc.method_from_spec("kvzip:layers=global:clustering=none").clustering == "none"
+    assert kvc.method_from_spec("expected:clustering=none").clustering == "none"
+    assert kvc.method_from_spec("h2o:recent=none").recent is None

@@ -49,7 +49,10 @@ def method_from_name(name: str, **params: Any) -> Method:
 
 
 def parse_value(spec: FieldSpec, text: str) -> Any:
-    """A field's value from its text form (``none`` for None, ``true``/``false`` for booleans)."""
+    """A field's value from its text form (``none`` for None unless it is one of the field's
+    choices, e.g. KVzip's ``clustering=none``; ``true``/``false`` for booleans)."""
+    if spec.choices and text in spec.choices:
+        return text
     if text.lower() == "none":
         return None
     try:
