@@ -52,6 +52,11 @@ def param(default: Any, help: str, *, minimum: float | None = None, choices: tup
     return field(default=default, metadata={"help": help, "minimum": minimum, "above": above, "at_most": at_most, "choices": choices})
 
 
+def default_of(cls: type, name: str, default: Any) -> Any:
+    """Field ``name`` of the dataclass ``cls`` (its help, range and choices) with a subclass's own default."""
+    return field(default=default, metadata=cls.__dataclass_fields__[name].metadata)
+
+
 @dataclass(frozen=True)
 class FieldSpec:
     """One hyperparameter as the CLI and the validation see it."""

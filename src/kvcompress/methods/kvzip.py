@@ -5,15 +5,16 @@ context ("Repeat the previous context exactly.") and the context itself is fed a
 (teacher forcing), in chunks of ``chunk`` tokens; each later chunk is introduced as "Repeat the part
 of the previous context exactly, starting with" plus the ``overlap`` tokens before it. A KV pair's
 importance is the most attention any reconstruction query pays it: the maximum over the queries and
-over the query heads of its KV head (Sec. 3.2). Each KV head keeps its top ``budget`` positions. The
+over the query heads of its KV head (Sec. 3.2). By default all layers' and heads' pairs are ranked
+together, the paper's selection (``layers="global"``: ``budget`` is the average per KV head, each
+head keeps its share, stored packed); ``layers="uniform"`` keeps each KV head's top ``budget``. The
 reconstruction's own tokens are attended, never stored.
 
-Two choices differ from the paper's code. The attention scored is the one the model computes, a
+One choice differs from the paper's code: the attention scored is the one the model computes, a
 softmax over the whole prompt and the reconstruction so far (the paper's unchunked definition; its
 chunked code renormalises over the system prompt, the chunk and the repeat tokens only); a chunk
-bounds the queries a step scores, not the keys. The budget is per layer by default (uniform, or
-shared by the heads with ``heads="adaptive"``); ``layers="global"`` is the paper's selection, all
-layers' and heads' pairs ranked together (``prompt.global_shares``). As for SnapKV,
+bounds the queries a step scores, not the keys. The global selection (``prompt.global_shares``) is
+measured against per-layer budgets in docs/accuracy.md. As for SnapKV,
 ``clustering="spans"`` (the default) gives every token of a word or number its span's highest
 score, so a value is kept whole; ``clustering="none"`` is the paper's per-token selection.
 """
@@ -26,7 +27,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from ..tokens import span_max
-from .base import Observation, param
+from .base import Observation, default_of, param
 from .prompt import PromptMethod
 
 if TYPE_CHECKING:
@@ -63,7 +64,8 @@ def reconstruction_scores(query: torch.Tensor, keys: torch.Tensor, valid: torch.
         if padded:
             logits[..., :prompt].masked_fill_(~valid[:, None, None, None, :prompt], -torch.inf)
         logits.sub_(logits.amax(dim=-1, keepdim=True)).exp_()
-        scale = logits.sum(dim=-1, keepdim=True).reciprocal_().mul_(valid[:, None, None, prompt + start : prompt + end, None])  # padding queries: 0
+        real = valid[:, None, None, prompt + start : prompt + end, None]
+        scale = logits.sum(dim=-1, keepdim=True).reciprocal_().mul_(real)  # 1 / each query's softmax sum; padding queries: 0
         best = torch.maximum(best, (logits[..., :prompt] * scale).amax(dim=(2, 3)))
     return best
 
@@ -73,6 +75,7 @@ class KVzip(PromptMethod):
     """Keep each KV head's ``budget`` prompt positions the model attends to most while repeating the prompt."""
 
     name: ClassVar[str] = "kvzip"
+    layers: str = default_of(PromptMethod, "layers", "global")  # the paper's selection: every layer's and head's pairs ranked together
     chunk: int = param(2000, "prompt tokens repeated per step of the reconstruction (bounds the queries scored at once)", minimum=1)
     overlap: int = param(8, "tokens before a chunk repeated with the instruction that introduces it", minimum=0)
     clustering: str = param("spans", "spans: each word or number scored by its best token, kept whole; none: the paper's per-token scores", choices=("spans", "none"))
