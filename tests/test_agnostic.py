@@ -20,18 +20,20 @@ from .fixtures import bpe_tokenizer, char_tokenizer, random_text, tiny_model
 
 
 def reconstruction_reference(model, tok, text: str, chunk: int, overlap: int) -> list[torch.Tensor]:
-    """KVzip's scores per layer ``[kv_heads, prompt]``: for each chunk, the prompt, then the repeat
-    instruction (with the ``overlap`` tokens before the chunk) and the chunk, run through the plain
-    model with eager attention; a prompt position's score is the largest attention weight any
-    instruction or chunk token pays it, over the query heads of its KV head and over the chunks."""
+    """KVzip's scores per layer ``[kv_heads, prompt]``: for each chunk of the context (the text's
+    tokens, without the BOS that opens the prompt), the prompt, then the repeat instruction (with the
+    ``overlap`` tokens of the context before the chunk) and the chunk, run through the plain model
+    with eager attention; a prompt position's score is the largest attention weight any instruction
+    or chunk token pays it, over the query heads of its KV head and over the chunks."""
     prompt = tok(text)["input_ids"]
+    context = tok(text, add_special_tokens=False)["input_ids"]
     n = len(prompt)
     group = model.config.num_attention_heads // model.config.num_key_value_heads
     best = None
-    for start in range(0, n, chunk):
+    for start in range(0, len(context), chunk):
         instruction = FIRST if start == 0 else LATER
-        lead = tok("\n" + instruction, add_special_tokens=False)["input_ids"] + prompt[max(0, start - overlap) : start]
-        ids = torch.tensor([prompt + lead + prompt[start : start + chunk]])
+        lead = tok("\n" + instruction, add_special_tokens=False)["input_ids"] + context[max(0, start - overlap) : start]
+        ids = torch.tensor([prompt + lead + context[start : start + chunk]])
         with torch.no_grad():
             attentions = model(ids, output_attentions=True).attentions
         scores = []

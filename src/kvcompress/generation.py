@@ -75,7 +75,7 @@ PROBES = ("Q", "1", "?", " q", "\n", "\u00e9")
 def _first_turn(tokenizer: PreTrainedTokenizerBase, prompt: Prompt, question: str | None) -> tuple[Row, list[list[int]], Row]:
     """A new conversation, its token chunks (``[prompt]``, or ``[context, question]``: the context
     compressed without the question, which is then appended, see ``_context_turn`` and ``_ask``), and
-    the row as its first chunk leaves it (what introduces an observation pass: ``chat_leads``)."""
+    the row as its first chunk leaves it (what introduces an observation pass: ``ChatLeads``)."""
     if question is not None:
         row, context = _context_turn(tokenizer, prompt)
         opened = copy.deepcopy(row)
@@ -106,10 +106,15 @@ def _context_ids(tokenizer: PreTrainedTokenizerBase, row: Row) -> list[int]:
     prompts with very different questions (``PROBES``) share. So the separator goes with the question,
     whose tokens are what follows in the joined prompt: asking gives the question-aware prompt's tokens."""
     probes = [_joined_ids(tokenizer, row, probe)[0] for probe in (None, *PROBES)]
+    return probes[0][: _shared(probes)]
+
+
+def _shared(token_lists: list[list[int]]) -> int:
+    """The length of the longest prefix every list starts with."""
     shared = 0
-    while all(len(p) > shared and p[shared] == probes[0][shared] for p in probes):
+    while all(len(ids) > shared and ids[shared] == token_lists[0][shared] for ids in token_lists):
         shared += 1
-    return probes[0][:shared]
+    return shared
 
 
 def _context_turn(tokenizer: PreTrainedTokenizerBase, prompt: Prompt) -> tuple[Row, list[int]]:
@@ -217,13 +222,23 @@ class _Feeder:
         self.mask, self.position = mask, position
 
 
-Lead = Callable[[int, str, list[int]], list[int]]  # (row, instruction, tokens before the piece) -> the tokens that introduce it
+class Lead:
+    """How an observation pass addresses the rows of a batch: ``introduce`` gives the tokens that
+    introduce a piece to a row (the instruction, then the tokens before the piece), ``opening`` how
+    many tokens open a row's prompt before its text (a chat template's system prompt and first
+    header, a BOS): the pass repeats only what follows them, the context, as the paper does."""
+
+    def introduce(self, row: int, text: str, before: list[int]) -> list[int]:
+        raise NotImplementedError
+
+    def opening(self, row: int, ids: list[int]) -> int:
+        return 0
 
 
-def observe_prompts(feeder: _Feeder, prompts: list[list[int]], lead: Lead | None) -> None:
+def observe_prompts(feeder: _Feeder, prompts: list[list[int]], lead: Lead | None, first: int = 0) -> None:
     """Run the observation pass of the cache's method over each row's prompt, if it has one (KVzip:
-    the model asked to repeat the prompt, and the prompt as its answer), piece by piece, then let
-    the cache compress. ``lead`` gives the tokens that introduce a piece to a row."""
+    the model asked to repeat the context, and the context as its answer), piece by piece, then let
+    the cache compress. ``lead`` addresses the rows (``first``: the batch row of ``prompts[0]``)."""
     observation = feeder.cache.method.observation() if feeder.cache.observe_first else None
     if observation is None:
         return
@@ -232,28 +247,39 @@ def observe_prompts(feeder: _Feeder, prompts: list[list[int]], lead: Lead | None
     clock = time.perf_counter()
     feeder.cache.begin_observation()
     size = observation.chunk
-    for start in range(0, max(len(p) for p in prompts), size):
+    texts = [ids[lead.opening(first + row, ids) :] for row, ids in enumerate(prompts)]
+    for start in range(0, max(len(t) for t in texts), size):
         pieces = []
-        for row, ids in enumerate(prompts):
+        for row, ids in enumerate(texts):
             text = observation.first if start == 0 else observation.later
             before = ids[max(0, start - observation.overlap) : start]
-            pieces.append(lead(row, text, before) + ids[start : start + size] if start < len(ids) else [])
+            pieces.append(lead.introduce(first + row, text, before) + ids[start : start + size] if start < len(ids) else [])
         feeder.peek(pieces)
     _sync(feeder.device)
     feeder.cache.end_observation(time.perf_counter() - clock)
 
 
-def chat_leads(tokenizer: PreTrainedTokenizerBase, rows: list[Row]) -> Lead:
-    """Introductions of observation pieces: for a context waiting for its question, the instruction
-    asked as that question would be (closing the turn; a chat's assistant then answers), otherwise
-    the instruction as text after the prompt; then the tokens before the piece."""
+class ChatLeads(Lead):
+    """Observation pieces introduced as a user would: for a context waiting for its question, the
+    instruction asked as that question would be (closing the turn; a chat's assistant then answers),
+    otherwise the instruction as text after the prompt; the opening found as the context's tokens
+    are, by probes (``_shared``)."""
 
-    def lead(row: int, text: str, before: list[int]) -> list[int]:
-        if rows[row].open_turn:
-            return _ask(tokenizer, copy.deepcopy(rows[row]), text) + before
-        return tokenizer("\n\n" + text, add_special_tokens=False)["input_ids"] + before
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, rows: list[Row]) -> None:
+        self.tokenizer, self.rows = tokenizer, rows
 
-    return lead
+    def introduce(self, row: int, text: str, before: list[int]) -> list[int]:
+        if self.rows[row].open_turn:
+            return _ask(self.tokenizer, copy.deepcopy(self.rows[row]), text) + before
+        return self.tokenizer("\n\n" + text, add_special_tokens=False)["input_ids"] + before
+
+    def opening(self, row: int, ids: list[int]) -> int:
+        """The tokens ``ids`` shares with the same row whose first text is a probe instead."""
+        kept = self.rows[row]
+        if not kept.chat:
+            return _shared([ids, *(self.tokenizer(probe, add_special_tokens=True)["input_ids"] for probe in PROBES[:2])])
+        renders = (_render(self.tokenizer, [{**kept.messages[0], "content": probe}, *kept.messages[1:]]) for probe in PROBES[:2])
+        return _shared([ids, *(self.tokenizer(text, add_special_tokens=False)["input_ids"] for text in renders)])
 
 
 def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[int]:
@@ -322,7 +348,7 @@ def prefill_groups(
             cache.note_batch(lengths)
         feeders.append(_Feeder(model, cache, *_empty_state(model, len(group)), pad_id))
         logits.append(feeders[-1].feed(group, width))
-        observe_prompts(feeders[-1], group, None if lead is None else lambda row, text, before, first=start: lead(first + row, text, before))
+        observe_prompts(feeders[-1], group, lead, first=start)
     if len(feeders) == 1:
         return feeders[0], logits[0]
     cache = KVCompressCache.concat([feeder.cache for feeder in feeders])
@@ -359,7 +385,7 @@ def _from_prefill(model: PreTrainedModel, method: Method, record: Prefill) -> KV
     for layer, recorded in zip(cache.layers, record.cache.layers):
         layer.load_prefill(recorded)
     feeder = _Feeder(model, cache, record.attention_mask, record.next_position, _pad_id(record.tokenizer))
-    observe_prompts(feeder, record.prompts, chat_leads(record.tokenizer, record.rows))
+    observe_prompts(feeder, record.prompts, ChatLeads(record.tokenizer, record.rows))
     return cache
 
 
@@ -393,7 +419,7 @@ class _Start:
     logits: torch.Tensor | None = None  # known already (a prefill record)
     prefill_s: float = 0.0  # spent before (a shared prefill)
     make_cache: Callable[[], KVCompressCache] | None = None
-    lead: Lead | None = None  # introduces the method's observation pass over a new prompt (chat_leads)
+    lead: Lead | None = None  # addresses the rows in the method's observation pass over a new prompt (ChatLeads)
 
 
 def _resolve_method(method: Method | str | None) -> Method:
@@ -429,7 +455,7 @@ def _start(model, tokenizer, prompt, method, question, past, record) -> _Start:
     rows, chunk_lists, is_batch, opened = _new_rows(tokenizer, prompt, question)
     return _Start(
         None, rows, is_batch, chunk_lists, *_empty_state(model, len(rows)), make_cache=lambda: resolved.make_cache(model, tokenizer),
-        lead=chat_leads(tokenizer, opened),
+        lead=ChatLeads(tokenizer, opened),
     )
 
 
@@ -524,7 +550,7 @@ def compress(
     resolved = _resolve_method(method)
     rows = [row for row, _ in turns]
     feeder, _ = prefill_groups(
-        model, lambda: resolved.make_cache(model, tokenizer), [context for _, context in turns], _pad_id(tokenizer), prefill_tokens, chat_leads(tokenizer, rows)
+        model, lambda: resolved.make_cache(model, tokenizer), [context for _, context in turns], _pad_id(tokenizer), prefill_tokens, ChatLeads(tokenizer, rows)
     )
     _sync(model.device)
     feeder.cache.timings = {"prefill_s": time.perf_counter() - clock, "decode_ms_per_token": None, "compile_s": None}

@@ -32,7 +32,7 @@ from transformers import DynamicCache, PreTrainedModel
 from ..cache import KVLayer, capacity_bucket
 from .. import attention
 from ..decode import Compile, DecodeState, StepRunner, greedy_step
-from ..generation import PREFILL_TOKENS, prefill_groups
+from ..generation import PREFILL_TOKENS, Lead, prefill_groups
 from ..methods import Method, method_from_spec
 from ..tokens import TokenSpans
 
@@ -225,10 +225,16 @@ def transformers_step_ops(model: PreTrainedModel) -> int:
     return audit_step(lambda: model(token, past_key_values=cache, logits_to_keep=1)).total
 
 
-def stand_in_lead(row: int, text: str, before: list[int]) -> list[int]:
+class StandInLead(Lead):
     """What introduces a piece of an observation pass (KVzip's repeat instruction) to a random-weight
-    model without a tokenizer: a token per word of the instruction, then the tokens before the piece."""
-    return [11] * len(text.split()) + before
+    model without a tokenizer: a token per word of the instruction, then the tokens before the piece;
+    random prompts have no opening."""
+
+    def introduce(self, row: int, text: str, before: list[int]) -> list[int]:
+        return [11] * len(text.split()) + before
+
+
+stand_in_lead = StandInLead()
 
 
 def weight_bytes(model: PreTrainedModel) -> int:
