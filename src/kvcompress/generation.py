@@ -79,7 +79,7 @@ def _first_turn(tokenizer: PreTrainedTokenizerBase, prompt: Prompt, question: st
     if question is not None:
         row, context = _context_turn(tokenizer, prompt)
         opened = copy.deepcopy(row)
-        return row, [context, _ask(tokenizer, row, question)], opened
+        return row, [context, _ask(tokenizer, row, question, context)], opened
     if isinstance(prompt, str):
         row = Row(chat=False, transcript=prompt)
         return row, [tokenizer(prompt, add_special_tokens=True)["input_ids"]], row
@@ -127,10 +127,10 @@ def _context_turn(tokenizer: PreTrainedTokenizerBase, prompt: Prompt) -> tuple[R
     return row, context
 
 
-def _ask(tokenizer: PreTrainedTokenizerBase, row: Row, question: str) -> list[int]:
+def _ask(tokenizer: PreTrainedTokenizerBase, row: Row, question: str, context: list[int] | None = None) -> list[int]:
     """Tokens that close an open turn with its question (and, for a chat, the assistant's prompt):
-    what follows the context's tokens in the joined prompt's own tokens."""
-    context = _context_ids(tokenizer, row)
+    what follows the context's tokens (``_context_ids``, unless given) in the joined prompt's own tokens."""
+    context = _context_ids(tokenizer, row) if context is None else context
     ids, text = _joined_ids(tokenizer, row, question)
     if ids[: len(context)] != context:
         raise ValueError(f"question {question[:40]!r} changes how this tokenizer splits the end of its context; put text before it")
