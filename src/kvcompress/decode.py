@@ -59,10 +59,11 @@ class DecodeState:
     eos: torch.Tensor  # [e]: the end tokens
 
     @classmethod
-    def start(cls, logits: torch.Tensor, position: torch.Tensor, width: int, eos: set[int]) -> DecodeState:
+    def start(cls, logits: torch.Tensor, position: torch.Tensor, max_new_tokens: int, eos: set[int], buckets: bool = False) -> DecodeState:
         """The state after the prompt: ``logits [b, vocab]`` give each row's first token; room for
-        ``width`` tokens (at least ``max_new_tokens``)."""
+        ``max_new_tokens`` (with ``buckets``, rounded to ``capacity_bucket``, as compiled decoding needs)."""
         device = logits.device
+        width = capacity_bucket(max_new_tokens) if buckets else max_new_tokens
         token = logits.argmax(dim=-1)
         eos_ids = torch.tensor(sorted(eos), dtype=torch.long, device=device)
         produced = torch.zeros(token.shape[0], width, dtype=torch.long, device=device)
@@ -192,7 +193,7 @@ def greedy_decode(model: PreTrainedModel, cache: KVCompressCache, logits: torch.
     every row produced an end token or ``max_new_tokens`` are produced. Compiled, every shape the
     request sets is rounded to a bucket, so later requests in it reuse the graph."""
     buckets = compile is not None
-    state = DecodeState.start(logits, position, capacity_bucket(max_new_tokens) if buckets else max_new_tokens, eos)
+    state = DecodeState.start(logits, position, max_new_tokens, eos, buckets)
     if buckets:
         check_capturable(cache)
     cache.reserve(max_new_tokens - 1, buckets)

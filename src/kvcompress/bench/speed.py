@@ -29,7 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from tqdm import tqdm
 from transformers import DynamicCache, PreTrainedModel
 
-from ..cache import KVLayer, capacity_bucket
+from ..cache import KVLayer
 from .. import attention
 from ..decode import Compile, DecodeState, StepRunner, greedy_step
 from ..generation import PREFILL_TOKENS, Lead, prefill_groups
@@ -273,7 +273,7 @@ def measure(
             logits = logits.expand(batch, -1)
         buckets = compile is not None  # the shapes generate(compile=True) gives this request: its bucket's graph
         run = warmup + steps + COMPILING_STEPS  # steps that compile (and, on a GPU, warm up and capture) are not timed
-        state = DecodeState.start(logits, torch.full((batch,), length, device=device), capacity_bucket(run + 3) if buckets else run + 3, set())
+        state = DecodeState.start(logits, torch.full((batch,), length, device=device), run + 3, set(), buckets)
         cache.reserve(run + 2, buckets)
         runner = StepRunner(model, cache, state, compile)
         runner.step()  # the first step runs eagerly (and times the SDPA kernels)
