@@ -134,7 +134,11 @@ def read_header(path: str | Path) -> dict[str, Any]:
 
 def saved_method(path: str | Path) -> Method:
     """The method (with its settings) that compressed the conversation saved at ``path``."""
-    meta = read_header(path)
+    return _method(read_header(path))
+
+
+def _method(meta: dict[str, Any]) -> Method:
+    """The method a file's metadata names, with its settings."""
     return METHODS[meta["method"]["name"]](**meta["method"]["fields"])
 
 
@@ -149,7 +153,7 @@ def load(path: str | Path, model: PreTrainedModel, tokenizer: PreTrainedTokenize
             tensors = {key: file.get_tensor(key) for key in file.keys()}
     except Exception as error:  # noqa: BLE001 - as in read_header
         raise CacheFileError(f"{path} is not a whole kvcompress cache file ({type(error).__name__}: {error})") from None
-    cache = _rebuilt(saved_method(path), model, tokenizer, meta["layers"], tensors)
+    cache = _rebuilt(_method(meta), model, tokenizer, meta["layers"], tensors)
     cache.embeds_itself, cache.observe_s = meta["embeds_itself"], meta.get("observe_s", 0.0)
     cache.timings = {key: meta["stats"].get(key) for key in cache.timings}
     return Result(
