@@ -12,6 +12,7 @@ import torch
 from transformers import DynamicCache
 
 import kvcompress as kvc
+from kvcompress import attention
 from kvcompress.generation import _first_turn
 from kvcompress.methods.kvzip import FIRST, LATER
 from kvcompress.methods.prompt import global_shares
@@ -203,3 +204,26 @@ def test_a_context_and_its_question_are_the_joined_prompts_tokens(make_tokenizer
     joined = [{"role": "user", "content": document + "\n\n" + QUESTIONS[0]}] if chat else document + "\n" + QUESTIONS[0]
     agnostic = kvc.generate(model, tok, context, question=QUESTIONS[0], method=kvc.FullKV(), max_new_tokens=8)
     assert agnostic.token_ids == kvc.generate(model, tok, joined, method=kvc.FullKV(), max_new_tokens=8).token_ids
+
+
+@pytest.mark.parametrize("path", ["flash", "split", "spelled out"])
+def test_an_observation_pass_attends_exactly_and_gives_each_querys_normaliser(path):
+    """The observation pass's attention (the queries just after a prompt) and each query's log-normaliser
+    against the softmax written out per query head; the first row's prompt opens with 3 padding slots."""
+    generator = torch.Generator().manual_seed(0)
+    query, keys, values = (torch.randn(2, heads, n, 8, generator=generator) for heads, n in ((6, 5), (2, 12), (2, 12)))
+    mask = attention.causal_slot_mask(5, 12, query.device).expand(2, 1, 5, 12).clone()
+    if path != "split":
+        mask[0, :, :, :3] = False
+    logits = torch.stack([query[:, h] @ keys[:, h // 3].transpose(-1, -2) for h in range(6)], dim=1) * 0.3
+    logits = logits.masked_fill(~mask, -torch.inf)
+    expected_lse = logits.logsumexp(dim=-1)
+    expected = torch.stack([logits[:, h].softmax(dim=-1) @ values[:, h // 3] for h in range(6)], dim=1)
+    if path == "flash":
+        out, lse = attention.attention_with_lse(query, keys, values, mask, 0.3)
+    elif path == "split":
+        out, lse = attention.after_prompt_with_lse(query, keys, values, 0.3)
+    else:
+        out, lse = attention.spelled_out_with_lse(query, keys, values, mask, 0.3)
+    torch.testing.assert_close(lse, expected_lse)
+    torch.testing.assert_close(out, expected)

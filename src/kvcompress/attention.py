@@ -213,6 +213,52 @@ def dense_attention(
     return sdpa(phase, query, keys, values, mask, scaling, is_causal=mask is None, enable_gqa=q_heads != kv_heads)
 
 
+def attention_with_lse(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scaling: float, softcap: float | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact attention ``[b, q_heads, q, d]`` and each query's log-normaliser (the log of its softmax's
+    sum) ``[b, q_heads, q]`` float32, for a boolean ``mask [b | 1, 1, q, s]``: an observation pass's
+    attention, whose normalisers a method scores with. On a CPU, SDPA's own flash kernel returns both
+    (the KV heads repeated for it: a few MiB, where the mask repeated per query head would be far more);
+    elsewhere, or with soft-capping, the logits are spelled out."""
+    if query.device.type != "cpu" or softcap is not None:
+        return spelled_out_with_lse(query, keys, values, mask, scaling, softcap)
+    group = query.shape[1] // keys.shape[1]
+    bias = torch.zeros(mask.shape, dtype=query.dtype).masked_fill_(~mask, -torch.inf)
+    keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, keys, values, 0.0, False, attn_mask=bias, scale=scaling)
+
+
+def spelled_out_with_lse(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scaling: float, softcap: float | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``attention_with_lse`` from the logits in float32 (any device, soft-capping included)."""
+    batch, q_heads, q_len, dim = query.shape
+    group = q_heads // keys.shape[1]
+    logits = grouped_logits(query, keys, scaling).view(batch, keys.shape[1], group * q_len, -1)
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    logits.masked_fill_(~group_mask(mask, group), -torch.inf)
+    lse = logits.logsumexp(dim=-1, keepdim=True)
+    out = logits.sub_(lse).exp_() @ values.float()
+    return out.view(batch, q_heads, q_len, dim).to(query.dtype), lse.view(batch, q_heads, q_len)
+
+
+def after_prompt_with_lse(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``attention_with_lse`` on a CPU for queries that are the newest of ``keys`` and see every older
+    key (no padding): two flash calls, the older keys unmasked and the new ones causal, merged by their
+    log-normalisers (each call is faster than one call with a mask: 0.11 s against 0.18 s for 2K
+    queries over 4K keys, 9 heads, on 2 cores)."""
+    q_len, group = query.shape[-2], query.shape[1] // keys.shape[1]
+    keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    old_out, old_lse = flash(query, keys[:, :, :-q_len], values[:, :, :-q_len], 0.0, False, scale=scaling)
+    new_out, new_lse = flash(query, keys[:, :, -q_len:], values[:, :, -q_len:], 0.0, True, scale=scaling)
+    lse = torch.logaddexp(old_lse, new_lse)
+    out = old_out.float() * (old_lse - lse).exp_()[..., None] + new_out.float() * (new_lse - lse).exp_()[..., None]
+    return out.to(query.dtype), lse
+
+
 def causal_slot_mask(q_len: int, slots: int, device: torch.device) -> torch.Tensor:
     """``[1, 1, q_len, slots]``: the newest ``q_len`` slots are the queries, each sees itself and all before."""
     return torch.ones(q_len, slots, dtype=torch.bool, device=device).tril(slots - q_len)[None, None]

@@ -302,14 +302,15 @@ class KVLayer(DynamicLayer):
         """True between the prefill and the end of its observation pass (``compress`` waits for it)."""
         return self.deferred is not None
 
-    def commit(self, query: torch.Tensor, new_valid: torch.Tensor | None, scaling: float) -> None:
-        """Record which new tokens are real (``new_valid [b, q]``; None: all); after the first fill, let the method compress."""
+    def commit(self, query: torch.Tensor, new_valid: torch.Tensor | None, scaling: float, lse: torch.Tensor | None = None) -> None:
+        """Record which new tokens are real (``new_valid [b, q]``; None: all); after the first fill, let the method
+        compress. ``lse``: an observation pass's log-normalisers (``KVLayer.observe``)."""
         self.awaiting_commit = False
         if self.observing:
             keys, self.passing = self.passing[0], None
             new = query.shape[-2]
             valid = torch.cat([self.slot_validity(), new_valid if new_valid is not None else keys.new_ones(keys.shape[0], new, dtype=torch.bool)], dim=-1)
-            self.observe(query, keys, valid, scaling)
+            self.observe(query, keys, valid, scaling, lse)
             return
         if self.is_prefill and self.prompt_total is not None:  # a prompt in blocks: compressed after its last
             self.keep_prompt_block(query, new_valid)
@@ -387,9 +388,10 @@ class KVLayer(DynamicLayer):
     def after_step(self, query: torch.Tensor, scaling: float) -> None:
         """After a later step's tokens are stored (e.g. evict while decoding). Default: nothing."""
 
-    def observe(self, query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scaling: float) -> None:
+    def observe(self, query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scaling: float, lse: torch.Tensor) -> None:
         """A step of the observation pass: ``query [b, q_heads, new, d]`` attended ``keys`` (the prompt's
-        ``prefill_len`` slots, then the step's own), ``valid [b, prefill_len + new]``. Default: nothing."""
+        ``prefill_len`` slots, then the step's own), ``valid [b, prefill_len + new]``; ``lse [b, q_heads, new]``
+        is each query's log-normaliser (a weight is ``exp(scaling q.k - lse)``). Default: nothing."""
 
     def stats(self) -> dict[str, Any]:
         """This layer's counters. Numbers are summed over layers by the cache."""

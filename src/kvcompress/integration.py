@@ -22,6 +22,8 @@ the ones that layer returned, and that the module is the one the cache was made 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 from torch.nn.attention.bias import causal_lower_right
 from transformers import AttentionInterface, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
@@ -258,15 +260,42 @@ def attend_prompt(
             return layer.attend(query, key, value, None, scaling, softcap)
         if query.is_cuda:  # CPU kernels would build the bias as a q x kv mask: blocks of rows there
             return layer.attend(query, key, value, causal_lower_right(q_len, kv_len), scaling, softcap)
-    rows = max(1, longprompt.BLOCK_ELEMENTS // (key.shape[0] * kv_len))
     out = torch.empty_like(query)
+    for (first, last), (start, end), mask in mask_blocks(attention_mask, q_len, kv_len, key.shape[0], sliding_window, longprompt.BLOCK_ELEMENTS):
+        out[:, :, first:last] = layer.attend(query[:, :, first:last], key[:, :, start:end], value[:, :, start:end], mask, scaling, softcap)
+    return out
+
+
+def attend_observed(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | LazyMask | None, scaling: float,
+    softcap: float | None, padded: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """An observation pass's attention (its tokens just after the prompt's, attended, never stored) and
+    each query's log-normaliser ``[b, q_heads, q]``, which the method scores with. Without padding on a
+    CPU, two unmasked flash calls; otherwise blocks of queries, each with its mask as a float bias (a
+    quarter of the booleans a prefill's block may build)."""
+    q_len, kv_len = query.shape[-2], key.shape[-2]
+    if not padded and softcap is None and query.device.type == "cpu":
+        return attention.after_prompt_with_lse(query, key, value, scaling)
+    out, lse = torch.empty_like(query), query.new_empty(query.shape[:-1], dtype=torch.float32)
+    for (first, last), (start, end), mask in mask_blocks(attention_mask, q_len, kv_len, key.shape[0], None, longprompt.BLOCK_ELEMENTS // 4):
+        out[:, :, first:last], lse[:, :, first:last] = attention.attention_with_lse(
+            query[:, :, first:last], key[:, :, start:end], value[:, :, start:end], mask, scaling, softcap
+        )
+    return out, lse
+
+
+def mask_blocks(
+    attention_mask: torch.Tensor | LazyMask | None, q_len: int, kv_len: int, batch: int, sliding_window: int | None, elements: int
+) -> Iterator[tuple[tuple[int, int], tuple[int, int], torch.Tensor]]:
+    """Blocks of the ``q_len`` new queries (the newest of ``kv_len`` keys), each with at most ``elements``
+    mask elements: its rows, the keys its queries can see, and its boolean mask over them."""
+    rows = max(1, elements // (batch * kv_len))
     for first in range(0, q_len, rows):
         last = min(q_len, first + rows)
         end = kv_len - q_len + last  # the keys up to the block's last query
         start = max(0, kv_len - q_len + first - sliding_window + 1) if sliding_window is not None else 0  # older keys are out of every window
-        mask = mask_block(attention_mask, q_len, kv_len, sliding_window, (first, last), (start, end))
-        out[:, :, first:last] = layer.attend(query[:, :, first:last], key[:, :, start:end], value[:, :, start:end], mask, scaling, softcap)
-    return out
+        yield (first, last), (start, end), mask_block(attention_mask, q_len, kv_len, sliding_window, (first, last), (start, end))
 
 
 def kvcompress_attention(
@@ -302,11 +331,15 @@ def kvcompress_attention(
         )
     q_len = query.shape[-2]
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
-    if layer.is_prefill or layer.observing:  # the new tokens are the newest of the prompt's (an observation pass: just after it)
+    lse, new_valid = None, new_token_validity(attention_mask, q_len)
+    if layer.observing:
+        padded = new_valid is not None and not bool(new_valid.all()) or not bool(layer.slot_validity().all())
+        out, lse = attend_observed(query, key, value, attention_mask, scaling, softcap, padded)
+    elif layer.is_prefill:  # the new tokens are the newest of the prompt's
         out = attend_prompt(layer, query, key, value, attention_mask, sliding_window, scaling, softcap)
     else:
         block = new_block(attention_mask, q_len, sliding_window) if q_len > 1 else None  # one query sees itself
         mask = layer.visibility(block, q_len)
         out = layer.attend(query, key, value, mask, scaling, softcap)
-    layer.commit(query, new_token_validity(attention_mask, q_len), scaling)
+    layer.commit(query, new_valid, scaling, lse)
     return out.transpose(1, 2).contiguous(), None
