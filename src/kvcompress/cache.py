@@ -28,7 +28,7 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from typing import Any, Callable, NamedTuple, Protocol
+from typing import Any, Callable, ClassVar, NamedTuple, Protocol
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
@@ -80,6 +80,23 @@ def capacity_bucket(slots: int) -> int:
     return 1 << max(6, (slots - 1).bit_length())
 
 
+def on_device(value: Any, device: torch.device) -> Any:
+    """``value`` moved to ``device`` if it is a tensor (a saved state's entries: tensors or plain values)."""
+    return value.to(device) if isinstance(value, torch.Tensor) else value
+
+
+def nested(prefix: str, state: dict[str, Any] | None) -> dict[str, Any]:
+    """An object's saved state inside its holder's, its names under ``prefix.`` (None: ``prefix`` is None)."""
+    return {prefix: None} if state is None else {f"{prefix}.{name}": value for name, value in state.items()}
+
+
+def inner(state: dict[str, Any], prefix: str) -> dict[str, Any] | None:
+    """The entries ``nested`` put under ``prefix``, without it (None where the object was None)."""
+    if state.get(prefix, "") is None:
+        return None
+    return {name[len(prefix) + 1 :]: value for name, value in state.items() if name.startswith(prefix + ".")}
+
+
 class KVLayer(DynamicLayer):
     """One layer's KV storage; uncompressed unless a method's subclass overrides the contract.
 
@@ -91,9 +108,14 @@ class KVLayer(DynamicLayer):
     shape: a decoding step is one capturable graph. Host-side counters (``seen_tokens``, ``used``) are kept by ``advance``, which
     eager steps call from ``update`` and a compiled decoding loop calls after each step."""
 
+    STATE: ClassVar[tuple[str, ...]] = ()  # a subclass's own saved entries (tensors or plain values), by attribute name
+
     def __init__(self, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
+        self.module_id: int | None = None  # id() of the attention module this layer serves (make_cache sets it)
+        self.dtype: torch.dtype | None = None  # of the keys and values, set with them (transformers' lazy_initialization)
+        self.device: torch.device | None = None
         self.seen_tokens = 0  # logical length: every token fed, padding included
         self.used = 0  # slots holding tokens: [0, used)
         self.cursor: torch.Tensor | None = None  # [1] on the device: the slot of the next (during a step: this step's first) token
@@ -436,6 +458,32 @@ class KVLayer(DynamicLayer):
         """Attributes holding a batch dimension first (reordered by beam search)."""
         return ["keys", "values", "valid", "positions", "prompt_tokens", "spans"]
 
+    # --- the saved file (docs/file-format.md) ----------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """This layer as a saved file holds it: tensors and plain values under their documented names
+        (docs/file-format.md), which are the format, whatever the attributes are called. A subclass
+        adds its entries to its parent's. Only a layer at rest (a whole prompt, no step half done) is saved."""
+        if not self.prefilled or self.awaiting_commit or self.observing:
+            raise CacheMisuseError("kvcompress: a cache can be saved once its prompt is prefilled and compressed, not during a step")
+        return {
+            "keys": self.keys, "values": self.values, "valid": self.valid, "positions": self.positions, "cursor": self.cursor,
+            "prompt_tokens": self.prompt_tokens, "spans": self.spans,
+            "seen_tokens": self.seen_tokens, "used": self.used, "prefill_len": self.prefill_len, "compress_s": self.compress_s,
+            **{name: getattr(self, name) for name in self.STATE},
+        }
+
+    def load_state_dict(self, state: dict[str, Any], device: torch.device) -> None:
+        """Put ``state`` (``state_dict``'s entries, tensors in host memory) into this fresh layer on ``device``."""
+        self.keys, self.values, self.valid, self.positions, self.cursor, self.prompt_tokens, self.spans = (
+            on_device(state[name], device) for name in ("keys", "values", "valid", "positions", "cursor", "prompt_tokens", "spans")
+        )
+        self.seen_tokens, self.used, self.prefill_len, self.compress_s = (state[name] for name in ("seen_tokens", "used", "prefill_len", "compress_s"))
+        for name in self.STATE:
+            setattr(self, name, on_device(state[name], device))
+        self.prefilled = self.is_initialized = True
+        self.dtype, self.device = self.keys.dtype, self.keys.device
+
     # --- batch operations (transformers' generate: beams, num_return_sequences) -----------------------
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
@@ -496,6 +544,7 @@ class WindowLayer(KVLayer):
     oldest token in place and sees the slots less than ``window`` tokens before it."""
 
     is_sliding = True
+    STATE = ("slot_index",)
 
     def __init__(self, layer_idx: int, window: int) -> None:
         super().__init__(layer_idx)
