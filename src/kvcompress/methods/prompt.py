@@ -180,7 +180,7 @@ class PromptMethod(BudgetMethod):
         counts = self.keep_counts(layers[0].prompt_tokens)
         if counts is None:
             return
-        scores = [layer.prompt_scores(*layer.deferred) for layer in layers]
+        scores = [layer.prompt_scores(*layer.intake.deferred) for layer in layers]
         for layer, share in zip(layers, global_shares(scores, layers[0].slot_validity(), counts - self.reserved_tokens())):
             layer.share = share
 
