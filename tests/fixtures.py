@@ -95,6 +95,17 @@ def family_model(family: str, seed: int = 0) -> torch.nn.Module:
     return AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **shared, **settings)).eval()
 
 
+def fixed_weights(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """``model`` with every weight drawn here in name order (norms around 1), not by transformers'
+    initialisers: the same model under any transformers version (the saved-file fixtures need it)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in sorted(model.named_parameters()):
+            centre = 1.0 if "norm" in name and name.endswith("weight") else 0.0
+            parameter.copy_(centre + 0.2 * torch.randn(parameter.shape, generator=generator))
+    return model
+
+
 def prefilled_cache(method, prompt_tokens: int, **model_overrides):
     """A tiny model's cache after prefilling ``prompt_tokens`` random tokens through ``method``."""
     model = tiny_model(**model_overrides)

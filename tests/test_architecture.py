@@ -130,3 +130,16 @@ def test_a_new_method_is_one_class_and_a_registry_line(toy_method, saved_tiny_mo
     assert labels == {"full", "every-other:stride=2@64"}
     assert main(["generate", "--model", str(saved_tiny_model), "--method", "every-other", "--window", "4", "--prompt", "z"]) == 2
     assert "method 'every-other' does not take --window; it takes: --budget, --ratio, --heads, --head-floor, --layers, --pyramid-beta, --stride" in capsys.readouterr().err
+
+
+def test_every_layer_attribute_is_born_in_its_init():
+    """A layer's state is what its ``__init__`` declares: nothing appears later (a saved file's
+    entries, docs/file-format.md, are named from it), for every method, a batch, after decoding."""
+    from .test_batches import METHODS
+
+    model, tok = tiny_model(), char_tokenizer()
+    for method in METHODS:
+        declared = {type(layer): set(vars(layer)) for layer in method.make_cache(model, tok).layers}
+        result = kvc.generate(model, tok, ["one short prompt", "and a longer one, " * 20], method=method, max_new_tokens=3)
+        for layer in result.cache.layers:
+            assert set(vars(layer)) == declared[type(layer)], f"{method.label()}: {type(layer).__name__} gained {set(vars(layer)) - declared[type(layer)]}"

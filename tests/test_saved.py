@@ -65,7 +65,10 @@ def test_files_that_cannot_be_loaded_are_refused_by_name(tmp_path):
         kvc.load(path, tiny_model(seed=1), tok)
     with safe_open(str(path), framework="pt") as file:
         tensors, meta = {key: file.get_tensor(key) for key in file.keys()}, json.loads(file.metadata()["kvcompress-cache"])
-    for change, message in (({"version": 2}, r"format 'kvcompress-cache' version 2; this kvcompress reads 'kvcompress-cache' version 1"),
+    for change, message in (({"version": 1, "written_by": "kvcompress 0.0.9"},
+                             r"other.kvc is in kvcompress cache format version 1 \(written by kvcompress 0.0.9\); this kvcompress \S+ reads "
+                             r"version 2: compress the document again with this version"),
+                            ({"format": "other"}, r"other.kvc is not a kvcompress cache file \(its format is 'other'\)"),
                             ({"method": {"name": "nosuch", "fields": {}}}, r"was made with method 'nosuch', which is not registered here")):
         save_file(tensors, str(tmp_path / "other.kvc"), metadata={"kvcompress-cache": json.dumps({**meta, **change})})
         with pytest.raises(kvc.CacheFileError, match=message):

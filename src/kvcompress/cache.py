@@ -28,12 +28,13 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from typing import Any, Callable, NamedTuple, Protocol
+from typing import Any, Callable, ClassVar, NamedTuple, Protocol
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from .attention import causal_slot_mask, dense_attention
+from .intake import PromptIntake
 from .tensors import gather_rows, gather_tokens, nbytes, prompt_positions
 from .tokens import TokenSpans
 
@@ -80,6 +81,23 @@ def capacity_bucket(slots: int) -> int:
     return 1 << max(6, (slots - 1).bit_length())
 
 
+def on_device(value: Any, device: torch.device) -> Any:
+    """``value`` moved to ``device`` if it is a tensor (a saved state's entries: tensors or plain values)."""
+    return value.to(device) if isinstance(value, torch.Tensor) else value
+
+
+def nested(prefix: str, state: dict[str, Any] | None) -> dict[str, Any]:
+    """An object's saved state inside its holder's, its names under ``prefix.`` (None: ``prefix`` is None)."""
+    return {prefix: None} if state is None else {f"{prefix}.{name}": value for name, value in state.items()}
+
+
+def inner(state: dict[str, Any], prefix: str) -> dict[str, Any] | None:
+    """The entries ``nested`` put under ``prefix``, without it (None where the object was None)."""
+    if state.get(prefix, "") is None:
+        return None
+    return {name[len(prefix) + 1 :]: value for name, value in state.items() if name.startswith(prefix + ".")}
+
+
 class KVLayer(DynamicLayer):
     """One layer's KV storage; uncompressed unless a method's subclass overrides the contract.
 
@@ -91,9 +109,14 @@ class KVLayer(DynamicLayer):
     shape: a decoding step is one capturable graph. Host-side counters (``seen_tokens``, ``used``) are kept by ``advance``, which
     eager steps call from ``update`` and a compiled decoding loop calls after each step."""
 
+    STATE: ClassVar[tuple[str, ...]] = ()  # a subclass's own saved entries (tensors or plain values), by attribute name
+
     def __init__(self, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
+        self.module_id: int | None = None  # id() of the attention module this layer serves (make_cache sets it)
+        self.dtype: torch.dtype | None = None  # of the keys and values, set with them (transformers' lazy_initialization)
+        self.device: torch.device | None = None
         self.seen_tokens = 0  # logical length: every token fed, padding included
         self.used = 0  # slots holding tokens: [0, used)
         self.cursor: torch.Tensor | None = None  # [1] on the device: the slot of the next (during a step: this step's first) token
@@ -105,16 +128,7 @@ class KVLayer(DynamicLayer):
         self.awaiting_commit = False
         self.compress_s = 0.0
         self.spans: torch.Tensor | None = None  # [batch, prompt slots]: word/number span of each prompt token, when known
-        self.record_window: int | None | bool = False  # False: no recording; None: every prefill query
-        self.recorded: tuple[torch.Tensor, float] | None = None  # (last prefill queries, scaling)
-        self.batch_lengths: torch.Tensor | None = None  # a group of a batch: every row's real prompt tokens (they set the shapes)
-        self.prompt_total: int | None = None  # a prompt arriving in blocks (longprompt.BlockedPrefill): its length
-        self.prompt_valid: torch.Tensor | None = None  # [b, prompt]: its real tokens, block by block
-        self.prompt_queries: torch.Tensor | None = None  # the last prefill queries compress needs, block by block
-        self.observes = False  # compress waits for an observation pass (KVCompressCache.observe_first)
-        self.deferred: tuple[torch.Tensor, float] | None = None  # (prefill queries, scaling) compress gets after the pass
-        self.passing: tuple[torch.Tensor, torch.Tensor] | None = None  # an observation step's keys and values (prompt + its tokens)
-        self.in_pass = False  # the observation pass is running (KVCompressCache.begin_observation)
+        self.intake = PromptIntake()  # what the layer holds while its prompt comes in (intake.py)
 
     # --- storage ----------------------------------------------------------------------------------
 
@@ -131,19 +145,20 @@ class KVLayer(DynamicLayer):
                 "make a new cache for a new batch"
             )
         if self.observing:  # an observation pass: its tokens are attended with the prompt, never stored
-            if not self.in_pass:
+            if not self.intake.in_pass:
                 raise CacheMisuseError(
                     "kvcompress: this cache's method compresses the prompt after an observation pass (KVzip: the model repeating "
                     "the prompt), and the model was called again before that pass ran; kvcompress.generate and kvcompress.compress "
                     "run it (model.generate() cannot): use them to prefill"
                 )
-            self.passing = tuple(torch.cat([t[:, :, : self.prefill_len], new], dim=-2) for t, new in ((self.keys, key_states), (self.values, value_states)))
+            passing = tuple(torch.cat([t[:, :, : self.prefill_len], new], dim=-2) for t, new in ((self.keys, key_states), (self.values, value_states)))
+            self.intake.passing = passing
             self.awaiting_commit = True
-            _announced.layer, _announced.keys = self, self.passing[0]
-            return self.passing
+            _announced.layer, _announced.keys = self, passing[0]
+            return passing
         new = key_states.shape[-2]
         counted = not torch.compiler.is_compiling()  # a compiled step's loop counts after the step
-        if not self.prefilled and self.prompt_total is not None:  # a block of a prompt: into the prompt's buffer
+        if not self.prefilled and self.intake.in_blocks:  # a block of a prompt: into the prompt's buffer
             self.write_prompt_block(key_states, value_states)
         elif not self.prefilled:  # the first fill is held as computed, not copied
             self.lazy_initialization(key_states, value_states)
@@ -155,19 +170,19 @@ class KVLayer(DynamicLayer):
         if counted:
             self.advance(new)
         self.awaiting_commit = True
-        keys, values = (self.keys, self.values) if self.prompt_total is None else (t[:, :, : self.used] for t in (self.keys, self.values))
+        keys, values = (t[:, :, : self.used] for t in (self.keys, self.values)) if self.intake.in_blocks else (self.keys, self.values)
         _announced.layer, _announced.keys = self, keys
         return keys, values
 
     def expect_prompt(self, total: int) -> None:
         """The prompt will arrive in blocks, ``total`` tokens in all (``longprompt.BlockedPrefill``):
         each block is written into one buffer, and the layer compresses after the last."""
-        self.prompt_total = total
+        self.intake.total = total
 
     def write_prompt_block(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         if self.used == 0:
             self.lazy_initialization(key_states, value_states)
-            self.keys, self.values = (t.new_empty(*t.shape[:2], self.prompt_total, t.shape[-1]) for t in (key_states, value_states))
+            self.keys, self.values = (t.new_empty(*t.shape[:2], self.intake.total, t.shape[-1]) for t in (key_states, value_states))
         end = self.used + key_states.shape[-2]
         self.keys[:, :, self.used : end] = key_states
         self.values[:, :, self.used : end] = value_states
@@ -175,19 +190,6 @@ class KVLayer(DynamicLayer):
     def queries_needed(self) -> int | None:
         """The last prefill queries ``compress`` reads (None: all of them). Default: none."""
         return 0
-
-    def keep_prompt_block(self, query: torch.Tensor, new_valid: torch.Tensor | None) -> None:
-        """A prompt block's real tokens and, of its queries, those ``compress`` (or a prefill record) needs."""
-        start = self.used - query.shape[-2]
-        if new_valid is not None:
-            if self.prompt_valid is None:
-                self.prompt_valid = torch.ones(new_valid.shape[0], self.prompt_total, dtype=torch.bool, device=new_valid.device)
-            self.prompt_valid[:, start : self.used] = new_valid
-        needs = [self.queries_needed(), self.record_window if self.record_window is not False else 0]
-        kept = None if None in needs else max(needs)
-        if kept != 0:
-            queries = query if self.prompt_queries is None else torch.cat([self.prompt_queries, query], dim=-2)
-            self.prompt_queries = queries if kept is None else queries[..., -kept:, :]
 
     def advance(self, new: int) -> None:
         """Host-side counters after a step of ``new`` tokens."""
@@ -252,7 +254,7 @@ class KVLayer(DynamicLayer):
     def batch_prompt_tokens(self) -> torch.Tensor:
         """Real prompt tokens of every row of the batch: a cache prefilled for a group of a batch's
         rows compresses them into the shapes the whole batch would take, so the groups can be joined."""
-        return self.prompt_tokens if self.batch_lengths is None else self.batch_lengths
+        return self.prompt_tokens if self.intake.batch_lengths is None else self.intake.batch_lengths
 
     def slot_validity(self) -> torch.Tensor:
         """``[batch, slots]`` bool, True for real tokens."""
@@ -300,24 +302,23 @@ class KVLayer(DynamicLayer):
     @property
     def observing(self) -> bool:
         """True between the prefill and the end of its observation pass (``compress`` waits for it)."""
-        return self.deferred is not None
+        return self.intake.deferred is not None
 
     def commit(self, query: torch.Tensor, new_valid: torch.Tensor | None, scaling: float, lse: torch.Tensor | None = None) -> None:
         """Record which new tokens are real (``new_valid [b, q]``; None: all); after the first fill, let the method
         compress. ``lse``: an observation pass's log-normalisers (``KVLayer.observe``)."""
         self.awaiting_commit = False
         if self.observing:
-            keys, self.passing = self.passing[0], None
+            keys, self.intake.passing = self.intake.passing[0], None
             new = query.shape[-2]
             valid = torch.cat([self.slot_validity(), new_valid if new_valid is not None else keys.new_ones(keys.shape[0], new, dtype=torch.bool)], dim=-1)
             self.observe(query, keys, valid, scaling, lse)
             return
-        if self.is_prefill and self.prompt_total is not None:  # a prompt in blocks: compressed after its last
-            self.keep_prompt_block(query, new_valid)
-            if self.used < self.prompt_total:
+        if self.is_prefill and self.intake.in_blocks:  # a prompt in blocks: compressed after its last
+            self.intake.keep_block(query, new_valid, self.used, self.queries_needed())
+            if self.used < self.intake.total:
                 return
-            query, new_valid, self.prompt_queries, self.prompt_valid = self.prompt_queries, self.prompt_valid, None, None
-            self.prompt_total = None
+            query, new_valid = self.intake.whole_prompt()
         if self.is_prefill:
             self._end_prefill(query, new_valid, scaling)
             return
@@ -340,10 +341,9 @@ class KVLayer(DynamicLayer):
             self.valid = new_valid
         self.prefill_len, self.prefilled = self.keys.shape[-2], True
         self.prompt_tokens = self.slot_validity().sum(dim=-1)
-        if self.record_window is not False:
-            self.recorded = (query if self.record_window is None else query[..., -self.record_window :, :], scaling)
-        if self.observes:
-            self.deferred = (query, scaling)
+        self.intake.record(query, scaling)
+        if self.intake.observes:
+            self.intake.deferred = (query, scaling)
             return
         self.timed_compress(query, scaling)
 
@@ -353,26 +353,24 @@ class KVLayer(DynamicLayer):
         self.compress(query, scaling)
         _sync(self.keys)
         self.compress_s += time.perf_counter() - start
-        if self.record_window is False:
+        if self.intake.record_window is False:
             self.spans = None  # read by compress only (a prefill record keeps them for the methods it makes)
 
     def end_observation(self) -> None:
         """The observation pass is over: compress as the prefill would have."""
         if self.observing:
-            query, scaling = self.deferred
-            self.deferred = None
-            self.timed_compress(query, scaling)
+            self.timed_compress(*self.intake.take_deferred())
 
     def load_prefill(self, source: KVLayer) -> None:
         """Fill this empty layer with a prompt recorded by ``source`` (an uncompressed layer that kept
         its last queries), then apply the method as if the prefill had run here."""
-        if source.recorded is None:
+        if source.intake.recorded is None:
             raise CacheMisuseError("kvcompress: the prefill record has no queries for this layer")
         self.lazy_initialization(source.keys, source.values)
         self.set_slots(source.keys[:, :, : source.prefill_len], source.values[:, :, : source.prefill_len])
         self.seen_tokens = source.prefill_len
         self.spans = source.spans
-        query, scaling = source.recorded
+        query, scaling = source.intake.recorded
         self._end_prefill(query, None if source.valid is None else source.valid[:, : source.prefill_len], scaling)
 
     # --- the contract a method's layer overrides ----------------------------------------------------
@@ -436,6 +434,32 @@ class KVLayer(DynamicLayer):
         """Attributes holding a batch dimension first (reordered by beam search)."""
         return ["keys", "values", "valid", "positions", "prompt_tokens", "spans"]
 
+    # --- the saved file (docs/file-format.md) ----------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """This layer as a saved file holds it: tensors and plain values under their documented names
+        (docs/file-format.md), which are the format, whatever the attributes are called. A subclass
+        adds its entries to its parent's. Only a layer at rest (a whole prompt, no step half done) is saved."""
+        if not self.prefilled or self.awaiting_commit or self.observing:
+            raise CacheMisuseError("kvcompress: a cache can be saved once its prompt is prefilled and compressed, not during a step")
+        return {
+            "keys": self.keys, "values": self.values, "valid": self.valid, "positions": self.positions, "cursor": self.cursor,
+            "prompt_tokens": self.prompt_tokens, "spans": self.spans,
+            "seen_tokens": self.seen_tokens, "used": self.used, "prefill_len": self.prefill_len, "compress_s": self.compress_s,
+            **{name: getattr(self, name) for name in self.STATE},
+        }
+
+    def load_state_dict(self, state: dict[str, Any], device: torch.device) -> None:
+        """Put ``state`` (``state_dict``'s entries, tensors in host memory) into this fresh layer on ``device``."""
+        self.keys, self.values, self.valid, self.positions, self.cursor, self.prompt_tokens, self.spans = (
+            on_device(state[name], device) for name in ("keys", "values", "valid", "positions", "cursor", "prompt_tokens", "spans")
+        )
+        self.seen_tokens, self.used, self.prefill_len, self.compress_s = (state[name] for name in ("seen_tokens", "used", "prefill_len", "compress_s"))
+        for name in self.STATE:
+            setattr(self, name, on_device(state[name], device))
+        self.prefilled = self.is_initialized = True
+        self.dtype, self.device = self.keys.dtype, self.keys.device
+
     # --- batch operations (transformers' generate: beams, num_return_sequences) -----------------------
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
@@ -466,7 +490,7 @@ class KVLayer(DynamicLayer):
             setattr(self, name, joined)
             for layer in others:
                 setattr(layer, name, None)  # freed as the join goes, not held twice
-        self.batch_lengths = None
+        self.intake.batch_lengths = None
         self.used = self.keys.shape[-2]
         self.compress_s += sum(layer.compress_s for layer in others)
 
@@ -496,6 +520,7 @@ class WindowLayer(KVLayer):
     oldest token in place and sees the slots less than ``window`` tokens before it."""
 
     is_sliding = True
+    STATE = ("slot_index",)
 
     def __init__(self, layer_idx: int, window: int) -> None:
         super().__init__(layer_idx)
@@ -616,7 +641,7 @@ class KVCompressCache(Cache):
         self.observe_first = method.observation() is not None  # layers compress after an observation pass (end_observation)
         self.observe_s = 0.0  # time the observation pass took (part of compressing)
         for layer in layers:
-            layer.observes = self.observe_first
+            layer.intake.observes = self.observe_first
 
     def note_prompt(self, ids: torch.Tensor | None) -> None:
         """The prompt's token ids (None: the model got embeddings): every layer learns its spans, and
@@ -629,7 +654,7 @@ class KVCompressCache(Cache):
     def record_prefill(self, window: int | None) -> None:
         """Keep each layer's last ``window`` prefill queries (None: all) for ``load_prefill``."""
         for layer in self.layers:
-            layer.record_window = window
+            layer.intake.record_window = window
 
     def kept_positions(self, layer_idx: int) -> torch.Tensor:
         """LongTensor ``[batch, kv_heads, n_kept]``: original prompt positions kept by ``layer_idx``."""
@@ -639,7 +664,7 @@ class KVCompressCache(Cache):
         """This cache holds a group of a batch's rows, whose real prompt lengths are ``lengths``: its
         layers compress into the batch's shapes, so ``concat`` can join the groups."""
         for layer in self.layers:
-            layer.batch_lengths = lengths
+            layer.intake.batch_lengths = lengths
 
     @classmethod
     def concat(cls, caches: list[KVCompressCache]) -> KVCompressCache:
@@ -653,13 +678,13 @@ class KVCompressCache(Cache):
     def begin_observation(self) -> None:
         """The observation pass starts: until ``end_observation`` the model's calls are its pieces."""
         for layer in self.layers:
-            layer.in_pass = layer.observing
+            layer.intake.in_pass = layer.observing
 
     def end_observation(self, seconds: float) -> None:
         """The observation pass (``seconds`` long) is over: the method sees every layer that waited
         for it (e.g. to share a budget across layers), then every layer compresses."""
         for layer in self.layers:
-            layer.in_pass = False
+            layer.intake.in_pass = False
         start = time.perf_counter()
         self.method.before_compress([layer for layer in self.layers if layer.observing])
         self.observe_s += seconds + time.perf_counter() - start

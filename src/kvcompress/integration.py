@@ -190,7 +190,7 @@ def _layer_for(module: torch.nn.Module, key: torch.Tensor) -> KVLayer | None:
             f"kvcompress: {type(module).__name__} passed attention keys that are not the ones its cache layer returned; "
             "this attention layout is not supported"
         )
-    if getattr(layer, "module_id", id(module)) != id(module):
+    if layer.module_id is not None and layer.module_id != id(module):
         layer.awaiting_commit = False
         raise CacheMisuseError(
             f"kvcompress: this cache was made for another model (layer {layer.layer_idx} belongs to a different attention module); "

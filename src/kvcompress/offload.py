@@ -16,7 +16,7 @@ import copy
 import functools
 import importlib.util
 from types import SimpleNamespace
-from typing import Callable, Optional, TypeVar
+from typing import Any, Callable, Optional, TypeVar
 
 import torch
 
@@ -162,6 +162,18 @@ class ChunkStore:
         if self.view is None:  # no zero-copy view: the chunk ids go to the host (a synchronisation)
             return reuse(fetch_chunks(self.host, chunks.cpu()).to(self.device, non_blocking=True), chunks, previous_chunks, previous, hits)
         return gather_chunks(self.view, chunks, previous_chunks, previous, hits)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The store as a saved file holds it (docs/file-format.md): its chunks and where they live."""
+        return {"host": self.host, "offloaded": self.offloaded}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any], device: torch.device) -> ChunkStore:
+        """The store ``state_dict`` saved (its chunks in host memory), serving a model on ``device``."""
+        store = cls.__new__(cls)
+        store.host, store.offloaded = state["host"], state["offloaded"]
+        store.restored(device)
+        return store
 
     def restored(self, device: torch.device) -> None:
         """After loading ``host`` and ``offloaded`` from a file: serve a model on ``device``."""

@@ -21,6 +21,8 @@ mirrors (``lengths``, ``room_left``) move on in ``advance``.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from .attention import causal_slot_mask, dense_attention
@@ -77,6 +79,26 @@ class PackedSlots:
         self.offsets = torch.arange(self.widest, device=device)
         for size in (self.keys, self.values, self.valid, self.offsets):
             torch._dynamo.maybe_mark_dynamic(size, 0)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The packing as a saved file holds it (docs/file-format.md): the flat buffers with their
+        sentinel slot, each segment's start, length and capacity (row-major), its prompt positions."""
+        positions = {f"positions.{r}.{h}": p for r, row in enumerate(self.positions) for h, p in enumerate(row)}
+        return {"keys": self.keys, "values": self.values, "valid": self.valid, "starts": self.starts_t, "lengths": self.lengths_t,
+                "capacities": self.capacities_t, "rows": self.rows, "heads": self.heads, "room_left": self.room_left, **positions}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any], device: torch.device) -> PackedSlots:
+        """The packing ``state_dict`` saved (tensors in host memory), on ``device``; the host mirrors derived."""
+        packed = cls.__new__(cls)
+        packed.rows, packed.heads, packed.room_left = state["rows"], state["heads"], state["room_left"]
+        packed.keys, packed.values, packed.valid = (state[name].to(device) for name in ("keys", "values", "valid"))
+        packed.starts_t, packed.lengths_t, packed.capacities_t = (state[name].to(device) for name in ("starts", "lengths", "capacities"))
+        packed.starts, packed.lengths = (state[name].view(packed.rows, packed.heads).tolist() for name in ("starts", "lengths"))
+        packed.positions = [[state[f"positions.{r}.{h}"].to(device) for h in range(packed.heads)] for r in range(packed.rows)]
+        packed.widest = int(state["capacities"].max())
+        packed.restored(device)
+        return packed
 
     def segment(self, row: int, head: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Keys, values ``[n, d]`` and validity ``[n]`` of one segment (views, no copy)."""

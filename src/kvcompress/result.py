@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+from importlib import metadata
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,7 @@ from .methods import METHODS, Method, field_specs
 from .saved import CacheFileError, cache_state, model_fingerprint, restore_cache, to_json
 from .tokens import TokenSpans
 
-FORMAT, VERSION = "kvcompress-cache", 1
+FORMAT, VERSION = "kvcompress-cache", 2  # the version changes only when docs/file-format.md does
 Messages = list[dict[str, str]]
 
 
@@ -72,7 +73,7 @@ class Result:
         tensors["conversation.next_position"] = self.next_position.cpu()
         method = self.cache.method
         meta = {
-            "format": FORMAT, "version": VERSION, "model": model_fingerprint(model),
+            "format": FORMAT, "version": VERSION, "written_by": f"kvcompress {package_version()}", "model": model_fingerprint(model),
             "method": {"name": method.name, "fields": {spec.name: getattr(method, spec.name) for spec in field_specs(type(method))}},
             "layers": layers, "rows": [asdict(row) for row in self.rows], "text": self.text, "token_ids": self.token_ids,
             "stats": self.stats, "embeds_itself": self.cache.embeds_itself, "observe_s": self.cache.observe_s,
@@ -124,8 +125,14 @@ def read_header(path: str | Path) -> dict[str, Any]:
         raise FileNotFoundError(f"{path}: no such file") from None
     except Exception as error:  # noqa: BLE001 - a damaged file fails in many ways; each is this one error
         raise CacheFileError(f"{path} is not a whole kvcompress cache file ({type(error).__name__}: {error})") from None
-    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
-        raise CacheFileError(f"{path} is format {meta.get('format')!r} version {meta.get('version')!r}; this kvcompress reads {FORMAT!r} version {VERSION}")
+    if meta.get("format") != FORMAT:
+        raise CacheFileError(f"{path} is not a kvcompress cache file (its format is {meta.get('format')!r})")
+    if meta.get("version") != VERSION:
+        writer = meta.get("written_by", "an earlier kvcompress")
+        raise CacheFileError(
+            f"{path} is in kvcompress cache format version {meta.get('version')} (written by {writer}); this kvcompress "
+            f"{package_version()} reads version {VERSION}: compress the document again with this version"
+        )
     name = meta["method"]["name"]
     if name not in METHODS:
         raise CacheFileError(f"{path} was made with method {name!r}, which is not registered here (register it with kvc.register_method first)")
@@ -135,6 +142,14 @@ def read_header(path: str | Path) -> dict[str, Any]:
 def saved_method(path: str | Path) -> Method:
     """The method (with its settings) that compressed the conversation saved at ``path``."""
     return _method(read_header(path))
+
+
+def package_version() -> str:
+    """This kvcompress's version, as installed (``unknown`` when it runs from a source tree only)."""
+    try:
+        return metadata.version("kvcompress")
+    except metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def _method(meta: dict[str, Any]) -> Method:

@@ -110,6 +110,7 @@ class H2OLayer(EvictionLayer):
     KV head of a row evicts the same padding slots and slot validity stays per row."""
 
     method: H2O
+    STATE = (*EvictionLayer.STATE, "budget", "slot_scores", "slot_positions", "next_position")
 
     def __init__(self, method: H2O, layer_idx: int, share: float = 1.0) -> None:
         super().__init__(method, layer_idx, share)

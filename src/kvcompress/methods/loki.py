@@ -14,6 +14,7 @@ saved with ``torch.save``.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
@@ -43,8 +44,15 @@ def approximate_scores(query: torch.Tensor, projected_keys: torch.Tensor, compon
     return scores.view(batch, kv_heads, -1, seq).amax(dim=2)
 
 
+def model_head_dim(model: PreTrainedModel) -> int:
+    config = model.config.get_text_config()
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+@functools.lru_cache(maxsize=4)
 def load_calibration(path: str, layers: int, kv_heads: int, head_dim: int) -> torch.Tensor:
-    """The calibration components ``[layers, kv_heads, head_dim, head_dim]`` saved at ``path``."""
+    """The calibration components ``[layers, kv_heads, head_dim, head_dim]`` saved at ``path`` (read
+    once per file and model shape: ``check_model`` reads it to check it, ``make_layer`` per layer)."""
     try:
         components = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # noqa: BLE001 - any unreadable file gets the same clear error
@@ -71,20 +79,26 @@ class Loki(SparseMethod):
             raise InvalidParameterError(f"Loki: calibration={self.calibration!r} is not a file; give a tensor saved with torch.save")
 
     def check_model(self, model: PreTrainedModel) -> None:
-        config = model.config.get_text_config()
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        head_dim = model_head_dim(model)
         if self.dim is not None and self.dim > head_dim:
             raise InvalidParameterError(f"Loki: dim={self.dim} exceeds head_dim={head_dim}; valid: 1 to {head_dim}")
-        if self.calibration is not None:
-            self._components = load_calibration(self.calibration, config.num_hidden_layers, config.num_key_value_heads, head_dim)
+        self.calibrated(model)
+
+    def calibrated(self, model: PreTrainedModel) -> torch.Tensor | None:
+        """The calibration file's components for ``model`` (None without a file)."""
+        if self.calibration is None:
+            return None
+        config = model.config.get_text_config()
+        return load_calibration(self.calibration, config.num_hidden_layers, config.num_key_value_heads, model_head_dim(model))
 
     def make_layer(self, layer_idx: int, model: PreTrainedModel) -> LokiLayer:
-        calibrated = self._components[layer_idx] if self.calibration is not None else None
-        return LokiLayer(self, layer_idx, calibrated)
+        components = self.calibrated(model)
+        return LokiLayer(self, layer_idx, None if components is None else components[layer_idx])
 
 
 class LokiLayer(SparseDecodeLayer):
     method: Loki
+    STATE = (*SparseDecodeLayer.STATE, "components", "projected")
 
     def __init__(self, method: Loki, layer_idx: int, calibrated: torch.Tensor | None) -> None:
         super().__init__(method, layer_idx, unit=1, offload=False)

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from ..cache import KVLayer
+from ..cache import KVLayer, inner, nested
 from ..packed import PackedSlots
 from ..tensors import nbytes, prompt_positions
 from .base import BudgetMethod, param, require
@@ -180,7 +180,7 @@ class PromptMethod(BudgetMethod):
         counts = self.keep_counts(layers[0].prompt_tokens)
         if counts is None:
             return
-        scores = [layer.prompt_scores(*layer.deferred) for layer in layers]
+        scores = [layer.prompt_scores(*layer.intake.deferred) for layer in layers]
         for layer, share in zip(layers, global_shares(scores, layers[0].slot_validity(), counts - self.reserved_tokens())):
             layer.share = share
 
@@ -188,6 +188,8 @@ class PromptMethod(BudgetMethod):
 class EvictionLayer(KVLayer):
     """Each row keeps, per KV head, its ``keep_counts`` highest-scoring prompt tokens (scaled by the
     layer's ``share`` of the budget); decoding then appends to that fixed-size cache."""
+
+    STATE = ("share",)
 
     def __init__(self, method: PromptMethod, layer_idx: int, share: float = 1.0) -> None:
         super().__init__(layer_idx)
@@ -330,3 +332,11 @@ class HeadAdaptiveLayer(EvictionLayer):
 
     def batch_tensors(self) -> list[str]:
         return [*super().batch_tensors(), "packed"]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), **nested("packed", None if self.packed is None else self.packed.state_dict())}
+
+    def load_state_dict(self, state: dict[str, Any], device: torch.device) -> None:
+        super().load_state_dict(state, device)
+        packed = inner(state, "packed")
+        self.packed = None if packed is None else PackedSlots.from_state(packed, device)

@@ -61,6 +61,12 @@ class Quest(SparseMethod):
 
 class QuestLayer(SparseDecodeLayer):
     method: Quest
+    STATE = (*SparseDecodeLayer.STATE, "low", "span")
+
+    def __init__(self, method: Quest, layer_idx: int, unit: int, offload: bool) -> None:
+        super().__init__(method, layer_idx, unit, offload)
+        self.low: torch.Tensor | None = None  # [b, h, pages, d]: each page's smallest key per dimension
+        self.span: torch.Tensor | None = None  # [b, h, pages, d]: its largest minus its smallest
 
     def region_chunks(self, lengths: torch.Tensor) -> torch.Tensor:
         return torch.div(lengths, self.unit, rounding_mode="floor")

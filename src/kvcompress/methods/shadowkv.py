@@ -258,6 +258,7 @@ class ShadowKVLayer(SparseDecodeLayer):
     dense part holds outlier chunks, local tokens and everything appended after the prompt."""
 
     method: ShadowKV
+    STATE = (*SparseDecodeLayer.STATE, "factor_a", "factor_b", "landmarks", "bias", "inv_freq", "rope_scale")
 
     def __init__(self, method: ShadowKV, layer_idx: int, rotary: Rotary) -> None:
         super().__init__(method, layer_idx, unit=method.chunk, offload=True)
