@@ -91,6 +91,11 @@ def nested(prefix: str, state: dict[str, Any] | None) -> dict[str, Any]:
     return {prefix: None} if state is None else {f"{prefix}.{name}": value for name, value in state.items()}
 
 
+def held_state(held: Any) -> dict[str, Any] | None:
+    """The saved state of an object a layer holds (None where it holds none)."""
+    return None if held is None else held.state_dict()
+
+
 def inner(state: dict[str, Any], prefix: str) -> dict[str, Any] | None:
     """The entries ``nested`` put under ``prefix``, without it (None where the object was None)."""
     if state.get(prefix, "") is None:
@@ -110,6 +115,7 @@ class KVLayer(DynamicLayer):
     eager steps call from ``update`` and a compiled decoding loop calls after each step."""
 
     STATE: ClassVar[tuple[str, ...]] = ()  # a subclass's own saved entries (tensors or plain values), by attribute name
+    HELD: ClassVar[dict[str, Any]] = {}  # objects a subclass holds, saved under their name: state_dict() and from_state(state, device)
 
     def __init__(self, layer_idx: int) -> None:
         super().__init__()
@@ -447,6 +453,7 @@ class KVLayer(DynamicLayer):
             "prompt_tokens": self.prompt_tokens, "spans": self.spans,
             "seen_tokens": self.seen_tokens, "used": self.used, "prefill_len": self.prefill_len, "compress_s": self.compress_s,
             **{name: getattr(self, name) for name in self.STATE},
+            **{key: value for name in self.HELD for key, value in nested(name, held_state(getattr(self, name))).items()},
         }
 
     def load_state_dict(self, state: dict[str, Any], device: torch.device) -> None:
@@ -457,6 +464,9 @@ class KVLayer(DynamicLayer):
         self.seen_tokens, self.used, self.prefill_len, self.compress_s = (state[name] for name in ("seen_tokens", "used", "prefill_len", "compress_s"))
         for name in self.STATE:
             setattr(self, name, on_device(state[name], device))
+        for name, kind in self.HELD.items():
+            held = inner(state, name)
+            setattr(self, name, None if held is None else kind.from_state(held, device))
         self.prefilled = self.is_initialized = True
         self.dtype, self.device = self.keys.dtype, self.keys.device
 

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from ..cache import KVLayer, inner, nested
+from ..cache import KVLayer
 from ..packed import PackedSlots
 from ..tensors import nbytes, prompt_positions
 from .base import BudgetMethod, param, require
@@ -246,6 +246,8 @@ class EvictionLayer(KVLayer):
 class HeadAdaptiveLayer(EvictionLayer):
     """Ada-KV: the layer's budget shared by its KV heads by score, each head's tokens stored packed."""
 
+    HELD = {"packed": PackedSlots}
+
     def __init__(self, method: PromptMethod, layer_idx: int, share: float = 1.0) -> None:
         super().__init__(method, layer_idx, share)
         self.packed: PackedSlots | None = None
@@ -332,11 +334,3 @@ class HeadAdaptiveLayer(EvictionLayer):
 
     def batch_tensors(self) -> list[str]:
         return [*super().batch_tensors(), "packed"]
-
-    def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), **nested("packed", None if self.packed is None else self.packed.state_dict())}
-
-    def load_state_dict(self, state: dict[str, Any], device: torch.device) -> None:
-        super().load_state_dict(state, device)
-        packed = inner(state, "packed")
-        self.packed = None if packed is None else PackedSlots.from_state(packed, device)

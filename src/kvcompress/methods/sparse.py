@@ -21,7 +21,7 @@ from typing import Any, Callable, ClassVar
 import torch
 
 from ..attention import dense_attention
-from ..cache import KVLayer, OverlapProbe, inner, nested
+from ..cache import KVLayer, OverlapProbe
 from ..offload import ChunkStore
 from ..tensors import chunk_tokens, gather_tokens, nbytes, prompt_positions
 from .base import BudgetMethod, require
@@ -64,6 +64,7 @@ class SparseDecodeLayer(KVLayer):
     method: SparseMethod
     STATE = ("selectable", "unselectable", "step_chunks", "step_count", "batch_chunks", "all_counted", "front", "front_slots", "selected",
              "hits", "steps", "lookups")
+    HELD = {"store": ChunkStore}
 
     def __init__(self, method: SparseMethod, layer_idx: int, unit: int, offload: bool) -> None:
         super().__init__(layer_idx)
@@ -173,14 +174,6 @@ class SparseDecodeLayer(KVLayer):
         # gathered chunk counts, so the front slots need no mask of their own (checked once, here).
         self.all_counted = bool((self.step_chunks == self.step_count).all() and (self.selectable.sum(-1) >= self.step_count).all())
         self.index_selection(scaling)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), **nested("store", None if self.store is None else self.store.state_dict())}
-
-    def load_state_dict(self, state: dict[str, Any], device: torch.device) -> None:
-        super().load_state_dict(state, device)
-        store = inner(state, "store")
-        self.store = None if store is None else ChunkStore.from_state(store, device)
 
     def index_selection(self, scaling: float) -> None:
         """After ``compress``: lay out what ``chunk_scores`` reads each step (``selectable`` is final)."""
