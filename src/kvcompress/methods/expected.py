@@ -10,6 +10,11 @@ exponent (``covariance=False``: of ``s mu.k`` alone). It is averaged over the qu
 head and, with ``value_norm``, multiplied by the norm of the key's value (what the key would add to
 the output). The first ``sinks`` tokens are always kept. The statistics come from the prefill's
 queries: no pass beyond the prefill, one score per key.
+
+Where it fails (docs/accuracy.md, question-agnostic track): a buried fact asked for after the
+context is kept almost never (0.00-0.17 of the full cache's score at budgets 64-256, kvpress's
+ExpectedAttentionPress alike), because the prompt's own queries, which the Gaussian is fitted to, do
+not point at it: use KVzip for documents asked questions later.
 """
 
 from __future__ import annotations
