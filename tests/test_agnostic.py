@@ -227,3 +227,37 @@ def test_an_observation_pass_attends_exactly_and_gives_each_querys_normaliser(pa
         out, lse = attention.spelled_out_with_lse(query, keys, values, mask, 0.3)
     torch.testing.assert_close(lse, expected_lse)
     torch.testing.assert_close(out, expected)
+
+
+def test_kvzip_scores_leave_the_opening_out_of_each_softmax():
+    """KVzip's scores from a step's queries and normalisers, against the weights written out: each
+    query's softmax over the prompt and the step's tokens up to itself, renormalised without the
+    positions not counted (a chat template's opening after its first tokens), maxed over the queries
+    and a KV head's query heads; not counted, padding and padding queries score nothing. Row 0 opens
+    with 2 padding slots."""
+    from kvcompress.methods.kvzip import reconstruction_scores
+
+    generator = torch.Generator().manual_seed(1)
+    prompt, new = 10, 4
+    query = torch.randn(2, 4, new, 8, generator=generator)
+    keys = torch.randn(2, 2, prompt + new, 8, generator=generator)
+    valid = torch.ones(2, prompt + new, dtype=torch.bool)
+    valid[0, :2] = False
+    valid[1, -1] = False  # a padding query
+    counted = valid[:, :prompt].clone()
+    counted[0, 3:6] = False
+    counted[1, 1:4] = False
+    logits = torch.stack([query[:, h] @ keys[:, h // 2].transpose(-1, -2) for h in range(4)], dim=1) * 0.3  # [b, h, new, prompt + new]
+    seen = valid[:, None, None, :] & torch.cat([torch.ones(new, prompt, dtype=torch.bool), torch.ones(new, new, dtype=torch.bool).tril()], dim=-1)
+    lse = logits.masked_fill(~seen, -torch.inf).logsumexp(dim=-1)
+    expected = torch.zeros(2, 2, prompt)
+    for row in range(2):
+        for head in range(4):
+            for q in range(new):
+                if not valid[row, prompt + q]:
+                    continue
+                kept = seen[row, 0, q].clone()
+                kept[:prompt] &= counted[row]
+                weights = logits[row, head, q].masked_fill(~kept, -torch.inf).softmax(dim=-1)[:prompt]
+                expected[row, head // 2] = torch.maximum(expected[row, head // 2], weights)
+    torch.testing.assert_close(reconstruction_scores(query, keys, valid, prompt, 0.3, lse, counted), expected)

@@ -317,8 +317,10 @@ class KVLayer(DynamicLayer):
         if self.observing:
             keys, self.intake.passing = self.intake.passing[0], None
             new = query.shape[-2]
-            valid = torch.cat([self.slot_validity(), new_valid if new_valid is not None else keys.new_ones(keys.shape[0], new, dtype=torch.bool)], dim=-1)
-            self.observe(query, keys, valid, scaling, lse)
+            prompt_valid = self.slot_validity()
+            valid = torch.cat([prompt_valid, new_valid if new_valid is not None else keys.new_ones(keys.shape[0], new, dtype=torch.bool)], dim=-1)
+            context = prompt_positions(prompt_valid) >= self.intake.opening[:, None]
+            self.observe(query, keys, valid, scaling, lse, context)
             return
         if self.is_prefill and self.intake.in_blocks:  # a prompt in blocks: compressed after its last
             self.intake.keep_block(query, new_valid, self.used, self.queries_needed())
@@ -392,10 +394,13 @@ class KVLayer(DynamicLayer):
     def after_step(self, query: torch.Tensor, scaling: float) -> None:
         """After a later step's tokens are stored (e.g. evict while decoding). Default: nothing."""
 
-    def observe(self, query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scaling: float, lse: torch.Tensor) -> None:
+    def observe(
+        self, query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scaling: float, lse: torch.Tensor, context: torch.Tensor
+    ) -> None:
         """A step of the observation pass: ``query [b, q_heads, new, d]`` attended ``keys`` (the prompt's
         ``prefill_len`` slots, then the step's own), ``valid [b, prefill_len + new]``; ``lse [b, q_heads, new]``
-        is each query's log-normaliser (a weight is ``exp(scaling q.k - lse)``). Default: nothing."""
+        is each query's log-normaliser (a weight is ``exp(scaling q.k - lse)``); ``context [b, prefill_len]``
+        marks the prompt slots the pass repeats (after each row's opening). Default: nothing."""
 
     def stats(self) -> dict[str, Any]:
         """This layer's counters. Numbers are summed over layers by the cache."""
@@ -685,10 +690,12 @@ class KVCompressCache(Cache):
             layer.concat([cache.layers[index] for cache in caches[1:]])
         return first
 
-    def begin_observation(self) -> None:
-        """The observation pass starts: until ``end_observation`` the model's calls are its pieces."""
+    def begin_observation(self, openings: torch.Tensor) -> None:
+        """The observation pass starts: until ``end_observation`` the model's calls are its pieces, which
+        repeat each row's prompt after its first ``openings [b]`` tokens (a chat template's opening, a BOS)."""
         for layer in self.layers:
             layer.intake.in_pass = layer.observing
+            layer.intake.opening = openings
 
     def end_observation(self, seconds: float) -> None:
         """The observation pass (``seconds`` long) is over: the method sees every layer that waited

@@ -245,9 +245,10 @@ def observe_prompts(feeder: _Feeder, prompts: list[list[int]], lead: Lead | None
     if lead is None:
         raise ValueError(f"{feeder.cache.method.describe()} compresses after an observation pass, whose instruction needs the tokenizer")
     clock = time.perf_counter()
-    feeder.cache.begin_observation()
+    openings = [lead.opening(first + row, ids) for row, ids in enumerate(prompts)]
+    feeder.cache.begin_observation(torch.tensor(openings, device=feeder.device))
     size = observation.chunk
-    texts = [ids[lead.opening(first + row, ids) :] for row, ids in enumerate(prompts)]
+    texts = [ids[opening:] for opening, ids in zip(openings, prompts)]
     for start in range(0, max(len(t) for t in texts), size):
         pieces = []
         for row, ids in enumerate(texts):

@@ -157,7 +157,8 @@ class PromptMethod(BudgetMethod):
         return self.scores(query, layer.keys, layer.slot_validity(), scaling, layer.spans)
 
     def observe(
-        self, seen: torch.Tensor | None, query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, prompt: int, scaling: float, lse: torch.Tensor
+        self, seen: torch.Tensor | None, query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, prompt: int, scaling: float,
+        lse: torch.Tensor, context: torch.Tensor,
     ) -> torch.Tensor:
         """What a method with an ``observation`` pass keeps from one step of it, ``[b, kv_heads, prompt]``,
         merged with what earlier steps left (``seen``); see ``KVLayer.observe`` for the arguments."""
@@ -222,8 +223,10 @@ class EvictionLayer(KVLayer):
     def prompt_scores(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
         return self.method.layer_scores(self, query, scaling)
 
-    def observe(self, query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scaling: float, lse: torch.Tensor) -> None:
-        self.observed = self.method.observe(self.observed, query, keys, valid, self.prefill_len, scaling, lse)
+    def observe(
+        self, query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scaling: float, lse: torch.Tensor, context: torch.Tensor
+    ) -> None:
+        self.observed = self.method.observe(self.observed, query, keys, valid, self.prefill_len, scaling, lse, context)
 
     def timed_compress(self, query: torch.Tensor, scaling: float) -> None:
         super().timed_compress(query, scaling)
