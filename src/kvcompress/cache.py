@@ -317,10 +317,8 @@ class KVLayer(DynamicLayer):
         if self.observing:
             keys, self.intake.passing = self.intake.passing[0], None
             new = query.shape[-2]
-            prompt_valid = self.slot_validity()
-            valid = torch.cat([prompt_valid, new_valid if new_valid is not None else keys.new_ones(keys.shape[0], new, dtype=torch.bool)], dim=-1)
-            context = prompt_positions(prompt_valid) >= self.intake.opening[:, None]
-            self.observe(query, keys, valid, scaling, lse, context)
+            valid = torch.cat([self.slot_validity(), new_valid if new_valid is not None else keys.new_ones(keys.shape[0], new, dtype=torch.bool)], dim=-1)
+            self.observe(query, keys, valid, scaling, lse, self.intake.context)
             return
         if self.is_prefill and self.intake.in_blocks:  # a prompt in blocks: compressed after its last
             self.intake.keep_block(query, new_valid, self.used, self.queries_needed())
@@ -695,7 +693,8 @@ class KVCompressCache(Cache):
         repeat each row's prompt after its first ``openings [b]`` tokens (a chat template's opening, a BOS)."""
         for layer in self.layers:
             layer.intake.in_pass = layer.observing
-            layer.intake.opening = openings
+            if layer.observing:
+                layer.intake.context = prompt_positions(layer.slot_validity()) >= openings[:, None]
 
     def end_observation(self, seconds: float) -> None:
         """The observation pass (``seconds`` long) is over: the method sees every layer that waited

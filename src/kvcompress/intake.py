@@ -28,7 +28,7 @@ class PromptIntake:
         self.deferred: tuple[torch.Tensor, float] | None = None  # (prefill queries, scaling) compress gets after the pass
         self.passing: tuple[torch.Tensor, torch.Tensor] | None = None  # an observation step's keys and values (prompt + its tokens)
         self.in_pass = False  # the observation pass is running (KVCompressCache.begin_observation)
-        self.opening: torch.Tensor | None = None  # [b]: prompt tokens before what the pass repeats (a template's opening)
+        self.context: torch.Tensor | None = None  # [b, prompt slots]: what the pass repeats (after each row's opening)
 
     @property
     def in_blocks(self) -> bool:

@@ -254,11 +254,16 @@ class BudgetMethod(Method):
         return values
 
 
+def model_head_dim(model: PreTrainedModel) -> int:
+    """The size of one attention head of ``model`` (its config's, or the hidden size over the heads)."""
+    config = model.config.get_text_config()
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 def require_rope(model: PreTrainedModel, owner: str) -> None:
     """Raise ``UnsupportedModelError`` unless every full-attention layer of ``model`` uses a rotary
     embedding kvcompress can reproduce and invert (``rope.check_rope``)."""
-    config = model.config.get_text_config()
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    head_dim = model_head_dim(model)
     for index, window in enumerate(layer_windows(model)):
         problem = check_rope(model, index, head_dim) if window is None else None
         if problem:

@@ -14,8 +14,8 @@ The attention scored is the one the model computes over the prompt and the recon
 renormalised without the chat template's opening (its system prompt and header) beyond the prompt's
 first ``sinks`` tokens, as the paper's code does; those opening tokens score 0, the last kept. One
 choice differs from the paper's chunked code, which also leaves the other chunks out of each
-softmax: a chunk bounds the queries a step scores, not the keys. The global selection (``prompt.global_shares``) is
-measured against per-layer budgets in docs/accuracy.md. As for SnapKV,
+softmax: a chunk bounds the queries a step scores, not the keys. The global selection
+(``prompt.global_shares``) is measured against per-layer budgets in docs/accuracy.md. As for SnapKV,
 ``clustering="spans"`` (the default) gives every token of a word or number its span's highest
 score, so a value is kept whole; ``clustering="none"`` is the paper's per-token selection.
 """

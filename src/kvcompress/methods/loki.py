@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from .base import InvalidParameterError, param
+from .base import InvalidParameterError, model_head_dim, param
 from .sparse import SparseDecodeLayer, SparseMethod
 
 if TYPE_CHECKING:
@@ -42,11 +42,6 @@ def approximate_scores(query: torch.Tensor, projected_keys: torch.Tensor, compon
     stacked = query.reshape(batch * kv_heads, -1, dim).to(components.dtype) @ components.reshape(batch * kv_heads, dim, rank)
     scores = stacked.to(projected_keys.dtype) @ projected_keys.view(batch * kv_heads, seq, rank).mT
     return scores.view(batch, kv_heads, -1, seq).amax(dim=2)
-
-
-def model_head_dim(model: PreTrainedModel) -> int:
-    config = model.config.get_text_config()
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 @functools.lru_cache(maxsize=4)

@@ -36,7 +36,7 @@ import torch
 from ..ops import fused
 from ..rope import Rotary, apply_rope, invert_rope, rope_cos_sin, rotary_for
 from ..tensors import chunk_tokens, gather_tokens, prompt_positions
-from .base import InvalidParameterError, param, require_rope
+from .base import InvalidParameterError, model_head_dim, param, require_rope
 from .sparse import SparseDecodeLayer, SparseMethod
 
 if TYPE_CHECKING:
@@ -227,9 +227,7 @@ class ShadowKV(SparseMethod):
 
     def check_model(self, model: PreTrainedModel) -> None:
         require_rope(model, "ShadowKV")
-        config = model.config.get_text_config()
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        width = config.num_key_value_heads * head_dim
+        width = model.config.get_text_config().num_key_value_heads * model_head_dim(model)
         if self.rank is not None and self.rank > width:
             raise InvalidParameterError(f"ShadowKV: rank={self.rank} exceeds kv_heads * head_dim = {width} of this model; valid: 1 to {width}")
 
