@@ -1,15 +1,16 @@
-"""The KV cache: storage, and the small contract a method's layer implements.
+"""The KV cache: layers that hold storage and apply a method through a small contract.
 
-``KVCompressCache`` is a transformers ``Cache`` made of one ``KVLayer`` per model layer. A
-``KVLayer`` is storage: key/value slots ``[batch, kv_heads, slots, head_dim]`` in buffers with spare
-room (decoding writes its token instead of copying the cache), per-row slot validity (batches mix
-prompt lengths), the prompt positions its slots hold, and batch operations. It knows nothing of any
-method: a method's layer subclasses it and overrides the contract:
+``KVCompressCache`` is a transformers ``Cache`` made of one ``KVLayer`` per model layer. A layer
+holds its storage, a ``slots.Slots`` object (dense slots, a sliding window's ring, capped slots,
+packed per-head segments: one class per layout, knowing no method), which keeps the keys and
+values, their validity and positions, the lengths and the batch operations; the layer swaps it for
+another layout where a method needs one (head-adaptive budgets pack after compression). It knows
+nothing of any method: a method's layer subclasses it and overrides the contract:
 
 * ``compress(query, scaling)``: called once, right after the prefill attention of this layer, while
-  the layer holds the whole prompt; decide what to keep (``keep``) or where to store it. A method
-  that scores from an observation pass (KVzip: the model repeating the prompt) has it called after
-  that pass instead, which ``observe`` watches: the pass's tokens are attended, never stored.
+  the layer holds the whole prompt; decide what to keep (``slots.keep``) or where to store it. A
+  method that scores from an observation pass (KVzip: the model repeating the prompt) has it called
+  after that pass instead, which ``observe`` watches: the pass's tokens are attended, never stored.
 * ``attend(query, keys, values, mask, scaling, softcap)``: the attention of one step over this layer.
 * ``after_step(query, scaling)``: called after every later step's tokens are stored.
 * ``index_tensors()``: other device tensors it keeps (counted as memory).
@@ -17,7 +18,10 @@ method: a method's layer subclasses it and overrides the contract:
   summed over layers; the method's ``summarize`` turns the totals into its own fields.
 * ``fetch_overlap()``: for layers that read an offload store, the parts the speed benchmark times.
 * ``info()``: facts about the layer (a rank, how values are fetched) that every layer should share.
-* ``batch_tensors()``: names of the tensors with a batch dimension (beam search reorders them).
+* ``batch_tensors()``: names of its own tensors with a batch dimension (beam search reorders them).
+
+What the layer holds while its prompt comes in (blocks, records, an observation pass) is its
+``intake`` (intake.py); what a file saves is its ``state_dict`` (docs/file-format.md).
 
 ``get_seq_length`` is the *logical* length (prompt + appended tokens, padding included), so
 transformers keeps assigning RoPE positions and slicing generate inputs from the true length.
@@ -33,9 +37,10 @@ from typing import Any, Callable, ClassVar, NamedTuple, Protocol
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from .attention import causal_slot_mask, dense_attention
 from .intake import PromptIntake
-from .tensors import gather_rows, gather_tokens, nbytes, prompt_positions
+from .slots import DenseSlots, RingSlots, Slots, held_state, inner, nested, on_device
+from .slots import capacity_bucket, spare_slots  # noqa: F401 (where they lived before slots.py)
+from .tensors import nbytes, prompt_positions
 from .tokens import TokenSpans
 
 
@@ -70,73 +75,56 @@ class OverlapProbe(NamedTuple):
     concurrent: bool
 
 
-def spare_slots(slots: int) -> int:
-    """Room a slot buffer gets beyond ``slots`` when it grows: ~6%, at least 16 and at most 1024 slots."""
-    return min(1024, max(16, slots // 16))
-
-
-def capacity_bucket(slots: int) -> int:
-    """The capacity a compiled decoding step's buffer of ``slots`` slots takes: the next power of two
-    (at least 64), so requests of other lengths in the same bucket reuse the compiled step."""
-    return 1 << max(6, (slots - 1).bit_length())
-
-
-def on_device(value: Any, device: torch.device) -> Any:
-    """``value`` moved to ``device`` if it is a tensor (a saved state's entries: tensors or plain values)."""
-    return value.to(device) if isinstance(value, torch.Tensor) else value
-
-
-def nested(prefix: str, state: dict[str, Any] | None) -> dict[str, Any]:
-    """An object's saved state inside its holder's, its names under ``prefix.`` (None: ``prefix`` is None)."""
-    return {prefix: None} if state is None else {f"{prefix}.{name}": value for name, value in state.items()}
-
-
-def held_state(held: Any) -> dict[str, Any] | None:
-    """The saved state of an object a layer holds (None where it holds none)."""
-    return None if held is None else held.state_dict()
-
-
-def inner(state: dict[str, Any], prefix: str) -> dict[str, Any] | None:
-    """The entries ``nested`` put under ``prefix``, without it (None where the object was None)."""
-    if state.get(prefix, "") is None:
-        return None
-    return {name[len(prefix) + 1 :]: value for name, value in state.items() if name.startswith(prefix + ".")}
+def _refuse_replacing(name: str) -> Callable[[KVLayer, Any], None]:
+    def refuse(layer: KVLayer, value: Any) -> None:
+        if value is not None:  # transformers' base class starts every layer with None
+            raise CacheMisuseError(f"kvcompress: a layer's {name} are views of its storage (layer.slots); they cannot be replaced")
+    return refuse
 
 
 class KVLayer(DynamicLayer):
-    """One layer's KV storage; uncompressed unless a method's subclass overrides the contract.
+    """One layer of the cache: it holds its storage (``slots``, slots.py), and applies its method's
+    policy through the contract a method's layer overrides (``compress``, ``attend``, ``after_step``,
+    ``observe``); uncompressed unless a subclass overrides it.
 
-    The prompt is held as the prefill computed it. From the first later step on, the slots live in
-    buffers of a fixed capacity with room to spare: ``keys``/``values`` are those whole buffers,
-    ``valid [batch, capacity]`` marks the slots holding real tokens (False for padding and for the
-    room), and every step attends over all of them. A step writes its tokens at ``cursor`` (a
-    device tensor, moved on when the step commits), so it reads no host value and keeps every
-    shape: a decoding step is one capturable graph. Host-side counters (``seen_tokens``, ``used``) are kept by ``advance``, which
-    eager steps call from ``update`` and a compiled decoding loop calls after each step."""
+    The prompt is held as the prefill computed it; from the first later step on, the slots live in
+    buffers of a fixed capacity and a step writes at the storage's device-side position, so it reads
+    no host value and keeps every shape: a decoding step is one capturable graph. The lengths live in
+    the storage; their host mirrors move in ``advance``, which an eager step calls from ``update`` and
+    a compiled decoding loop after each step (``KVCompressCache.advance``)."""
 
     STATE: ClassVar[tuple[str, ...]] = ()  # a subclass's own saved entries (tensors or plain values), by attribute name
-    HELD: ClassVar[dict[str, Any]] = {}  # objects a subclass holds, saved under their name: state_dict() and from_state(state, device)
+    HELD: ClassVar[dict[str, Any]] = {}  # objects a subclass holds beside its slots, saved under their name (state_dict, from_state)
+    LAYOUTS: ClassVar[tuple[type[Slots], ...]] = ()  # storage a subclass may swap its slots for (saved under its NAME; None: not swapped)
 
-    def __init__(self, layer_idx: int) -> None:
+    keys = property(lambda self: self.slots.view().keys, _refuse_replacing("keys"), doc="the keys attention gets ``[b, h, slots, d]``")
+    values = property(lambda self: self.slots.view().values, _refuse_replacing("values"), doc="the values attention gets")
+    valid = property(lambda self: self.slots.view().valid, doc="``[b, slots]`` real slots (None: all of them)")
+    positions = property(lambda self: self.slots.view().positions, doc="``[b, h, prompt slots]``: prompt positions held (None: slot order)")
+    cursor = property(lambda self: self.slots.view().cursor, doc="``[1]`` on the device: the slot of the next token (None: no step yet)")
+    used = property(lambda self: self.slots.used, doc="slots holding tokens")
+    seen_tokens = property(lambda self: self.slots.seen, doc="logical length: every token fed, padding included")
+
+    def __init__(self, layer_idx: int, slots: DenseSlots | None = None) -> None:
+        self.slots: Slots = DenseSlots() if slots is None else slots  # before the base class, which sets keys and values
         super().__init__()
         self.layer_idx = layer_idx
         self.module_id: int | None = None  # id() of the attention module this layer serves (make_cache sets it)
         self.dtype: torch.dtype | None = None  # of the keys and values, set with them (transformers' lazy_initialization)
         self.device: torch.device | None = None
-        self.seen_tokens = 0  # logical length: every token fed, padding included
-        self.used = 0  # slots holding tokens: [0, used)
-        self.cursor: torch.Tensor | None = None  # [1] on the device: the slot of the next (during a step: this step's first) token
         self.prefill_len: int | None = None  # slots of the first fill (the padded prompt), set after it
         self.prefilled = False  # prefill_len is set (a bool: a compiled step reads it, and an int would be guarded by value)
         self.prompt_tokens: torch.Tensor | None = None  # real prompt tokens per row, set after the prefill
-        self.valid: torch.Tensor | None = None  # [batch, slots]; None while every slot is real (a prefill without padding)
-        self.positions: torch.Tensor | None = None  # [batch, kv_heads, prompt slots]: prompt positions held
         self.awaiting_commit = False
         self.compress_s = 0.0
         self.spans: torch.Tensor | None = None  # [batch, prompt slots]: word/number span of each prompt token, when known
         self.intake = PromptIntake()  # what the layer holds while its prompt comes in (intake.py)
 
-    # --- storage ----------------------------------------------------------------------------------
+    # --- a step ------------------------------------------------------------------------------------
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         if self.awaiting_commit:
@@ -164,15 +152,16 @@ class KVLayer(DynamicLayer):
             return passing
         new = key_states.shape[-2]
         counted = not torch.compiler.is_compiling()  # a compiled step's loop counts after the step
-        if not self.prefilled and self.intake.in_blocks:  # a block of a prompt: into the prompt's buffer
-            self.write_prompt_block(key_states, value_states)
-        elif not self.prefilled:  # the first fill is held as computed, not copied
+        if not self.prefilled:
             self.lazy_initialization(key_states, value_states)
-            self.keys, self.values = key_states, value_states
+            if self.intake.in_blocks:  # a block of a prompt: into the prompt's buffer
+                self.slots.write_block(key_states, value_states, self.intake.total)
+            else:  # the first fill is held as computed, not copied
+                self.slots.hold(key_states, value_states)
         else:
             if counted:
-                self.make_room(new)
-            self.write(key_states, value_states)
+                self.slots.make_room(new)
+            self.slots.write(key_states, value_states)
         if counted:
             self.advance(new)
         self.awaiting_commit = True
@@ -185,110 +174,38 @@ class KVLayer(DynamicLayer):
         each block is written into one buffer, and the layer compresses after the last."""
         self.intake.total = total
 
-    def write_prompt_block(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        if self.used == 0:
-            self.lazy_initialization(key_states, value_states)
-            self.keys, self.values = (t.new_empty(*t.shape[:2], self.intake.total, t.shape[-1]) for t in (key_states, value_states))
-        end = self.used + key_states.shape[-2]
-        self.keys[:, :, self.used : end] = key_states
-        self.values[:, :, self.used : end] = value_states
-
     def queries_needed(self) -> int | None:
         """The last prefill queries ``compress`` reads (None: all of them). Default: none."""
         return 0
 
     def advance(self, new: int) -> None:
-        """Host-side counters after a step of ``new`` tokens."""
-        self.seen_tokens += new
-        self.used += new
-
-    def make_room(self, new: int) -> None:
-        """Buffers with room for ``new`` more tokens: moved into larger ones (room ~6% of the slots,
-        see ``spare_slots``) only when the room runs out, so decoding copies the cache once per room."""
-        if self.cursor is None or self.keys.shape[-2] - self.used < new:
-            self.relayout(self.used + new + spare_slots(self.used + new))
+        """The host mirrors after a step of ``new`` tokens (the storage's lengths)."""
+        self.slots.advance(new)
 
     def reserve(self, tokens: int, buckets: bool = False) -> None:
         """Room for ``tokens`` more tokens now (at least the usual spare room), so the steps that
         append them keep every shape; with ``buckets``, a capacity of ``capacity_bucket`` exactly."""
-        if buckets:
-            capacity = capacity_bucket(self.used + tokens)
-            if self.cursor is None or self.keys.shape[-2] != capacity:
-                self.relayout(capacity)
-        elif self.cursor is None or self.keys.shape[-2] - self.used < tokens:
-            self.relayout(self.used + max(tokens, spare_slots(self.used)))
+        self.slots.reserve(tokens, buckets)
 
-    def relayout(self, capacity: int) -> None:
-        """Move the ``used`` slots into buffers of ``capacity`` slots (the rest: room, invalid)."""
-        held = (self.keys[:, :, : self.used], self.values[:, :, : self.used])
-        self.keys, self.values = (t.new_zeros(*t.shape[:2], capacity, t.shape[-1]) for t in held)
-        for buffer, tensor in zip((self.keys, self.values), held):
-            buffer[:, :, : self.used].copy_(tensor)
-        valid = torch.zeros(self.keys.shape[0], capacity, dtype=torch.bool, device=self.keys.device)
-        valid[:, : self.used] = True if self.valid is None else self.valid[:, : self.used]
-        self.valid = valid
-        self.cursor = torch.tensor([self.used], device=self.keys.device)
-
-    def write(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Store this step's tokens at ``cursor`` (valid until ``commit`` says otherwise)."""
-        slots = self.new_slots(key_states.shape[-2])
-        self.keys.index_copy_(2, slots, key_states)
-        self.values.index_copy_(2, slots, value_states)
-        self.valid.index_fill_(1, slots, True)
-
-    def new_slots(self, new: int) -> torch.Tensor:
-        """Slot indices ``[new]`` of this step's ``new`` tokens."""
-        return self.cursor if new == 1 else self.cursor + torch.arange(new, device=self.cursor.device)
-
-    def close_step(self, new: int) -> None:
-        """Move the cursor past this step's ``new`` tokens."""
-        self.cursor.add_(new)
-
-    def set_slots(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> None:
-        """Replace every slot (e.g. by the kept ones). ``valid [b, slots]`` (None: all real),
-        ``positions [b, kv_heads, prompt slots]`` (None: derived from validity)."""
-        self.keys, self.values, self.valid, self.positions = keys, values, valid, positions
-        self.used, self.cursor = keys.shape[-2], None
-
-    def keep(self, indices: torch.Tensor, slot_valid: torch.Tensor) -> None:
-        """Keep, per row and KV head, the prompt slots ``indices [b, kv_heads, n]`` (ascending);
-        ``slot_valid [b, n]`` marks filler slots of rows that keep fewer (see ``select_kept``)."""
-        kept = gather_rows(prompt_positions(self.slot_validity()), indices).masked_fill(~slot_valid[:, None, :], -1)
-        valid = None if bool(slot_valid.all()) else slot_valid
-        self.set_slots(gather_tokens(self.keys, indices), gather_tokens(self.values, indices), valid, kept)
+    def slot_validity(self) -> torch.Tensor:
+        """``[batch, slots]`` bool, True for real tokens."""
+        return self.slots.slot_validity()
 
     def batch_prompt_tokens(self) -> torch.Tensor:
         """Real prompt tokens of every row of the batch: a cache prefilled for a group of a batch's
         rows compresses them into the shapes the whole batch would take, so the groups can be joined."""
         return self.prompt_tokens if self.intake.batch_lengths is None else self.intake.batch_lengths
 
-    def slot_validity(self) -> torch.Tensor:
-        """``[batch, slots]`` bool, True for real tokens."""
-        if self.valid is not None:
-            return self.valid
-        return torch.ones(self.keys.shape[0], self.keys.shape[-2], dtype=torch.bool, device=self.keys.device)
-
     def visibility(self, new_block: torch.Tensor | None, q_len: int) -> torch.Tensor | None:
-        """Boolean mask ``[b, 1, q_len, slots]`` of what the new queries see, from each slot's validity
-        and ``new_block [b, 1, q_len, q_len]``, the new tokens among themselves (None: causal). None
+        """Boolean mask ``[b, 1, q_len, slots]`` of what the new queries see, from the storage and
+        ``new_block [b, 1, q_len, q_len]``, the new tokens among themselves (None: causal). None
         when plain causal attention over the slots is right (a prefill without padding)."""
-        if self.is_prefill:
-            return new_block  # the slots are exactly the new tokens
-        seen = self.valid.view(self.valid.shape[0], 1, 1, -1)
-        if q_len == 1:
-            return seen  # a decoding token is valid from its write on: it sees itself and every real slot
-        block = new_block if new_block is not None else causal_slot_mask(q_len, q_len, self.keys.device)
-        mask = seen.expand(-1, -1, q_len, -1).clone()
-        mask[..., self.used - q_len : self.used] = block
-        return mask
+        return new_block if self.is_prefill else self.slots.visibility(new_block, q_len)
 
     def kept_positions(self) -> torch.Tensor:
         """Prompt positions held, ``[batch, kv_heads, prompt slots]`` ascending per head; -1 marks
         filler slots of rows (in a batch) that keep fewer tokens than the longest row."""
-        if self.positions is not None:
-            return self.positions
-        valid = self.slot_validity()[:, : self.prefill_len]
-        return prompt_positions(valid)[:, None, :].expand(-1, self.keys.shape[1], -1)
+        return self.slots.kept_positions(self.prefill_len)
 
     def get_seq_length(self) -> int:
         return self.seen_tokens
@@ -329,13 +246,9 @@ class KVLayer(DynamicLayer):
             self._end_prefill(query, new_valid, scaling)
             return
         if new_valid is not None:  # written without asking the device whether all are real: that would synchronize
-            self.mark_padding(new_valid)
+            self.slots.mark_padding(new_valid)
         self.after_step(query, scaling)
-        self.close_step(query.shape[-2])
-
-    def mark_padding(self, new_valid: torch.Tensor) -> None:
-        """The validity ``[b, q]`` of this step's tokens."""
-        self.valid.index_copy_(1, self.new_slots(new_valid.shape[-1]), new_valid)
+        self.slots.close_step(query.shape[-2])
 
     def _end_prefill(self, query: torch.Tensor, new_valid: torch.Tensor | None, scaling: float) -> None:
         if new_valid is not None and not bool(new_valid.all()):
@@ -344,7 +257,7 @@ class KVLayer(DynamicLayer):
                     "kvcompress needs left-padded batches (padding before each prompt, as tokenizer.padding_side='left' "
                     "gives); this batch has padding after real tokens"
                 )
-            self.valid = new_valid
+            self.slots.valid = new_valid
         self.prefill_len, self.prefilled = self.keys.shape[-2], True
         self.prompt_tokens = self.slot_validity().sum(dim=-1)
         self.intake.record(query, scaling)
@@ -373,8 +286,8 @@ class KVLayer(DynamicLayer):
         if source.intake.recorded is None:
             raise CacheMisuseError("kvcompress: the prefill record has no queries for this layer")
         self.lazy_initialization(source.keys, source.values)
-        self.set_slots(source.keys[:, :, : source.prefill_len], source.values[:, :, : source.prefill_len])
-        self.seen_tokens = source.prefill_len
+        self.slots.set(source.keys[:, :, : source.prefill_len], source.values[:, :, : source.prefill_len])
+        self.slots.seen = source.prefill_len
         self.spans = source.spans
         query, scaling = source.intake.recorded
         self._end_prefill(query, None if source.valid is None else source.valid[:, : source.prefill_len], scaling)
@@ -387,7 +300,7 @@ class KVLayer(DynamicLayer):
 
     def attend(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scaling: float, softcap: float | None = None) -> torch.Tensor:
         """Attention of ``query`` over this layer (``keys``/``values`` as ``update`` returned them)."""
-        return dense_attention(query, keys, values, mask, scaling, softcap)
+        return self.slots.attend(query, keys, values, mask, scaling, softcap)
 
     def after_step(self, query: torch.Tensor, scaling: float) -> None:
         """After a later step's tokens are stored (e.g. evict while decoding). Default: nothing."""
@@ -401,23 +314,10 @@ class KVLayer(DynamicLayer):
         marks the prompt slots the pass repeats (after each row's opening). Default: nothing."""
 
     def stats(self) -> dict[str, Any]:
-        """This layer's counters. Numbers are summed over layers by the cache."""
-        batch, heads, _, dim = self.keys.shape
-        kept = 2 * batch * heads * self.held_tokens() * dim * self.keys.element_size()
-        held = nbytes(self.keys, self.values)
-        return {
-            "kv_tokens": self.held_tokens(),
-            "kv_bytes_full": 2 * batch * heads * self.full_tokens() * dim * self.keys.element_size(),
-            "kv_bytes_kept": kept,
-            "spare_bytes": held - kept,
-            "index_bytes": nbytes(self.valid, self.positions, self.cursor, *self.index_tensors()),
-            "offloaded_bytes": 0,
-            "bytes_read_per_step": held,  # a step attends over every slot, the room included (masked)
-        }
-
-    def held_tokens(self) -> int:
-        """Slots holding tokens (per row and KV head)."""
-        return self.used
+        """This layer's counters (the storage's bytes, the method's index). Numbers are summed over layers by the cache."""
+        stats = {**self.slots.memory(self.full_tokens()), "offloaded_bytes": 0}
+        stats["index_bytes"] += nbytes(*self.index_tensors())
+        return stats
 
     def info(self) -> dict[str, Any]:
         """Facts about this layer shown in the cache's stats (kept when every layer agrees)."""
@@ -440,31 +340,34 @@ class KVLayer(DynamicLayer):
         return []
 
     def batch_tensors(self) -> list[str]:
-        """Attributes holding a batch dimension first (reordered by beam search)."""
-        return ["keys", "values", "valid", "positions", "prompt_tokens", "spans"]
+        """The layer's attributes holding a batch dimension first (beam search reorders them, with the storage)."""
+        return ["prompt_tokens", "spans"]
 
     # --- the saved file (docs/file-format.md) ----------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
         """This layer as a saved file holds it: tensors and plain values under their documented names
-        (docs/file-format.md), which are the format, whatever the attributes are called. A subclass
-        adds its entries to its parent's. Only a layer at rest (a whole prompt, no step half done) is saved."""
+        (docs/file-format.md), which are the format, whatever the attributes are called: the storage's,
+        then the layer's, then a subclass's. Only a layer at rest (a whole prompt, no step half done) is saved."""
         if not self.prefilled or self.awaiting_commit or self.observing:
             raise CacheMisuseError("kvcompress: a cache can be saved once its prompt is prefilled and compressed, not during a step")
         return {
-            "keys": self.keys, "values": self.values, "valid": self.valid, "positions": self.positions, "cursor": self.cursor,
-            "prompt_tokens": self.prompt_tokens, "spans": self.spans,
-            "seen_tokens": self.seen_tokens, "used": self.used, "prefill_len": self.prefill_len, "compress_s": self.compress_s,
+            **self.slots.state_dict(),
+            **{kind.NAME: None for kind in self.LAYOUTS if not isinstance(self.slots, kind)},
+            "prompt_tokens": self.prompt_tokens, "spans": self.spans, "prefill_len": self.prefill_len, "compress_s": self.compress_s,
             **{name: getattr(self, name) for name in self.STATE},
             **{key: value for name in self.HELD for key, value in nested(name, held_state(getattr(self, name))).items()},
         }
 
     def load_state_dict(self, state: dict[str, Any], device: torch.device) -> None:
         """Put ``state`` (``state_dict``'s entries, tensors in host memory) into this fresh layer on ``device``."""
-        self.keys, self.values, self.valid, self.positions, self.cursor, self.prompt_tokens, self.spans = (
-            on_device(state[name], device) for name in ("keys", "values", "valid", "positions", "cursor", "prompt_tokens", "spans")
-        )
-        self.seen_tokens, self.used, self.prefill_len, self.compress_s = (state[name] for name in ("seen_tokens", "used", "prefill_len", "compress_s"))
+        swapped = [kind for kind in self.LAYOUTS if inner(state, kind.NAME) is not None]
+        if swapped:
+            self.slots = swapped[0].from_state(state, device)
+        else:
+            self.slots.load_state_dict(state, device)
+        self.prompt_tokens, self.spans = (on_device(state[name], device) for name in ("prompt_tokens", "spans"))
+        self.prefill_len, self.compress_s = state["prefill_len"], state["compress_s"]
         for name in self.STATE:
             setattr(self, name, on_device(state[name], device))
         for name, kind in self.HELD.items():
@@ -490,10 +393,7 @@ class KVLayer(DynamicLayer):
         layers = [self, *others]
         if any(layer.cursor is not None or not layer.prefilled for layer in layers):
             raise CacheMisuseError("kvcompress: only caches holding a compressed prompt, not yet decoded, can be joined")
-        for name, complete in (("valid", KVLayer.slot_validity), ("positions", KVLayer.kept_positions)):
-            if any(getattr(layer, name) is not None for layer in layers):  # a group without padding holds None
-                for layer in layers:
-                    setattr(layer, name, complete(layer))
+        self.slots = self.slots.joined([layer.slots for layer in others])
         ragged = self.ragged_dims()
         for name in self.batch_tensors():
             values = [getattr(layer, name) for layer in layers]
@@ -504,7 +404,6 @@ class KVLayer(DynamicLayer):
             for layer in others:
                 setattr(layer, name, None)  # freed as the join goes, not held twice
         self.intake.batch_lengths = None
-        self.used = self.keys.shape[-2]
         self.compress_s += sum(layer.compress_s for layer in others)
 
     def ragged_dims(self) -> dict[str, int]:
@@ -515,6 +414,7 @@ class KVLayer(DynamicLayer):
     def _batch_apply(self, apply) -> None:
         if not self.is_initialized:
             return
+        self.slots.batch_apply(apply)
         for name in self.batch_tensors():
             value = getattr(self, name)
             if isinstance(value, torch.Tensor):
@@ -526,99 +426,28 @@ class KVLayer(DynamicLayer):
 class WindowLayer(KVLayer):
     """A sliding-window attention layer (Mistral, Gemma 2/3 local layers, ...): it keeps the last
     ``window - 1`` tokens, all the model ever attends to from the next token on, whatever the
-    method (the method compresses the full-attention layers).
-
-    After the prefill the slots form a ring: the token of logical index ``t`` lives in slot
-    ``t % capacity`` and ``slot_index`` says which token each slot holds, so a step overwrites the
-    oldest token in place and sees the slots less than ``window`` tokens before it."""
+    method (the method compresses the full-attention layers), in a ring (``slots.RingSlots``)."""
 
     is_sliding = True
-    STATE = ("slot_index",)
 
     def __init__(self, layer_idx: int, window: int) -> None:
-        super().__init__(layer_idx)
+        super().__init__(layer_idx, RingSlots(window))
         self.window = window
-        self.slot_index: torch.Tensor | None = None  # [capacity]: logical index of each slot's token (-window: empty)
 
     def compress(self, query: torch.Tensor, scaling: float) -> None:
         keep = min(self.used, self.window - 1)  # copied, so the prompt's KV is freed
         positions = self.kept_positions()[..., self.used - keep :].clone()
         valid = None if self.valid is None else self.valid[:, self.used - keep :].clone()
-        self.set_slots(self.keys[:, :, self.used - keep :].clone(), self.values[:, :, self.used - keep :].clone(), valid, positions)
-
-    def advance(self, new: int) -> None:
-        self.seen_tokens += new
-        self.used = self.used + new if not self.prefilled else min(self.used + new, self.window - 1)
-
-    def make_room(self, new: int) -> None:
-        needed = self.window - 1 + new  # every token of a longer turn sees the window before it
-        if self.cursor is None or self.keys.shape[-2] < needed:
-            self.relayout(needed + spare_slots(needed))
-
-    def reserve(self, tokens: int, buckets: bool = False) -> None:
-        self.make_room(1)  # a ring: decoding steps overwrite the oldest token (its size is the model's window, whatever the request)
-
-    def relayout(self, capacity: int) -> None:
-        """The held tokens (the last ``used`` before ``seen_tokens``) into a ring of ``capacity`` slots."""
-        if self.cursor is None:
-            order = torch.arange(self.used, device=self.keys.device)
-            logical = order + (self.seen_tokens - self.used)
-            valid = self.slot_validity()
-        else:
-            logical = torch.arange(self.seen_tokens - self.used, self.seen_tokens, device=self.keys.device)
-            order = logical % self.keys.shape[-2]
-            valid = self.valid[:, order]
-        slots = logical % capacity
-        keys, values = (t.new_zeros(*t.shape[:2], capacity, t.shape[-1]) for t in (self.keys, self.values))
-        keys.index_copy_(2, slots, self.keys[:, :, order])
-        values.index_copy_(2, slots, self.values[:, :, order])
-        self.keys, self.values = keys, values
-        self.valid = torch.zeros(keys.shape[0], capacity, dtype=torch.bool, device=keys.device).index_copy_(1, slots, valid)
-        self.slot_index = torch.full((capacity,), -self.window, device=keys.device).index_copy_(0, slots, logical)
-        self.cursor = torch.tensor([self.seen_tokens], device=keys.device)
-
-    def new_slots(self, new: int) -> torch.Tensor:
-        return self.new_logical(new) % self.keys.shape[-2]
-
-    def new_logical(self, new: int) -> torch.Tensor:
-        """Logical indices ``[new]`` of this step's tokens."""
-        return super().new_slots(new)
-
-    def write(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.slot_index.index_copy_(0, self.new_slots(key_states.shape[-2]), self.new_logical(key_states.shape[-2]))
-        super().write(key_states, value_states)
-
-    def visibility(self, new_block: torch.Tensor | None, q_len: int) -> torch.Tensor | None:
-        """Each new query sees the real slots less than ``window`` tokens before it (and the new
-        tokens as ``new_block`` says, which carries the window too)."""
-        if self.is_prefill:
-            return new_block
-        query = self.new_logical(q_len)[:, None]  # [q, 1]
-        near = (self.slot_index[None, :] > query - self.window) & (self.slot_index[None, :] <= query)
-        mask = self.valid[:, None, None, :] & near[None, None]
-        if q_len == 1 or new_block is None:
-            return mask
-        return mask.index_copy(3, self.new_slots(q_len), new_block.expand(mask.shape[0], -1, -1, -1))
-
-    def kept_positions(self) -> torch.Tensor:
-        """Prompt positions still inside the window."""
-        positions = super().kept_positions()
-        if not self.prefilled:
-            return positions
-        gone = max(0, positions.shape[-1] + self.seen_tokens - self.prefill_len - (self.window - 1))  # pushed out by later tokens
-        return positions[..., gone:]
+        self.slots.set(self.keys[:, :, self.used - keep :].clone(), self.values[:, :, self.used - keep :].clone(), valid, positions)
 
     def full_tokens(self) -> int:
         return min(self.seen_tokens, self.window - 1)
 
-    def index_tensors(self) -> list[torch.Tensor]:
-        return [] if self.slot_index is None else [self.slot_index]
-
     def load_prefill(self, source: KVLayer) -> None:
         """The recorded window is already what this layer keeps."""
         self.lazy_initialization(source.keys, source.values)
-        self.set_slots(source.keys, source.values, source.valid, source.positions)
-        self.seen_tokens, self.prefill_len, self.prompt_tokens = source.seen_tokens, source.prefill_len, source.prompt_tokens
+        self.slots.set(source.keys, source.values, source.valid, source.positions)
+        self.slots.seen, self.prefill_len, self.prompt_tokens = source.seen_tokens, source.prefill_len, source.prompt_tokens
 
 
 class LayerFactory(Protocol):
@@ -715,7 +544,7 @@ class KVCompressCache(Cache):
             layer.reserve(tokens, buckets)
 
     def advance(self, new: int) -> None:
-        """Host-side counters after a compiled step of ``new`` tokens (eager steps count in ``update``)."""
+        """The host mirrors after a compiled step of ``new`` tokens (eager steps move them in ``update``)."""
         for layer in self.layers:
             layer.advance(new)
 

@@ -9,7 +9,7 @@ one launch per token instead of a thousand. The host keeps its counters with ``c
 after each compiled step, and learns whether every row finished one step late (a pinned flag copied
 asynchronously), so it never waits for the step it just launched.
 
-Compiled decoding rounds every shape a request sets to a bucket (``cache.capacity_bucket``: the
+Compiled decoding rounds every shape a request sets to a bucket (``slots.capacity_bucket``: the
 buffers' capacities, the width of the produced tokens), so a request of another prompt length or
 ``max_new_tokens`` in the same bucket reuses the compiled step; the time spent compiling (and, on a
 GPU, capturing) is counted apart (``compile_s``), never as decoding.
@@ -30,7 +30,8 @@ import torch
 from torch._dynamo.utils import counters
 from transformers import PreTrainedModel
 
-from .cache import KVCompressCache, capacity_bucket
+from .cache import KVCompressCache
+from .slots import capacity_bucket
 
 RECOMPILE_LIMIT = 64  # distinct cache layouts (methods, models, batch sizes) one process may compile
 

@@ -17,25 +17,31 @@ append (a decoding token sees itself) until ``mark_padding`` says otherwise; que
 step also get the step's causal mask over its own tokens. Between packings every shape is fixed
 and the write positions are device tensors, so a decoding step is one capturable graph; the host
 mirrors (``lengths``, ``room_left``) move on in ``advance``.
+
+A layer swaps its dense slots for a packing once it has chosen each head's tokens (``slots.Slots``
+is the interface both follow); attention then gets no slots from ``update`` (the packing attends itself).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from .attention import causal_slot_mask, dense_attention
-from .cache import spare_slots
+from .slots import SlotView, Slots, inner, nested, spare_slots
 from .tensors import nbytes
 
 
-class PackedSlots:
+class PackedSlots(Slots):
     """One layer's keys and values, a segment per (row, KV head), each with its own length."""
 
-    def __init__(self, segments: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]) -> None:
+    NAME = "packed"
+
+    def __init__(self, segments: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]], seen: int) -> None:
         """``segments[row][head]``: that head's keys ``[n, d]``, values ``[n, d]`` and prompt
-        positions ``[n]`` (ascending)."""
+        positions ``[n]`` (ascending); ``seen``: the layer's tokens fed so far."""
+        self.seen = seen
         self.rows, self.heads = len(segments), len(segments[0])
         self.lengths = [[int(k.shape[0]) for k, _, _ in row] for row in segments]  # host mirror of lengths_t
         self.positions = [[p for _, _, p in row] for row in segments]  # prompt positions held, per segment
@@ -75,22 +81,35 @@ class PackedSlots:
 
     def restored(self, device: torch.device) -> None:
         """What the packing derives (also after loading it from a file): each slot's place in its
-        segment, and the sizes a compiled step takes as symbols."""
+        segment, the sizes a compiled step takes as symbols, and the empty views ``update`` returns."""
         self.offsets = torch.arange(self.widest, device=device)
         for size in (self.keys, self.values, self.valid, self.offsets):
             torch._dynamo.maybe_mark_dynamic(size, 0)
+        self.none = self.keys.new_empty(self.rows, self.heads, 0, self.keys.shape[-1])  # no storage: nothing held twice
+
+    @property
+    def used(self) -> int:
+        return max(map(max, self.lengths))
+
+    def view(self) -> SlotView:
+        return SlotView(self.none, self.none, None, None, None)
 
     def state_dict(self) -> dict[str, Any]:
-        """The packing as a saved file holds it (docs/file-format.md): the flat buffers with their
-        sentinel slot, each segment's start, length and capacity (row-major), its prompt positions."""
+        """The packing as a saved file holds it (docs/file-format.md): the layer's entries with no slots,
+        then under ``packed.`` the flat buffers with their sentinel slot, each segment's start, length and
+        capacity (row-major), its prompt positions."""
         positions = {f"positions.{r}.{h}": p for r, row in enumerate(self.positions) for h, p in enumerate(row)}
-        return {"keys": self.keys, "values": self.values, "valid": self.valid, "starts": self.starts_t, "lengths": self.lengths_t,
-                "capacities": self.capacities_t, "rows": self.rows, "heads": self.heads, "room_left": self.room_left, **positions}
+        packing = {"keys": self.keys, "values": self.values, "valid": self.valid, "starts": self.starts_t, "lengths": self.lengths_t,
+                   "capacities": self.capacities_t, "rows": self.rows, "heads": self.heads, "room_left": self.room_left, **positions}
+        return {"keys": self.none, "values": self.none, "valid": None, "positions": None, "cursor": None, "seen_tokens": self.seen,
+                "used": self.used, **nested(self.NAME, packing)}
 
     @classmethod
-    def from_state(cls, state: dict[str, Any], device: torch.device) -> PackedSlots:
-        """The packing ``state_dict`` saved (tensors in host memory), on ``device``; the host mirrors derived."""
+    def from_state(cls, layer_state: dict[str, Any], device: torch.device) -> PackedSlots:
+        """The packing a layer's ``state_dict`` saved (tensors in host memory), on ``device``; the host mirrors derived."""
+        state = inner(layer_state, cls.NAME)
         packed = cls.__new__(cls)
+        packed.seen = layer_state["seen_tokens"]
         packed.rows, packed.heads, packed.room_left = state["rows"], state["heads"], state["room_left"]
         packed.keys, packed.values, packed.valid = (state[name].to(device) for name in ("keys", "values", "valid"))
         packed.starts_t, packed.lengths_t, packed.capacities_t = (state[name].to(device) for name in ("starts", "lengths", "capacities"))
@@ -110,7 +129,7 @@ class PackedSlots:
         if new > self.room_left:
             self._repack(new + spare_slots(self.mean_length() + new))
 
-    def reserve(self, tokens: int) -> None:
+    def reserve(self, tokens: int, buckets: bool = False) -> None:
         """Room for ``tokens`` more tokens in every segment (at least the usual spare room). No
         buckets are needed: a compiled step sees the packing's sizes as symbols (``_pack``)."""
         if tokens > self.room_left:
@@ -138,6 +157,7 @@ class PackedSlots:
 
     def advance(self, new: int) -> None:
         """The host mirrors after ``new`` tokens were appended to every segment."""
+        self.seen += new
         self.lengths = [[n + new for n in row] for row in self.lengths]
         self.room_left -= new
 
@@ -146,10 +166,15 @@ class PackedSlots:
         index = self.newest(valid.shape[-1])
         self.valid.index_copy_(0, index, valid[:, None, :].expand(-1, self.heads, -1).reshape(-1))
 
-    def attend(self, query: torch.Tensor, new_mask: torch.Tensor | None, scaling: float, softcap: float | None = None) -> torch.Tensor:
+    def visibility(self, new_block: torch.Tensor | None, q_len: int) -> torch.Tensor | None:
+        """Only the new tokens among themselves: ``attend`` knows the rest."""
+        return new_block
+
+    def attend(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, new_mask: torch.Tensor | None, scaling: float,
+               softcap: float | None = None) -> torch.Tensor:
         """Exact attention of ``query [rows, q_heads, q, d]`` over each segment, whose newest ``q``
         slots are these queries' own tokens, seen as ``new_mask [rows, 1, q, q]`` says (None: causal;
-        one query always sees its own token)."""
+        one query always sees its own token). ``keys``/``values``: the empty views, unused."""
         rows, q_heads, q_len, dim = query.shape
         index = self.gather_index()
         keys, values = (t.index_select(0, index).view(rows, self.heads, -1, dim) for t in (self.keys, self.values))
@@ -165,7 +190,7 @@ class PackedSlots:
         offsets = self.offsets
         return torch.where(offsets < self.capacities_t[:, None], self.starts_t[:, None] + offsets, self.valid.shape[0] - 1).view(-1)
 
-    def kept_positions(self) -> torch.Tensor:
+    def kept_positions(self, prefill_len: int) -> torch.Tensor:
         """``[rows, heads, n]`` prompt positions of each segment, ascending; shorter segments padded with -1 at the front."""
         width = max(len(p) for row in self.positions for p in row)
         out = torch.full((self.rows, self.heads, width), -1, dtype=torch.long, device=self.keys.device)
@@ -176,18 +201,25 @@ class PackedSlots:
                     out[r, h, width - len(held) :] = held
         return out
 
-    def slot_bytes(self) -> tuple[int, int]:
-        """(bytes of the slots in use, bytes of the spare room), keys and values."""
-        used = sum(map(sum, self.lengths)) * self.keys.shape[-1] * self.keys.element_size() * 2
-        return used, nbytes(self.keys, self.values) - used  # the sentinel slot counts as spare
+    def memory(self, full_tokens: int) -> dict[str, int]:
+        dim, size = self.keys.shape[-1], self.keys.element_size()
+        used = sum(map(sum, self.lengths)) * dim * size * 2
+        return {
+            "kv_tokens": self.used,
+            "kv_bytes_full": 2 * self.rows * self.heads * full_tokens * dim * size,
+            "kv_bytes_kept": used,
+            "spare_bytes": nbytes(self.keys, self.values) - used,  # the sentinel slot counts as spare
+            "index_bytes": nbytes(self.valid, self.capacities_t, self.starts_t, self.lengths_t, *(p for row in self.positions for p in row)),
+            "bytes_read_per_step": 2 * self.rows * self.heads * self.widest * dim * size,  # the gathered block, room included
+        }
 
-    @classmethod
-    def concat(cls, parts: list[PackedSlots]) -> PackedSlots:
-        """The rows of ``parts`` (groups of one batch, not decoded yet) as one packing."""
+    def joined(self, others: list[Slots]) -> PackedSlots:
+        """These rows, then ``others``' (groups of one batch, not decoded yet), as one packing."""
+        parts = [self, *others]
         segments = [[(*part.segment(r, h)[:2], part.positions[r][h]) for h in range(part.heads)] for part in parts for r in range(part.rows)]
-        return cls(segments)
+        return PackedSlots(segments, self.seen)
 
-    def batch_apply(self, apply) -> None:
+    def batch_apply(self, apply: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """A batch operation (beam reorder, repeat) over the rows: applied to each row's segments."""
         rows = apply(torch.arange(self.rows)).tolist()
         parts = [[self.segment(r, h) for h in range(self.heads)] for r in rows]

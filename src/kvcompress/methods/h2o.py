@@ -22,6 +22,7 @@ import torch
 
 from ..attention import group_mask, grouped_logits
 from ..cache import KVLayer
+from ..slots import CappedSlots
 from ..tensors import gather_tokens
 from .base import check_reserved, param, require
 from .prompt import EvictionLayer, PromptMethod
@@ -100,7 +101,8 @@ class H2O(PromptMethod):
 
 
 class H2OLayer(EvictionLayer):
-    """H2O with eviction while decoding: the layer keeps its slots' accumulated scores and positions.
+    """H2O with eviction while decoding: the layer's storage is capped at its budget
+    (``slots.CappedSlots``), each slot noted with its accumulated score and position.
 
     Each step writes its tokens after the held ones, adds the step's attention to every slot's
     score, then keeps, per KV head, the ``budget`` best slots (the recent window first, then by
@@ -110,37 +112,27 @@ class H2OLayer(EvictionLayer):
     KV head of a row evicts the same padding slots and slot validity stays per row."""
 
     method: H2O
-    STATE = (*EvictionLayer.STATE, "budget", "slot_scores", "slot_positions", "next_position")
+    STATE = (*EvictionLayer.STATE, "next_position")
 
     def __init__(self, method: H2O, layer_idx: int, share: float = 1.0) -> None:
         super().__init__(method, layer_idx, share)
-        self.budget = math.ceil(method.budget_tokens * share)  # this layer's budget while decoding
-        self.slot_scores: torch.Tensor | None = None  # [batch, kv_heads, slots]
-        self.slot_positions: torch.Tensor | None = None  # [batch, kv_heads, slots]: position in the row, -1 for padding
+        # Capped at the layer's budget while decoding; notes per slot [batch, kv_heads, slots]: accumulated
+        # attention, and position in the row (-1: padding).
+        self.slots = CappedSlots(math.ceil(method.budget_tokens * share), {"slot_scores": 0.0, "slot_positions": -1})
         self.next_position: torch.Tensor | None = None  # [batch]
+
+    @property
+    def budget(self) -> int:
+        """Tokens the layer keeps while decoding (its storage's cap)."""
+        return self.slots.limit
 
     def compress(self, query: torch.Tensor, scaling: float) -> None:
         # Computed once: it ranks the prompt and seeds the scores that eviction keeps adding to.
         full = average_over_groups(accumulated_attention(query, self.keys, self.slot_validity(), scaling, self.method.block), self.keys.shape[1])
         kept = self.keep_top(lambda: protect_recent(full, self.method.recent_tokens))
-        self.slot_positions = super().kept_positions()
-        self.slot_scores = full if kept is None else full.gather(2, kept)
+        self.slots.notes["slot_positions"] = super().kept_positions()
+        self.slots.notes["slot_scores"] = full if kept is None else full.gather(2, kept)
         self.next_position = self.prompt_tokens.clone()
-
-    def relayout(self, capacity: int) -> None:
-        held = self.used
-        super().relayout(capacity)
-        self.slot_scores, self.slot_positions = (
-            torch.nn.functional.pad(t[..., :held], (0, capacity - held), value=fill) for t, fill in ((self.slot_scores, 0.0), (self.slot_positions, -1))
-        )
-
-    def reserve(self, tokens: int, buckets: bool = False) -> None:
-        super().reserve(max(1, min(tokens, self.budget + 1 - self.used)), buckets)  # evicting: never more than the budget and a step
-
-    def advance(self, new: int) -> None:
-        super().advance(new)
-        if self.prefilled:
-            self.used = min(self.used, self.budget)
 
     def attend(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scaling: float, softcap: float | None = None) -> torch.Tensor:
         if self.is_prefill:
@@ -151,48 +143,38 @@ class H2OLayer(EvictionLayer):
         if softcap is not None:
             logits = softcap * torch.tanh(logits / softcap)
         probs = logits.masked_fill(~group_mask(mask, q_heads // kv_heads), torch.finfo(torch.float32).min).softmax(dim=-1)
-        self.slot_scores.add_(average_over_groups(probs.view(batch, q_heads, q_len, slots).sum(dim=2), kv_heads))
+        self.slots.notes["slot_scores"].add_(average_over_groups(probs.view(batch, q_heads, q_len, slots).sum(dim=2), kv_heads))
         return (probs @ values.float()).view(batch, q_heads, q_len, dim).to(query.dtype)
-
-    def write(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        slots = self.new_slots(key_states.shape[-2])
-        self.slot_scores.index_fill_(2, slots, 0.0)  # the room may hold an evicted slot's score
-        super().write(key_states, value_states)
 
     def after_step(self, query: torch.Tensor, scaling: float) -> None:
         """Record the new tokens' positions, then keep, per KV head, the ``budget`` best slots at the front."""
-        q_len = query.shape[-2]
-        new = self.new_slots(q_len)
-        real = self.valid.index_select(1, new)
+        slots, q_len = self.slots, query.shape[-2]
+        scores, positions = slots.notes["slot_scores"], slots.notes["slot_positions"]
+        new = slots.new_slots(q_len)
+        real = slots.valid.index_select(1, new)
         position = (self.next_position[:, None] + real.long().cumsum(-1) - 1).masked_fill(~real, -1)
         self.next_position.add_(real.sum(-1))
-        self.slot_positions.index_copy_(2, new, position[:, None].expand(-1, self.keys.shape[1], -1))
-        slot = torch.arange(self.keys.shape[-2], device=self.keys.device)
-        end = self.cursor + q_len  # past this step's tokens
+        positions.index_copy_(2, new, position[:, None].expand(-1, slots.keys.shape[1], -1))
+        slot = torch.arange(slots.keys.shape[-2], device=slots.keys.device)
+        end = slots.cursor + q_len  # past this step's tokens
         recent = (slot >= end - self.method.recent_tokens) & (slot < end)
-        score = self.slot_scores.masked_fill(recent, math.inf).masked_fill(~self.valid[:, None, :], -math.inf)
+        score = scores.masked_fill(recent, math.inf).masked_fill(~slots.valid[:, None, :], -math.inf)
         keep = score.sort(dim=-1, descending=True, stable=True).indices[..., : self.budget].sort(dim=-1).values
         front = slice(0, self.budget)
-        for buffer in (self.keys, self.values):
+        for buffer in (slots.keys, slots.values):
             buffer[:, :, front].copy_(gather_tokens(buffer, keep))
-        for kept in (self.slot_scores, self.slot_positions):
+        for kept in (scores, positions):
             kept[..., front].copy_(kept.gather(2, keep))
-        self.valid[:, front].copy_(self.valid.gather(1, keep[:, 0]))
-        self.valid[:, self.budget :] = False
-
-    def close_step(self, new: int) -> None:
-        self.cursor.add_(new).clamp_(max=self.budget)  # the slots after the budget were evicted
+        slots.valid[:, front].copy_(slots.valid.gather(1, keep[:, 0]))
+        slots.valid[:, self.budget :] = False
 
     def kept_positions(self) -> torch.Tensor:
         """Prompt positions still held per head, ascending; -1 for slots holding padding or generated tokens."""
-        if self.slot_positions is None:
+        if self.slots.notes["slot_positions"] is None:
             return super().kept_positions()
-        held = self.slot_positions[..., : self.used]
+        held = self.slots.notes["slot_positions"][..., : self.used]
         prompt = held.masked_fill(held >= self.prompt_tokens[:, None, None], -1)
         return prompt.sort(dim=-1).values
 
-    def index_tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.slot_scores, self.slot_positions) if t is not None]
-
     def batch_tensors(self) -> list[str]:
-        return [*super().batch_tensors(), "slot_scores", "slot_positions", "next_position"]
+        return [*super().batch_tensors(), "next_position"]

@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 from ..cache import KVLayer
 from ..packed import PackedSlots
-from ..tensors import nbytes, prompt_positions
+from ..tensors import prompt_positions
 from .base import BudgetMethod, param, require
 
 if TYPE_CHECKING:
@@ -242,18 +242,15 @@ class EvictionLayer(KVLayer):
         if kept is None:
             return None
         indices, slot_valid = select_kept(scores(), self.slot_validity(), *kept)
-        self.keep(indices, slot_valid)
+        self.slots.keep(indices, slot_valid)
         return indices
 
 
 class HeadAdaptiveLayer(EvictionLayer):
-    """Ada-KV: the layer's budget shared by its KV heads by score, each head's tokens stored packed."""
+    """Ada-KV: the layer's budget shared by its KV heads by score; once compressed, its storage is a
+    packing (``packed.PackedSlots``), each head's tokens in a segment of its own length."""
 
-    HELD = {"packed": PackedSlots}
-
-    def __init__(self, method: PromptMethod, layer_idx: int, share: float = 1.0) -> None:
-        super().__init__(method, layer_idx, share)
-        self.packed: PackedSlots | None = None
+    LAYOUTS = (PackedSlots,)
 
     def counts(self) -> tuple[torch.Tensor, int] | None:
         if isinstance(self.share, float):
@@ -274,66 +271,9 @@ class HeadAdaptiveLayer(EvictionLayer):
             for head in range(keep.shape[1]):
                 slots = keep[row, head].nonzero()[:, 0]
                 segments[row].append((self.keys[row, head, slots], self.values[row, head, slots], positions[row, slots]))
-        self.packed = PackedSlots(segments)
-        empty = self.keys.new_empty(*self.keys.shape[:2], 0, self.keys.shape[-1])  # not a view: the prompt's KV is freed
-        self.set_slots(empty, empty.clone())  # everything lives in the packed slots now
+        self.slots = PackedSlots(segments, self.seen_tokens)  # the dense slots, and the prompt's KV with them, are freed
 
-    def make_room(self, new: int) -> None:
-        if self.packed is None:
-            return super().make_room(new)
-        self.packed.make_room(new)
-
-    def reserve(self, tokens: int, buckets: bool = False) -> None:
-        if self.packed is None:
-            return super().reserve(tokens, buckets)
-        self.packed.reserve(tokens)
-
-    def write(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        if self.packed is None:
-            return super().write(key_states, value_states)
-        self.packed.write(key_states, value_states)
-
-    def advance(self, new: int) -> None:
-        super().advance(new)
-        if self.packed is not None:
-            self.packed.advance(new)
-
-    def close_step(self, new: int) -> None:
-        if self.packed is None:
-            return super().close_step(new)
-        self.packed.close_step(new)
-
-    def mark_padding(self, new_valid: torch.Tensor) -> None:
-        if self.packed is None:
-            return super().mark_padding(new_valid)
-        self.packed.mark_padding(new_valid)
-
-    def visibility(self, new_block: torch.Tensor | None, q_len: int) -> torch.Tensor | None:
-        return super().visibility(new_block, q_len) if self.packed is None else new_block  # the packed slots know the rest
-
-    def attend(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scaling: float, softcap: float | None = None) -> torch.Tensor:
-        if self.packed is None:
-            return super().attend(query, keys, values, mask, scaling, softcap)
-        return self.packed.attend(query, mask, scaling, softcap)
-
-    def kept_positions(self) -> torch.Tensor:
-        return super().kept_positions() if self.packed is None else self.packed.kept_positions()
-
-    def stats(self) -> dict[str, Any]:
-        if self.packed is None:
-            return super().stats()
-        used, spare = self.packed.slot_bytes()
-        dim, size = self.packed.keys.shape[-1], self.packed.keys.element_size()
-        return {
-            "kv_tokens": max(map(max, self.packed.lengths)),
-            "kv_bytes_full": 2 * self.packed.rows * self.packed.heads * self.seen_tokens * dim * size,
-            "kv_bytes_kept": used,
-            "spare_bytes": spare,
-            "index_bytes": nbytes(self.packed.valid, self.packed.capacities_t, self.packed.starts_t, self.packed.lengths_t,
-                                  *(p for row in self.packed.positions for p in row)),
-            "offloaded_bytes": 0,
-            "bytes_read_per_step": 2 * self.packed.rows * self.packed.heads * self.packed.widest * dim * size,  # the gathered block, room included
-        }
-
-    def batch_tensors(self) -> list[str]:
-        return [*super().batch_tensors(), "packed"]
+    @property
+    def packed(self) -> PackedSlots | None:
+        """The packing, once the layer compressed (None: the dense slots hold the prompt, under budget)."""
+        return self.slots if isinstance(self.slots, PackedSlots) else None

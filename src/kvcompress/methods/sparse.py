@@ -165,7 +165,7 @@ class SparseDecodeLayer(KVLayer):
         self.front_slots = torch.arange(self.front, device=device)
         front = dense_keys.new_zeros(*dense_keys.shape[:2], self.front, dense_keys.shape[-1])
         front_valid = torch.ones(valid.shape[0], self.front, dtype=torch.bool, device=device)  # per head: from each step's selection
-        self.set_slots(torch.cat([front, dense_keys], dim=2), torch.cat([front, dense_values], dim=2),
+        self.slots.set(torch.cat([front, dense_keys], dim=2), torch.cat([front, dense_values], dim=2),
                        None if bool(valid.all()) else torch.cat([front_valid, valid], dim=1), positions)
         self.selected = torch.full((valid.shape[0], heads, self.step_count), -1, device=device)  # no chunk yet
         self.hits = torch.zeros((), dtype=torch.long, device=device)

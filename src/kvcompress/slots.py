@@ -1,0 +1,447 @@
+"""Where a layer's keys and values live: one small interface, one class per layout.
+
+A layer (cache.py) holds one ``Slots`` object and drives it; the storage knows no method. Every
+layout keeps the layer's lengths, the one place they live: ``seen`` (tokens fed, padding included:
+the layer's length to transformers) and ``used`` (slots holding tokens), host mirrors that move only
+in ``advance``, after the step's device-side write (``write`` at the device-side position, then
+``close_step``) whether the step ran eagerly or as a compiled graph. The layouts:
+
+* ``DenseSlots``: ``[batch, kv_heads, slots, head_dim]`` buffers with spare room at the end; the
+  prompt is held as the prefill computed it until the first later step moves it into buffers of a
+  fixed capacity, after which a step writes at ``cursor`` (a device tensor) and keeps every shape.
+* ``RingSlots``: a sliding window's ring (the token of logical index ``t`` in slot ``t % capacity``).
+* ``CappedSlots``: dense slots that hold at most ``limit`` tokens after each step (a layer that
+  evicts while decoding keeps its best at the front), with per-slot annotations moved along.
+* ``packed.PackedSlots``: one segment per (row, KV head), each with its own length.
+
+An offload store of chunks (``offload.ChunkStore``) is held beside a layer's slots, not instead.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, ClassVar, NamedTuple
+
+import torch
+
+from .attention import causal_slot_mask, dense_attention
+from .tensors import gather_rows, gather_tokens, nbytes, prompt_positions
+
+
+def spare_slots(slots: int) -> int:
+    """Room a slot buffer gets beyond ``slots`` when it grows: ~6%, at least 16 and at most 1024 slots."""
+    return min(1024, max(16, slots // 16))
+
+
+def capacity_bucket(slots: int) -> int:
+    """The capacity a compiled decoding step's buffer of ``slots`` slots takes: the next power of two
+    (at least 64), so requests of other lengths in the same bucket reuse the compiled step."""
+    return 1 << max(6, (slots - 1).bit_length())
+
+
+def on_device(value: Any, device: torch.device) -> Any:
+    """``value`` moved to ``device`` if it is a tensor (a saved state's entries: tensors or plain values)."""
+    return value.to(device) if isinstance(value, torch.Tensor) else value
+
+
+def nested(prefix: str, state: dict[str, Any] | None) -> dict[str, Any]:
+    """An object's saved state inside its holder's, its names under ``prefix.`` (None: ``prefix`` is None)."""
+    return {prefix: None} if state is None else {f"{prefix}.{name}": value for name, value in state.items()}
+
+
+def held_state(held: Any) -> dict[str, Any] | None:
+    """The saved state of an object a layer holds (None where it holds none)."""
+    return None if held is None else held.state_dict()
+
+
+def inner(state: dict[str, Any], prefix: str) -> dict[str, Any] | None:
+    """The entries ``nested`` put under ``prefix``, without it (None where the object was None)."""
+    if state.get(prefix, "") is None:
+        return None
+    return {name[len(prefix) + 1 :]: value for name, value in state.items() if name.startswith(prefix + ".")}
+
+
+class SlotView(NamedTuple):
+    """What a layer's attention and its callers see of the slots, whatever the layout."""
+
+    keys: torch.Tensor  # [b, h, slots, d] handed to attention (a layout that attends itself: no slots)
+    values: torch.Tensor
+    valid: torch.Tensor | None  # [b, slots]; None while every slot is real
+    positions: torch.Tensor | None  # [b, h, prompt slots]: prompt positions held (None: slot order)
+    cursor: torch.Tensor | None  # [1] on the device: the slot of the next token (None: no step yet)
+
+
+class Slots:
+    """The storage interface a layer drives (see the module docstring)."""
+
+    NAME: ClassVar[str] = ""  # the prefix of the layout's own saved entries, for layouts a layer swaps to
+
+    seen: int  # tokens fed, padding included
+    used: int  # slots holding tokens (per row and KV head: the longest)
+
+    def view(self) -> SlotView:
+        """The attend-ready views."""
+        raise NotImplementedError
+
+    def make_room(self, new: int) -> None:
+        """Room for a step of ``new`` tokens (the buffers move only when the room runs out)."""
+        raise NotImplementedError
+
+    def reserve(self, tokens: int, buckets: bool = False) -> None:
+        """Room for ``tokens`` more tokens now; ``buckets``: a capacity other requests share (``capacity_bucket``)."""
+        raise NotImplementedError
+
+    def write(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Store a step's tokens at the device-side position (valid until ``mark_padding`` says otherwise)."""
+        raise NotImplementedError
+
+    def mark_padding(self, valid: torch.Tensor) -> None:
+        """The validity ``[b, q]`` of this step's tokens."""
+        raise NotImplementedError
+
+    def close_step(self, new: int) -> None:
+        """Move the device-side position past this step's ``new`` tokens."""
+        raise NotImplementedError
+
+    def advance(self, new: int) -> None:
+        """The host mirrors after a step of ``new`` tokens."""
+        raise NotImplementedError
+
+    def visibility(self, new_block: torch.Tensor | None, q_len: int) -> torch.Tensor | None:
+        """The mask a later step's queries attend with (``new_block``: the new tokens among themselves)."""
+        raise NotImplementedError
+
+    def attend(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scaling: float,
+               softcap: float | None = None) -> torch.Tensor:
+        """Attention of ``query`` over the slots (``keys``/``values``: the view, as ``update`` returned it)."""
+        raise NotImplementedError
+
+    def kept_positions(self, prefill_len: int) -> torch.Tensor:
+        """Prompt positions held ``[b, h, n]`` ascending per head (-1: filler), the prompt ``prefill_len`` slots long."""
+        raise NotImplementedError
+
+    def memory(self, full_tokens: int) -> dict[str, int]:
+        """Bytes: ``kv_tokens``, ``kv_bytes_full`` (``full_tokens`` per head), ``kv_bytes_kept``, ``spare_bytes``,
+        ``index_bytes``, ``bytes_read_per_step`` (a step reads every slot, room included)."""
+        raise NotImplementedError
+
+    def batch_apply(self, apply: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """A batch operation (select, repeat, reorder rows) on every tensor with the batch first."""
+        raise NotImplementedError
+
+    def joined(self, others: list[Slots]) -> Slots:
+        """These rows, then ``others``' (groups of one batch, compressed, not decoded yet), as one storage."""
+        raise NotImplementedError
+
+    def state_dict(self) -> dict[str, Any]:
+        """The layout's saved entries (docs/file-format.md)."""
+        raise NotImplementedError
+
+    def load_state_dict(self, state: dict[str, Any], device: torch.device) -> None:
+        """Put ``state`` (``state_dict``'s entries in host memory) into this fresh storage on ``device``."""
+        raise NotImplementedError
+
+
+class DenseSlots(Slots):
+    """``[batch, kv_heads, slots, head_dim]`` buffers, every KV head the same slots (module docstring)."""
+
+    def __init__(self) -> None:
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+        self.valid: torch.Tensor | None = None  # [batch, slots]; None while every slot is real (a prefill without padding)
+        self.positions: torch.Tensor | None = None  # [batch, kv_heads, prompt slots]: prompt positions held
+        self.cursor: torch.Tensor | None = None  # [1] on the device: the slot of the next (during a step: this step's first) token
+        self.seen = 0
+        self.used = 0  # slots holding tokens: [0, used)
+
+    def view(self) -> SlotView:
+        return SlotView(self.keys, self.values, self.valid, self.positions, self.cursor)
+
+    # --- the prompt ---------------------------------------------------------------------------------
+
+    def hold(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """The first fill, held as computed (not copied)."""
+        self.keys, self.values = keys, values
+
+    def write_block(self, keys: torch.Tensor, values: torch.Tensor, total: int) -> None:
+        """A block of a prompt ``total`` tokens long, written after the blocks before it into one buffer."""
+        if self.used == 0:
+            self.keys, self.values = (t.new_empty(*t.shape[:2], total, t.shape[-1]) for t in (keys, values))
+        end = self.used + keys.shape[-2]
+        self.keys[:, :, self.used : end] = keys
+        self.values[:, :, self.used : end] = values
+
+    def set(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> None:
+        """Replace every slot (e.g. by the kept ones). ``valid [b, slots]`` (None: all real),
+        ``positions [b, kv_heads, prompt slots]`` (None: derived from validity)."""
+        self.keys, self.values, self.valid, self.positions = keys, values, valid, positions
+        self.used, self.cursor = keys.shape[-2], None
+
+    def keep(self, indices: torch.Tensor, slot_valid: torch.Tensor) -> None:
+        """Keep, per row and KV head, the prompt slots ``indices [b, kv_heads, n]`` (ascending);
+        ``slot_valid [b, n]`` marks filler slots of rows that keep fewer."""
+        kept = gather_rows(prompt_positions(self.slot_validity()), indices).masked_fill(~slot_valid[:, None, :], -1)
+        valid = None if bool(slot_valid.all()) else slot_valid
+        self.set(gather_tokens(self.keys, indices), gather_tokens(self.values, indices), valid, kept)
+
+    def slot_validity(self) -> torch.Tensor:
+        """``[batch, slots]`` bool, True for real tokens."""
+        if self.valid is not None:
+            return self.valid
+        return torch.ones(self.keys.shape[0], self.keys.shape[-2], dtype=torch.bool, device=self.keys.device)
+
+    # --- steps --------------------------------------------------------------------------------------
+
+    def make_room(self, new: int) -> None:
+        if self.cursor is None or self.keys.shape[-2] - self.used < new:
+            self.relayout(self.used + new + spare_slots(self.used + new))
+
+    def reserve(self, tokens: int, buckets: bool = False) -> None:
+        if buckets:
+            capacity = capacity_bucket(self.used + tokens)
+            if self.cursor is None or self.keys.shape[-2] != capacity:
+                self.relayout(capacity)
+        elif self.cursor is None or self.keys.shape[-2] - self.used < tokens:
+            self.relayout(self.used + max(tokens, spare_slots(self.used)))
+
+    def relayout(self, capacity: int) -> None:
+        """Move the ``used`` slots into buffers of ``capacity`` slots (the rest: room, invalid)."""
+        held = (self.keys[:, :, : self.used], self.values[:, :, : self.used])
+        self.keys, self.values = (t.new_zeros(*t.shape[:2], capacity, t.shape[-1]) for t in held)
+        for buffer, tensor in zip((self.keys, self.values), held):
+            buffer[:, :, : self.used].copy_(tensor)
+        valid = torch.zeros(self.keys.shape[0], capacity, dtype=torch.bool, device=self.keys.device)
+        valid[:, : self.used] = True if self.valid is None else self.valid[:, : self.used]
+        self.valid = valid
+        self.cursor = torch.tensor([self.used], device=self.keys.device)
+
+    def new_slots(self, new: int) -> torch.Tensor:
+        """Slot indices ``[new]`` of this step's ``new`` tokens."""
+        return self.cursor if new == 1 else self.cursor + torch.arange(new, device=self.cursor.device)
+
+    def write(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        slots = self.new_slots(keys.shape[-2])
+        self.keys.index_copy_(2, slots, keys)
+        self.values.index_copy_(2, slots, values)
+        self.valid.index_fill_(1, slots, True)
+
+    def mark_padding(self, valid: torch.Tensor) -> None:
+        self.valid.index_copy_(1, self.new_slots(valid.shape[-1]), valid)
+
+    def close_step(self, new: int) -> None:
+        self.cursor.add_(new)
+
+    def advance(self, new: int) -> None:
+        self.seen += new
+        self.used += new
+
+    def visibility(self, new_block: torch.Tensor | None, q_len: int) -> torch.Tensor | None:
+        """``[b, 1, q_len, slots]`` from each slot's validity and ``new_block [b, 1, q_len, q_len]`` (None: causal)."""
+        seen = self.valid.view(self.valid.shape[0], 1, 1, -1)
+        if q_len == 1:
+            return seen  # a decoding token is valid from its write on: it sees itself and every real slot
+        block = new_block if new_block is not None else causal_slot_mask(q_len, q_len, self.keys.device)
+        mask = seen.expand(-1, -1, q_len, -1).clone()
+        mask[..., self.used - q_len : self.used] = block
+        return mask
+
+    def attend(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scaling: float,
+               softcap: float | None = None) -> torch.Tensor:
+        return dense_attention(query, keys, values, mask, scaling, softcap)
+
+    def kept_positions(self, prefill_len: int) -> torch.Tensor:
+        if self.positions is not None:
+            return self.positions
+        return prompt_positions(self.slot_validity()[:, :prefill_len])[:, None, :].expand(-1, self.keys.shape[1], -1)
+
+    def index_tensors(self) -> list[torch.Tensor]:
+        """The layout's own device tensors besides the slots."""
+        return [t for t in (self.valid, self.positions, self.cursor) if t is not None]
+
+    def memory(self, full_tokens: int) -> dict[str, int]:
+        batch, heads, _, dim = self.keys.shape
+        per_token = 2 * batch * heads * dim * self.keys.element_size()
+        held = nbytes(self.keys, self.values)
+        return {
+            "kv_tokens": self.used,
+            "kv_bytes_full": per_token * full_tokens,
+            "kv_bytes_kept": per_token * self.used,
+            "spare_bytes": held - per_token * self.used,
+            "index_bytes": nbytes(*self.index_tensors()),
+            "bytes_read_per_step": held,
+        }
+
+    # --- batches and files ----------------------------------------------------------------------------
+
+    BATCH: ClassVar[tuple[str, ...]] = ("keys", "values", "valid", "positions")  # attributes with the batch first
+
+    def batch_apply(self, apply: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        for name in self.BATCH:
+            value = getattr(self, name)
+            if value is not None:
+                setattr(self, name, apply(value))
+
+    def joined(self, others: list[Slots]) -> Slots:
+        parts = [self, *others]
+        if any(part.valid is not None for part in parts):  # a group without padding holds None
+            for part in parts:
+                part.valid = part.slot_validity()
+        if any(part.positions is not None for part in parts):
+            for part in parts:
+                part.positions = DenseSlots.kept_positions(part, part.used)  # every slot: a ring is not a ring yet
+        for name in self.BATCH:
+            values = [getattr(part, name) for part in parts]
+            if values[0] is not None:
+                setattr(self, name, torch.cat(values, dim=0))
+            for part in others:
+                setattr(part, name, None)  # freed as the join goes, not held twice
+        self.used = self.keys.shape[-2]
+        return self
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"keys": self.keys, "values": self.values, "valid": self.valid, "positions": self.positions, "cursor": self.cursor,
+                "seen_tokens": self.seen, "used": self.used}
+
+    def load_state_dict(self, state: dict[str, Any], device: torch.device) -> None:
+        self.keys, self.values, self.valid, self.positions, self.cursor = (
+            on_device(state[name], device) for name in ("keys", "values", "valid", "positions", "cursor")
+        )
+        self.seen, self.used = state["seen_tokens"], state["used"]
+
+
+class RingSlots(DenseSlots):
+    """A sliding window's slots: after the prefill a ring, the token of logical index ``t`` in slot
+    ``t % capacity``, ``slot_index`` saying which token each slot holds; a step overwrites the oldest
+    token in place and sees the slots less than ``window`` tokens before it. It holds the last
+    ``window - 1`` tokens, all the model attends to from the next token on."""
+
+    def __init__(self, window: int) -> None:
+        super().__init__()
+        self.window = window
+        self.slot_index: torch.Tensor | None = None  # [capacity]: logical index of each slot's token (-window: empty)
+
+    def advance(self, new: int) -> None:
+        self.seen += new
+        self.used = self.used + new if self.cursor is None else min(self.used + new, self.window - 1)
+
+    def make_room(self, new: int) -> None:
+        needed = self.window - 1 + new  # every token of a longer turn sees the window before it
+        if self.cursor is None or self.keys.shape[-2] < needed:
+            self.relayout(needed + spare_slots(needed))
+
+    def reserve(self, tokens: int, buckets: bool = False) -> None:
+        self.make_room(1)  # decoding steps overwrite the oldest token (the ring's size is the model's window, whatever the request)
+
+    def relayout(self, capacity: int) -> None:
+        """The held tokens (the last ``used`` before ``seen``) into a ring of ``capacity`` slots."""
+        if self.cursor is None:
+            order = torch.arange(self.used, device=self.keys.device)
+            logical = order + (self.seen - self.used)
+            valid = self.slot_validity()
+        else:
+            logical = torch.arange(self.seen - self.used, self.seen, device=self.keys.device)
+            order = logical % self.keys.shape[-2]
+            valid = self.valid[:, order]
+        slots = logical % capacity
+        keys, values = (t.new_zeros(*t.shape[:2], capacity, t.shape[-1]) for t in (self.keys, self.values))
+        keys.index_copy_(2, slots, self.keys[:, :, order])
+        values.index_copy_(2, slots, self.values[:, :, order])
+        self.keys, self.values = keys, values
+        self.valid = torch.zeros(keys.shape[0], capacity, dtype=torch.bool, device=keys.device).index_copy_(1, slots, valid)
+        self.slot_index = torch.full((capacity,), -self.window, device=keys.device).index_copy_(0, slots, logical)
+        self.cursor = torch.tensor([self.seen], device=keys.device)
+
+    def new_slots(self, new: int) -> torch.Tensor:
+        return self.new_logical(new) % self.keys.shape[-2]
+
+    def new_logical(self, new: int) -> torch.Tensor:
+        """Logical indices ``[new]`` of this step's tokens."""
+        return super().new_slots(new)
+
+    def write(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        self.slot_index.index_copy_(0, self.new_slots(keys.shape[-2]), self.new_logical(keys.shape[-2]))
+        super().write(keys, values)
+
+    def visibility(self, new_block: torch.Tensor | None, q_len: int) -> torch.Tensor | None:
+        """Each new query sees the real slots less than ``window`` tokens before it (and the new
+        tokens as ``new_block`` says, which carries the window too)."""
+        query = self.new_logical(q_len)[:, None]  # [q, 1]
+        near = (self.slot_index[None, :] > query - self.window) & (self.slot_index[None, :] <= query)
+        mask = self.valid[:, None, None, :] & near[None, None]
+        if q_len == 1 or new_block is None:
+            return mask
+        return mask.index_copy(3, self.new_slots(q_len), new_block.expand(mask.shape[0], -1, -1, -1))
+
+    def kept_positions(self, prefill_len: int) -> torch.Tensor:
+        """Prompt positions still inside the window."""
+        positions = super().kept_positions(prefill_len)
+        gone = max(0, positions.shape[-1] + self.seen - prefill_len - (self.window - 1))  # pushed out by later tokens
+        return positions[..., gone:]
+
+    def index_tensors(self) -> list[torch.Tensor]:
+        return [*super().index_tensors(), *([] if self.slot_index is None else [self.slot_index])]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "slot_index": self.slot_index}
+
+    def load_state_dict(self, state: dict[str, Any], device: torch.device) -> None:
+        super().load_state_dict(state, device)
+        self.slot_index = on_device(state["slot_index"], device)
+
+
+class CappedSlots(DenseSlots):
+    """Dense slots that hold at most ``limit`` tokens once decoding starts: each step writes after the
+    held ones and the layer moves the ``limit`` it keeps to the front (``after_step``), so the device
+    position stops at ``limit``. ``notes`` are per-slot annotations ``[b, h, slots]`` (a score, a
+    position) that move with the slots: a new slot's note starts at its fill value."""
+
+    def __init__(self, limit: int, fills: dict[str, float]) -> None:
+        super().__init__()
+        self.limit = limit
+        self.fills = fills  # each note's value for empty and new slots
+        self.notes: dict[str, torch.Tensor | None] = dict.fromkeys(fills)
+
+    def advance(self, new: int) -> None:
+        super().advance(new)
+        if self.cursor is not None:
+            self.used = min(self.used, self.limit)
+
+    def reserve(self, tokens: int, buckets: bool = False) -> None:
+        super().reserve(max(1, min(tokens, self.limit + 1 - self.used)), buckets)  # never more than the limit and a step
+
+    def relayout(self, capacity: int) -> None:
+        held = self.used
+        super().relayout(capacity)
+        for name, note in self.notes.items():
+            if note is not None:
+                self.notes[name] = torch.nn.functional.pad(note[..., :held], (0, capacity - held), value=self.fills[name])
+
+    def write(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        slots = self.new_slots(keys.shape[-2])
+        for name, note in self.notes.items():
+            note.index_fill_(2, slots, self.fills[name])  # the room may hold an evicted slot's note
+        super().write(keys, values)
+
+    def close_step(self, new: int) -> None:
+        self.cursor.add_(new).clamp_(max=self.limit)  # the slots after the limit were evicted
+
+    def index_tensors(self) -> list[torch.Tensor]:
+        return [*super().index_tensors(), *(note for note in self.notes.values() if note is not None)]
+
+    def batch_apply(self, apply: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        super().batch_apply(apply)
+        self.notes = {name: None if note is None else apply(note) for name, note in self.notes.items()}
+
+    def joined(self, others: list[Slots]) -> Slots:
+        notes = {name: None if note is None else torch.cat([note, *(part.notes[name] for part in others)]) for name, note in self.notes.items()}
+        super().joined(others)
+        self.notes = notes
+        return self
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "budget": self.limit, **self.notes}
+
+    def load_state_dict(self, state: dict[str, Any], device: torch.device) -> None:
+        super().load_state_dict(state, device)
+        self.limit = state["budget"]
+        self.notes = {name: on_device(state[name], device) for name in self.notes}
+
