@@ -106,18 +106,22 @@ class PackedSlots(Slots):
 
     @classmethod
     def from_state(cls, layer_state: dict[str, Any], device: torch.device) -> PackedSlots:
-        """The packing a layer's ``state_dict`` saved (tensors in host memory), on ``device``; the host mirrors derived."""
-        state = inner(layer_state, cls.NAME)
+        """The packing a layer's ``state_dict`` saved, for a layer that swaps to it as it loads."""
         packed = cls.__new__(cls)
-        packed.seen = layer_state["seen_tokens"]
-        packed.rows, packed.heads, packed.room_left = state["rows"], state["heads"], state["room_left"]
-        packed.keys, packed.values, packed.valid = (state[name].to(device) for name in ("keys", "values", "valid"))
-        packed.starts_t, packed.lengths_t, packed.capacities_t = (state[name].to(device) for name in ("starts", "lengths", "capacities"))
-        packed.starts, packed.lengths = (state[name].view(packed.rows, packed.heads).tolist() for name in ("starts", "lengths"))
-        packed.positions = [[state[f"positions.{r}.{h}"].to(device) for h in range(packed.heads)] for r in range(packed.rows)]
-        packed.widest = int(state["capacities"].max())
-        packed.restored(device)
+        packed.load_state_dict(layer_state, device)
         return packed
+
+    def load_state_dict(self, layer_state: dict[str, Any], device: torch.device) -> None:
+        """The packing a layer's ``state_dict`` saved (tensors in host memory), on ``device``; the host mirrors derived."""
+        state = inner(layer_state, self.NAME)
+        self.seen = layer_state["seen_tokens"]
+        self.rows, self.heads, self.room_left = state["rows"], state["heads"], state["room_left"]
+        self.keys, self.values, self.valid = (state[name].to(device) for name in ("keys", "values", "valid"))
+        self.starts_t, self.lengths_t, self.capacities_t = (state[name].to(device) for name in ("starts", "lengths", "capacities"))
+        self.starts, self.lengths = (state[name].view(self.rows, self.heads).tolist() for name in ("starts", "lengths"))
+        self.positions = [[state[f"positions.{r}.{h}"].to(device) for h in range(self.heads)] for r in range(self.rows)]
+        self.widest = int(state["capacities"].max())
+        self.restored(device)
 
     def segment(self, row: int, head: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Keys, values ``[n, d]`` and validity ``[n]`` of one segment (views, no copy)."""

@@ -1,0 +1,78 @@
+"""The storage: one interface, one class per layout, driven by layers that override none of it."""
+
+from __future__ import annotations
+
+import torch
+
+import kvcompress as kvc
+from kvcompress.cache import KVLayer, WindowLayer
+from kvcompress.methods.h2o import H2OLayer
+from kvcompress.methods.prompt import HeadAdaptiveLayer
+from kvcompress.methods.sparse import SparseDecodeLayer
+from kvcompress.packed import PackedSlots
+from kvcompress.slots import CappedSlots, DenseSlots, RingSlots, Slots
+
+from .fixtures import char_tokenizer, random_text, tiny_model
+from .test_architecture import module_imports
+
+LAYOUTS = (DenseSlots, RingSlots, CappedSlots, PackedSlots)
+STORAGE_OPERATIONS = {"make_room", "reserve", "relayout", "write", "new_slots", "mark_padding", "close_step"}
+
+
+def interface() -> set[str]:
+    return {name for name, value in vars(Slots).items() if callable(value) and not name.startswith("_")}
+
+
+def test_every_layout_implements_the_whole_interface():
+    for layout in LAYOUTS:
+        missing = {name for name in interface() if getattr(layout, name) is getattr(Slots, name)}
+        assert not missing, f"{layout.__name__} leaves {sorted(missing)} to the interface"
+
+
+def test_layers_hold_their_storage_and_override_none_of_it():
+    assert STORAGE_OPERATIONS & set(vars(KVLayer)) == {"reserve"}  # the cache's reserve, handed to the storage
+    for layer in (WindowLayer, H2OLayer, HeadAdaptiveLayer, SparseDecodeLayer):
+        for cls in layer.__mro__[: layer.__mro__.index(KVLayer)]:
+            overrides = STORAGE_OPERATIONS & set(vars(cls))
+            assert not overrides, f"{cls.__name__} overrides {sorted(overrides)}"
+
+
+def test_the_storage_knows_no_layer_and_no_method():
+    graph = module_imports()
+    for storage in ("kvcompress.slots", "kvcompress.packed"):
+        assert not {t for t in graph[storage] if t.startswith(("kvcompress.cache", "kvcompress.methods", "kvcompress.integration"))}, storage
+
+
+def test_a_head_adaptive_layer_swaps_its_storage_and_keeps_its_length():
+    model, tok = tiny_model(), char_tokenizer()
+    result = kvc.generate(model, tok, random_text(300, seed=8), method=kvc.SnapKV(budget=32, window=8, heads="adaptive"), max_new_tokens=5)
+    uniform = kvc.generate(model, tok, random_text(300, seed=8), method=kvc.SnapKV(budget=32, window=8), max_new_tokens=5)
+    for adaptive, dense in zip(result.cache.layers, uniform.cache.layers):
+        assert isinstance(adaptive.slots, PackedSlots) and isinstance(dense.slots, DenseSlots)
+        assert adaptive.get_seq_length() == dense.get_seq_length() == dense.prefill_len + 4  # the last token is not fed
+        assert adaptive.keys.shape[-2] == 0 and adaptive.valid is None  # attention gets no slots: the packing attends itself
+
+
+def test_a_ring_keeps_the_window_and_a_cap_its_limit_while_decoding():
+    torch.manual_seed(0)
+    ring, capped = RingSlots(window=5), CappedSlots(limit=6, fills={"note": 0.0})
+    for slots in (ring, capped):
+        keys = torch.randn(1, 2, 10, 4)
+        slots.hold(keys, keys.clone())
+        slots.advance(10)
+        slots.set(keys[:, :, -4:].clone(), keys[:, :, -4:].clone(), positions=torch.arange(6, 10).expand(1, 2, -1))
+    capped.notes["note"] = torch.ones(1, 2, 4)
+    for step in range(6):
+        for slots in (ring, capped):
+            token = torch.full((1, 2, 1, 4), float(step))
+            slots.make_room(1)
+            slots.write(token, token)
+            if slots is capped and slots.used >= capped.limit:  # what a capping layer does: keep the limit at the front
+                slots.valid[:, capped.limit :] = False
+            slots.close_step(1)
+            slots.advance(1)
+    assert ring.seen == capped.seen == 16 and ring.used == 4 and capped.used == 6
+    seen_next = ring.slot_index[ring.visibility(None, 1)[0, 0, 0]]  # what token 16 sees besides itself: the 4 before it
+    assert sorted(seen_next.tolist()) == [12, 13, 14, 15]
+    assert ring.kept_positions(10).numel() == 0  # every prompt token is out of the window after 6 new ones
+    assert int(capped.cursor) == 6 and capped.notes["note"].shape[-1] == capped.keys.shape[-2]
