@@ -76,3 +76,24 @@ def test_a_ring_keeps_the_window_and_a_cap_its_limit_while_decoding():
     assert sorted(seen_next.tolist()) == [12, 13, 14, 15]
     assert ring.kept_positions(10).numel() == 0  # every prompt token is out of the window after 6 new ones
     assert int(capped.cursor) == 6 and capped.notes["note"].shape[-1] == capped.keys.shape[-2]
+
+
+def test_a_turn_fed_at_once_after_an_evicting_cache_is_full_stays_causal():
+    """H2O evicting while decoding holds its budget; a turn of several tokens then writes after the
+    held slots, and each of its tokens sees the held ones and the turn's tokens up to itself only."""
+    model = tiny_model()
+    gen = torch.Generator().manual_seed(9)
+    prompt, steps, turn, other = (torch.randint(3, 128, (1, n), generator=gen) for n in (100, 5, 6, 3))
+
+    def turn_logits(tokens: torch.Tensor) -> torch.Tensor:
+        cache = kvc.H2O(budget=24, evict_during_decoding=True).make_cache(model)
+        with torch.no_grad():
+            model(prompt, past_key_values=cache)
+            for t in range(steps.shape[1]):
+                model(steps[:, t : t + 1], past_key_values=cache)
+            assert cache.layers[0].used == 24
+            return model(tokens, past_key_values=cache).logits[0]
+
+    whole = turn_logits(turn)
+    torch.testing.assert_close(whole[:1], turn_logits(turn[:, :1]))  # the first token alone: before any eviction, the same attention
+    torch.testing.assert_close(whole[:3], turn_logits(torch.cat([turn[:, :3], other], dim=1))[:3])  # later tokens change nothing before them

@@ -90,8 +90,9 @@ class KVLayer(DynamicLayer):
     The prompt is held as the prefill computed it; from the first later step on, the slots live in
     buffers of a fixed capacity and a step writes at the storage's device-side position, so it reads
     no host value and keeps every shape: a decoding step is one capturable graph. The lengths live in
-    the storage; their host mirrors move in ``advance``, which an eager step calls from ``update`` and
-    a compiled decoding loop after each step (``KVCompressCache.advance``)."""
+    the storage, the device-side position and validity the truth; their host mirrors describe the
+    cache before the step until the step commits, then move in ``advance``: an eager step's ``commit``
+    calls it first, a compiled decoding loop after the step's graph (``KVCompressCache.advance``)."""
 
     STATE: ClassVar[tuple[str, ...]] = ()  # a subclass's own saved entries (tensors or plain values), by attribute name
     HELD: ClassVar[dict[str, Any]] = {}  # objects a subclass holds beside its slots, saved under their name (state_dict, from_state)
@@ -151,7 +152,6 @@ class KVLayer(DynamicLayer):
             _announced.layer, _announced.keys = self, passing[0]
             return passing
         new = key_states.shape[-2]
-        counted = not torch.compiler.is_compiling()  # a compiled step's loop counts after the step
         if not self.prefilled:
             self.lazy_initialization(key_states, value_states)
             if self.intake.in_blocks:  # a block of a prompt: into the prompt's buffer
@@ -159,13 +159,14 @@ class KVLayer(DynamicLayer):
             else:  # the first fill is held as computed, not copied
                 self.slots.hold(key_states, value_states)
         else:
-            if counted:
+            if not torch.compiler.is_compiling():  # a compiled step's loop reserved the room before it
                 self.slots.make_room(new)
             self.slots.write(key_states, value_states)
-        if counted:
-            self.advance(new)
         self.awaiting_commit = True
-        keys, values = (t[:, :, : self.used] for t in (self.keys, self.values)) if self.intake.in_blocks else (self.keys, self.values)
+        if self.intake.in_blocks:  # the blocks so far (the lengths move when the step commits)
+            keys, values = (t[:, :, : self.used + new] for t in (self.keys, self.values))
+        else:
+            keys, values = self.keys, self.values
         _announced.layer, _announced.keys = self, keys
         return keys, values
 
@@ -237,6 +238,8 @@ class KVLayer(DynamicLayer):
             valid = torch.cat([self.slot_validity(), new_valid if new_valid is not None else keys.new_ones(keys.shape[0], new, dtype=torch.bool)], dim=-1)
             self.observe(query, keys, valid, scaling, lse, self.intake.context)
             return
+        if not torch.compiler.is_compiling():  # a compiled step's loop moves them after the step (cache.advance)
+            self.advance(query.shape[-2])
         if self.is_prefill and self.intake.in_blocks:  # a prompt in blocks: compressed after its last
             self.intake.keep_block(query, new_valid, self.used, self.queries_needed())
             if self.used < self.intake.total:
@@ -544,7 +547,7 @@ class KVCompressCache(Cache):
             layer.reserve(tokens, buckets)
 
     def advance(self, new: int) -> None:
-        """The host mirrors after a compiled step of ``new`` tokens (eager steps move them in ``update``)."""
+        """The host mirrors after a compiled step of ``new`` tokens (an eager step's ``commit`` moves them)."""
         for layer in self.layers:
             layer.advance(new)
 

@@ -1,10 +1,11 @@
 """Where a layer's keys and values live: one small interface, one class per layout.
 
 A layer (cache.py) holds one ``Slots`` object and drives it; the storage knows no method. Every
-layout keeps the layer's lengths, the one place they live: ``seen`` (tokens fed, padding included:
-the layer's length to transformers) and ``used`` (slots holding tokens), host mirrors that move only
-in ``advance``, after the step's device-side write (``write`` at the device-side position, then
-``close_step``) whether the step ran eagerly or as a compiled graph. The layouts:
+layout keeps the layer's lengths, the one place they live: the device-side write position and
+validity are the truth a step reads (``write`` at the position, ``close_step`` moves it), and
+``seen`` (tokens fed, padding included: the layer's length to transformers) and ``used`` (slots
+holding tokens) are host mirrors that describe the cache before a step until it commits, then move
+in ``advance``, eager or compiled alike (a compiled step reads none of them). The layouts:
 
 * ``DenseSlots``: ``[batch, kv_heads, slots, head_dim]`` buffers with spare room at the end; the
   prompt is held as the prefill computed it until the first later step moves it into buffers of a
@@ -241,7 +242,7 @@ class DenseSlots(Slots):
             return seen  # a decoding token is valid from its write on: it sees itself and every real slot
         block = new_block if new_block is not None else causal_slot_mask(q_len, q_len, self.keys.device)
         mask = seen.expand(-1, -1, q_len, -1).clone()
-        mask[..., self.used - q_len : self.used] = block
+        mask[..., self.used : self.used + q_len] = block  # the step's tokens, after the held ones (the lengths move at commit)
         return mask
 
     def attend(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scaling: float,
