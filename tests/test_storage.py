@@ -40,22 +40,25 @@ def test_layers_hold_their_storage_and_override_none_of_it():
 def test_the_storage_knows_no_layer_and_no_method():
     graph = module_imports()
     for storage in ("kvcompress.slots", "kvcompress.packed"):
-        assert not {t for t in graph[storage] if t.startswith(("kvcompress.cache", "kvcompress.methods", "kvcompress.integration"))}, storage
+        above = ("kvcompress.cache", "kvcompress.methods", "kvcompress.integration")
+        assert not {t for t in graph[storage] if t.startswith(above)}, storage
 
 
 def test_a_head_adaptive_layer_swaps_its_storage_and_keeps_its_length():
     model, tok = tiny_model(), char_tokenizer()
-    result = kvc.generate(model, tok, random_text(300, seed=8), method=kvc.SnapKV(budget=32, window=8, heads="adaptive"), max_new_tokens=5)
-    uniform = kvc.generate(model, tok, random_text(300, seed=8), method=kvc.SnapKV(budget=32, window=8), max_new_tokens=5)
+    prompt = random_text(300, seed=8)
+    adaptive_method = kvc.SnapKV(budget=32, window=8, heads="adaptive")
+    result = kvc.generate(model, tok, prompt, method=adaptive_method, max_new_tokens=5)
+    uniform = kvc.generate(model, tok, prompt, method=kvc.SnapKV(budget=32, window=8), max_new_tokens=5)
     for adaptive, dense in zip(result.cache.layers, uniform.cache.layers):
         assert isinstance(adaptive.slots, PackedSlots) and isinstance(dense.slots, DenseSlots)
         assert adaptive.get_seq_length() == dense.get_seq_length() == dense.prefill_len + 4  # the last token is not fed
-        assert adaptive.keys.shape[-2] == 0 and adaptive.valid is None  # attention gets no slots: the packing attends itself
+        assert adaptive.keys.shape[-2] == 0 and adaptive.valid is None  # no slots for attention: the packing attends
 
 
 def test_a_ring_keeps_the_window_and_a_cap_its_limit_while_decoding():
     torch.manual_seed(0)
-    ring, capped = RingSlots(window=5), CappedSlots(limit=6, fills={"note": 0.0})
+    ring, capped = RingSlots(window=5), CappedSlots(limit=6, fills={"note": 0.0}, accumulated=("note",))
     for slots in (ring, capped):
         keys = torch.randn(1, 2, 10, 4)
         slots.hold(keys, keys.clone())
@@ -95,5 +98,6 @@ def test_a_turn_fed_at_once_after_an_evicting_cache_is_full_stays_causal():
             return model(tokens, past_key_values=cache).logits[0]
 
     whole = turn_logits(turn)
-    torch.testing.assert_close(whole[:1], turn_logits(turn[:, :1]))  # the first token alone: before any eviction, the same attention
-    torch.testing.assert_close(whole[:3], turn_logits(torch.cat([turn[:, :3], other], dim=1))[:3])  # later tokens change nothing before them
+    # The first token alone attends as in the turn (eviction comes after attention); later tokens change none before.
+    torch.testing.assert_close(whole[:1], turn_logits(turn[:, :1]))
+    torch.testing.assert_close(whole[:3], turn_logits(torch.cat([turn[:, :3], other], dim=1))[:3])

@@ -78,7 +78,7 @@ class OverlapProbe(NamedTuple):
 def _refuse_replacing(name: str) -> Callable[[KVLayer, Any], None]:
     def refuse(layer: KVLayer, value: Any) -> None:
         if value is not None:  # transformers' base class starts every layer with None
-            raise CacheMisuseError(f"kvcompress: a layer's {name} are views of its storage (layer.slots); they cannot be replaced")
+            raise CacheMisuseError(f"kvcompress: a layer's {name} are views of its storage (layer.slots)")
     return refuse
 
 
@@ -94,20 +94,21 @@ class KVLayer(DynamicLayer):
     cache before the step until the step commits, then move in ``advance``: an eager step's ``commit``
     calls it first, a compiled decoding loop after the step's graph (``KVCompressCache.advance``)."""
 
-    STATE: ClassVar[tuple[str, ...]] = ()  # a subclass's own saved entries (tensors or plain values), by attribute name
-    HELD: ClassVar[dict[str, Any]] = {}  # objects a subclass holds beside its slots, saved under their name (state_dict, from_state)
-    LAYOUTS: ClassVar[tuple[type[Slots], ...]] = ()  # storage a subclass may swap its slots for (saved under its NAME; None: not swapped)
+    STATE: ClassVar[tuple[str, ...]] = ()  # a subclass's own saved entries (tensors or plain values), by attribute
+    HELD: ClassVar[dict[str, Any]] = {}  # objects held beside the slots, saved under their name (state_dict)
+    LAYOUTS: ClassVar[tuple[type[Slots], ...]] = ()  # storage a subclass may swap its slots for (saved under its NAME)
 
-    keys = property(lambda self: self.slots.view().keys, _refuse_replacing("keys"), doc="the keys attention gets ``[b, h, slots, d]``")
-    values = property(lambda self: self.slots.view().values, _refuse_replacing("values"), doc="the values attention gets")
-    valid = property(lambda self: self.slots.view().valid, doc="``[b, slots]`` real slots (None: all of them)")
-    positions = property(lambda self: self.slots.view().positions, doc="``[b, h, prompt slots]``: prompt positions held (None: slot order)")
-    cursor = property(lambda self: self.slots.view().cursor, doc="``[1]`` on the device: the slot of the next token (None: no step yet)")
-    used = property(lambda self: self.slots.used, doc="slots holding tokens")
-    seen_tokens = property(lambda self: self.slots.seen, doc="logical length: every token fed, padding included")
+    # The storage as the layer's callers read it (SlotView: keys/values as attention gets them, validity, ...).
+    keys = property(lambda self: self.slots.view().keys, _refuse_replacing("keys"))
+    values = property(lambda self: self.slots.view().values, _refuse_replacing("values"))
+    valid = property(lambda self: self.slots.view().valid)
+    positions = property(lambda self: self.slots.view().positions)
+    cursor = property(lambda self: self.slots.view().cursor)
+    used = property(lambda self: self.slots.used)
+    seen_tokens = property(lambda self: self.slots.seen)  # the logical length: every token fed, padding included
 
     def __init__(self, layer_idx: int, slots: DenseSlots | None = None) -> None:
-        self.slots: Slots = DenseSlots() if slots is None else slots  # before the base class, which sets keys and values
+        self.slots: Slots = DenseSlots() if slots is None else slots  # before the base class sets keys and values
         super().__init__()
         self.layer_idx = layer_idx
         self.module_id: int | None = None  # id() of the attention module this layer serves (make_cache sets it)
@@ -317,7 +318,7 @@ class KVLayer(DynamicLayer):
         marks the prompt slots the pass repeats (after each row's opening). Default: nothing."""
 
     def stats(self) -> dict[str, Any]:
-        """This layer's counters (the storage's bytes, the method's index). Numbers are summed over layers by the cache."""
+        """This layer's counters (the storage's bytes, the method's index), summed over layers by the cache."""
         stats = {**self.slots.memory(self.full_tokens()), "offloaded_bytes": 0}
         stats["index_bytes"] += nbytes(*self.index_tensors())
         return stats
@@ -357,7 +358,8 @@ class KVLayer(DynamicLayer):
         return {
             **self.slots.state_dict(),
             **{kind.NAME: None for kind in self.LAYOUTS if not isinstance(self.slots, kind)},
-            "prompt_tokens": self.prompt_tokens, "spans": self.spans, "prefill_len": self.prefill_len, "compress_s": self.compress_s,
+            "prompt_tokens": self.prompt_tokens, "spans": self.spans,
+            "prefill_len": self.prefill_len, "compress_s": self.compress_s,
             **{name: getattr(self, name) for name in self.STATE},
             **{key: value for name in self.HELD for key, value in nested(name, held_state(getattr(self, name))).items()},
         }
@@ -441,7 +443,8 @@ class WindowLayer(KVLayer):
         keep = min(self.used, self.window - 1)  # copied, so the prompt's KV is freed
         positions = self.kept_positions()[..., self.used - keep :].clone()
         valid = None if self.valid is None else self.valid[:, self.used - keep :].clone()
-        self.slots.set(self.keys[:, :, self.used - keep :].clone(), self.values[:, :, self.used - keep :].clone(), valid, positions)
+        window = slice(self.used - keep, self.used)
+        self.slots.set(self.keys[:, :, window].clone(), self.values[:, :, window].clone(), valid, positions)
 
     def full_tokens(self) -> int:
         return min(self.seen_tokens, self.window - 1)
@@ -450,7 +453,8 @@ class WindowLayer(KVLayer):
         """The recorded window is already what this layer keeps."""
         self.lazy_initialization(source.keys, source.values)
         self.slots.set(source.keys, source.values, source.valid, source.positions)
-        self.slots.seen, self.prefill_len, self.prompt_tokens = source.seen_tokens, source.prefill_len, source.prompt_tokens
+        self.slots.seen, self.prefill_len = source.seen_tokens, source.prefill_len
+        self.prompt_tokens = source.prompt_tokens
 
 
 class LayerFactory(Protocol):

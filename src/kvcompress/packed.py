@@ -99,10 +99,15 @@ class PackedSlots(Slots):
         then under ``packed.`` the flat buffers with their sentinel slot, each segment's start, length and
         capacity (row-major), its prompt positions."""
         positions = {f"positions.{r}.{h}": p for r, row in enumerate(self.positions) for h, p in enumerate(row)}
-        packing = {"keys": self.keys, "values": self.values, "valid": self.valid, "starts": self.starts_t, "lengths": self.lengths_t,
-                   "capacities": self.capacities_t, "rows": self.rows, "heads": self.heads, "room_left": self.room_left, **positions}
-        return {"keys": self.none, "values": self.none, "valid": None, "positions": None, "cursor": None, "seen_tokens": self.seen,
-                "used": self.used, **nested(self.NAME, packing)}
+        packing = {
+            "keys": self.keys, "values": self.values, "valid": self.valid,
+            "starts": self.starts_t, "lengths": self.lengths_t, "capacities": self.capacities_t,
+            "rows": self.rows, "heads": self.heads, "room_left": self.room_left, **positions,
+        }
+        return {
+            "keys": self.none, "values": self.none, "valid": None, "positions": None, "cursor": None,
+            "seen_tokens": self.seen, "used": self.used, **nested(self.NAME, packing),
+        }
 
     @classmethod
     def from_state(cls, layer_state: dict[str, Any], device: torch.device) -> PackedSlots:
@@ -112,12 +117,14 @@ class PackedSlots(Slots):
         return packed
 
     def load_state_dict(self, layer_state: dict[str, Any], device: torch.device) -> None:
-        """The packing a layer's ``state_dict`` saved (tensors in host memory), on ``device``; the host mirrors derived."""
+        """The packing a layer's ``state_dict`` saved (tensors in host memory), on ``device``; host mirrors derived."""
         state = inner(layer_state, self.NAME)
         self.seen = layer_state["seen_tokens"]
         self.rows, self.heads, self.room_left = state["rows"], state["heads"], state["room_left"]
         self.keys, self.values, self.valid = (state[name].to(device) for name in ("keys", "values", "valid"))
-        self.starts_t, self.lengths_t, self.capacities_t = (state[name].to(device) for name in ("starts", "lengths", "capacities"))
+        self.starts_t, self.lengths_t, self.capacities_t = (
+            state[name].to(device) for name in ("starts", "lengths", "capacities")
+        )
         self.starts, self.lengths = (state[name].view(self.rows, self.heads).tolist() for name in ("starts", "lengths"))
         self.positions = [[state[f"positions.{r}.{h}"].to(device) for h in range(self.heads)] for r in range(self.rows)]
         self.widest = int(state["capacities"].max())
@@ -174,8 +181,10 @@ class PackedSlots(Slots):
         """Only the new tokens among themselves: ``attend`` knows the rest."""
         return new_block
 
-    def attend(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, new_mask: torch.Tensor | None, scaling: float,
-               softcap: float | None = None) -> torch.Tensor:
+    def attend(
+        self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, new_mask: torch.Tensor | None,
+        scaling: float, softcap: float | None = None,
+    ) -> torch.Tensor:
         """Exact attention of ``query [rows, q_heads, q, d]`` over each segment, whose newest ``q``
         slots are these queries' own tokens, seen as ``new_mask [rows, 1, q, q]`` says (None: causal;
         one query always sees its own token). ``keys``/``values``: the empty views, unused."""
@@ -213,14 +222,19 @@ class PackedSlots(Slots):
             "kv_bytes_full": 2 * self.rows * self.heads * full_tokens * dim * size,
             "kv_bytes_kept": used,
             "spare_bytes": nbytes(self.keys, self.values) - used,  # the sentinel slot counts as spare
-            "index_bytes": nbytes(self.valid, self.capacities_t, self.starts_t, self.lengths_t, *(p for row in self.positions for p in row)),
-            "bytes_read_per_step": 2 * self.rows * self.heads * self.widest * dim * size,  # the gathered block, room included
+            "index_bytes": nbytes(
+                self.valid, self.capacities_t, self.starts_t, self.lengths_t, *(p for r in self.positions for p in r)
+            ),
+            "bytes_read_per_step": 2 * self.rows * self.heads * self.widest * dim * size,  # the gathered block and room
         }
 
     def joined(self, others: list[Slots]) -> PackedSlots:
         """These rows, then ``others``' (groups of one batch, not decoded yet), as one packing."""
         parts = [self, *others]
-        segments = [[(*part.segment(r, h)[:2], part.positions[r][h]) for h in range(part.heads)] for part in parts for r in range(part.rows)]
+        segments = [
+            [(*part.segment(r, h)[:2], part.positions[r][h]) for h in range(part.heads)]
+            for part in parts for r in range(part.rows)
+        ]
         return PackedSlots(segments, self.seen)
 
     def batch_apply(self, apply: Callable[[torch.Tensor], torch.Tensor]) -> None:

@@ -111,13 +111,15 @@ class Slots:
         """The mask a later step's queries attend with (``new_block``: the new tokens among themselves)."""
         raise NotImplementedError
 
-    def attend(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scaling: float,
-               softcap: float | None = None) -> torch.Tensor:
+    def attend(
+        self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scaling: float,
+        softcap: float | None = None,
+    ) -> torch.Tensor:
         """Attention of ``query`` over the slots (``keys``/``values``: the view, as ``update`` returned it)."""
         raise NotImplementedError
 
     def kept_positions(self, prefill_len: int) -> torch.Tensor:
-        """Prompt positions held ``[b, h, n]`` ascending per head (-1: filler), the prompt ``prefill_len`` slots long."""
+        """Prompt positions held ``[b, h, n]`` ascending per head (-1: filler); the prompt is ``prefill_len`` slots."""
         raise NotImplementedError
 
     def memory(self, full_tokens: int) -> dict[str, int]:
@@ -148,9 +150,9 @@ class DenseSlots(Slots):
     def __init__(self) -> None:
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
-        self.valid: torch.Tensor | None = None  # [batch, slots]; None while every slot is real (a prefill without padding)
+        self.valid: torch.Tensor | None = None  # [batch, slots]; None while every slot is real (no padding)
         self.positions: torch.Tensor | None = None  # [batch, kv_heads, prompt slots]: prompt positions held
-        self.cursor: torch.Tensor | None = None  # [1] on the device: the slot of the next (during a step: this step's first) token
+        self.cursor: torch.Tensor | None = None  # [1] on the device: the next token's slot (in a step: its first's)
         self.seen = 0
         self.used = 0  # slots holding tokens: [0, used)
 
@@ -171,7 +173,10 @@ class DenseSlots(Slots):
         self.keys[:, :, self.used : end] = keys
         self.values[:, :, self.used : end] = values
 
-    def set(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> None:
+    def set(
+        self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+    ) -> None:
         """Replace every slot (e.g. by the kept ones). ``valid [b, slots]`` (None: all real),
         ``positions [b, kv_heads, prompt slots]`` (None: derived from validity)."""
         self.keys, self.values, self.valid, self.positions = keys, values, valid, positions
@@ -242,11 +247,13 @@ class DenseSlots(Slots):
             return seen  # a decoding token is valid from its write on: it sees itself and every real slot
         block = new_block if new_block is not None else causal_slot_mask(q_len, q_len, self.keys.device)
         mask = seen.expand(-1, -1, q_len, -1).clone()
-        mask[..., self.used : self.used + q_len] = block  # the step's tokens, after the held ones (the lengths move at commit)
+        mask[..., self.used : self.used + q_len] = block  # the step's tokens, after the held ones
         return mask
 
-    def attend(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scaling: float,
-               softcap: float | None = None) -> torch.Tensor:
+    def attend(
+        self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scaling: float,
+        softcap: float | None = None,
+    ) -> torch.Tensor:
         return dense_attention(query, keys, values, mask, scaling, softcap)
 
     def kept_positions(self, prefill_len: int) -> torch.Tensor:
@@ -299,8 +306,10 @@ class DenseSlots(Slots):
         return self
 
     def state_dict(self) -> dict[str, Any]:
-        return {"keys": self.keys, "values": self.values, "valid": self.valid, "positions": self.positions, "cursor": self.cursor,
-                "seen_tokens": self.seen, "used": self.used}
+        return {
+            "keys": self.keys, "values": self.values, "valid": self.valid, "positions": self.positions,
+            "cursor": self.cursor, "seen_tokens": self.seen, "used": self.used,
+        }
 
     def load_state_dict(self, state: dict[str, Any], device: torch.device) -> None:
         self.keys, self.values, self.valid, self.positions, self.cursor = (
@@ -330,7 +339,7 @@ class RingSlots(DenseSlots):
             self.relayout(needed + spare_slots(needed))
 
     def reserve(self, tokens: int, buckets: bool = False) -> None:
-        self.make_room(1)  # decoding steps overwrite the oldest token (the ring's size is the model's window, whatever the request)
+        self.make_room(1)  # steps overwrite the oldest token: the ring is the model's window, whatever the request
 
     def relayout(self, capacity: int) -> None:
         """The held tokens (the last ``used`` before ``seen``) into a ring of ``capacity`` slots."""
@@ -347,7 +356,8 @@ class RingSlots(DenseSlots):
         keys.index_copy_(2, slots, self.keys[:, :, order])
         values.index_copy_(2, slots, self.values[:, :, order])
         self.keys, self.values = keys, values
-        self.valid = torch.zeros(keys.shape[0], capacity, dtype=torch.bool, device=keys.device).index_copy_(1, slots, valid)
+        self.valid = torch.zeros(keys.shape[0], capacity, dtype=torch.bool, device=keys.device)
+        self.valid.index_copy_(1, slots, valid)
         self.slot_index = torch.full((capacity,), -self.window, device=keys.device).index_copy_(0, slots, logical)
         self.cursor = torch.tensor([self.seen], device=keys.device)
 
@@ -393,12 +403,14 @@ class CappedSlots(DenseSlots):
     """Dense slots that hold at most ``limit`` tokens once decoding starts: each step writes after the
     held ones and the layer moves the ``limit`` it keeps to the front (``after_step``), so the device
     position stops at ``limit``. ``notes`` are per-slot annotations ``[b, h, slots]`` (a score, a
-    position) that move with the slots: a new slot's note starts at its fill value."""
+    position) that move with the slots, empty slots at their fill value; the ``accumulated`` ones (a
+    score a step adds to) restart at it in every slot a step writes, the layer writes the others."""
 
-    def __init__(self, limit: int, fills: dict[str, float]) -> None:
+    def __init__(self, limit: int, fills: dict[str, float], accumulated: tuple[str, ...] = ()) -> None:
         super().__init__()
         self.limit = limit
-        self.fills = fills  # each note's value for empty and new slots
+        self.fills = fills  # each note's value in empty slots
+        self.accumulated = accumulated
         self.notes: dict[str, torch.Tensor | None] = dict.fromkeys(fills)
 
     def advance(self, new: int) -> None:
@@ -407,19 +419,20 @@ class CappedSlots(DenseSlots):
             self.used = min(self.used, self.limit)
 
     def reserve(self, tokens: int, buckets: bool = False) -> None:
-        super().reserve(max(1, min(tokens, self.limit + 1 - self.used)), buckets)  # never more than the limit and a step
+        super().reserve(max(1, min(tokens, self.limit + 1 - self.used)), buckets)  # at most the limit and a step
 
     def relayout(self, capacity: int) -> None:
         held = self.used
         super().relayout(capacity)
         for name, note in self.notes.items():
             if note is not None:
-                self.notes[name] = torch.nn.functional.pad(note[..., :held], (0, capacity - held), value=self.fills[name])
+                pad = (0, capacity - held)
+                self.notes[name] = torch.nn.functional.pad(note[..., :held], pad, value=self.fills[name])
 
     def write(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         slots = self.new_slots(keys.shape[-2])
-        for name, note in self.notes.items():
-            note.index_fill_(2, slots, self.fills[name])  # the room may hold an evicted slot's note
+        for name in self.accumulated:
+            self.notes[name].index_fill_(2, slots, self.fills[name])  # the room may hold an evicted slot's note
         super().write(keys, values)
 
     def close_step(self, new: int) -> None:
@@ -433,7 +446,10 @@ class CappedSlots(DenseSlots):
         self.notes = {name: None if note is None else apply(note) for name, note in self.notes.items()}
 
     def joined(self, others: list[Slots]) -> Slots:
-        notes = {name: None if note is None else torch.cat([note, *(part.notes[name] for part in others)]) for name, note in self.notes.items()}
+        notes = {
+            name: None if note is None else torch.cat([note, *(part.notes[name] for part in others)])
+            for name, note in self.notes.items()
+        }
         super().joined(others)
         self.notes = notes
         return self

@@ -118,7 +118,8 @@ class H2OLayer(EvictionLayer):
         super().__init__(method, layer_idx, share)
         # Capped at the layer's budget while decoding; notes per slot [batch, kv_heads, slots]: accumulated
         # attention, and position in the row (-1: padding).
-        self.slots = CappedSlots(math.ceil(method.budget_tokens * share), {"slot_scores": 0.0, "slot_positions": -1})
+        fills = {"slot_scores": 0.0, "slot_positions": -1}
+        self.slots = CappedSlots(math.ceil(method.budget_tokens * share), fills, accumulated=("slot_scores",))
         self.next_position: torch.Tensor | None = None  # [batch]
 
     @property
@@ -143,7 +144,8 @@ class H2OLayer(EvictionLayer):
         if softcap is not None:
             logits = softcap * torch.tanh(logits / softcap)
         probs = logits.masked_fill(~group_mask(mask, q_heads // kv_heads), torch.finfo(torch.float32).min).softmax(dim=-1)
-        self.slots.notes["slot_scores"].add_(average_over_groups(probs.view(batch, q_heads, q_len, slots).sum(dim=2), kv_heads))
+        received = average_over_groups(probs.view(batch, q_heads, q_len, slots).sum(dim=2), kv_heads)
+        self.slots.notes["slot_scores"].add_(received)
         return (probs @ values.float()).view(batch, q_heads, q_len, dim).to(query.dtype)
 
     def after_step(self, query: torch.Tensor, scaling: float) -> None:

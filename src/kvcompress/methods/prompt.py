@@ -271,7 +271,7 @@ class HeadAdaptiveLayer(EvictionLayer):
             for head in range(keep.shape[1]):
                 slots = keep[row, head].nonzero()[:, 0]
                 segments[row].append((self.keys[row, head, slots], self.values[row, head, slots], positions[row, slots]))
-        self.slots = PackedSlots(segments, self.seen_tokens)  # the dense slots, and the prompt's KV with them, are freed
+        self.slots = PackedSlots(segments, self.seen_tokens)  # the dense slots (the prompt's KV) are freed
 
     @property
     def packed(self) -> PackedSlots | None:
