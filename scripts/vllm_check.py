@@ -25,16 +25,12 @@ import vllm  # noqa: E402
 from vllm import LLM, SamplingParams  # noqa: E402
 
 import kvcompress as kvc  # noqa: E402
-from kvcompress import demo, vllm_plugin  # noqa: E402
+from kvcompress import demo, serving, vllm_plugin  # noqa: E402
 from kvcompress.models import default_model_dir  # noqa: E402
-
-SCHEDULER = "kvcompress.vllm_plugin.SnapKVScheduler"
-
 
 def engine(budget: int, blocks: int | None = None, max_len: int = 4096) -> LLM:
     return LLM(model=str(default_model_dir()), dtype="float32", enforce_eager=True, max_model_len=max_len, block_size=32,
-               enable_prefix_caching=False, enable_chunked_prefill=False, max_num_batched_tokens=max_len, num_gpu_blocks_override=blocks, scheduler_cls=SCHEDULER,
-               additional_config={"kvcompress": {"budget": budget}})
+               max_num_batched_tokens=max_len, num_gpu_blocks_override=blocks, **serving.engine_options(kvc.SnapKV(budget=budget)))
 
 
 def chat(tokenizer, tokens: int, depth: float) -> list[dict]:

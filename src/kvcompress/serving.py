@@ -1,0 +1,93 @@
+"""What serving compressed caches through vLLM needs apart from vLLM itself: which methods a vLLM
+engine can apply, a request's own settings, and the command line that starts vLLM's server with
+the plugin (``kvcompress serve``). Imports no vLLM, so bad settings are refused before vLLM starts
+and the API server checks a request's settings with the library's own validation.
+
+A request chooses its method in its body, beside OpenAI's fields (``extra_body`` in the ``openai``
+client): ``{"kvcompress": {"method": "snapkv", "budget": 256}}`` (any field of the method; none:
+the engine's method; ``{"method": "full"}``: its full cache).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from .methods import METHODS, method_from_name
+from .methods.base import InvalidParameterError, Method
+from .methods.prompt import PromptMethod
+
+FIELD = "kvcompress"  # the request body's field, and the key of the engine's settings in vLLM's additional_config
+ENGINE_ENV = "KVCOMPRESS_ENGINE"  # the engine's settings for the API server's middleware (``kvcompress serve`` sets it)
+SCHEDULER = "kvcompress.vllm_plugin.KVCompressScheduler"
+CONNECTOR = {"kv_connector": "KVCompressConnector", "kv_connector_module_path": "kvcompress.vllm_plugin", "kv_role": "kv_both"}
+MIDDLEWARE = "kvcompress.vllm_plugin.RequestSettings"
+# Scored from the prefill alone, one score per prompt position and KV head, the same count per head: what
+# a paged cache can hold after the prefill step (the rest is refused by name, with the reason).
+SERVABLE = ("full", "snapkv", "streamingllm", "h2o")
+WHY_NOT = {
+    "kvzip": "it scores from an observation pass (the model repeating the prompt) that vLLM does not run",
+    "expected": "it scores with the layer's rotary module, which vLLM's attention backend does not see",
+    "shadowkv": "it changes every decoding step's attention (chunk selection), not which tokens a request keeps",
+    "quest": "it changes every decoding step's attention (page selection), not which tokens a request keeps",
+    "loki": "it changes every decoding step's attention (low-rank scores), not which tokens a request keeps",
+}
+
+
+def check_servable(method: Method) -> Method:
+    """``method`` if a vLLM engine can apply it, else ``InvalidParameterError`` naming what is refused and why."""
+    name = method.name
+    if name not in SERVABLE:
+        why = WHY_NOT.get(name, "it is not one of the methods scored from the prefill")
+        raise InvalidParameterError(f"method={name!r} cannot be served by vLLM: {why}; servable: {', '.join(SERVABLE)}")
+    if isinstance(method, PromptMethod):
+        for field, uniform in (("heads", method.heads), ("layers", method.layers)):
+            if uniform != "uniform":
+                raise InvalidParameterError(
+                    f"{name}: {field}={uniform!r} cannot be served by vLLM (a paged cache holds the same count per KV head and "
+                    f"layer); valid: 'uniform'"
+                )
+    if getattr(method, "evict_during_decoding", False):
+        raise InvalidParameterError(f"{name}: evict_during_decoding=True cannot be served by vLLM (it compresses at the end of a prefill)")
+    return method
+
+
+def method_of(settings: Any, default: Method | None = None) -> Method:
+    """The method a request's ``kvcompress`` settings name (``{"method": NAME, FIELD: VALUE, ...}``;
+    None: ``default``), validated as the library validates it, its errors naming the field."""
+    if settings is None and default is not None:
+        return default
+    if not isinstance(settings, dict):
+        raise InvalidParameterError(f"{FIELD} must be an object such as {{\"method\": \"snapkv\", \"budget\": 256}}; got {settings!r}")
+    fields = dict(settings)
+    name = fields.pop("method", None if default is None else default.name)
+    if not isinstance(name, str):
+        raise InvalidParameterError(f"{FIELD}.method={name!r} is invalid; valid: {', '.join(SERVABLE)}")
+    if name not in METHODS:
+        raise InvalidParameterError(f"{FIELD}.method={name!r} is unknown; valid: {', '.join(SERVABLE)}")
+    try:
+        return check_servable(method_from_name(name, **fields))
+    except InvalidParameterError as err:
+        raise InvalidParameterError(f"{FIELD}: {err}") from None
+
+
+def engine_settings(method: Method) -> dict[str, Any]:
+    """The engine's default method as vLLM's ``additional_config`` carries it."""
+    return {FIELD: {"method": method.name, **method.settings()}}
+
+
+def engine_options(method: Method) -> dict[str, Any]:
+    """What a vLLM engine (``vllm.LLM(model, **engine_options(method))``) needs to apply kvcompress:
+    the plugin's scheduler and connector, the engine's method; prefix caching and chunked prefill off."""
+    return {"scheduler_cls": SCHEDULER, "kv_transfer_config": CONNECTOR, "additional_config": engine_settings(check_servable(method)),
+            "enable_prefix_caching": False, "enable_chunked_prefill": False}
+
+
+def serve_argv(model: str, method: Method, host: str, port: int, vllm_flags: list[str]) -> list[str]:
+    """The arguments of vLLM's OpenAI-compatible server: the model, the plugin's scheduler and request
+    middleware, the engine's method, the address, then the user's own vLLM flags (``vllm serve --help``)."""
+    return [
+        "--model", model, "--host", host, "--port", str(port), "--scheduler-cls", SCHEDULER, "--middleware", MIDDLEWARE,
+        "--kv-transfer-config", json.dumps(CONNECTOR), "--additional-config", json.dumps(engine_settings(method)),
+        "--no-enable-prefix-caching", "--no-enable-chunked-prefill", *vllm_flags,
+    ]
