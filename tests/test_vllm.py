@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import socket
@@ -23,8 +24,9 @@ import kvcompress as kvc  # noqa: E402
 from kvcompress import demo, serving, vllm_plugin  # noqa: E402
 from kvcompress.models import default_model_dir  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not (default_model_dir() / "model.safetensors").exists(), reason="embedded model not fetched")
+pytestmark = pytest.mark.skipif(not (default_model_dir() / "model.safetensors").exists(), reason="no embedded model")
 ENGINE = {"dtype": "float32", "enforce_eager": True, "max_model_len": 2048, "block_size": 32, "max_num_batched_tokens": 2048}
+METHOD = kvc.SnapKV(budget=256)  # the engines' own method
 
 
 @pytest.fixture(scope="module")
@@ -34,11 +36,12 @@ def library():
 
 @pytest.fixture(scope="module")
 def engine():
-    return vllm.LLM(model=str(default_model_dir()), **ENGINE, **serving.engine_options(kvc.SnapKV(budget=256)))
+    return vllm.LLM(model=str(default_model_dir()), **ENGINE, **serving.engine_options(METHOD))
 
 
 def chat(tokenizer, tokens: int, depth: float) -> list[dict]:
-    return [{"role": "user", "content": f"Read this document.\n\n{demo.build_document(tokenizer, tokens, depth)}\n\n{demo.QUESTION}"}]
+    document = demo.build_document(tokenizer, tokens, depth)
+    return [{"role": "user", "content": f"Read this document.\n\n{document}\n\n{demo.QUESTION}"}]
 
 
 def layer_of(name: str) -> int:
@@ -57,36 +60,85 @@ def test_snapkv_in_vllm_keeps_what_kvcompress_keeps_and_frees_blocks(engine, lib
     for name, positions in kept.items():
         assert torch.equal(positions, ours.cache.kept_positions(layer_of(name))[0]), name
     blocks = engine.llm_engine.engine_core.engine_core.scheduler.blocks_before_after
-    before, after = next(v for k, v in blocks.items() if k.split("-")[0] == served.request_id)  # vLLM suffixes its own ids
-    assert before == -(-len(served.prompt_token_ids) // 32) and after == -(-(256 + 16) // 32)  # the prompt's blocks, then what SnapKV keeps
+    before, after = next(v for k, v in blocks.items() if k.split("-")[0] == served.request_id)  # vLLM suffixes its ids
+    assert before == -(-len(served.prompt_token_ids) // 32)  # the prompt's blocks
+    assert after == -(-(256 + 16) // 32)  # then what SnapKV keeps and the room for every token
 
 
 def test_each_request_of_a_batch_gets_its_own_method_and_its_alone_answer(engine, library):
     """One batch: prompts of very different lengths, each with its own method (or the engine's, or none);
     each answers as kvcompress.generate answers it alone, and keeps the positions kvcompress keeps."""
     model, tokenizer = library
-    cases = [(1500, 0.6, None), (300, 0.5, {"method": "streamingllm", "budget": 64}), (1000, 0.2, {"method": "h2o", "budget": 192}),
-             (700, 0.8, {"method": "full"}), (1200, 0.3, {"method": "snapkv", "budget": 128, "window": 16})]
+    cases = [(1500, 0.6, None), (300, 0.5, {"method": "streamingllm", "budget": 64}),
+             (1000, 0.2, {"method": "h2o", "budget": 192}), (700, 0.8, {"method": "full"}),
+             (1200, 0.3, {"method": "snapkv", "budget": 128, "window": 16})]
     conversations = [chat(tokenizer, tokens, depth) for tokens, depth, _ in cases]
     prompts = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in conversations]
-    params = [vllm.SamplingParams(max_tokens=12, temperature=0, extra_args=None if s is None else {"kvcompress": s}) for *_, s in cases]
     vllm_plugin.KEPT_POSITIONS.clear()
-    served = engine.generate(prompts, params, use_tqdm=False)
+    served = engine.generate(prompts, sampling(cases), use_tqdm=False)
     kept = list(vllm_plugin.KEPT_POSITIONS.values())
     assert len(kept) == 4  # every request compressed but the one that asked for its full cache
     for (tokens, _, settings), messages, out in zip(cases, conversations, served):
-        method = serving.method_of(settings, default=kvc.SnapKV(budget=256))
+        method = serving.method_of(settings, default=METHOD)
         ours = kvc.generate(model, tokenizer, messages, method=method, max_new_tokens=12)
         assert out.outputs[0].text == ours.text, (tokens, settings)
         if method.name != "full":
-            assert any(all(torch.equal(p, ours.cache.kept_positions(layer_of(n))[0]) for n, p in layers.items()) for layers in kept), settings
+            assert any(same_positions(layers, ours.cache) for layers in kept), settings
+
+
+def sampling(cases: list[tuple]) -> list:
+    """Greedy sampling parameters, each case's ``kvcompress`` settings (its last entry) in its extra arguments."""
+    return [vllm.SamplingParams(max_tokens=12, temperature=0, extra_args=None if s is None else {"kvcompress": s}) for *_, s in cases]
+
+
+def overlap(layers: dict[str, torch.Tensor], cache: kvc.KVCompressCache) -> list[float]:
+    """Per layer and KV head, the share of the positions ``cache`` keeps that vLLM kept too."""
+    shares = []
+    for name, positions in layers.items():
+        for served, ours in zip(positions.tolist(), cache.kept_positions(layer_of(name))[0].tolist()):
+            shares.append(len(set(served) & set(ours)) / len(ours))
+    return shares
+
+
+def same_positions(layers: dict[str, torch.Tensor], cache: kvc.KVCompressCache) -> bool:
+    """The positions vLLM kept in every layer (by name) are the ones ``cache`` keeps."""
+    return all(torch.equal(positions, cache.kept_positions(layer_of(name))[0]) for name, positions in layers.items())
+
+
+def test_prompts_prefilled_in_chunks_are_compressed_after_their_last_chunk(library):
+    """vLLM's default, chunked prefill: prompts longer than a step's token budget (512 here) compress
+    too, each method keeping what kvcompress keeps from the whole prompt, in a batch beside others.
+    A later chunk attends to the earlier ones through vLLM's paged kernel, whose rounding differs
+    from one SDPA call over the prompt: StreamingLLM (positions from lengths only) and H2O keep
+    exactly kvcompress's positions; SnapKV's pooled, span-clustered votes have near-ties that may swap
+    (measured: >= 93% of each head's positions, 97% on average, for a prompt in three chunks), while
+    a chunk's keys or window read wrongly would keep a different set."""
+    model, tokenizer = library
+    chunked = vllm.LLM(model=str(default_model_dir()), **{**ENGINE, "max_num_batched_tokens": 512},
+                       enable_chunked_prefill=True, **serving.engine_options(METHOD))
+    cases = [(1200, 0.3, None), (900, 0.6, {"method": "h2o", "budget": 160}),
+             (1400, 0.5, {"method": "streamingllm", "budget": 96}), (200, 0.5, {"method": "snapkv", "budget": 64, "window": 8})]
+    conversations = [chat(tokenizer, tokens, depth) for tokens, depth, _ in cases]
+    prompts = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in conversations]
+    vllm_plugin.KEPT_POSITIONS.clear()
+    served = chunked.generate(prompts, sampling(cases), use_tqdm=False)
+    kept = list(vllm_plugin.KEPT_POSITIONS.values())
+    assert len(kept) == len(cases) and not vllm_plugin.CHUNKS  # every prompt compressed, no chunk held after
+    for (tokens, _, settings), messages, out in zip(cases, conversations, served):
+        method = serving.method_of(settings, default=METHOD)
+        ours = kvc.generate(model, tokenizer, messages, method=method, max_new_tokens=12)
+        assert out.outputs[0].text == ours.text, (tokens, settings)
+        shares = max((overlap(layers, ours.cache) for layers in kept), key=lambda found: sum(found) / len(found))
+        if method.name != "snapkv":
+            assert min(shares) == 1.0, settings
+        assert min(shares) >= 0.9 and sum(shares) / len(shares) >= 0.95, settings
 
 
 def test_a_request_with_invalid_settings_is_refused_by_name(engine):
-    with pytest.raises(Exception, match=r"kvcompress: SnapKV: window=0 is invalid"):
-        engine.generate(["hello"], vllm.SamplingParams(max_tokens=2, extra_args={"kvcompress": {"method": "snapkv", "window": 0}}), use_tqdm=False)
-    with pytest.raises(Exception, match=r"method='kvzip' cannot be served by vLLM: it scores from an observation pass"):
-        engine.generate(["hello"], vllm.SamplingParams(max_tokens=2, extra_args={"kvcompress": {"method": "kvzip"}}), use_tqdm=False)
+    for settings, message in (({"method": "snapkv", "window": 0}, r"kvcompress: SnapKV: window=0 is invalid"),
+                              ({"method": "kvzip"}, r"method='kvzip' cannot be served by vLLM: it scores from an observation pass")):
+        with pytest.raises(Exception, match=message):
+            engine.generate(["hello"], vllm.SamplingParams(max_tokens=2, extra_args={"kvcompress": settings}), use_tqdm=False)
 
 
 def free_port() -> int:
@@ -104,8 +156,9 @@ def test_kvcompress_serve_answers_the_openai_client_as_the_library_does(library,
     port = free_port()
     log = open(tmp_path / "serve.log", "w")
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
-    server = subprocess.Popen([sys.executable, "-m", "kvcompress", "serve", "--budget", "256", "--port", str(port), "--dtype", "float32",
-                               "--max-model-len", "2048", "--enforce-eager", "--block-size", "32"], stdout=log, stderr=subprocess.STDOUT, env=env)
+    command = [sys.executable, "-m", "kvcompress", "serve", "--budget", "256", "--port", str(port), "--dtype", "float32",
+               "--max-model-len", "2048", "--enforce-eager", "--block-size", "32"]
+    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 400
@@ -116,19 +169,17 @@ def test_kvcompress_serve_answers_the_openai_client_as_the_library_does(library,
         name = client.models.list().data[0].id
         messages = chat(tokenizer, 1200, 0.3)
         ours = kvc.generate(model, tokenizer, messages, method=kvc.SnapKV(budget=256), max_new_tokens=16).text
-        answer = client.chat.completions.create(model=name, messages=messages, max_tokens=16, temperature=0)
-        assert answer.choices[0].message.content == ours
-        stream = client.chat.completions.create(model=name, messages=messages, max_tokens=16, temperature=0, stream=True)
-        assert "".join(chunk.choices[0].delta.content or "" for chunk in stream) == ours
+        ask = functools.partial(client.chat.completions.create, model=name, messages=messages, temperature=0)
+        assert ask(max_tokens=16).choices[0].message.content == ours
+        assert "".join(chunk.choices[0].delta.content or "" for chunk in ask(max_tokens=16, stream=True)) == ours
 
         settings = [{"method": "streamingllm", "budget": 128}, {"method": "full"}, {"method": "snapkv", "budget": 64}]
         answers: dict[int, str] = {}
 
-        def ask(i: int) -> None:
-            reply = client.chat.completions.create(model=name, messages=messages, max_tokens=16, temperature=0, extra_body={"kvcompress": settings[i]})
-            answers[i] = reply.choices[0].message.content
+        def ask_with(i: int) -> None:
+            answers[i] = ask(max_tokens=16, extra_body={"kvcompress": settings[i]}).choices[0].message.content
 
-        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(settings))]
+        threads = [threading.Thread(target=ask_with, args=(i,)) for i in range(len(settings))]
         for thread in threads:
             thread.start()
         for thread in threads:
@@ -137,12 +188,12 @@ def test_kvcompress_serve_answers_the_openai_client_as_the_library_does(library,
             alone = kvc.generate(model, tokenizer, messages, method=serving.method_of(setting), max_new_tokens=16).text
             assert answers[i] == alone, setting
 
-        with pytest.raises(openai.BadRequestError, match=r"kvcompress: SnapKV: budget=-3 is invalid; it must be an integer >= 1"):
-            client.chat.completions.create(model=name, messages=messages, max_tokens=4, extra_body={"kvcompress": {"method": "snapkv", "budget": -3}})
-        with pytest.raises(openai.BadRequestError, match=r"kvcompress.method='nope' is unknown; valid: full, snapkv, streamingllm, h2o"):
-            client.chat.completions.create(model=name, messages=messages, max_tokens=4, extra_body={"kvcompress": {"method": "nope"}})
+        for bad, message in (({"method": "snapkv", "budget": -3}, r"kvcompress: SnapKV: budget=-3 is invalid; it must be an integer >= 1"),
+                             ({"method": "nope"}, r"kvcompress.method='nope' is unknown; valid: full, snapkv, streamingllm, h2o")):
+            with pytest.raises(openai.BadRequestError, match=message):
+                ask(max_tokens=4, extra_body={"kvcompress": bad})
 
-        stream = client.chat.completions.create(model=name, messages=messages, max_tokens=400, temperature=0, stream=True)
+        stream = ask(max_tokens=400, stream=True)
         for _, _chunk in zip(range(3), stream):
             pass
         stream.close()  # the client disconnects mid-answer
@@ -150,7 +201,7 @@ def test_kvcompress_serve_answers_the_openai_client_as_the_library_does(library,
         while metric(base, "vllm:num_requests_running") or metric(base, "vllm:kv_cache_usage_perc"):
             assert time.monotonic() < deadline, "an aborted request kept its KV blocks"
             time.sleep(0.5)
-        assert client.chat.completions.create(model=name, messages=messages, max_tokens=16, temperature=0).choices[0].message.content == ours
+        assert ask(max_tokens=16).choices[0].message.content == ours  # the server serves on
     finally:
         server.send_signal(signal.SIGINT)
         try:
@@ -174,4 +225,31 @@ def metric(base: str, name: str) -> float:
     """A gauge from vLLM's Prometheus endpoint (summed over its labels)."""
     with urllib.request.urlopen(f"{base}/metrics", timeout=5) as reply:
         lines = reply.read().decode().splitlines()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(name + "{") or line.startswith(name + " "))
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith((name + "{", name + " ")))
+
+
+def test_tensor_parallel_workers_each_keep_their_own_heads(tmp_path):
+    """--tensor-parallel-size 2: each worker holds one of a tiny model's two KV heads and keeps that
+    head's tokens; the answer is the one worker's and the library's."""
+    from .fixtures import char_tokenizer, tiny_model
+
+    folder = tmp_path / "tiny"
+    model = tiny_model(hidden_size=256, head_dim=64, max_position_embeddings=2048)
+    model.save_pretrained(folder)
+    char_tokenizer().save_pretrained(folder)
+    ids = torch.randint(3, 128, (600,), generator=torch.Generator().manual_seed(5)).tolist()
+    method = kvc.SnapKV(budget=64, window=8, clustering="pool")
+    cache = method.make_cache(model)
+    with torch.no_grad():
+        ours = model.generate(torch.tensor([ids]), past_key_values=cache, max_new_tokens=8, do_sample=False)[0, len(ids) :].tolist()
+        full = model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)[0, len(ids) :].tolist()
+    assert ours != full  # the answer shows whether the workers compressed
+    answers = []
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"  # one core per worker (vLLM binds none itself on one NUMA node)
+    for workers in (1, 2):
+        llm = vllm.LLM(model=str(folder), **{**ENGINE, "max_model_len": 1024, "max_num_batched_tokens": 1024},
+                       tensor_parallel_size=workers, **serving.engine_options(method))
+        greedy = vllm.SamplingParams(max_tokens=8, temperature=0)
+        answers.append(llm.generate([{"prompt_token_ids": ids}], greedy, use_tqdm=False)[0])
+        del llm
+    assert answers[0].outputs[0].token_ids == answers[1].outputs[0].token_ids == ours

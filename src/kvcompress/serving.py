@@ -20,7 +20,8 @@ from .methods.prompt import PromptMethod
 FIELD = "kvcompress"  # the request body's field, and the key of the engine's settings in vLLM's additional_config
 ENGINE_ENV = "KVCOMPRESS_ENGINE"  # the engine's settings for the API server's middleware (``kvcompress serve`` sets it)
 SCHEDULER = "kvcompress.vllm_plugin.KVCompressScheduler"
-CONNECTOR = {"kv_connector": "KVCompressConnector", "kv_connector_module_path": "kvcompress.vllm_plugin", "kv_role": "kv_both"}
+CONNECTOR = {"kv_connector": "KVCompressConnector", "kv_connector_module_path": "kvcompress.vllm_plugin",
+             "kv_role": "kv_both"}
 MIDDLEWARE = "kvcompress.vllm_plugin.RequestSettings"
 # Scored from the prefill alone, one score per prompt position and KV head, the same count per head: what
 # a paged cache can hold after the prefill step (the rest is refused by name, with the reason).
@@ -44,11 +45,13 @@ def check_servable(method: Method) -> Method:
         for field, uniform in (("heads", method.heads), ("layers", method.layers)):
             if uniform != "uniform":
                 raise InvalidParameterError(
-                    f"{name}: {field}={uniform!r} cannot be served by vLLM (a paged cache holds the same count per KV head and "
-                    f"layer); valid: 'uniform'"
+                    f"{name}: {field}={uniform!r} cannot be served by vLLM (a paged cache holds the same count per "
+                    f"KV head and layer); valid: 'uniform'"
                 )
     if getattr(method, "evict_during_decoding", False):
-        raise InvalidParameterError(f"{name}: evict_during_decoding=True cannot be served by vLLM (it compresses at the end of a prefill)")
+        raise InvalidParameterError(
+            f"{name}: evict_during_decoding=True cannot be served by vLLM (it compresses at the end of a prefill)"
+        )
     return method
 
 
@@ -58,7 +61,8 @@ def method_of(settings: Any, default: Method | None = None) -> Method:
     if settings is None and default is not None:
         return default
     if not isinstance(settings, dict):
-        raise InvalidParameterError(f"{FIELD} must be an object such as {{\"method\": \"snapkv\", \"budget\": 256}}; got {settings!r}")
+        example = '{"method": "snapkv", "budget": 256}'
+        raise InvalidParameterError(f"{FIELD} must be an object such as {example}; got {settings!r}")
     fields = dict(settings)
     name = fields.pop("method", None if default is None else default.name)
     if not isinstance(name, str):
@@ -78,9 +82,11 @@ def engine_settings(method: Method) -> dict[str, Any]:
 
 def engine_options(method: Method) -> dict[str, Any]:
     """What a vLLM engine (``vllm.LLM(model, **engine_options(method))``) needs to apply kvcompress:
-    the plugin's scheduler and connector, the engine's method; prefix caching and chunked prefill off."""
-    return {"scheduler_cls": SCHEDULER, "kv_transfer_config": CONNECTOR, "additional_config": engine_settings(check_servable(method)),
-            "enable_prefix_caching": False, "enable_chunked_prefill": False}
+    the plugin's scheduler and connector, the engine's method; prefix caching off."""
+    return {
+        "scheduler_cls": SCHEDULER, "kv_transfer_config": CONNECTOR,
+        "additional_config": engine_settings(check_servable(method)), "enable_prefix_caching": False,
+    }
 
 
 def serve_argv(model: str, method: Method, host: str, port: int, vllm_flags: list[str]) -> list[str]:
@@ -89,5 +95,5 @@ def serve_argv(model: str, method: Method, host: str, port: int, vllm_flags: lis
     return [
         "--model", model, "--host", host, "--port", str(port), "--scheduler-cls", SCHEDULER, "--middleware", MIDDLEWARE,
         "--kv-transfer-config", json.dumps(CONNECTOR), "--additional-config", json.dumps(engine_settings(method)),
-        "--no-enable-prefix-caching", "--no-enable-chunked-prefill", *vllm_flags,
+        "--no-enable-prefix-caching", *vllm_flags,
     ]

@@ -24,8 +24,9 @@ Each piece goes through an extension point vLLM offers (nothing of vLLM is patch
 
 The engine's method comes from ``additional_config={"kvcompress": {"method": "snapkv", "budget":
 256, ...}}`` (any field of a servable method, ``serving.SERVABLE``); a request may name its own
-(``serving.method_of``). ``serving.engine_options`` gives all of it for ``vllm.LLM``. Requirements: a prompt's prefill in one step (no chunked prefill), no
-prefix caching, no speculative decoding, full-attention models.
+(``serving.method_of``). ``serving.engine_options`` gives all of it for ``vllm.LLM``. Requirements:
+no prefix caching, no speculative decoding, full-attention models (chunked prefill is fine: a
+prompt's earlier chunks are held until its last, which compresses the whole prompt).
 """
 
 from __future__ import annotations
@@ -44,7 +45,11 @@ from vllm.config import get_current_vllm_config
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
-from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl, CPUAttentionMetadataBuilder
+from vllm.v1.attention.backends.cpu_attn import (
+    CPUAttentionBackend,
+    CPUAttentionBackendImpl,
+    CPUAttentionMetadataBuilder,
+)
 from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 from vllm.v1.core.sched.scheduler import Scheduler
 
@@ -66,8 +71,9 @@ def register() -> None:
 
 def note_token_ids(module: torch.nn.Module, args: tuple) -> None:
     """A global forward pre-hook: the integer input of a vocabulary embedding is the step's token ids."""
-    if isinstance(module, VocabParallelEmbedding) and args and isinstance(args[0], torch.Tensor) and not args[0].is_floating_point():
-        STEP_TOKEN_IDS[0] = args[0]
+    ids = args[0] if args else None
+    if isinstance(module, VocabParallelEmbedding) and isinstance(ids, torch.Tensor) and not ids.is_floating_point():
+        STEP_TOKEN_IDS[0] = ids
 
 
 def engine_method(vllm_config: Any = None) -> Method:
@@ -75,8 +81,8 @@ def engine_method(vllm_config: Any = None) -> Method:
     plugin cannot serve, naming them."""
     config = vllm_config or get_current_vllm_config()
     refusals = (
-        (config.scheduler_config.enable_chunked_prefill, "enable_chunked_prefill=False (a prompt's prefill must run in one step)"),
-        (config.cache_config.enable_prefix_caching, "enable_prefix_caching=False (compressed blocks no longer hold what their hash says)"),
+        (config.cache_config.enable_prefix_caching,
+         "enable_prefix_caching=False (compressed blocks no longer hold what their hash says)"),
         (config.speculative_config is not None, "no speculative decoding"),
     )
     for refused, what in refusals:
@@ -94,18 +100,32 @@ def request_method(request: Any, default: Method) -> Method:
     return method_of(json.loads(settings) if isinstance(settings, str) else settings, default=default)
 
 
+@functools.lru_cache(maxsize=4)
+def tokenizer_spans(tokenizer: str) -> Any:
+    """Where the tokenizer's words and numbers start (``tokens.TokenSpans``), read once per process."""
+    return spans_for(AutoTokenizer.from_pretrained(tokenizer))
+
+
 def kept_count(method: Method, prompt: int) -> int:
     """Prompt tokens ``method`` keeps of a ``prompt``-token prompt (all of them: nothing to compress)."""
     counts = method.keep_counts(torch.tensor([prompt]))
     return prompt if counts is None else min(prompt, int(counts[0]))
 
 
-# Per worker process: a scheduled request's first KV block -> its method, as the connector brought it for this step.
+# Per worker process: a scheduled request's first KV block -> its method and its prompt's length, as the
+# connector brought them for this step.
 REQUEST_METHODS: dict[int, Method] = {}
+REQUEST_PROMPTS: dict[int, int] = {}
+# A prompt prefilled in chunks, until its last: (first KV block, layer) -> each earlier chunk's keys, values,
+# the queries its method may read and its token ids (the paged cache's layout is the kernel's own, so the
+# keys are kept as computed rather than read back).
+CHUNKS: dict[tuple[int, str], list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]]] = {}
 # Per worker process: the first KV block of a compressed request -> (prompt tokens, kept tokens). A
 # request's first block is its own while it lives; a new request starting on it resets the entry.
 COMPRESSED: dict[int, tuple[int, int]] = {}
-# The same key -> layer name -> the prompt positions each KV head kept ``[kv_heads, kept]`` (as
+# This step's requests already compressed (their first KV blocks), as the metadata builder remapped them.
+REMAPPED: set[int] = set()
+# The same key as COMPRESSED -> layer name -> the prompt positions each KV head kept ``[kv_heads, kept]`` (as
 # ``KVCompressCache.kept_positions``), for checks against kvcompress's own cache.
 KEPT_POSITIONS: dict[int, dict[str, torch.Tensor]] = {}
 
@@ -119,6 +139,7 @@ class KVCompressCPUMetadataBuilder(CPUAttentionMetadataBuilder):
         seq_lens = common.seq_lens.clone()
         slots = common.slot_mapping.clone()
         changed = False
+        REMAPPED.clear()
         for row in range(common.num_reqs):
             first = int(common.block_table_tensor[row, 0])
             queries, seen = starts[row + 1] - starts[row], int(seq_lens[row])
@@ -134,6 +155,7 @@ class KVCompressCPUMetadataBuilder(CPUAttentionMetadataBuilder):
             slots[starts[row] : starts[row + 1]] = blocks * self.block_size + physical % self.block_size
             seq_lens[row] = kept + (seen - prompt)
             changed = True
+            REMAPPED.add(first)
         if changed:
             common = dataclasses.replace(common, seq_lens=seq_lens, slot_mapping=slots, max_seq_len=int(seq_lens.max()))
         return super().build(common_prefix_len, common, fast_build)
@@ -144,9 +166,7 @@ class KVCompressCPUImpl(CPUAttentionBackendImpl):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        config = get_current_vllm_config()
-        self.default = engine_method(config)
-        self.spans = spans_for(AutoTokenizer.from_pretrained(config.model_config.tokenizer))
+        self.spans = tokenizer_spans(get_current_vllm_config().model_config.tokenizer)
 
     def do_kv_cache_update(self, layer: torch.nn.Module, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                            slot_mapping: torch.Tensor) -> None:
@@ -156,46 +176,70 @@ class KVCompressCPUImpl(CPUAttentionBackendImpl):
             slot_mapping = metadata.slot_mapping[: slot_mapping.shape[0]]
         super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
 
-    def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                attn_metadata: Any, output: torch.Tensor, output_scale: Any = None, output_block_scale: Any = None) -> torch.Tensor:
-        output = super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale)
+    def forward(
+        self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+        attn_metadata: Any, output: torch.Tensor, output_scale: Any = None, output_block_scale: Any = None,
+    ) -> torch.Tensor:
+        output = super().forward(
+            layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale
+        )
         if attn_metadata is None or kv_cache.numel() == 0:
             return output
         starts = attn_metadata.query_start_loc.tolist()
         for row in range(len(starts) - 1):
-            length = starts[row + 1] - starts[row]
-            if length != int(attn_metadata.seq_lens[row]):  # not a fresh prefill
-                continue
             blocks = attn_metadata.block_table[row]
-            method = REQUEST_METHODS.get(int(blocks[0]), self.default)
-            if kept_count(method, length) < length:
-                rows = slice(starts[row], starts[row + 1])
-                self.compress(layer, method, query[rows], key[rows], value[rows], kv_cache, blocks, self.step_spans(method, rows))
+            first, prompt = int(blocks[0]), REQUEST_PROMPTS.get(int(blocks[0]))
+            length, seen = starts[row + 1] - starts[row], int(attn_metadata.seq_lens[row])
+            if prompt is None or seen - length >= prompt or first in REMAPPED:  # decoding
+                continue
+            method = REQUEST_METHODS[first]
+            if kept_count(method, prompt) >= prompt:
+                continue
+            # The step's part of the prompt; after it, a preempted request's recomputed tokens (fed with the prompt).
+            ends = min(length, prompt - (seen - length))
+            rows, after = slice(starts[row], starts[row] + ends), slice(starts[row] + ends, starts[row + 1])
+            needed = method.queries_needed()
+            queries = query[rows] if needed is None else query[rows][ends - min(needed, ends) :]
+            chunk = (key[rows], value[rows], queries, self.step_ids(method, rows))
+            held = CHUNKS.pop((first, layer.layer_name), []) if length < seen else []  # a first chunk starts afresh
+            if seen < prompt:  # an earlier chunk of a prompt prefilled in chunks: held until the last
+                CHUNKS[(first, layer.layer_name)] = [*held, chunk]
+                continue
+            keys, values, queries = (torch.cat([part[i] for part in (*held, chunk)]) for i in range(3))
+            ids = None if chunk[3] is None else torch.cat([part[3] for part in (*held, chunk)])
+            spans = None if ids is None else self.spans.span_ids(ids[None].cpu())
+            self.compress(layer, method, queries, keys, values, kv_cache, blocks, spans, key[after], value[after])
         return output
 
-    def step_spans(self, method: Method, rows: slice) -> torch.Tensor | None:
-        """The word and number spans of one request's prompt in this step ``[1, tokens]``, if the method reads them."""
+    def step_ids(self, method: Method, rows: slice) -> torch.Tensor | None:
+        """One request's token ids in this step, if its method reads the prompt's words."""
         if not method.needs_tokens():
             return None
         ids = STEP_TOKEN_IDS[0]
         if ids is None:
-            raise ValueError(f"kvcompress: {method.name} reads the prompt's words (clustering='spans'), and this model took "
-                             "embeddings; use the setting clustering='pool'")
-        return self.spans.span_ids(ids[rows][None].cpu())
+            raise ValueError(f"kvcompress: {method.name} reads the prompt's words (clustering='spans'), and this model "
+                             "took embeddings; use the setting clustering='pool'")
+        return ids[rows]
 
-    def compress(self, layer: Any, method: Method, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                 blocks: torch.Tensor, spans: torch.Tensor | None) -> None:
-        """One request's prompt ``[tokens, heads, dim]``: keep each KV head's tokens in its first slots."""
+    def compress(
+        self, layer: Any, method: Method, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+        kv_cache: torch.Tensor, blocks: torch.Tensor, spans: torch.Tensor | None, later_keys: torch.Tensor,
+        later_values: torch.Tensor,
+    ) -> None:
+        """One request's prompt (keys and values ``[tokens, heads, dim]``, the last queries its method reads):
+        keep each KV head's tokens in its first slots, then ``later_keys``/``later_values`` (the tokens a
+        recomputed request had generated) right after them."""
         length = key.shape[0]
         valid = torch.ones(1, length, dtype=torch.bool)
         scores = method.scores(query.transpose(0, 1)[None], key.transpose(0, 1)[None], valid, self.scale, spans)
-        kept, _ = select_kept(scores, valid, torch.tensor([kept_count(method, length)]))  # [1, kv_heads, n], ascending per head
+        kept, _ = select_kept(scores, valid, torch.tensor([kept_count(method, length)]))  # [1, kv_heads, n] ascending
         heads = torch.arange(key.shape[1])[None, :]
         order = kept[0].T  # slot s of head h holds token order[s, h]
         block_size = kv_cache.shape[2]
-        slots = torch.arange(order.shape[0])
+        slots = torch.arange(order.shape[0] + later_keys.shape[0])
         slot_mapping = blocks[slots // block_size].to(torch.long) * block_size + slots % block_size
-        super().do_kv_cache_update(layer, key[order, heads], value[order, heads], kv_cache, slot_mapping)
+        keys, values = (torch.cat([t[order, heads], later]) for t, later in ((key, later_keys), (value, later_values)))
+        super().do_kv_cache_update(layer, keys, values, kv_cache, slot_mapping)
         COMPRESSED[int(blocks[0])] = (length, order.shape[0])
         KEPT_POSITIONS.setdefault(int(blocks[0]), {})[layer.layer_name] = kept[0]
 
@@ -212,9 +256,10 @@ class KVCompressCPUBackend(CPUAttentionBackend):
 
 @dataclasses.dataclass
 class StepMethods(KVConnectorMetadata):
-    """A step's scheduled requests: first KV block -> the settings of the request's method."""
+    """A step's scheduled requests, by first KV block: the settings of the request's method, its prompt's length."""
 
     methods: dict[int, dict[str, Any]]
+    prompts: dict[int, int]
 
 
 class KVCompressConnector(KVConnectorBase_V1):
@@ -224,11 +269,13 @@ class KVCompressConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         self.default = engine_method(vllm_config)
         self.methods: dict[str, Method] = {}  # scheduler side: request id -> its method
+        self.prompts: dict[str, int] = {}  # and its prompt's length
 
     # --- the scheduler's side -------------------------------------------------------------------------
 
     def on_new_request(self, request: Any) -> None:
         self.methods[request.request_id] = request_method(request, self.default)
+        self.prompts[request.request_id] = request.num_prompt_tokens
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         return 0, False  # nothing to load from elsewhere
@@ -238,15 +285,17 @@ class KVCompressConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: Any) -> StepMethods:
         manager = self._kv_cache_manager.coordinator.single_type_managers[0]
-        step = {}
+        methods, prompts = {}, {}
         for request_id in scheduler_output.num_scheduled_tokens:
             blocks, method = manager.req_to_blocks.get(request_id), self.methods.get(request_id)
             if blocks and method is not None:
-                step[blocks[0].block_id] = {"method": method.name, **method.settings()}
-        return StepMethods(step)
+                methods[blocks[0].block_id] = {"method": method.name, **method.settings()}
+                prompts[blocks[0].block_id] = self.prompts[request_id]
+        return StepMethods(methods, prompts)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self.methods.pop(request.request_id, None)
+        self.prompts.pop(request.request_id, None)
         return False, None
 
     # --- a worker's side ------------------------------------------------------------------------------
@@ -256,6 +305,9 @@ class KVCompressConnector(KVConnectorBase_V1):
         super().bind_connector_metadata(connector_metadata)
         for block, settings in connector_metadata.methods.items():
             REQUEST_METHODS[block] = settled(json.dumps(settings, sort_keys=True))
+        REQUEST_PROMPTS.update(connector_metadata.prompts)
+        for held in [key for key in CHUNKS if key[0] not in connector_metadata.prompts]:  # ended, or preempted
+            del CHUNKS[held]
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         pass
@@ -283,12 +335,12 @@ class KVCompressScheduler(Scheduler):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if not isinstance(self.connector, KVCompressConnector):
-            raise ValueError("kvcompress in vLLM needs its KV connector: serving.engine_options() gives kv_transfer_config")
+            raise ValueError("kvcompress in vLLM needs its KV connector (serving.engine_options: kv_transfer_config)")
         self.blocks_before_after: dict[str, tuple[int, int]] = {}  # request -> KV blocks in use before / after
         self.peak_running = 0  # the most requests running at once
 
     def add_request(self, request: Any) -> None:
-        request_method(request, self.connector.default)  # invalid settings refused, by name, before vLLM holds the request
+        request_method(request, self.connector.default)  # bad settings refused by name before vLLM holds the request
         super().add_request(request)
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
@@ -364,6 +416,6 @@ class RequestSettings:
 async def bad_request(send: Any, message: str) -> None:
     """An HTTP 400 in the OpenAI error format."""
     body = json.dumps({"error": {"message": message, "type": "BadRequestError", "param": FIELD, "code": 400}}).encode()
-    await send({"type": "http.response.start", "status": 400, "headers": [(b"content-type", b"application/json"),
-                                                                           (b"content-length", str(len(body)).encode())]})
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": 400, "headers": headers})
     await send({"type": "http.response.body", "body": body})
