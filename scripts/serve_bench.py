@@ -57,8 +57,8 @@ def prompts(count: int, tokens: int, seed: int) -> list[tuple[list[dict], str]]:
 
 
 def start_server(port: int, pool_blocks: int, max_len: int, requests: int, log: Path) -> subprocess.Popen:
-    command = [sys.executable, "-m", "kvcompress", "serve", "--port", str(port), "--dtype", "float32", "--enforce-eager",
-               "--block-size", str(BLOCK), "--max-model-len", str(max_len), "--max-num-batched-tokens", str(max_len),
+    command = [sys.executable, "-m", "kvcompress", "serve", "--port", str(port), "--dtype", "float32",
+               "--enforce-eager", "--block-size", str(BLOCK), "--max-model-len", str(max_len),
                "--num-gpu-blocks-override", str(pool_blocks), "--max-num-seqs", str(requests)]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
     server = subprocess.Popen(command, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env)
@@ -81,14 +81,16 @@ def reachable(url: str) -> bool:
 def gauge(base: str, name: str) -> float:
     with urllib.request.urlopen(f"{base}/metrics", timeout=5) as reply:
         lines = reply.read().decode().splitlines()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(name + "{") or line.startswith(name + " "))
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith((name + "{", name + " ")))
 
 
 async def one(client: openai.AsyncOpenAI, model: str, messages: list[dict], settings: dict, max_tokens: int) -> dict:
     start = time.perf_counter()
     stamps, text = [], ""
-    stream = await client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens, temperature=0, stream=True,
-                                                  stream_options={"include_usage": True}, extra_body={"kvcompress": settings})
+    stream = await client.chat.completions.create(
+        model=model, messages=messages, max_tokens=max_tokens, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"kvcompress": settings},
+    )
     tokens = 0
     async for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
@@ -97,8 +99,8 @@ async def one(client: openai.AsyncOpenAI, model: str, messages: list[dict], sett
         if chunk.usage is not None:
             tokens = chunk.usage.completion_tokens
     end = time.perf_counter()
-    return {"ttft": stamps[0] - start if stamps else None, "tpot": (end - stamps[0]) / (tokens - 1) if stamps and tokens > 1 else None,
-            "tokens": tokens, "text": text}
+    tpot = (end - stamps[0]) / (tokens - 1) if stamps and tokens > 1 else None
+    return {"ttft": stamps[0] - start if stamps else None, "tpot": tpot, "tokens": tokens, "text": text}
 
 
 async def run_setting(base: str, model: str, chats: list, settings: dict, max_tokens: int) -> dict:
@@ -122,8 +124,8 @@ async def run_setting(base: str, model: str, chats: list, settings: dict, max_to
     tpot = sorted(r["tpot"] for r in results if r["tpot"] is not None)
     tokens = sum(r["tokens"] for r in results)
     return {
-        "settings": settings, "requests": len(chats), "peak_running": int(peak), "wall_s": wall, "output_tokens": tokens,
-        "output_tokens_per_s": tokens / wall, "ttft_p50_s": quantile(ttft, 0.5), "ttft_p99_s": quantile(ttft, 0.99),
+        "settings": settings, "requests": len(chats), "peak_running": int(peak), "wall_s": wall,
+        "output_tokens": tokens, "output_tokens_per_s": tokens / wall, "ttft_p50_s": quantile(ttft, 0.5), "ttft_p99_s": quantile(ttft, 0.99),
         "tpot_p50_s": quantile(tpot, 0.5), "tpot_p99_s": quantile(tpot, 0.99),
         "facts": sum(code in r["text"] for r, (_, code) in zip(results, chats)),
     }
@@ -141,8 +143,9 @@ def plot(rows: list[dict], path: Path) -> None:
 
     names = [row["name"] for row in rows]
     fig, axes = plt.subplots(1, 4, figsize=(16, 3.6))
-    for ax, (key, title) in zip(axes, [("peak_running", "requests running at once"), ("output_tokens_per_s", "output tokens/s"),
-                                       ("ttft_p50_s", "time to first token, p50 (s)"), ("facts", "facts answered")]):
+    panels = [("peak_running", "requests running at once"), ("output_tokens_per_s", "output tokens/s"),
+              ("ttft_p50_s", "time to first token, p50 (s)"), ("facts", "facts answered")]
+    for ax, (key, title) in zip(axes, panels):
         ax.bar(names, [row[key] or 0 for row in rows], color=["#888"] + ["#2a7"] * (len(rows) - 1))
         ax.set_title(title, fontsize=10)
         ax.tick_params(axis="x", labelrotation=30, labelsize=8)
@@ -183,10 +186,10 @@ def main() -> None:
         server.send_signal(signal.SIGINT)
         server.wait(timeout=120)
     report = {
-        "machine": {"platform": platform.platform(), "processor": platform.processor(), "cpu_threads": torch.get_num_threads(),
-                    "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
-                    "vllm": vllm.__version__},
-        "settings": {**vars(args), "pool_blocks": pool_blocks, "block_size": BLOCK, "model": "embedded SmolLM2-135M-Instruct, float32"},
+        "machine": {"platform": platform.platform(), "cpu_threads": torch.get_num_threads(), "python": platform.python_version(),
+                    "torch": torch.__version__, "transformers": transformers.__version__, "vllm": vllm.__version__},
+        "settings": {**vars(args), "pool_blocks": pool_blocks, "block_size": BLOCK,
+                     "model": "embedded SmolLM2-135M-Instruct, float32"},
         "rows": rows,
     }
     out.write_text(json.dumps(report, indent=2))
@@ -195,8 +198,11 @@ def main() -> None:
     print("\n| setting | running at once | output tokens/s | TTFT p50 / p99 (s) | per token p50 / p99 (s) | facts |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
     for row in rows:
-        ratio = f" ({row['peak_running'] / full['peak_running']:.1f}x, {row['output_tokens_per_s'] / full['output_tokens_per_s']:.1f}x)" if full else ""
-        print(f"| {row['name']}{ratio if row is not full else ''} | {row['peak_running']} | {row['output_tokens_per_s']:.1f} | "
+        ratio = ""
+        if full and row is not full:
+            ratio = f" ({row['peak_running'] / full['peak_running']:.1f}x, "
+            ratio += f"{row['output_tokens_per_s'] / full['output_tokens_per_s']:.1f}x)"
+        print(f"| {row['name']}{ratio} | {row['peak_running']} | {row['output_tokens_per_s']:.1f} | "
               f"{row['ttft_p50_s']:.1f} / {row['ttft_p99_s']:.1f} | {row['tpot_p50_s']:.3f} / {row['tpot_p99_s']:.3f} | "
               f"{row['facts']}/{row['requests']} |")
     print(f"\nwritten: {out}, {out.with_suffix('.png')}")

@@ -91,15 +91,6 @@ def sampling(cases: list[tuple]) -> list:
     return [vllm.SamplingParams(max_tokens=12, temperature=0, extra_args=None if s is None else {"kvcompress": s}) for *_, s in cases]
 
 
-def overlap(layers: dict[str, torch.Tensor], cache: kvc.KVCompressCache) -> list[float]:
-    """Per layer and KV head, the share of the positions ``cache`` keeps that vLLM kept too."""
-    shares = []
-    for name, positions in layers.items():
-        for served, ours in zip(positions.tolist(), cache.kept_positions(layer_of(name))[0].tolist()):
-            shares.append(len(set(served) & set(ours)) / len(ours))
-    return shares
-
-
 def same_positions(layers: dict[str, torch.Tensor], cache: kvc.KVCompressCache) -> bool:
     """The positions vLLM kept in every layer (by name) are the ones ``cache`` keeps."""
     return all(torch.equal(positions, cache.kept_positions(layer_of(name))[0]) for name, positions in layers.items())
@@ -107,12 +98,7 @@ def same_positions(layers: dict[str, torch.Tensor], cache: kvc.KVCompressCache) 
 
 def test_prompts_prefilled_in_chunks_are_compressed_after_their_last_chunk(library):
     """vLLM's default, chunked prefill: prompts longer than a step's token budget (512 here) compress
-    too, each method keeping what kvcompress keeps from the whole prompt, in a batch beside others.
-    A later chunk attends to the earlier ones through vLLM's paged kernel, whose rounding differs
-    from one SDPA call over the prompt: StreamingLLM (positions from lengths only) and H2O keep
-    exactly kvcompress's positions; SnapKV's pooled, span-clustered votes have near-ties that may swap
-    (measured: >= 93% of each head's positions, 97% on average, for a prompt in three chunks), while
-    a chunk's keys or window read wrongly would keep a different set."""
+    too, each method keeping exactly what kvcompress keeps from the whole prompt, in a batch beside others."""
     model, tokenizer = library
     chunked = vllm.LLM(model=str(default_model_dir()), **{**ENGINE, "max_num_batched_tokens": 512},
                        enable_chunked_prefill=True, **serving.engine_options(METHOD))
@@ -128,10 +114,7 @@ def test_prompts_prefilled_in_chunks_are_compressed_after_their_last_chunk(libra
         method = serving.method_of(settings, default=METHOD)
         ours = kvc.generate(model, tokenizer, messages, method=method, max_new_tokens=12)
         assert out.outputs[0].text == ours.text, (tokens, settings)
-        shares = max((overlap(layers, ours.cache) for layers in kept), key=lambda found: sum(found) / len(found))
-        if method.name != "snapkv":
-            assert min(shares) == 1.0, settings
-        assert min(shares) >= 0.9 and sum(shares) / len(shares) >= 0.95, settings
+        assert any(same_positions(layers, ours.cache) for layers in kept), settings
 
 
 def test_a_request_with_invalid_settings_is_refused_by_name(engine):

@@ -202,8 +202,10 @@ class KVCompressCPUImpl(CPUAttentionBackendImpl):
             queries = query[rows] if needed is None else query[rows][ends - min(needed, ends) :]
             chunk = (key[rows], value[rows], queries, self.step_ids(method, rows))
             held = CHUNKS.pop((first, layer.layer_name), []) if length < seen else []  # a first chunk starts afresh
-            if seen < prompt:  # an earlier chunk of a prompt prefilled in chunks: held until the last
-                CHUNKS[(first, layer.layer_name)] = [*held, chunk]
+            if seen < prompt:  # an earlier chunk of a prompt prefilled in chunks: held until the last, copied (the
+                # token ids live in a buffer vLLM reuses each step, the keys in the step's whole projection)
+                copied = tuple(None if part is None else part.clone() for part in chunk)
+                CHUNKS[(first, layer.layer_name)] = [*held, copied]
                 continue
             keys, values, queries = (torch.cat([part[i] for part in (*held, chunk)]) for i in range(3))
             ids = None if chunk[3] is None else torch.cat([part[3] for part in (*held, chunk)])
