@@ -32,7 +32,7 @@ import torch
 import transformers
 import vllm
 
-from kvcompress import demo
+from kvcompress import demo, serving
 from kvcompress.models import default_model_dir
 
 SETTINGS = {
@@ -63,25 +63,11 @@ def start_server(port: int, pool_blocks: int, max_len: int, requests: int, log: 
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
     server = subprocess.Popen(command, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env)
     deadline = time.monotonic() + 600
-    while not reachable(f"http://127.0.0.1:{port}/health"):
+    while not serving.ready(f"http://127.0.0.1:{port}"):
         if server.poll() is not None or time.monotonic() > deadline:
             raise RuntimeError(f"the server did not start; its log: {log}")
         time.sleep(2)
     return server
-
-
-def reachable(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as reply:
-            return reply.status == 200
-    except OSError:
-        return False
-
-
-def gauge(base: str, name: str) -> float:
-    with urllib.request.urlopen(f"{base}/metrics", timeout=5) as reply:
-        lines = reply.read().decode().splitlines()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith((name + "{", name + " ")))
 
 
 async def one(client: openai.AsyncOpenAI, model: str, messages: list[dict], settings: dict, max_tokens: int) -> dict:
@@ -110,7 +96,7 @@ async def run_setting(base: str, model: str, chats: list, settings: dict, max_to
     async def watch() -> None:
         nonlocal peak
         while not done:
-            peak = max(peak, await asyncio.to_thread(gauge, base, "vllm:num_requests_running"))
+            peak = max(peak, await asyncio.to_thread(serving.gauge, base, "vllm:num_requests_running"))
             await asyncio.sleep(0.25)
 
     watcher = asyncio.create_task(watch())

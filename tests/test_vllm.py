@@ -10,7 +10,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 
 import pytest
 
@@ -145,7 +144,7 @@ def test_kvcompress_serve_answers_the_openai_client_as_the_library_does(library,
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 400
-        while not healthy(base):
+        while not serving.ready(base):
             assert server.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()[-3000:]
             time.sleep(2)
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="none")
@@ -181,7 +180,7 @@ def test_kvcompress_serve_answers_the_openai_client_as_the_library_does(library,
             pass
         stream.close()  # the client disconnects mid-answer
         deadline = time.monotonic() + 30
-        while metric(base, "vllm:num_requests_running") or metric(base, "vllm:kv_cache_usage_perc"):
+        while serving.gauge(base, "vllm:num_requests_running") or serving.gauge(base, "vllm:kv_cache_usage_perc"):
             assert time.monotonic() < deadline, "an aborted request kept its KV blocks"
             time.sleep(0.5)
         assert ask(max_tokens=16).choices[0].message.content == ours  # the server serves on
@@ -194,21 +193,6 @@ def test_kvcompress_serve_answers_the_openai_client_as_the_library_does(library,
             log.close()
     output = (tmp_path / "serve.log").read_text()
     assert code == 0 and "Traceback" not in output, output[-3000:]
-
-
-def healthy(base: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{base}/health", timeout=2) as reply:
-            return reply.status == 200
-    except OSError:
-        return False
-
-
-def metric(base: str, name: str) -> float:
-    """A gauge from vLLM's Prometheus endpoint (summed over its labels)."""
-    with urllib.request.urlopen(f"{base}/metrics", timeout=5) as reply:
-        lines = reply.read().decode().splitlines()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith((name + "{", name + " ")))
 
 
 def test_tensor_parallel_workers_each_keep_their_own_heads(tmp_path):

@@ -11,6 +11,7 @@ the engine's method; ``{"method": "full"}``: its full cache).
 from __future__ import annotations
 
 import json
+import urllib.request
 from typing import Any
 
 from .methods import METHODS, method_from_name
@@ -41,16 +42,17 @@ def check_servable(method: Method) -> Method:
     if name not in SERVABLE:
         why = WHY_NOT.get(name, "it is not one of the methods scored from the prefill")
         raise InvalidParameterError(f"method={name!r} cannot be served by vLLM: {why}; servable: {', '.join(SERVABLE)}")
+    owner = type(method).__name__
     if isinstance(method, PromptMethod):
         for field, uniform in (("heads", method.heads), ("layers", method.layers)):
             if uniform != "uniform":
                 raise InvalidParameterError(
-                    f"{name}: {field}={uniform!r} cannot be served by vLLM (a paged cache holds the same count per "
+                    f"{owner}: {field}={uniform!r} cannot be served by vLLM (a paged cache holds the same count per "
                     f"KV head and layer); valid: 'uniform'"
                 )
     if getattr(method, "evict_during_decoding", False):
         raise InvalidParameterError(
-            f"{name}: evict_during_decoding=True cannot be served by vLLM (it compresses at the end of a prefill)"
+            f"{owner}: evict_during_decoding=True cannot be served by vLLM (it compresses at the end of a prefill)"
         )
     return method
 
@@ -97,3 +99,19 @@ def serve_argv(model: str, method: Method, host: str, port: int, vllm_flags: lis
         "--kv-transfer-config", json.dumps(CONNECTOR), "--additional-config", json.dumps(engine_settings(method)),
         "--no-enable-prefix-caching", *vllm_flags,
     ]
+
+
+def ready(base: str) -> bool:
+    """Whether the server at ``base`` (``http://host:port``) answers its health check."""
+    try:
+        with urllib.request.urlopen(f"{base}/health", timeout=2) as reply:
+            return reply.status == 200
+    except OSError:
+        return False
+
+
+def gauge(base: str, name: str) -> float:
+    """A gauge of the server's Prometheus endpoint (``vllm:num_requests_running``, ...), summed over its labels."""
+    with urllib.request.urlopen(f"{base}/metrics", timeout=5) as reply:
+        lines = reply.read().decode().splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith((name + "{", name + " ")))

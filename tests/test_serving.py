@@ -1,0 +1,70 @@
+"""What serving through vLLM needs without vLLM: servable methods, a request's settings, the server's command line."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+
+import pytest
+
+import kvcompress as kvc
+from kvcompress import serving
+from kvcompress.methods.base import InvalidParameterError
+
+
+@pytest.mark.parametrize(("settings", "message"), [
+    ({"method": "snapkv", "budget": -3}, r"^kvcompress: SnapKV: budget=-3 is invalid; it must be an integer >= 1"),
+    ({"method": "nope"}, r"^kvcompress.method='nope' is unknown; valid: full, snapkv, streamingllm, h2o$"),
+    ({"method": 7}, r"^kvcompress.method=7 is invalid; valid: full, snapkv, streamingllm, h2o$"),
+    ({"method": "snapkv", "windows": 8}, r"^kvcompress: method 'snapkv' does not take windows; it takes: .*window"),
+    ({"method": "kvzip"}, r"method='kvzip' cannot be served by vLLM: it scores from an observation pass .*; servable: full, snapkv"),
+    ({"method": "snapkv", "heads": "adaptive"}, r"SnapKV: heads='adaptive' cannot be served by vLLM .*; valid: 'uniform'"),
+    ({"method": "h2o", "evict_during_decoding": True}, r"H2O: evict_during_decoding=True cannot be served by vLLM"),
+    ("snapkv", r"^kvcompress must be an object such as \{\"method\": \"snapkv\", \"budget\": 256\}; got 'snapkv'$"),
+])
+def test_a_requests_bad_settings_are_refused_naming_the_field(settings, message):
+    with pytest.raises(InvalidParameterError, match=message):
+        serving.method_of(settings, default=kvc.SnapKV())
+
+
+def test_a_requests_settings_name_its_method_or_take_the_engines():
+    engine = kvc.SnapKV(budget=512)
+    assert serving.method_of(None, default=engine) is engine
+    assert serving.method_of({"budget": 128}, default=engine) == kvc.SnapKV(budget=128)  # the engine's method, its own budget
+    assert serving.method_of({"method": "streamingllm", "budget": 64}) == kvc.StreamingLLM(budget=64)
+    assert serving.method_of({"method": "full"}) == kvc.FullKV()
+
+
+def test_the_server_command_line_carries_the_plugin_and_the_engines_method():
+    argv = serving.serve_argv("/models/m", kvc.H2O(budget=300), "127.0.0.1", 8123, ["--max-model-len", "4096"])
+    flags = {flag: argv[i + 1] for i, flag in enumerate(argv[:-1]) if flag.startswith("--") and not argv[i + 1].startswith("--")}
+    assert flags["--model"] == "/models/m" and flags["--port"] == "8123" and flags["--max-model-len"] == "4096"
+    assert flags["--scheduler-cls"] == serving.SCHEDULER and flags["--middleware"] == serving.MIDDLEWARE
+    assert json.loads(flags["--kv-transfer-config"]) == serving.CONNECTOR
+    assert serving.method_of(json.loads(flags["--additional-config"])["kvcompress"]) == kvc.H2O(budget=300)
+    assert "--no-enable-prefix-caching" in argv and "--no-enable-chunked-prefill" not in argv  # chunked prefill compresses too
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvcompress", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_kvcompress_serve_refuses_what_it_cannot_serve_before_starting_anything():
+    done = cli("serve", "--method", "kvzip")
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == [
+        "kvcompress: error: method='kvzip' cannot be served by vLLM: it scores from an observation pass (the model repeating the prompt) "
+        "that vLLM does not run; servable: full, snapkv, streamingllm, h2o"
+    ]
+    done = cli("serve", "--budget", "0")
+    assert done.returncode == 2 and "SnapKV: budget=0 is invalid; it must be an integer >= 1" in done.stderr
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
+def test_kvcompress_serve_without_vllm_says_how_to_get_it():
+    done = cli("serve", "--budget", "256")
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == [
+        "kvcompress: error: kvcompress serve runs vLLM's server, and vLLM is not installed here: `make vllm` builds .venv-vllm with "
+        "vLLM's CPU build; then run .venv-vllm/bin/kvcompress serve"
+    ]
