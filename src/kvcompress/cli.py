@@ -551,7 +551,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
     serve.add_argument("--port", type=int, default=8000, help="port to listen on")
     add_method_flags(serve, "serve", chosen)
-    serve.set_defaults(run=_cmd_serve, vllm_flags=[])
+    serve.set_defaults(run=_cmd_serve)
 
     fetch = _command(sub, "fetch-model", "fetch and cache the embedded model (done automatically on first use)")
     fetch.set_defaults(run=_cmd_fetch_model)

@@ -166,7 +166,7 @@ class KVCompressCPUImpl(CPUAttentionBackendImpl):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.spans = tokenizer_spans(get_current_vllm_config().model_config.tokenizer)
+        self.tokenizer = get_current_vllm_config().model_config.tokenizer  # its spans read on first need
 
     def do_kv_cache_update(self, layer: torch.nn.Module, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                            slot_mapping: torch.Tensor) -> None:
@@ -209,7 +209,7 @@ class KVCompressCPUImpl(CPUAttentionBackendImpl):
                 continue
             keys, values, queries = (torch.cat([part[i] for part in (*held, chunk)]) for i in range(3))
             ids = None if chunk[3] is None else torch.cat([part[3] for part in (*held, chunk)])
-            spans = None if ids is None else self.spans.span_ids(ids[None].cpu())
+            spans = None if ids is None else tokenizer_spans(self.tokenizer).span_ids(ids[None].cpu())
             self.compress(layer, method, queries, keys, values, kv_cache, blocks, spans, key[after], value[after])
         return output
 
