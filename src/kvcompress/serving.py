@@ -97,7 +97,7 @@ def serve_argv(model: str, method: Method, host: str, port: int, vllm_flags: lis
     return [
         "--model", model, "--host", host, "--port", str(port), "--scheduler-cls", SCHEDULER, "--middleware", MIDDLEWARE,
         "--kv-transfer-config", json.dumps(CONNECTOR), "--additional-config", json.dumps(engine_settings(method)),
-        "--no-enable-prefix-caching", *vllm_flags,
+        "--no-enable-prefix-caching", "--shutdown-timeout", "30", *vllm_flags,  # SIGINT/SIGTERM: finish, then stop
     ]
 
 
