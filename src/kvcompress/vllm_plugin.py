@@ -258,10 +258,12 @@ class KVCompressCPUBackend(CPUAttentionBackend):
 
 @dataclasses.dataclass
 class StepMethods(KVConnectorMetadata):
-    """A step's scheduled requests, by first KV block: the settings of the request's method, its prompt's length."""
+    """A step's scheduled requests, by first KV block: the settings of the request's method, its prompt's length;
+    and the first KV blocks of every request holding blocks, scheduled this step or not."""
 
     methods: dict[int, dict[str, Any]]
     prompts: dict[int, int]
+    live: set[int]
 
 
 class KVCompressConnector(KVConnectorBase_V1):
@@ -293,7 +295,8 @@ class KVCompressConnector(KVConnectorBase_V1):
             if blocks and method is not None:
                 methods[blocks[0].block_id] = {"method": method.name, **method.settings()}
                 prompts[blocks[0].block_id] = self.prompts[request_id]
-        return StepMethods(methods, prompts)
+        live = {blocks[0].block_id for request_id in self.methods if (blocks := manager.req_to_blocks.get(request_id))}
+        return StepMethods(methods, prompts, live)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self.methods.pop(request.request_id, None)
@@ -308,8 +311,8 @@ class KVCompressConnector(KVConnectorBase_V1):
         for block, settings in connector_metadata.methods.items():
             REQUEST_METHODS[block] = settled(json.dumps(settings, sort_keys=True))
         REQUEST_PROMPTS.update(connector_metadata.prompts)
-        for held in [key for key in CHUNKS if key[0] not in connector_metadata.prompts]:  # ended, or preempted
-            del CHUNKS[held]
+        for held in [key for key in CHUNKS if key[0] not in connector_metadata.live]:  # ended, or preempted
+            del CHUNKS[held]  # (a request that skips a step keeps its chunks)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         pass
