@@ -116,6 +116,35 @@ def test_prompts_prefilled_in_chunks_are_compressed_after_their_last_chunk(libra
         assert any(same_positions(layers, ours.cache) for layers in kept), settings
 
 
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_compressed_request_preempted_by_vllm_finishes_with_the_same_tokens(engine, library, chunked):
+    """A pool too small for two requests' decoding: vLLM preempts the compressed one (the lower priority), recomputes
+    it once the other ends (in one step, or chunked so that its prompt ends a chunk and what it had generated is the
+    next), and it finishes with the tokens it gives unpreempted, as does the other."""
+    _, tokenizer = library
+    cases = [(900, 0.4, {"method": "full"}), (360, 0.5, {"method": "snapkv", "budget": 320})]
+    prompts = [tokenizer.apply_chat_template(chat(tokenizer, tokens, depth), tokenize=False, add_generation_prompt=True)
+               for tokens, depth, _ in cases]
+    greedy = [vllm.SamplingParams(max_tokens=96, temperature=0, ignore_eos=True, extra_args={"kvcompress": s})
+              for *_, s in cases]
+    lengths = [len(tokenizer(prompt).input_ids) for prompt in prompts]
+    room = sum(-(-n // 32) for n in lengths) + 1  # both prompts at once (and vLLM's null block), little to decode in
+    steps = {"enable_chunked_prefill": True, "max_num_batched_tokens": lengths[1] // 2} if chunked else {}
+    tight = vllm.LLM(model=str(default_model_dir()), **{**ENGINE, "max_model_len": (room - 1) * 32, **steps},
+                     num_gpu_blocks_override=room, scheduling_policy="priority", disable_log_stats=False,
+                     **serving.engine_options(METHOD))
+    preempted = tight.generate(prompts, greedy, priority=[0, 1], use_tqdm=False)
+    assert metric(tight, "vllm:num_preemptions") >= 1
+    alone = engine.generate(prompts, greedy, use_tqdm=False)
+    for case, ours, theirs in zip(cases, preempted, alone):
+        assert ours.outputs[0].token_ids == theirs.outputs[0].token_ids, case
+
+
+def metric(llm, name: str) -> float:
+    """A counter or gauge of ``llm``'s metrics, summed over its labels."""
+    return sum(m.value for m in llm.get_metrics() if m.name == name)
+
+
 def test_a_request_with_invalid_settings_is_refused_by_name(engine):
     for settings, message in (({"method": "snapkv", "window": 0}, r"kvcompress: SnapKV: window=0 is invalid"),
                               ({"method": "kvzip"}, r"method='kvzip' cannot be served by vLLM: it scores from an observation pass")):

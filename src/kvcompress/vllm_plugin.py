@@ -41,6 +41,8 @@ from typing import Any
 import torch
 from torch.nn.modules.module import register_module_forward_pre_hook
 from transformers import AutoTokenizer
+from vllm import _custom_ops as ops
+from vllm import envs
 from vllm.config import get_current_vllm_config
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
 from vllm.forward_context import get_forward_context
@@ -210,7 +212,9 @@ class KVCompressCPUImpl(CPUAttentionBackendImpl):
             keys, values, queries = (torch.cat([part[i] for part in (*held, chunk)]) for i in range(3))
             ids = None if chunk[3] is None else torch.cat([part[3] for part in (*held, chunk)])
             spans = None if ids is None else tokenizer_spans(self.tokenizer).span_ids(ids[None].cpu())
-            self.compress(layer, method, queries, keys, values, kv_cache, blocks, spans, key[after], value[after])
+            kept = self.compress(layer, method, queries, keys, values, kv_cache, blocks, spans, key[after], value[after])
+            if after.stop > after.start:  # a recomputed request's generated tokens see the cache its decoding saw
+                self.attend_kept(layer, query[after], kv_cache, blocks, kept, output[after])
         return output
 
     def step_ids(self, method: Method, rows: slice) -> torch.Tensor | None:
@@ -227,10 +231,10 @@ class KVCompressCPUImpl(CPUAttentionBackendImpl):
         self, layer: Any, method: Method, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         kv_cache: torch.Tensor, blocks: torch.Tensor, spans: torch.Tensor | None, later_keys: torch.Tensor,
         later_values: torch.Tensor,
-    ) -> None:
+    ) -> int:
         """One request's prompt (keys and values ``[tokens, heads, dim]``, the last queries its method reads):
         keep each KV head's tokens in its first slots, then ``later_keys``/``later_values`` (the tokens a
-        recomputed request had generated) right after them."""
+        recomputed request had generated) right after them; returns how many tokens each head kept."""
         length = key.shape[0]
         valid = torch.ones(1, length, dtype=torch.bool)
         scores = method.scores(query.transpose(0, 1)[None], key.transpose(0, 1)[None], valid, self.scale, spans)
@@ -244,6 +248,31 @@ class KVCompressCPUImpl(CPUAttentionBackendImpl):
         super().do_kv_cache_update(layer, keys, values, kv_cache, slot_mapping)
         COMPRESSED[int(blocks[0])] = (length, order.shape[0])
         KEPT_POSITIONS.setdefault(int(blocks[0]), {})[layer.layer_name] = kept[0]
+        return order.shape[0]
+
+    def attend_kept(
+        self, layer: Any, query: torch.Tensor, kv_cache: torch.Tensor, blocks: torch.Tensor, kept: int,
+        output: torch.Tensor,
+    ) -> None:
+        """Attention of a recomputed request's generated tokens (``query``, the last of its ``kept + n`` slots)
+        over its compressed cache, causal, with vLLM's kernel, into ``output``: the prefill that recomputes a
+        preempted request let them attend to the whole prompt, which its decoding steps never saw."""
+        n = query.shape[0]
+        starts, lengths = torch.tensor([0, n], dtype=torch.int32), torch.tensor([kept + n], dtype=torch.int32)
+        key_cache, value_cache = kv_cache.view(*kv_cache.shape[:2], kv_cache.shape[2] * 2, -1).chunk(2, dim=2)
+        schedule = ops.cpu_attn_get_scheduler_metadata(
+            num_reqs=1, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_size,
+            seq_lens=lengths, dtype=query.dtype, query_start_loc=starts, causal=True,
+            sliding_window_size=self.sliding_window, isa=layer.isa, enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
+            dynamic_causal=None, kv_cache_dtype=self.kv_cache_dtype,
+        )
+        ops.cpu_attention_with_kv_cache(
+            query=query, key_cache=key_cache, value_cache=value_cache, output=output, query_start_loc=starts,
+            seq_lens=lengths, scale=self.scale, causal=True, alibi_slopes=self.alibi_slopes,
+            sliding_window=self.sliding_window, block_table=blocks[None], softcap=self.logits_soft_cap,
+            scheduler_metadata=schedule, s_aux=self.sinks, dynamic_causal=None, k_scale=layer._k_scale_float,
+            v_scale=layer._v_scale_float, kv_cache_dtype=self.kv_cache_dtype,
+        )
 
 
 class KVCompressCPUBackend(CPUAttentionBackend):
