@@ -145,6 +145,21 @@ def metric(llm, name: str) -> float:
     return sum(m.value for m in llm.get_metrics() if m.name == name)
 
 
+def test_a_prompt_prefilled_in_chunks_keeps_them_while_it_holds_blocks(engine):
+    """A worker drops a chunked prompt's held chunks when its request holds no blocks (ended or preempted), not when
+    it merely skips a step (other requests taking the step's tokens): its last chunk scores the whole prompt."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    worker = vllm_plugin.KVCompressConnector(engine.llm_engine.vllm_config, KVConnectorRole.WORKER)
+    held = (torch.zeros(4, 3, 64), torch.zeros(4, 3, 64), torch.zeros(4, 9, 64), None)
+    vllm_plugin.CHUNKS.update({(7, "layers.0"): [held], (9, "layers.0"): [held]})
+    try:
+        worker.bind_connector_metadata(vllm_plugin.StepMethods(methods={}, prompts={}, live={7}))
+        assert set(vllm_plugin.CHUNKS) == {(7, "layers.0")}  # 7 skipped this step, 9 ended
+    finally:
+        vllm_plugin.CHUNKS.clear()
+
+
 def test_a_request_with_invalid_settings_is_refused_by_name(engine):
     for settings, message in (({"method": "snapkv", "window": 0}, r"kvcompress: SnapKV: window=0 is invalid"),
                               ({"method": "kvzip"}, r"method='kvzip' cannot be served by vLLM: it scores from an observation pass")):
