@@ -70,13 +70,13 @@ def test_each_request_of_a_batch_gets_its_own_method_and_its_alone_answer(engine
     model, tokenizer = library
     cases = [(1500, 0.6, None), (300, 0.5, {"method": "streamingllm", "budget": 64}),
              (1000, 0.2, {"method": "h2o", "budget": 192}), (700, 0.8, {"method": "full"}),
-             (1200, 0.3, {"method": "snapkv", "budget": 128, "window": 16})]
+             (1200, 0.3, {"method": "snapkv", "budget": 128, "window": 16}), (800, 0.4, {"method": "expected", "budget": 128})]
     conversations = [chat(tokenizer, tokens, depth) for tokens, depth, _ in cases]
     prompts = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in conversations]
     vllm_plugin.KEPT_POSITIONS.clear()
     served = engine.generate(prompts, sampling(cases), use_tqdm=False)
     kept = list(vllm_plugin.KEPT_POSITIONS.values())
-    assert len(kept) == 4  # every request compressed but the one that asked for its full cache
+    assert len(kept) == 5  # every request compressed but the one that asked for its full cache
     for (tokens, _, settings), messages, out in zip(cases, conversations, served):
         method = serving.method_of(settings, default=METHOD)
         ours = kvc.generate(model, tokenizer, messages, method=method, max_new_tokens=12)
@@ -102,7 +102,8 @@ def test_prompts_prefilled_in_chunks_are_compressed_after_their_last_chunk(libra
     chunked = vllm.LLM(model=str(default_model_dir()), **{**ENGINE, "max_num_batched_tokens": 512},
                        enable_chunked_prefill=True, **serving.engine_options(METHOD))
     cases = [(1200, 0.3, None), (900, 0.6, {"method": "h2o", "budget": 160}),
-             (1400, 0.5, {"method": "streamingllm", "budget": 96}), (200, 0.5, {"method": "snapkv", "budget": 64, "window": 8})]
+             (1400, 0.5, {"method": "streamingllm", "budget": 96}), (200, 0.5, {"method": "snapkv", "budget": 64, "window": 8}),
+             (1100, 0.7, {"method": "expected", "budget": 200})]
     conversations = [chat(tokenizer, tokens, depth) for tokens, depth, _ in cases]
     prompts = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in conversations]
     vllm_plugin.KEPT_POSITIONS.clear()
@@ -215,7 +216,7 @@ def test_kvcompress_serve_answers_the_openai_client_as_the_library_does(library,
             assert answers[i] == alone, setting
 
         for bad, message in (({"method": "snapkv", "budget": -3}, r"kvcompress: SnapKV: budget=-3 is invalid; it must be an integer >= 1"),
-                             ({"method": "nope"}, r"kvcompress.method='nope' is unknown; valid: full, snapkv, streamingllm, h2o")):
+                             ({"method": "nope"}, r"kvcompress.method='nope' is unknown; valid: full, snapkv, streamingllm, h2o, expected")):
             with pytest.raises(openai.BadRequestError, match=message):
                 ask(max_tokens=4, extra_body={"kvcompress": bad})
 
@@ -264,3 +265,15 @@ def test_tensor_parallel_workers_each_keep_their_own_heads(tmp_path):
         answers.append(llm.generate([{"prompt_token_ids": ids}], greedy, use_tqdm=False)[0])
         del llm
     assert answers[0].outputs[0].token_ids == answers[1].outputs[0].token_ids == ours
+
+
+def test_a_method_reading_the_rotary_embedding_is_refused_for_a_model_without_one():
+    from types import SimpleNamespace
+
+    from transformers import GPT2Config
+
+    config = SimpleNamespace(model_config=SimpleNamespace(hf_config=GPT2Config()))
+    assert vllm_plugin.scorable(kvc.SnapKV(), config).name == "snapkv"
+    with pytest.raises(kvc.InvalidParameterError, match=r"method='expected' scores with the model's rotary embedding, "
+                       r"and transformers has no rotary class for model type 'gpt2'"):
+        vllm_plugin.scorable(kvc.ExpectedAttention(), config)

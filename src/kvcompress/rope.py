@@ -9,11 +9,12 @@ llama3, yarn with its attention factor) and per-layer-type rotary (Gemma 3) use 
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import sys
 
 import torch
-from transformers import PreTrainedModel
+from transformers import PretrainedConfig, PreTrainedModel
 
 
 class Rotary:
@@ -59,6 +60,24 @@ def rotary_for(model: PreTrainedModel, layer_idx: int) -> Rotary | None:
     config = model.config.get_text_config()
     types = getattr(config, "layer_types", None)
     return Rotary(modules[0], types[layer_idx] if types else None)
+
+
+def rotary_from_config(config: PretrainedConfig, layer_idx: int) -> Rotary | None:
+    """The rotary embedding layer ``layer_idx`` of a model with ``config`` uses, built from transformers' own
+    rotary class for the model type, for code that sees the model's keys but not the model (vLLM's attention
+    backend); None where transformers has no single such class for it."""
+    text = config.get_text_config()
+    kind = text.model_type.replace("-", "_")
+    try:
+        module = importlib.import_module(f"transformers.models.{kind}.modeling_{kind}")
+    except ImportError:
+        return None
+    classes = [c for c in vars(module).values()
+               if isinstance(c, type) and c.__module__ == module.__name__ and c.__name__.endswith("RotaryEmbedding")]
+    if len(classes) != 1:
+        return None
+    types = getattr(text, "layer_types", None)
+    return Rotary(classes[0](text), types[layer_idx] if types else None)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -58,6 +58,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from .methods import SnapKV, method_from_name
 from .methods.base import InvalidParameterError, Method
 from .methods.prompt import select_kept
+from .rope import Rotary, rotary_from_config
 from .serving import ENGINE_ENV, FIELD, method_of
 from .tokens import spans_for
 
@@ -91,7 +92,16 @@ def engine_method(vllm_config: Any = None) -> Method:
         if refused:
             raise ValueError(f"kvcompress in vLLM needs {what}")
     settings = (config.additional_config or {}).get(FIELD)
-    return method_of(settings, default=SnapKV()) if settings is not None else SnapKV()
+    return scorable(method_of(settings, default=SnapKV()) if settings is not None else SnapKV(), config)
+
+
+def scorable(method: Method, vllm_config: Any) -> Method:
+    """``method`` if the workers can score with it for this model, else ``InvalidParameterError`` saying why."""
+    if method.needs_rotary() and rotary_from_config(vllm_config.model_config.hf_config, 0) is None:
+        kind = vllm_config.model_config.hf_config.get_text_config().model_type
+        raise InvalidParameterError(f"{FIELD}: method={method.name!r} scores with the model's rotary embedding, and "
+                                    f"transformers has no rotary class for model type {kind!r}")
+    return method
 
 
 def request_method(request: Any, default: Method) -> Method:
@@ -168,7 +178,15 @@ class KVCompressCPUImpl(CPUAttentionBackendImpl):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.tokenizer = get_current_vllm_config().model_config.tokenizer  # its spans read on first need
+        self.model = get_current_vllm_config().model_config  # its tokenizer's spans and its rotary read on first need
+        self.rotary: Rotary | None = None
+
+    def layer_rotary(self, layer: Any) -> Rotary:
+        """The rotary embedding of this layer (``layers.N.`` in its name), from the model's config."""
+        if self.rotary is None:
+            index = int(layer.layer_name.split("layers.")[1].split(".")[0])
+            self.rotary = rotary_from_config(self.model.hf_config, index)
+        return self.rotary
 
     def do_kv_cache_update(self, layer: torch.nn.Module, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                            slot_mapping: torch.Tensor) -> None:
@@ -211,7 +229,7 @@ class KVCompressCPUImpl(CPUAttentionBackendImpl):
                 continue
             keys, values, queries = (torch.cat([part[i] for part in (*held, chunk)]) for i in range(3))
             ids = None if chunk[3] is None else torch.cat([part[3] for part in (*held, chunk)])
-            spans = None if ids is None else tokenizer_spans(self.tokenizer).span_ids(ids[None].cpu())
+            spans = None if ids is None else tokenizer_spans(self.model.tokenizer).span_ids(ids[None].cpu())
             kept = self.compress(layer, method, queries, keys, values, kv_cache, blocks, spans, key[after], value[after])
             if after.stop > after.start:  # a recomputed request's generated tokens see the cache its decoding saw
                 self.attend_kept(layer, query[after], kv_cache, blocks, kept, output[after])
@@ -236,8 +254,10 @@ class KVCompressCPUImpl(CPUAttentionBackendImpl):
         keep each KV head's tokens in its first slots, then ``later_keys``/``later_values`` (the tokens a
         recomputed request had generated) right after them; returns how many tokens each head kept."""
         length = key.shape[0]
-        valid = torch.ones(1, length, dtype=torch.bool)
-        scores = method.scores(query.transpose(0, 1)[None], key.transpose(0, 1)[None], valid, self.scale, spans)
+        rotary = self.layer_rotary(layer) if method.needs_rotary() else None
+        prompt = PromptLayer(key.transpose(0, 1)[None], value.transpose(0, 1)[None], spans, rotary)
+        scores = method.layer_scores(prompt, query.transpose(0, 1)[None], self.scale)
+        valid = prompt.slot_validity()
         kept, _ = select_kept(scores, valid, torch.tensor([kept_count(method, length)]))  # [1, kv_heads, n] ascending
         heads = torch.arange(key.shape[1])[None, :]
         order = kept[0].T  # slot s of head h holds token order[s, h]
@@ -273,6 +293,24 @@ class KVCompressCPUImpl(CPUAttentionBackendImpl):
             scheduler_metadata=schedule, s_aux=self.sinks, dynamic_causal=None, k_scale=layer._k_scale_float,
             v_scale=layer._v_scale_float, kv_cache_dtype=self.kv_cache_dtype,
         )
+
+
+@dataclasses.dataclass
+class PromptLayer:
+    """What a method's scoring reads of a kvcompress layer (``PromptMethod.layer_scores``), for one request's
+    prompt in a worker: its keys and values ``[1, kv_heads, tokens, dim]``, its word spans, the layer's rotary."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    spans: torch.Tensor | None
+    rotary: Rotary | None
+
+    @property
+    def prompt_tokens(self) -> torch.Tensor:
+        return torch.tensor([self.keys.shape[2]])
+
+    def slot_validity(self) -> torch.Tensor:
+        return torch.ones(1, self.keys.shape[2], dtype=torch.bool)
 
 
 class KVCompressCPUBackend(CPUAttentionBackend):
@@ -373,8 +411,8 @@ class KVCompressScheduler(Scheduler):
         self.blocks_before_after: dict[str, tuple[int, int]] = {}  # request -> KV blocks in use before / after
         self.peak_running = 0  # the most requests running at once
 
-    def add_request(self, request: Any) -> None:
-        request_method(request, self.connector.default)  # bad settings refused by name before vLLM holds the request
+    def add_request(self, request: Any) -> None:  # bad settings refused by name before vLLM holds the request
+        scorable(request_method(request, self.connector.default), self.vllm_config)
         super().add_request(request)
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:

@@ -164,6 +164,10 @@ class Method:
         """Whether ``scores`` uses the prompt's word and number spans (then the cache needs the tokenizer)."""
         return False
 
+    def needs_rotary(self) -> bool:
+        """Whether scoring reads the model's rotary embedding (a layer's ``rotary``; RoPE models only)."""
+        return False
+
     def check_model(self, model: PreTrainedModel) -> None:
         """Raise where a hyperparameter or the method itself does not fit ``model``."""
 

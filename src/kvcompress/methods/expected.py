@@ -116,6 +116,9 @@ class ExpectedAttention(PromptMethod):
     def needs_tokens(self) -> bool:
         return self.clustering == "spans"
 
+    def needs_rotary(self) -> bool:
+        return True
+
     def check_model(self, model: PreTrainedModel) -> None:
         require_rope(model, "ExpectedAttention")
 
