@@ -89,3 +89,14 @@ def test_the_server_drops_only_the_engine_dead_error_of_its_own_stop():
     assert quiet.filter(record(launcher, "[shutdown] API server: shutdown triggered"))
     assert not quiet.filter(dead)
     assert quiet.filter(record(engine, "AsyncLLM output_handler failed.", RuntimeError("boom")))  # another error
+
+
+def test_a_method_reading_the_rotary_embedding_needs_a_model_with_one():
+    from transformers import GPT2Config, LlamaConfig
+
+    assert serving.scorable(kvc.ExpectedAttention(), LlamaConfig()).name == "expected"
+    assert serving.scorable(kvc.SnapKV(), GPT2Config()).name == "snapkv"
+    assert serving.scorable(kvc.ExpectedAttention(), None).name == "expected"  # unknown model: the workers check
+    with pytest.raises(InvalidParameterError, match=r"^kvcompress: method='expected' scores with the model's rotary "
+                       r"embedding, and transformers has no rotary class for model type 'gpt2'$"):
+        serving.scorable(kvc.ExpectedAttention(), GPT2Config())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import os
 import signal
 import socket
@@ -70,7 +71,8 @@ def test_each_request_of_a_batch_gets_its_own_method_and_its_alone_answer(engine
     model, tokenizer = library
     cases = [(1500, 0.6, None), (300, 0.5, {"method": "streamingllm", "budget": 64}),
              (1000, 0.2, {"method": "h2o", "budget": 192}), (700, 0.8, {"method": "full"}),
-             (1200, 0.3, {"method": "snapkv", "budget": 128, "window": 16}), (800, 0.4, {"method": "expected", "budget": 128})]
+             (1200, 0.3, {"method": "snapkv", "budget": 128, "window": 16}),
+             (800, 0.4, {"method": "expected", "budget": 128})]
     conversations = [chat(tokenizer, tokens, depth) for tokens, depth, _ in cases]
     prompts = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in conversations]
     vllm_plugin.KEPT_POSITIONS.clear()
@@ -102,8 +104,8 @@ def test_prompts_prefilled_in_chunks_are_compressed_after_their_last_chunk(libra
     chunked = vllm.LLM(model=str(default_model_dir()), **{**ENGINE, "max_num_batched_tokens": 512},
                        enable_chunked_prefill=True, **serving.engine_options(METHOD))
     cases = [(1200, 0.3, None), (900, 0.6, {"method": "h2o", "budget": 160}),
-             (1400, 0.5, {"method": "streamingllm", "budget": 96}), (200, 0.5, {"method": "snapkv", "budget": 64, "window": 8}),
-             (1100, 0.7, {"method": "expected", "budget": 200})]
+             (1400, 0.5, {"method": "streamingllm", "budget": 96}),
+             (200, 0.5, {"method": "snapkv", "budget": 64, "window": 8}), (1100, 0.7, {"method": "expected", "budget": 200})]
     conversations = [chat(tokenizer, tokens, depth) for tokens, depth, _ in cases]
     prompts = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in conversations]
     vllm_plugin.KEPT_POSITIONS.clear()
@@ -216,7 +218,8 @@ def test_kvcompress_serve_answers_the_openai_client_as_the_library_does(library,
             assert answers[i] == alone, setting
 
         for bad, message in (({"method": "snapkv", "budget": -3}, r"kvcompress: SnapKV: budget=-3 is invalid; it must be an integer >= 1"),
-                             ({"method": "nope"}, r"kvcompress.method='nope' is unknown; valid: full, snapkv, streamingllm, h2o, expected")):
+                             ({"method": "nope"},
+                              r"kvcompress.method='nope' is unknown; valid: full, snapkv, streamingllm, h2o, expected")):
             with pytest.raises(openai.BadRequestError, match=message):
                 ask(max_tokens=4, extra_body={"kvcompress": bad})
 
@@ -267,13 +270,33 @@ def test_tensor_parallel_workers_each_keep_their_own_heads(tmp_path):
     assert answers[0].outputs[0].token_ids == answers[1].outputs[0].token_ids == ours
 
 
-def test_a_method_reading_the_rotary_embedding_is_refused_for_a_model_without_one():
-    from types import SimpleNamespace
+def test_a_method_reading_the_rotary_embedding_is_refused_for_a_model_without_one(tmp_path):
+    """ExpectedAttention on a model without RoPE: `kvcompress serve` refuses it at start, and a server of another
+    method refuses it per request (HTTP 400), before the engine, which would stop on it, sees the request."""
+    import asyncio
 
     from transformers import GPT2Config
 
-    config = SimpleNamespace(model_config=SimpleNamespace(hf_config=GPT2Config()))
-    assert vllm_plugin.scorable(kvc.SnapKV(), config).name == "snapkv"
-    with pytest.raises(kvc.InvalidParameterError, match=r"method='expected' scores with the model's rotary embedding, "
-                       r"and transformers has no rotary class for model type 'gpt2'"):
-        vllm_plugin.scorable(kvc.ExpectedAttention(), config)
+    GPT2Config(n_layer=1, n_head=2, n_embd=32).save_pretrained(tmp_path)
+    done = subprocess.run([sys.executable, "-m", "kvcompress", "serve", str(tmp_path), "--method", "expected"],
+                          capture_output=True, text=True, timeout=120)
+    why = ("method='expected' scores with the model's rotary embedding, and transformers has no rotary class for "
+           "model type 'gpt2'")
+    # the last line: importing vLLM's CPU build prints one of its own before it
+    assert done.returncode == 2 and done.stderr.strip().splitlines()[-1] == f"kvcompress: error: {why}"
+
+    os.environ[serving.ENGINE_ENV] = json.dumps({**serving.engine_settings(METHOD), "model": str(tmp_path)})
+    try:
+        middleware = vllm_plugin.RequestSettings(app=None)
+    finally:
+        del os.environ[serving.ENGINE_ENV]
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        return {"type": "http.request", "body": json.dumps({"kvcompress": {"method": "expected"}}).encode()}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    asyncio.run(middleware({"type": "http", "method": "POST", "headers": []}, receive, send))
+    assert sent[0]["status"] == 400 and json.loads(sent[1]["body"])["error"]["message"] == f"kvcompress: {why}"

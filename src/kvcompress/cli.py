@@ -36,7 +36,8 @@ from .bench.haystack import HAYSTACKS
 from .bench.ruler import fetch_ruler_data
 from .bench.tasks import TASKS, load_dataset
 from .models import ARCHITECTURES, fetch_default_model, load_model, random_model
-from .serving import ENGINE_ENV, SERVABLE, QuietStop, check_servable, engine_settings, serve_argv
+from .serving import (ENGINE_ENV, SERVABLE, QuietStop, check_servable, engine_settings, model_config, scorable,
+                      serve_argv)
 from .wheels import NotFetchedError
 
 USER_ERRORS = (InvalidParameterError, PromptTooLongError, UnsupportedModelError, CacheMisuseError, CacheFileError, NotFetchedError, OSError, ValueError)
@@ -411,7 +412,8 @@ def _cmd_serve(args: argparse.Namespace, console: Console) -> int:
             "build; then run .venv-vllm/bin/kvcompress serve"
         ) from None
     model = args.model or str(fetch_default_model())
-    os.environ[ENGINE_ENV] = json.dumps(engine_settings(method))  # for the API server's request check
+    scorable(method, model_config(model))
+    os.environ[ENGINE_ENV] = json.dumps({**engine_settings(method), "model": model})  # for the API server's checks
     sys.argv = ["kvcompress serve", *serve_argv(model, method, args.host, args.port, args.vllm_flags)]
     QuietStop().install()
     vllm_main()

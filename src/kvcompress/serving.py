@@ -15,9 +15,12 @@ import logging
 import urllib.request
 from typing import Any
 
+from transformers import AutoConfig
+
 from .methods import METHODS, method_from_name
 from .methods.base import InvalidParameterError, Method
 from .methods.prompt import PromptMethod
+from .rope import rotary_from_config
 
 FIELD = "kvcompress"  # the request body's field, and the key of the engine's settings in vLLM's additional_config
 ENGINE_ENV = "KVCOMPRESS_ENGINE"  # the engine's settings for the API server's middleware (``kvcompress serve`` sets it)
@@ -75,6 +78,25 @@ def method_of(settings: Any, default: Method | None = None) -> Method:
         return check_servable(method_from_name(name, **fields))
     except InvalidParameterError as err:
         raise InvalidParameterError(f"{FIELD}: {err}") from None
+
+
+def scorable(method: Method, config: Any) -> Method:
+    """``method`` if it can score a model with this transformers ``config`` (None: unknown here, not checked),
+    else ``InvalidParameterError`` saying why: a method reading the rotary embedding needs a RoPE model."""
+    if config is not None and method.needs_rotary() and rotary_from_config(config, 0) is None:
+        kind = config.get_text_config().model_type
+        raise InvalidParameterError(f"{FIELD}: method={method.name!r} scores with the model's rotary embedding, and "
+                                    f"transformers has no rotary class for model type {kind!r}")
+    return method
+
+
+def model_config(model: str) -> Any:
+    """The transformers config of ``model`` (a folder, or a name already in the local hub cache), None if it cannot
+    be read here (vLLM then reads it, and its workers check the method)."""
+    try:
+        return AutoConfig.from_pretrained(model)
+    except (OSError, ValueError):
+        return None
 
 
 def engine_settings(method: Method) -> dict[str, Any]:

@@ -59,7 +59,7 @@ from .methods import SnapKV, method_from_name
 from .methods.base import InvalidParameterError, Method
 from .methods.prompt import select_kept
 from .rope import Rotary, rotary_from_config
-from .serving import ENGINE_ENV, FIELD, method_of
+from .serving import ENGINE_ENV, FIELD, method_of, model_config, scorable
 from .tokens import spans_for
 
 STEP_TOKEN_IDS: list[torch.Tensor | None] = [None]  # the token ids of the step being run (this process)
@@ -92,16 +92,8 @@ def engine_method(vllm_config: Any = None) -> Method:
         if refused:
             raise ValueError(f"kvcompress in vLLM needs {what}")
     settings = (config.additional_config or {}).get(FIELD)
-    return scorable(method_of(settings, default=SnapKV()) if settings is not None else SnapKV(), config)
-
-
-def scorable(method: Method, vllm_config: Any) -> Method:
-    """``method`` if the workers can score with it for this model, else ``InvalidParameterError`` saying why."""
-    if method.needs_rotary() and rotary_from_config(vllm_config.model_config.hf_config, 0) is None:
-        kind = vllm_config.model_config.hf_config.get_text_config().model_type
-        raise InvalidParameterError(f"{FIELD}: method={method.name!r} scores with the model's rotary embedding, and "
-                                    f"transformers has no rotary class for model type {kind!r}")
-    return method
+    method = method_of(settings, default=SnapKV()) if settings is not None else SnapKV()
+    return scorable(method, config.model_config.hf_config)
 
 
 def request_method(request: Any, default: Method) -> Method:
@@ -230,7 +222,8 @@ class KVCompressCPUImpl(CPUAttentionBackendImpl):
             keys, values, queries = (torch.cat([part[i] for part in (*held, chunk)]) for i in range(3))
             ids = None if chunk[3] is None else torch.cat([part[3] for part in (*held, chunk)])
             spans = None if ids is None else tokenizer_spans(self.model.tokenizer).span_ids(ids[None].cpu())
-            kept = self.compress(layer, method, queries, keys, values, kv_cache, blocks, spans, key[after], value[after])
+            kept = self.compress(layer, method, queries, keys, values, kv_cache, blocks, spans, key[after],
+                                 value[after])
             if after.stop > after.start:  # a recomputed request's generated tokens see the cache its decoding saw
                 self.attend_kept(layer, query[after], kv_cache, blocks, kept, output[after])
         return output
@@ -412,7 +405,7 @@ class KVCompressScheduler(Scheduler):
         self.peak_running = 0  # the most requests running at once
 
     def add_request(self, request: Any) -> None:  # bad settings refused by name before vLLM holds the request
-        scorable(request_method(request, self.connector.default), self.vllm_config)
+        scorable(request_method(request, self.connector.default), self.vllm_config.model_config.hf_config)
         super().add_request(request)
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
@@ -449,8 +442,9 @@ class RequestSettings:
 
     def __init__(self, app: Any) -> None:
         self.app = app
-        engine = os.environ.get(ENGINE_ENV)  # the engine's method, where ``kvcompress serve`` started it
-        self.default = method_of(json.loads(engine)[FIELD]) if engine else None
+        engine = json.loads(os.environ.get(ENGINE_ENV) or "{}")  # where ``kvcompress serve`` started the server:
+        self.default = method_of(engine[FIELD]) if FIELD in engine else None  # the engine's method
+        self.config = model_config(engine["model"]) if "model" in engine else None  # and its model's
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http" or scope["method"] != "POST":
@@ -465,7 +459,7 @@ class RequestSettings:
             payload = None  # not JSON: vLLM answers it
         if isinstance(payload, dict) and FIELD in payload:
             try:
-                method = method_of(payload.pop(FIELD), default=self.default)
+                method = scorable(method_of(payload.pop(FIELD), default=self.default), self.config)
             except InvalidParameterError as err:
                 return await bad_request(send, str(err))
             xargs = payload.get("vllm_xargs") or {}
