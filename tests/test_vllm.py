@@ -105,7 +105,8 @@ def test_prompts_prefilled_in_chunks_are_compressed_after_their_last_chunk(libra
                        enable_chunked_prefill=True, **serving.engine_options(METHOD))
     cases = [(1200, 0.3, None), (900, 0.6, {"method": "h2o", "budget": 160}),
              (1400, 0.5, {"method": "streamingllm", "budget": 96}),
-             (200, 0.5, {"method": "snapkv", "budget": 64, "window": 8}), (1100, 0.7, {"method": "expected", "budget": 200})]
+             (200, 0.5, {"method": "snapkv", "budget": 64, "window": 8}),
+             (1100, 0.7, {"method": "expected", "budget": 200})]
     conversations = [chat(tokenizer, tokens, depth) for tokens, depth, _ in cases]
     prompts = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in conversations]
     vllm_plugin.KEPT_POSITIONS.clear()
@@ -219,7 +220,8 @@ def test_kvcompress_serve_answers_the_openai_client_as_the_library_does(library,
 
         for bad, message in (({"method": "snapkv", "budget": -3}, r"kvcompress: SnapKV: budget=-3 is invalid; it must be an integer >= 1"),
                              ({"method": "nope"},
-                              r"kvcompress.method='nope' is unknown; valid: full, snapkv, streamingllm, h2o, expected")):
+                              r"kvcompress.method='nope' is unknown; valid: full, snapkv, streamingllm, h2o, expected"
+                              )):
             with pytest.raises(openai.BadRequestError, match=message):
                 ask(max_tokens=4, extra_body={"kvcompress": bad})
 
