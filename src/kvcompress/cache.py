@@ -29,9 +29,11 @@ transformers keeps assigning RoPE positions and slicing generate inputs from the
 
 from __future__ import annotations
 
+import inspect
 import threading
 import time
 import weakref
+from collections.abc import Mapping
 from typing import Any, Callable, ClassVar, NamedTuple, Protocol
 
 import torch
@@ -475,6 +477,18 @@ class LayerFactory(Protocol):
     def before_compress(self, layers: list[KVLayer]) -> None: ...
 
 
+def cache_keyword(model: torch.nn.Module | None) -> str:
+    """The name of the cache argument of ``model``'s forward: ``cache`` from transformers 5.24 on (which still
+    takes ``past_key_values``, with a warning), ``past_key_values`` before."""
+    takes = inspect.signature(model.forward).parameters if model is not None else {}
+    return "cache" if "cache" in takes else "past_key_values"
+
+
+def cache_argument(arguments: Mapping[str, Any]) -> Any:
+    """The cache a model or one of its layers was called with (``arguments`` by name), under either name."""
+    return arguments.get("cache", arguments.get("past_key_values"))
+
+
 class KVCompressCache(Cache):
     """A ``Cache`` whose layers apply a method. Build it with ``method.make_cache(model)`` and pass it
     to ``model.generate(past_key_values=cache)`` or use ``kvcompress.generate``."""
@@ -484,6 +498,7 @@ class KVCompressCache(Cache):
         self.method = method
         self.model_id = id(model) if model is not None else None  # the model it was made for: integration.py refuses any other
         self.model = weakref.ref(model) if model is not None else lambda: None  # for a saved cache's fingerprint
+        self.keyword = cache_keyword(model)  # the model's name for its cache argument
         self.span_table = spans  # the tokenizer's word boundaries, when known
         self.timings: dict[str, float | None] = {"prefill_s": None, "decode_ms_per_token": None, "compile_s": None}
         self.embeds_itself = False  # the model embedded this cache's prompt itself (no one else holds its hidden states)

@@ -82,7 +82,7 @@ def greedy_step(model: PreTrainedModel, cache: KVCompressCache, state: DecodeSta
         input_ids=state.token[:, None],
         position_ids=fed_position[:, None],
         attention_mask=real[:, None, None, None],  # the new token's own block: the kvcompress attention reads padding from it
-        past_key_values=cache,
+        **{cache.keyword: cache},
         use_cache=True,
         logits_to_keep=1,
     ).logits

@@ -209,7 +209,7 @@ class _Feeder:
             input_ids=ids,
             attention_mask=self.mask,
             position_ids=positions,
-            past_key_values=self.cache,
+            **{self.cache.keyword: self.cache},
             use_cache=True,
             logits_to_keep=0 if every_position else 1,
         )

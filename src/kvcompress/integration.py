@@ -34,7 +34,8 @@ from . import attention
 from .attention import dense_attention
 from . import longprompt
 from .longprompt import LazyMask, block_prefills, chunk_mlps, lazy_sdpa_mask
-from .cache import CacheMisuseError, KVCompressCache, KVLayer, LayerFactory, UnsupportedModelError, WindowLayer, take_announced
+from .cache import (CacheMisuseError, KVCompressCache, KVLayer, LayerFactory, UnsupportedModelError, WindowLayer,
+                    cache_argument, take_announced)
 from .tokens import TokenSpans, spans_for
 
 IMPLEMENTATION = "kvcompress"
@@ -131,7 +132,7 @@ def attach(model: PreTrainedModel) -> None:
 
 def check_inputs(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
     """Refuse, before the model runs, inputs a kvcompress cache cannot take."""
-    cache = kwargs.get("past_key_values")
+    cache = cache_argument(kwargs)
     if not isinstance(cache, KVCompressCache) or torch.compiler.is_compiling():  # a compiled step's loop checked before it
         return
     if cache.model_id != id(module):

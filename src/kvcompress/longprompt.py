@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch
 from transformers.masking_utils import and_masks, causal_mask_function, padding_mask_function, prepare_padding_mask, sdpa_mask
 
-from .cache import KVCompressCache
+from .cache import KVCompressCache, cache_argument
 
 PREFILL_BLOCK = 8192  # prompt positions a decoder layer processes at once during a long prefill (BlockedPrefill)
 MLP_CHUNK = 8192  # tokens an MLP processes at once during a long prefill
@@ -76,7 +76,7 @@ class BlockedPrefill(Wrapper):
     def forward(self, *args, **kwargs) -> torch.Tensor:
         bound = self.signature.bind(*args, **kwargs)
         arguments = {**bound.arguments, **bound.arguments.get("kwargs", {})}
-        hidden, cache = next(iter(bound.arguments.values())), arguments.get("past_key_values")
+        hidden, cache = next(iter(bound.arguments.values())), cache_argument(arguments)
         layer = cache.layers[self.layer_idx] if isinstance(cache, KVCompressCache) else None
         unseen = cache is not None and getattr(cache, "embeds_itself", False) and not self.observed() and not torch.is_grad_enabled()
         if layer is None or not layer.is_prefill or hidden.dim() != 3 or hidden.shape[1] <= self.tokens or not unseen:

@@ -29,7 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from tqdm import tqdm
 from transformers import DynamicCache, PreTrainedModel
 
-from ..cache import KVLayer
+from ..cache import KVLayer, cache_keyword
 from .. import attention
 from ..decode import Compile, DecodeState, StepRunner, greedy_step
 from ..generation import PREFILL_TOKENS, Lead, prefill_groups
@@ -221,8 +221,9 @@ def transformers_step_ops(model: PreTrainedModel) -> int:
     """Ops one decoding step of plain transformers dispatches (its own cache, after a 16-token prompt): the reference."""
     cache = DynamicCache(config=model.config)
     ids = torch.randint(10, model.config.get_text_config().vocab_size, (1, 16), device=model.device)
-    token = model(ids, past_key_values=cache, logits_to_keep=1).logits[:, -1:].argmax(-1)
-    return audit_step(lambda: model(token, past_key_values=cache, logits_to_keep=1)).total
+    keyword = cache_keyword(model)
+    token = model(ids, **{keyword: cache}, logits_to_keep=1).logits[:, -1:].argmax(-1)
+    return audit_step(lambda: model(token, **{keyword: cache}, logits_to_keep=1)).total
 
 
 class StandInLead(Lead):
