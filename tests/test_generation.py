@@ -223,3 +223,19 @@ def test_decoding_appends_into_spare_slots_and_counts_them():
     assert stats["device_bytes"] == held  # spare slots count as memory
     assert stats["kv_bytes_kept"] == stats["kv_bytes_full"] and stats["kv_kept_fraction"] == 1.0  # but not as kept tokens
     assert stats["spare_bytes"] == held - stats["index_bytes"] - stats["kv_bytes_full"]
+
+
+def test_a_model_given_its_cache_under_either_name_compresses_alike():
+    """transformers 5.24 renamed a model's ``past_key_values`` argument ``cache`` (the old name still taken): a
+    kvcompress cache given under either name learns the prompt's words and keeps the same positions."""
+    from kvcompress.cache import cache_keyword
+
+    model, tokenizer = tiny_model(), char_tokenizer()
+    ids = tokenizer(random_text(300, seed=8), return_tensors="pt").input_ids
+    kept = []
+    for name in ("past_key_values", cache_keyword(model)):
+        cache = kvc.SnapKV(budget=48, window=8).make_cache(model, tokenizer)  # words kept whole: needs the token ids
+        with torch.no_grad():
+            model(ids, **{name: cache})
+        kept.append([cache.kept_positions(layer) for layer in range(2)])
+    assert all(torch.equal(a, b) for a, b in zip(*kept))
