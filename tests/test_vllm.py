@@ -68,23 +68,29 @@ def test_snapkv_in_vllm_keeps_what_kvcompress_keeps_and_frees_blocks(engine, lib
 def test_each_request_of_a_batch_gets_its_own_method_and_its_alone_answer(engine, library):
     """One batch: prompts of very different lengths, each with its own method (or the engine's, or none);
     each answers as kvcompress.generate answers it alone, and keeps the positions kvcompress keeps."""
-    model, tokenizer = library
     cases = [(1500, 0.6, None), (300, 0.5, {"method": "streamingllm", "budget": 64}),
              (1000, 0.2, {"method": "h2o", "budget": 192}), (700, 0.8, {"method": "full"}),
              (1200, 0.3, {"method": "snapkv", "budget": 128, "window": 16}),
              (800, 0.4, {"method": "expected", "budget": 128})]
+    assert len(served_alike(engine, library, cases)) == 5  # every request compressed but the one keeping its full cache
+
+
+def served_alike(llm, library, cases: list[tuple]) -> list[dict[str, torch.Tensor]]:
+    """Serve ``cases`` (prompt tokens, fact depth, settings) in one batch: each answers as kvcompress.generate answers
+    it alone, and a compressed one keeps the positions kvcompress keeps; returns what each compressed request kept."""
+    model, tokenizer = library
     conversations = [chat(tokenizer, tokens, depth) for tokens, depth, _ in cases]
     prompts = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in conversations]
     vllm_plugin.KEPT_POSITIONS.clear()
-    served = engine.generate(prompts, sampling(cases), use_tqdm=False)
+    served = llm.generate(prompts, sampling(cases), use_tqdm=False)
     kept = list(vllm_plugin.KEPT_POSITIONS.values())
-    assert len(kept) == 5  # every request compressed but the one that asked for its full cache
     for (tokens, _, settings), messages, out in zip(cases, conversations, served):
         method = serving.method_of(settings, default=METHOD)
         ours = kvc.generate(model, tokenizer, messages, method=method, max_new_tokens=12)
         assert out.outputs[0].text == ours.text, (tokens, settings)
         if method.name != "full":
             assert any(same_positions(layers, ours.cache) for layers in kept), settings
+    return kept
 
 
 def sampling(cases: list[tuple]) -> list:
@@ -100,24 +106,13 @@ def same_positions(layers: dict[str, torch.Tensor], cache: kvc.KVCompressCache) 
 def test_prompts_prefilled_in_chunks_are_compressed_after_their_last_chunk(library):
     """vLLM's default, chunked prefill: prompts longer than a step's token budget (512 here) compress
     too, each method keeping exactly what kvcompress keeps from the whole prompt, in a batch beside others."""
-    model, tokenizer = library
     chunked = vllm.LLM(model=str(default_model_dir()), **{**ENGINE, "max_num_batched_tokens": 512},
                        enable_chunked_prefill=True, **serving.engine_options(METHOD))
     cases = [(1200, 0.3, None), (900, 0.6, {"method": "h2o", "budget": 160}),
              (1400, 0.5, {"method": "streamingllm", "budget": 96}),
              (200, 0.5, {"method": "snapkv", "budget": 64, "window": 8}),
              (1100, 0.7, {"method": "expected", "budget": 200})]
-    conversations = [chat(tokenizer, tokens, depth) for tokens, depth, _ in cases]
-    prompts = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in conversations]
-    vllm_plugin.KEPT_POSITIONS.clear()
-    served = chunked.generate(prompts, sampling(cases), use_tqdm=False)
-    kept = list(vllm_plugin.KEPT_POSITIONS.values())
-    assert len(kept) == len(cases) and not vllm_plugin.CHUNKS  # every prompt compressed, no chunk held after
-    for (tokens, _, settings), messages, out in zip(cases, conversations, served):
-        method = serving.method_of(settings, default=METHOD)
-        ours = kvc.generate(model, tokenizer, messages, method=method, max_new_tokens=12)
-        assert out.outputs[0].text == ours.text, (tokens, settings)
-        assert any(same_positions(layers, ours.cache) for layers in kept), settings
+    assert len(served_alike(chunked, library, cases)) == len(cases) and not vllm_plugin.CHUNKS  # none held after
 
 
 @pytest.mark.parametrize("chunked", [False, True])
