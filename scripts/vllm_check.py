@@ -52,7 +52,7 @@ def compare(budget: int, depths: list[float], tokens: int) -> list[dict]:
         served = llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0), use_tqdm=False)[0]
         ours = kvc.generate(model, tokenizer, messages, method=kvc.SnapKV(budget=budget), max_new_tokens=24)
         (kept,) = vllm_plugin.KEPT_POSITIONS.values()
-        layers = sorted(kept, key=lambda name: int(name.split("layers.")[1].split(".")[0]))
+        layers = sorted(kept, key=vllm_plugin.layer_index)
         before, after = next(v for k, v in scheduler(llm).blocks_before_after.items() if k.split('-')[0] == served.request_id)
         rows.append({
             "depth": depth, "prompt_tokens": len(served.prompt_token_ids), "vllm": served.outputs[0].text, "kvcompress": ours.text,

@@ -44,10 +44,6 @@ def chat(tokenizer, tokens: int, depth: float) -> list[dict]:
     return [{"role": "user", "content": f"Read this document.\n\n{document}\n\n{demo.QUESTION}"}]
 
 
-def layer_of(name: str) -> int:
-    return int(name.split("layers.")[1].split(".")[0])
-
-
 def test_snapkv_in_vllm_keeps_what_kvcompress_keeps_and_frees_blocks(engine, library):
     model, tokenizer = library
     messages = chat(tokenizer, 1200, 0.3)
@@ -58,7 +54,7 @@ def test_snapkv_in_vllm_keeps_what_kvcompress_keeps_and_frees_blocks(engine, lib
     assert served.outputs[0].text.strip() == ours.text.strip()
     (kept,) = vllm_plugin.KEPT_POSITIONS.values()
     for name, positions in kept.items():
-        assert torch.equal(positions, ours.cache.kept_positions(layer_of(name))[0]), name
+        assert torch.equal(positions, ours.cache.kept_positions(vllm_plugin.layer_index(name))[0]), name
     blocks = engine.llm_engine.engine_core.engine_core.scheduler.blocks_before_after
     before, after = next(v for k, v in blocks.items() if k.split("-")[0] == served.request_id)  # vLLM suffixes its ids
     assert before == -(-len(served.prompt_token_ids) // 32)  # the prompt's blocks
@@ -100,7 +96,8 @@ def sampling(cases: list[tuple]) -> list:
 
 def same_positions(layers: dict[str, torch.Tensor], cache: kvc.KVCompressCache) -> bool:
     """The positions vLLM kept in every layer (by name) are the ones ``cache`` keeps."""
-    return all(torch.equal(positions, cache.kept_positions(layer_of(name))[0]) for name, positions in layers.items())
+    return all(torch.equal(positions, cache.kept_positions(vllm_plugin.layer_index(name))[0])
+               for name, positions in layers.items())
 
 
 def test_prompts_prefilled_in_chunks_are_compressed_after_their_last_chunk(library):

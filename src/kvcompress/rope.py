@@ -57,9 +57,7 @@ def rotary_for(model: PreTrainedModel, layer_idx: int) -> Rotary | None:
     modules = [m for m in model.modules() if "Rotary" in type(m).__name__ and hasattr(m, "forward")]
     if len(modules) != 1:
         return None
-    config = model.config.get_text_config()
-    types = getattr(config, "layer_types", None)
-    return Rotary(modules[0], types[layer_idx] if types else None)
+    return Rotary(modules[0], layer_type(model.config, layer_idx))
 
 
 def rotary_from_config(config: PretrainedConfig, layer_idx: int) -> Rotary | None:
@@ -76,8 +74,14 @@ def rotary_from_config(config: PretrainedConfig, layer_idx: int) -> Rotary | Non
                if isinstance(c, type) and c.__module__ == module.__name__ and c.__name__.endswith("RotaryEmbedding")]
     if len(classes) != 1:
         return None
-    types = getattr(text, "layer_types", None)
-    return Rotary(classes[0](text), types[layer_idx] if types else None)
+    return Rotary(classes[0](text), layer_type(config, layer_idx))
+
+
+def layer_type(config: PretrainedConfig, layer_idx: int) -> str | None:
+    """The type of layer ``layer_idx`` (``sliding_attention``, ...) where the config gives types, which a
+    rotary module may take (Gemma 3: a rotary per type)."""
+    types = getattr(config.get_text_config(), "layer_types", None)
+    return types[layer_idx] if types else None
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

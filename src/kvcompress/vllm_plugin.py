@@ -110,6 +110,11 @@ def tokenizer_spans(tokenizer: str) -> Any:
     return spans_for(AutoTokenizer.from_pretrained(tokenizer))
 
 
+def layer_index(name: str) -> int:
+    """The model layer a vLLM attention layer's name (``model.layers.N.self_attn.attn``) belongs to."""
+    return int(name.split("layers.")[1].split(".")[0])
+
+
 def kept_count(method: Method, prompt: int) -> int:
     """Prompt tokens ``method`` keeps of a ``prompt``-token prompt (all of them: nothing to compress)."""
     counts = method.keep_counts(torch.tensor([prompt]))
@@ -174,10 +179,9 @@ class KVCompressCPUImpl(CPUAttentionBackendImpl):
         self.rotary: Rotary | None = None
 
     def layer_rotary(self, layer: Any) -> Rotary:
-        """The rotary embedding of this layer (``layers.N.`` in its name), from the model's config."""
+        """The rotary embedding of this layer, from the model's config."""
         if self.rotary is None:
-            index = int(layer.layer_name.split("layers.")[1].split(".")[0])
-            self.rotary = rotary_from_config(self.model.hf_config, index)
+            self.rotary = rotary_from_config(self.model.hf_config, layer_index(layer.layer_name))
         return self.rotary
 
     def do_kv_cache_update(self, layer: torch.nn.Module, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
