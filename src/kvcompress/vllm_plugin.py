@@ -4,15 +4,15 @@ vLLM's block pool, a method per request. Design and measurements: docs/vllm.md.
 Each piece goes through an extension point vLLM offers (nothing of vLLM is patched or forked):
 
 * ``register`` (a ``vllm.general_plugins`` entry point, run in every vLLM process) points vLLM's
-  ``CPU_ATTN`` attention backend at ``KVCompressCPUBackend``, and adds a PyTorch forward pre-hook
-  that notes each step's token ids as they enter the vocabulary embedding, so SnapKV keeps words and
-  numbers whole as kvcompress does (``clustering="spans"``).
+  ``CPU_ATTN`` attention backend at ``KVCompressCPUBackend``.
 * ``RequestSettings`` (an ASGI middleware of vLLM's API server, ``--middleware``): a request's own
   ``kvcompress`` settings are validated by the library (an HTTP 400 naming the field otherwise) and
   handed to the engine in the request's ``vllm_xargs``.
 * ``KVCompressConnector`` (a KV connector, ``kv_transfer_config``; it moves no KV): learns each
   request's method when the request arrives and sends the workers, with every step, the method of
-  each scheduled request by its first KV block (workers are other processes).
+  each scheduled request by its first KV block (workers are other processes), and while a request's
+  prompt is being prefilled its token ids, so SnapKV keeps words and numbers whole as kvcompress does
+  (``clustering="spans"``).
 * ``KVCompressScheduler`` (``scheduler_cls``): once a request's prefill is done, frees its KV blocks
   beyond what the compressed request needs (replaced by vLLM's null block, as vLLM does for sliding
   windows), so more requests fit.
@@ -39,14 +39,12 @@ import os
 from typing import Any
 
 import torch
-from torch.nn.modules.module import register_module_forward_pre_hook
 from transformers import AutoTokenizer
 from vllm import _custom_ops as ops
 from vllm import envs
 from vllm.config import get_current_vllm_config
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
 from vllm.forward_context import get_forward_context
-from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionBackend,
     CPUAttentionBackendImpl,
@@ -62,21 +60,9 @@ from .rope import Rotary, rotary_from_config
 from .serving import ENGINE_ENV, FIELD, method_of, model_config, scorable
 from .tokens import spans_for
 
-STEP_TOKEN_IDS: list[torch.Tensor | None] = [None]  # the token ids of the step being run (this process)
-
-
 def register() -> None:
-    """The ``vllm.general_plugins`` entry point: use kvcompress's backend where vLLM uses CPU_ATTN, and
-    note each step's token ids as they enter the model's embedding."""
+    """The ``vllm.general_plugins`` entry point: use kvcompress's backend where vLLM uses CPU_ATTN."""
     register_backend(AttentionBackendEnum.CPU_ATTN, f"{__name__}.KVCompressCPUBackend")
-    register_module_forward_pre_hook(note_token_ids)
-
-
-def note_token_ids(module: torch.nn.Module, args: tuple) -> None:
-    """A global forward pre-hook: the integer input of a vocabulary embedding is the step's token ids."""
-    ids = args[0] if args else None
-    if isinstance(module, VocabParallelEmbedding) and isinstance(ids, torch.Tensor) and not ids.is_floating_point():
-        STEP_TOKEN_IDS[0] = ids
 
 
 def engine_method(vllm_config: Any = None) -> Method:
@@ -125,10 +111,14 @@ def kept_count(method: Method, prompt: int) -> int:
 # connector brought them for this step.
 REQUEST_METHODS: dict[int, Method] = {}
 REQUEST_PROMPTS: dict[int, int] = {}
-# A prompt prefilled in chunks, until its last: (first KV block, layer) -> each earlier chunk's keys, values,
-# the queries its method may read and its token ids (the paged cache's layout is the kernel's own, so the
-# keys are kept as computed rather than read back).
-CHUNKS: dict[tuple[int, str], list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]]] = {}
+# This step's requests still in their prompt whose method reads the prompt's words: first KV block -> the
+# prompt's token ids, as the connector brought them (a model's input ids are read nowhere else: a hook on the
+# embedding does not run inside vLLM's compiled graph, which kept the first request's ids for every later one).
+REQUEST_TOKENS: dict[int, torch.Tensor] = {}
+# A prompt prefilled in chunks, until its last: (first KV block, layer) -> each earlier chunk's keys, values and
+# the queries its method may read (the paged cache's layout is the kernel's own, so the keys are kept as
+# computed rather than read back).
+CHUNKS: dict[tuple[int, str], list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
 # Per worker process: the first KV block of a compressed request -> (prompt tokens, kept tokens). A
 # request's first block is its own while it lives; a new request starting on it resets the entry.
 COMPRESSED: dict[int, tuple[int, int]] = {}
@@ -216,31 +206,25 @@ class KVCompressCPUImpl(CPUAttentionBackendImpl):
             rows, after = slice(starts[row], starts[row] + ends), slice(starts[row] + ends, starts[row + 1])
             needed = method.queries_needed()
             queries = query[rows] if needed is None else query[rows][ends - min(needed, ends) :]
-            chunk = (key[rows], value[rows], queries, self.step_ids(method, rows))
+            chunk = (key[rows], value[rows], queries)
             held = CHUNKS.pop((first, layer.layer_name), []) if length < seen else []  # a first chunk starts afresh
             if seen < prompt:  # an earlier chunk of a prompt prefilled in chunks: held until the last, copied (the
-                # token ids live in a buffer vLLM reuses each step, the keys in the step's whole projection)
-                copied = tuple(None if part is None else part.clone() for part in chunk)
-                CHUNKS[(first, layer.layer_name)] = [*held, copied]
+                # keys live in the step's whole projection)
+                CHUNKS[(first, layer.layer_name)] = [*held, tuple(part.clone() for part in chunk)]
                 continue
             keys, values, queries = (torch.cat([part[i] for part in (*held, chunk)]) for i in range(3))
-            ids = None if chunk[3] is None else torch.cat([part[3] for part in (*held, chunk)])
-            spans = None if ids is None else tokenizer_spans(self.model.tokenizer).span_ids(ids[None].cpu())
-            kept = self.compress(layer, method, queries, keys, values, kv_cache, blocks, spans, key[after],
-                                 value[after])
+            kept = self.compress(layer, method, queries, keys, values, kv_cache, blocks, self.spans(method, first),
+                                 key[after], value[after])
             if after.stop > after.start:  # a recomputed request's generated tokens see the cache its decoding saw
                 self.attend_kept(layer, query[after], kv_cache, blocks, kept, output[after])
         return output
 
-    def step_ids(self, method: Method, rows: slice) -> torch.Tensor | None:
-        """One request's token ids in this step, if its method reads the prompt's words."""
+    def spans(self, method: Method, first: int) -> torch.Tensor | None:
+        """The word spans of the prompt of the request whose first KV block is ``first``, if its method reads
+        them (``[1, prompt]``)."""
         if not method.needs_tokens():
             return None
-        ids = STEP_TOKEN_IDS[0]
-        if ids is None:
-            raise ValueError(f"kvcompress: {method.name} reads the prompt's words (clustering='spans'), and this model "
-                             "took embeddings; use the setting clustering='pool'")
-        return ids[rows]
+        return tokenizer_spans(self.model.tokenizer).span_ids(REQUEST_TOKENS[first][None])
 
     def compress(
         self, layer: Any, method: Method, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -251,6 +235,8 @@ class KVCompressCPUImpl(CPUAttentionBackendImpl):
         keep each KV head's tokens in its first slots, then ``later_keys``/``later_values`` (the tokens a
         recomputed request had generated) right after them; returns how many tokens each head kept."""
         length = key.shape[0]
+        if spans is not None and spans.shape[-1] != length:  # never score one prompt with another's words
+            raise RuntimeError(f"kvcompress: a prompt of {length} tokens came with {spans.shape[-1]} token ids")
         rotary = self.layer_rotary(layer) if method.needs_rotary() else None
         prompt = PromptLayer(key.transpose(0, 1)[None], value.transpose(0, 1)[None], spans, rotary)
         scores = method.layer_scores(prompt, query.transpose(0, 1)[None], self.scale)
@@ -322,12 +308,14 @@ class KVCompressCPUBackend(CPUAttentionBackend):
 
 @dataclasses.dataclass
 class StepMethods(KVConnectorMetadata):
-    """A step's scheduled requests, by first KV block: the settings of the request's method, its prompt's length;
-    and the first KV blocks of every request holding blocks, scheduled this step or not."""
+    """A step's scheduled requests, by first KV block: the settings of the request's method, its prompt's length,
+    the prompt's token ids while it is prefilled (where its method reads them); and the first KV blocks of every
+    request holding blocks, scheduled this step or not."""
 
     methods: dict[int, dict[str, Any]]
     prompts: dict[int, int]
     live: set[int]
+    tokens: dict[int, list[int]] = dataclasses.field(default_factory=dict)
 
 
 class KVCompressConnector(KVConnectorBase_V1):
@@ -337,13 +325,13 @@ class KVCompressConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         self.default = engine_method(vllm_config)
         self.methods: dict[str, Method] = {}  # scheduler side: request id -> its method
-        self.prompts: dict[str, int] = {}  # and its prompt's length
+        self.requests: dict[str, Any] = {}  # and vLLM's request (its prompt, its progress)
 
     # --- the scheduler's side -------------------------------------------------------------------------
 
     def on_new_request(self, request: Any) -> None:
         self.methods[request.request_id] = request_method(request, self.default)
-        self.prompts[request.request_id] = request.num_prompt_tokens
+        self.requests[request.request_id] = request
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         return 0, False  # nothing to load from elsewhere
@@ -353,18 +341,21 @@ class KVCompressConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: Any) -> StepMethods:
         manager = self._kv_cache_manager.coordinator.single_type_managers[0]
-        methods, prompts = {}, {}
-        for request_id in scheduler_output.num_scheduled_tokens:
+        methods, prompts, tokens = {}, {}, {}
+        for request_id in scheduler_output.num_scheduled_tokens:  # (called before the step advances requests)
             blocks, method = manager.req_to_blocks.get(request_id), self.methods.get(request_id)
             if blocks and method is not None:
-                methods[blocks[0].block_id] = {"method": method.name, **method.settings()}
-                prompts[blocks[0].block_id] = self.prompts[request_id]
+                first, request = blocks[0].block_id, self.requests[request_id]
+                methods[first] = {"method": method.name, **method.settings()}
+                prompts[first] = request.num_prompt_tokens
+                if method.needs_tokens() and request.num_computed_tokens < request.num_prompt_tokens:
+                    tokens[first] = list(request.prompt_token_ids)
         live = {blocks[0].block_id for request_id in self.methods if (blocks := manager.req_to_blocks.get(request_id))}
-        return StepMethods(methods, prompts, live)
+        return StepMethods(methods, prompts, live, tokens)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self.methods.pop(request.request_id, None)
-        self.prompts.pop(request.request_id, None)
+        self.requests.pop(request.request_id, None)
         return False, None
 
     # --- a worker's side ------------------------------------------------------------------------------
@@ -375,6 +366,8 @@ class KVCompressConnector(KVConnectorBase_V1):
         for block, settings in connector_metadata.methods.items():
             REQUEST_METHODS[block] = settled(json.dumps(settings, sort_keys=True))
         REQUEST_PROMPTS.update(connector_metadata.prompts)
+        REQUEST_TOKENS.clear()  # this step's only: they are sent with every step of a prompt
+        REQUEST_TOKENS.update({block: torch.tensor(ids) for block, ids in connector_metadata.tokens.items()})
         for held in [key for key in CHUNKS if key[0] not in connector_metadata.live]:  # ended, or preempted
             del CHUNKS[held]  # (a request that skips a step keeps its chunks)
 
@@ -409,7 +402,10 @@ class KVCompressScheduler(Scheduler):
         self.peak_running = 0  # the most requests running at once
 
     def add_request(self, request: Any) -> None:  # bad settings refused by name before vLLM holds the request
-        scorable(request_method(request, self.connector.default), self.vllm_config.model_config.hf_config)
+        method = scorable(request_method(request, self.connector.default), self.vllm_config.model_config.hf_config)
+        if method.needs_tokens() and request.prompt_token_ids is None:
+            raise InvalidParameterError(f"kvcompress: {method.name} reads the prompt's words (clustering='spans'), and "
+                                        "this prompt came as embeddings; use the setting clustering='pool'")
         super().add_request(request)
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
