@@ -5,12 +5,9 @@ from __future__ import annotations
 import functools
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
 
@@ -21,8 +18,10 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 import torch  # noqa: E402
 
 import kvcompress as kvc  # noqa: E402
-from kvcompress import demo, serving, vllm_plugin  # noqa: E402
+from kvcompress import serving, vllm_plugin  # noqa: E402
 from kvcompress.models import default_model_dir  # noqa: E402
+
+from .served import Server, chat  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not (default_model_dir() / "model.safetensors").exists(), reason="no embedded model")
 ENGINE = {"dtype": "float32", "enforce_eager": True, "max_model_len": 2048, "block_size": 32, "max_num_batched_tokens": 2048}
@@ -37,11 +36,6 @@ def library():
 @pytest.fixture(scope="module")
 def engine():
     return vllm.LLM(model=str(default_model_dir()), **ENGINE, **serving.engine_options(METHOD))
-
-
-def chat(tokenizer, tokens: int, depth: float) -> list[dict]:
-    document = demo.build_document(tokenizer, tokens, depth)
-    return [{"role": "user", "content": f"Read this document.\n\n{document}\n\n{demo.QUESTION}"}]
 
 
 def test_snapkv_in_vllm_keeps_what_kvcompress_keeps_and_frees_blocks(engine, library):
@@ -163,31 +157,16 @@ def test_a_request_with_invalid_settings_is_refused_by_name(engine):
             engine.generate(["hello"], vllm.SamplingParams(max_tokens=2, extra_args={"kvcompress": settings}), use_tqdm=False)
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_kvcompress_serve_answers_the_openai_client_as_the_library_does(library, tmp_path):
     """`kvcompress serve` on 127.0.0.1: chat completions, streaming, requests at once with their own
     methods, a refused setting (HTTP 400, the server serving on), a client that disconnects mid-answer
     (its blocks back in the pool), then SIGINT stops it cleanly."""
     openai = pytest.importorskip("openai")
     model, tokenizer = library
-    port = free_port()
-    log = open(tmp_path / "serve.log", "w")
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
-    command = [sys.executable, "-m", "kvcompress", "serve", "--budget", "256", "--port", str(port), "--dtype", "float32",
-               "--max-model-len", "2048", "--enforce-eager", "--block-size", "32"]
-    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-    base = f"http://127.0.0.1:{port}"
+    server = Server(["--budget", "256", "--dtype", "float32", "--max-model-len", "2048", "--enforce-eager", "--block-size",
+                     "32"], tmp_path / "serve.log")
     try:
-        deadline = time.monotonic() + 400
-        while not serving.ready(base):
-            assert server.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()[-3000:]
-            time.sleep(2)
-        client = openai.OpenAI(base_url=f"{base}/v1", api_key="none")
+        client = openai.OpenAI(base_url=f"{server.start(400).base}/v1", api_key="none")
         name = client.models.list().data[0].id
         messages = chat(tokenizer, 1200, 0.3)
         ours = kvc.generate(model, tokenizer, messages, method=kvc.SnapKV(budget=256), max_new_tokens=16).text
@@ -221,23 +200,15 @@ def test_kvcompress_serve_answers_the_openai_client_as_the_library_does(library,
         for _, _chunk in zip(range(3), stream):
             pass
         stream.close()  # the client disconnects mid-answer
-        deadline = time.monotonic() + 30
-        while serving.gauge(base, "vllm:num_requests_running") or serving.gauge(base, "vllm:kv_cache_usage_perc"):
-            assert time.monotonic() < deadline, "an aborted request kept its KV blocks"
-            time.sleep(0.5)
+        assert server.idle(), "an aborted request kept its KV blocks"
         assert ask(max_tokens=16).choices[0].message.content == ours  # the server serves on
     finally:
-        server.send_signal(signal.SIGINT)
-        try:
-            code = server.wait(timeout=60)
-        finally:
-            server.kill()
-            log.close()
-    output = (tmp_path / "serve.log").read_text()
+        code = server.stop()
+    output = server.output()
     assert code == 0 and "Traceback" not in output, output[-3000:]
 
 
-def test_tensor_parallel_workers_each_keep_their_own_heads(tmp_path):
+def test_tensor_parallel_workers_each_keep_their_own_heads(tmp_path, monkeypatch):
     """--tensor-parallel-size 2: each worker holds one of a tiny model's two KV heads and keeps that
     head's tokens; the answer is the one worker's and the library's."""
     from .fixtures import char_tokenizer, tiny_model
@@ -254,7 +225,7 @@ def test_tensor_parallel_workers_each_keep_their_own_heads(tmp_path):
         full = model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)[0, len(ids) :].tolist()
     assert ours != full  # the answer shows whether the workers compressed
     answers = []
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"  # one core per worker (vLLM binds none itself on one NUMA node)
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one core per worker (vLLM binds none on one NUMA node)
     for workers in (1, 2):
         llm = vllm.LLM(model=str(folder), **{**ENGINE, "max_model_len": 1024, "max_num_batched_tokens": 1024},
                        tensor_parallel_size=workers, **serving.engine_options(method))
