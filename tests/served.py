@@ -53,7 +53,8 @@ class Server:
     def idle(self, timeout: float = 30) -> bool:
         """Whether vLLM's running-requests and KV-usage gauges fall to 0 within ``timeout`` seconds."""
         deadline = time.monotonic() + timeout
-        while serving.gauge(self.base, "vllm:num_requests_running") or serving.gauge(self.base, "vllm:kv_cache_usage_perc"):
+        gauges = ("vllm:num_requests_running", "vllm:kv_cache_usage_perc")
+        while any(serving.gauge(self.base, name) for name in gauges):
             if time.monotonic() > deadline:
                 return False
             time.sleep(0.5)

@@ -125,7 +125,9 @@ def test_the_server_is_sized_to_the_memory_that_is_free():
     (["--kv-cache-memory-bytes=12G"], {},
      r"^--kv-cache-memory-bytes 12G asks for 12.0 GiB of KV cache and 11.7 GiB of this machine's 14.2 GiB are free; "
      r"give at most --kv-cache-memory-bytes 10G, or leave it out to size it from the free memory$"),
-    ([], {"VLLM_CPU_KVCACHE_SPACE": "16"}, r"^VLLM_CPU_KVCACHE_SPACE=16 asks for 16.0 GiB of KV cache"),
+    (["--kv-cache-memory-bytes", "4G"], {"VLLM_CPU_KVCACHE_SPACE": "16"},  # vLLM takes the environment's
+     r"^VLLM_CPU_KVCACHE_SPACE=16 asks for 16.0 GiB of KV cache and 11.7 GiB of this machine's 14.2 GiB are free; "
+     r"set VLLM_CPU_KVCACHE_SPACE to at most 10, or leave it out to size it from the free memory$"),
 ])
 def test_a_reservation_that_cannot_fit_is_refused_in_one_line_saying_what_fits(flags, env, message):
     parse = lambda text: int(text.rstrip("G")) * GIB  # noqa: E731 (vLLM's reading of "12G", for this test)

@@ -28,7 +28,8 @@ pytestmark = pytest.mark.skipif(not (default_model_dir() / "model.safetensors").
 SOAK = int(os.environ.get("KVCOMPRESS_SOAK_REQUESTS", "60"))
 ENGINE = kvc.SnapKV(budget=256)  # the server's own method; both sides run float32
 FLAGS = ["--budget", "256", "--dtype", "float32", "--max-model-len", "4608", "--max-num-seqs", "16"]
-SETTINGS = [None, {"method": "full"}, {"method": "snapkv", "budget": 64}, {"method": "snapkv", "budget": 512, "window": 16},
+SETTINGS = [None, {"method": "full"}, {"method": "snapkv", "budget": 64},
+            {"method": "snapkv", "budget": 512, "window": 16},
             {"method": "snapkv", "budget": 128, "clustering": "pool"}, {"method": "streamingllm", "budget": 128},
             {"method": "h2o", "budget": 192}, {"method": "expected", "budget": 256}]
 LONGEST = 128  # max_tokens is drawn from 1 to this
@@ -81,7 +82,8 @@ class Library:
         return next((ids[:i] for i, t in enumerate(ids) if t in self.eos), list(ids))
 
 
-async def ask(client, model: str, case: Case, max_tokens: int, stream: bool, abort_after: int | None = None) -> list[int]:
+async def ask(client, model: str, case: Case, max_tokens: int, stream: bool,
+              abort_after: int | None = None) -> list[int]:
     """The answer's token ids (vLLM's ``return_token_ids``); with ``abort_after``, the client disconnects after that
     many chunks of a streamed answer."""
     extra = {"return_token_ids": True, **({} if case.settings is None else {"kvcompress": case.settings})}
@@ -174,9 +176,9 @@ def soak_plan(tokenizer, requests: int, seed: int = 0) -> list[list[tuple]]:
 
 
 def test_a_soak_of_one_server_answers_every_request_as_the_library_does(server, library):
-    """``SOAK`` requests on one server, sequential and in bursts of up to 16, every servable method and ``full``, prompts
-    of 20 to 4,000 tokens, max_tokens 1 to 128, streamed or not, some aborted mid-answer: every greedy answer the
-    library's (float32 both), then no request running, no KV block held, nothing logged at ERROR."""
+    """``SOAK`` requests on one server, sequential and in bursts of up to 16, every servable method and ``full``,
+    prompts of 20 to 4,000 tokens, max_tokens 1 to 128, streamed or not, some aborted mid-answer: every greedy answer
+    the library's (float32 both), then no request running, no KV block held, nothing logged at ERROR."""
     reference = Library(library)
     plan = soak_plan(reference.tokenizer, SOAK)
     for group in plan:  # the library's answers first, so they do not share the 2 cores with the server's

@@ -153,24 +153,27 @@ def memory_flags(flags: list[str], total: int, available: int, env: dict[str, st
     kept, or refused in one line saying what fits. ``total``/``available``: the memory node's bytes, as vLLM reads them;
     ``parse_bytes``: vLLM's reading of a byte count ("4G")."""
     room = available - SERVER_PROCESSES  # what vLLM's worker will find free
-    fits = math.floor(100 * min(VLLM_DEFAULT_UTILIZATION, max(room - available // 10, 0) / total)) / 100  # 10% to spare
-    hint = f"--gpu-memory-utilization {fits:.2f}" if fits >= 0.01 else "less memory used by other processes"
+    fits = math.floor(100 * min(VLLM_DEFAULT_UTILIZATION, max(room - available // 10, 0) / total)) / 100  # 10% spare
     free = f"{available / GiB:.1f} GiB of this machine's {total / GiB:.1f} GiB are free"
-    kv_bytes, env_gib = flag_value(flags, (KV_BYTES,)), env.get(KV_ENV, "")
-    if kv_bytes is not None or env_gib:
-        asked, given = (parse_bytes(kv_bytes), f"{KV_BYTES} {kv_bytes}") if kv_bytes is not None else (
-            int(env_gib) * GiB, f"{KV_ENV}={env_gib}")
+    kv_bytes, env_gib, most = flag_value(flags, (KV_BYTES,)), env.get(KV_ENV, ""), max(room, 0) // GiB
+    if env_gib:  # vLLM's CPU build takes the environment's over the flag
+        asked, given, fix = int(env_gib) * GiB, f"{KV_ENV}={env_gib}", f"set {KV_ENV} to at most {most}"
+    elif kv_bytes is not None:
+        asked, given, fix = parse_bytes(kv_bytes), f"{KV_BYTES} {kv_bytes}", f"give at most {KV_BYTES} {most}G"
+    if env_gib or kv_bytes is not None:
         if asked > room:
-            raise InvalidParameterError(f"{given} asks for {asked / GiB:.1f} GiB of KV cache and {free}; give at most "
-                                        f"{KV_BYTES} {max(room, 0) // GiB}G, or leave it out to size it from the free memory")
+            raise InvalidParameterError(f"{given} asks for {asked / GiB:.1f} GiB of KV cache and {free}; {fix}, "
+                                        "or leave it out to size it from the free memory")
         return []
     utilization = flag_value(flags, UTILIZATION)
     if utilization is not None:
         if float(utilization) * total > room:
-            raise InvalidParameterError(f"--gpu-memory-utilization {utilization} reserves {float(utilization) * total / GiB:.1f} GiB "
-                                        f"and {free}; pass {hint}, or {KV_BYTES} 4G, or leave both out")
+            fix = "stop other processes" if fits * total < 2 * GiB else (
+                f"pass --gpu-memory-utilization {fits:.2f}, or {KV_BYTES} 4G, or leave both out")
+            reserved = f"{float(utilization) * total / GiB:.1f} GiB"
+            raise InvalidParameterError(f"--gpu-memory-utilization {utilization} reserves {reserved} and {free}; {fix}")
         return []
-    if fits < 0.01 or fits * total < 2 * GiB:
+    if fits * total < 2 * GiB:
         raise InvalidParameterError(f"kvcompress serve needs about 2 GiB for the model and its KV cache and {free}; "
                                     f"pass {KV_BYTES} with what fits, or stop other processes")
     return ["--gpu-memory-utilization", f"{fits:.2f}"]
