@@ -115,6 +115,7 @@ REQUEST_PROMPTS: dict[int, int] = {}
 # prompt's token ids, as the connector brought them (a model's input ids are read nowhere else: a hook on the
 # embedding does not run inside vLLM's compiled graph, which kept the first request's ids for every later one).
 REQUEST_TOKENS: dict[int, torch.Tensor] = {}
+STEP_SPANS: dict[int, torch.Tensor] = {}  # their word spans, read once a step rather than once a layer
 # A prompt prefilled in chunks, until its last: (first KV block, layer) -> each earlier chunk's keys, values and
 # the queries its method may read (the paged cache's layout is the kernel's own, so the keys are kept as
 # computed rather than read back).
@@ -224,7 +225,9 @@ class KVCompressCPUImpl(CPUAttentionBackendImpl):
         them (``[1, prompt]``)."""
         if not method.needs_tokens():
             return None
-        return tokenizer_spans(self.model.tokenizer).span_ids(REQUEST_TOKENS[first][None])
+        if first not in STEP_SPANS:
+            STEP_SPANS[first] = tokenizer_spans(self.model.tokenizer).span_ids(REQUEST_TOKENS[first][None])
+        return STEP_SPANS[first]
 
     def compress(
         self, layer: Any, method: Method, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -367,6 +370,7 @@ class KVCompressConnector(KVConnectorBase_V1):
             REQUEST_METHODS[block] = settled(json.dumps(settings, sort_keys=True))
         REQUEST_PROMPTS.update(connector_metadata.prompts)
         REQUEST_TOKENS.clear()  # this step's only: they are sent with every step of a prompt
+        STEP_SPANS.clear()
         REQUEST_TOKENS.update({block: torch.tensor(ids) for block, ids in connector_metadata.tokens.items()})
         for held in [key for key in CHUNKS if key[0] not in connector_metadata.live]:  # ended, or preempted
             del CHUNKS[held]  # (a request that skips a step keeps its chunks)
