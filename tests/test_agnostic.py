@@ -17,7 +17,7 @@ from kvcompress.generation import _first_turn
 from kvcompress.methods.kvzip import FIRST, LATER
 from kvcompress.methods.prompt import global_shares
 
-from .fixtures import bpe_tokenizer, char_tokenizer, random_text, tiny_model
+from .fixtures import bpe_tokenizer, char_tokenizer, family_model, random_text, tiny_model
 
 
 def reconstruction_reference(model, tok, text: str, chunk: int, overlap: int) -> list[torch.Tensor]:
@@ -171,6 +171,21 @@ def test_a_global_budget_keeps_the_uniform_total_spread_over_the_layers():
     assert 4 * 2 * 40 <= sum(kept) <= 4 * 2 * 40 + 4 * 2  # the uniform total, up to rounding each layer's share up
     with pytest.raises(kvc.InvalidParameterError, match="ExpectedAttention: layers='global' ranks every layer's scores together"):
         kvc.ExpectedAttention(layers="global")
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_a_global_budget_goes_to_the_global_layers_of_a_model_with_sliding_windows(family):
+    """Gemma 2/3 (local and global layers) under KVzip's default, layers='global': each sliding-window layer keeps
+    its window, the budget is ranked over the global layers alone (it crashed: a window layer has no scores)."""
+    model, tok = family_model(family), char_tokenizer()
+    context = kvc.compress(model, tok, random_text(300, seed=9), method=kvc.KVzip(budget=40, head_floor=0.0))
+    sliding = [layer.is_sliding for layer in context.cache.layers]
+    assert True in sliding and False in sliding
+    held = context.stats["kv_tokens_per_layer"]
+    assert [n for n, local in zip(held, sliding) if local] == [model.config.sliding_window - 1] * sliding.count(True)
+    kept = [int((context.cache.kept_positions(i)[0] >= 0).sum()) for i, local in enumerate(sliding) if not local]
+    assert 2 * 40 * len(kept) <= sum(kept) <= 2 * 40 * len(kept) + 2 * len(kept)  # the uniform total of the global ones
+    assert isinstance(kvc.generate(model, tok, "What?", past=context, max_new_tokens=3).text, str)
 
 
 def test_a_model_called_directly_cannot_skip_the_observation_pass():

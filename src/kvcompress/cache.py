@@ -553,7 +553,8 @@ class KVCompressCache(Cache):
         for layer in self.layers:
             layer.intake.in_pass = False
         start = time.perf_counter()
-        self.method.before_compress([layer for layer in self.layers if layer.observing])
+        # the method's own layers: a sliding-window layer keeps its window, whatever the method
+        self.method.before_compress([layer for layer in self.layers if layer.observing and not layer.is_sliding])
         self.observe_s += seconds + time.perf_counter() - start
         for layer in self.layers:
             layer.end_observation()
