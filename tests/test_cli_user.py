@@ -172,9 +172,12 @@ def test_methods_lists_every_method_with_its_fields(capsys):
 def test_past_keeps_its_method_and_honours_question(folder, doc, tmp_path, capsys):
     saved = tmp_path / "doc.kvc"
     assert run(capsys, "compress", "--model", folder, "--prompt-file", doc, "--budget", "16", "--out", saved)[0] == 0
-    code, _, err = run(capsys, "generate", "--model", folder, "--past", saved, "--prompt", "q", "--method", "snapkv", "--budget", "64")
+    code, _, err = run(capsys, "generate", "--model", folder, "--past", saved, "--prompt", "q", "--budget", "64")
     assert code == 2 and one_line(err).startswith(f"kvcompress: error: {saved} was compressed with kvzip(budget=16")
-    assert "--method snapkv --budget 64 would not apply" in err
+    assert "--budget 64 would not apply" in err and "name --method to compress each question" in err
+    code, _, err = run(capsys, "generate", "--model", folder, "--past", saved, "--prompt", "q", "--method", "snapkv", "--budget", "64")
+    assert code == 2 and one_line(err).startswith("kvcompress: error: this context was compressed with kvzip(budget=16")
+    assert "store it with kvc.compress(..., method=kvc.FullKV())" in err  # a thinned packed context cannot take a question's prefill
     code, _, err = run(capsys, "generate", "--model", folder, "--past", saved, "--prompt", "q", "--question", "q2")
     assert code == 2 and "give the question once" in one_line(err)
     code, out, _ = run(capsys, "generate", "--model", folder, "--past", saved, "--question", "which word?", "--max-new-tokens", "4", "--json")

@@ -39,7 +39,7 @@ from typing import Any, Callable, ClassVar, NamedTuple, Protocol
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from .intake import PromptIntake
+from .intake import PromptIntake, StoredPrompt
 from .slots import DenseSlots, RingSlots, Slots, held_state, inner, nested, on_device
 from .slots import capacity_bucket, spare_slots  # noqa: F401 (where they lived before slots.py)
 from .tensors import nbytes, prompt_positions
@@ -157,7 +157,9 @@ class KVLayer(DynamicLayer):
         new = key_states.shape[-2]
         if not self.prefilled:
             self.lazy_initialization(key_states, value_states)
-            if self.intake.in_blocks:  # a block of a prompt: into the prompt's buffer
+            if self.intake.stored is not None:  # a prompt continuing a stored context: [context; prompt], rows aligned
+                self.slots.hold(*self.intake.joined(key_states, value_states))
+            elif self.intake.in_blocks:  # a block of a prompt: into the prompt's buffer
                 self.slots.write_block(key_states, value_states, self.intake.total)
             else:  # the first fill is held as computed, not copied
                 self.slots.hold(key_states, value_states)
@@ -181,6 +183,46 @@ class KVLayer(DynamicLayer):
     def queries_needed(self) -> int | None:
         """The last prefill queries ``compress`` reads (None: all of them). Default: none."""
         return 0
+
+    def stored_prompt(self) -> StoredPrompt | None:
+        """This layer's prompt as a later prompt may continue it, read and never written (a question over
+        a stored context); None where its storage cannot be read as one (chunks in a store, packed segments)."""
+        held = self.slots.stored() if self.prefilled and self.cursor is None else None
+        if held is None:
+            return None
+        queries, scaling = self.intake.recorded if self.intake.recorded is not None else (None, None)
+        return StoredPrompt(*held, self.prompt_tokens, queries, scaling)
+
+    def move(self, place: Callable[[torch.Tensor], torch.Tensor], device: torch.device) -> None:
+        """This layer's tensors through ``place`` (onto ``device``): a layer at rest whose storage a later
+        prompt can read (``stored_prompt``), or a window."""
+        if not self.is_sliding and self.stored_prompt() is None:
+            raise CacheMisuseError(f"kvcompress: layer {self.layer_idx} ({type(self).__name__}) cannot be moved; only a stored context's layers can")
+        self._batch_apply(place)
+        if self.intake.recorded is not None:
+            self.intake.recorded = (place(self.intake.recorded[0]), self.intake.recorded[1])
+        self.device = device
+
+    def continue_prompt(self, source: KVLayer, rows: torch.Tensor, pads: list[int], spans: torch.Tensor | None) -> None:
+        """This fresh layer's prompt continues ``source``'s (rows ``rows`` of it, one per row of the new prompt,
+        whose tokens are led by ``pads`` padding slots): the prefill attends to the stored tokens first and
+        the method then compresses the joined prompt; ``source`` is read, never written. ``spans``: the
+        joined prompt's word spans, where the stored slots are its tokens in order (a thinned context's are
+        not: each slot is then its own span)."""
+        stored = source.stored_prompt()
+        if stored is None:
+            raise CacheMisuseError(
+                f"kvcompress: layer {source.layer_idx} of this context ({type(source).__name__}) holds its prompt in a form a question cannot "
+                "be prefilled over; compress the context with a method that keeps its tokens (kvc.FullKV(), or a prompt method with "
+                "heads='uniform' and layers='uniform')"
+            )
+        picked = StoredPrompt(*(t.index_select(0, rows.to(t.device)) if isinstance(t, torch.Tensor) else t for t in stored))
+        self.intake.continues(picked, pads)
+        self.slots.seen, self.slots.used = source.seen_tokens, stored.keys.shape[-2]  # the logical length continued; the context's slots
+        if spans is not None and stored.positions is not None:
+            width = stored.keys.shape[-2] + spans.shape[-1] - source.prefill_len
+            spans = torch.arange(width, device=spans.device).expand(spans.shape[0], width)
+        self.spans = spans
 
     def advance(self, new: int) -> None:
         """The host mirrors after a step of ``new`` tokens (the storage's lengths)."""
@@ -243,6 +285,12 @@ class KVLayer(DynamicLayer):
             return
         if not torch.compiler.is_compiling():  # a compiled step's loop moves them after the step (cache.advance)
             self.advance(query.shape[-2])
+        if self.is_prefill and self.intake.stored is not None:  # the joined prompt: the context's queries and validity too
+            query, new_valid = self.intake.joined_queries(query, self.queries_needed()), self.intake.joined_valid
+            positions = self.intake.joined_positions(self.keys.shape[-2] - self.intake.stored.keys.shape[-2])
+            if positions is not None:
+                self.slots.positions = positions
+            self.intake.stored = self.intake.joined_valid = None
         if self.is_prefill and self.intake.in_blocks:  # a prompt in blocks: compressed after its last
             self.intake.keep_block(query, new_valid, self.used, self.queries_needed())
             if self.used < self.intake.total:
@@ -253,6 +301,10 @@ class KVLayer(DynamicLayer):
             return
         if new_valid is not None:  # written without asking the device whether all are real: that would synchronize
             self.slots.mark_padding(new_valid)
+        if self.intake.extends:  # a window continuing a stored context: this step is the rest of its prompt
+            self.prefill_len += query.shape[-2]
+            self.prompt_tokens = self.prompt_tokens + (query.shape[-2] if new_valid is None else new_valid.sum(-1))
+            self.intake.extends = False
         self.after_step(query, scaling)
         self.slots.close_step(query.shape[-2])
 
@@ -322,7 +374,8 @@ class KVLayer(DynamicLayer):
     def stats(self) -> dict[str, Any]:
         """This layer's counters (the storage's bytes, the method's index), summed over layers by the cache."""
         stats = {**self.slots.memory(self.full_tokens()), "offloaded_bytes": 0}
-        stats["index_bytes"] += nbytes(*self.index_tensors())
+        recorded = self.intake.recorded[0] if self.intake.recorded is not None else None  # a stored context's queries, its spans
+        stats["index_bytes"] += nbytes(*self.index_tensors(), recorded, self.spans)
         return stats
 
     def info(self) -> dict[str, Any]:
@@ -357,11 +410,13 @@ class KVLayer(DynamicLayer):
         then the layer's, then a subclass's. Only a layer at rest (a whole prompt, no step half done) is saved."""
         if not self.prefilled or self.awaiting_commit or self.observing:
             raise CacheMisuseError("kvcompress: a cache can be saved once its prompt is prefilled and compressed, not during a step")
+        recorded = self.intake.recorded  # a stored context's last prefill queries, for the questions asked of it
         return {
             **self.slots.state_dict(),
             **{kind.NAME: None for kind in self.LAYOUTS if not isinstance(self.slots, kind)},
             "prompt_tokens": self.prompt_tokens, "spans": self.spans,
             "prefill_len": self.prefill_len, "compress_s": self.compress_s,
+            "queries": recorded[0] if recorded else None, "query_scaling": recorded[1] if recorded else None,
             **{name: getattr(self, name) for name in self.STATE},
             **{key: value for name in self.HELD for key, value in nested(name, held_state(getattr(self, name))).items()},
         }
@@ -375,6 +430,8 @@ class KVLayer(DynamicLayer):
             self.slots.load_state_dict(state, device)
         self.prompt_tokens, self.spans = (on_device(state[name], device) for name in ("prompt_tokens", "spans"))
         self.prefill_len, self.compress_s = state["prefill_len"], state["compress_s"]
+        queries = state.get("queries")  # absent from files written before stored contexts kept them
+        self.intake.recorded = None if queries is None else (queries.to(device), state["query_scaling"])
         for name in self.STATE:
             setattr(self, name, on_device(state[name], device))
         for name, kind in self.HELD.items():
@@ -412,6 +469,8 @@ class KVLayer(DynamicLayer):
                 setattr(layer, name, None)  # freed as the join goes, not held twice
         self.intake.batch_lengths = None
         self.compress_s += sum(layer.compress_s for layer in others)
+        if all(layer.intake.recorded is not None for layer in layers):  # a stored context's queries, row by row
+            self.intake.recorded = (torch.cat([layer.intake.recorded[0] for layer in layers]), self.intake.recorded[1])
 
     def ragged_dims(self) -> dict[str, int]:
         """Batch tensors whose size along one dimension depends on the data (a factor's rank): groups
@@ -450,6 +509,13 @@ class WindowLayer(KVLayer):
 
     def full_tokens(self) -> int:
         return min(self.seen_tokens, self.window - 1)
+
+    def continue_prompt(self, source: KVLayer, rows: torch.Tensor, pads: list[int], spans: torch.Tensor | None) -> None:
+        """A window is what this layer keeps whatever the method: a copy of the stored one (rows ``rows``),
+        which the new prompt's tokens then go through as a later turn's do."""
+        self.load_state_dict({name: value.clone() if isinstance(value, torch.Tensor) else value for name, value in source.state_dict().items()}, rows.device)
+        self.batch_select_indices(rows)
+        self.intake.recorded, self.intake.extends = None, True
 
     def load_prefill(self, source: KVLayer) -> None:
         """The recorded window is already what this layer keeps."""
@@ -523,6 +589,38 @@ class KVCompressCache(Cache):
     def kept_positions(self, layer_idx: int) -> torch.Tensor:
         """LongTensor ``[batch, kv_heads, n_kept]``: original prompt positions kept by ``layer_idx``."""
         return self.layers[layer_idx].kept_positions()
+
+    def continue_context(self, context: KVCompressCache, rows: torch.Tensor, pads: list[int], spans: torch.Tensor | None) -> None:
+        """This fresh cache's prompt continues ``context``'s (a stored context, read and never written, e.g. a
+        document prefilled once): rows ``rows`` of it, one per row of the new prompt (a question), whose tokens
+        are led by ``pads`` padding slots; each layer's prefill attends to the context, then the method
+        compresses the joined prompt. ``spans``: the joined prompt's word spans, rows right-aligned."""
+        if context.model_id != self.model_id:
+            raise CacheMisuseError("kvcompress: this context was stored for another model; ask it with the model that compressed it")
+        for layer, source in zip(self.layers, context.layers):
+            layer.continue_prompt(source, rows, pads, spans)
+
+    def forget_records(self) -> None:
+        """Drop what the layers recorded of their prefill for later prompts (queries, word spans)."""
+        for layer in self.layers:
+            layer.intake.recorded, layer.spans = None, None
+
+    def storable(self) -> bool:
+        """Whether a later prompt can continue this cache's prompt without writing to it (``continue_context``)."""
+        return all(layer.is_sliding or layer.stored_prompt() is not None for layer in self.layers)
+
+    def device_of(self) -> torch.device | None:
+        """Where the layers' keys are (None: nothing held yet)."""
+        held = next((layer.keys for layer in self.layers if layer.is_initialized and layer.keys is not None), None)
+        return None if held is None else held.device
+
+    def move(self, device: torch.device | str) -> None:
+        """Every tensor of this cache's layers to ``device`` (host memory: pinned, so a GPU reads it fast);
+        only for layers whose storage a later prompt can read (``stored_prompt``)."""
+        device = torch.device(device)
+        place = (lambda t: t.to(device)) if device.type != "cpu" or not torch.cuda.is_available() else (lambda t: t.cpu().pin_memory())
+        for layer in self.layers:
+            layer.move(place, device)
 
     def note_batch(self, lengths: torch.Tensor) -> None:
         """This cache holds a group of a batch's rows, whose real prompt lengths are ``lengths``: its

@@ -185,29 +185,32 @@ def _past_question(args: argparse.Namespace) -> str:
     return _question_of(args) if args.question is not None else _prompt_of(args)
 
 
-def _check_past_settings(args: argparse.Namespace) -> None:
-    """``--past FILE`` keeps the method FILE was compressed with: method flags that differ from it are refused."""
+def _past_method(args: argparse.Namespace) -> Method | None:
+    """``--past FILE`` continues with the method FILE was compressed with (None), unless ``--method`` names
+    another (or other settings): each question is then compressed over the stored context with it. Method
+    flags without ``--method`` that differ from the file's are refused."""
     saved = saved_method(args.past)
-    given = given_settings(args)
     if args.method is not None:
-        given = {"method": args.method, **given}
-    differ = {key: value for key, value in given.items() if (saved.name if key == "method" else getattr(saved, key, None)) != value}
+        method = method_from_args(args.method, args)
+        return None if method == saved else method
+    differ = {key: value for key, value in given_settings(args).items() if getattr(saved, key, None) != value}
     if differ:
         flags = " ".join(f"--{key.replace('_', '-')} {value}" for key, value in differ.items())
         raise InvalidParameterError(f"{args.past} was compressed with {saved.describe()}, and --past keeps it: {flags} would not apply "
-                                    "(leave them out, or compress the document again with them)")
+                                    "(leave them out, or name --method to compress each question over the context with its own method)")
+    return None
 
 
 def _cmd_generate(args: argparse.Namespace, console: Console) -> int:
     if args.save:
         check_output("--save", args.save, args.force, {"--prompt-file": args.prompt_file, "--past": args.past})
-    if args.past is not None:  # a saved compressed conversation, continued: its method is the one it was made with
+    if args.past is not None:  # a saved context: continued with its method, or each question compressed over it with --method
         question = _past_question(args)
-        _check_past_settings(args)
+        method = _past_method(args)
         model, tokenizer = load_model(args.model)
         past = load(args.past, model, tokenizer)
         with contextlib.nullcontext() if args.json else console.status(f"answering over {args.past}"):
-            result = generate(model, tokenizer, question, past=past, max_new_tokens=args.max_new_tokens, compile=args.compile)
+            result = generate(model, tokenizer, question, past=past, method=method, max_new_tokens=args.max_new_tokens, compile=args.compile)
     else:
         prompt, question = _prompt_of(args), _question_of(args)
         method = method_from_args(args.method or DEFAULT_METHODS["generate"], args)
@@ -487,7 +490,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object with text and stats")
     gen.add_argument("--compile", action="store_true", help="decode with one compiled graph per step (torch.compile; a CUDA graph on a GPU)")
     gen.add_argument("--past", help="continue a conversation saved by `kvcompress compress` or --save, with the method it was saved with "
-                     "(--prompt is the next question)")
+                     "(--prompt is the next question); with --method, a context stored with `compress --method full` is asked with "
+                     "that method instead: the question is prefilled over the stored context and compressed with it")
     gen.add_argument("--save", help="write the conversation and its compressed cache to this file")
     gen.add_argument("--force", action="store_true", help="let --save replace an existing file")
     add_method_flags(gen, "generate", chosen)

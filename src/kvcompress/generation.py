@@ -20,6 +20,7 @@ from .cache import CacheMisuseError, KVCompressCache
 from .decode import Compile, greedy_decode
 from .methods import FullKV, InvalidParameterError, Method, method_from_name
 from .result import Result, Row
+from .tokens import TokenSpans
 
 Messages = list[dict[str, str]]
 Prompt = Union[str, Messages]
@@ -357,6 +358,13 @@ def prefill_groups(
     return _Feeder(model, cache, mask, position, pad_id), torch.cat(logits)
 
 
+def _recording(cache: KVCompressCache, window: int | None) -> KVCompressCache:
+    """``cache``, keeping each layer's last ``window`` prefill queries (None: all; 0: none)."""
+    if window != 0:
+        cache.record_prefill(window)
+    return cache
+
+
 def _pad_id(tokenizer: PreTrainedTokenizerBase) -> int:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
@@ -421,6 +429,7 @@ class _Start:
     prefill_s: float = 0.0  # spent before (a shared prefill)
     make_cache: Callable[[], KVCompressCache] | None = None
     lead: Lead | None = None  # addresses the rows in the method's observation pass over a new prompt (ChatLeads)
+    context: KVCompressCache | None = None  # a stored context the prompt continues (read, never written)
 
 
 def _resolve_method(method: Method | str | None) -> Method:
@@ -433,17 +442,73 @@ def _resolve_method(method: Method | str | None) -> Method:
     return method
 
 
+def _joined_spans(spans: TokenSpans | None, prompts: list[list[int]], width: int) -> torch.Tensor | None:
+    """Word spans ``[b, width]`` of each row's joined prompt (its context's tokens, then its question's), as
+    that prompt alone has them, rows right-aligned (each padding slot its own span); None without a tokenizer."""
+    if spans is None:
+        return None
+    rows = []
+    for ids in prompts:
+        lead = width - len(ids)
+        rows.append(torch.cat([torch.arange(lead), spans.span_ids(torch.tensor([ids]))[0] + lead]))
+    return torch.stack(rows)
+
+
+def _over_context(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompt: str | list[str], method: Method, past: Result) -> _Start:
+    """Questions over a stored context, each prefilled over the context's tokens (read, never written)
+    and compressed with them by ``method``: one question per row of ``past``, or a list of questions over
+    its one row (a batch, each row its own selection)."""
+    if method.observation() is not None:
+        raise InvalidParameterError(
+            f"{method.describe()} scores a prompt by an observation pass before its question, which a question over a stored context "
+            "does not need: compress per question with a question-aware method (snapkv, h2o, streamingllm, expected)"
+        )
+    if not all(row.open_turn for row in past.rows):
+        raise InvalidParameterError(
+            "method= compresses a question over a stored context (kvc.compress(...)), and this conversation is not one waiting for its "
+            "question; continue it with method=None (its cache keeps its method)"
+        )
+    if not past.cache.storable():
+        raise InvalidParameterError(
+            f"this context was compressed with {past.cache.method.describe()}, which does not keep its prompt's tokens in a form a question "
+            "can be prefilled over; store it with kvc.compress(..., method=kvc.FullKV()) (or a prompt method with heads='uniform' and "
+            "layers='uniform', which thins it) to compress per question, or continue it with method=None (on the command line: leave --method out)"
+        )
+    stored = len(past.rows)
+    if isinstance(prompt, list) and stored == 1:
+        questions, index = prompt, [0] * len(prompt)
+    else:
+        questions, index = _per_row(prompt, stored, "prompt"), list(range(stored))
+    if not questions or not all(isinstance(q, str) and q.strip() for q in questions):
+        raise InvalidParameterError("give each question over a stored context as a non-empty string (a list of them for a batch)")
+    contexts = {i: _context_ids(tokenizer, past.rows[i]) for i in set(index)}
+    rows = [copy.deepcopy(past.rows[i]) for i in index]
+    asked = [_ask(tokenizer, row, question, contexts[i]) for row, question, i in zip(rows, questions, index)]
+    width = max(len(ids) for ids in asked)
+    chosen = torch.tensor(index, device=model.device)
+    cache = method.make_cache(model, tokenizer)
+    spans = _joined_spans(cache.span_table, [contexts[i] + ids for i, ids in zip(index, asked)], past.attention_mask.shape[-1] + width)
+    cache.continue_context(past.cache, chosen, [width - len(ids) for ids in asked], None if spans is None else spans.to(model.device))
+    return _Start(cache, rows, len(rows) > 1 or isinstance(prompt, list), [[ids] for ids in asked], past.attention_mask[chosen],
+                  past.next_position[chosen], context=past.cache)
+
+
 def _start(model, tokenizer, prompt, method, question, past, record) -> _Start:
-    """The three ways in: a new prompt, a follow-up turn (``past``), or a shared prefill (``record``)."""
+    """The ways in: a new prompt, a follow-up turn (``past``), a question over a stored context (``past``
+    and a method), or a shared prefill (``record``)."""
     if past is not None:
+        if question is not None:
+            raise InvalidParameterError("with past=, give the question as prompt (question= splits a new prompt)")
         if method is not None:
-            raise InvalidParameterError("method must be None when continuing a conversation (past=...): the cache keeps its method")
+            return _over_context(model, tokenizer, prompt, _resolve_method(method), past)
         if past.cache.get_seq_length() != past.attention_mask.shape[-1]:
             raise CacheMisuseError(
                 "kvcompress: this conversation was already continued by another generate(past=...) call, which appended to its "
                 "cache; ask each question of its own copy (past=context.copy()), or continue the Result that call returned"
             )
         chunk_lists = [[_follow_up(tokenizer, row, text)] for row, text in zip(past.rows, _per_row(prompt, len(past.rows), "prompt"))]
+        if past.cache.device_of() not in (None, model.device):  # a context stored in host memory, continued as it is
+            past.cache.move(model.device)
         return _Start(past.cache, past.rows, len(past.rows) > 1, chunk_lists, past.attention_mask, past.next_position)
     if record is not None:
         if prompt is not None or question is not None:
@@ -524,6 +589,9 @@ def generate(
                      "compile_s": decoded.compile_s if options is not None else None}
     stats = cache.stats()
     stats["new_tokens"] = [len(g) for g in generated] if begin.is_batch else len(generated[0])
+    if begin.context is not None:  # the stored context, apart: where it is and what it holds
+        held = begin.context.stats()
+        stats.update(context_bytes=held["device_bytes"] + held["offloaded_bytes"], context_on=str(begin.context.device_of()))
     return Result(
         text=texts if begin.is_batch else texts[0],
         stats=stats,
@@ -535,15 +603,30 @@ def generate(
     )
 
 
+QUERY_WINDOW = 64  # a stored context's last prefill queries kept per layer, for the question-aware methods asked over it
+
+
 @torch.inference_mode()
 def compress(
     model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompt: Prompt | list[Prompt], method: Method | str | None = None,
-    prefill_tokens: int | None = PREFILL_TOKENS,
+    prefill_tokens: int | None = PREFILL_TOKENS, query_window: int | None | str = "auto",
 ) -> Result:
     """Prefill and compress ``prompt`` (a document, a codebase, a chat history; or a list of them)
     once, with no question: the result waits for one, ``generate(model, tokenizer, question,
     past=result)``, asked of it or of copies saved with ``result.save(path)`` and ``load``. The cache
-    is the one ``generate(prompt, question=...)`` compresses, so asking gives its tokens."""
+    is the one ``generate(prompt, question=...)`` compresses, so asking gives its tokens.
+
+    A stored context (a method that keeps the prompt's tokens: ``FullKV``, or a prompt method with
+    uniform budgets, which thins it) can also be asked with a method of its own, ``generate(model,
+    tokenizer, question, past=result, method=SnapKV(...))``: each question is prefilled over the
+    context, and compressed with it, which leaves the context as it is. ``query_window``: its last
+    prefill queries kept per layer (None: all, as H2O needs), for methods that score with queries
+    before the question's; "auto": the last ``QUERY_WINDOW`` where the context keeps every token, none
+    where it is thinned (they would add to what a compressed context holds). On an accelerator, a
+    context that keeps every token is held in host memory."""
+    auto = query_window == "auto"
+    if not auto and query_window is not None and (not isinstance(query_window, int) or isinstance(query_window, bool) or query_window < 0):
+        raise InvalidParameterError(f"query_window={query_window!r} is invalid; give an integer >= 0, None to keep every query, or 'auto'")
     clock = time.perf_counter()
     prompts, is_batch = _prompt_rows(prompt)
     turns = [_context_turn(tokenizer, p) for p in prompts]
@@ -551,10 +634,16 @@ def compress(
     resolved = _resolve_method(method)
     rows = [row for row, _ in turns]
     feeder, _ = prefill_groups(
-        model, lambda: resolved.make_cache(model, tokenizer), [context for _, context in turns], _pad_id(tokenizer), prefill_tokens, ChatLeads(tokenizer, rows)
+        model, lambda: _recording(resolved.make_cache(model, tokenizer), QUERY_WINDOW if auto else query_window), [context for _, context in turns],
+        _pad_id(tokenizer), prefill_tokens, ChatLeads(tokenizer, rows),
     )
     _sync(model.device)
     feeder.cache.timings = {"prefill_s": time.perf_counter() - clock, "decode_ms_per_token": None, "compile_s": None}
+    whole = feeder.cache.storable() and feeder.cache.stats()["kv_kept_fraction"] == 1.0
+    if auto and not whole:
+        feeder.cache.forget_records()
+    if whole and model.device.type != "cpu":
+        feeder.cache.move("cpu")  # every token kept: the device holds only what each question selects
     return Result(
         text=[""] * len(rows) if is_batch else "", stats=feeder.cache.stats(), cache=feeder.cache, token_ids=[[] for _ in rows], rows=rows,
         attention_mask=feeder.mask, next_position=feeder.position,

@@ -337,6 +337,8 @@ def kvcompress_attention(
         padded = new_valid is not None and not bool(new_valid.all()) or not bool(layer.slot_validity().all())
         out, lse = attend_observed(query, key, value, attention_mask, scaling, softcap, padded)
     elif layer.is_prefill:  # the new tokens are the newest of the prompt's
+        if layer.intake.joined_valid is not None:  # continuing a stored context: its slots, rows aligned, not transformers' columns
+            attention_mask = longprompt.continued_mask(layer.intake.joined_valid, q_len)
         out = attend_prompt(layer, query, key, value, attention_mask, sliding_window, scaling, softcap)
     else:
         block = new_block(attention_mask, q_len, sliding_window) if q_len > 1 else None  # one query sees itself

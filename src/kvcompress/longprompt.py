@@ -206,6 +206,16 @@ class LazyMask:
         return self.block(0, self.q_length, 0, self.kv_length)
 
 
+def continued_mask(valid: torch.Tensor, q_len: int) -> LazyMask | None:
+    """The mask of a prompt's last ``q_len`` slots over ``valid [b, slots]``, a prompt continuing a stored
+    context whose rows are right-aligned (``tensors.right_aligned``): causal by slot, padding masked; None
+    where that is plain causal (no padding)."""
+    if bool(valid.all()):
+        return None
+    batch, slots = valid.shape
+    return LazyMask(batch, q_len, slots, slots - q_len, 0, and_masks(causal_mask_function, padding_mask_function(valid)), valid.device)
+
+
 def lazy_sdpa_mask(
     batch_size: int,
     q_length: int,

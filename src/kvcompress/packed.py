@@ -203,6 +203,9 @@ class PackedSlots(Slots):
         offsets = self.offsets
         return torch.where(offsets < self.capacities_t[:, None], self.starts_t[:, None] + offsets, self.valid.shape[0] - 1).view(-1)
 
+    def stored(self) -> None:
+        return None  # segments of different lengths per head: no slots every head shares for a later prompt to attend
+
     def kept_positions(self, prefill_len: int) -> torch.Tensor:
         """``[rows, heads, n]`` prompt positions of each segment, ascending; shorter segments padded with -1 at the front."""
         width = max(len(p) for row in self.positions for p in row)

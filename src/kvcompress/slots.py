@@ -122,6 +122,12 @@ class Slots:
         """Prompt positions held ``[b, h, n]`` ascending per head (-1: filler); the prompt is ``prefill_len`` slots."""
         raise NotImplementedError
 
+    def stored(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None:
+        """The held tokens as a context a later prompt continues without writing to them: keys, values
+        ``[b, h, n, d]``, validity ``[b, n]`` and prompt positions ``[b, h, n]`` (None: tokens in order);
+        None where the layout cannot be read as one (a ring, packed segments)."""
+        raise NotImplementedError
+
     def memory(self, full_tokens: int) -> dict[str, int]:
         """Bytes: ``kv_tokens``, ``kv_bytes_full`` (``full_tokens`` per head), ``kv_bytes_kept``, ``spare_bytes``,
         ``index_bytes``, ``bytes_read_per_step`` (a step reads every slot, room included)."""
@@ -185,7 +191,11 @@ class DenseSlots(Slots):
     def keep(self, indices: torch.Tensor, slot_valid: torch.Tensor) -> None:
         """Keep, per row and KV head, the prompt slots ``indices [b, kv_heads, n]`` (ascending);
         ``slot_valid [b, n]`` marks filler slots of rows that keep fewer."""
-        kept = gather_rows(prompt_positions(self.slot_validity()), indices).masked_fill(~slot_valid[:, None, :], -1)
+        if self.positions is not None:  # slots that are not the prompt's tokens in order (a thinned context, continued)
+            kept = self.positions.gather(2, indices)
+        else:
+            kept = gather_rows(prompt_positions(self.slot_validity()), indices)
+        kept = kept.masked_fill(~slot_valid[:, None, :], -1)
         valid = None if bool(slot_valid.all()) else slot_valid
         self.set(gather_tokens(self.keys, indices), gather_tokens(self.values, indices), valid, kept)
 
@@ -260,6 +270,10 @@ class DenseSlots(Slots):
         if self.positions is not None:
             return self.positions
         return prompt_positions(self.slot_validity()[:, :prefill_len])[:, None, :].expand(-1, self.keys.shape[1], -1)
+
+    def stored(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None:
+        valid = None if self.valid is None else self.valid[:, : self.used]
+        return self.keys[:, :, : self.used], self.values[:, :, : self.used], valid, self.positions
 
     def index_tensors(self) -> list[torch.Tensor]:
         """The layout's own device tensors besides the slots."""
@@ -381,6 +395,9 @@ class RingSlots(DenseSlots):
         if q_len == 1 or new_block is None:
             return mask
         return mask.index_copy(3, self.new_slots(q_len), new_block.expand(mask.shape[0], -1, -1, -1))
+
+    def stored(self) -> None:
+        return None  # a ring: a later prompt continues a copy of it (WindowLayer.continue_prompt)
 
     def kept_positions(self, prefill_len: int) -> torch.Tensor:
         """Prompt positions still inside the window."""

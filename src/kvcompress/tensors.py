@@ -40,3 +40,17 @@ def to_host(tensor: torch.Tensor) -> torch.Tensor:
 def nbytes(*tensors: torch.Tensor | None) -> int:
     """Bytes held by the given tensors (None ignored)."""
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def right_aligned(context: torch.Tensor, new: torch.Tensor, pads: list[int], dim: int, fill: float | bool = 0) -> torch.Tensor:
+    """``context`` then ``new`` along ``dim`` (batch first), each row's context moved ``pads[row]`` slots
+    later, over the padding that leads ``new`` (left-padded), and ``fill`` before it: every row's tokens
+    then end together, as one left-padded prompt's do. ``context`` may hold one row for every row of ``new``."""
+    context = context.expand(new.shape[0], *context.shape[1:]) if context.shape[0] != new.shape[0] else context
+    joined = torch.cat([context.to(new.device, non_blocking=True), new], dim=dim)
+    width = context.shape[dim]
+    for row, pad in enumerate(pads):
+        if pad:
+            joined[row].narrow(dim - 1, pad, width).copy_(context[row])
+            joined[row].narrow(dim - 1, 0, pad).fill_(fill)
+    return joined

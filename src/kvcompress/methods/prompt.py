@@ -28,7 +28,6 @@ import torch
 
 from ..cache import KVLayer
 from ..packed import PackedSlots
-from ..tensors import prompt_positions
 from .base import BudgetMethod, param, require
 
 if TYPE_CHECKING:
@@ -264,13 +263,13 @@ class HeadAdaptiveLayer(EvictionLayer):
             return
         valid = self.slot_validity()
         keep = allocate_heads(self.prompt_scores(query, scaling), valid, kept[0], self.method.head_floor)
-        positions = prompt_positions(valid)
+        positions = self.kept_positions()  # [b, h, slots]: the slots' prompt positions (a thinned context's are not in order)
         segments = []
         for row in range(keep.shape[0]):
             segments.append([])
             for head in range(keep.shape[1]):
                 slots = keep[row, head].nonzero()[:, 0]
-                segments[row].append((self.keys[row, head, slots], self.values[row, head, slots], positions[row, slots]))
+                segments[row].append((self.keys[row, head, slots], self.values[row, head, slots], positions[row, head, slots]))
         self.slots = PackedSlots(segments, self.seen_tokens)  # the dense slots (the prompt's KV) are freed
 
     @property

@@ -22,6 +22,7 @@ import torch
 
 from ..attention import dense_attention
 from ..cache import KVLayer, OverlapProbe
+from ..intake import StoredPrompt
 from ..offload import ChunkStore
 from ..tensors import chunk_tokens, gather_tokens, nbytes, prompt_positions
 from .base import BudgetMethod, require
@@ -243,6 +244,10 @@ class SparseDecodeLayer(KVLayer):
             return super().kept_positions()
         real = torch.arange(self.prefill_len, device=self.keys.device)[None, :] >= (self.prefill_len - self.prompt_tokens)[:, None]
         return prompt_positions(real)[:, None, :].expand(-1, self.keys.shape[1], -1)
+
+    def stored_prompt(self) -> StoredPrompt | None:
+        """None once the prompt is in chunks (its keys rebuilt or paged per step, not slots a question can attend)."""
+        return super().stored_prompt() if self.store is None else None
 
     def stats(self) -> dict[str, Any]:
         stats = super().stats()
