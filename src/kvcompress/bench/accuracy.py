@@ -7,7 +7,9 @@ it and compared with the full cache step by step (top-1 agreement, KL divergence
 
 The question-agnostic track (``question_agnostic=True``) is the compress-once, ask-many setting:
 each method compresses the context alone (``compress``), and every question the sample has (its
-turns and probes) is then asked, uncompressed, of its own copy of that compressed context.
+turns and probes) is then asked, uncompressed, of its own copy of that compressed context; or, for a
+spec ``METHOD/STORE`` (e.g. ``snapkv/full``), the context is stored once with STORE and every
+question is prefilled over it and compressed with METHOD (``generate(question, past=context, method=...)``).
 
 Every finished (sample, method) pair is appended to ``results.jsonl`` at once; a rerun with the
 same output folder skips what is there, so an interrupted run resumes where it stopped.
@@ -26,7 +28,7 @@ from pathlib import Path
 from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from ..generation import Result, compress, generate, prefill, teacher_forced_logprobs
+from ..generation import QUERY_WINDOW, Result, compress, generate, prefill, teacher_forced_logprobs
 from ..methods import BudgetMethod, FullKV, Method, method_class, method_from_spec
 from .metrics import fidelity, score, string_match_any
 from .tasks import DEPTH_GRID_TASKS, HAYSTACK_TASKS, TASKS, Sample, Turn
@@ -67,26 +69,31 @@ STAT_FIELDS = ("device_bytes", "kv_bytes_full", "offloaded_bytes", "chunk_hit_ra
 @dataclass(frozen=True)
 class Config:
     """One column of the matrix: a method spec at a budget (``budget`` None: the spec fixes it, or
-    the method has none, like the full cache)."""
+    the method has none, like the full cache); with ``store``, the method compresses each question
+    over the context stored once with ``store`` (question-agnostic track)."""
 
     label: str
     method_name: str
     budget: int | None
     method: Method
+    store: Method | None = None
 
 
 def method_configs(specs: list[str], budgets: list[int]) -> list[Config]:
-    """Each method spec (``name[:field=value...]``, e.g. ``snapkv:window=16``) at every budget, or
-    once when it has no budget or sets its own. The full cache comes first: it is the reference."""
+    """Each method spec (``name[:field=value...]``, e.g. ``snapkv:window=16``; ``METHOD/STORE``: METHOD
+    per question over a context stored with STORE, e.g. ``snapkv/full``) at every budget, or once when it
+    has no budget or sets its own. The full cache comes first: it is the reference."""
     configs = []
     for spec in specs:
-        cls = method_class(spec.split(":")[0])
-        fixed = not issubclass(cls, BudgetMethod) or any(part.split("=")[0] in ("budget", "ratio") for part in spec.split(":")[1:])
+        asked, _, stored = spec.partition("/")
+        store = method_from_spec(stored) if stored else None
+        cls = method_class(asked.split(":")[0])
+        fixed = not issubclass(cls, BudgetMethod) or any(part.split("=")[0] in ("budget", "ratio") for part in asked.split(":")[1:])
         if fixed:
-            method = method_from_spec(spec)
-            configs.append(Config(spec, cls.name, getattr(method, "budget", None), method))
+            method = method_from_spec(asked)
+            configs.append(Config(spec, cls.name, getattr(method, "budget", None), method, store))
         else:
-            configs += [Config(f"{spec}@{budget}", cls.name, budget, method_from_spec(spec, budget=budget)) for budget in budgets]
+            configs += [Config(f"{spec}@{budget}", cls.name, budget, method_from_spec(asked, budget=budget), store) for budget in budgets]
     return sorted(configs, key=lambda c: c.label != "full")
 
 
@@ -168,12 +175,27 @@ def _aware_records(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, s
 
 
 def _agnostic_records(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, sample: Sample, configs: list[Config]) -> Iterator[list[dict]]:
-    """Question-agnostic: each config compresses the context alone; every question is asked of its own copy."""
+    """Question-agnostic: each config compresses the context alone; every question is asked of its own
+    copy. A config with a store: the context stored once per store (shared by the configs that name it),
+    each question compressed over it with the config's method (each answer's own stats recorded)."""
     questions = sample.questions()
+    stores: dict[str, Result] = {}  # by the store's description
+    document = [{"role": "user", "content": sample.context}]
     for config in configs:
-        context = compress(model, tokenizer, [{"role": "user", "content": sample.context}], method=config.method)
-        results = [generate(model, tokenizer, turn.question, past=context.copy(), max_new_tokens=sample.max_new_tokens) for turn in questions]
-        lines = [_record(sample, config, i, len(questions), turn, result, context) for i, (turn, result) in enumerate(zip(questions, results), start=1)]
+        if config.store is not None:
+            needs_all = any(c.store == config.store and c.method.queries_needed() is None for c in configs)
+            key = config.store.describe()
+            if key not in stores:
+                stores[key] = compress(model, tokenizer, document, method=config.store, query_window=None if needs_all else QUERY_WINDOW)
+            context = stores[key]
+            results = [generate(model, tokenizer, turn.question, past=context, method=config.method, max_new_tokens=sample.max_new_tokens) for turn in questions]
+            lines = [_record(sample, config, i, len(questions), turn, result, result) for i, (turn, result) in enumerate(zip(questions, results), start=1)]
+            for line, result in zip(lines, results):
+                line.update(store=config.store.describe(), context_bytes=result.stats["context_bytes"], prefill_s=result.stats["prefill_s"])
+        else:
+            context = compress(model, tokenizer, document, method=config.method)
+            results = [generate(model, tokenizer, turn.question, past=context.copy(), max_new_tokens=sample.max_new_tokens) for turn in questions]
+            lines = [_record(sample, config, i, len(questions), turn, result, context) for i, (turn, result) in enumerate(zip(questions, results), start=1)]
         for line in lines:
             line["track"] = "agnostic"
         yield lines
@@ -188,6 +210,9 @@ def run_matrix(
     out.mkdir(parents=True, exist_ok=True)
     path = out / "results.jsonl"
     done = _resume(path, "agnostic" if question_agnostic else "aware")
+    stored = [c.label for c in configs if c.store is not None]
+    if stored and not question_agnostic:
+        raise ValueError(f"{', '.join(stored)} compress each question over a stored context: run them on the question-agnostic track (--question-agnostic)")
     needed = [c.method.queries_needed() for c in configs]
     window = None if None in needed else max(needed + [1])
     bar = tqdm(total=len(samples) * len(configs), desc="accuracy", disable=not progress, unit="run")
