@@ -11,6 +11,8 @@
 #   decode-compiled-long the same at 64K and 128K (each new cache layout compiles: two slices stay under 10 minutes)
 #   decode-eager         the same at 16K-128K, decoding eagerly (cuDNN's SDPA never chosen for a decoding step)
 #   decode-batch         batch 8 at 16K and 32K, eager then compiled (same methods)
+#   ask                  issue 39: a question over a stored context vs prefilling document + question afresh (SnapKV 2048),
+#                        8B shape at 32K and 128K: time to first token, decoding ms/token, bytes read from host per question
 #   latency              Llama-3.1-8B shape, bf16, batch 1: full / SnapKV 2048 / ShadowKV (default, 1.56%) at 16K-128K
 #   throughput-full      issue 22: largest batch and tokens/s at 122,880 tokens (ShadowKV Table 4), one method per slice,
 #   throughput-snapkv    the batch search up to 64 rows with --replicate (one prefill, its cache copied to every row:
@@ -36,11 +38,11 @@ DRY=${GPU_CHECK_DRY:-0}
 # Sizes: real (GPU) or toy (CPU dry run).
 if [ "$DRY" = 1 ]; then
   MODEL=smollm2-135m LONG_MODEL=smollm2-135m L_LAT=512,1024 L_TP=1024 L_AD=512,1024 L_LONG=1024,2048 L_1M=4096 L_896K=3072 L_BATCH=512 B_DEC=2
-  L_DEC=512 L_DEC_LONG=1024
+  L_DEC=512 L_DEC_LONG=1024 L_ASK=512
   STEPS="--steps 2 --warmup 1" MEM="--max-memory 1.5" STEP=512 BUDGET=128 MAXCTX_START=1024 BATCH_LIMIT=4
 else
   MODEL=llama-3.1-8b LONG_MODEL=llama-3.1-8b-1m L_LAT=16384,32768,65536,131000 L_TP=122880 L_AD=32768,131000 L_LONG=262144,524288,786432 L_1M=1048576 L_896K=917504
-  L_BATCH=16384,32768 B_DEC=8 L_DEC=16384,32768 L_DEC_LONG=65536,131000
+  L_BATCH=16384,32768 B_DEC=8 L_DEC=16384,32768 L_DEC_LONG=65536,131000 L_ASK=32768,131000
   STEPS="--steps 16 --warmup 3" MEM="" STEP=65536 BUDGET=2048 MAXCTX_START=131072
   BATCH_LIMIT=64  # with --replicate each try of the batch search is one 122K prefill (~15-20 s on an H100)
 fi
@@ -71,6 +73,9 @@ run_slice() {
       if [ "$DRY" = 1 ]; then TESTS="tests/test_offload.py tests/test_architecture.py"; else TESTS="tests"; fi
       $PY -m pytest -q -p no:cacheprovider $TESTS --junitxml="$OUT/tests/junit.xml" 2>&1 | tee "$OUT/tests/log.txt"
       $PY scripts/tables.py junit "$OUT/tests/junit.xml" > "$OUT/tests/summary.json" ;;
+    ask)
+      mkdir -p "$OUT/ask"
+      $PY scripts/ask_bench.py --preset $MODEL --lengths $L_ASK --budget $BUDGET --rounds 2 --tokens 16 --out "$OUT/ask/stored_context" 2>&1 | tee "$OUT/ask/log.txt" ;;
     latency)
       speed latency --model $MODEL --methods full,snapkv,shadowkv,shadowkv:ratio=0.0156 --budget $BUDGET --lengths $L_LAT --batches 1 $STEPS ;;
     throughput-full|throughput-snapkv)
@@ -96,7 +101,7 @@ run_slice() {
   esac
 }
 
-SLICES="tests decode-compiled decode-compiled-long decode-eager decode-batch latency throughput-full throughput-snapkv throughput-shadowkv throughput-rows adaptive longprompt-snapkv longprompt-full longprompt-896k longprompt-1m"
+SLICES="tests decode-compiled decode-compiled-long decode-eager decode-batch ask latency throughput-full throughput-snapkv throughput-shadowkv throughput-rows adaptive longprompt-snapkv longprompt-full longprompt-896k longprompt-1m"
 if [ "${1:-}" = all ]; then
   for s in $SLICES; do run_slice "$s" || exit $?; done
 else

@@ -187,3 +187,27 @@ def test_the_command_line_asks_a_stored_file_per_question(tmp_path):
     expected = kvc.generate(model, tok, joined(QUESTIONS[0]), method=kvc.SnapKV(budget=48, window=8), max_new_tokens=6)
     answer = json.loads(asked.stdout)
     assert answer["text"] == expected.text and answer["method"] == expected.stats["method"] and answer["context_on"] == "cpu"
+
+
+def test_decoding_after_a_question_over_a_store_is_the_question_aware_step(model_and_store):
+    """Once the question is compressed, nothing of the store is read: the same ops per step, no host read,
+    and the compiled step gives the eager tokens."""
+    from kvcompress.bench.speed import audit_step  # noqa: PLC0415
+    from kvcompress.decode import DecodeState, greedy_step  # noqa: PLC0415
+
+    model, tok, store = model_and_store
+    method = kvc.SnapKV(budget=48, window=8)
+    audits = []
+    with torch.inference_mode():
+        for result in (kvc.generate(model, tok, QUESTIONS[0], past=store, method=method, max_new_tokens=2),
+                       kvc.generate(model, tok, joined(QUESTIONS[0]), method=method, max_new_tokens=2)):
+            logits = torch.zeros(1, model.config.vocab_size)
+            logits[0, 40] = 1.0
+            state = DecodeState.start(logits, result.next_position, 4, {2})
+            result.cache.reserve(3)
+            greedy_step(model, result.cache, state)
+            audits.append(audit_step(lambda cache=result.cache, state=state: greedy_step(model, cache, state)))
+    assert not audits[0].host_reads and audits[0].total == audits[1].total
+    eager = kvc.generate(model, tok, QUESTIONS[1], past=store, method=method, max_new_tokens=10)
+    compiled = kvc.generate(model, tok, QUESTIONS[1], past=store, method=method, max_new_tokens=10, compile=kvc.Compile(backend="eager"))
+    assert compiled.token_ids == eager.token_ids
