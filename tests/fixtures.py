@@ -68,7 +68,9 @@ def tiny_model(arch: str = "llama", seed: int = 0, **overrides) -> torch.nn.Modu
 
 
 # The model families users run, as tiny random-weight models: sliding windows (all layers, or
-# alternating local/global), logit soft-capping, query/key norms, partial rotary, and no RoPE at all.
+# alternating local/global), logit soft-capping, query/key norms, partial rotary, no RoPE at all,
+# mixtures of experts, interleaved rotary (GLM-4, Cohere), layers without RoPE (SmolLM3), and
+# learned attention sinks (gpt-oss).
 FAMILIES = {
     "llama": dict(model_type="llama"),
     "mistral": dict(model_type="mistral", sliding_window=None),
@@ -80,6 +82,13 @@ FAMILIES = {
     "gemma3": dict(model_type="gemma3_text", sliding_window=16, query_pre_attn_scalar=16, sliding_window_pattern=2),
     "phi3-partial-rotary": dict(model_type="phi3", partial_rotary_factor=0.5),
     "gpt2-no-rope": dict(model_type="gpt2", n_layer=2, n_head=4, n_embd=64, n_positions=1024),
+    "qwen3-moe": dict(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
+    "olmo2": dict(model_type="olmo2"),
+    "granite": dict(model_type="granite"),
+    "glm4": dict(model_type="glm4"),
+    "smollm3": dict(model_type="smollm3"),
+    "cohere": dict(model_type="cohere"),
+    "gpt-oss": dict(model_type="gpt_oss", num_local_experts=4, num_experts_per_tok=2, sliding_window=16),
 }
 
 

@@ -262,3 +262,15 @@ def after_prompt_with_lse(query: torch.Tensor, keys: torch.Tensor, values: torch
 def causal_slot_mask(q_len: int, slots: int, device: torch.device) -> torch.Tensor:
     """``[1, 1, q_len, slots]``: the newest ``q_len`` slots are the queries, each sees itself and all before."""
     return torch.ones(q_len, slots, dtype=torch.bool, device=device).tril(slots - q_len)[None, None]
+
+
+def with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Attention ``out [b, q_heads, q, d]`` whose softmax also has a learned sink logit per query head
+    (``sinks [q_heads]``, gpt-oss) in its denominator, with no value: each query's row scaled by
+    ``exp(lse) / (exp(lse) + exp(sink))``, from its log-normaliser over the keys ``lse [b, q_heads, q]``."""
+    return (out.float() * torch.sigmoid(lse - sinks.float()[None, :, None])[..., None]).to(out.dtype)
+
+
+def sink_normaliser(lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """The log-normaliser ``[b, q_heads, q]`` of a softmax over the keys and the learned sink."""
+    return torch.logaddexp(lse, sinks.float()[None, :, None])

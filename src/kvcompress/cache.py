@@ -518,11 +518,14 @@ class WindowLayer(KVLayer):
         self.intake.recorded, self.intake.extends = None, True
 
     def load_prefill(self, source: KVLayer) -> None:
-        """The recorded window is already what this layer keeps."""
+        """The recorded window is already what this layer keeps (an observation pass then attends to it and
+        stores none of its own tokens, as after a prefill: ``compress`` waits for the pass)."""
         self.lazy_initialization(source.keys, source.values)
         self.slots.set(source.keys, source.values, source.valid, source.positions)
         self.slots.seen, self.prefill_len = source.seen_tokens, source.prefill_len
-        self.prompt_tokens = source.prompt_tokens
+        self.prompt_tokens, self.prefilled = source.prompt_tokens, True
+        if self.intake.observes:
+            self.intake.deferred = (source.keys.new_zeros(0), 1.0)  # compress (the window kept) reads no query
 
 
 class LayerFactory(Protocol):

@@ -74,7 +74,6 @@ def check_model(model: PreTrainedModel) -> None:
             "models with other layer kinds (linear attention, shared KV, ...) are not supported"
         )
     refusals = (
-        (any(hasattr(m, "sinks") for m in modules), "attention sinks (learned per-head sink logits)"),
         (getattr(config, "attention_chunk_size", None) is not None, f"chunked attention (attention_chunk_size={getattr(config, 'attention_chunk_size', None)})"),
         (getattr(config, "kv_lora_rank", None) is not None, "multi-head latent attention (kv_lora_rank)"),
     )
@@ -91,6 +90,12 @@ def make_cache(method: LayerFactory, model: PreTrainedModel, tokenizer: PreTrain
     tokenizer from disk when it is not given."""
     attach(model)
     method.check_model(model)
+    if has_sinks(model) and not method.attends_slots():
+        raise UnsupportedModelError(
+            f"kvcompress: {type(model).__name__} uses learned attention sinks (a per-head logit in every softmax), which {method.describe()} "
+            "cannot carry: its decoding steps attend gathered chunks or per-head segments; use a prompt method with heads='uniform' and "
+            "layers other than 'global' (snapkv, streamingllm, h2o, expected, kvzip:layers=uniform) or full"
+        )
     if tokenizer is None and method.needs_tokens():
         tokenizer = local_tokenizer(model, method)
     layers: list[KVLayer] = []
@@ -99,6 +104,11 @@ def make_cache(method: LayerFactory, model: PreTrainedModel, tokenizer: PreTrain
         layer.module_id = id(module)
         layers.append(layer)
     return KVCompressCache(method, layers, model, spans=spans_for(tokenizer) if tokenizer is not None else None)
+
+
+def has_sinks(model: torch.nn.Module) -> bool:
+    """Whether the model's attention modules hold learned sink logits (gpt-oss's ``sinks``)."""
+    return any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in attention_modules(model))
 
 
 def local_tokenizer(model: PreTrainedModel, method: LayerFactory) -> PreTrainedTokenizerBase:
@@ -269,17 +279,26 @@ def attend_prompt(
 
 def attend_observed(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | LazyMask | None, scaling: float,
-    softcap: float | None, padded: bool,
+    softcap: float | None, padded: bool, sliding_window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """An observation pass's attention (its tokens just after the prompt's, attended, never stored) and
-    each query's log-normaliser ``[b, q_heads, q]``, which the method scores with. Without padding on a
-    CPU, two unmasked flash calls; otherwise blocks of queries, each with its mask as a float bias (a
+    each query's log-normaliser ``[b, q_heads, q]``, which the method scores with. Without padding or a
+    window that cuts the keys, on a CPU, two unmasked flash calls; otherwise blocks of queries, each with its mask as a float bias (a
     quarter of the booleans a prefill's block may build)."""
-    q_len, kv_len = query.shape[-2], key.shape[-2]
-    if not padded and softcap is None and query.device.type == "cpu":
+    if not padded and softcap is None and query.device.type == "cpu" and (sliding_window is None or key.shape[-2] <= sliding_window):
         return attention.after_prompt_with_lse(query, key, value, scaling)
+    return blocks_with_lse(query, key, value, attention_mask, sliding_window, scaling, softcap)
+
+
+def blocks_with_lse(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | LazyMask | None, sliding_window: int | None,
+    scaling: float, softcap: float | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The new queries' attention (the newest of the keys) and each query's log-normaliser, a block of
+    queries at a time, each with its mask as a float bias (a quarter of the booleans a prefill's block may build)."""
+    q_len, kv_len = query.shape[-2], key.shape[-2]
     out, lse = torch.empty_like(query), query.new_empty(query.shape[:-1], dtype=torch.float32)
-    for (first, last), (start, end), mask in mask_blocks(attention_mask, q_len, kv_len, key.shape[0], None, longprompt.BLOCK_ELEMENTS // 4):
+    for (first, last), (start, end), mask in mask_blocks(attention_mask, q_len, kv_len, key.shape[0], sliding_window, longprompt.BLOCK_ELEMENTS // 4):
         out[:, :, first:last], lse[:, :, first:last] = attention.attention_with_lse(
             query[:, :, first:last], key[:, :, start:end], value[:, :, start:end], mask, scaling, softcap
         )
@@ -313,8 +332,13 @@ def kvcompress_attention(
 ) -> tuple[torch.Tensor, None]:
     """Attention over a kvcompress cache layer (then commit the step), or plain SDPA otherwise."""
     layer = _layer_for(module, key)
+    sinks = kwargs.pop("s_aux", None)  # learned sink logits (gpt-oss): one more term in each softmax's denominator
     if layer is None and isinstance(attention_mask, LazyMask):
         attention_mask = attention_mask.materialize()  # another cache: SDPA as usual
+    if layer is None and sinks is not None:  # the same math as the model's own eager attention
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        out, lse = blocks_with_lse(query, key, value, attention_mask, sliding_window, scale, softcap)
+        return attention.with_sinks(out, lse, sinks).transpose(1, 2).contiguous(), None
     if layer is None:
         if softcap is not None:  # SDPA has no soft-capping: the same math, spelled out
             scale = scaling if scaling is not None else query.shape[-1] ** -0.5
@@ -322,8 +346,6 @@ def kvcompress_attention(
             return dense_attention(query, key, value, mask, scale, softcap).transpose(1, 2).contiguous(), None
         with attention.chosen_kernels(query, key, attention_mask):
             return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, sliding_window=sliding_window, **kwargs)
-    if "s_aux" in kwargs:
-        raise UnsupportedModelError(f"kvcompress: {type(module).__name__} uses attention sinks (s_aux), which kvcompress does not support")
     expected = layer.window if isinstance(layer, WindowLayer) else None
     if sliding_window != expected:
         raise UnsupportedModelError(
@@ -335,14 +357,22 @@ def kvcompress_attention(
     lse, new_valid = None, new_token_validity(attention_mask, q_len)
     if layer.observing:
         padded = new_valid is not None and not bool(new_valid.all()) or not bool(layer.slot_validity().all())
-        out, lse = attend_observed(query, key, value, attention_mask, scaling, softcap, padded)
+        out, lse = attend_observed(query, key, value, attention_mask, scaling, softcap, padded, sliding_window)
+        if sinks is not None:
+            out, lse = attention.with_sinks(out, lse, sinks), attention.sink_normaliser(lse, sinks)
     elif layer.is_prefill:  # the new tokens are the newest of the prompt's
         if layer.intake.joined_valid is not None:  # continuing a stored context: its slots, rows aligned, not transformers' columns
             attention_mask = longprompt.continued_mask(layer.intake.joined_valid, q_len)
-        out = attend_prompt(layer, query, key, value, attention_mask, sliding_window, scaling, softcap)
+        if sinks is not None:  # the same attention with each query's normaliser, for the sink's share
+            out = attention.with_sinks(*blocks_with_lse(query, key, value, attention_mask, sliding_window, scaling, softcap), sinks)
+        else:
+            out = attend_prompt(layer, query, key, value, attention_mask, sliding_window, scaling, softcap)
     else:
         block = new_block(attention_mask, q_len, sliding_window) if q_len > 1 else None  # one query sees itself
         mask = layer.visibility(block, q_len)
-        out = layer.attend(query, key, value, mask, scaling, softcap)
+        if sinks is not None:  # the layer attends its slots (Method.attends_slots): the same attention, and its normaliser
+            out = attention.with_sinks(*attention.spelled_out_with_lse(query, key, value, mask, scaling, softcap), sinks)
+        else:
+            out = layer.attend(query, key, value, mask, scaling, softcap)
     layer.commit(query, new_valid, scaling, lse)
     return out.transpose(1, 2).contiguous(), None

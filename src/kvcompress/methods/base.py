@@ -164,6 +164,11 @@ class Method:
         """Whether ``scores`` uses the prompt's word and number spans (then the cache needs the tokenizer)."""
         return False
 
+    def attends_slots(self) -> bool:
+        """Whether every decoding step attends exactly the slots its layer returned (no chunks gathered, no
+        per-head segments): what a learned attention sink's correction (gpt-oss) is computed over."""
+        return True
+
     def needs_rotary(self) -> bool:
         """Whether scoring reads the model's rotary embedding (a layer's ``rotary``; RoPE models only)."""
         return False

@@ -145,6 +145,9 @@ class PromptMethod(BudgetMethod):
             "all scored, which only a method with an observation pass does (KVzip); valid here: uniform, pyramid",
         )
 
+    def attends_slots(self) -> bool:
+        return self.heads == "uniform" and self.layers != "global"  # otherwise the heads' tokens are packed per head
+
     def reserved_tokens(self) -> int:
         """Tokens every row keeps whatever the scores (a window, sinks, recent tokens): layer budgets
         share out only the rest, as PyramidKV does with SnapKV's window."""
@@ -213,7 +216,10 @@ class EvictionLayer(KVLayer):
         if counts is None or (isinstance(self.share, float) and self.share == 1.0):
             return counts
         reserved = self.method.reserved_tokens()
-        scaled = reserved + torch.ceil((counts - reserved).clamp(min=0).double() * self.share).long()
+        # pyramid: a share of the budget itself, then capped by each prompt (a prompt under its layer's budget stays whole);
+        # global: a share of what each row keeps
+        shared = torch.full_like(counts, self.method.budget_tokens) if isinstance(self.share, float) else counts
+        scaled = reserved + torch.ceil((shared - reserved).clamp(min=0).double() * self.share).long()
         return torch.minimum(scaled.clamp(min=1), lengths)
 
     def queries_needed(self) -> int | None:

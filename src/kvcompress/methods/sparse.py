@@ -35,6 +35,9 @@ class SparseMethod(BudgetMethod):
     default_budget = 2048
     unit_setting: ClassVar[tuple[str, str] | None] = None  # (field, word) of the selection unit, when it is a setting
 
+    def attends_slots(self) -> bool:
+        return False  # each step gathers the chunks it selects
+
     def validate(self) -> None:
         super().validate()
         if self.unit_setting is not None and self.ratio is None:
