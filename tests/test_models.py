@@ -131,3 +131,37 @@ def test_beam_search_through_model_generate(method, options):
     if small is not None:
         out = model.generate(**inputs, past_key_values=small.make_cache(model, tok), max_new_tokens=8, eos_token_id=None, **options)
         assert out.shape == plain.shape
+
+
+def test_the_readme_support_table_is_the_matrix():
+    """README's family x method table is scripts/family_matrix.py's rendering of docs/img/family_matrix.json,
+    whose refusals are exactly the ones this file expects (and no cell fails)."""
+    import importlib.util  # noqa: PLC0415
+    import json  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("family_matrix", root / "scripts/family_matrix.py")
+    matrix = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(matrix)
+    table = json.loads((root / "docs/img/family_matrix.json").read_text())
+    assert matrix.markdown(table) in (root / "README.md").read_text()
+    assert set(table) == set(FAMILIES) and all(list(row) == ["full", *COVERING] for row in table.values())
+    for family, row in table.items():
+        for method, outcome in row.items():
+            assert outcome.startswith("no: ") == ((family, method) in REFUSED) and outcome != "FAILS", (family, method, outcome)
+
+
+def test_a_learned_sink_is_one_more_logit_in_each_softmax():
+    """gpt-oss's sink: softmax over [q.k * scale, sink] with no value for the sink, as the model's eager attention."""
+    from kvcompress.attention import spelled_out_with_lse, with_sinks  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    query, keys, values, sinks = torch.randn(2, 4, 3, 16), torch.randn(2, 2, 7, 16), torch.randn(2, 2, 7, 16), torch.randn(4)
+    mask = torch.rand(2, 1, 3, 7) > 0.3
+    mask[..., 0] = True
+    logits = query @ keys.repeat_interleave(2, dim=1).transpose(-1, -2) * 0.25
+    logits = logits.masked_fill(~mask, -torch.inf)
+    reference = torch.cat([logits, sinks[None, :, None, None].expand(2, 4, 3, 1)], dim=-1).softmax(-1)[..., :-1] @ values.repeat_interleave(2, dim=1)
+    ours = with_sinks(*spelled_out_with_lse(query, keys, values, mask, 0.25), sinks)
+    torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-6)

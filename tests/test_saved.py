@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 import kvcompress as kvc
 from kvcompress.cli import main
 
-from .fixtures import char_tokenizer, random_text, tiny_model
+from .fixtures import FAMILIES, char_tokenizer, family_model, random_text, tiny_model
 from .test_batches import METHODS
 
 
@@ -91,3 +91,18 @@ def test_compress_then_ask_on_the_command_line(tmp_path, capsys):
     answer = json.loads(capsys.readouterr().out)
     assert answer["method"].startswith("snapkv(budget=64") and answer["new_tokens"] == 5
     assert main(["generate", "--model", str(folder), "--past", str(tmp_path / "missing.kvc"), "--prompt", "x"]) == 2
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_saved_context_of_every_family_loads_and_answers_alike(family, tmp_path):
+    """Each family's compressed context, saved and loaded, answers as the live one; its fingerprint is its own."""
+    from kvcompress.saved import model_fingerprint  # noqa: PLC0415
+
+    model, tok = family_model(family), char_tokenizer()
+    method = kvc.KVzip(budget=40, layers="uniform")  # a thinned context on every family (learned sinks included)
+    context = kvc.compress(model, tok, [{"role": "user", "content": random_text(200, seed=5)}], method=method)
+    context.save(tmp_path / "doc.kvc")
+    expected = kvc.generate(model, tok, "which word?", past=context.copy(), max_new_tokens=5).token_ids
+    assert kvc.generate(model, tok, "which word?", past=kvc.load(tmp_path / "doc.kvc", model, tok), max_new_tokens=5).token_ids == expected
+    others = {other: model_fingerprint(family_model(other)) for other in FAMILIES if other != family}
+    assert model_fingerprint(model) not in others.values()
