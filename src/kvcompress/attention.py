@@ -248,12 +248,16 @@ def after_prompt_with_lse(query: torch.Tensor, keys: torch.Tensor, values: torch
     """``attention_with_lse`` on a CPU for queries that are the newest of ``keys`` and see every older
     key (no padding): two flash calls, the older keys unmasked and the new ones causal, merged by their
     log-normalisers (each call is faster than one call with a mask: 0.11 s against 0.18 s for 2K
-    queries over 4K keys, 9 heads, on 2 cores)."""
-    q_len, group = query.shape[-2], query.shape[1] // keys.shape[1]
-    keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+    queries over 4K keys, 9 heads, on 2 cores; 3.4 s against 5.3 s for 8K over 16K on one). The older
+    keys are read once per KV head (a GQA group's queries stacked as one head's: no mask to shift);
+    only the new keys are repeated per query head, for the causal call."""
+    batch, q_heads, q_len, dim = query.shape
+    kv_heads = keys.shape[1]
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    old_out, old_lse = flash(query, keys[:, :, :-q_len], values[:, :, :-q_len], 0.0, False, scale=scaling)
-    new_out, new_lse = flash(query, keys[:, :, -q_len:], values[:, :, -q_len:], 0.0, True, scale=scaling)
+    old_out, old_lse = flash(stack_groups(query, kv_heads), keys[:, :, :-q_len], values[:, :, :-q_len], 0.0, False, scale=scaling)
+    old_out, old_lse = old_out.reshape(batch, q_heads, q_len, dim), old_lse.reshape(batch, q_heads, q_len)
+    new_keys, new_values = (t[:, :, -q_len:].repeat_interleave(q_heads // kv_heads, dim=1) for t in (keys, values))
+    new_out, new_lse = flash(query, new_keys, new_values, 0.0, True, scale=scaling)
     lse = torch.logaddexp(old_lse, new_lse)
     out = old_out.float() * (old_lse - lse).exp_()[..., None] + new_out.float() * (new_lse - lse).exp_()[..., None]
     return out.to(query.dtype), lse

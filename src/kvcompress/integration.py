@@ -262,15 +262,18 @@ def attend_prompt(
 ) -> torch.Tensor:
     """A prefill's attention: the new queries are the newest of the prompt's keys so far (the whole
     prompt, or a block of it: ``longprompt.BlockedPrefill``). Plain causal attention is one call
-    (SDPA's causal kernel, or its lower-right causal bias for a block); otherwise blocks of queries,
-    each with its block of the mask over the keys it can see: no ``prompt x prompt`` tensor is built
-    (a GPU attends a causal block with the bias; a CPU would build it, so it takes blocks too)."""
+    (SDPA's causal kernel, or its lower-right causal bias for a block on a GPU; on a CPU, which would
+    build that bias as a mask, two flash calls merged: ``attention.after_prompt_with_lse``); otherwise
+    blocks of queries, each with its block of the mask over the keys it can see: no ``prompt x prompt``
+    tensor is built."""
     q_len, kv_len = query.shape[-2], key.shape[-2]
     if attention_mask is None and (sliding_window is None or kv_len <= sliding_window) and softcap is None:
         if q_len == kv_len:
             return layer.attend(query, key, value, None, scaling, softcap)
-        if query.is_cuda:  # CPU kernels would build the bias as a q x kv mask: blocks of rows there
+        if query.is_cuda:
             return layer.attend(query, key, value, causal_lower_right(q_len, kv_len), scaling, softcap)
+        if query.device.type == "cpu":  # a CPU kernel would build that bias as a q x kv mask, and a masked call is slower:
+            return attention.after_prompt_with_lse(query, key, value, scaling)[0]  # the older keys unmasked, the block causal
     out = torch.empty_like(query)
     for (first, last), (start, end), mask in mask_blocks(attention_mask, q_len, kv_len, key.shape[0], sliding_window, longprompt.BLOCK_ELEMENTS):
         out[:, :, first:last] = layer.attend(query[:, :, first:last], key[:, :, start:end], value[:, :, start:end], mask, scaling, softcap)
