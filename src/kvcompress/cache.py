@@ -207,8 +207,8 @@ class KVLayer(DynamicLayer):
         """This fresh layer's prompt continues ``source``'s (rows ``rows`` of it, one per row of the new prompt,
         whose tokens are led by ``pads`` padding slots): the prefill attends to the stored tokens first and
         the method then compresses the joined prompt; ``source`` is read, never written. ``spans``: the
-        joined prompt's word spans, where the stored slots are its tokens in order (a thinned context's are
-        not: each slot is then its own span)."""
+        joined prompt's word spans ``[b, width]`` (its tokens, rows right-aligned); over a thinned context
+        each head's slots take their tokens' spans (``intake.joined_spans``)."""
         stored = source.stored_prompt()
         if stored is None:
             raise CacheMisuseError(
@@ -219,9 +219,6 @@ class KVLayer(DynamicLayer):
         picked = StoredPrompt(*(t.index_select(0, rows.to(t.device)) if isinstance(t, torch.Tensor) else t for t in stored))
         self.intake.continues(picked, pads)
         self.slots.seen, self.slots.used = source.seen_tokens, stored.keys.shape[-2]  # the logical length continued; the context's slots
-        if spans is not None and stored.positions is not None:
-            width = stored.keys.shape[-2] + spans.shape[-1] - source.prefill_len
-            spans = torch.arange(width, device=spans.device).expand(spans.shape[0], width)
         self.spans = spans
 
     def advance(self, new: int) -> None:
@@ -287,9 +284,11 @@ class KVLayer(DynamicLayer):
             self.advance(query.shape[-2])
         if self.is_prefill and self.intake.stored is not None:  # the joined prompt: the context's queries and validity too
             query, new_valid = self.intake.joined_queries(query, self.queries_needed()), self.intake.joined_valid
-            positions = self.intake.joined_positions(self.keys.shape[-2] - self.intake.stored.keys.shape[-2])
-            if positions is not None:
+            new = self.keys.shape[-2] - self.intake.stored.keys.shape[-2]
+            positions = self.intake.joined_positions(new)
+            if positions is not None:  # a thinned context: its slots are not its tokens in order, each head its own
                 self.slots.positions = positions
+                self.spans = None if self.spans is None else self.intake.joined_spans(self.spans, positions, new)
             self.intake.stored = self.intake.joined_valid = None
         if self.is_prefill and self.intake.in_blocks:  # a prompt in blocks: compressed after its last
             self.intake.keep_block(query, new_valid, self.used, self.queries_needed())

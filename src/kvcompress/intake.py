@@ -115,6 +115,18 @@ class PromptIntake:
         positions = (tokens[:, None] + steps).masked_fill(steps < 0, -1)[:, None, :].expand(batch, heads, new)
         return right_aligned(stored.positions, positions, self.pads, 2, -1)
 
+    def joined_spans(self, spans: torch.Tensor, positions: torch.Tensor, new: int) -> torch.Tensor:
+        """Per-head word spans ``[b, h, context + new slots]`` of a thinned context's slots (at ``positions``,
+        per head), from the joined prompt's spans ``spans [b, width]`` (its tokens, rows right-aligned);
+        a filler slot is a span of its own."""
+        width = spans.shape[-1]
+        counts = torch.tensor([new - pad for pad in self.pads], device=spans.device)
+        lead = width - (self.stored.tokens.to(spans.device).expand(counts.shape[0]) + counts)  # each row's padding in ``spans``
+        columns = (lead[:, None, None] + positions).clamp(0, width - 1)
+        per_head = spans[:, None, :].expand(-1, positions.shape[1], -1).gather(2, columns)
+        filler = width + torch.arange(positions.shape[-1], device=spans.device)
+        return torch.where(positions >= 0, per_head, filler)
+
     def joined_queries(self, query: torch.Tensor, needed: int | None) -> torch.Tensor:
         """The last ``needed`` (None: all) queries of the joined prompt: the context's kept ones, then
         the new prompt's ``query [b, q_heads, new, d]``, rows right-aligned; an error names what is missing."""

@@ -66,8 +66,9 @@ def spans_for(tokenizer: PreTrainedTokenizerBase | TokenSpans) -> TokenSpans:
 
 def span_max(scores: torch.Tensor, spans: torch.Tensor) -> torch.Tensor:
     """Each position's score replaced by the highest score of its span: ``scores [b, h, s]``,
-    ``spans [b, s]`` (span numbers ascending from 0). A span is then kept or dropped as a whole."""
+    ``spans [b, s]``, or ``[b, h, s]`` where each head holds other tokens (span numbers from 0). A span
+    is then kept or dropped as a whole."""
     batch, heads, seq = scores.shape
-    index = spans[:, None, :].expand(batch, heads, seq)
+    index = spans[:, None, :].expand(batch, heads, seq) if spans.dim() == 2 else spans
     peak = torch.full((batch, heads, int(spans.max()) + 1), -torch.inf, dtype=scores.dtype, device=scores.device)
     return peak.scatter_reduce(2, index, scores, reduce="amax").gather(2, index)
