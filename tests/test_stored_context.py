@@ -148,6 +148,7 @@ def test_stats_say_which_tier_holds_what(model_and_store):
     answer = kvc.generate(model, tok, QUESTIONS[0], past=store, method=kvc.SnapKV(budget=48, window=8), max_new_tokens=4)
     assert answer.stats["context_on"] == "cpu" and answer.stats["context_bytes"] == store.stats["device_bytes"]
     assert answer.stats["device_bytes"] < store.stats["device_bytes"] / 3
+    assert answer.stats["ttft_s"] == answer.stats["prefill_s"] > 0 and answer.stats["decode_ms_per_token"] > 0  # the first token apart
 
 
 def test_what_cannot_be_asked_per_question_is_refused_in_one_line(model_and_store):
@@ -187,6 +188,7 @@ def test_the_command_line_asks_a_stored_file_per_question(tmp_path):
     expected = kvc.generate(model, tok, joined(QUESTIONS[0]), method=kvc.SnapKV(budget=48, window=8), max_new_tokens=6)
     answer = json.loads(asked.stdout)
     assert answer["text"] == expected.text and answer["method"] == expected.stats["method"] and answer["context_on"] == "cpu"
+    assert answer["ttft_s"] > 0 and "decode_ms_per_token" in answer
 
 
 def test_decoding_after_a_question_over_a_store_is_the_question_aware_step(model_and_store):
@@ -211,3 +213,19 @@ def test_decoding_after_a_question_over_a_store_is_the_question_aware_step(model
     eager = kvc.generate(model, tok, QUESTIONS[1], past=store, method=method, max_new_tokens=10)
     compiled = kvc.generate(model, tok, QUESTIONS[1], past=store, method=method, max_new_tokens=10, compile=kvc.Compile(backend="eager"))
     assert compiled.token_ids == eager.token_ids
+
+
+def test_a_thinned_stores_heads_take_their_tokens_word_spans():
+    """Each head of a thinned context holds other tokens: its slots' spans are the joined prompt's at those tokens."""
+    from kvcompress.intake import PromptIntake, StoredPrompt  # noqa: PLC0415
+
+    intake = PromptIntake()
+    positions = torch.tensor([[[0, 2, 5], [1, 3, 4]]])  # two heads, three of six context tokens each
+    keys = torch.zeros(1, 2, 3, 4)
+    intake.continues(StoredPrompt(keys, keys, None, positions, torch.tensor([6]), None, None), pads=[1])  # a 3-slot question, 1 padding
+    spans = torch.tensor([[0, 0, 1, 1, 2, 3, 3, 4]])  # the joined prompt's 6 + 2 tokens
+    intake.joined(torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4))
+    joined = intake.joined_positions(3)
+    assert joined.tolist() == [[[-1, 0, 2, 5, 6, 7], [-1, 1, 3, 4, 6, 7]]]
+    per_head = intake.joined_spans(spans, joined, 3)
+    assert per_head[0, :, 1:].tolist() == [[0, 1, 3, 3, 4], [0, 1, 2, 3, 4]] and per_head[0, 0, 0] >= spans.shape[-1]

@@ -568,7 +568,7 @@ class KVCompressCache(Cache):
         self.model = weakref.ref(model) if model is not None else lambda: None  # for a saved cache's fingerprint
         self.keyword = cache_keyword(model)  # the model's name for its cache argument
         self.span_table = spans  # the tokenizer's word boundaries, when known
-        self.timings: dict[str, float | None] = {"prefill_s": None, "decode_ms_per_token": None, "compile_s": None}
+        self.timings: dict[str, float | None] = {"prefill_s": None, "ttft_s": None, "decode_ms_per_token": None, "compile_s": None}
         self.embeds_itself = False  # the model embedded this cache's prompt itself (no one else holds its hidden states)
         self.observe_first = method.observation() is not None  # layers compress after an observation pass (end_observation)
         self.observe_s = 0.0  # time the observation pass took (part of compressing)

@@ -585,7 +585,9 @@ def generate(
         row.pending = None if done else tokens[-1]
     texts = [tokenizer.decode(row.generated, skip_special_tokens=True) for row in begin.rows]
     timed = steps - decoded.compile_steps  # the steps that compiled are timed as compile_s, never as decoding
-    cache.timings = {"prefill_s": prefill_s, "decode_ms_per_token": 1000 * (decode_s - decoded.compile_s) / timed if timed else None,
+    # ttft_s: what a user waits for the first token: the prompt fed, any observation pass and the compression, the first
+    # token's logits (it is their argmax); decoding's own time is decode_ms_per_token, a first compilation compile_s
+    cache.timings = {"prefill_s": prefill_s, "ttft_s": prefill_s, "decode_ms_per_token": 1000 * (decode_s - decoded.compile_s) / timed if timed else None,
                      "compile_s": decoded.compile_s if options is not None else None}
     stats = cache.stats()
     stats["new_tokens"] = [len(g) for g in generated] if begin.is_batch else len(generated[0])
@@ -638,7 +640,7 @@ def compress(
         _pad_id(tokenizer), prefill_tokens, ChatLeads(tokenizer, rows),
     )
     _sync(model.device)
-    feeder.cache.timings = {"prefill_s": time.perf_counter() - clock, "decode_ms_per_token": None, "compile_s": None}
+    feeder.cache.timings = {"prefill_s": time.perf_counter() - clock, "ttft_s": None, "decode_ms_per_token": None, "compile_s": None}
     whole = feeder.cache.storable() and feeder.cache.stats()["kv_kept_fraction"] == 1.0
     if auto and not whole:
         feeder.cache.forget_records()
