@@ -28,6 +28,10 @@ COVERING = {  # budgets that cover the prompt: the method's output must equal th
     "expected": kvc.ExpectedAttention(budget=500),
     "snapkv-adaptive": kvc.SnapKV(budget=500, window=8, heads="adaptive"),
     "snapkv-pyramid": kvc.SnapKV(budget=4096, window=8, layers="pyramid"),  # the last layer keeps budget / 20 (over 120)
+    "h2o-adaptive": kvc.H2O(budget=500, heads="adaptive"),
+    "kvzip-adaptive": kvc.KVzip(budget=500, heads="adaptive"),
+    "streamingllm-pyramid": kvc.StreamingLLM(budget=4096, layers="pyramid"),
+    "expected-pyramid": kvc.ExpectedAttention(budget=4096, layers="pyramid"),
 }
 SMALL = {  # budgets that compress a 120-token prompt
     "snapkv": kvc.SnapKV(budget=40, window=8),
@@ -42,17 +46,23 @@ SMALL = {  # budgets that compress a 120-token prompt
     "expected": kvc.ExpectedAttention(budget=40),
     "snapkv-adaptive": kvc.SnapKV(budget=40, window=8, heads="adaptive"),
     "snapkv-pyramid": kvc.SnapKV(budget=40, window=8, layers="pyramid"),
+    "h2o-adaptive": kvc.H2O(budget=40, heads="adaptive"),
+    "kvzip-adaptive": kvc.KVzip(budget=40, heads="adaptive"),
+    "streamingllm-pyramid": kvc.StreamingLLM(budget=40, layers="pyramid"),
+    "expected-pyramid": kvc.ExpectedAttention(budget=40, layers="pyramid"),
 }
 SPARSE = ("shadowkv", "quest", "loki")  # drop nothing: each step attends fewer tokens instead
 LOGPROB_TOLERANCE = 1e-4
+ROTARY_METHODS = (("shadowkv", "ShadowKV"), ("expected", "ExpectedAttention"), ("expected-pyramid", "ExpectedAttention"))  # they invert RoPE
 NOT_INVERTIBLE = {"gpt2-no-rope": "GPT2LMHeadModel: it has no single rotary", "glm4": "Glm4ForCausalLM: its rotary embedding is not the rotate-half",
                   "cohere": "CohereForCausalLM: its rotary embedding is not the rotate-half"}
 REFUSED = {
     **{(family, method): f"{name} needs rotary position embeddings it can invert, and {reason}"
-       for family, reason in NOT_INVERTIBLE.items() for method, name in (("shadowkv", "ShadowKV"), ("expected", "ExpectedAttention"))},
-    **{("gpt-oss", method): "GptOssForCausalLM uses learned attention sinks.*cannot carry" for method in ("quest", "loki", "kvzip", "snapkv-adaptive")},
+       for family, reason in NOT_INVERTIBLE.items() for method, name in ROTARY_METHODS},
+    **{("gpt-oss", method): "GptOssForCausalLM uses learned attention sinks.*cannot carry"
+       for method in ("quest", "loki", "kvzip", "snapkv-adaptive", "h2o-adaptive", "kvzip-adaptive")},
     **{("gpt-oss", method): f"{name} needs rotary position embeddings it can invert, and GptOssForCausalLM: its rotary embedding is not the rotate-half"
-       for method, name in (("shadowkv", "ShadowKV"), ("expected", "ExpectedAttention"))},
+       for method, name in ROTARY_METHODS},
 }
 PROMPT = random_text(119, seed=1)  # 120 tokens with BOS: longer than the 16-token sliding windows
 
