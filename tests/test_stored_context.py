@@ -229,3 +229,16 @@ def test_a_thinned_stores_heads_take_their_tokens_word_spans():
     assert joined.tolist() == [[[-1, 0, 2, 5, 6, 7], [-1, 1, 3, 4, 6, 7]]]
     per_head = intake.joined_spans(spans, joined, 3)
     assert per_head[0, :, 1:].tolist() == [[0, 1, 3, 3, 4], [0, 1, 2, 3, 4]] and per_head[0, 0, 0] >= spans.shape[-1]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a GPU: the store in host memory, each layer copied to the device per question")
+def test_on_a_gpu_the_store_lives_in_host_memory_and_answers_as_the_joined_prompt():
+    model, tok = tiny_model().cuda(), char_tokenizer()
+    store = kvc.compress(model, tok, DOCUMENT, method=kvc.FullKV())
+    assert store.cache.device_of().type == "cpu" and store.cache.layers[0].keys.is_pinned()
+    method = kvc.SnapKV(budget=48, window=8)
+    asked = kvc.generate(model, tok, QUESTIONS[0], past=store, method=method, max_new_tokens=8)
+    assert asked.stats["context_on"] == "cpu" and asked.cache.device_of().type == "cuda"
+    assert asked.token_ids == kvc.generate(model, tok, joined(QUESTIONS[0]), method=method, max_new_tokens=8).token_ids
+    continued = kvc.generate(model, tok, QUESTIONS[0], past=store, max_new_tokens=8)  # the stored full cache continued: moved to the device
+    assert continued.token_ids == kvc.generate(model, tok, joined(QUESTIONS[0]), method=kvc.FullKV(), max_new_tokens=8).token_ids
