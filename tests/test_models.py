@@ -60,7 +60,7 @@ REFUSED = {
     **{(family, method): f"{name} needs rotary position embeddings it can invert, and {reason}"
        for family, reason in NOT_INVERTIBLE.items() for method, name in ROTARY_METHODS},
     **{("gpt-oss", method): "GptOssForCausalLM uses learned attention sinks.*cannot carry"
-       for method in ("quest", "loki", "kvzip", "snapkv-adaptive", "h2o-adaptive", "kvzip-adaptive")},
+       for method in ("h2o-evicting", "quest", "loki", "kvzip", "snapkv-adaptive", "h2o-adaptive", "kvzip-adaptive")},
     **{("gpt-oss", method): f"{name} needs rotary position embeddings it can invert, and GptOssForCausalLM: its rotary embedding is not the rotate-half"
        for method, name in ROTARY_METHODS},
 }
@@ -175,3 +175,16 @@ def test_a_learned_sink_is_one_more_logit_in_each_softmax():
     reference = torch.cat([logits, sinks[None, :, None, None].expand(2, 4, 3, 1)], dim=-1).softmax(-1)[..., :-1] @ values.repeat_interleave(2, dim=1)
     ours = with_sinks(*spelled_out_with_lse(query, keys, values, mask, 0.25), sinks)
     torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-6)
+
+
+def test_a_scorers_softmax_gives_the_learned_sink_its_share():
+    """SnapKV's and H2O's votes are the model's attention probabilities: with a sink, each row sums to less than 1."""
+    from kvcompress.attention import key_probabilities, scoring_sinks  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    logits, sinks = torch.randn(2, 4, 3, 7), torch.randn(6)
+    with scoring_sinks(sinks):
+        ours = key_probabilities(logits, slice(2, 6))
+    reference = torch.cat([logits, sinks[2:6][None, :, None, None].expand(2, 4, 3, 1)], dim=-1).softmax(-1)[..., :-1]
+    torch.testing.assert_close(ours, reference)
+    torch.testing.assert_close(key_probabilities(logits), logits.softmax(-1))  # no sinks outside a layer's scoring

@@ -15,10 +15,12 @@ cache's length changes with every call (measured on an H100: 1.6 ms of host time
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import os
 import time
+from contextvars import ContextVar
 
 import torch
 import torch.nn.functional as F
@@ -278,3 +280,29 @@ def with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tor
 def sink_normaliser(lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
     """The log-normaliser ``[b, q_heads, q]`` of a softmax over the keys and the learned sink."""
     return torch.logaddexp(lse, sinks.float()[None, :, None])
+
+
+_SCORING_SINKS: ContextVar[torch.Tensor | None] = ContextVar("kvcompress_scoring_sinks", default=None)
+
+
+@contextlib.contextmanager
+def scoring_sinks(sinks: torch.Tensor | None):
+    """While a layer's method scores its prompt: the layer's learned sink logits ``[q_heads]`` (None: none),
+    which ``key_probabilities`` gives their share of each softmax, as the model's attention does."""
+    token = _SCORING_SINKS.set(sinks)
+    try:
+        yield
+    finally:
+        _SCORING_SINKS.reset(token)
+
+
+def key_probabilities(logits: torch.Tensor, heads: slice | None = None) -> torch.Tensor:
+    """A scorer's attention probabilities: the softmax of ``logits [b, h, q, s]`` over the keys and, where the
+    layer being scored has learned sinks (``scoring_sinks``; ``heads``: which query heads ``h`` are), each
+    row's sink in the denominator, so a query's weights sum to what the model gives the keys."""
+    probs = logits.softmax(dim=-1)
+    sinks = _SCORING_SINKS.get()
+    if sinks is None:
+        return probs
+    sink = (sinks if heads is None else sinks[heads]).float()
+    return probs * torch.sigmoid(logits.logsumexp(dim=-1) - sink[None, :, None])[..., None]

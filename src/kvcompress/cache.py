@@ -123,6 +123,7 @@ class KVLayer(DynamicLayer):
         self.compress_s = 0.0
         self.spans: torch.Tensor | None = None  # [batch, prompt slots]: word/number span of each prompt token, when known
         self.intake = PromptIntake()  # what the layer holds while its prompt comes in (intake.py)
+        self.sinks: torch.Tensor | None = None  # [q_heads]: the attention module's learned sink logits (gpt-oss), set by make_cache
 
     # --- a step ------------------------------------------------------------------------------------
 

@@ -101,7 +101,7 @@ def make_cache(method: LayerFactory, model: PreTrainedModel, tokenizer: PreTrain
     layers: list[KVLayer] = []
     for index, (module, window) in enumerate(zip(attention_modules(model), layer_windows(model))):
         layer = WindowLayer(index, window) if window is not None else method.make_layer(index, model)
-        layer.module_id = id(module)
+        layer.module_id, layer.sinks = id(module), getattr(module, "sinks", None)
         layers.append(layer)
     return KVCompressCache(method, layers, model, spans=spans_for(tokenizer) if tokenizer is not None else None)
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from ..attention import group_mask, grouped_logits
+from ..attention import group_mask, grouped_logits, key_probabilities
 from ..cache import KVLayer
 from ..slots import CappedSlots
 from ..tensors import gather_tokens
@@ -46,7 +46,7 @@ def accumulated_attention(query: torch.Tensor, keys: torch.Tensor, valid: torch.
         visible = (key_pos[None, :] <= torch.arange(start, start + rows, device=query.device)[:, None])[None, None] & valid[:, None, None, :]
         for h in range(kv_heads):
             logits = grouped_logits(query[:, h * group : (h + 1) * group, start : start + rows], keys[:, h : h + 1], scaling)
-            probs = logits.masked_fill(~visible, torch.finfo(torch.float32).min).softmax(dim=-1)
+            probs = key_probabilities(logits.masked_fill(~visible, torch.finfo(torch.float32).min), slice(h * group, (h + 1) * group))
             total[:, h * group : (h + 1) * group] += (probs * valid[:, None, start : start + rows, None]).sum(dim=2)  # padding queries vote nothing
     return total
 
@@ -94,6 +94,9 @@ class H2O(PromptMethod):
 
     def scores(self, query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scaling: float, spans: torch.Tensor | None = None) -> torch.Tensor:
         return h2o_scores(query, keys, valid, scaling, self.recent_tokens, self.block)
+
+    def attends_slots(self) -> bool:
+        return super().attends_slots() and not self.evict_during_decoding  # evicting, a step runs its own attention (H2OLayer.attend)
 
     def make_layer(self, layer_idx: int, model: PreTrainedModel) -> KVLayer:
         layer = super().make_layer(layer_idx, model)

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
+from ..attention import scoring_sinks
 from ..cache import KVLayer
 from ..packed import PackedSlots
 from .base import BudgetMethod, param, require
@@ -226,7 +227,8 @@ class EvictionLayer(KVLayer):
         return self.method.queries_needed()
 
     def prompt_scores(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
-        return self.method.layer_scores(self, query, scaling)
+        with scoring_sinks(self.sinks):  # a model's learned sinks take their share of the scorer's softmax
+            return self.method.layer_scores(self, query, scaling)
 
     def observe(
         self, query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scaling: float, lse: torch.Tensor, context: torch.Tensor

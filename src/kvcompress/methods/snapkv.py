@@ -29,7 +29,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from ..attention import grouped_logits
+from ..attention import grouped_logits, key_probabilities
 from ..tokens import span_max
 from .base import check_reserved, param, require
 from .prompt import PromptMethod
@@ -38,15 +38,16 @@ POOLINGS = ("max", "avg")
 CLUSTERINGS = ("spans", "pool")
 
 
-def window_attention(query_window: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scaling: float) -> torch.Tensor:
+def window_attention(query_window: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scaling: float, heads: slice | None = None) -> torch.Tensor:
     """Attention of the window queries over all prompt keys, float32 ``[batch, q_heads, window, seq]``.
 
-    Causal inside the window; padding keys (``valid`` False) get no weight."""
+    Causal inside the window; padding keys (``valid`` False) get no weight; a learned sink (gpt-oss)
+    takes its share of each row (``attention.key_probabilities``; ``heads``: which query heads these are)."""
     window, seq = query_window.shape[-2], keys.shape[-2]
     logits = grouped_logits(query_window, keys, scaling)
     query_pos = torch.arange(seq - window, seq, device=keys.device)[:, None]
     visible = (torch.arange(seq, device=keys.device)[None, :] <= query_pos)[None, None] & valid[:, None, None, :]
-    return logits.masked_fill(~visible, torch.finfo(torch.float32).min).softmax(dim=-1)
+    return key_probabilities(logits.masked_fill(~visible, torch.finfo(torch.float32).min), heads)
 
 
 def prefix_votes(attention: torch.Tensor) -> torch.Tensor:
@@ -61,7 +62,7 @@ def window_votes(query_window: torch.Tensor, keys: torch.Tensor, valid: torch.Te
     kv_heads = keys.shape[1]
     group = query_window.shape[1] // kv_heads
     parts = [
-        prefix_votes(window_attention(query_window[:, h * group : (h + 1) * group], keys[:, h : h + 1], valid, scaling))
+        prefix_votes(window_attention(query_window[:, h * group : (h + 1) * group], keys[:, h : h + 1], valid, scaling, slice(h * group, (h + 1) * group)))
         for h in range(kv_heads)
     ]
     return torch.cat(parts, dim=1)
