@@ -16,6 +16,7 @@ from typing import Any
 _WHERE = {  # public name -> the module that defines it
     **dict.fromkeys(("CacheMisuseError", "KVCompressCache", "UnsupportedModelError"), "cache"),
     "sdpa_choices": "attention",
+    "observe": "bench.observe",
     "Compile": "decode",
     **dict.fromkeys(("Prefill", "PromptTooLongError", "compress", "generate", "prefill", "teacher_forced_logprobs"), "generation"),
     **dict.fromkeys(("Result", "load"), "result"),

@@ -255,6 +255,31 @@ def _cmd_methods(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _cmd_observe(args: argparse.Namespace, console: Console) -> int:
+    from .bench import observe
+
+    folder = Path(args.out)
+    if folder.exists() and not folder.is_dir():
+        raise InvalidParameterError(f"--out {args.out} is a file; give a folder for observations.json and the figures")
+    folder.mkdir(parents=True, exist_ok=True)
+    target = folder / "observations.json"
+    check_output("--out", str(target), args.force, {})
+    if args.tokens is not None and args.tokens < 64:
+        raise InvalidParameterError(f"--tokens {args.tokens} is invalid; give a document of 64 tokens or more")
+    settings = observe.Settings.quick() if args.quick else observe.Settings()
+    if args.tokens is not None:
+        settings.tokens = args.tokens
+    model, tokenizer = load_model(args.model)
+    written = observe.write_report(observe.observe(model, tokenizer, settings), args.out)
+    results = json.loads(target.read_text())
+    table = Table("measurement", "this model", "the paper", title=f"observations ({settings.tokens}-token document)")
+    for row in observe.summary(results):
+        table.add_row(*row)
+    console.print(table)
+    console.print(f"wrote {', '.join(written)} to {args.out}", soft_wrap=True)
+    return 0
+
+
 def _cmd_demo(args: argparse.Namespace, console: Console) -> int:
     from . import demo
 
@@ -516,6 +541,14 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     demo.add_argument("--depth", type=float, default=0.5, help="where the fact sits, 0 (start) to 1 (end)")
     demo.add_argument("--json", metavar="FILE", help="also write the rows as JSON to FILE")
     demo.set_defaults(run=_cmd_demo, interrupted=lambda args: _unwritten(args.json))
+
+    observe = _command(sub, "observe", "measure on a model what SnapKV and ShadowKV are built on (their Sec. 3): a table, JSON, figures")
+    observe.add_argument("--model", help="model folder or name (default: the embedded model)")
+    observe.add_argument("--quick", action="store_true", help="small sizes (a 300-token document): a first look, the tests")
+    observe.add_argument("--tokens", type=int, help="document length in tokens (default 2000; --quick 300)")
+    observe.add_argument("--out", default="runs/observe", help="folder for observations.json and the PNGs (made if missing)")
+    observe.add_argument("--force", action="store_true", help="replace an earlier run's observations.json in --out")
+    observe.set_defaults(run=_cmd_observe, interrupted=lambda args: _unwritten(str(Path(args.out) / "observations.json")))
 
     bench = _command(sub, "bench", "benchmarks").add_subparsers(dest="bench", required=True)
     accuracy = _command(bench, "accuracy", "long-context accuracy matrix: tasks x methods x budgets x lengths")

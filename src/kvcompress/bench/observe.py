@@ -1,0 +1,387 @@
+"""The measurements SnapKV and ShadowKV are built on (their Sec. 3), as functions of attention maps and keys.
+
+SnapKV (the LaTeX source's Sec. 3): the observation window's queries vote for the prefix positions
+they attend to; each head's top ``p`` (5%) of the prefix by votes is its selection, ``vote_mask``. A
+generated token's attention above ``theta`` (0.05) on a prefix position marks it significant,
+``significant``. The hit rate ``H`` is the share of significant positions the selection holds,
+``hit_rate``: high along the generation, lower between two question-answer pairs of one document.
+
+ShadowKV (Sec. 3): ``relative_spectrum`` (singular values over the largest: pre-RoPE keys decay
+fastest, Fig. 1a); the similarity of two rank-``r`` subspaces ``D(H1, H2) = <H1, H2>_F / r`` of the
+projections ``H = Psi Psi^T`` onto the top right singular vectors of two key matrices,
+``subspace_similarity`` (1 for one subspace, 0 for orthogonal ones, Fig. 1b); per chunk of post-RoPE
+keys the minimum cosine similarity to the chunk's mean, ``methods.shadowkv.chunk_min_cosine`` (Fig. 3b),
+and ``outlier_fraction`` of chunks below a threshold; ``reuse_fraction``, the share of a step's selected
+chunks the step before also selected (Fig. 3c).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from ..attention import grouped_logits
+from ..integration import attention_modules
+from ..methods import FullKV, ShadowKV
+from ..methods.shadowkv import chunk_landmarks, chunk_min_cosine
+from ..tokens import TokenSpans
+from .haystack import fill
+
+
+def vote_mask(window_attention: torch.Tensor, share: float = 0.05) -> torch.Tensor:
+    """Each head's selection ``[..., heads, prefix]`` bool: the top ``ceil(share * prefix)`` positions by the
+    votes the window's queries cast, ``window_attention [..., heads, window, prefix]`` summed over the window."""
+    votes = window_attention.float().sum(dim=-2)
+    count = max(1, math.ceil(share * votes.shape[-1]))
+    chosen = votes.topk(count, dim=-1).indices
+    return torch.zeros_like(votes, dtype=torch.bool).scatter_(-1, chosen, True)
+
+
+def significant(attention: torch.Tensor, theta: float = 0.05) -> torch.Tensor:
+    """Positions a query attends to above ``theta`` (``attention [..., prefix]``, one row per query and head)."""
+    return attention > theta
+
+
+def hit_rate(significant_mask: torch.Tensor, selection: torch.Tensor) -> float | None:
+    """``H``: the significant positions (``[..., prefix]``) the selection (same shape, or broadcast) holds,
+    over all significant positions; None where nothing is significant."""
+    total = int(significant_mask.sum())
+    if total == 0:
+        return None
+    return float((significant_mask & selection).sum()) / total
+
+
+def relative_spectrum(matrix: torch.Tensor) -> torch.Tensor:
+    """Singular values of ``matrix [n, d]`` over the largest (descending, in [0, 1])."""
+    values = torch.linalg.svdvals(matrix.float())
+    return values / values[0] if values[0] > 0 else values
+
+
+def top_subspace(matrix: torch.Tensor, rank: int) -> torch.Tensor:
+    """``Psi [d, rank]``: the top ``rank`` right singular vectors of ``matrix [n, d]`` (orthonormal columns)."""
+    return torch.linalg.svd(matrix.float(), full_matrices=False).Vh[:rank].T
+
+
+def subspace_similarity(first: torch.Tensor, second: torch.Tensor) -> float:
+    """``D(H1, H2) = <H1, H2>_F / r`` for the projections ``H = Psi Psi^T`` of two ``[d, r]`` orthonormal bases:
+    ``||Psi1^T Psi2||_F^2 / r``, in [0, 1] (1: one subspace, 0: orthogonal subspaces)."""
+    rank = first.shape[-1]
+    return float((first.T @ second).square().sum()) / rank
+
+
+def outlier_fraction(min_cosine: torch.Tensor, threshold: float) -> float:
+    """The share of chunks whose keys' minimum cosine similarity to their mean is under ``threshold``."""
+    return float((min_cosine < threshold).float().mean())
+
+
+def reuse_fraction(before: torch.Tensor, now: torch.Tensor) -> float:
+    """The share of the chunks selected now (ids ``[..., k]``) that the step before also selected (same heads)."""
+    again = (now[..., :, None] == before[..., None, :]).any(dim=-1)
+    return float(again.float().mean())
+
+
+# --- the runs: the embedded model (or any) on prompts the project builds ------------------------------------
+
+NEEDLES = (("The vault code for the east wing is 4817.", "What is the vault code for the east wing?"),
+           ("The quarterly meeting takes place in room 12 of the old library.", "Where does the quarterly meeting take place?"))
+LONG_ANSWER = "Summarize the text above in detail, paragraph by paragraph."
+
+
+@dataclass
+class Settings:
+    """What a run measures with (the papers' values where they give them)."""
+
+    tokens: int = 2000  # document length
+    window: int = 32  # SnapKV's observation window
+    share: float = 0.05  # p: each head's selection, a share of the prefix
+    theta: float = 0.05  # a generated token's attention that counts as significant
+    generated: int = 512  # tokens generated for the hit rate along generation (windows of ``span``)
+    span: int = 128
+    rank: int = 32  # ShadowKV's rank for the subspace similarity
+    chunk: int = 8
+    outlier_cosine: float = 0.5  # a chunk whose keys' minimum cosine to their mean is under this is an outlier
+    lengths: tuple[int, ...] = (1000, 2000, 4000)  # SVD's share of the prefill
+    budget: int = 256  # ShadowKV's tokens per step (chunk reuse, accuracy by rank)
+
+    @classmethod
+    def quick(cls) -> Settings:
+        return cls(tokens=300, generated=48, span=16, rank=8, lengths=(200, 400), budget=64)
+
+    def ranks(self, width: int) -> tuple[int, ...]:
+        """Key ranks for the accuracy by rank: halvings of the key width ``kv_heads * head_dim``, down to 4."""
+        ranks = [width]
+        while ranks[-1] > 4 and len(ranks) < 6:
+            ranks.append(ranks[-1] // 2)
+        return tuple(reversed(ranks))
+
+
+@dataclass
+class Recorded:
+    """One forward over token ids with a full cache: per layer its post-RoPE keys and values ``[kv_heads, seq, d]``,
+    its last ``queries`` ``[q_heads, n, d]`` and their scaling; and, where hooks saw them, each layer's input and
+    pre-RoPE keys ``[seq, ...]``."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    queries: list[torch.Tensor]
+    scaling: float
+    inputs: list[torch.Tensor] = field(default_factory=list)
+    pre_rope: list[torch.Tensor] = field(default_factory=list)
+
+
+@torch.inference_mode()
+def record(model: PreTrainedModel, ids: list[int], queries: int, hooks: bool = False) -> Recorded:
+    """Feed ``ids`` through a full kvcompress cache keeping each layer's last ``queries`` queries; with ``hooks``,
+    also each attention module's input and its key projection's output (the pre-RoPE keys)."""
+    cache = FullKV().make_cache(model, TokenSpans.every(model.config.get_text_config().vocab_size))
+    cache.record_prefill(queries)
+    inputs: list[torch.Tensor] = []
+    pre_rope: list[torch.Tensor] = []
+    handles = []
+    if hooks:
+        for module in attention_modules(model):
+            handles.append(module.register_forward_pre_hook(lambda _m, args, kwargs: inputs.append(kwargs.get("hidden_states", args[0] if args else None)[0]),
+                                                            with_kwargs=True))
+            handles.append(module.k_proj.register_forward_hook(lambda _m, _args, out: pre_rope.append(out[0])))
+    try:
+        model(torch.tensor([ids], device=model.device), past_key_values=cache, logits_to_keep=1)
+    finally:
+        for handle in handles:
+            handle.remove()
+    layers = [layer for layer in cache.layers if not layer.is_sliding]
+    return Recorded([layer.keys[0] for layer in layers], [layer.values[0] for layer in layers],
+                    [layer.intake.recorded[0][0] for layer in layers], layers[0].intake.recorded[1], inputs, pre_rope)
+
+
+def last_rows_attention(queries: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Causal attention ``[q_heads, n, seq]`` of the last ``n`` positions' queries ``[q_heads, n, d]`` over ``keys [kv_heads, seq, d]``."""
+    n, seq = queries.shape[-2], keys.shape[-2]
+    logits = grouped_logits(queries[None], keys[None], scaling)[0]
+    visible = torch.arange(seq, device=keys.device)[None, :] <= torch.arange(seq - n, seq, device=keys.device)[:, None]
+    return logits.masked_fill(~visible, -torch.inf).softmax(dim=-1)
+
+
+def _ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> list[int]:
+    return tokenizer(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+
+
+def _answer(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, messages: list[dict], tokens: int) -> list[int]:
+    from ..generation import generate  # noqa: PLC0415 - generation sits above the bench's metrics
+
+    return generate(model, tokenizer, messages, method=FullKV(), max_new_tokens=tokens).token_ids[0]
+
+
+def hit_rates_along_generation(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, messages: list[dict], settings: Settings,
+                               prefix_end: int | None = None) -> dict:
+    """SnapKV's Fig. (a): the observation window's selection against each ``span`` of the generated answer, per
+    layer (``prefix_end``: where the prefix ends, default before the window); also over the whole answer."""
+    prompt = _ids(tokenizer, messages)
+    answer = _answer(model, tokenizer, messages, settings.generated)
+    seen = record(model, prompt + answer, settings.window + len(answer))
+    end = prefix_end if prefix_end is not None else len(prompt) - settings.window
+    per_layer, whole = [], []
+    for keys, queries in zip(seen.keys, seen.queries):
+        attention = last_rows_attention(queries, keys, seen.scaling)[..., :end]
+        selection = vote_mask(attention[:, : settings.window], settings.share)[:, None, :]
+        generated = significant(attention[:, settings.window :], settings.theta)
+        per_layer.append([hit_rate(generated[:, start : start + settings.span], selection) for start in range(0, len(answer), settings.span)])
+        whole.append(hit_rate(generated, selection))
+    return {"prompt_tokens": len(prompt), "answer_tokens": len(answer), "per_span": per_layer, "whole": whole}
+
+
+def pair_hit_rates(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, document: str, questions: list[str], settings: Settings) -> list:
+    """SnapKV's Fig. (c): two questions on one document, each with its answer; each pair's last ``window`` tokens
+    (question and answer) vote on the document (the tokens both prompts share), and ``H(vote A, vote B)``, per layer."""
+    prompts = [_ids(tokenizer, [{"role": "user", "content": document + "\n\n" + question}]) for question in questions]
+    shared = next(i for i, (a, b) in enumerate(zip(*prompts)) if a != b)  # the document's tokens, before either question
+    selections = []
+    for question, prompt in zip(questions, prompts):
+        answer = _answer(model, tokenizer, [{"role": "user", "content": document + "\n\n" + question}], settings.window)
+        seen = record(model, prompt + answer, settings.window)
+        selections.append([vote_mask(last_rows_attention(q, k, seen.scaling)[..., :shared], settings.share) for q, k in zip(seen.queries, seen.keys)])
+    return [hit_rate(first, second) for first, second in zip(*selections)]
+
+
+def energy_rank(spectrum: torch.Tensor, share: float = 0.9) -> int:
+    """The fewest singular values holding ``share`` of the energy (their squares' sum) of a relative ``spectrum``."""
+    energy = spectrum.square().cumsum(0)
+    return int((energy < share * energy[-1]).sum()) + 1
+
+
+def key_spectra(model: PreTrainedModel, ids: list[int]) -> dict:
+    """ShadowKV's Fig. 1a: per layer, the relative spectra of the attention's input, ``W_k``, ``W_v``, the pre-RoPE
+    keys, the post-RoPE keys and the values (heads side by side: ``[seq, kv_heads * d]``); the rank holding 90% of
+    each one's energy, per layer, and the middle layer's spectra."""
+    seen = record(model, ids, 1, hooks=True)
+    modules = [m for m in attention_modules(model)]
+    kinds = {
+        "layer input": seen.inputs, "W_k": [m.k_proj.weight for m in modules], "W_v": [m.v_proj.weight for m in modules],
+        "pre-RoPE keys": seen.pre_rope, "post-RoPE keys": [k.transpose(0, 1).flatten(1) for k in seen.keys],
+        "values": [v.transpose(0, 1).flatten(1) for v in seen.values],
+    }
+    middle = len(modules) // 2
+    spectra = {kind: [relative_spectrum(m) for m in matrices] for kind, matrices in kinds.items()}
+    return {"ranks_90": {kind: [energy_rank(s) for s in values] for kind, values in spectra.items()},
+            "middle_layer": middle, "middle_spectra": {kind: values[middle].tolist() for kind, values in spectra.items()}}
+
+
+def subspace_similarities(model: PreTrainedModel, context: list[int], continuation: list[int], other: list[int], rank: int) -> dict:
+    """ShadowKV's Fig. 1b: per layer, ``D`` between the rank-``rank`` right subspaces of a context's pre-RoPE keys and
+    those of the context extended by ``continuation``, and of another context of the same length."""
+    keys = {name: record(model, ids, 1, hooks=True).pre_rope for name, ids in
+            (("context", context), ("extended", context + continuation), ("other", other))}
+    bases = {name: [top_subspace(k, rank) for k in layers] for name, layers in keys.items()}
+    return {"extended context": [subspace_similarity(a, b) for a, b in zip(bases["context"], bases["extended"])],
+            "inter-context": [subspace_similarity(a, b) for a, b in zip(bases["context"], bases["other"])]}
+
+
+def svd_share(model: PreTrainedModel, ids: list[int], lengths: tuple[int, ...]) -> list[dict]:
+    """ShadowKV's Fig. 1c: the SVD of every layer's pre-RoPE keys against the prefill's time, per prompt length."""
+    rows = []
+    for length in lengths:
+        start = time.perf_counter()
+        seen = record(model, ids[:length], 1, hooks=True)
+        prefill = time.perf_counter() - start
+        start = time.perf_counter()
+        for keys in seen.pre_rope:
+            torch.linalg.svd(keys.float(), full_matrices=False)
+        rows.append({"length": length, "prefill_s": prefill, "svd_s": time.perf_counter() - start})
+        rows[-1]["svd_share"] = rows[-1]["svd_s"] / prefill
+    return rows
+
+
+def chunk_cosines(model: PreTrainedModel, ids: list[int], chunk: int, threshold: float) -> dict:
+    """ShadowKV's Fig. 3b: per layer, the chunks of ``chunk`` post-RoPE keys whose minimum cosine similarity to their
+    mean is under ``threshold`` (a share of all chunks and heads), and the 0.3% quantile of that minimum."""
+    seen = record(model, ids[: len(ids) // chunk * chunk], 1)
+    shares, quantiles = [], []
+    for keys in seen.keys:
+        valid = torch.ones(1, keys.shape[-2], dtype=torch.bool, device=keys.device)
+        minimum = chunk_min_cosine(keys[None].float(), chunk_landmarks(keys[None].float(), valid, chunk), valid, chunk).flatten()
+        shares.append(outlier_fraction(minimum, threshold))
+        quantiles.append(float(minimum.quantile(0.003)))
+    return {"outlier_share": shares, "quantile_0.3%": quantiles}
+
+
+def needle_accuracy_by_rank(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, settings: Settings, ranks: tuple[int, ...]) -> list[dict]:
+    """ShadowKV's Fig. 3a: a needle's retrieval (depths 10%, 50%, 90%) with ShadowKV at each key rank, through the
+    accuracy suite's needle task and scoring."""
+    from ..generation import generate  # noqa: PLC0415
+    from .accuracy import build_samples  # noqa: PLC0415
+    from .metrics import score  # noqa: PLC0415
+
+    samples = build_samples(tokenizer, ["niah"], [settings.tokens], [0.1, 0.5, 0.9], 1, 0, "essays")
+    rows = []
+    for rank in ranks:
+        scores = [score(generate(model, tokenizer, sample.messages(), method=ShadowKV(budget=settings.budget, rank=rank),
+                                 max_new_tokens=sample.max_new_tokens).text, sample.turns[0].answers, sample.metric) for sample in samples]
+        rows.append({"rank": rank, "accuracy": sum(scores) / len(scores)})
+    return rows
+
+
+def observe(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, settings: Settings | None = None, progress: bool = True) -> dict:
+    """Every measurement above on ``model``, over a document built from the essays haystack with two facts in it."""
+    from ..generation import generate  # noqa: PLC0415
+
+    settings = settings or Settings()
+    document = fill(tokenizer, settings.tokens, [(0.3, NEEDLES[0][0]), (0.7, NEEDLES[1][0])], kind="essays")
+    question = NEEDLES[0][1]
+    text = lambda kind, n: tokenizer(fill(tokenizer, n, [], kind=kind), add_special_tokens=False)["input_ids"]  # noqa: E731
+    ids = text("essays", max(settings.tokens, *settings.lengths))
+    context = ids[: settings.tokens * 8 // 9]
+    dim = model.config.get_text_config()
+    steps = {
+        "snapkv_along_generation": lambda: hit_rates_along_generation(model, tokenizer, [{"role": "user", "content": document + "\n\n" + LONG_ANSWER}], settings),
+        "snapkv_question_after": lambda: hit_rates_along_generation(model, tokenizer, [{"role": "user", "content": document + "\n\n" + question}], settings),
+        "snapkv_question_before": lambda: hit_rates_along_generation(model, tokenizer, [{"role": "user", "content": question + "\n\n" + document}], settings),
+        "snapkv_question_pairs": lambda: pair_hit_rates(model, tokenizer, document, [q for _, q in NEEDLES], settings),
+        "shadowkv_spectra": lambda: key_spectra(model, ids[: settings.tokens]),
+        "shadowkv_subspaces": lambda: subspace_similarities(model, context, ids[len(context) : settings.tokens], text("prose", len(context))[: len(context)], settings.rank),
+        "shadowkv_svd_share": lambda: svd_share(model, ids, settings.lengths),
+        "shadowkv_chunks": lambda: chunk_cosines(model, ids[: settings.tokens], settings.chunk, settings.outlier_cosine),
+        "shadowkv_reuse": lambda: generate(model, tokenizer, [{"role": "user", "content": document + "\n\n" + LONG_ANSWER}],
+                                           method=ShadowKV(budget=settings.budget), max_new_tokens=settings.generated).stats["chunk_hit_rate"],
+        "shadowkv_rank_accuracy": lambda: needle_accuracy_by_rank(model, tokenizer, settings, settings.ranks(dim.num_key_value_heads * dim.head_dim)),
+    }
+    results: dict = {"settings": asdict(settings)}
+    for name, step in tqdm(steps.items(), desc="observe", disable=not progress, unit="step"):
+        results[name] = step()
+    return results
+
+
+def _mean(values: list) -> float | None:
+    known = [v for v in values if v is not None]
+    return sum(known) / len(known) if known else None
+
+
+def summary(results: dict) -> list[tuple[str, str, str]]:
+    """(measurement, this model, the paper's) rows: layer means where a measurement is per layer."""
+    spans = results["snapkv_along_generation"]["per_span"]
+    by_span = [_mean([layer[i] for layer in spans if i < len(layer)]) for i in range(max(len(layer) for layer in spans))]
+    ranks = results["shadowkv_spectra"]["ranks_90"]
+    fmt = lambda value: "-" if value is None else f"{value:.2f}"  # noqa: E731
+    svd = results["shadowkv_svd_share"]
+    rank_rows = results["shadowkv_rank_accuracy"]
+    return [
+        ("SnapKV: H along generation, per window of answer tokens", " / ".join(fmt(v) for v in by_span), "high in every window (Mistral-7B, Ultrachat)"),
+        ("SnapKV: H with the question after / before the document", f"{fmt(_mean(results['snapkv_question_after']['whole']))} / "
+         f"{fmt(_mean(results['snapkv_question_before']['whole']))}", "high either way (LongBench QA)"),
+        ("SnapKV: H between two question-answer pairs on one document", fmt(_mean(results["snapkv_question_pairs"])), "lower: questions vote for different keys"),
+        ("ShadowKV: rank holding 90% of the energy (input / W_k / W_v / pre-RoPE / post-RoPE / values)",
+         " / ".join(f"{_mean(ranks[k]):.0f}" for k in ("layer input", "W_k", "W_v", "pre-RoPE keys", "post-RoPE keys", "values")), "pre-RoPE keys the lowest"),
+        ("ShadowKV: D(context, extended) / D(context, another)", f"{fmt(_mean(results['shadowkv_subspaces']['extended context']))} / "
+         f"{fmt(_mean(results['shadowkv_subspaces']['inter-context']))}", "high / low (rank 256, Llama-3.1-8B)"),
+        ("ShadowKV: SVD's share of the prefill, by prompt length", " / ".join(f"{row['length']}: {row['svd_share']:.2f}" for row in svd), "falls as prompts grow"),
+        (f"ShadowKV: chunks with a key under cosine {results['settings']['outlier_cosine']} to their mean",
+         f"{100 * _mean(results['shadowkv_chunks']['outlier_share']):.2f}%", "outliers are 0.2-0.3% of chunks"),
+        ("ShadowKV: selected chunks already selected the step before", fmt(results["shadowkv_reuse"]), "> 60%"),
+        ("ShadowKV: needle accuracy by key rank", " / ".join(f"{row['rank']}: {row['accuracy']:.2f}" for row in rank_rows), "no drop down to ~1/6 of the key width"),
+    ]
+
+
+def write_report(results: dict, out: str | Path) -> list[str]:
+    """``observations.json`` and one PNG per figure in ``out``; returns the names written."""
+    import matplotlib  # noqa: PLC0415 - only to draw
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    folder = Path(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "observations.json").write_text(json.dumps(results, indent=1))
+    figures = {}
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.4))
+    spans = results["snapkv_along_generation"]["per_span"]
+    for index in range(max(len(layer) for layer in spans)):
+        axes[0].plot([layer[index] if index < len(layer) else None for layer in spans], label=f"answer tokens {index * results['settings']['span']}+")
+    for key, label in (("snapkv_question_after", "question after the document"), ("snapkv_question_before", "question before")):
+        axes[1].plot(results[key]["whole"], label=label)
+    axes[2].plot(results["snapkv_question_pairs"], label="H(vote A, vote B)")
+    for axis, title in zip(axes, ("along generation", "question position", "two question-answer pairs")):
+        axis.set(xlabel="layer", ylabel="hit rate", title=title, ylim=(0, 1.02))
+        axis.legend(fontsize=7)
+    figures["snapkv_hit_rates.png"] = fig
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.4))
+    for kind, values in results["shadowkv_spectra"]["middle_spectra"].items():
+        axes[0].semilogy(values, label=kind)
+    axes[0].set(xlabel="singular value index", ylabel="relative singular value", title=f"spectra, layer {results['shadowkv_spectra']['middle_layer']}")
+    axes[0].legend(fontsize=7)
+    for key, values in results["shadowkv_subspaces"].items():
+        axes[1].plot(values, label=key)
+    axes[1].set(xlabel="layer", ylabel="D", title="pre-RoPE key subspaces", ylim=(0, 1.02))
+    axes[1].legend(fontsize=7)
+    axes[2].plot([100 * v for v in results["shadowkv_chunks"]["outlier_share"]])
+    axes[2].set(xlabel="layer", ylabel="% of chunks", title="outlier chunks (min cosine to the mean)")
+    figures["shadowkv_keys.png"] = fig
+    for name, figure in figures.items():
+        figure.tight_layout()
+        figure.savefig(folder / name, dpi=110)
+        plt.close(figure)
+    return ["observations.json", *figures]
