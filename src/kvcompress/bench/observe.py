@@ -151,7 +151,7 @@ def record(model: PreTrainedModel, ids: list[int], queries: int, hooks: bool = F
                                                             with_kwargs=True))
             handles.append(module.k_proj.register_forward_hook(lambda _m, _args, out: pre_rope.append(out[0])))
     try:
-        model(torch.tensor([ids], device=model.device), past_key_values=cache, logits_to_keep=1)
+        model(torch.tensor([ids], device=model.device), **{cache.keyword: cache}, logits_to_keep=1)
     finally:
         for handle in handles:
             handle.remove()
