@@ -15,7 +15,8 @@ question is asked three ways in turn, so drift on a shared machine hits all alik
 
 Reported per way (medians over rounds; ratios taken within a round): time to the first token
 (prefill, compression and the first token's logits: ``prefill_s``), decoding ms per token, device
-bytes while decoding and, for the stored context, its bytes and where they are. Writes JSON and a PNG.
+bytes while decoding and, for the stored context, its bytes and where they are; and the saved file's
+size of the store, whole and thinned by KVzip (``--thinned``: ratios). Writes JSON and a PNG.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import tempfile
 from pathlib import Path
 
 import torch
@@ -34,6 +36,14 @@ from kvcompress.models import random_model
 
 NEEDLE = "The vault code for the east wing is 4817."
 QUESTION = "What is the vault code for the east wing? Answer with the code."
+
+
+def file_bytes(context: kvc.Result) -> int:
+    """The size of ``context`` saved as a .kvc file."""
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "context.kvc"
+        context.save(path)
+        return path.stat().st_size
 
 
 def byte_tokenizer():
@@ -67,6 +77,7 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=32, help="tokens decoded per answer (decoding ms/token)")
+    parser.add_argument("--thinned", default="0.5,0.25", help="KVzip ratios (layers=uniform) of thinned stores whose file sizes are reported")
     parser.add_argument("--out", default="docs/img/stored_context_cpu", help="path without extension: .json and .png are written")
     args = parser.parse_args()
     model, tok = (random_model(args.preset), byte_tokenizer()) if args.preset else kvc.load_model()
@@ -96,11 +107,16 @@ def main() -> None:
             row[f"{way}_device_bytes"] = last[way].stats["device_bytes"]
         row["ttft_ratio"] = statistics.median(s / a for s, a in zip(ttft["stored"], ttft["afresh"]))
         row["decode_ratio"] = statistics.median(s / a for s, a in zip(decode["stored"], decode["afresh"]))
+        row["file_bytes"] = {"full": file_bytes(context)}
+        for ratio in (float(r) for r in args.thinned.split(",") if r):
+            thinned = kvc.compress(model, tok, [{"role": "user", "content": document}], method=kvc.KVzip(ratio=ratio, layers="uniform"), query_window=64)
+            row["file_bytes"][f"kvzip ratio {ratio}"] = file_bytes(thinned)
         rows.append(row)
         print(f"{length} tokens: TTFT afresh {row['afresh_ttft_s']:.2f} s, stored {row['stored_ttft_s']:.2f} s ({row['ttft_ratio']:.3f}x); "
               f"decode {row['afresh_decode_ms']:.1f} vs {row['stored_decode_ms']:.1f} ms/token ({row['decode_ratio']:.3f}x); device "
               f"{row['afresh_device_bytes'] / 2**20:.2f} vs {row['stored_device_bytes'] / 2**20:.2f} MiB; store "
-              f"{row['context_bytes'] / 2**20:.1f} MiB on {row['context_on']} (built in {row['store_s']:.2f} s); same answer: {row['same_answer']}")
+              f"{row['context_bytes'] / 2**20:.1f} MiB on {row['context_on']} (built in {row['store_s']:.2f} s); same answer: {row['same_answer']}; "
+              f"files: " + ", ".join(f"{name} {size / 2**20:.1f} MiB" for name, size in row["file_bytes"].items()))
     out = Path(args.out)
     out.with_suffix(".json").write_text(json.dumps({"machine": machine(model.device), "settings": vars(args), "rows": rows}, indent=1))
     plot(rows, out.with_suffix(".png"))
