@@ -86,7 +86,7 @@ def test_full_cache_equals_plain_generate(family):
 @pytest.mark.parametrize("method", list(COVERING))
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_every_method_runs_or_is_refused(family, method):
-    model, tok = family_model(family), char_tokenizer()
+    model, tok = shared_model(family), char_tokenizer()
     if (family, method) in REFUSED:
         with pytest.raises(kvc.UnsupportedModelError, match=REFUSED[family, method]) as refused:
             kvc.generate(model, tok, PROMPT, method=COVERING[method], max_new_tokens=2)
@@ -110,12 +110,20 @@ def test_every_method_runs_or_is_refused(family, method):
 
 
 _REFERENCES: dict[str, tuple[kvc.Result, kvc.Prefill, torch.Tensor]] = {}
+_MODELS: dict[str, torch.nn.Module] = {}
+
+
+def shared_model(family: str) -> torch.nn.Module:
+    """One model of ``family`` for all its cells (as a user keeps one model for every cache)."""
+    if family not in _MODELS:
+        _MODELS[family] = family_model(family)
+    return _MODELS[family]
 
 
 def full_reference(family: str) -> tuple[kvc.Result, kvc.Prefill]:
     """The full cache's answer to PROMPT on ``family``'s model and a prefill record of PROMPT (shared by the cells)."""
     if family not in _REFERENCES:
-        model, tok = family_model(family), char_tokenizer()
+        model, tok = shared_model(family), char_tokenizer()
         full = kvc.generate(model, tok, PROMPT, method=kvc.FullKV(), max_new_tokens=8)
         record = kvc.prefill(model, tok, PROMPT, query_window=None)
         _REFERENCES[family] = (full, record, kvc.teacher_forced_logprobs(model, record, kvc.FullKV(), full.token_ids[0]))

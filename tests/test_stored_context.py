@@ -179,12 +179,11 @@ def test_the_command_line_asks_a_stored_file_per_question(tmp_path):
     (tmp_path / "doc.txt").write_text(DOCUMENT[0]["content"])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, ["src", os.environ.get("PYTHONPATH")]))}
     run = lambda *args: subprocess.run([sys.executable, "-m", "kvcompress", *map(str, args)], capture_output=True, text=True, env=env)  # noqa: E731
-    made = run("compress", "--model", folder, "--method", "full", "--prompt-file", tmp_path / "doc.txt", "--out", tmp_path / "doc.kvc")
-    assert made.returncode == 0, made.stderr
+    model, tok = kvc.load_model(str(folder))
+    kvc.compress(model, tok, DOCUMENT, method=kvc.FullKV()).save(tmp_path / "doc.kvc")  # as `kvcompress compress --method full` writes it
     asked = run("generate", "--model", folder, "--past", tmp_path / "doc.kvc", "--method", "snapkv", "--budget", "48", "--window", "8",
                 "--prompt", QUESTIONS[0], "--max-new-tokens", "6", "--json")
     assert asked.returncode == 0, asked.stderr
-    model, tok = kvc.load_model(str(folder))
     expected = kvc.generate(model, tok, joined(QUESTIONS[0]), method=kvc.SnapKV(budget=48, window=8), max_new_tokens=6)
     answer = json.loads(asked.stdout)
     assert answer["text"] == expected.text and answer["method"] == expected.stats["method"] and answer["context_on"] == "cpu"
