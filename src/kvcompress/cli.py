@@ -258,14 +258,14 @@ def _cmd_methods(args: argparse.Namespace, console: Console) -> int:
 def _cmd_observe(args: argparse.Namespace, console: Console) -> int:
     from .bench import observe
 
+    if args.tokens is not None and args.tokens < 64:
+        raise InvalidParameterError(f"--tokens {args.tokens} is invalid; give a document of 64 tokens or more")
     folder = Path(args.out)
     if folder.exists() and not folder.is_dir():
         raise InvalidParameterError(f"--out {args.out} is a file; give a folder for observations.json and the figures")
     folder.mkdir(parents=True, exist_ok=True)
     target = folder / "observations.json"
     check_output("--out", str(target), args.force, {})
-    if args.tokens is not None and args.tokens < 64:
-        raise InvalidParameterError(f"--tokens {args.tokens} is invalid; give a document of 64 tokens or more")
     settings = observe.Settings.quick() if args.quick else observe.Settings()
     if args.tokens is not None:
         settings.tokens = args.tokens
