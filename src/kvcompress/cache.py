@@ -42,7 +42,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 from .intake import PromptIntake, StoredPrompt
 from .slots import DenseSlots, RingSlots, Slots, held_state, inner, nested, on_device
 from .slots import capacity_bucket, spare_slots  # noqa: F401 (where they lived before slots.py)
-from .tensors import nbytes, prompt_positions
+from .tensors import nbytes, prompt_positions, to_host
 from .tokens import TokenSpans
 
 
@@ -621,7 +621,7 @@ class KVCompressCache(Cache):
         """Every tensor of this cache's layers to ``device`` (host memory: pinned, so a GPU reads it fast);
         only for layers whose storage a later prompt can read (``stored_prompt``)."""
         device = torch.device(device)
-        place = (lambda t: t.to(device)) if device.type != "cpu" or not torch.cuda.is_available() else (lambda t: t.cpu().pin_memory())
+        place = to_host if device.type == "cpu" else (lambda t: t.to(device))
         for layer in self.layers:
             layer.move(place, device)
 

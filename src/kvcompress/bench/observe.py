@@ -220,7 +220,7 @@ def key_spectra(model: PreTrainedModel, ids: list[int]) -> dict:
     keys, the post-RoPE keys and the values (heads side by side: ``[seq, kv_heads * d]``); the rank holding 90% of
     each one's energy, per layer, and the middle layer's spectra."""
     seen = record(model, ids, 1, hooks=True)
-    modules = [m for m in attention_modules(model)]
+    modules = list(attention_modules(model))
     kinds = {
         "layer input": seen.inputs, "W_k": [m.k_proj.weight for m in modules], "W_v": [m.v_proj.weight for m in modules],
         "pre-RoPE keys": seen.pre_rope, "post-RoPE keys": [k.transpose(0, 1).flatten(1) for k in seen.keys],
