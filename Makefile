@@ -1,5 +1,6 @@
 # `make run`: set up .venv if needed, fetch the embedded model if needed, run the demo.
-# `make test`: set up .venv if needed, run the test suite.
+# `make test`: set up .venv if needed, run the test suite (a worker per core, each test file on one worker so the
+# files' shared models are built once; tests/conftest.py splits the cores' threads among the workers).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvcompress-installed
@@ -23,7 +24,7 @@ run: model
 	$(PY) -m kvcompress.cli demo
 
 test: model
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto --dist loadfile
 
 # `make vllm`: vLLM's CPU build pins its own torch and transformers, so it gets its own venv (never a dependency of
 # the package); PyPI's torchvision does not load beside the CPU torch wheel and is not used. `make vllm-test` (CI's
