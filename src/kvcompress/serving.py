@@ -21,7 +21,7 @@ from transformers import AutoConfig
 from .methods import METHODS, method_from_name
 from .methods.base import InvalidParameterError, Method
 from .methods.prompt import PromptMethod
-from .rope import rotary_from_config
+from .rope import check_rope_config
 
 FIELD = "kvcompress"  # the request body's field, and the key of the engine's settings in vLLM's additional_config
 ENGINE_ENV = "KVCOMPRESS_ENGINE"  # the engine's settings for the API server's middleware (``kvcompress serve`` sets it)
@@ -82,13 +82,38 @@ def method_of(settings: Any, default: Method | None = None) -> Method:
 
 
 def scorable(method: Method, config: Any) -> Method:
-    """``method`` if it can score a model with this transformers ``config`` (None: unknown here, not checked),
-    else ``InvalidParameterError`` saying why: a method reading the rotary embedding needs a RoPE model."""
-    if config is not None and method.needs_rotary() and rotary_from_config(config, 0) is None:
-        kind = config.get_text_config().model_type
-        raise InvalidParameterError(f"{FIELD}: method={method.name!r} scores with the model's rotary embedding, and "
-                                    f"transformers has no rotary class for model type {kind!r}")
+    """``method`` if a vLLM engine can apply it to a model with this transformers ``config`` (None: unknown here, not
+    checked), else ``InvalidParameterError`` saying why in one line, the family's quirks read from its config, as
+    the library reads them from the model: a method reading the rotary embedding needs RoPE kvcompress can invert
+    (``rope.check_rope_config``); a compressing method needs every layer to attend the whole prompt (vLLM pages a
+    sliding-window layer's cache apart and drops what leaves its window, which a compressed cache's slots are not)."""
+    if config is None:
+        return method
+    kind = config.get_text_config().model_type
+    if isinstance(method, PromptMethod) and sliding_layers(config):
+        raise InvalidParameterError(
+            f"{FIELD}: method={method.name!r} cannot be served on model type {kind!r}: it has sliding-window layers "
+            f"({', '.join(map(str, sliding_layers(config)))}), which vLLM pages apart from a compressed cache; serve it "
+            f"with method='full', or compress it with the library (kvcompress generate)"
+        )
+    if method.needs_rotary():
+        problem = check_rope_config(config, 0)
+        if problem:
+            raise InvalidParameterError(f"{FIELD}: method={method.name!r} scores with the model's rotary embedding, and "
+                                        f"model type {kind!r}: {problem}")
     return method
+
+
+def sliding_layers(config: Any) -> list[int]:
+    """The layers of a model with ``config`` that attend a sliding window (its ``layer_types``, or every layer where
+    the config sets ``sliding_window`` without layer types and does not turn it off)."""
+    text = config.get_text_config()
+    types = getattr(text, "layer_types", None)
+    if types:
+        return [index for index, kind in enumerate(types) if kind == "sliding_attention"]
+    if getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True) is not False:
+        return list(range(text.num_hidden_layers))
+    return []
 
 
 def model_config(model: str) -> Any:

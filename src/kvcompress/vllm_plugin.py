@@ -53,6 +53,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 from vllm.v1.core.sched.scheduler import Scheduler
 
+from .attention import scoring_sinks
 from .methods import SnapKV, method_from_name
 from .methods.base import InvalidParameterError, Method
 from .methods.prompt import select_kept
@@ -242,7 +243,8 @@ class KVCompressCPUImpl(CPUAttentionBackendImpl):
             raise RuntimeError(f"kvcompress: a prompt of {length} tokens came with {spans.shape[-1]} token ids")
         rotary = self.layer_rotary(layer) if method.needs_rotary() else None
         prompt = PromptLayer(key.transpose(0, 1)[None], value.transpose(0, 1)[None], spans, rotary)
-        scores = method.layer_scores(prompt, query.transpose(0, 1)[None], self.scale)
+        with scoring_sinks(self.sinks):  # gpt-oss's learned sinks take their share of the scorer's softmax, as in the library
+            scores = method.layer_scores(prompt, query.transpose(0, 1)[None], self.scale)
         valid = prompt.slot_validity()
         kept, _ = select_kept(scores, valid, torch.tensor([kept_count(method, length)]))  # [1, kv_heads, n] ascending
         heads = torch.arange(key.shape[1])[None, :]
