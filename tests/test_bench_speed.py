@@ -140,3 +140,30 @@ def test_cli_prints_the_table_and_the_overlap(tmp_path, capsys):
     assert len((out / "rows.jsonl").read_text().splitlines()) == 1 + 2
     assert main([*argv[:-2], "--steps", "3", "--out", str(out)]) == 2  # other settings are refused, not mixed in
     assert "holds a run with other settings" in capsys.readouterr().err
+
+
+def test_the_headline_sets_each_method_beside_transformers_generate_on_the_same_tokens(tmp_path):
+    """The reference is transformers' own generate (its cache measured from its tensors, a stamp per token), run
+    before kvcompress touches the model; each method's row is compared with it at the same shape."""
+    from kvcompress.bench.headline import CEILING, REFERENCE, run_headline
+
+    model = tiny_model()
+    layers, kv_heads, head_dim = 2, model.config.num_key_value_heads, model.config.head_dim
+    report = run_headline(model, ["full", "snapkv:budget=32:window=8"], [150], [1, 2], tmp_path, steps=3, warmup=1, progress=False)
+    reference = {(r["method"], r["prompt_tokens"], r["batch"]): r for r in report["reference"]}
+    assert set(reference) == {(CEILING, 1, 1), (CEILING, 1, 2), (REFERENCE, 150, 1), (REFERENCE, 150, 2)}
+    for (name, length, batch), row in reference.items():  # generate's cache after 1 + warmup + steps tokens, the last not fed
+        assert row["kv_device_bytes"] == layers * 2 * batch * kv_heads * (length + 1 + 1 + 3 - 1) * head_dim * 4
+        assert row["ttft_s"] > 0 and row["decode_ms_per_token"] > 0
+    rows = {(r["method"], r["batch"]): r for r in report["rows"]}
+    grid = {(r["method"], r["batch"]): r for r in json.loads((tmp_path / "speed.json").read_text())["rows"]}
+    assert set(rows) == set(grid) and len(rows) == 4
+    for key, row in rows.items():
+        base = reference[REFERENCE, 150, key[1]]
+        assert row["decode_speedup"] == base["decode_ms_per_token"] / grid[key]["decode_ms_per_token"]
+        assert row["memory_ratio"] == base["kv_device_bytes"] / grid[key]["kv_device_bytes"]
+        assert row["ttft_s"] == grid[key]["prefill_s"] and row["ceiling_ms_per_token"] == reference[CEILING, 1, key[1]]["decode_ms_per_token"]
+    assert rows["snapkv:budget=32:window=8", 2]["memory_ratio"] > 2 * rows["full", 2]["memory_ratio"]
+    assert (tmp_path / "headline.png").stat().st_size > 1000 and json.loads((tmp_path / "headline.json").read_text())["paper"]["decode_speedup"] == 3.6
+    with pytest.raises(ValueError, match="needs a model no kvcompress cache has attached to"):  # this model now has been
+        run_headline(model, ["full"], [150], [1], tmp_path / "again", steps=3, warmup=1, progress=False)

@@ -265,3 +265,38 @@ def test_a_method_reading_the_rotary_embedding_is_refused_for_a_model_without_on
 
     asyncio.run(middleware({"type": "http", "method": "POST", "headers": []}, receive, send))
     assert sent[0]["status"] == 400 and json.loads(sent[1]["body"])["error"]["message"] == f"kvcompress: {why}"
+
+
+@pytest.mark.parametrize("family", ["qwen3", "phi3-partial-rotary", "gemma2"])
+def test_a_family_is_served_as_the_library_compresses_it_or_refused_at_start(family, tmp_path):
+    """A tiny model of the family (widened to vLLM's CPU head size), one engine of the full cache, each method a
+    request of its own: every method the server takes answers with the library's tokens; a method it refuses on
+    the family (Gemma 2's sliding-window layers) is refused by `kvcompress serve` at start, in one line."""
+    from .fixtures import char_tokenizer, family_model
+
+    model = family_model(family, hidden_size=256, head_dim=64, num_attention_heads=4, num_key_value_heads=2)
+    model.save_pretrained(tmp_path)
+    char_tokenizer().save_pretrained(tmp_path)
+    ids = torch.randint(3, 128, (600,), generator=torch.Generator().manual_seed(5)).tolist()
+    served, refused = [], []
+    for method in (kvc.FullKV(), kvc.SnapKV(budget=64, window=8, clustering="pool"), kvc.ExpectedAttention(budget=64)):
+        try:
+            served.append(serving.scorable(method, model.config))
+        except kvc.InvalidParameterError as refusal:
+            refused.append((method, str(refusal)))
+    llm = vllm.LLM(model=str(tmp_path), **{**ENGINE, "max_model_len": 1024, "max_num_batched_tokens": 1024},
+                   **serving.engine_options(kvc.FullKV()))
+    params = [vllm.SamplingParams(max_tokens=8, temperature=0, extra_args={"kvcompress": {"method": m.name, **m.settings()}})
+              for m in served]
+    answers = llm.generate([{"prompt_token_ids": ids}] * len(served), params, use_tqdm=False)
+    del llm
+    for method, answer in zip(served, answers):
+        with torch.no_grad():
+            ours = model.generate(torch.tensor([ids]), past_key_values=method.make_cache(model, char_tokenizer()), max_new_tokens=8,
+                                  do_sample=False)[0, len(ids) :].tolist()
+        assert list(answer.outputs[0].token_ids) == ours, method.name
+    assert (family == "gemma2") == bool(refused) and len(served) + len(refused) == 3
+    for method, why in refused[:1]:
+        done = subprocess.run([sys.executable, "-m", "kvcompress", "serve", str(tmp_path), "--method", method.name],
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2 and done.stderr.strip().splitlines() == [f"kvcompress: error: {why.removeprefix('kvcompress: ')}"]

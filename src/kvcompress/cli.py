@@ -20,6 +20,7 @@ import os
 import sys
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -31,6 +32,8 @@ from .saved import CacheFileError
 from .methods import METHODS, FieldSpec, InvalidParameterError, Method, field_specs, method_class
 from .bench.accuracy import PRESETS as ACCURACY_PRESETS
 from .bench.accuracy import run_accuracy
+from .bench.headline import PRESETS as HEADLINE_PRESETS
+from .bench.headline import run_headline
 from .bench.speed import PRESETS as SPEED_PRESETS
 from .bench.speed import run_speed
 from .bench.haystack import HAYSTACKS
@@ -377,6 +380,53 @@ def _cmd_bench_accuracy(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _bench_model(name: str, dtype: str | None, console: Console) -> Any:
+    """A speed benchmark's model: an architecture preset or config (random weights), 'embedded', or a model path."""
+    import torch
+
+    dtype = getattr(torch, dtype) if dtype else None
+    with console.status(f"building {name}"):
+        if name == "embedded":
+            return load_model(dtype=dtype)[0]
+        if name in ARCHITECTURES or Path(name).exists():
+            return random_model(name, dtype=dtype)
+        return load_model(name, dtype=dtype)[0]
+
+
+def _cmd_bench_headline(args: argparse.Namespace, console: Console) -> int:
+    settings = dict(HEADLINE_PRESETS[args.preset])
+    for key, value in (("model", args.model), ("methods", args.methods and _names(args.methods)), ("lengths", args.lengths and _int_list(args.lengths)),
+                       ("batches", args.batches and _int_list(args.batches)), ("steps", args.steps), ("warmup", args.warmup)):
+        if value:
+            settings[key] = value
+    model = _bench_model(settings["model"], args.dtype, console)
+    report = run_headline(model, settings["methods"], settings["lengths"], settings["batches"], args.out, steps=settings["steps"],
+                          warmup=settings["warmup"], model_name=settings["model"], compile=args.compile)
+    info = report["machine"]
+    console.print(f"{settings['model']} ({report['dtype']}) on {info.get('gpu', info['device'])}, torch {info['torch']}, "
+                  f"transformers {info['transformers']}, {info['cpu_threads']} threads")
+    for row in report["reference"]:
+        if row["status"] == "ok":
+            console.print(f"{row['method']}: {row['prompt_tokens']} tokens x {row['batch']}: first token {row['ttft_s']:.2f} s, "
+                          f"{row['decode_ms_per_token']:.1f} ms/token, KV {_mib(row['kv_device_bytes'])}")
+    table = Table("method", "prompt", "batch", "TTFT s", "TTFT ratio", "ms/token", "transformers", "speedup", "ceiling",
+                  "KV MiB", "memory", title="against transformers' generate" + (" (compiled decoding)" if args.compile else ""))
+    for r in report["rows"]:
+        if r["status"] != "ok":
+            table.add_row(r["method"], str(r["prompt_tokens"]), str(r["batch"]), r["status"], *["-"] * 7)
+            continue
+        table.add_row(r["method"], str(r["prompt_tokens"]), str(r["batch"]), f"{r['ttft_s']:.2f}", f"{r['ttft_vs_transformers']:.2f}x",
+                      f"{r['decode_ms_per_token']:.1f}", f"{r['transformers_ms_per_token']:.1f}", f"{r['decode_speedup']:.2f}x",
+                      _fmt(r["ceiling_speedup"] and f"{r['ceiling_speedup']:.2f}x"), f"{r['kv_device_bytes'] / 2**20:.1f}",
+                      f"{r['memory_ratio']:.1f}x")
+    console.print(table)
+    paper = report["paper"]
+    console.print(f"the paper: {paper['decode_speedup']}x decoding and {paper['memory_ratio']}x memory at {paper['prompt_tokens']} tokens, "
+                  f"batch {paper['batch']} ({paper['source']}); ceiling: transformers' step over the weights-only step")
+    console.print(f"wrote {args.out}/headline.json, headline.png, speed.json", soft_wrap=True)
+    return 0
+
+
 def _cmd_bench_speed(args: argparse.Namespace, console: Console) -> int:
     import torch
 
@@ -385,14 +435,7 @@ def _cmd_bench_speed(args: argparse.Namespace, console: Console) -> int:
                        ("batches", args.batches and _int_list(args.batches)), ("budget", args.budget), ("steps", args.steps), ("warmup", args.warmup)):
         if value:
             settings[key] = value
-    dtype = getattr(torch, args.dtype) if args.dtype else None
-    with console.status(f"building {settings['model']}"):
-        if settings["model"] == "embedded":
-            model = load_model(dtype=dtype)[0]
-        elif settings["model"] in ARCHITECTURES or Path(settings["model"]).exists():
-            model = random_model(settings["model"], dtype=dtype)
-        else:
-            model = load_model(settings["model"], dtype=dtype)[0]
+    model = _bench_model(settings["model"], args.dtype, console)
     report = run_speed(
         model, settings["methods"], settings["lengths"], settings["batches"], args.out, budget=settings["budget"],
         steps=settings["steps"], warmup=settings["warmup"], find_max_context=args.find_max_context, find_max_batch=args.find_max_batch,
@@ -592,6 +635,21 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                        "(the batch's decoding and memory at the cost of one prefill: batch searches at long prompts)")
     speed.add_argument("--out", default="runs/speed")
     speed.set_defaults(run=_cmd_bench_speed, interrupted=_resumable)
+
+    headline = _command(bench, "headline", "the papers' speed headline: time to first token, decoding and memory against "
+                        "transformers' own generate on the same model and tokens")
+    headline.add_argument("--preset", choices=list(HEADLINE_PRESETS), default="cpu", help="cpu: the embedded model's shape (positions to "
+                          "40K), 4K-32K, batch 1-2; gpu: llama-3.1-8b, the same grid")
+    headline.add_argument("--model", help="architecture preset, a config file, 'embedded', or a model path")
+    headline.add_argument("--methods", help="comma-separated method specs name[:field=value...]")
+    headline.add_argument("--lengths", help="comma-separated prompt lengths, e.g. 4k,16k")
+    headline.add_argument("--batches", help="comma-separated batch sizes, e.g. 1,2")
+    headline.add_argument("--steps", type=int, help="timed decoding steps per run")
+    headline.add_argument("--warmup", type=int, help="untimed decoding steps before them")
+    headline.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: bfloat16 on GPU, float32 on CPU")
+    headline.add_argument("--compile", action="store_true", help="kvcompress decodes with the compiled step")
+    headline.add_argument("--out", default="runs/headline")
+    headline.set_defaults(run=_cmd_bench_headline, interrupted=_resumable)
 
     serve = _command(sub, "serve", "serve a model with vLLM's OpenAI-compatible server, each request's KV cache compressed "
                      "(vLLM's CPU build: `make vllm`); flags it does not know go to vLLM (`vllm serve --help`)")

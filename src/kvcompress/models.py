@@ -114,12 +114,15 @@ LLAMA_31_8B = dict(
     rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
     rms_norm_eps=1e-5,
 )
+SMOLLM2_135M = dict(
+    model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+    num_key_value_heads=3, head_dim=64, vocab_size=49152, max_position_embeddings=8192, rope_theta=100000.0,
+    tie_word_embeddings=True, rms_norm_eps=1e-5,
+)
 ARCHITECTURES: dict[str, dict] = {
-    "smollm2-135m": dict(
-        model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-        num_key_value_heads=3, head_dim=64, vocab_size=49152, max_position_embeddings=8192, rope_theta=100000.0,
-        tie_word_embeddings=True, rms_norm_eps=1e-5,
-    ),
+    "smollm2-135m": SMOLLM2_135M,
+    # The same with positions to 40K (random weights: the speed headline's 32K prompts on a CPU).
+    "smollm2-135m-long": {**SMOLLM2_135M, "max_position_embeddings": 40960},
     "llama-3.1-8b": LLAMA_31_8B,
     # The 8B shape with a 1M-token position range (random weights: memory and speed of very long prompts).
     "llama-3.1-8b-1m": {**LLAMA_31_8B, "max_position_embeddings": 1048576 + 1024},  # a 2**20-token prompt, then decoding

@@ -150,6 +150,13 @@ class Timer:
             return start.elapsed_time(end)
         return 1000 * (time.perf_counter() - start)
 
+    def between(self, start, end) -> float:
+        """Milliseconds from one ``start()`` stamp to a later one."""
+        if self.cuda:
+            end.synchronize()
+            return start.elapsed_time(end)
+        return 1000 * (end - start)
+
 
 def fetch_overlap_times(layer: KVLayer, timer: Timer, repeats: int = 10) -> dict | None:
     """For a layer that reads an offload store while decoding (``KVLayer.fetch_overlap``): median ms
@@ -242,6 +249,12 @@ def weight_bytes(model: PreTrainedModel) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
+def prompt_ids(model: PreTrainedModel, length: int, batch: int) -> list[list[int]]:
+    """The random prompts of a run of this shape: the same tokens for every method and for transformers' reference."""
+    generator = torch.Generator().manual_seed(length * 31 + batch)
+    return torch.randint(10, model.config.get_text_config().vocab_size, (batch, length), generator=generator).tolist()
+
+
 @torch.inference_mode()
 def measure(
     model: PreTrainedModel, method: Method, name: str, length: int, batch: int, steps: int, warmup: int, bandwidth: float,
@@ -258,8 +271,7 @@ def measure(
     cache = ids = None
     try:
         _reset_peak(device)
-        generator = torch.Generator().manual_seed(length * 31 + batch)
-        ids = torch.randint(10, model.config.get_text_config().vocab_size, (batch, length), generator=generator).tolist()
+        ids = prompt_ids(model, length, batch)
         spans = TokenSpans.every(model.config.get_text_config().vocab_size)
         start = timer.start()
         feeder, logits = prefill_groups(model, lambda: method.make_cache(model, spans), ids[:1] if replicate else ids, 0, prefill_tokens, stand_in_lead)
