@@ -13,6 +13,9 @@
 #   decode-batch         batch 8 at 16K and 32K, eager then compiled (same methods)
 #   ask                  issue 39: a question over a stored context vs prefilling document + question afresh (SnapKV 2048),
 #                        8B shape at 32K and 128K: time to first token, decoding ms/token, bytes read from host per question
+#   headline             issue 45: against transformers' own generate on the same model and tokens (8B shape, 4K/16K/32K,
+#                        batch 1 and 2): TTFT, decoding speedup and KV memory ratio of full / SnapKV 1024 and 2048 /
+#                        ShadowKV's paper setting, beside SnapKV's 3.6x / 8.2x; the weights-only step as the ceiling
 #   latency              Llama-3.1-8B shape, bf16, batch 1: full / SnapKV 2048 / ShadowKV (default, 1.56%) at 16K-128K
 #   throughput-full      issue 22: largest batch and tokens/s at 122,880 tokens (ShadowKV Table 4), one method per slice,
 #   throughput-snapkv    the batch search up to 64 rows with --replicate (one prefill, its cache copied to every row:
@@ -76,6 +79,10 @@ run_slice() {
     ask)
       mkdir -p "$OUT/ask"
       $PY scripts/ask_bench.py --preset $MODEL --lengths $L_ASK --budget $BUDGET --rounds 2 --tokens 16 --out "$OUT/ask/stored_context" 2>&1 | tee "$OUT/ask/log.txt" ;;
+    headline)
+      mkdir -p "$OUT/headline"
+      if [ "$DRY" = 1 ]; then HEADLINE="--model $MODEL --lengths 512,1024"; else HEADLINE="--preset gpu"; fi
+      $PY -m kvcompress.cli bench headline $HEADLINE $STEPS --out "$OUT/headline" 2>&1 | tee "$OUT/headline/log.txt" ;;
     latency)
       speed latency --model $MODEL --methods full,snapkv,shadowkv,shadowkv:ratio=0.0156 --budget $BUDGET --lengths $L_LAT --batches 1 $STEPS ;;
     throughput-full|throughput-snapkv)
@@ -101,7 +108,7 @@ run_slice() {
   esac
 }
 
-SLICES="tests decode-compiled decode-compiled-long decode-eager decode-batch ask latency throughput-full throughput-snapkv throughput-shadowkv throughput-rows adaptive longprompt-snapkv longprompt-full longprompt-896k longprompt-1m"
+SLICES="tests decode-compiled decode-compiled-long decode-eager decode-batch ask headline latency throughput-full throughput-snapkv throughput-shadowkv throughput-rows adaptive longprompt-snapkv longprompt-full longprompt-896k longprompt-1m"
 if [ "${1:-}" = all ]; then
   for s in $SLICES; do run_slice "$s" || exit $?; done
 else

@@ -53,13 +53,17 @@ def run_family(family: str, folder: Path) -> dict[str, str]:
     model.save_pretrained(folder)
     char_tokenizer().save_pretrained(folder)
     ids = torch.randint(3, 128, (PROMPT_TOKENS,), generator=torch.Generator().manual_seed(5)).tolist()
-    row, asked = {}, {}
+    row, asked, ours = {}, {}, {}
     for name, method in methods().items():
         try:
             serving.scorable(method, model.config)
-            asked[name] = method
         except kvc.InvalidParameterError as refused:
             row[name] = "refused: " + str(refused).split(": ", 1)[1]
+            continue
+        asked[name] = method
+        with torch.no_grad():  # before vLLM loads the model: its transformers backend decorates transformers' class in place
+            ours[name] = model.generate(torch.tensor([ids]), past_key_values=method.make_cache(model, char_tokenizer()),
+                                        max_new_tokens=NEW_TOKENS, do_sample=False)[0, PROMPT_TOKENS:].tolist()
     try:
         llm = vllm.LLM(model=str(folder), **ENGINE, **serving.engine_options(kvc.FullKV()))
         params = [vllm.SamplingParams(max_tokens=NEW_TOKENS, temperature=0,
@@ -67,12 +71,10 @@ def run_family(family: str, folder: Path) -> dict[str, str]:
         served = llm.generate([{"prompt_token_ids": ids}] * len(asked), params, use_tqdm=False)
         del llm
     except Exception as error:  # noqa: BLE001 - vLLM's own refusal of the architecture, recorded as it says it
-        return {**row, **{name: f"vLLM: {type(error).__name__}: {str(error).splitlines()[0][:160]}" for name in asked}}
-    for (name, method), out in zip(asked.items(), served):
-        with torch.no_grad():
-            ours = model.generate(torch.tensor([ids]), past_key_values=method.make_cache(model, char_tokenizer()),
-                                  max_new_tokens=NEW_TOKENS, do_sample=False)[0, PROMPT_TOKENS:].tolist()
-        row[name] = "same" if list(out.outputs[0].token_ids) == ours else "DIFFERS"
+        failed = f"vLLM: {type(error).__name__}: {str(error).splitlines()[0][:160]}"
+        return {name: row.get(name, failed) for name in methods()}
+    for name, out in zip(asked, served):
+        row[name] = "same" if list(out.outputs[0].token_ids) == ours[name] else "DIFFERS"
     return {name: row[name] for name in methods()}
 
 
@@ -86,6 +88,8 @@ def markdown(table: dict[str, dict[str, str]]) -> str:
             return "yes"
         if outcome.startswith("refused: "):
             return "no (" + next((word for key, word in short.items() if key in outcome), outcome[9:]) + ")"
+        if outcome.startswith("vLLM: "):  # vLLM's own refusal: its first sentence
+            return "no (vLLM: " + outcome.split(": ", 2)[-1].split(". ")[0] + ")"
         return outcome
 
     lines = ["| family | " + " | ".join(names) + " |", "| --- |" + " :---: |" * len(names)]

@@ -137,6 +137,31 @@ def test_the_server_serves_each_family_or_refuses_it_in_one_line(family):
     assert serving.scorable(kvc.FullKV(), model.config) == kvc.FullKV()  # every family is served its full cache
 
 
+def test_the_vllm_family_table_is_the_servers_decisions():
+    """docs/vllm.md's family table is scripts/vllm_families.py's rendering of docs/img/vllm_families.json; each
+    refusal in it is the one `serving.scorable` makes from the family's config; every other cell served vLLM the
+    library's tokens (or is vLLM's own refusal, never a difference)."""
+    import importlib.util  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("vllm_families", root / "scripts/vllm_families.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    table = json.loads((root / "docs/img/vllm_families.json").read_text())
+    assert script.markdown(table) in (root / "docs/vllm.md").read_text() and set(table) == set(FAMILIES)
+    for family, row in table.items():
+        config = family_model(family, **script.WIDE).config
+        for name, method in script.methods().items():
+            try:
+                serving.scorable(method, config)
+                refusal = None
+            except InvalidParameterError as refused:
+                refusal = "refused: " + str(refused).split(": ", 1)[1]
+            outcome = row[name]
+            assert outcome == refusal if refusal else outcome == "same" or outcome.startswith("vLLM: "), (family, name, outcome)
+
+
 GIB = serving.GiB
 
 

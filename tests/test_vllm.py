@@ -278,23 +278,24 @@ def test_a_family_is_served_as_the_library_compresses_it_or_refused_at_start(fam
     model.save_pretrained(tmp_path)
     char_tokenizer().save_pretrained(tmp_path)
     ids = torch.randint(3, 128, (600,), generator=torch.Generator().manual_seed(5)).tolist()
-    served, refused = [], []
+    served, refused, ours = [], [], []
     for method in (kvc.FullKV(), kvc.SnapKV(budget=64, window=8, clustering="pool"), kvc.ExpectedAttention(budget=64)):
         try:
             served.append(serving.scorable(method, model.config))
         except kvc.InvalidParameterError as refusal:
             refused.append((method, str(refusal)))
+            continue
+        with torch.no_grad():  # before vLLM loads the model (its transformers backend decorates transformers' classes)
+            ours.append(model.generate(torch.tensor([ids]), past_key_values=method.make_cache(model, char_tokenizer()),
+                                       max_new_tokens=8, do_sample=False)[0, len(ids) :].tolist())
     llm = vllm.LLM(model=str(tmp_path), **{**ENGINE, "max_model_len": 1024, "max_num_batched_tokens": 1024},
                    **serving.engine_options(kvc.FullKV()))
     params = [vllm.SamplingParams(max_tokens=8, temperature=0, extra_args={"kvcompress": {"method": m.name, **m.settings()}})
               for m in served]
     answers = llm.generate([{"prompt_token_ids": ids}] * len(served), params, use_tqdm=False)
     del llm
-    for method, answer in zip(served, answers):
-        with torch.no_grad():
-            ours = model.generate(torch.tensor([ids]), past_key_values=method.make_cache(model, char_tokenizer()), max_new_tokens=8,
-                                  do_sample=False)[0, len(ids) :].tolist()
-        assert list(answer.outputs[0].token_ids) == ours, method.name
+    for method, answer, tokens in zip(served, answers, ours):
+        assert list(answer.outputs[0].token_ids) == tokens, method.name
     assert (family == "gemma2") == bool(refused) and len(served) + len(refused) == 3
     for method, why in refused[:1]:
         done = subprocess.run([sys.executable, "-m", "kvcompress", "serve", str(tmp_path), "--method", method.name],
