@@ -162,6 +162,7 @@ def test_the_headline_sets_each_method_beside_transformers_generate_on_the_same_
         base = reference[REFERENCE, 150, key[1]]
         assert row["decode_speedup"] == base["decode_ms_per_token"] / grid[key]["decode_ms_per_token"]
         assert row["memory_ratio"] == base["kv_device_bytes"] / grid[key]["kv_device_bytes"]
+        assert row["peak_ratio"] == base["peak_bytes"] / grid[key]["peak_bytes"]
         assert row["ttft_s"] == grid[key]["prefill_s"] and row["ceiling_ms_per_token"] == reference[CEILING, 1, key[1]]["decode_ms_per_token"]
     assert rows["snapkv:budget=32:window=8", 2]["memory_ratio"] > 2 * rows["full", 2]["memory_ratio"]
     assert (tmp_path / "headline.png").stat().st_size > 1000 and json.loads((tmp_path / "headline.json").read_text())["paper"]["decode_speedup"] == 3.6

@@ -410,15 +410,15 @@ def _cmd_bench_headline(args: argparse.Namespace, console: Console) -> int:
             console.print(f"{row['method']}: {row['prompt_tokens']} tokens x {row['batch']}: first token {row['ttft_s']:.2f} s, "
                           f"{row['decode_ms_per_token']:.1f} ms/token, KV {_mib(row['kv_device_bytes'])}")
     table = Table("method", "prompt", "batch", "TTFT s", "TTFT ratio", "ms/token", "transformers", "speedup", "ceiling",
-                  "KV MiB", "memory", title="against transformers' generate" + (" (compiled decoding)" if args.compile else ""))
+                  "KV MiB", "memory", "peak", title="against transformers' generate" + (" (compiled decoding)" if args.compile else ""))
     for r in report["rows"]:
         if r["status"] != "ok":
-            table.add_row(r["method"], str(r["prompt_tokens"]), str(r["batch"]), r["status"], *["-"] * 7)
+            table.add_row(r["method"], str(r["prompt_tokens"]), str(r["batch"]), r["status"], *["-"] * 8)
             continue
         table.add_row(r["method"], str(r["prompt_tokens"]), str(r["batch"]), f"{r['ttft_s']:.2f}", f"{r['ttft_vs_transformers']:.2f}x",
                       f"{r['decode_ms_per_token']:.1f}", f"{r['transformers_ms_per_token']:.1f}", f"{r['decode_speedup']:.2f}x",
                       _fmt(r["ceiling_speedup"] and f"{r['ceiling_speedup']:.2f}x"), f"{r['kv_device_bytes'] / 2**20:.1f}",
-                      f"{r['memory_ratio']:.1f}x")
+                      f"{r['memory_ratio']:.1f}x", f"{r['peak_ratio']:.2f}x")
     console.print(table)
     paper = report["paper"]
     console.print(f"the paper: {paper['decode_speedup']}x decoding and {paper['memory_ratio']}x memory at {paper['prompt_tokens']} tokens, "
