@@ -32,7 +32,7 @@ import torch
 import kvcompress as kvc
 from kvcompress.bench.haystack import fill
 from kvcompress.bench.speed import machine
-from kvcompress.models import random_model
+from kvcompress.integrations.transformers.models import random_model
 
 NEEDLE = "The vault code for the east wing is 4817."
 QUESTION = "What is the vault code for the east wing? Answer with the code."

@@ -23,10 +23,10 @@ import time
 import torch
 
 from kvcompress.bench.speed import machine
-from kvcompress.decode import Compile, DecodeState, StepRunner
+from kvcompress.generation.decode import Compile, DecodeState, StepRunner
 from kvcompress.methods import method_from_spec
-from kvcompress.models import random_model
-from kvcompress.tokens import TokenSpans
+from kvcompress.integrations.transformers.models import random_model
+from kvcompress.cache.tokens import TokenSpans
 
 
 @torch.inference_mode()

@@ -17,10 +17,10 @@ import torch
 from torch._library.custom_ops import OPDEFS
 
 from kvcompress.bench.speed import audit_step, machine, transformers_step_ops
-from kvcompress.decode import DecodeState, greedy_step
+from kvcompress.generation.decode import DecodeState, greedy_step
 from kvcompress.methods import method_from_spec
-from kvcompress.models import random_model
-from kvcompress.tokens import TokenSpans
+from kvcompress.integrations.transformers.models import random_model
+from kvcompress.cache.tokens import TokenSpans
 
 
 def fused_inner_ops(audit) -> int:

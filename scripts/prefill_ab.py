@@ -23,10 +23,10 @@ import torch
 from transformers import DynamicCache
 
 from kvcompress.bench.speed import machine
-from kvcompress.cache import cache_keyword
+from kvcompress.cache.kv_cache import cache_keyword
 from kvcompress.methods import method_from_spec
-from kvcompress.models import random_model
-from kvcompress.tokens import TokenSpans
+from kvcompress.integrations.transformers.models import random_model
+from kvcompress.cache.tokens import TokenSpans
 
 
 @torch.inference_mode()

@@ -36,8 +36,9 @@ import torch
 import transformers
 import vllm
 
-from kvcompress import demo, serving
-from kvcompress.models import default_model_dir
+from kvcompress import demo
+from kvcompress.integrations.vllm import serving
+from kvcompress.integrations.transformers.models import default_model_dir
 
 SETTINGS = {
     "full": {"method": "full"},

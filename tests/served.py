@@ -11,7 +11,8 @@ import sys
 import time
 from pathlib import Path
 
-from kvcompress import demo, serving
+from kvcompress import demo
+from kvcompress.integrations.vllm import serving
 
 
 def free_port() -> int:

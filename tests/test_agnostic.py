@@ -12,8 +12,8 @@ import torch
 from transformers import DynamicCache
 
 import kvcompress as kvc
-from kvcompress import attention
-from kvcompress.generation import _first_turn
+from kvcompress.storage import attention
+from kvcompress.generation.generate import _first_turn
 from kvcompress.methods.kvzip import FIRST, LATER
 from kvcompress.methods.prompt import global_shares
 

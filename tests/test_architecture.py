@@ -62,10 +62,46 @@ def test_the_module_graph_has_no_cycle():
             visit(node, [])
 
 
-def test_the_cache_knows_no_method_and_no_integration():
-    graph = module_imports()
-    for storage in ("kvcompress.cache", "kvcompress.tensors", "kvcompress.attention", "kvcompress.offload"):
-        assert not {t for t in graph[storage] if t.startswith(("kvcompress.methods", "kvcompress.integration", "kvcompress.generation"))}, storage
+# The layers, bottom up: a module may import its own layer and those below it, never one above. The front (the
+# package's face, the command line, the demo) is everything else. Each layer's __init__ says what it owns.
+LAYERS = [
+    "kvcompress.storage",
+    "kvcompress.cache",
+    "kvcompress.io",
+    "kvcompress.integrations.transformers",
+    "kvcompress.methods",
+    "kvcompress.generation",
+    "kvcompress.integrations.vllm",
+    "kvcompress.bench",
+]
+
+
+def layer_of(module: str) -> int:
+    """The index of ``module``'s layer in LAYERS (the front: len(LAYERS))."""
+    found = [index for index, layer in enumerate(LAYERS) if module == layer or module.startswith(layer + ".")]
+    return found[-1] if found else len(LAYERS)
+
+
+def test_no_layer_imports_one_above_it():
+    upward = [f"{source} ({LAYERS[layer_of(source)] if layer_of(source) < len(LAYERS) else 'the front'}) imports {target}"
+              for source, targets in module_imports().items() for target in sorted(targets)
+              if layer_of(target) > layer_of(source)]
+    assert not upward, "\n".join(upward)
+
+
+def test_the_layer_check_catches_an_upward_import():
+    assert layer_of("kvcompress.cache.kv_cache") < layer_of("kvcompress.methods.snapkv") < layer_of("kvcompress.cli")
+    assert layer_of("kvcompress.integrations.transformers.rope") < layer_of("kvcompress.methods")
+    assert layer_of("kvcompress.integrations.vllm.plugin") > layer_of("kvcompress.generation.generate")
+
+
+def test_every_module_lives_in_a_layer_whose_init_says_what_it_owns_and_may_import():
+    front = {"kvcompress", "kvcompress.__main__", "kvcompress.cli", "kvcompress.demo"}
+    front.add("kvcompress.integrations")  # the folder of two layers, its __init__ a docstring
+    assert {name for name in module_imports() if layer_of(name) == len(LAYERS)} == front
+    for layer in LAYERS:
+        doc = ast.get_docstring(ast.parse((PACKAGE.parent / layer.replace(".", "/") / "__init__.py").read_text()))
+        assert doc and "may import" in doc.lower(), f"{layer}/__init__.py does not say what it may import"
 
 
 def test_every_method_field_is_a_flag_with_one_type():

@@ -17,7 +17,7 @@ from kvcompress.bench.plots import budget_curves
 from kvcompress.bench.tasks import TASKS, load_dataset
 from kvcompress.bench.ruler import essay_sentences, questions
 from kvcompress.bench.tasks.base import prompt_tokens
-from kvcompress.wheels import NotFetchedError
+from kvcompress.io.wheels import NotFetchedError
 
 from .fixtures import char_tokenizer, random_text, tiny_model
 

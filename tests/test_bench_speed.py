@@ -13,7 +13,7 @@ import torch
 import kvcompress as kvc
 from kvcompress.methods.prompt import PromptMethod
 from kvcompress.bench.speed import PRESETS, copy_bandwidth, measure, run_speed, search_limit
-from kvcompress.models import ARCHITECTURES, random_model
+from kvcompress.integrations.transformers.models import ARCHITECTURES, random_model
 
 from .fixtures import tiny_model
 

@@ -16,7 +16,7 @@ import pytest
 
 import kvcompress as kvc
 from kvcompress.cli import main
-from kvcompress.models import default_model_dir
+from kvcompress.integrations.transformers.models import default_model_dir
 
 from .fixtures import bpe_tokenizer, random_text, tiny_model
 

@@ -16,11 +16,11 @@ from torch._dynamo.utils import counters
 
 import kvcompress as kvc
 from kvcompress.bench.speed import audit_step, stand_in_lead, transformers_step_ops
-from kvcompress.cache import KVLayer
-from kvcompress.decode import DecodeState, greedy_step
-from kvcompress.generation import prefill_groups
-from kvcompress.models import random_model
-from kvcompress.tokens import TokenSpans
+from kvcompress.cache.kv_cache import KVLayer
+from kvcompress.generation.decode import DecodeState, greedy_step
+from kvcompress.generation.generate import prefill_groups
+from kvcompress.integrations.transformers.models import random_model
+from kvcompress.cache.tokens import TokenSpans
 
 from .fixtures import FAMILIES, char_tokenizer, family_model, random_text, tiny_model
 from .test_batches import LENGTHS, METHODS

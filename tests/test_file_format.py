@@ -12,7 +12,7 @@ import pytest
 from safetensors import safe_open
 
 import kvcompress as kvc
-from kvcompress.result import VERSION
+from kvcompress.generation.result import VERSION
 
 from .data.make_format_fixtures import CASES, fixture_model, write_case
 from .fixtures import char_tokenizer

@@ -228,7 +228,7 @@ def test_decoding_appends_into_spare_slots_and_counts_them():
 def test_a_model_given_its_cache_under_either_name_compresses_alike():
     """transformers 5.24 renamed a model's ``past_key_values`` argument ``cache`` (the old name still taken): a
     kvcompress cache given under either name learns the prompt's words and keeps the same positions."""
-    from kvcompress.cache import cache_keyword
+    from kvcompress.cache.kv_cache import cache_keyword
 
     model, tokenizer = tiny_model(), char_tokenizer()
     ids = tokenizer(random_text(300, seed=8), return_tensors="pt").input_ids

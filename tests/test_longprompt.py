@@ -8,8 +8,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import kvcompress as kvc
-from kvcompress import longprompt
-from kvcompress.longprompt import SequenceChunked, chunk_mlps
+from kvcompress.integrations.transformers import longprompt
+from kvcompress.integrations.transformers.longprompt import SequenceChunked, chunk_mlps
 
 from .fixtures import char_tokenizer, family_model, random_text, tiny_model
 

@@ -172,7 +172,7 @@ def test_the_readme_support_table_is_the_matrix():
 
 def test_a_learned_sink_is_one_more_logit_in_each_softmax():
     """gpt-oss's sink: softmax over [q.k * scale, sink] with no value for the sink, as the model's eager attention."""
-    from kvcompress.attention import spelled_out_with_lse, with_sinks  # noqa: PLC0415
+    from kvcompress.storage.attention import spelled_out_with_lse, with_sinks  # noqa: PLC0415
 
     torch.manual_seed(0)
     query, keys, values, sinks = torch.randn(2, 4, 3, 16), torch.randn(2, 2, 7, 16), torch.randn(2, 2, 7, 16), torch.randn(4)
@@ -187,7 +187,7 @@ def test_a_learned_sink_is_one_more_logit_in_each_softmax():
 
 def test_a_scorers_softmax_gives_the_learned_sink_its_share():
     """SnapKV's and H2O's votes are the model's attention probabilities: with a sink, each row sums to less than 1."""
-    from kvcompress.attention import key_probabilities, scoring_sinks  # noqa: PLC0415
+    from kvcompress.storage.attention import key_probabilities, scoring_sinks  # noqa: PLC0415
 
     torch.manual_seed(0)
     logits, sinks = torch.randn(2, 4, 3, 7), torch.randn(6)

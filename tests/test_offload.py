@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import kvcompress as kvc
-from kvcompress.offload import ChunkStore, fetch_chunks, match_previous, reuse_previous, zero_copy_view
+from kvcompress.storage.offload import ChunkStore, fetch_chunks, match_previous, reuse_previous, zero_copy_view
 
 from .fixtures import tiny_model
 
@@ -69,9 +69,9 @@ def test_cpu_store_fetches_and_overlaps_in_order():
 TRITON_CHECK = textwrap.dedent(
     """
     import torch
-    from kvcompress import ops
-    from kvcompress.kernels import gather_chunks_triton, rotated_keys_triton
-    from kvcompress.offload import gather_chunks, fetch_chunks
+    from kvcompress.storage import ops
+    from kvcompress.storage.kernels import gather_chunks_triton, rotated_keys_triton
+    from kvcompress.storage.offload import gather_chunks, fetch_chunks
     from kvcompress.methods.shadowkv import rotated_keys
     for dtype in (torch.float32, torch.float16):
         gen = torch.Generator().manual_seed(0)
@@ -159,7 +159,7 @@ def test_triton_gather_reads_pinned_host_memory_on_the_gpu():
     store, first, second = random_steps(seed=2, n=64, k=8, c=8, d=128)
     host = store.to(torch.bfloat16).pin_memory()
     view = zero_copy_view(host, torch.device("cuda"))
-    from kvcompress.kernels import gather_chunks_triton
+    from kvcompress.storage.kernels import gather_chunks_triton
 
     previous = fetch_chunks(host, first).cuda() + 1
     hits = torch.zeros((), dtype=torch.long, device="cuda")

@@ -11,8 +11,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import kvcompress as kvc
-from kvcompress.generation import prefill_groups
-from kvcompress.offload import ChunkStore
+from kvcompress.generation.generate import prefill_groups
+from kvcompress.storage.offload import ChunkStore
 
 from .fixtures import char_tokenizer, random_text, tiny_model
 from .test_batches import LENGTHS, METHODS

@@ -10,7 +10,7 @@ import pytest
 
 import kvcompress as kvc
 from kvcompress import demo
-from kvcompress.models import default_model_dir
+from kvcompress.integrations.transformers.models import default_model_dir
 
 pytestmark = pytest.mark.real_model
 

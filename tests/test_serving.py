@@ -11,8 +11,8 @@ import sys
 import pytest
 
 import kvcompress as kvc
-from kvcompress import serving
-from kvcompress.integration import layer_windows
+from kvcompress.integrations.vllm import serving
+from kvcompress.integrations.transformers.attach import layer_windows
 from kvcompress.methods.base import InvalidParameterError
 
 from .fixtures import FAMILIES, char_tokenizer, family_model

@@ -10,8 +10,8 @@ from transformers import DynamicCache
 
 import kvcompress as kvc
 from kvcompress.methods.shadowkv import chunk_landmarks, key_rows, key_spectrum, landmark_bias, landmark_scores, low_rank_factors, rank_for_error, rebuild_keys
-from kvcompress.offload import fetch_chunks
-from kvcompress.rope import apply_rope, invert_rope, rotary_for
+from kvcompress.storage.offload import fetch_chunks
+from kvcompress.integrations.transformers.rope import apply_rope, invert_rope, rotary_for
 
 from .fixtures import char_tokenizer, random_text, tiny_model
 

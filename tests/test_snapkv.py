@@ -71,7 +71,7 @@ def test_span_boundaries_keep_words_and_numbers_whole():
     tokenizer = char_tokenizer()
     text = "the key is 4817. pi=3.14, 2,500 cats"
     ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
-    from kvcompress.tokens import spans_for
+    from kvcompress.cache.tokens import spans_for
 
     got = spans_for(tokenizer).span_ids(ids)[0].tolist()
     assert got == reference_spans(tokenizer.convert_ids_to_tokens(ids[0].tolist()))

@@ -5,12 +5,12 @@ from __future__ import annotations
 import torch
 
 import kvcompress as kvc
-from kvcompress.cache import KVLayer, WindowLayer
+from kvcompress.cache.kv_cache import KVLayer, WindowLayer
 from kvcompress.methods.h2o import H2OLayer
 from kvcompress.methods.prompt import HeadAdaptiveLayer
 from kvcompress.methods.sparse import SparseDecodeLayer
-from kvcompress.packed import PackedSlots
-from kvcompress.slots import CappedSlots, DenseSlots, RingSlots, Slots
+from kvcompress.storage.packed import PackedSlots
+from kvcompress.storage.slots import CappedSlots, DenseSlots, RingSlots, Slots
 
 from .fixtures import char_tokenizer, random_text, tiny_model
 from .test_architecture import module_imports
@@ -39,8 +39,8 @@ def test_layers_hold_their_storage_and_override_none_of_it():
 
 def test_the_storage_knows_no_layer_and_no_method():
     graph = module_imports()
-    for storage in ("kvcompress.slots", "kvcompress.packed"):
-        above = ("kvcompress.cache", "kvcompress.methods", "kvcompress.integration")
+    for storage in ("kvcompress.storage.slots", "kvcompress.storage.packed"):
+        above = ("kvcompress.cache", "kvcompress.methods", "kvcompress.integrations")
         assert not {t for t in graph[storage] if t.startswith(above)}, storage
 
 

@@ -194,7 +194,7 @@ def test_decoding_after_a_question_over_a_store_is_the_question_aware_step(model
     """Once the question is compressed, nothing of the store is read: the same ops per step, no host read,
     and the compiled step gives the eager tokens."""
     from kvcompress.bench.speed import audit_step  # noqa: PLC0415
-    from kvcompress.decode import DecodeState, greedy_step  # noqa: PLC0415
+    from kvcompress.generation.decode import DecodeState, greedy_step  # noqa: PLC0415
 
     model, tok, store = model_and_store
     method = kvc.SnapKV(budget=48, window=8)
@@ -216,7 +216,7 @@ def test_decoding_after_a_question_over_a_store_is_the_question_aware_step(model
 
 def test_a_thinned_stores_heads_take_their_tokens_word_spans():
     """Each head of a thinned context holds other tokens: its slots' spans are the joined prompt's at those tokens."""
-    from kvcompress.intake import PromptIntake, StoredPrompt  # noqa: PLC0415
+    from kvcompress.cache.intake import PromptIntake, StoredPrompt  # noqa: PLC0415
 
     intake = PromptIntake()
     positions = torch.tensor([[[0, 2, 5], [1, 3, 4]]])  # two heads, three of six context tokens each

@@ -14,16 +14,16 @@ import importlib
 from typing import Any
 
 _WHERE = {  # public name -> the module that defines it
-    **dict.fromkeys(("CacheMisuseError", "KVCompressCache", "UnsupportedModelError"), "cache"),
-    "sdpa_choices": "attention",
+    **dict.fromkeys(("CacheMisuseError", "KVCompressCache", "UnsupportedModelError"), "cache.kv_cache"),
+    "sdpa_choices": "storage.attention",
     "observe": "bench.observe",
-    "Compile": "decode",
-    **dict.fromkeys(("Prefill", "PromptTooLongError", "compress", "generate", "prefill", "teacher_forced_logprobs"), "generation"),
-    **dict.fromkeys(("Result", "load"), "result"),
-    "CacheFileError": "saved",
+    "Compile": "generation.decode",
+    **dict.fromkeys(("Prefill", "PromptTooLongError", "compress", "generate", "prefill", "teacher_forced_logprobs"), "generation.generate"),
+    **dict.fromkeys(("Result", "load"), "generation.result"),
+    "CacheFileError": "io.saved",
     **dict.fromkeys(("H2O", "KVzip", "METHODS", "ExpectedAttention", "FullKV", "InvalidParameterError", "Loki", "Method", "Quest", "ShadowKV",
                      "SnapKV", "StreamingLLM", "method_from_name", "method_from_spec", "register_method"), "methods"),
-    **dict.fromkeys(("ModelNotAvailableError", "load_model"), "models"),
+    **dict.fromkeys(("ModelNotAvailableError", "load_model"), "integrations.transformers.models"),
 }
 
 __all__ = sorted(_WHERE)

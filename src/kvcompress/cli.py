@@ -25,10 +25,10 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from .cache import CacheMisuseError, UnsupportedModelError
-from .generation import PREFILL_TOKENS, PromptTooLongError, compress, generate
-from .result import load, saved_method
-from .saved import CacheFileError
+from .cache.kv_cache import CacheMisuseError, UnsupportedModelError
+from .generation.generate import PREFILL_TOKENS, PromptTooLongError, compress, generate
+from .generation.result import load, saved_method
+from .io.saved import CacheFileError
 from .methods import METHODS, FieldSpec, InvalidParameterError, Method, field_specs, method_class
 from .bench.accuracy import PRESETS as ACCURACY_PRESETS
 from .bench.accuracy import run_accuracy
@@ -39,10 +39,10 @@ from .bench.speed import run_speed
 from .bench.haystack import HAYSTACKS
 from .bench.ruler import fetch_ruler_data
 from .bench.tasks import TASKS, load_dataset
-from .models import ARCHITECTURES, fetch_default_model, load_model, random_model
-from .serving import (ENGINE_ENV, SERVABLE, QuietStop, check_servable, engine_settings, memory_flags, model_config,
+from .integrations.transformers.models import ARCHITECTURES, fetch_default_model, load_model, random_model
+from .integrations.vllm.serving import (ENGINE_ENV, SERVABLE, QuietStop, check_servable, engine_settings, memory_flags, model_config,
                       scorable, serve_argv)
-from .wheels import NotFetchedError
+from .io.wheels import NotFetchedError
 
 USER_ERRORS = (InvalidParameterError, PromptTooLongError, UnsupportedModelError, CacheMisuseError, CacheFileError, NotFetchedError, OSError, ValueError)
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .bench.haystack import prose_sentences
-from .generation import generate
+from .generation.generate import generate
 from .methods import FullKV, Method, SnapKV, StreamingLLM
 
 NEEDLE = "The access code for the archive room in the east wing is 4817."

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 import kvcompress as kvc
-from kvcompress.result import VERSION
+from kvcompress.generation.result import VERSION
 from tests.fixtures import char_tokenizer, family_model, fixed_weights, random_text
 
 HERE = Path(__file__).parent

@@ -28,7 +28,7 @@ from pathlib import Path
 from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from ..generation import QUERY_WINDOW, Result, compress, generate, prefill, teacher_forced_logprobs
+from ..generation.generate import QUERY_WINDOW, Result, compress, generate, prefill, teacher_forced_logprobs
 from ..methods import BudgetMethod, FullKV, Method, method_class, method_from_spec
 from .metrics import fidelity, score, string_match_any
 from .tasks import DEPTH_GRID_TASKS, HAYSTACK_TASKS, TASKS, Sample, Turn

@@ -27,11 +27,11 @@ import torch
 from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from ..attention import grouped_logits
-from ..integration import attention_modules
+from ..storage.attention import grouped_logits
+from ..integrations.transformers.attach import attention_modules
 from ..methods import FullKV, ShadowKV
 from ..methods.shadowkv import chunk_landmarks, chunk_min_cosine
-from ..tokens import TokenSpans
+from ..cache.tokens import TokenSpans
 from .haystack import fill
 
 
@@ -173,7 +173,7 @@ def _ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> list[int]:
 
 
 def _answer(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, messages: list[dict], tokens: int) -> list[int]:
-    from ..generation import generate  # noqa: PLC0415 - generation sits above the bench's metrics
+    from ..generation.generate import generate  # noqa: PLC0415 - generation sits above the bench's metrics
 
     return generate(model, tokenizer, messages, method=FullKV(), max_new_tokens=tokens).token_ids[0]
 
@@ -273,7 +273,7 @@ def chunk_cosines(model: PreTrainedModel, ids: list[int], chunk: int, threshold:
 def needle_accuracy_by_rank(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, settings: Settings, ranks: tuple[int, ...]) -> list[dict]:
     """ShadowKV's Fig. 3a: a needle's retrieval (depths 10%, 50%, 90%) with ShadowKV at each key rank, through the
     accuracy suite's needle task and scoring."""
-    from ..generation import generate  # noqa: PLC0415
+    from ..generation.generate import generate  # noqa: PLC0415
     from .accuracy import build_samples  # noqa: PLC0415
     from .metrics import score  # noqa: PLC0415
 
@@ -288,7 +288,7 @@ def needle_accuracy_by_rank(model: PreTrainedModel, tokenizer: PreTrainedTokeniz
 
 def observe(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, settings: Settings | None = None, progress: bool = True) -> dict:
     """Every measurement above on ``model``, over a document built from the essays haystack with two facts in it."""
-    from ..generation import generate  # noqa: PLC0415
+    from ..generation.generate import generate  # noqa: PLC0415
 
     settings = settings or Settings()
     document = fill(tokenizer, settings.tokens, [(0.3, NEEDLES[0][0]), (0.7, NEEDLES[1][0])], kind="essays")

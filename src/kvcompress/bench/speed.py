@@ -29,12 +29,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from tqdm import tqdm
 from transformers import DynamicCache, PreTrainedModel
 
-from ..cache import KVLayer, cache_keyword
-from .. import attention
-from ..decode import Compile, DecodeState, StepRunner, greedy_step
-from ..generation import PREFILL_TOKENS, Lead, prefill_groups
+from ..cache.kv_cache import KVLayer, cache_keyword
+from ..storage import attention
+from ..generation.decode import Compile, DecodeState, StepRunner, greedy_step
+from ..generation.generate import PREFILL_TOKENS, Lead, prefill_groups
 from ..methods import Method, method_from_spec
-from ..tokens import TokenSpans
+from ..cache.tokens import TokenSpans
 
 HOST_READS = {"_local_scalar_dense", "item", "nonzero", "is_nonzero", "equal"}  # ops that hand a tensor's value to the host
 

@@ -3,6 +3,8 @@
 A new method is one file (a ``Method`` dataclass whose fields are declared with ``param``) plus one
 entry in ``METHODS`` below (or ``register_method(cls)`` from outside the package). Everything
 else, from the command-line flags to the benchmarks' method specs, is derived from its fields.
+
+The methods may import the transformers integration (``attach``, ``rope``), cache and storage.
 """
 
 from __future__ import annotations

@@ -27,10 +27,10 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from ..cache import KVCompressCache, KVLayer, UnsupportedModelError
-from ..integration import layer_windows, make_cache
-from ..rope import check_rope
-from ..tokens import TokenSpans
+from ..cache.kv_cache import KVCompressCache, KVLayer, UnsupportedModelError
+from ..integrations.transformers.attach import layer_windows, make_cache
+from ..integrations.transformers.rope import check_rope
+from ..cache.tokens import TokenSpans
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase

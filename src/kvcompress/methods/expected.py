@@ -25,16 +25,16 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from ..rope import apply_rope, invert_rope, rotary_for
-from ..tensors import prompt_positions
-from ..tokens import span_max
+from ..integrations.transformers.rope import apply_rope, invert_rope, rotary_for
+from ..storage.tensors import prompt_positions
+from ..cache.tokens import span_max
 from .base import check_reserved, param, require_rope
 from .prompt import PromptMethod
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-    from ..cache import KVLayer
+    from ..cache.kv_cache import KVLayer
     from .prompt import EvictionLayer
 
 

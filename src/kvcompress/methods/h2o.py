@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from ..attention import group_mask, grouped_logits, key_probabilities
-from ..cache import KVLayer
-from ..slots import CappedSlots
-from ..tensors import gather_tokens
+from ..storage.attention import group_mask, grouped_logits, key_probabilities
+from ..cache.kv_cache import KVLayer
+from ..storage.slots import CappedSlots
+from ..storage.tensors import gather_tokens
 from .base import check_reserved, param, require
 from .prompt import EvictionLayer, PromptMethod
 from .snapkv import average_over_groups

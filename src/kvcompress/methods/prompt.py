@@ -26,9 +26,9 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from ..attention import scoring_sinks
-from ..cache import KVLayer
-from ..packed import PackedSlots
+from ..storage.attention import scoring_sinks
+from ..cache.kv_cache import KVLayer
+from ..storage.packed import PackedSlots
 from .base import BudgetMethod, param, require
 
 if TYPE_CHECKING:

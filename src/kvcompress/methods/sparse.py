@@ -20,11 +20,11 @@ from typing import Any, Callable, ClassVar
 
 import torch
 
-from ..attention import dense_attention
-from ..cache import KVLayer, OverlapProbe
-from ..intake import StoredPrompt
-from ..offload import ChunkStore
-from ..tensors import chunk_tokens, gather_tokens, nbytes, prompt_positions
+from ..storage.attention import dense_attention
+from ..cache.kv_cache import KVLayer, OverlapProbe
+from ..cache.intake import StoredPrompt
+from ..storage.offload import ChunkStore
+from ..storage.tensors import chunk_tokens, gather_tokens, nbytes, prompt_positions
 from .base import BudgetMethod, require
 
 

@@ -14,7 +14,7 @@ from typing import ClassVar
 
 import torch
 
-from ..tensors import prompt_positions
+from ..storage.tensors import prompt_positions
 from .base import check_reserved, param
 from .prompt import PromptMethod
 

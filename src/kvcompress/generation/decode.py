@@ -30,8 +30,8 @@ import torch
 from torch._dynamo.utils import counters
 from transformers import PreTrainedModel
 
-from .cache import KVCompressCache
-from .slots import capacity_bucket
+from ..cache.kv_cache import KVCompressCache
+from ..storage.slots import capacity_bucket
 
 RECOMPILE_LIMIT = 64  # distinct cache layouts (methods, models, batch sizes) one process may compile
 

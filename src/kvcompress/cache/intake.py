@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import torch
 
-from .tensors import right_aligned
+from ..storage.tensors import right_aligned
 
 
 class StoredPrompt(NamedTuple):

@@ -30,13 +30,13 @@ from transformers import AttentionInterface, AutoTokenizer, PreTrainedModel, Pre
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface
 
-from . import attention
-from .attention import dense_attention
+from ...storage import attention
+from ...storage.attention import dense_attention
 from . import longprompt
 from .longprompt import LazyMask, block_prefills, chunk_mlps, lazy_sdpa_mask
-from .cache import (CacheMisuseError, KVCompressCache, KVLayer, LayerFactory, UnsupportedModelError, WindowLayer,
+from ...cache.kv_cache import (CacheMisuseError, KVCompressCache, KVLayer, LayerFactory, UnsupportedModelError, WindowLayer,
                     cache_argument, take_announced)
-from .tokens import TokenSpans, spans_for
+from ...cache.tokens import TokenSpans, spans_for
 
 IMPLEMENTATION = "kvcompress"
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .cache import KVCompressCache
+from ..cache.kv_cache import KVCompressCache
 
 
 

@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch
 from transformers.masking_utils import and_masks, causal_mask_function, padding_mask_function, prepare_padding_mask, sdpa_mask
 
-from .cache import KVCompressCache, cache_argument
+from ...cache.kv_cache import KVCompressCache, cache_argument
 
 PREFILL_BLOCK = 8192  # prompt positions a decoder layer processes at once during a long prefill (BlockedPrefill)
 MLP_CHUNK = 8192  # tokens an MLP processes at once during a long prefill

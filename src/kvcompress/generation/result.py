@@ -25,10 +25,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from .cache import KVCompressCache
-from .methods import METHODS, Method, field_specs
-from .saved import CacheFileError, cache_state, model_fingerprint, restore_cache, to_json
-from .tokens import TokenSpans
+from ..cache.kv_cache import KVCompressCache
+from ..methods import METHODS, Method, field_specs
+from ..io.saved import CacheFileError, cache_state, model_fingerprint, restore_cache, to_json
+from ..cache.tokens import TokenSpans
 
 FORMAT, VERSION = "kvcompress-cache", 2  # the version changes only when docs/file-format.md does
 Messages = list[dict[str, str]]

@@ -40,9 +40,9 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from .intake import PromptIntake, StoredPrompt
-from .slots import DenseSlots, RingSlots, Slots, held_state, inner, nested, on_device
-from .slots import capacity_bucket, spare_slots  # noqa: F401 (where they lived before slots.py)
-from .tensors import nbytes, prompt_positions, to_host
+from ..storage.slots import DenseSlots, RingSlots, Slots, held_state, inner, nested, on_device
+from ..storage.slots import capacity_bucket, spare_slots  # noqa: F401 (where they lived before slots.py)
+from ..storage.tensors import nbytes, prompt_positions, to_host
 from .tokens import TokenSpans
 
 

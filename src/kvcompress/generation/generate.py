@@ -16,11 +16,11 @@ from typing import Any, Callable, Union
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from .cache import CacheMisuseError, KVCompressCache
+from ..cache.kv_cache import CacheMisuseError, KVCompressCache
 from .decode import Compile, greedy_decode
-from .methods import FullKV, InvalidParameterError, Method, method_from_name
+from ..methods import FullKV, InvalidParameterError, Method, method_from_name
 from .result import Result, Row
-from .tokens import TokenSpans
+from ..cache.tokens import TokenSpans
 
 Messages = list[dict[str, str]]
 Prompt = Union[str, Messages]
