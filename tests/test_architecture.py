@@ -118,14 +118,12 @@ def test_every_method_field_is_a_flag_with_one_type():
 
 @dataclass
 class EveryOther(PromptMethod):
-    """A toy prompt-compression method written the way a newcomer would: keep the last ``budget``
-    tokens whose position is a multiple of ``stride`` (plus, when too few, the most recent)."""
+    """A toy prompt-compression method written the way a newcomer would, one method of ``scores`` (its
+    ``keep_counts`` is PromptMethod's: the budget): keep the last ``budget`` tokens whose position is a
+    multiple of ``stride`` (plus, when too few, the most recent)."""
 
     name: ClassVar[str] = "every-other"
     stride: int = param(2, "keep positions that are multiples of this", minimum=1)
-
-    def keep_counts(self, lengths: torch.Tensor) -> torch.Tensor:
-        return self.token_budgets(lengths)
 
     def scores(self, query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scaling: float, spans: torch.Tensor | None = None) -> torch.Tensor:
         position = valid.long().cumsum(-1).float()
@@ -179,3 +177,30 @@ def test_every_layer_attribute_is_born_in_its_init():
         result = kvc.generate(model, tok, ["one short prompt", "and a longer one, " * 20], method=method, max_new_tokens=3)
         for layer in result.cache.layers:
             assert set(vars(layer)) == declared[type(layer)], f"{method.label()}: {type(layer).__name__} gained {set(vars(layer)) - declared[type(layer)]}"
+
+
+def test_every_public_name_resolves_from_the_package():
+    """``import kvcompress as kvc`` hands out every name it lists, wherever the layers put them."""
+    for name in kvc.__all__:
+        assert getattr(kvc, name) is not None, name
+    assert issubclass(kvc.CacheMisuseError, ValueError) and issubclass(kvc.UnsupportedModelError, ValueError)
+
+
+MAX_CLASS_LINES, MAX_CLASS_METHODS, MAX_FUNCTION_LINES = 250, 30, 60
+
+
+def test_no_class_or_function_outgrows_a_reading():
+    """A class a newcomer can read in one sitting (at most 250 lines, 30 methods), a function on one screen
+    (60 lines): a larger one is split by role (the cache layer: cache/layer.py and its roles)."""
+    too_big = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            size = node.end_lineno - node.lineno + 1 if hasattr(node, "end_lineno") else 0
+            where = f"{path.relative_to(PACKAGE.parent)}:{getattr(node, 'name', '')}"
+            if isinstance(node, ast.ClassDef):
+                methods = sum(isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) for item in node.body)
+                if size > MAX_CLASS_LINES or methods > MAX_CLASS_METHODS:
+                    too_big.append(f"class {where}: {size} lines, {methods} methods")
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and size > MAX_FUNCTION_LINES:
+                too_big.append(f"function {where}: {size} lines")
+    assert not too_big, "\n".join(too_big)

@@ -9,7 +9,7 @@ import torch
 from transformers import DynamicCache
 
 import kvcompress as kvc
-from kvcompress.cache.kv_cache import spare_slots
+from kvcompress.storage.slots import spare_slots
 from kvcompress.methods.prompt import select_kept
 from kvcompress.methods.h2o import accumulated_attention
 from kvcompress.methods.loki import approximate_scores, principal_components

@@ -10,7 +10,6 @@ from typing import ClassVar
 import pytest
 import torch
 
-import kvcompress as kvc
 from kvcompress.methods.prompt import PromptMethod
 from kvcompress.bench.speed import PRESETS, copy_bandwidth, measure, run_speed, search_limit
 from kvcompress.integrations.transformers.models import ARCHITECTURES, random_model

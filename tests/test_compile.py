@@ -16,7 +16,7 @@ from torch._dynamo.utils import counters
 
 import kvcompress as kvc
 from kvcompress.bench.speed import audit_step, stand_in_lead, transformers_step_ops
-from kvcompress.cache.kv_cache import KVLayer
+from kvcompress.cache.layer import KVLayer
 from kvcompress.generation.decode import DecodeState, greedy_step
 from kvcompress.generation.generate import prefill_groups
 from kvcompress.integrations.transformers.models import random_model

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import torch
+from transformers.cache_utils import DynamicLayer
 
 import kvcompress as kvc
-from kvcompress.cache.kv_cache import KVLayer, WindowLayer
+from kvcompress.cache.layer import KVLayer, WindowLayer
 from kvcompress.methods.h2o import H2OLayer
 from kvcompress.methods.prompt import HeadAdaptiveLayer
 from kvcompress.methods.sparse import SparseDecodeLayer
@@ -30,7 +31,9 @@ def test_every_layout_implements_the_whole_interface():
 
 
 def test_layers_hold_their_storage_and_override_none_of_it():
-    assert STORAGE_OPERATIONS & set(vars(KVLayer)) == {"reserve"}  # the cache's reserve, handed to the storage
+    roles = KVLayer.__mro__[: KVLayer.__mro__.index(DynamicLayer)]  # the layer and its roles (cache/layer.py)
+    handed_on = {cls.__name__: STORAGE_OPERATIONS & set(vars(cls)) for cls in roles}
+    assert handed_on == {cls.__name__: set() for cls in roles} | {"TransformersLayer": {"reserve"}}  # the cache's reserve
     for layer in (WindowLayer, H2OLayer, HeadAdaptiveLayer, SparseDecodeLayer):
         for cls in layer.__mro__[: layer.__mro__.index(KVLayer)]:
             overrides = STORAGE_OPERATIONS & set(vars(cls))

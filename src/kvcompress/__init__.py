@@ -14,7 +14,8 @@ import importlib
 from typing import Any
 
 _WHERE = {  # public name -> the module that defines it
-    **dict.fromkeys(("CacheMisuseError", "KVCompressCache", "UnsupportedModelError"), "cache.kv_cache"),
+    **dict.fromkeys(("CacheMisuseError", "UnsupportedModelError"), "cache.errors"),
+    "KVCompressCache": "cache.kv_cache",
     "sdpa_choices": "storage.attention",
     "observe": "bench.observe",
     "Compile": "generation.decode",

@@ -25,7 +25,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from .cache.kv_cache import CacheMisuseError, UnsupportedModelError
+from .cache.errors import CacheMisuseError, UnsupportedModelError
 from .generation.generate import PREFILL_TOKENS, PromptTooLongError, compress, generate
 from .generation.result import load, saved_method
 from .io.saved import CacheFileError
@@ -428,7 +428,6 @@ def _cmd_bench_headline(args: argparse.Namespace, console: Console) -> int:
 
 
 def _cmd_bench_speed(args: argparse.Namespace, console: Console) -> int:
-    import torch
 
     settings = dict(SPEED_PRESETS[args.preset or "quick"])
     for key, value in (("model", args.model), ("methods", args.methods and _names(args.methods)), ("lengths", args.lengths and _int_list(args.lengths)),
@@ -543,13 +542,9 @@ def _prompt_flags(parser: argparse.ArgumentParser, what: str) -> None:
     parser.add_argument("--raw", action="store_true", help=f"feed the {what} as raw text, without the chat template")
 
 
-def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
-    """The command line; ``generate`` and ``compress`` show the flags of the method ``argv`` names."""
-    chosen = given_method(sys.argv[1:] if argv is None else argv)
-    parser = _Parser(prog="kvcompress", description="KV-cache compression for transformers models", allow_abbrev=False)
-    sub = parser.add_subparsers(dest="command", required=True)
+def _generate_command(sub: argparse._SubParsersAction, chosen: str | None) -> None:
+    """``generate``: a prompt answered with a compressed cache (or a saved one continued)."""
     names = ", ".join(METHODS)
-
     gen = _command(sub, "generate", "answer a prompt with a compressed KV cache")
     gen.add_argument("--method", help=f"one of: {names} (default {DEFAULT_METHODS['generate']}; `kvcompress methods` lists them)")
     _prompt_flags(gen, "prompt")
@@ -566,6 +561,10 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     add_method_flags(gen, "generate", chosen)
     gen.set_defaults(run=_cmd_generate, interrupted=lambda args: _unwritten(args.save))
 
+
+def _compress_command(sub: argparse._SubParsersAction, chosen: str | None) -> None:
+    """``compress``: a document compressed once and saved, to be asked later."""
+    names = ", ".join(METHODS)
     comp = _command(sub, "compress", "compress a document once, with no question, and save it (ask later with generate --past)")
     comp.add_argument("--method", help=f"one of: {names} (default {DEFAULT_METHODS['compress']}, a question-agnostic scorer: "
                       "docs/accuracy.md compares them)")
@@ -575,9 +574,15 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     add_method_flags(comp, "compress", chosen)
     comp.set_defaults(run=_cmd_compress, interrupted=lambda args: _unwritten(args.out))
 
+
+def _methods_command(sub: argparse._SubParsersAction) -> None:
+    """``methods``: the methods and their settings."""
     methods = _command(sub, "methods", "list the methods, each with what it keeps and its settings (defaults and valid values)")
     methods.set_defaults(run=_cmd_methods)
 
+
+def _demo_command(sub: argparse._SubParsersAction) -> None:
+    """``demo``: the buried-fact demo."""
     demo = _command(sub, "demo", "buried-fact demo: full cache vs SnapKV vs StreamingLLM")
     demo.add_argument("--model", help="model folder or name (default: the embedded model)")
     demo.add_argument("--budget", type=int, default=256, help="tokens kept per KV head")
@@ -586,6 +591,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     demo.add_argument("--json", metavar="FILE", help="also write the rows as JSON to FILE")
     demo.set_defaults(run=_cmd_demo, interrupted=lambda args: _unwritten(args.json))
 
+
+def _observe_command(sub: argparse._SubParsersAction) -> None:
+    """``observe``: the papers' observations measured on a model."""
     observe = _command(sub, "observe", "measure on a model what SnapKV and ShadowKV are built on (their Sec. 3): a table, JSON, figures")
     observe.add_argument("--model", help="model folder or name (default: the embedded model)")
     observe.add_argument("--quick", action="store_true", help="small sizes (a 300-token document): a first look, the tests")
@@ -594,7 +602,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     observe.add_argument("--force", action="store_true", help="replace an earlier run's observations.json in --out")
     observe.set_defaults(run=_cmd_observe, interrupted=lambda args: _unwritten(str(Path(args.out) / "observations.json")))
 
-    bench = _command(sub, "bench", "benchmarks").add_subparsers(dest="bench", required=True)
+
+def _accuracy_command(bench: argparse._SubParsersAction) -> None:
+    """``bench accuracy``: the long-context accuracy matrix."""
     accuracy = _command(bench, "accuracy", "long-context accuracy matrix: tasks x methods x budgets x lengths")
     accuracy.add_argument("--preset", choices=list(ACCURACY_PRESETS), help="a named matrix (default quick); flags below override it")
     accuracy.add_argument("--tasks", help=f"comma-separated: {', '.join(TASKS)}")
@@ -613,6 +623,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     accuracy.add_argument("--out", help="output folder (default runs/accuracy, or runs/accuracy-agnostic); rerunning with it resumes")
     accuracy.set_defaults(run=_cmd_bench_accuracy, interrupted=_resumable)
 
+
+def _speed_command(bench: argparse._SubParsersAction) -> None:
+    """``bench speed``: latency, throughput, memory, limits."""
     speed = _command(bench, "speed", "decode latency, throughput, memory, max context / batch")
     speed.add_argument("--preset", choices=list(SPEED_PRESETS), help="quick: embedded-model shape on CPU, 1K-8K; gpu: llama-3.1-8b, 16K-128K, batch 1-8")
     speed.add_argument("--model", help="architecture preset (smollm2-135m, llama-3.1-8b, mistral-7b), a config file, 'embedded', or a model path")
@@ -636,6 +649,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     speed.add_argument("--out", default="runs/speed")
     speed.set_defaults(run=_cmd_bench_speed, interrupted=_resumable)
 
+
+def _headline_command(bench: argparse._SubParsersAction) -> None:
+    """``bench headline``: the papers' speed headline against transformers' generate."""
     headline = _command(bench, "headline", "the papers' speed headline: time to first token, decoding and memory against "
                         "transformers' own generate on the same model and tokens")
     headline.add_argument("--preset", choices=list(HEADLINE_PRESETS), default="cpu", help="cpu: the embedded model's shape (positions to "
@@ -651,6 +667,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     headline.add_argument("--out", default="runs/headline")
     headline.set_defaults(run=_cmd_bench_headline, interrupted=_resumable)
 
+
+def _serve_command(sub: argparse._SubParsersAction, chosen: str | None) -> None:
+    """``serve``: vLLM's OpenAI-compatible server, each request compressed."""
     serve = _command(sub, "serve", "serve a model with vLLM's OpenAI-compatible server, each request's KV cache compressed "
                      "(vLLM's CPU build: `make vllm`); flags it does not know go to vLLM (`vllm serve --help`)")
     serve.add_argument("--model", help="model folder or name, or the first argument as in `vllm serve MODEL` (default: the embedded model)")
@@ -661,10 +680,31 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     add_method_flags(serve, "serve", chosen)
     serve.set_defaults(run=_cmd_serve)
 
+
+def _fetch_commands(sub: argparse._SubParsersAction) -> None:
+    """``fetch-model`` and ``fetch-data``."""
     fetch = _command(sub, "fetch-model", "fetch and cache the embedded model (done automatically on first use)")
     fetch.set_defaults(run=_cmd_fetch_model)
     data = _command(sub, "fetch-data", "fetch and cache RULER's data (essays haystack, qa_1, qa_2; done automatically on first use)")
     data.set_defaults(run=_cmd_fetch_data)
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The command line; ``generate`` and ``compress`` show the flags of the method ``argv`` names."""
+    chosen = given_method(sys.argv[1:] if argv is None else argv)
+    parser = _Parser(prog="kvcompress", description="KV-cache compression for transformers models", allow_abbrev=False)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _generate_command(sub, chosen)
+    _compress_command(sub, chosen)
+    _methods_command(sub)
+    _demo_command(sub)
+    _observe_command(sub)
+    bench = _command(sub, "bench", "benchmarks").add_subparsers(dest="bench", required=True)
+    _accuracy_command(bench)
+    _speed_command(bench)
+    _headline_command(bench)
+    _serve_command(sub, chosen)
+    _fetch_commands(sub)
     return parser
 
 

@@ -29,7 +29,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from tqdm import tqdm
 from transformers import DynamicCache, PreTrainedModel
 
-from ..cache.kv_cache import KVLayer, cache_keyword
+from ..cache.kv_cache import KVCompressCache, cache_keyword
+from ..cache.layer import KVLayer
 from ..storage import attention
 from ..generation.decode import Compile, DecodeState, StepRunner, greedy_step
 from ..generation.generate import PREFILL_TOKENS, Lead, prefill_groups
@@ -255,6 +256,33 @@ def prompt_ids(model: PreTrainedModel, length: int, batch: int) -> list[list[int
     return torch.randint(10, model.config.get_text_config().vocab_size, (batch, length), generator=generator).tolist()
 
 
+def decode_figures(model: PreTrainedModel, cache: KVCompressCache, times: list[float], prefill_ms: float, batch: int,
+                   bandwidth: float, audit: StepAudit) -> dict:
+    """A run's figures from its timed steps (``times``, ms) and its cache: speed, memory, bytes read per step
+    against the machine's bandwidth, and the step's ops."""
+    stats = cache.stats()
+    decode_ms = statistics.median(times)
+    read = weight_bytes(model) + stats["bytes_read_per_step"]
+    return dict(
+        prefill_s=prefill_ms / 1000,
+        compress_share=stats["compress_s"] / (prefill_ms / 1000),
+        decode_ms_per_token=decode_ms,
+        tokens_per_s=batch * 1000 / decode_ms,
+        kv_device_bytes=stats["device_bytes"],
+        kv_full_bytes=stats["kv_bytes_full"],
+        offloaded_bytes=stats["offloaded_bytes"],
+        peak_bytes=_peak_bytes(model.device),
+        held_bytes=weight_bytes(model) + stats["device_bytes"],
+        bytes_read_per_step=read,
+        achieved_bandwidth=read / (decode_ms / 1000),
+        bandwidth_fraction=read / (decode_ms / 1000) / bandwidth,
+        bound_ms_per_token=read / bandwidth * 1000,
+        ops_per_step=audit.total,
+        host_reads_per_step=sum(audit.host_reads.values()),
+        sdpa=attention.sdpa_choices(),
+    )
+
+
 @torch.inference_mode()
 def measure(
     model: PreTrainedModel, method: Method, name: str, length: int, batch: int, steps: int, warmup: int, bandwidth: float,
@@ -299,29 +327,9 @@ def measure(
             runner.step()
             if runner.compile_steps == compiled:
                 times.append(timer.ms_since(start))
+        row.update(status="ok", **decode_figures(model, cache, times[warmup:], prefill_ms, batch, bandwidth, audit),
+                   compile_s=runner.compile_s if compile is not None else None)
         stats = cache.stats()
-        decode_ms = statistics.median(times[warmup:])
-        read = weight_bytes(model) + stats["bytes_read_per_step"]
-        row.update(
-            status="ok",
-            prefill_s=prefill_ms / 1000,
-            compress_share=stats["compress_s"] / (prefill_ms / 1000),
-            decode_ms_per_token=decode_ms,
-            compile_s=runner.compile_s if compile is not None else None,
-            tokens_per_s=batch * 1000 / decode_ms,
-            kv_device_bytes=stats["device_bytes"],
-            kv_full_bytes=stats["kv_bytes_full"],
-            offloaded_bytes=stats["offloaded_bytes"],
-            peak_bytes=_peak_bytes(device),
-            held_bytes=weight_bytes(model) + stats["device_bytes"],
-            bytes_read_per_step=read,
-            achieved_bandwidth=read / (decode_ms / 1000),
-            bandwidth_fraction=read / (decode_ms / 1000) / bandwidth,
-            bound_ms_per_token=read / bandwidth * 1000,
-            ops_per_step=audit.total,
-            host_reads_per_step=sum(audit.host_reads.values()),
-            sdpa=attention.sdpa_choices(),
-        )
         overlap = fetch_overlap_times(cache.layers[len(cache.layers) // 2], timer)
         if overlap is not None:
             row.update(overlap, value_fetch=stats.get("value_fetch"), chunk_hit_rate=stats.get("chunk_hit_rate"))
@@ -418,25 +426,46 @@ class Journal:
         return self.rows[key]
 
 
+def _check_grid(model: PreTrainedModel, lengths: list[int], decode_steps: int, searching: bool, max_memory: int | None,
+                search_step: int, batch_limit: int, prefill_tokens: int | None) -> int:
+    """Refuse, in one line, a grid this model or machine cannot run; return the model's context length."""
+    if searching and model.device.type == "cpu" and max_memory is None:
+        raise ValueError("on a CPU the limit searches need max_memory (bytes): running out of RAM kills the process "
+                         "instead of raising")
+    for name, value in (("search_step", search_step), ("batch_limit", batch_limit), ("prefill_tokens", prefill_tokens or 1)):
+        if value < 1:
+            raise ValueError(f"{name}={value} is not a valid search setting; valid: an integer of at least 1")
+    limit = model.config.get_text_config().max_position_embeddings
+    too_long = [n for n in lengths if n + decode_steps + 1 > limit]
+    if too_long:
+        raise ValueError(f"prompt lengths {too_long} plus {decode_steps + 1} decoding steps exceed the model's context "
+                         f"of {limit} tokens")
+    return limit
+
+
+def search_limits(fits: Callable[[str, str, int, int], dict], methods: list[str], kinds: list[str], lengths: list[int],
+                  batches: list[int], context_limit: int, search_step: int, batch_limit: int) -> list[dict]:
+    """Each method's longest prompt at the first batch size (``max_context``) and largest batch at the first length
+    (``max_batch``), by ``search_limit`` over ``fits(kind, spec, length, batch)``."""
+    limits = []
+    for spec in methods:
+        if "max_context" in kinds:
+            size, tried = search_limit(lambda n: fits("max_context", spec, n, batches[0]), min(lengths), context_limit,
+                                       search_step)
+            limits.append({"method": spec, "kind": "max_context", "batch": batches[0], "value": size, "tried": tried})
+        if "max_batch" in kinds:
+            size, tried = search_limit(lambda b: fits("max_batch", spec, lengths[0], b), 1, batch_limit, 1)
+            limits.append({"method": spec, "kind": "max_batch", "prompt_tokens": lengths[0], "value": size,
+                           "tried": tried})
+    return limits
+
+
 def run_speed(
-    model: PreTrainedModel,
-    methods: list[str],
-    lengths: list[int],
-    batches: list[int],
-    out_dir: str | Path,
-    budget: int | None = None,
-    steps: int = 16,
-    warmup: int = 3,
-    find_max_context: bool = False,
-    find_max_batch: bool = False,
-    max_memory: int | None = None,
-    model_name: str = "",
-    progress: bool = True,
-    search_step: int = 1024,
-    batch_limit: int = 1024,
-    compile: bool = False,
-    prefill_tokens: int | None = PREFILL_TOKENS,
-    replicate: bool = False,
+    model: PreTrainedModel, methods: list[str], lengths: list[int], batches: list[int], out_dir: str | Path,
+    budget: int | None = None, steps: int = 16, warmup: int = 3, find_max_context: bool = False,
+    find_max_batch: bool = False, max_memory: int | None = None, model_name: str = "", progress: bool = True,
+    search_step: int = 1024, batch_limit: int = 1024, compile: bool = False,
+    prefill_tokens: int | None = PREFILL_TOKENS, replicate: bool = False,
 ) -> dict:
     """Run the grid (and the optional searches), write ``speed.json``, ``speed.csv`` and plots; return
     the report. ``methods`` are specs (``name[:field=value...]``); ``budget`` applies to every method
@@ -447,15 +476,8 @@ def run_speed(
     every row of a batch (decoding and memory of the batch, at the cost of one prefill: batch searches
     at long prompts). Rerunning with the same ``out_dir`` resumes."""
     device = model.device
-    if (find_max_context or find_max_batch) and device.type == "cpu" and max_memory is None:
-        raise ValueError("on a CPU the limit searches need max_memory (bytes): running out of RAM kills the process instead of raising")
-    for name, value in (("search_step", search_step), ("batch_limit", batch_limit), ("prefill_tokens", prefill_tokens or 1)):
-        if value < 1:
-            raise ValueError(f"{name}={value} is not a valid search setting; valid: an integer of at least 1")
-    limit = model.config.get_text_config().max_position_embeddings
-    too_long = [n for n in lengths if n + warmup + steps + 1 > limit]
-    if too_long:
-        raise ValueError(f"prompt lengths {too_long} plus {warmup + steps + 1} decoding steps exceed the model's context of {limit} tokens")
+    searching = find_max_context or find_max_batch
+    limit = _check_grid(model, lengths, steps + warmup, searching, max_memory, search_step, batch_limit, prefill_tokens)
     built = {spec: method_from_spec(spec, budget=budget) for spec in methods}
     settings = {"model": model_name, "methods": methods, "lengths": lengths, "batches": batches, "budget": budget, "steps": steps,
                 "warmup": warmup, "max_memory": max_memory, "find_max_context": find_max_context, "find_max_batch": find_max_batch,
@@ -480,19 +502,15 @@ def run_speed(
         if row["status"] == "ok":
             row["ops_vs_transformers"] = row["ops_per_step"] / report["transformers_ops_per_step"]
     report["peak_slopes"] = peak_slopes(rows, hidden_vector_bytes(model))
-    if find_max_context or find_max_batch:
-        report["limits"] = []
-        for spec, method in built.items():
-            def fits(kind: str, n: int, b: int, spec=spec, method=method) -> dict:
-                row = journal.measure((kind, spec, n, b), lambda: measure(model, method, spec, n, b, 2, 1, bandwidth, options, prefill_tokens, replicate))
-                return {**row, "fits": _fits(row, max_memory)}
+    if searching:
+        def fits(kind: str, spec: str, n: int, b: int) -> dict:
+            row = journal.measure((kind, spec, n, b), lambda: measure(model, built[spec], spec, n, b, 2, 1, bandwidth,
+                                                                      options, prefill_tokens, replicate))
+            return {**row, "fits": _fits(row, max_memory)}
 
-            if find_max_context:
-                size, tried = search_limit(lambda n: fits("max_context", n, batches[0]), min(lengths), limit - 8, search_step)
-                report["limits"].append({"method": spec, "kind": "max_context", "batch": batches[0], "value": size, "tried": tried})
-            if find_max_batch:
-                size, tried = search_limit(lambda b: fits("max_batch", lengths[0], b), 1, batch_limit, 1)
-                report["limits"].append({"method": spec, "kind": "max_batch", "prompt_tokens": lengths[0], "value": size, "tried": tried})
+        searches = {"max_context": find_max_context, "max_batch": find_max_batch}
+        report["limits"] = search_limits(fits, methods, [kind for kind, wanted in searches.items() if wanted], lengths,
+                                         batches, limit - 8, search_step, batch_limit)
     write_report(report, Path(out_dir))
     return report
 

@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import copy
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Union
+from dataclasses import dataclass
+from typing import Callable, Union
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from ..cache.kv_cache import CacheMisuseError, KVCompressCache
-from .decode import Compile, greedy_decode
+from ..cache.errors import CacheMisuseError
+from ..cache.kv_cache import KVCompressCache
+from .decode import Compile, Decoded, greedy_decode
 from ..methods import FullKV, InvalidParameterError, Method, method_from_name
 from .result import Result, Row
 from ..cache.tokens import TokenSpans
@@ -525,6 +526,47 @@ def _start(model, tokenizer, prompt, method, question, past, record) -> _Start:
     )
 
 
+def _check_settings(max_new_tokens: int, compile: bool | Compile, prefill_tokens: int | None) -> None:
+    """``generate``'s own settings, each refused in one line naming its value and what it takes."""
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+        raise InvalidParameterError(f"max_new_tokens={max_new_tokens!r} is invalid; it must be an integer >= 1")
+    if not isinstance(compile, (bool, Compile)):
+        raise InvalidParameterError(f"compile={compile!r} is invalid; give True, False or a kvcompress.Compile")
+    if prefill_tokens is not None and (not isinstance(prefill_tokens, int) or isinstance(prefill_tokens, bool) or prefill_tokens < 1):
+        raise InvalidParameterError(f"prefill_tokens={prefill_tokens!r} is invalid; give an integer >= 1, or None for one prefill of all rows")
+
+
+def _result(begin: _Start, feeder: _Feeder, cache: KVCompressCache, decoded: Decoded, tokenizer: PreTrainedTokenizerBase,
+            eos: set[int], prefill_s: float, decode_s: float, compiled: bool) -> Result:
+    """The conversation after a decode: each row's tokens and text, the cache's stats and the run's timings."""
+    feeder.mask, feeder.position = torch.cat([feeder.mask, decoded.fed_real.long()], dim=-1), decoded.position
+    generated, finished, steps = decoded.tokens, decoded.finished, decoded.steps
+
+    for row, tokens, done in zip(begin.rows, generated, finished):
+        row.generated = [t for t in tokens if t not in eos]
+        row.pending = None if done else tokens[-1]
+    texts = [tokenizer.decode(row.generated, skip_special_tokens=True) for row in begin.rows]
+    timed = steps - decoded.compile_steps  # the steps that compiled are timed as compile_s, never as decoding
+    # ttft_s: what a user waits for the first token: the prompt fed, any observation pass and the compression, the first
+    # token's logits (it is their argmax); decoding's own time is decode_ms_per_token, a first compilation compile_s
+    cache.timings = {"prefill_s": prefill_s, "ttft_s": prefill_s, "decode_ms_per_token": 1000 * (decode_s - decoded.compile_s) / timed if timed else None,
+                     "compile_s": decoded.compile_s if compiled else None}
+    stats = cache.stats()
+    stats["new_tokens"] = [len(g) for g in generated] if begin.is_batch else len(generated[0])
+    if begin.context is not None:  # the stored context, apart: where it is and what it holds
+        held = begin.context.stats()
+        stats.update(context_bytes=held["device_bytes"] + held["offloaded_bytes"], context_on=str(begin.context.device_of()))
+    return Result(
+        text=texts if begin.is_batch else texts[0],
+        stats=stats,
+        cache=cache,
+        token_ids=generated,
+        rows=begin.rows,
+        attention_mask=feeder.mask,
+        next_position=feeder.position,
+    )
+
+
 @torch.inference_mode()
 def generate(
     model: PreTrainedModel,
@@ -551,12 +593,7 @@ def generate(
     ``prefill_tokens``: the most padded prompt tokens one prefill forward takes; a larger batch is
     prefilled in groups of rows, each compressed before the next (``prefill_groups``; None: all rows
     at once)."""
-    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
-        raise InvalidParameterError(f"max_new_tokens={max_new_tokens!r} is invalid; it must be an integer >= 1")
-    if not isinstance(compile, (bool, Compile)):
-        raise InvalidParameterError(f"compile={compile!r} is invalid; give True, False or a kvcompress.Compile")
-    if prefill_tokens is not None and (not isinstance(prefill_tokens, int) or isinstance(prefill_tokens, bool) or prefill_tokens < 1):
-        raise InvalidParameterError(f"prefill_tokens={prefill_tokens!r} is invalid; give an integer >= 1, or None for one prefill of all rows")
+    _check_settings(max_new_tokens, compile, prefill_tokens)
     clock = time.perf_counter()
     begin = _start(model, tokenizer, prompt, method, question, past, prefill)
     fed = [int(p) + sum(len(c) for c in chunks) for p, chunks in zip(begin.position.tolist(), begin.chunk_lists)] if begin.chunk_lists else begin.position.tolist()
@@ -577,32 +614,7 @@ def generate(
     decoded = greedy_decode(model, cache, logits, feeder.position, max_new_tokens, eos, options)
     _sync(model.device)
     decode_s = time.perf_counter() - decode_start
-    feeder.mask, feeder.position = torch.cat([feeder.mask, decoded.fed_real.long()], dim=-1), decoded.position
-    generated, finished, steps = decoded.tokens, decoded.finished, decoded.steps
-
-    for row, tokens, done in zip(begin.rows, generated, finished):
-        row.generated = [t for t in tokens if t not in eos]
-        row.pending = None if done else tokens[-1]
-    texts = [tokenizer.decode(row.generated, skip_special_tokens=True) for row in begin.rows]
-    timed = steps - decoded.compile_steps  # the steps that compiled are timed as compile_s, never as decoding
-    # ttft_s: what a user waits for the first token: the prompt fed, any observation pass and the compression, the first
-    # token's logits (it is their argmax); decoding's own time is decode_ms_per_token, a first compilation compile_s
-    cache.timings = {"prefill_s": prefill_s, "ttft_s": prefill_s, "decode_ms_per_token": 1000 * (decode_s - decoded.compile_s) / timed if timed else None,
-                     "compile_s": decoded.compile_s if options is not None else None}
-    stats = cache.stats()
-    stats["new_tokens"] = [len(g) for g in generated] if begin.is_batch else len(generated[0])
-    if begin.context is not None:  # the stored context, apart: where it is and what it holds
-        held = begin.context.stats()
-        stats.update(context_bytes=held["device_bytes"] + held["offloaded_bytes"], context_on=str(begin.context.device_of()))
-    return Result(
-        text=texts if begin.is_batch else texts[0],
-        stats=stats,
-        cache=cache,
-        token_ids=generated,
-        rows=begin.rows,
-        attention_mask=feeder.mask,
-        next_position=feeder.position,
-    )
+    return _result(begin, feeder, cache, decoded, tokenizer, eos, prefill_s, decode_s, options is not None)
 
 
 QUERY_WINDOW = 64  # a stored context's last prefill queries kept per layer, for the question-aware methods asked over it

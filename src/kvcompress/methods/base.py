@@ -27,7 +27,9 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from ..cache.kv_cache import KVCompressCache, KVLayer, UnsupportedModelError
+from ..cache.errors import UnsupportedModelError
+from ..cache.kv_cache import KVCompressCache
+from ..cache.layer import KVLayer
 from ..integrations.transformers.attach import layer_windows, make_cache
 from ..integrations.transformers.rope import check_rope
 from ..cache.tokens import TokenSpans

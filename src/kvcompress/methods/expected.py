@@ -34,7 +34,7 @@ from .prompt import PromptMethod
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-    from ..cache.kv_cache import KVLayer
+    from ..cache.layer import KVLayer
     from .prompt import EvictionLayer
 
 

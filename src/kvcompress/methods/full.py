@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
-from ..cache.kv_cache import KVLayer
+from ..cache.layer import KVLayer
 from .base import Method
 
 if TYPE_CHECKING:

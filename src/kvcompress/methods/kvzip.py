@@ -91,9 +91,6 @@ class KVzip(PromptMethod):
     def queries_needed(self) -> int:
         return 0
 
-    def keep_counts(self, lengths: torch.Tensor) -> torch.Tensor:
-        return self.token_budgets(lengths)
-
     def needs_tokens(self) -> bool:
         return self.clustering == "spans"
 

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from ..storage.attention import scoring_sinks
-from ..cache.kv_cache import KVLayer
+from ..cache.layer import KVLayer
 from ..storage.packed import PackedSlots
 from .base import BudgetMethod, param, require
 
@@ -145,6 +145,11 @@ class PromptMethod(BudgetMethod):
             f"{type(self).__name__}: layers='global' ranks every layer's scores together, so every layer must hold its prompt until they are "
             "all scored, which only a method with an observation pass does (KVzip); valid here: uniform, pyramid",
         )
+
+    def keep_counts(self, lengths: torch.Tensor) -> torch.Tensor:
+        """Prompt tokens each row keeps: the budget (or ``ratio`` of the row), never more than the row has. A
+        method that keeps a floor of its own (a window, sinks) overrides this."""
+        return self.token_budgets(lengths)
 
     def attends_slots(self) -> bool:
         return self.heads == "uniform" and self.layers != "global"  # otherwise the heads' tokens are packed per head

@@ -21,7 +21,8 @@ from typing import Any, Callable, ClassVar
 import torch
 
 from ..storage.attention import dense_attention
-from ..cache.kv_cache import KVLayer, OverlapProbe
+from ..cache.layer import KVLayer
+from ..cache.policy import OverlapProbe
 from ..cache.intake import StoredPrompt
 from ..storage.offload import ChunkStore
 from ..storage.tensors import chunk_tokens, gather_tokens, nbytes, prompt_positions

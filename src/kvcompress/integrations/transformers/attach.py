@@ -34,8 +34,10 @@ from ...storage import attention
 from ...storage.attention import dense_attention
 from . import longprompt
 from .longprompt import LazyMask, block_prefills, chunk_mlps, lazy_sdpa_mask
-from ...cache.kv_cache import (CacheMisuseError, KVCompressCache, KVLayer, LayerFactory, UnsupportedModelError, WindowLayer,
-                    cache_argument, take_announced)
+from ...cache.adapter import take_announced
+from ...cache.errors import CacheMisuseError, UnsupportedModelError
+from ...cache.kv_cache import KVCompressCache, LayerFactory, cache_argument
+from ...cache.layer import KVLayer, WindowLayer
 from ...cache.tokens import TokenSpans, spans_for
 
 IMPLEMENTATION = "kvcompress"
