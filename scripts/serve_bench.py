@@ -37,7 +37,7 @@ import transformers
 import vllm
 
 from kvcompress import demo
-from kvcompress.integrations.vllm import serving
+from kvcompress.serving import settings as serving
 from kvcompress.integrations.transformers.models import default_model_dir
 
 SETTINGS = {

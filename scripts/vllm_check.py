@@ -26,7 +26,7 @@ from vllm import LLM, SamplingParams  # noqa: E402
 
 import kvcompress as kvc  # noqa: E402
 from kvcompress import demo  # noqa: E402
-from kvcompress.integrations.vllm import plugin as vllm_plugin, serving  # noqa: E402
+from kvcompress.serving import settings as serving, vllm_plugin  # noqa: E402
 from kvcompress.integrations.transformers.models import default_model_dir  # noqa: E402
 
 def engine(budget: int, blocks: int | None = None, max_len: int = 4096) -> LLM:

@@ -46,7 +46,7 @@ def run_family(family: str, folder: Path) -> dict[str, str]:
     import vllm  # noqa: PLC0415
 
     import kvcompress as kvc  # noqa: PLC0415
-    from kvcompress.integrations.vllm import serving  # noqa: PLC0415
+    from kvcompress.serving import settings as serving  # noqa: PLC0415
     from tests.fixtures import char_tokenizer, family_model  # noqa: PLC0415
 
     model = family_model(family, **WIDE)

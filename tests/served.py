@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from kvcompress import demo
-from kvcompress.integrations.vllm import serving
+from kvcompress.serving import settings as serving
 
 
 def free_port() -> int:

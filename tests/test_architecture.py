@@ -71,7 +71,7 @@ LAYERS = [
     "kvcompress.integrations.transformers",
     "kvcompress.methods",
     "kvcompress.generation",
-    "kvcompress.integrations.vllm",
+    "kvcompress.serving",
     "kvcompress.bench",
 ]
 
@@ -92,12 +92,12 @@ def test_no_layer_imports_one_above_it():
 def test_the_layer_check_catches_an_upward_import():
     assert layer_of("kvcompress.cache.kv_cache") < layer_of("kvcompress.methods.snapkv") < layer_of("kvcompress.cli")
     assert layer_of("kvcompress.integrations.transformers.rope") < layer_of("kvcompress.methods")
-    assert layer_of("kvcompress.integrations.vllm.plugin") > layer_of("kvcompress.generation.generate")
+    assert layer_of("kvcompress.serving.vllm_plugin") > layer_of("kvcompress.generation.generate")
 
 
 def test_every_module_lives_in_a_layer_whose_init_says_what_it_owns_and_may_import():
     front = {"kvcompress", "kvcompress.__main__", "kvcompress.cli", "kvcompress.demo"}
-    front.add("kvcompress.integrations")  # the folder of two layers, its __init__ a docstring
+    front.add("kvcompress.integrations")  # the folder of the model library's integration, its __init__ a docstring
     assert {name for name in module_imports() if layer_of(name) == len(LAYERS)} == front
     for layer in LAYERS:
         doc = ast.get_docstring(ast.parse((PACKAGE.parent / layer.replace(".", "/") / "__init__.py").read_text()))
@@ -184,6 +184,10 @@ def test_every_public_name_resolves_from_the_package():
     for name in kvc.__all__:
         assert getattr(kvc, name) is not None, name
     assert issubclass(kvc.CacheMisuseError, ValueError) and issubclass(kvc.UnsupportedModelError, ValueError)
+    from kvcompress import serving  # noqa: PLC0415 (docs/vllm.md's offline API, without vLLM)
+
+    assert serving.engine_options(kvc.SnapKV(budget=256))["enable_prefix_caching"] is False
+    assert {"method_of", "scorable", "check_servable", "SERVABLE"} <= set(vars(serving))
 
 
 MAX_CLASS_LINES, MAX_CLASS_METHODS, MAX_FUNCTION_LINES = 250, 30, 60

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 import kvcompress as kvc
-from kvcompress.integrations.vllm import serving
+from kvcompress.serving import settings as serving
 from kvcompress.integrations.transformers.attach import layer_windows
 from kvcompress.methods.base import InvalidParameterError
 

@@ -18,7 +18,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 import torch  # noqa: E402
 
 import kvcompress as kvc  # noqa: E402
-from kvcompress.integrations.vllm import plugin as vllm_plugin, serving  # noqa: E402
+from kvcompress.serving import settings as serving, vllm_plugin  # noqa: E402
 from kvcompress.integrations.transformers.models import default_model_dir  # noqa: E402
 
 from .served import Server, chat  # noqa: E402

@@ -40,7 +40,7 @@ from .bench.haystack import HAYSTACKS
 from .bench.ruler import fetch_ruler_data
 from .bench.tasks import TASKS, load_dataset
 from .integrations.transformers.models import ARCHITECTURES, fetch_default_model, load_model, random_model
-from .integrations.vllm.serving import (ENGINE_ENV, SERVABLE, QuietStop, check_servable, engine_settings, memory_flags, model_config,
+from .serving.settings import (ENGINE_ENV, SERVABLE, QuietStop, check_servable, engine_settings, memory_flags, model_config,
                       scorable, serve_argv)
 from .io.wheels import NotFetchedError
 

@@ -1,2 +1,2 @@
-"""Where kvcompress meets the engines users run, one folder each: ``transformers`` (below the methods, which
-attach to a model through it) and ``vllm`` (above them: it serves them). Nothing else touches either engine."""
+"""Where kvcompress plugs into the model library users run: ``transformers``, below the methods (which attach
+to a model through it). Serving engines build on the methods instead, one layer up (``kvcompress.serving``)."""

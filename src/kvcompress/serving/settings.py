@@ -18,17 +18,17 @@ from typing import Any
 
 from transformers import AutoConfig
 
-from ...methods import METHODS, method_from_name
-from ...methods.base import InvalidParameterError, Method
-from ...methods.prompt import PromptMethod
-from ..transformers.rope import check_rope_config
+from ..methods import METHODS, method_from_name
+from ..methods.base import InvalidParameterError, Method
+from ..methods.prompt import PromptMethod
+from ..integrations.transformers.rope import check_rope_config
 
 FIELD = "kvcompress"  # the request body's field, and the key of the engine's settings in vLLM's additional_config
 ENGINE_ENV = "KVCOMPRESS_ENGINE"  # the engine's settings for the API server's middleware (``kvcompress serve`` sets it)
-SCHEDULER = "kvcompress.integrations.vllm.plugin.KVCompressScheduler"
-CONNECTOR = {"kv_connector": "KVCompressConnector", "kv_connector_module_path": "kvcompress.integrations.vllm.plugin",
+SCHEDULER = "kvcompress.serving.vllm_plugin.KVCompressScheduler"
+CONNECTOR = {"kv_connector": "KVCompressConnector", "kv_connector_module_path": "kvcompress.serving.vllm_plugin",
              "kv_role": "kv_both"}
-MIDDLEWARE = "kvcompress.integrations.vllm.plugin.RequestSettings"
+MIDDLEWARE = "kvcompress.serving.vllm_plugin.RequestSettings"
 # Scored from the prefill alone, one score per prompt position and KV head, the same count per head: what
 # a paged cache can hold after the prefill step (the rest is refused by name, with the reason).
 SERVABLE = ("full", "snapkv", "streamingllm", "h2o", "expected")

@@ -23,8 +23,8 @@ Each piece goes through an extension point vLLM offers (nothing of vLLM is patch
   slots: RoPE positions stay the logical ones, slots become the compressed ones.
 
 The engine's method comes from ``additional_config={"kvcompress": {"method": "snapkv", "budget":
-256, ...}}`` (any field of a servable method, ``serving.SERVABLE``); a request may name its own
-(``serving.method_of``). ``serving.engine_options`` gives all of it for ``vllm.LLM``. Requirements:
+256, ...}}`` (any field of a servable method, ``settings.SERVABLE``); a request may name its own
+(``settings.method_of``). ``settings.engine_options`` gives all of it for ``vllm.LLM``. Requirements:
 no prefix caching, no speculative decoding, full-attention models (chunked prefill is fine: a
 prompt's earlier chunks are held until its last, which compresses the whole prompt).
 """
@@ -53,13 +53,13 @@ from vllm.v1.attention.backends.cpu_attn import (
 from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from ...storage.attention import scoring_sinks
-from ...methods import SnapKV, method_from_name
-from ...methods.base import InvalidParameterError, Method
-from ...methods.prompt import select_kept
-from ..transformers.rope import Rotary, rotary_from_config
-from .serving import ENGINE_ENV, FIELD, method_of, model_config, scorable
-from ...cache.tokens import spans_for
+from ..storage.attention import scoring_sinks
+from ..methods import SnapKV, method_from_name
+from ..methods.base import InvalidParameterError, Method
+from ..methods.prompt import select_kept
+from ..integrations.transformers.rope import Rotary, rotary_from_config
+from .settings import ENGINE_ENV, FIELD, method_of, model_config, scorable
+from ..cache.tokens import spans_for
 
 def register() -> None:
     """The ``vllm.general_plugins`` entry point: use kvcompress's backend where vLLM uses CPU_ATTN."""
