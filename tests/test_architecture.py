@@ -208,3 +208,31 @@ def test_no_class_or_function_outgrows_a_reading():
             elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and size > MAX_FUNCTION_LINES:
                 too_big.append(f"function {where}: {size} lines")
     assert not too_big, "\n".join(too_big)
+
+
+def drawn_modules() -> set[str]:
+    """The files docs/architecture.md's tree names under src/kvcompress/ (a folder named alone: all of it)."""
+    text = (PACKAGE.parents[1] / "docs" / "architecture.md").read_text()
+    tree = next(block for block in text.split("```")[1::2] if block.lstrip("\n").startswith("src/kvcompress/"))
+    drawn, folders = set(), []
+    for line in tree.splitlines()[1:]:
+        indent = len(line) - len(line.lstrip(" "))
+        name = line.split()[0] if line.strip() else ""
+        if indent < 2 or indent > 8 or not name.endswith((".py", "/")):
+            continue  # a description's continuation, or the tests and scripts below the package
+        depth = indent // 2 - 1
+        folders[depth:] = [name] if name.endswith("/") else []
+        drawn.add("".join(folders[:depth]) + name)
+    return drawn
+
+
+def test_the_architecture_drawing_names_every_module_of_the_tree_and_no_other():
+    drawn = drawn_modules()
+    files = {str(path.relative_to(PACKAGE)) for path in PACKAGE.rglob("*.py")}
+    folders = {name for name in drawn if name.endswith("/")}
+    missing = {f for f in files if f not in drawn and not f.endswith("__init__.py") and not any(
+        f.startswith(folder) and not any(other.startswith(folder) and other != folder for other in drawn)
+        for folder in folders)}
+    assert not missing, f"docs/architecture.md's tree does not name {sorted(missing)}"
+    gone = {name for name in drawn if not (PACKAGE / name).exists()}
+    assert not gone, f"docs/architecture.md's tree names {sorted(gone)}, which src/kvcompress/ does not hold"
