@@ -105,7 +105,7 @@ class TransformersLayer(DynamicLayer):
         return self.seen_tokens
 
     def get_mask_sizes(self, query_length: int, *args) -> tuple[int, int]:
-        # transformers' mask covers logical positions; integration.py keeps only its newest columns.
+        # transformers' mask covers logical positions; attach.py keeps only its newest columns.
         return self.seen_tokens + query_length, 0
 
     def crop(self, tokens_to_remove: int) -> None:

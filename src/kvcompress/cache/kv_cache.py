@@ -59,7 +59,7 @@ class KVCompressCache(Cache):
     def __init__(self, method: LayerFactory, layers: list[KVLayer], model: torch.nn.Module | None = None, spans: TokenSpans | None = None) -> None:
         super().__init__(layers=layers)
         self.method = method
-        self.model_id = id(model) if model is not None else None  # the model it was made for: integration.py refuses any other
+        self.model_id = id(model) if model is not None else None  # the model it was made for: attach.py refuses any other
         self.model = weakref.ref(model) if model is not None else lambda: None  # for a saved cache's fingerprint
         self.keyword = cache_keyword(model)  # the model's name for its cache argument
         self.span_table = spans  # the tokenizer's word boundaries, when known

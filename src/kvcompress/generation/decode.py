@@ -3,7 +3,7 @@
 ``greedy_step`` feeds every row's last token through the model and writes the next one, all in
 place on a ``DecodeState`` of device tensors (tokens, positions, which rows finished, what each step
 produced). Together with the cache's fixed-capacity buffers and device-side write positions
-(``cache.py``), nothing in a step depends on a host value, so ``torch.compile(fullgraph=True)``
+(``cache/``), nothing in a step depends on a host value, so ``torch.compile(fullgraph=True)``
 traces it once and, on a GPU, the compiled step is captured as a CUDA graph by hand and replayed:
 one launch per token instead of a thousand. The host keeps its counters with ``cache.advance``
 after each compiled step, and learns whether every row finished one step late (a pinned flag copied

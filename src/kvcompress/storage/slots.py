@@ -1,6 +1,6 @@
 """Where a layer's keys and values live: one small interface, one class per layout.
 
-A layer (cache.py) holds one ``Slots`` object and drives it; the storage knows no method. Every
+A cache layer (cache/layer.py) holds one ``Slots`` object and drives it; the storage knows no method. Every
 layout keeps the layer's lengths, the one place they live: the device-side write position and
 validity are the truth a step reads (``write`` at the position, ``close_step`` moves it), and
 ``seen`` (tokens fed, padding included: the layer's length to transformers) and ``used`` (slots
