@@ -25,24 +25,33 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from .bench.accuracy import PRESETS as ACCURACY_PRESETS
+from .bench.accuracy import run_accuracy
+from .bench.haystack import HAYSTACKS
+from .bench.headline import PRESETS as HEADLINE_PRESETS
+from .bench.headline import run_headline
+from .bench.ruler import fetch_ruler_data
+from .bench.speed import PRESETS as SPEED_PRESETS
+from .bench.speed import run_speed
+from .bench.tasks import TASKS, load_dataset
 from .cache.errors import CacheMisuseError, UnsupportedModelError
 from .generation.generate import PREFILL_TOKENS, PromptTooLongError, compress, generate
 from .generation.result import load, saved_method
-from .io.saved import CacheFileError
-from .methods import METHODS, FieldSpec, InvalidParameterError, Method, field_specs, method_class
-from .bench.accuracy import PRESETS as ACCURACY_PRESETS
-from .bench.accuracy import run_accuracy
-from .bench.headline import PRESETS as HEADLINE_PRESETS
-from .bench.headline import run_headline
-from .bench.speed import PRESETS as SPEED_PRESETS
-from .bench.speed import run_speed
-from .bench.haystack import HAYSTACKS
-from .bench.ruler import fetch_ruler_data
-from .bench.tasks import TASKS, load_dataset
 from .integrations.transformers.models import ARCHITECTURES, fetch_default_model, load_model, random_model
-from .serving.settings import (ENGINE_ENV, SERVABLE, QuietStop, check_servable, engine_settings, memory_flags, model_config,
-                      scorable, serve_argv)
+from .io.saved import CacheFileError
 from .io.wheels import NotFetchedError
+from .methods import METHODS, FieldSpec, InvalidParameterError, Method, field_specs, method_class
+from .serving.settings import (
+    ENGINE_ENV,
+    SERVABLE,
+    QuietStop,
+    check_servable,
+    engine_settings,
+    memory_flags,
+    model_config,
+    scorable,
+    serve_argv,
+)
 
 USER_ERRORS = (InvalidParameterError, PromptTooLongError, UnsupportedModelError, CacheMisuseError, CacheFileError, NotFetchedError, OSError, ValueError)
 

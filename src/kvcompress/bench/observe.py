@@ -27,11 +27,11 @@ import torch
 from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from ..storage.attention import grouped_logits
+from ..cache.tokens import TokenSpans
 from ..integrations.transformers.attach import attention_modules
 from ..methods import FullKV, ShadowKV
 from ..methods.shadowkv import chunk_landmarks, chunk_min_cosine
-from ..cache.tokens import TokenSpans
+from ..storage.attention import grouped_logits
 from .haystack import fill
 
 

@@ -31,11 +31,11 @@ from transformers import DynamicCache, PreTrainedModel
 
 from ..cache.kv_cache import KVCompressCache, cache_keyword
 from ..cache.layer import KVLayer
-from ..storage import attention
+from ..cache.tokens import TokenSpans
 from ..generation.decode import Compile, DecodeState, StepRunner, greedy_step
 from ..generation.generate import PREFILL_TOKENS, Lead, prefill_groups
 from ..methods import Method, method_from_spec
-from ..cache.tokens import TokenSpans
+from ..storage import attention
 
 HOST_READS = {"_local_scalar_dense", "item", "nonzero", "is_nonzero", "equal"}  # ops that hand a tensor's value to the host
 

@@ -18,10 +18,10 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ..cache.errors import CacheMisuseError
 from ..cache.kv_cache import KVCompressCache
-from .decode import Compile, Decoded, greedy_decode
-from ..methods import FullKV, InvalidParameterError, Method, method_from_name
-from .result import Result, Row
 from ..cache.tokens import TokenSpans
+from ..methods import FullKV, InvalidParameterError, Method, method_from_name
+from .decode import Compile, Decoded, greedy_decode
+from .result import Result, Row
 
 Messages = list[dict[str, str]]
 Prompt = Union[str, Messages]

@@ -15,8 +15,8 @@ from __future__ import annotations
 import copy
 import json
 import os
-from importlib import metadata
 from dataclasses import asdict, dataclass, field
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +26,9 @@ from safetensors.torch import save_file
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ..cache.kv_cache import KVCompressCache
-from ..methods import METHODS, Method, field_specs
-from ..io.saved import CacheFileError, cache_state, model_fingerprint, restore_cache, to_json
 from ..cache.tokens import TokenSpans
+from ..io.saved import CacheFileError, cache_state, model_fingerprint, restore_cache, to_json
+from ..methods import METHODS, Method, field_specs
 
 FORMAT, VERSION = "kvcompress-cache", 2  # the version changes only when docs/file-format.md does
 Messages = list[dict[str, str]]

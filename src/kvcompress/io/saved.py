@@ -23,7 +23,6 @@ import torch
 from ..cache.kv_cache import KVCompressCache
 
 
-
 class CacheFileError(ValueError):
     """A saved cache that cannot be loaded here: another model, another format version, a damaged file."""
 

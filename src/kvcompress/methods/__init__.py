@@ -12,8 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 from .base import BudgetMethod, FieldSpec, InvalidParameterError, Method, field_specs
-from .full import FullKV
 from .expected import ExpectedAttention
+from .full import FullKV
 from .h2o import H2O
 from .kvzip import KVzip
 from .loki import Loki

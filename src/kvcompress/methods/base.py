@@ -30,9 +30,9 @@ import torch
 from ..cache.errors import UnsupportedModelError
 from ..cache.kv_cache import KVCompressCache
 from ..cache.layer import KVLayer
+from ..cache.tokens import TokenSpans
 from ..integrations.transformers.attach import layer_windows, make_cache
 from ..integrations.transformers.rope import check_rope
-from ..cache.tokens import TokenSpans
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase

@@ -25,9 +25,9 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
+from ..cache.tokens import span_max
 from ..integrations.transformers.rope import apply_rope, invert_rope, rotary_for
 from ..storage.tensors import prompt_positions
-from ..cache.tokens import span_max
 from .base import check_reserved, param, require_rope
 from .prompt import PromptMethod
 

@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from ..storage.attention import group_mask, grouped_logits, key_probabilities
 from ..cache.layer import KVLayer
+from ..storage.attention import group_mask, grouped_logits, key_probabilities
 from ..storage.slots import CappedSlots
 from ..storage.tensors import gather_tokens
 from .base import check_reserved, param, require

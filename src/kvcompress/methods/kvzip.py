@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from ..storage.tensors import prompt_positions
 from ..cache.tokens import span_max
+from ..storage.tensors import prompt_positions
 from .base import Observation, default_of, param
 from .prompt import PromptMethod
 

@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from ..storage.attention import scoring_sinks
 from ..cache.layer import KVLayer
+from ..storage.attention import scoring_sinks
 from ..storage.packed import PackedSlots
 from .base import BudgetMethod, param, require
 

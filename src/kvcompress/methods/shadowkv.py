@@ -33,8 +33,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Iterable, NamedTuple
 
 import torch
 
-from ..storage.ops import fused
 from ..integrations.transformers.rope import Rotary, apply_rope, invert_rope, rope_cos_sin, rotary_for
+from ..storage.ops import fused
 from ..storage.tensors import chunk_tokens, gather_tokens, prompt_positions
 from .base import InvalidParameterError, model_head_dim, param, require_rope
 from .sparse import SparseDecodeLayer, SparseMethod

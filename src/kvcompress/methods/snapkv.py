@@ -29,8 +29,8 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from ..storage.attention import grouped_logits, key_probabilities
 from ..cache.tokens import span_max
+from ..storage.attention import grouped_logits, key_probabilities
 from .base import check_reserved, param, require
 from .prompt import PromptMethod
 

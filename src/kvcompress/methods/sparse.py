@@ -20,10 +20,10 @@ from typing import Any, Callable, ClassVar
 
 import torch
 
-from ..storage.attention import dense_attention
+from ..cache.intake import StoredPrompt
 from ..cache.layer import KVLayer
 from ..cache.policy import OverlapProbe
-from ..cache.intake import StoredPrompt
+from ..storage.attention import dense_attention
 from ..storage.offload import ChunkStore
 from ..storage.tensors import chunk_tokens, gather_tokens, nbytes, prompt_positions
 from .base import BudgetMethod, require

@@ -18,10 +18,10 @@ from typing import Any
 
 from transformers import AutoConfig
 
+from ..integrations.transformers.rope import check_rope_config
 from ..methods import METHODS, method_from_name
 from ..methods.base import InvalidParameterError, Method
 from ..methods.prompt import PromptMethod
-from ..integrations.transformers.rope import check_rope_config
 
 FIELD = "kvcompress"  # the request body's field, and the key of the engine's settings in vLLM's additional_config
 ENGINE_ENV = "KVCOMPRESS_ENGINE"  # the engine's settings for the API server's middleware (``kvcompress serve`` sets it)

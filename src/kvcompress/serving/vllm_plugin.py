@@ -53,13 +53,14 @@ from vllm.v1.attention.backends.cpu_attn import (
 from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from ..storage.attention import scoring_sinks
+from ..cache.tokens import spans_for
+from ..integrations.transformers.rope import Rotary, rotary_from_config
 from ..methods import SnapKV, method_from_name
 from ..methods.base import InvalidParameterError, Method
 from ..methods.prompt import select_kept
-from ..integrations.transformers.rope import Rotary, rotary_from_config
+from ..storage.attention import scoring_sinks
 from .settings import ENGINE_ENV, FIELD, method_of, model_config, scorable
-from ..cache.tokens import spans_for
+
 
 def register() -> None:
     """The ``vllm.general_plugins`` entry point: use kvcompress's backend where vLLM uses CPU_ATTN."""

@@ -29,7 +29,7 @@ from typing import Any, Callable
 import torch
 
 from .attention import causal_slot_mask, dense_attention
-from .slots import SlotView, Slots, inner, nested, spare_slots
+from .slots import Slots, SlotView, inner, nested, spare_slots
 from .tensors import nbytes
 
 

@@ -9,8 +9,8 @@ from transformers import PreTrainedTokenizerBase
 from .base import Sample, Turn
 from .dataset import load_dataset
 from .lines import lines
-from .qa import qa_hotpot, qa_squad
 from .niah import fact, multiturn, niah, niah_multikey, niah_multiquery, niah_multivalue, niah_single, passkey
+from .qa import qa_hotpot, qa_squad
 from .variables import variable_tracking
 from .words import common_words, frequent_words
 

@@ -30,15 +30,15 @@ from transformers import AttentionInterface, AutoTokenizer, PreTrainedModel, Pre
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface
 
-from ...storage import attention
-from ...storage.attention import dense_attention
-from . import longprompt
-from .longprompt import LazyMask, block_prefills, chunk_mlps, lazy_sdpa_mask
 from ...cache.adapter import take_announced
 from ...cache.errors import CacheMisuseError, UnsupportedModelError
 from ...cache.kv_cache import KVCompressCache, LayerFactory, cache_argument
 from ...cache.layer import KVLayer, WindowLayer
 from ...cache.tokens import TokenSpans, spans_for
+from ...storage import attention
+from ...storage.attention import dense_attention
+from . import longprompt
+from .longprompt import LazyMask, block_prefills, chunk_mlps, lazy_sdpa_mask
 
 IMPLEMENTATION = "kvcompress"
 

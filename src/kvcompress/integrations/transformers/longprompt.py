@@ -17,7 +17,13 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-from transformers.masking_utils import and_masks, causal_mask_function, padding_mask_function, prepare_padding_mask, sdpa_mask
+from transformers.masking_utils import (
+    and_masks,
+    causal_mask_function,
+    padding_mask_function,
+    prepare_padding_mask,
+    sdpa_mask,
+)
 
 from ...cache.kv_cache import KVCompressCache, cache_argument
 
