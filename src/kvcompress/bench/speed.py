@@ -29,7 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from tqdm import tqdm
 from transformers import DynamicCache, PreTrainedModel
 
-from ..cache.kv_cache import KVCompressCache, cache_keyword
+from ..cache.kv_cache import cache_keyword
 from ..cache.layer import KVLayer
 from ..cache.tokens import TokenSpans
 from ..generation.decode import Compile, DecodeState, StepRunner, greedy_step
@@ -256,11 +256,10 @@ def prompt_ids(model: PreTrainedModel, length: int, batch: int) -> list[list[int
     return torch.randint(10, model.config.get_text_config().vocab_size, (batch, length), generator=generator).tolist()
 
 
-def decode_figures(model: PreTrainedModel, cache: KVCompressCache, times: list[float], prefill_ms: float, batch: int,
+def decode_figures(model: PreTrainedModel, stats: dict, times: list[float], prefill_ms: float, batch: int,
                    bandwidth: float, audit: StepAudit) -> dict:
-    """A run's figures from its timed steps (``times``, ms) and its cache: speed, memory, bytes read per step
-    against the machine's bandwidth, and the step's ops."""
-    stats = cache.stats()
+    """A run's figures from its timed steps (``times``, ms) and its cache's ``stats``: speed, memory, bytes read
+    per step against the machine's bandwidth, and the step's ops."""
     decode_ms = statistics.median(times)
     read = weight_bytes(model) + stats["bytes_read_per_step"]
     return dict(
@@ -327,9 +326,9 @@ def measure(
             runner.step()
             if runner.compile_steps == compiled:
                 times.append(timer.ms_since(start))
-        row.update(status="ok", **decode_figures(model, cache, times[warmup:], prefill_ms, batch, bandwidth, audit),
-                   compile_s=runner.compile_s if compile is not None else None)
         stats = cache.stats()
+        row.update(status="ok", **decode_figures(model, stats, times[warmup:], prefill_ms, batch, bandwidth, audit),
+                   compile_s=runner.compile_s if compile is not None else None)
         overlap = fetch_overlap_times(cache.layers[len(cache.layers) // 2], timer)
         if overlap is not None:
             row.update(overlap, value_fetch=stats.get("value_fetch"), chunk_hit_rate=stats.get("chunk_hit_rate"))
@@ -443,17 +442,18 @@ def _check_grid(model: PreTrainedModel, lengths: list[int], decode_steps: int, s
     return limit
 
 
-def search_limits(fits: Callable[[str, str, int, int], dict], methods: list[str], kinds: list[str], lengths: list[int],
-                  batches: list[int], context_limit: int, search_step: int, batch_limit: int) -> list[dict]:
+def search_limits(fits: Callable[[str, str, int, int], dict], methods: list[str], max_context: bool, max_batch: bool,
+                  lengths: list[int], batches: list[int], context_limit: int, search_step: int,
+                  batch_limit: int) -> list[dict]:
     """Each method's longest prompt at the first batch size (``max_context``) and largest batch at the first length
     (``max_batch``), by ``search_limit`` over ``fits(kind, spec, length, batch)``."""
     limits = []
     for spec in methods:
-        if "max_context" in kinds:
+        if max_context:
             size, tried = search_limit(lambda n: fits("max_context", spec, n, batches[0]), min(lengths), context_limit,
                                        search_step)
             limits.append({"method": spec, "kind": "max_context", "batch": batches[0], "value": size, "tried": tried})
-        if "max_batch" in kinds:
+        if max_batch:
             size, tried = search_limit(lambda b: fits("max_batch", spec, lengths[0], b), 1, batch_limit, 1)
             limits.append({"method": spec, "kind": "max_batch", "prompt_tokens": lengths[0], "value": size,
                            "tried": tried})
@@ -508,9 +508,8 @@ def run_speed(
                                                                       options, prefill_tokens, replicate))
             return {**row, "fits": _fits(row, max_memory)}
 
-        searches = {"max_context": find_max_context, "max_batch": find_max_batch}
-        report["limits"] = search_limits(fits, methods, [kind for kind, wanted in searches.items() if wanted], lengths,
-                                         batches, limit - 8, search_step, batch_limit)
+        report["limits"] = search_limits(fits, methods, find_max_context, find_max_batch, lengths, batches, limit - 8,
+                                         search_step, batch_limit)
     write_report(report, Path(out_dir))
     return report
 

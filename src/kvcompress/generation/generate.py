@@ -536,9 +536,10 @@ def _check_settings(max_new_tokens: int, compile: bool | Compile, prefill_tokens
         raise InvalidParameterError(f"prefill_tokens={prefill_tokens!r} is invalid; give an integer >= 1, or None for one prefill of all rows")
 
 
-def _result(begin: _Start, feeder: _Feeder, cache: KVCompressCache, decoded: Decoded, tokenizer: PreTrainedTokenizerBase,
-            eos: set[int], prefill_s: float, decode_s: float, compiled: bool) -> Result:
+def _result(begin: _Start, feeder: _Feeder, decoded: Decoded, tokenizer: PreTrainedTokenizerBase, eos: set[int],
+            prefill_s: float, decode_s: float, compiled: bool) -> Result:
     """The conversation after a decode: each row's tokens and text, the cache's stats and the run's timings."""
+    cache = feeder.cache
     feeder.mask, feeder.position = torch.cat([feeder.mask, decoded.fed_real.long()], dim=-1), decoded.position
     generated, finished, steps = decoded.tokens, decoded.finished, decoded.steps
 
@@ -614,7 +615,7 @@ def generate(
     decoded = greedy_decode(model, cache, logits, feeder.position, max_new_tokens, eos, options)
     _sync(model.device)
     decode_s = time.perf_counter() - decode_start
-    return _result(begin, feeder, cache, decoded, tokenizer, eos, prefill_s, decode_s, options is not None)
+    return _result(begin, feeder, decoded, tokenizer, eos, prefill_s, decode_s, options is not None)
 
 
 QUERY_WINDOW = 64  # a stored context's last prefill queries kept per layer, for the question-aware methods asked over it

@@ -7,3 +7,5 @@ It may import methods, the transformers integration, cache and storage; nothing 
 """
 
 from .settings import SERVABLE, check_servable, engine_options, method_of, scorable  # the offline API: docs/vllm.md
+
+__all__ = ["SERVABLE", "check_servable", "engine_options", "method_of", "scorable"]
