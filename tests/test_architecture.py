@@ -119,7 +119,7 @@ def test_every_method_field_is_a_flag_with_one_type():
 @dataclass
 class EveryOther(PromptMethod):
     """A toy prompt-compression method written the way a newcomer would, one method of ``scores`` (its
-    ``keep_counts`` is PromptMethod's: the budget): keep the last ``budget`` tokens whose position is a
+    ``kept_tokens`` is PromptMethod's: the budget): keep the last ``budget`` tokens whose position is a
     multiple of ``stride`` (plus, when too few, the most recent)."""
 
     name: ClassVar[str] = "every-other"
@@ -193,16 +193,38 @@ def test_every_public_name_resolves_from_the_package():
 MAX_CLASS_LINES, MAX_CLASS_METHODS, MAX_FUNCTION_LINES = 250, 30, 60
 
 
+def package_classes() -> dict[str, tuple[ast.ClassDef, str]]:
+    """Every class of the package by name, with the file it is in."""
+    classes = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                classes[node.name] = (node, str(path.relative_to(PACKAGE.parent)))
+    return classes
+
+
+def mixed_in(node: ast.ClassDef, classes: dict[str, tuple[ast.ClassDef, str]]) -> list[ast.ClassDef]:
+    """The class and, where it has more than one base of the package's own, those bases (its mixins) and theirs:
+    a class split into mixins is read as one."""
+    own = [classes[base.id][0] for base in node.bases if isinstance(base, ast.Name) and base.id in classes]
+    if len(own) < 2:
+        return [node]
+    return [node, *(part for base in own for part in mixed_in(base, classes))]
+
+
 def test_no_class_or_function_outgrows_a_reading():
-    """A class a newcomer can read in one sitting (at most 250 lines, 30 methods), a function on one screen
-    (60 lines): a larger one is split by role (the cache layer: cache/layer.py and its roles)."""
+    """A class a newcomer can read in one sitting (at most 250 lines, 30 methods, counted with what it inherits from
+    its own mixins), a function on one screen (60 lines)."""
     too_big = []
+    classes = package_classes()
     for path in sorted(PACKAGE.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             size = node.end_lineno - node.lineno + 1 if hasattr(node, "end_lineno") else 0
             where = f"{path.relative_to(PACKAGE.parent)}:{getattr(node, 'name', '')}"
             if isinstance(node, ast.ClassDef):
-                methods = sum(isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) for item in node.body)
+                parts = mixed_in(node, classes)
+                size = sum(part.end_lineno - part.lineno + 1 for part in parts)
+                methods = sum(isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) for part in parts for item in part.body)
                 if size > MAX_CLASS_LINES or methods > MAX_CLASS_METHODS:
                     too_big.append(f"class {where}: {size} lines, {methods} methods")
             elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and size > MAX_FUNCTION_LINES:

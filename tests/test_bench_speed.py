@@ -48,10 +48,10 @@ class ExhaustsMemory(PromptMethod):
     name: ClassVar[str] = "exhausts"
     limit: int = 300
 
-    def keep_counts(self, lengths: torch.Tensor) -> None:
+    def kept_tokens(self, lengths: torch.Tensor, share: float | torch.Tensor = 1.0) -> torch.Tensor:
         if int(lengths.max()) > self.limit:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-        return None
+        return lengths
 
 
 def test_out_of_memory_is_recorded_not_raised():

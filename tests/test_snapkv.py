@@ -108,7 +108,7 @@ def test_reference_confirms_pure_functions_on_random_tensors():
         method = kvc.SnapKV(budget=40, window=12, kernel=kernel, pooling=pooling, clustering="pool")
         valid = torch.ones(1, 90, dtype=torch.bool)
         scores = method.scores(query[None], keys[None], valid, 8**-0.5)
-        indices, slot_valid = select_kept(scores, valid, method.keep_counts(torch.tensor([90])))
+        indices, slot_valid = select_kept(scores, valid, method.kept_tokens(torch.tensor([90])))
         assert slot_valid.all()
         assert indices[0].tolist() == reference_keep(query, keys, 40, 12, kernel, pooling)
 

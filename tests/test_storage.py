@@ -31,9 +31,8 @@ def test_every_layout_implements_the_whole_interface():
 
 
 def test_layers_hold_their_storage_and_override_none_of_it():
-    roles = KVLayer.__mro__[: KVLayer.__mro__.index(DynamicLayer)]  # the layer and its roles (cache/layer.py)
-    handed_on = {cls.__name__: STORAGE_OPERATIONS & set(vars(cls)) for cls in roles}
-    assert handed_on == {cls.__name__: set() for cls in roles} | {"TransformersLayer": {"reserve"}}  # the cache's reserve
+    assert KVLayer.__mro__[1] is DynamicLayer  # one class, no roles mixed in (cache/layer.py)
+    assert not STORAGE_OPERATIONS & set(vars(KVLayer)), "the layer drives its storage; it hands none of it on"
     for layer in (WindowLayer, H2OLayer, HeadAdaptiveLayer, SparseDecodeLayer):
         for cls in layer.__mro__[: layer.__mro__.index(KVLayer)]:
             overrides = STORAGE_OPERATIONS & set(vars(cls))

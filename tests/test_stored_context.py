@@ -216,14 +216,15 @@ def test_decoding_after_a_question_over_a_store_is_the_question_aware_step(model
 
 def test_a_thinned_stores_heads_take_their_tokens_word_spans():
     """Each head of a thinned context holds other tokens: its slots' spans are the joined prompt's at those tokens."""
-    from kvcompress.cache.intake import PromptIntake, StoredPrompt  # noqa: PLC0415
+    from kvcompress.cache.intake import OverStored, StoredPrompt  # noqa: PLC0415
+    from kvcompress.storage.slots import DenseSlots  # noqa: PLC0415
 
-    intake = PromptIntake()
     positions = torch.tensor([[[0, 2, 5], [1, 3, 4]]])  # two heads, three of six context tokens each
     keys = torch.zeros(1, 2, 3, 4)
-    intake.continues(StoredPrompt(keys, keys, None, positions, torch.tensor([6]), None, None), pads=[1])  # a 3-slot question, 1 padding
+    stored = StoredPrompt(keys, keys, None, positions, torch.tensor([6]), None, None)
+    intake = OverStored(stored, pads=[1], spans=None)  # a 3-slot question, 1 padding
     spans = torch.tensor([[0, 0, 1, 1, 2, 3, 3, 4]])  # the joined prompt's 6 + 2 tokens
-    intake.joined(torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4))
+    intake.take(DenseSlots(), torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4))
     joined = intake.joined_positions(3)
     assert joined.tolist() == [[[-1, 0, 2, 5, 6, 7], [-1, 1, 3, 4, 6, 7]]]
     per_head = intake.joined_spans(spans, joined, 3)

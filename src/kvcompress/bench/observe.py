@@ -157,7 +157,7 @@ def record(model: PreTrainedModel, ids: list[int], queries: int, hooks: bool = F
             handle.remove()
     layers = [layer for layer in cache.layers if not layer.is_sliding]
     return Recorded([layer.keys[0] for layer in layers], [layer.values[0] for layer in layers],
-                    [layer.intake.recorded[0][0] for layer in layers], layers[0].intake.recorded[1], inputs, pre_rope)
+                    [layer.queries[0] for layer in layers], layers[0].query_scaling, inputs, pre_rope)
 
 
 def last_rows_attention(queries: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:

@@ -1,24 +1,42 @@
-"""A layer's intake of its prompt: what it holds while the prompt comes in, before the method compresses.
+"""The ways a layer's prompt comes in, each a small object that ends in one whole-prompt record.
 
-Apart from the layer's storage and its method's policy: a prompt arriving in blocks
-(``longprompt.BlockedPrefill``: each block's real tokens, and of its queries those ``compress`` and a
-prefill record need), the last prefill queries a record keeps (``KVCompressCache.record_prefill``),
-the observation pass compression may wait for (KVzip: the model repeating the prompt; its steps'
-keys and values are attended with the prompt, never stored), and the whole batch's prompt lengths
-when the layer holds a group of its rows, and a stored context the prompt continues (a question over
-a document prefilled once: ``StoredPrompt``, read, never written; the context's slots come first, each
-row moved so its tokens end with the question's, ``tensors.right_aligned``). None of it outlives the
-prompt's compression, and only the recorded queries are saved (a stored context's, for the questions
-asked of it later: docs/file-format.md).
+Whatever the way, compression reads the same thing: the prompt's keys and values in the layer's storage and a
+``PromptRecord`` (the queries the method reads, which slots are real tokens, where a thinned context's slots sit,
+their word spans). The ways:
+
+* ``OneForward``: the whole prompt in one forward, held as the prefill computed it;
+* ``InBlocks``: a long prompt in blocks (``longprompt.BlockedPrefill``), written into one buffer, each block's real
+  tokens and the last queries compression needs kept until the last block;
+* ``OverStored``: a prompt continuing a stored context (a question over a document prefilled once: a
+  ``StoredPrompt``, read, never written); the context's slots come first, each row moved so its tokens end with
+  the question's (``tensors.right_aligned``), and the record is the joined prompt's;
+* ``recorded_prompt``: a prefill record (an uncompressed layer that kept its last queries) copied in whole;
+* ``ObservationPass``: not a way in but a detour after one (KVzip: the model repeating the prompt); its steps'
+  keys and values are attended with the prompt, never stored, and compression waits with the record.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
+from ..storage.slots import Slots
 from ..storage.tensors import right_aligned
+from .errors import CacheMisuseError
+
+
+class PromptRecord(NamedTuple):
+    """The whole prompt as compression reads it (its keys and values are the layer's slots): the prefill's last
+    queries the method or a record reads ``[b, q_heads, m, d]``, each slot's validity ``[b, slots]`` (None: all
+    real), the scaling, the slots' prompt positions ``[b, h, slots]`` where they are not the tokens in order (a
+    thinned context; None otherwise) and their word spans where the way in changed them (None: as held)."""
+
+    query: torch.Tensor | None
+    valid: torch.Tensor | None
+    scaling: float
+    positions: torch.Tensor | None = None
+    spans: torch.Tensor | None = None
 
 
 class StoredPrompt(NamedTuple):
@@ -36,70 +54,104 @@ class StoredPrompt(NamedTuple):
     scaling: float | None
 
 
-class PromptIntake:
-    """One layer's intake state (see the module docstring); the layer holds one."""
+def left_padded(valid: torch.Tensor) -> torch.Tensor:
+    """``valid [b, slots]``, refused where a row has padding after its real tokens."""
+    if bool((valid[:, :-1] & ~valid[:, 1:]).any()):
+        raise ValueError(
+            "kvcompress needs left-padded batches (padding before each prompt, as tokenizer.padding_side='left' "
+            "gives); this batch has padding after real tokens"
+        )
+    return valid
 
-    def __init__(self) -> None:
-        self.total: int | None = None  # a prompt arriving in blocks: its length
-        self.block_valid: torch.Tensor | None = None  # [b, total]: its real tokens, block by block
-        self.block_queries: torch.Tensor | None = None  # the last prefill queries compress needs, block by block
-        self.record_window: int | None | bool = False  # False: no record; None: every prefill query
-        self.recorded: tuple[torch.Tensor, float] | None = None  # (last prefill queries, scaling)
-        self.batch_lengths: torch.Tensor | None = None  # a group of a batch: every row's real prompt tokens (they set the shapes)
-        self.observes = False  # compress waits for an observation pass (KVCompressCache.observe_first)
-        self.deferred: tuple[torch.Tensor, float] | None = None  # (prefill queries, scaling) compress gets after the pass
-        self.passing: tuple[torch.Tensor, torch.Tensor] | None = None  # an observation step's keys and values (prompt + its tokens)
-        self.in_pass = False  # the observation pass is running (KVCompressCache.begin_observation)
-        self.context: torch.Tensor | None = None  # [b, prompt slots]: what the pass repeats (after each row's opening)
-        self.stored: StoredPrompt | None = None  # a stored context this prompt continues (rows already picked)
-        self.pads: list[int] = []  # per row: the padding before the new prompt's tokens, which the context moves over
-        self.joined_valid: torch.Tensor | None = None  # [b, context + new slots]: real tokens, once the new prompt came
-        self.extends = False  # a stored window continued: the next step ends its prompt (WindowLayer.continue_prompt)
 
-    @property
-    def in_blocks(self) -> bool:
-        """The prompt arrives in blocks (``expect_prompt``)."""
-        return self.total is not None
+def queries_to_keep(needed: int | None, record: int | None | bool) -> int | None:
+    """The last prefill queries a prompt must keep for its method (``needed``) and a record (``record``; False:
+    none asked): the larger, None meaning all of them."""
+    wanted = [needed, 0 if record is False else record]
+    return None if None in wanted else max(w for w in wanted if w is not None)
 
-    def keep_block(self, query: torch.Tensor, new_valid: torch.Tensor | None, end: int, needed: int | None) -> None:
-        """A prompt block ending at slot ``end``: its tokens' validity ``new_valid [b, q]`` (None: all real)
-        and, of its queries, the last ``needed`` (None: all) that ``compress`` or a record reads."""
-        start = end - query.shape[-2]
+
+class Intake:
+    """One way a prompt comes in: ``take`` stores a forward's keys and values and returns what its prefill
+    attention reads; ``commit`` returns the whole prompt's record once its last token has come (None before).
+    ``joined_valid``: the slots' validity where transformers' mask does not describe them (None: it does)."""
+
+    joined_valid: torch.Tensor | None = None
+
+    def take(self, slots: Slots, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def commit(self, slots: Slots, query: torch.Tensor, new_valid: torch.Tensor | None, scaling: float,
+               keep: int | None) -> PromptRecord | None:
+        """After the forward's attention (the storage's lengths moved past it): ``keep`` is how many of the last
+        queries compression and a record read (None: all)."""
+        raise NotImplementedError
+
+
+class OneForward(Intake):
+    """The whole prompt in one forward, held as computed (not copied)."""
+
+    def take(self, slots: Slots, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        slots.hold(keys, values)
+        view = slots.view()
+        return view.keys, view.values
+
+    def commit(self, slots: Slots, query: torch.Tensor, new_valid: torch.Tensor | None, scaling: float,
+               keep: int | None) -> PromptRecord:
+        return PromptRecord(query, new_valid, scaling)
+
+
+class InBlocks(Intake):
+    """A prompt of ``total`` tokens arriving in blocks, each written into one buffer; its real tokens and the last
+    queries compression reads are kept block by block."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.valid: torch.Tensor | None = None  # [b, total]: real tokens, block by block (None: all so far)
+        self.queries: torch.Tensor | None = None  # the last queries kept, block by block
+
+    def take(self, slots: Slots, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        end = slots.used + keys.shape[-2]  # the blocks so far (the lengths move when the step commits)
+        slots.write_block(keys, values, self.total)
+        view = slots.view()
+        return view.keys[:, :, :end], view.values[:, :, :end]
+
+    def commit(self, slots: Slots, query: torch.Tensor, new_valid: torch.Tensor | None, scaling: float,
+               keep: int | None) -> PromptRecord | None:
+        end = slots.used
         if new_valid is not None:
-            if self.block_valid is None:
-                self.block_valid = torch.ones(new_valid.shape[0], self.total, dtype=torch.bool, device=new_valid.device)
-            self.block_valid[:, start:end] = new_valid
-        needs = [needed, self.record_window if self.record_window is not False else 0]
-        kept = None if None in needs else max(needs)
-        if kept != 0:
-            queries = query if self.block_queries is None else torch.cat([self.block_queries, query], dim=-2)
-            self.block_queries = queries if kept is None else queries[..., -kept:, :]
+            if self.valid is None:
+                self.valid = torch.ones(new_valid.shape[0], self.total, dtype=torch.bool, device=new_valid.device)
+            self.valid[:, end - query.shape[-2] : end] = new_valid
+        if keep != 0:
+            queries = query if self.queries is None else torch.cat([self.queries, query], dim=-2)
+            self.queries = queries if keep is None else queries[..., -keep:, :]
+        return PromptRecord(self.queries, self.valid, scaling) if end >= self.total else None
 
-    def whole_prompt(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The last block has come: the queries kept and the prompt's validity (None: all real); the
-        intake forgets the blocks."""
-        query, valid = self.block_queries, self.block_valid
-        self.total = self.block_queries = self.block_valid = None
-        return query, valid
 
-    def record(self, query: torch.Tensor, scaling: float) -> None:
-        """Keep the prefill's last ``record_window`` queries, if a record was asked for."""
-        if self.record_window is not False:
-            self.recorded = (query if self.record_window is None else query[..., -self.record_window :, :], scaling)
+class OverStored(Intake):
+    """A prompt continuing ``stored`` (one row per row of the new prompt, or one for all), whose rows' new tokens
+    are led by ``pads`` padding slots: the context's slots, then the prompt's, every row ending together."""
 
-    def continues(self, stored: StoredPrompt, pads: list[int]) -> None:
-        """The prompt continues ``stored`` (one row per row of the new prompt, or one for all), whose
-        rows' new tokens are led by ``pads`` padding slots."""
-        self.stored, self.pads = stored, pads
+    def __init__(self, stored: StoredPrompt, pads: list[int], spans: torch.Tensor | None) -> None:
+        self.stored, self.pads, self.spans = stored, pads, spans
 
-    def joined(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The stored context's keys and values, then the new prompt's, rows right-aligned; its validity
-        is kept (``joined_valid``)."""
+    def take(self, slots: Slots, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         stored = self.stored
-        context_valid = stored.valid if stored.valid is not None else torch.ones(stored.keys.shape[0], stored.keys.shape[-2], dtype=torch.bool)
+        held = stored.keys.shape[-2]
+        context_valid = stored.valid if stored.valid is not None else torch.ones(stored.keys.shape[0], held, dtype=torch.bool)
         new_valid = torch.ones(keys.shape[0], keys.shape[-2], dtype=torch.bool, device=keys.device)
         self.joined_valid = right_aligned(context_valid, new_valid, self.pads, 1, False)
-        return right_aligned(stored.keys, keys, self.pads, 2), right_aligned(stored.values, values, self.pads, 2)
+        slots.hold(right_aligned(stored.keys, keys, self.pads, 2), right_aligned(stored.values, values, self.pads, 2))
+        view = slots.view()
+        return view.keys, view.values
+
+    def commit(self, slots: Slots, query: torch.Tensor, new_valid: torch.Tensor | None, scaling: float,
+               keep: int | None) -> PromptRecord:
+        new = slots.view().keys.shape[-2] - self.stored.keys.shape[-2]
+        positions = self.joined_positions(new)
+        spans = None if positions is None or self.spans is None else self.joined_spans(self.spans, positions, new)
+        return PromptRecord(self.joined_queries(query, keep), self.joined_valid, scaling, positions, spans)
 
     def joined_positions(self, new: int) -> torch.Tensor | None:
         """Prompt positions ``[b, h, context + new slots]`` where the context's slots are not its tokens in
@@ -121,7 +173,7 @@ class PromptIntake:
         a filler slot is a span of its own."""
         width = spans.shape[-1]
         counts = torch.tensor([new - pad for pad in self.pads], device=spans.device)
-        lead = width - (self.stored.tokens.to(spans.device).expand(counts.shape[0]) + counts)  # each row's padding in ``spans``
+        lead = width - (self.stored.tokens.to(spans.device).expand(counts.shape[0]) + counts)  # each row's padding
         columns = (lead[:, None, None] + positions).clamp(0, width - 1)
         per_head = spans[:, None, :].expand(-1, positions.shape[1], -1).gather(2, columns)
         filler = width + torch.arange(positions.shape[-1], device=spans.device)
@@ -138,15 +190,50 @@ class PromptIntake:
         if (needed is None and kept < stored.keys.shape[-2]) or (needed is not None and needed > kept + fewest):
             wanted = "every query of the context" if needed is None else f"the last {needed} queries"
             raise ValueError(
-                f"kvcompress: this method scores with {wanted}, and the stored context kept its last {kept} (the question has {fewest} "
-                "tokens); compress the context with kvc.compress(..., query_window=None) to keep them all, or a larger query_window"
+                f"kvcompress: this method scores with {wanted}, and the stored context kept its last {kept} (the "
+                f"question has {fewest} tokens); compress the context with kvc.compress(..., query_window=None) to "
+                "keep them all, or a larger query_window"
             )
         if stored.queries is None:
             return query if needed is None else query[..., -needed:, :]
         joined = right_aligned(stored.queries, query, self.pads, 2)
-        return joined[..., -(stored.keys.shape[-2] + new) :, :] if needed is None else joined[..., -needed:, :]  # a query per slot
+        return joined[..., -(stored.keys.shape[-2] + new) :, :] if needed is None else joined[..., -needed:, :]
 
-    def take_deferred(self) -> tuple[torch.Tensor, float]:
-        """The prefill queries and scaling compression waited with, forgotten here."""
-        deferred, self.deferred = self.deferred, None
-        return deferred
+
+def recorded_prompt(source: Any, slots: Slots) -> PromptRecord:
+    """A prefill record's prompt (``source``: an uncompressed layer that kept its last queries) copied into
+    ``slots``, and its record."""
+    if source.queries is None:
+        raise CacheMisuseError("kvcompress: the prefill record has no queries for this layer")
+    prompt = slice(0, source.prefill_len)
+    slots.set(source.keys[:, :, prompt], source.values[:, :, prompt])
+    slots.seen = source.prefill_len
+    valid = None if source.valid is None else source.valid[:, prompt]
+    return PromptRecord(source.queries, valid, source.query_scaling)
+
+
+class ObservationPass:
+    """The detour a method with an observation pass takes after its prompt (KVzip): the prompt's record waits
+    (``record``) while each of the pass's steps attends the prompt's ``prompt_len`` slots and its own keys, never
+    stored; ``context`` marks the prompt slots the pass repeats, ``seen`` is what the method kept of it so far."""
+
+    def __init__(self, record: PromptRecord, prompt_len: int) -> None:
+        self.record, self.prompt_len = record, prompt_len
+        self.context: torch.Tensor | None = None  # [b, prompt slots], set when the pass begins
+        self.seen: torch.Tensor | None = None
+        self.keys: torch.Tensor | None = None  # a step's keys (the prompt's, then its own), until it commits
+
+    def take(self, held: tuple[torch.Tensor, torch.Tensor], keys: torch.Tensor,
+             values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prompt's keys and values (``held``: the layer's slots), then the step's own."""
+        prompt = slice(0, self.prompt_len)
+        joined = (torch.cat([held[0][:, :, prompt], keys], dim=-2), torch.cat([held[1][:, :, prompt], values], dim=-2))
+        self.keys = joined[0]
+        return joined
+
+    def step(self, query: torch.Tensor, new_valid: torch.Tensor | None,
+             prompt_valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's keys and the validity of prompt and step ``[b, prompt + new]`` (the step is forgotten)."""
+        keys, self.keys = self.keys, None
+        new = new_valid if new_valid is not None else keys.new_ones(keys.shape[0], query.shape[-2], dtype=torch.bool)
+        return keys, torch.cat([prompt_valid, new], dim=-1)

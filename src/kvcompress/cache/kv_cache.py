@@ -16,7 +16,8 @@ from typing import Any, Protocol
 import torch
 from transformers.cache_utils import Cache
 
-from ..storage.tensors import prompt_positions, to_host
+from ..storage.tensors import to_host
+from . import held
 from .errors import CacheMisuseError
 from .layer import KVLayer
 from .tokens import TokenSpans
@@ -68,7 +69,7 @@ class KVCompressCache(Cache):
         self.observe_first = method.observation() is not None  # layers compress after an observation pass (end_observation)
         self.observe_s = 0.0  # time the observation pass took (part of compressing)
         for layer in layers:
-            layer.intake.observes = self.observe_first
+            layer.observes = self.observe_first
 
     def note_prompt(self, ids: torch.Tensor | None) -> None:
         """The prompt's token ids (None: the model got embeddings): every layer learns its spans, and
@@ -81,7 +82,7 @@ class KVCompressCache(Cache):
     def record_prefill(self, window: int | None) -> None:
         """Keep each layer's last ``window`` prefill queries (None: all) for ``load_prefill``."""
         for layer in self.layers:
-            layer.intake.record_window = window
+            layer.record_window = window
 
     def kept_positions(self, layer_idx: int) -> torch.Tensor:
         """LongTensor ``[batch, kv_heads, n_kept]``: original prompt positions kept by ``layer_idx``."""
@@ -100,7 +101,7 @@ class KVCompressCache(Cache):
     def forget_records(self) -> None:
         """Drop what the layers recorded of their prefill for later prompts (queries, word spans)."""
         for layer in self.layers:
-            layer.intake.recorded, layer.spans = None, None
+            layer.queries = layer.query_scaling = layer.spans = None
 
     def storable(self) -> bool:
         """Whether a later prompt can continue this cache's prompt without writing to it (``continue_context``)."""
@@ -117,13 +118,17 @@ class KVCompressCache(Cache):
         device = torch.device(device)
         place = to_host if device.type == "cpu" else (lambda t: t.to(device))
         for layer in self.layers:
-            layer.move(place, device)
+            if not layer.is_sliding and layer.stored_prompt() is None:
+                raise CacheMisuseError(f"kvcompress: layer {layer.layer_idx} ({type(layer).__name__}) cannot be moved; "
+                                       "only a stored context's layers can")
+            held.move(layer, place)
+            layer.device = device
 
     def note_batch(self, lengths: torch.Tensor) -> None:
         """This cache holds a group of a batch's rows, whose real prompt lengths are ``lengths``: its
         layers compress into the batch's shapes, so ``concat`` can join the groups."""
         for layer in self.layers:
-            layer.intake.batch_lengths = lengths
+            layer.batch_lengths = lengths
 
     @classmethod
     def concat(cls, caches: list[KVCompressCache]) -> KVCompressCache:
@@ -131,25 +136,21 @@ class KVCompressCache(Cache):
         as one cache: the first, with the others' rows appended layer by layer."""
         first = caches[0]
         for index, layer in enumerate(first.layers):
-            layer.concat([cache.layers[index] for cache in caches[1:]])
+            held.join(layer, [cache.layers[index] for cache in caches[1:]])
         return first
 
     def begin_observation(self, openings: torch.Tensor) -> None:
         """The observation pass starts: until ``end_observation`` the model's calls are its pieces, which
         repeat each row's prompt after its first ``openings [b]`` tokens (a chat template's opening, a BOS)."""
         for layer in self.layers:
-            layer.intake.in_pass = layer.observing
-            if layer.observing:
-                layer.intake.context = prompt_positions(layer.slot_validity()) >= openings[:, None]
+            layer.begin_observation(openings)
 
     def end_observation(self, seconds: float) -> None:
         """The observation pass (``seconds`` long) is over: the method sees every layer that waited
         for it (e.g. to share a budget across layers), then every layer compresses."""
-        for layer in self.layers:
-            layer.intake.in_pass = False
         start = time.perf_counter()
         # the method's own layers: a sliding-window layer keeps its window, whatever the method
-        self.method.before_compress([layer for layer in self.layers if layer.observing and not layer.is_sliding])
+        self.method.before_compress([layer for layer in self.layers if layer.observation is not None and not layer.is_sliding])
         self.observe_s += seconds + time.perf_counter() - start
         for layer in self.layers:
             layer.end_observation()
@@ -159,7 +160,7 @@ class KVCompressCache(Cache):
         shape (a compiled decoding step is one graph only while nothing is reallocated); with
         ``buckets``, capacities rounded to ``capacity_bucket``, so other requests reuse the graph."""
         for layer in self.layers:
-            layer.reserve(tokens, buckets)
+            layer.slots.reserve(tokens, buckets)
 
     def advance(self, new: int) -> None:
         """The host mirrors after a compiled step of ``new`` tokens (an eager step's ``commit`` moves them)."""
@@ -169,7 +170,7 @@ class KVCompressCache(Cache):
     def stats(self) -> dict[str, Any]:
         """What is held versus what a full cache would hold, measured from the tensors, plus the
         method's own fields (from its layers' counters) and the last run's timings."""
-        layers = [layer for layer in self.layers if layer.is_initialized and layer.prefilled]
+        layers = [layer for layer in self.layers if layer.is_initialized and not layer.is_prefill]
         if not layers:
             return {"method": self.method.describe(), "prompt_tokens": 0, "new_tokens": 0}
         per_layer = [layer.stats() for layer in layers]

@@ -1,60 +1,322 @@
-"""A cache layer: ``KVLayer``, one class made of its roles, and ``WindowLayer`` for sliding-window layers.
+"""A cache layer: ``KVLayer`` and ``WindowLayer`` for sliding-window layers.
 
-A layer holds its storage, a ``storage.slots.Slots`` object (dense slots, a sliding window's ring, capped slots,
-packed per-head segments: one class per layout, knowing no method), which keeps the keys and values, their
-validity and positions, the lengths and the batch operations; the layer swaps it for another layout where a
-method needs one (head-adaptive budgets pack after compression). Its roles, one file each:
+A layer is composed of three things: its storage (``slots``, a ``storage.slots.Slots``: one class per layout,
+knowing no method), the way its prompt is coming in (``intake``, intake.py) and its phase (phase.py). Its method's
+policy is what a method's layer class overrides (``compress``, ``attend``, ``after_step``, ``observe``, ...), with an
+uncompressed layer's defaults here, as transformers' cache layers are a few abstract methods. What it holds beside
+its storage is declared once per class (``HOLDS``, held.py), and saving, loading, batch operations, joining groups
+and moving derive from that declaration.
 
-* ``adapter.TransformersLayer``: transformers' layer contract (``update``, the lengths, beam search's batch
-  operations), handed to the storage or the prompt's intake;
-* ``lifecycle.PromptLifecycle``: the prompt's way from prefill to compression (blocks, an observation pass, a
-  prefill record, a stored context continued) and each later step's commit;
-* ``policy.LayerPolicy``: what a method's layer overrides (``compress``, ``attend``, ``after_step``,
-  ``observe``, ``stats``, ...), with the defaults of an uncompressed layer;
-* ``state.LayerState``: the saved file's entries (docs/file-format.md) and the joining of a batch's groups.
+transformers calls ``update`` (a step's keys and values) and the attention function then calls ``commit``; both
+dispatch once on the phase. ``get_seq_length`` is the *logical* length (prompt + appended tokens, padding included),
+so transformers keeps assigning RoPE positions and slicing generate inputs from the true length.
 
-It knows nothing of any method: a method's layer subclasses ``KVLayer`` and overrides the policy.
+The prompt is held as the prefill computed it; from the first later step on, the slots live in buffers of a fixed
+capacity and a step writes at the storage's device-side position, so it reads no host value and keeps every shape: a
+decoding step is one capturable graph. The storage's host mirrors of the lengths describe the cache before a step
+until it commits, then move in ``advance``: an eager step's ``commit`` calls it, a compiled decoding loop after the
+step's graph (``KVCompressCache.advance``).
 """
 
 from __future__ import annotations
 
+import threading
+import time
+from typing import Any, Callable, ClassVar, NamedTuple
+
 import torch
+from transformers.cache_utils import DynamicLayer
 
 from ..storage.slots import DenseSlots, RingSlots, Slots
-from .adapter import TransformersLayer
-from .intake import PromptIntake
-from .lifecycle import PromptLifecycle
-from .policy import LayerPolicy
-from .state import LayerState
+from ..storage.tensors import prompt_positions
+from . import held
+from .errors import CacheMisuseError, UnsupportedModelError
+from .held import hold
+from .intake import InBlocks, Intake, ObservationPass, OneForward, OverStored, PromptRecord, StoredPrompt
+from .intake import left_padded, queries_to_keep, recorded_prompt
+from .phase import Phase, moved
+
+_announced = threading.local()
+_PROMPT = (Phase.EMPTY, Phase.PROMPT)
+_STEPS = (Phase.DECODING, Phase.CONTINUING)
 
 
-class KVLayer(PromptLifecycle, LayerState, LayerPolicy, TransformersLayer):
-    """One layer of the cache: it holds its storage (``slots``), and applies its method's policy through
-    the contract a method's layer overrides (``compress``, ``attend``, ``after_step``, ``observe``);
-    uncompressed unless a subclass overrides it. Its state is what ``__init__`` declares.
+def take_announced() -> tuple[KVLayer | None, torch.Tensor | None]:
+    """The layer (and the keys it returned) whose ``update`` ran last in this thread, then forget it.
 
-    The prompt is held as the prefill computed it; from the first later step on, the slots live in
-    buffers of a fixed capacity and a step writes at the storage's device-side position, so it reads
-    no host value and keeps every shape: a decoding step is one capturable graph. The lengths live in
-    the storage, the device-side position and validity the truth; their host mirrors describe the
-    cache before the step until the step commits, then move in ``advance``: an eager step's ``commit``
-    calls it first, a compiled decoding loop after the step's graph (``KVCompressCache.advance``)."""
+    Attention modules call ``cache.update`` right before their attention function, so this is how
+    the attention function (integrations/transformers/attach.py) finds the cache layer it is working for."""
+    layer, keys = getattr(_announced, "layer", None), getattr(_announced, "keys", None)
+    _announced.layer = _announced.keys = None
+    return layer, keys
 
-    def __init__(self, layer_idx: int, slots: DenseSlots | None = None) -> None:
+
+def _refuse_replacing(name: str) -> Callable[[Any, Any], None]:
+    def refuse(layer: Any, value: Any) -> None:
+        if value is not None:  # transformers' base class starts every layer with None
+            raise CacheMisuseError(f"kvcompress: a layer's {name} are views of its storage (layer.slots)")
+    return refuse
+
+
+class OverlapProbe(NamedTuple):
+    """Parts of a decoding step the speed benchmark times: a read from an offload store alone, the
+    work the step overlaps with it alone, and both as the step runs them (``concurrent``: on a side stream)."""
+
+    fetch: Callable[[], Any]
+    work: Callable[[], Any]
+    both: Callable[[], Any]
+    concurrent: bool
+
+
+class KVLayer(DynamicLayer):
+    """One layer of the cache (see the module docstring); uncompressed unless a subclass overrides the policy."""
+
+    # What the layer holds beside its storage (held.py), each declared once: its type, then how it is held.
+    prompt_tokens: torch.Tensor | None = hold(rows=True)  # [b] real prompt tokens per row
+    spans: torch.Tensor | None = hold(rows=True, counted=True)  # [b, prompt slots]: each token's word/number span
+    prefill_len: int | None = hold()  # slots of the first fill (the padded prompt)
+    compress_s: float = hold(join=sum, default=0.0)
+    queries: torch.Tensor | None = hold(rows=True, counted=True)  # a record's last prefill queries (a stored context)
+    query_scaling: float | None = hold()
+    batch_lengths: torch.Tensor | None = hold(saved=False, join=lambda values: None)  # a batch group: every row's
+    sinks: torch.Tensor | None = hold(saved=False)  # [q_heads]: learned sink logits (gpt-oss), set by make_cache
+    LAYOUTS: ClassVar[tuple[type[Slots], ...]] = ()  # storage a subclass may swap its slots for (saved under NAME)
+
+    # The storage as the layer's callers read it (SlotView: keys/values as attention gets them, validity, ...).
+    keys = property(lambda self: self.slots.view().keys, _refuse_replacing("keys"))
+    values = property(lambda self: self.slots.view().values, _refuse_replacing("values"))
+    valid = property(lambda self: self.slots.view().valid)
+    positions = property(lambda self: self.slots.view().positions)
+    cursor = property(lambda self: self.slots.view().cursor)
+    used = property(lambda self: self.slots.used)
+    seen_tokens = property(lambda self: self.slots.seen)  # the logical length: every token fed, padding included
+    is_prefill = property(lambda self: self.phase in _PROMPT, doc="The prompt is coming in (not compressed yet).")
+    observing = property(lambda self: self.phase is Phase.OBSERVING, doc="The observation pass is running.")
+
+    def __init__(self, layer_idx: int, slots: Slots | None = None) -> None:
         self.slots: Slots = DenseSlots() if slots is None else slots  # before the base class sets keys and values
         super().__init__()
         self.layer_idx = layer_idx
+        self.phase = Phase.EMPTY
+        self.intake: Intake = OneForward()  # how the prompt comes in (intake.py)
+        self.observation: ObservationPass | None = None  # the pass compression waits for (AWAITING_PASS, OBSERVING)
+        self.step_open = False  # update ran, its attention has not committed yet
         self.module_id: int | None = None  # id() of the attention module this layer serves (make_cache sets it)
-        self.dtype: torch.dtype | None = None  # of the keys and values, set with them (transformers' lazy_initialization)
+        self.dtype: torch.dtype | None = None
         self.device: torch.device | None = None
-        self.prefill_len: int | None = None  # slots of the first fill (the padded prompt), set after it
-        self.prefilled = False  # prefill_len is set (a bool: a compiled step reads it, and an int would be guarded by value)
-        self.prompt_tokens: torch.Tensor | None = None  # real prompt tokens per row, set after the prefill
-        self.awaiting_commit = False
-        self.compress_s = 0.0
-        self.spans: torch.Tensor | None = None  # [batch, prompt slots]: word/number span of each prompt token, when known
-        self.intake = PromptIntake()  # what the layer holds while its prompt comes in (intake.py)
-        self.sinks: torch.Tensor | None = None  # [q_heads]: the attention module's learned sink logits (gpt-oss), set by make_cache
+        self.record_window: int | None | bool = False  # the last prefill queries to record (False: none; None: all)
+        self.observes = False  # compression waits for an observation pass (KVCompressCache.observe_first)
+        held.reset(self)  # every declared attribute (HOLDS) at its default
+
+    # --- transformers' layer contract -----------------------------------------------------------------------
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        _check_step(self, key_states)
+        if self.phase in _STEPS:
+            if not torch.compiler.is_compiling():  # a compiled step's loop reserved the room before it
+                self.slots.make_room(key_states.shape[-2])
+            self.slots.write(key_states, value_states)
+            keys, values = self.keys, self.values
+        elif self.phase is Phase.OBSERVING:
+            keys, values = self.observation.take((self.keys, self.values), key_states, value_states)
+        elif self.phase is Phase.AWAITING_PASS:
+            raise CacheMisuseError(_PASS_NOT_RUN)
+        else:
+            if self.phase is Phase.EMPTY:
+                self.lazy_initialization(key_states, value_states)
+                self.phase = moved(self.layer_idx, self.phase, Phase.PROMPT, "a prompt's first tokens")
+            keys, values = self.intake.take(self.slots, key_states, value_states)
+        self.step_open = True
+        _announced.layer, _announced.keys = self, keys
+        return keys, values
+
+    def get_seq_length(self) -> int:
+        return self.seen_tokens
+
+    def get_mask_sizes(self, query_length: int, *args) -> tuple[int, int]:
+        # transformers' mask covers logical positions; attach.py keeps only its newest columns.
+        return self.seen_tokens + query_length, 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("kvcompress caches cannot be cropped (assisted/speculative decoding is unsupported)")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.is_initialized:
+            held.apply_rows(self, lambda t: t.index_select(0, indices.to(t.device)))
+
+    reorder_cache = batch_select_indices  # beam search's reordering is a selection of rows
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.is_initialized:
+            held.apply_rows(self, lambda t: t.repeat_interleave(repeats, dim=0))
+
+    # --- the pipeline: prompt -> (observation pass) -> compression -> decoding ------------------------------
+
+    def commit(self, query: torch.Tensor, new_valid: torch.Tensor | None, scaling: float,
+               lse: torch.Tensor | None = None) -> None:
+        """After a step's attention: which new tokens are real (``new_valid [b, q]``; None: all); once the whole
+        prompt has come, compress it. ``lse``: an observation step's log-normalisers (``observe``)."""
+        self.step_open = False
+        if self.phase is Phase.OBSERVING:
+            keys, valid = self.observation.step(query, new_valid, self.slot_validity())
+            self.observe(query, keys, valid, scaling, lse, self.observation.context)
+            return
+        if not torch.compiler.is_compiling():  # a compiled step's loop moves them after the step (cache.advance)
+            self.advance(query.shape[-2])
+        if self.phase is Phase.PROMPT:
+            keep = queries_to_keep(self.queries_needed(), self.record_window)
+            record = self.intake.commit(self.slots, query, new_valid, scaling, keep)
+            if record is not None:
+                self._end_prompt(record)
+            return
+        if new_valid is not None:  # written without asking the device whether all are real: that would synchronize
+            self.slots.mark_padding(new_valid)
+        if self.phase is Phase.CONTINUING:  # a window continuing a stored context: this step ends its prompt
+            self.prefill_len += query.shape[-2]
+            self.prompt_tokens = self.prompt_tokens + (query.shape[-2] if new_valid is None else new_valid.sum(-1))
+            self.phase = moved(self.layer_idx, self.phase, Phase.DECODING, "the stored window's prompt ended")
+        self.after_step(query, scaling)
+        self.slots.close_step(query.shape[-2])
+
+    def _end_prompt(self, record: PromptRecord) -> None:
+        """The whole prompt is held: its validity, lengths and recorded queries; then compress, or wait for a pass."""
+        if record.valid is not None and not bool(record.valid.all()):
+            self.slots.valid = left_padded(record.valid)
+        if record.positions is not None:  # a thinned context: its slots are not its tokens in order
+            self.slots.positions = record.positions
+            self.spans = record.spans
+        self.intake = OneForward()
+        self.prefill_len = self.keys.shape[-2]
+        self.prompt_tokens = self.slot_validity().sum(dim=-1)
+        if self.record_window is not False:
+            kept = record.query if self.record_window is None else record.query[..., -self.record_window :, :]
+            self.queries, self.query_scaling = kept, record.scaling
+        if self.observes:
+            self.observation = ObservationPass(record, self.prefill_len)
+            self.phase = moved(self.layer_idx, self.phase, Phase.AWAITING_PASS, "the prompt waits for its pass")
+            return
+        self.phase = moved(self.layer_idx, self.phase, Phase.DECODING, "the prompt is compressed")
+        self._compress(record)
+
+    def _compress(self, record: PromptRecord) -> None:
+        """The method's ``compress``, timed (on a GPU, between synchronizations)."""
+        _sync(self.keys)
+        start = time.perf_counter()
+        self.compress(record.query, record.scaling)
+        _sync(self.keys)
+        self.compress_s += time.perf_counter() - start
+        self.observation = None
+        if self.record_window is False:
+            self.spans = None  # read by compress only (a prefill record keeps them for the methods it makes)
+
+    def expect_prompt(self, total: int) -> bool:
+        """The prompt will come in blocks, ``total`` tokens in all (``longprompt.BlockedPrefill``); False where it
+        comes in another way."""
+        if self.phase is not Phase.EMPTY or not isinstance(self.intake, OneForward):
+            return False
+        self.intake = InBlocks(total)
+        return True
+
+    def continue_prompt(self, source: KVLayer, rows: torch.Tensor, pads: list[int], spans: torch.Tensor | None) -> None:
+        """This fresh layer's prompt continues ``source``'s (read, never written): rows ``rows`` of it, one per row of
+        the new prompt, led by ``pads`` padding slots; ``spans``: the joined prompt's word spans ``[b, width]``."""
+        stored = source.stored_prompt()
+        if stored is None:
+            raise CacheMisuseError(f"kvcompress: layer {source.layer_idx} of this context ({type(source).__name__}) "
+                                   f"holds its prompt in a form a question cannot be prefilled over; {_STORE_WHOLE}")
+        moved(self.layer_idx, self.phase, Phase.PROMPT, "a prompt continuing a stored context")
+        picked = StoredPrompt(*(t.index_select(0, rows.to(t.device)) if isinstance(t, torch.Tensor) else t for t in stored))
+        self.intake = OverStored(picked, pads, spans)
+        self.slots.seen, self.slots.used = source.seen_tokens, stored.keys.shape[-2]  # the logical length continued
+        self.spans = spans
+
+    def load_prefill(self, source: KVLayer) -> None:
+        """A prompt recorded by ``source`` (an uncompressed layer that kept its last queries), compressed here."""
+        self.lazy_initialization(source.keys, source.values)
+        record = recorded_prompt(source, self.slots)
+        self.spans = source.spans
+        self.phase = moved(self.layer_idx, self.phase, Phase.PROMPT, "a prefill record")
+        self._end_prompt(record)
+
+    def stored_prompt(self) -> StoredPrompt | None:
+        """This layer's prompt as a later prompt continues it (a question over a stored context); None where its
+        storage cannot be read as one (chunks in a store, packed segments)."""
+        stored = self.slots.stored() if self.phase is Phase.DECODING and self.cursor is None else None
+        if stored is None:
+            return None
+        return StoredPrompt(*stored, self.prompt_tokens, self.queries, self.query_scaling)
+
+    def begin_observation(self, openings: torch.Tensor) -> None:
+        """The observation pass starts; it repeats each row's prompt after its first ``openings [b]`` tokens."""
+        if self.phase is Phase.AWAITING_PASS:
+            self.phase = moved(self.layer_idx, self.phase, Phase.OBSERVING, "the observation pass begins")
+            self.observation.context = prompt_positions(self.slot_validity()) >= openings[:, None]
+
+    def end_observation(self) -> None:
+        """The observation pass is over (or never began: the method then says what it lacks): compress."""
+        if self.observation is not None:
+            self.phase = moved(self.layer_idx, self.phase, Phase.DECODING, "the observation pass ended")
+            self._compress(self.observation.record)
+
+    # --- the storage -----------------------------------------------------------------------------------------
+
+    def advance(self, new: int) -> None:
+        self.slots.advance(new)  # the host mirrors of the lengths after a step of ``new`` tokens
+
+    def slot_validity(self) -> torch.Tensor:
+        return self.slots.slot_validity()  # [batch, slots] bool, True for real tokens
+
+    def kept_positions(self) -> torch.Tensor:
+        """Prompt positions held, ``[batch, kv_heads, prompt slots]`` ascending per head; -1 marks
+        filler slots of rows (in a batch) that keep fewer tokens than the longest row."""
+        return self.slots.kept_positions(self.prefill_len)
+
+    # --- the method's policy: what a method's layer overrides --------------------------------------------------
+
+    def queries_needed(self) -> int | None:
+        """The last prefill queries ``compress`` reads (None: all of them). Default: none."""
+        return 0
+
+    def compress(self, query: torch.Tensor, scaling: float) -> None:
+        """Once the layer holds the whole prompt (``query``: its last post-RoPE queries ``[b, q_heads, seq, d]``):
+        keep or store what the method needs. Default: keep everything."""
+
+    def attend(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
+               scaling: float, softcap: float | None = None) -> torch.Tensor:
+        """Attention of ``query`` over this layer (``keys``/``values`` as ``update`` returned them)."""
+        return self.slots.attend(query, keys, values, mask, scaling, softcap)
+
+    def after_step(self, query: torch.Tensor, scaling: float) -> None:
+        """After a later step's tokens are stored (e.g. evict while decoding). Default: nothing."""
+
+    def observe(self, query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scaling: float, lse: torch.Tensor,
+                context: torch.Tensor) -> None:
+        """A step of the observation pass: ``query [b, q_heads, new, d]`` attended ``keys`` (the prompt's slots,
+        then the step's), ``valid [b, prompt + new]``; ``lse [b, q_heads, new]`` each query's log-normaliser;
+        ``context [b, prompt]`` the prompt slots the pass repeats (after each row's opening). Default: nothing."""
+
+    def stats(self) -> dict[str, Any]:
+        """This layer's counters (the storage's bytes, the declared index), summed over layers by the cache."""
+        stats = {**self.slots.memory(self.full_tokens()), "offloaded_bytes": 0}
+        stats["index_bytes"] += held.counted_bytes(self)
+        return stats
+
+    def info(self) -> dict[str, Any]:
+        return {}  # facts about this layer shown in the cache's stats (kept when every layer agrees)
+
+    def uncapturable(self) -> str | None:
+        return None  # why this layer's decoding step cannot be one compiled graph (None: it can)
+
+    def fetch_overlap(self) -> OverlapProbe | None:
+        """For layers that read an offload store while decoding: the parts to time. Default: None."""
+        return None
+
+    def full_tokens(self) -> int:
+        return self.seen_tokens  # tokens per KV head an uncompressed cache would hold for this layer
 
 
 class WindowLayer(KVLayer):
@@ -81,16 +343,55 @@ class WindowLayer(KVLayer):
     def continue_prompt(self, source: KVLayer, rows: torch.Tensor, pads: list[int], spans: torch.Tensor | None) -> None:
         """A window is what this layer keeps whatever the method: a copy of the stored one (rows ``rows``),
         which the new prompt's tokens then go through as a later turn's do."""
-        self.load_state_dict({name: value.clone() if isinstance(value, torch.Tensor) else value for name, value in source.state_dict().items()}, rows.device)
+        state = {name: value.clone() if isinstance(value, torch.Tensor) else value for name, value in held.save(source).items()}
+        held.put(self, state, rows.device)
+        self.phase = moved(self.layer_idx, self.phase, Phase.CONTINUING, "a stored window continued")
         self.batch_select_indices(rows)
-        self.intake.recorded, self.intake.extends = None, True
+        self.queries = None
 
     def load_prefill(self, source: KVLayer) -> None:
         """The recorded window is already what this layer keeps (an observation pass then attends to it and
         stores none of its own tokens, as after a prefill: ``compress`` waits for the pass)."""
         self.lazy_initialization(source.keys, source.values)
         self.slots.set(source.keys, source.values, source.valid, source.positions)
-        self.slots.seen, self.prefill_len = source.seen_tokens, source.prefill_len
-        self.prompt_tokens, self.prefilled = source.prompt_tokens, True
-        if self.intake.observes:
-            self.intake.deferred = (source.keys.new_zeros(0), 1.0)  # compress (the window kept) reads no query
+        self.slots.seen, self.prefill_len, self.prompt_tokens = source.seen_tokens, source.prefill_len, source.prompt_tokens
+        if self.observes:  # compress (the window kept) reads no query
+            self.observation = ObservationPass(PromptRecord(source.keys.new_zeros(0), None, 1.0), self.prefill_len)
+            self.phase = moved(self.layer_idx, self.phase, Phase.AWAITING_PASS, "a recorded window")
+        else:
+            self.phase = moved(self.layer_idx, self.phase, Phase.DECODING, "a recorded window")
+
+
+_PASS_NOT_RUN = (
+    "kvcompress: this cache's method compresses the prompt after an observation pass (KVzip: the model repeating the "
+    "prompt), and the model was called again before that pass ran; kvcompress.generate and kvcompress.compress run it "
+    "(model.generate() cannot): use them to prefill"
+)
+_STORE_WHOLE = ("compress the context with a method that keeps its tokens (kvc.FullKV(), or a prompt method with "
+                "heads='uniform' and layers='uniform')")
+
+
+def _check_step(layer: KVLayer, key_states: torch.Tensor) -> None:
+    """Refuse a step the layer cannot take: a second update before its attention committed (the model's attention
+    does not go through kvcompress), or another batch size than the one it holds."""
+    if layer.step_open:
+        raise UnsupportedModelError(
+            f"kvcompress: layer {layer.layer_idx} was updated twice without its attention running through the "
+            "'kvcompress' attention implementation; the model's attention layout is not supported "
+            "(was attn_implementation changed after make_cache?)"
+        )
+    rows = layer.slots.view().keys.shape[0] if layer.phase is not Phase.EMPTY else key_states.shape[0]
+    if rows != key_states.shape[0]:
+        raise CacheMisuseError(f"kvcompress: this cache holds a batch of {rows} rows but got {key_states.shape[0]}; "
+                               "make a new cache for a new batch")
+
+
+def batch_prompt_tokens(layer: KVLayer) -> torch.Tensor:
+    """Real prompt tokens of every row of the batch: a cache prefilled for a group of a batch's rows compresses
+    them into the shapes the whole batch would take, so the groups can be joined."""
+    return layer.prompt_tokens if layer.batch_lengths is None else layer.batch_lengths
+
+
+def _sync(tensor: torch.Tensor) -> None:
+    if tensor.is_cuda:
+        torch.cuda.synchronize(tensor.device)

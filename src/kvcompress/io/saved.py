@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from ..cache import held
 from ..cache.kv_cache import KVCompressCache
 
 
@@ -56,7 +57,7 @@ def cache_state(cache: KVCompressCache) -> tuple[dict[str, torch.Tensor], list[d
     layers = []
     for index, layer in enumerate(cache.layers):
         values: dict[str, Any] = {}
-        for name, value in layer.state_dict().items():
+        for name, value in held.save(layer).items():
             if isinstance(value, torch.Tensor):
                 take_tensor(f"layers.{index}.{name}", value, tensors)
             elif plain(value):
@@ -91,7 +92,7 @@ def restore_cache(cache: KVCompressCache, layers: list[dict[str, Any]], tensors:
             raise CacheFileError(f"layer {index} was saved as a {saved['class']}, this method makes a {type(layer).__name__}")
         prefix = f"layers.{index}."
         state = {**saved["values"], **{key[len(prefix) :]: tensor for key, tensor in tensors.items() if key.startswith(prefix)}}
-        layer.load_state_dict(state, device)
+        held.load(layer, state, device)
 
 
 def to_json(value: Any) -> str:

@@ -7,7 +7,7 @@ the command line (``kvcompress generate --flag``) and the benchmarks' method spe
 
 Two kinds of methods share this base:
 
-* prompt compression (SnapKV, StreamingLLM, H2O; ``prompt.py``): ``keep_counts`` says how many
+* prompt compression (SnapKV, StreamingLLM, H2O; ``prompt.py``): ``kept_tokens`` says how many
   prompt tokens each row keeps and ``scores`` how important each position is per KV head; the
   layer keeps the top ones at the end of prefill;
 * sparse decoding (ShadowKV, Quest, Loki): nothing is dropped; their layers (``sparse.py``) choose
@@ -195,11 +195,6 @@ class Method:
     def before_compress(self, layers: list[KVLayer]) -> None:
         """After an observation pass, before any of ``layers`` (each holding its whole prompt)
         compresses. Default: nothing."""
-
-    def keep_counts(self, lengths: torch.Tensor) -> torch.Tensor | None:
-        """Prompt tokens each row keeps after prefill, given each row's real length ``[batch]``;
-        ``None``: keep everything."""
-        return None
 
     def scores(self, query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scaling: float, spans: torch.Tensor | None = None) -> torch.Tensor:
         """Importance of each prompt position per KV head ``[batch, kv_heads, seq]``; higher is kept.

@@ -110,9 +110,6 @@ class ExpectedAttention(PromptMethod):
     def queries_needed(self) -> None:
         return None
 
-    def keep_counts(self, lengths: torch.Tensor) -> torch.Tensor:
-        return self.token_budgets(lengths, floor=max(1, self.sinks))
-
     def needs_tokens(self) -> bool:
         return self.clustering == "spans"
 

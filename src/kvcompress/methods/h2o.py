@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
+from ..cache.held import hold
 from ..cache.layer import KVLayer
 from ..storage.attention import group_mask, grouped_logits, key_probabilities
 from ..storage.slots import CappedSlots
@@ -89,9 +90,6 @@ class H2O(PromptMethod):
     def queries_needed(self) -> int | None:
         return None  # every prompt query votes
 
-    def keep_counts(self, lengths: torch.Tensor) -> torch.Tensor:
-        return self.token_budgets(lengths, floor=self.recent_tokens)
-
     def scores(self, query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scaling: float, spans: torch.Tensor | None = None) -> torch.Tensor:
         return h2o_scores(query, keys, valid, scaling, self.recent_tokens, self.block)
 
@@ -115,7 +113,7 @@ class H2OLayer(EvictionLayer):
     KV head of a row evicts the same padding slots and slot validity stays per row."""
 
     method: H2O
-    STATE = (*EvictionLayer.STATE, "next_position")
+    next_position: torch.Tensor | None = hold(rows=True)  # [batch]: the position of each row's next token
 
     def __init__(self, method: H2O, layer_idx: int, share: float = 1.0) -> None:
         super().__init__(method, layer_idx, share)
@@ -123,7 +121,6 @@ class H2OLayer(EvictionLayer):
         # attention, and position in the row (-1: padding).
         fills = {"slot_scores": 0.0, "slot_positions": -1}
         self.slots = CappedSlots(math.ceil(method.budget_tokens * share), fills, accumulated=("slot_scores",))
-        self.next_position: torch.Tensor | None = None  # [batch]
 
     @property
     def budget(self) -> int:
@@ -180,6 +177,3 @@ class H2OLayer(EvictionLayer):
         held = self.slots.notes["slot_positions"][..., : self.used]
         prompt = held.masked_fill(held >= self.prompt_tokens[:, None, None], -1)
         return prompt.sort(dim=-1).values
-
-    def batch_tensors(self) -> list[str]:
-        return [*super().batch_tensors(), "next_position"]

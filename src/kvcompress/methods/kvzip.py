@@ -107,10 +107,13 @@ class KVzip(PromptMethod):
         return scores if seen is None else torch.maximum(seen, scores)
 
     def layer_scores(self, layer: EvictionLayer, query: torch.Tensor, scaling: float) -> torch.Tensor:
-        if layer.observed is None:
-            raise ValueError("KVzip scores from the prompt's reconstruction, which did not run: compress through kvcompress.generate or kvcompress.compress")
+        seen = None if layer.observation is None else layer.observation.seen
+        if seen is None:
+            raise ValueError("KVzip scores from the prompt's reconstruction, which did not run: compress through "
+                             "kvcompress.generate or kvcompress.compress")
         if self.clustering == "none":
-            return layer.observed
+            return seen
         if layer.spans is None:
-            raise ValueError("KVzip(clustering='spans') needs the prompt's token ids; the model was called with embeddings only: use clustering='none'")
-        return span_max(layer.observed, layer.spans)
+            raise ValueError("KVzip(clustering='spans') needs the prompt's token ids; the model was called with "
+                             "embeddings only: use clustering='none'")
+        return span_max(seen, layer.spans)

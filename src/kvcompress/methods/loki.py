@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from .base import InvalidParameterError, model_head_dim, param
+from ..cache.held import hold
 from .sparse import SparseDecodeLayer, SparseMethod
 
 if TYPE_CHECKING:
@@ -93,13 +94,13 @@ class Loki(SparseMethod):
 
 class LokiLayer(SparseDecodeLayer):
     method: Loki
-    STATE = (*SparseDecodeLayer.STATE, "components", "projected")
+    calibrated: torch.Tensor | None = hold(saved=False)  # [h, d, d]: from a calibration file (None: per prompt)
+    components: torch.Tensor | None = hold(rows=True, index=True)  # [b, h, d, dim]: the keys' top principal components
+    projected: torch.Tensor | None = hold(rows=True, index=True)  # [b, h, n, dim]: the region's keys projected on them
 
     def __init__(self, method: Loki, layer_idx: int, calibrated: torch.Tensor | None) -> None:
         super().__init__(method, layer_idx, unit=1, offload=False)
         self.calibrated = calibrated
-        self.components: torch.Tensor | None = None
-        self.projected: torch.Tensor | None = None
 
     def region_chunks(self, lengths: torch.Tensor) -> torch.Tensor:
         return lengths - self.method.recent
@@ -116,8 +117,3 @@ class LokiLayer(SparseDecodeLayer):
     def chunk_scores(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
         return approximate_scores(query, self.projected, self.components)
 
-    def index_tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.components, self.projected) if t is not None]
-
-    def batch_tensors(self) -> list[str]:
-        return [*super().batch_tensors(), "components", "projected"]

@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from ..cache.layer import KVLayer
+from ..cache.held import hold
+from ..cache.layer import KVLayer, batch_prompt_tokens
 from ..storage.attention import scoring_sinks
 from ..storage.packed import PackedSlots
 from .base import BudgetMethod, param, require
@@ -126,7 +127,7 @@ def allocate_heads(scores: torch.Tensor, valid: torch.Tensor, counts: torch.Tens
 
 @dataclass
 class PromptMethod(BudgetMethod):
-    """A method that keeps each KV head's best prompt positions: ``keep_counts`` and ``scores``."""
+    """A method that keeps each KV head's best prompt positions: how many (``kept_tokens``) and which (``scores``)."""
 
     quiet_fields: ClassVar[tuple[str, ...]] = ("heads", "head_floor", "layers", "pyramid_beta")
     heads: str = param("uniform", "how a layer's budget is shared by its KV heads: uniform, or adaptive (Ada-KV: by their scores)", choices=("uniform", "adaptive"))
@@ -146,10 +147,27 @@ class PromptMethod(BudgetMethod):
             "all scored, which only a method with an observation pass does (KVzip); valid here: uniform, pyramid",
         )
 
-    def keep_counts(self, lengths: torch.Tensor) -> torch.Tensor:
-        """Prompt tokens each row keeps: the budget (or ``ratio`` of the row), never more than the row has. A
-        method that keeps a floor of its own (a window, sinks) overrides this."""
-        return self.token_budgets(lengths)
+    def kept_tokens(self, lengths: torch.Tensor, share: float | torch.Tensor = 1.0) -> torch.Tensor:
+        """The budget, in one place: prompt tokens each row of a layer keeps per KV head, for real prompt lengths
+        ``lengths [b]``. From the fields: ``budget`` tokens, or ``ceil(ratio * length)`` (never fewer than the
+        tokens the method always keeps, ``reserved_tokens``: a window, sinks, recent tokens). A layer's ``share``
+        then scales what the method may choose beyond the reserved tokens: a float is its part of the budget
+        (``layers="pyramid"``: ``pyramid_budgets``; 1.0 uniform), a tensor ``[b]`` its part of each row's count
+        (``layers="global"``: ``global_shares``). Never more than a row has, never fewer than one. How a layer's
+        count is then shared by its KV heads is by their scores (``heads="adaptive"``: ``allocate_heads``)."""
+        reserved = self.reserved_tokens()
+        if self.ratio is not None:
+            counts = torch.clamp(torch.ceil(lengths.double() * self.ratio).long(), min=max(1, reserved))
+        else:
+            counts = torch.full_like(lengths, self.budget_tokens)
+        counts = torch.minimum(counts, lengths)
+        if isinstance(share, float) and share == 1.0:
+            return counts
+        # pyramid: a share of the budget itself, then capped by each prompt (a prompt under its layer's budget stays
+        # whole); global: a share of what each row keeps
+        shared = torch.full_like(counts, self.budget_tokens) if isinstance(share, float) else counts
+        scaled = reserved + torch.ceil((shared - reserved).clamp(min=0).double() * share).long()
+        return torch.minimum(scaled.clamp(min=1), lengths)
 
     def attends_slots(self) -> bool:
         return self.heads == "uniform" and self.layers != "global"  # otherwise the heads' tokens are packed per head
@@ -186,47 +204,33 @@ class PromptMethod(BudgetMethod):
         scores it will compress with."""
         if self.layers != "global" or not layers:
             return
-        counts = self.keep_counts(layers[0].prompt_tokens)
-        if counts is None:
-            return
-        scores = [layer.prompt_scores(*layer.intake.deferred) for layer in layers]
+        counts = self.kept_tokens(layers[0].prompt_tokens)
+        scores = [layer.prompt_scores(layer.observation.record.query, layer.observation.record.scaling) for layer in layers]
         for layer, share in zip(layers, global_shares(scores, layers[0].slot_validity(), counts - self.reserved_tokens())):
             layer.share = share
 
 
 class EvictionLayer(KVLayer):
-    """Each row keeps, per KV head, its ``keep_counts`` highest-scoring prompt tokens (scaled by the
-    layer's ``share`` of the budget); decoding then appends to that fixed-size cache."""
+    """Each row keeps, per KV head, its ``kept_tokens`` highest-scoring prompt tokens (with the layer's ``share``
+    of the budget); decoding then appends to that fixed-size cache."""
 
-    STATE = ("share",)
+    share: float | torch.Tensor = hold(rows=False)  # of the budget; per row [b] with layers="global"
 
     def __init__(self, method: PromptMethod, layer_idx: int, share: float = 1.0) -> None:
         super().__init__(layer_idx)
         self.method = method
-        self.share: float | torch.Tensor = share  # of the budget; per row [b] with layers="global"
-        self.observed: torch.Tensor | None = None  # what the method kept from its observation pass, until compress
+        self.share = share
         self.rotary = None  # the model's rotary module for this layer, for methods that score with it
 
     def counts(self) -> tuple[torch.Tensor, int] | None:
         """Tokens each row keeps per KV head in this layer and the slots the batch needs for them (its
         largest count; a group of a batch prefilled in groups takes the whole batch's), or None when no
         row of the batch is over its count."""
-        everyone, lengths = self.layer_counts(self.batch_prompt_tokens()), self.batch_prompt_tokens()
-        if everyone is None or bool((everyone >= lengths).all()):
+        lengths = batch_prompt_tokens(self)
+        everyone = self.method.kept_tokens(lengths, self.share)
+        if bool((everyone >= lengths).all()):
             return None
-        return self.layer_counts(self.prompt_tokens), int(everyone.max())
-
-    def layer_counts(self, lengths: torch.Tensor) -> torch.Tensor | None:
-        """``keep_counts`` for rows of ``lengths``, scaled by this layer's share of the budget."""
-        counts = self.method.keep_counts(lengths)
-        if counts is None or (isinstance(self.share, float) and self.share == 1.0):
-            return counts
-        reserved = self.method.reserved_tokens()
-        # pyramid: a share of the budget itself, then capped by each prompt (a prompt under its layer's budget stays whole);
-        # global: a share of what each row keeps
-        shared = torch.full_like(counts, self.method.budget_tokens) if isinstance(self.share, float) else counts
-        scaled = reserved + torch.ceil((shared - reserved).clamp(min=0).double() * self.share).long()
-        return torch.minimum(scaled.clamp(min=1), lengths)
+        return self.method.kept_tokens(self.prompt_tokens, self.share), int(everyone.max())
 
     def queries_needed(self) -> int | None:
         return self.method.queries_needed()
@@ -235,14 +239,10 @@ class EvictionLayer(KVLayer):
         with scoring_sinks(self.sinks):  # a model's learned sinks take their share of the scorer's softmax
             return self.method.layer_scores(self, query, scaling)
 
-    def observe(
-        self, query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scaling: float, lse: torch.Tensor, context: torch.Tensor
-    ) -> None:
-        self.observed = self.method.observe(self.observed, query, keys, valid, self.prefill_len, scaling, lse, context)
-
-    def timed_compress(self, query: torch.Tensor, scaling: float) -> None:
-        super().timed_compress(query, scaling)
-        self.observed = None
+    def observe(self, query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scaling: float, lse: torch.Tensor,
+                context: torch.Tensor) -> None:
+        seen = self.observation.seen
+        self.observation.seen = self.method.observe(seen, query, keys, valid, self.prefill_len, scaling, lse, context)
 
     def compress(self, query: torch.Tensor, scaling: float) -> None:
         self.keep_top(lambda: self.prompt_scores(query, scaling))
@@ -267,8 +267,8 @@ class HeadAdaptiveLayer(EvictionLayer):
     def counts(self) -> tuple[torch.Tensor, int] | None:
         if isinstance(self.share, float):
             return super().counts()
-        counts = self.layer_counts(self.prompt_tokens)  # shares of this group's rows: every row packs, whatever its count
-        return None if counts is None else (counts, int(counts.max()))
+        counts = self.method.kept_tokens(self.prompt_tokens, self.share)  # this group's rows: every row packs
+        return counts, int(counts.max())
 
     def compress(self, query: torch.Tensor, scaling: float) -> None:
         kept = self.counts()

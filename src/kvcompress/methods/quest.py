@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from .base import param
+from ..cache.held import hold
 from .sparse import SparseDecodeLayer, SparseMethod
 
 if TYPE_CHECKING:
@@ -61,12 +62,8 @@ class Quest(SparseMethod):
 
 class QuestLayer(SparseDecodeLayer):
     method: Quest
-    STATE = (*SparseDecodeLayer.STATE, "low", "span")
-
-    def __init__(self, method: Quest, layer_idx: int, unit: int, offload: bool) -> None:
-        super().__init__(method, layer_idx, unit, offload)
-        self.low: torch.Tensor | None = None  # [b, h, pages, d]: each page's smallest key per dimension
-        self.span: torch.Tensor | None = None  # [b, h, pages, d]: its largest minus its smallest
+    low: torch.Tensor | None = hold(rows=True, index=True)  # [b, h, pages, d]: each page's smallest key per dimension
+    span: torch.Tensor | None = hold(rows=True, index=True)  # [b, h, pages, d]: its largest minus its smallest
 
     def region_chunks(self, lengths: torch.Tensor) -> torch.Tensor:
         return torch.div(lengths, self.unit, rounding_mode="floor")
@@ -78,8 +75,3 @@ class QuestLayer(SparseDecodeLayer):
     def chunk_scores(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
         return page_upper_bounds(query, self.low, self.span)
 
-    def index_tensors(self) -> list[torch.Tensor]:
-        return [self.low, self.span] if self.store is not None else []
-
-    def batch_tensors(self) -> list[str]:
-        return [*super().batch_tensors(), "low", "span"]

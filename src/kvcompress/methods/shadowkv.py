@@ -37,6 +37,7 @@ from ..integrations.transformers.rope import Rotary, apply_rope, invert_rope, ro
 from ..storage.ops import fused
 from ..storage.tensors import chunk_tokens, gather_tokens, prompt_positions
 from .base import InvalidParameterError, model_head_dim, param, require_rope
+from ..cache.held import hold
 from .sparse import SparseDecodeLayer, SparseMethod
 
 if TYPE_CHECKING:
@@ -256,17 +257,17 @@ class ShadowKVLayer(SparseDecodeLayer):
     dense part holds outlier chunks, local tokens and everything appended after the prompt."""
 
     method: ShadowKV
-    STATE = (*SparseDecodeLayer.STATE, "factor_a", "factor_b", "landmarks", "bias", "inv_freq", "rope_scale")
+    # the selection index, read at every step; each group's rank comes from its keys: zero columns are exact
+    factor_a: torch.Tensor | None = hold(rows=True, index=True, ragged=2)  # [b, region, r]
+    factor_b: torch.Tensor | None = hold(rows=True, index=True, ragged=1)  # [b, r, kv_heads, d]
+    landmarks: torch.Tensor | None = hold(rows=True, index=True)  # [b, kv_heads, n_chunks, d]
+    bias: torch.Tensor | None = hold(rows=True, index=True)  # [b, kv_heads, 1, n_chunks]: see landmark_bias
+    inv_freq: torch.Tensor | None = hold(index=True)  # the model's rotary frequencies after the prefill, their scale
+    rope_scale: float = hold(default=1.0)
 
     def __init__(self, method: ShadowKV, layer_idx: int, rotary: Rotary) -> None:
         super().__init__(method, layer_idx, unit=method.chunk, offload=True)
         self.rotary = rotary
-        self.factor_a: torch.Tensor | None = None  # [b, region, r]
-        self.factor_b: torch.Tensor | None = None  # [b, r, kv_heads, d]
-        self.landmarks: torch.Tensor | None = None  # [b, kv_heads, n_chunks, d]
-        self.bias: torch.Tensor | None = None  # [b, kv_heads, 1, n_chunks]: see landmark_bias
-        self.inv_freq: torch.Tensor | None = None  # the model's rotary frequencies after the prefill, and their scale
-        self.rope_scale = 1.0
 
     def region_chunks(self, lengths: torch.Tensor) -> torch.Tensor:
         return torch.div(lengths - self.method.local_chunks * self.unit, self.unit, rounding_mode="floor")
@@ -314,15 +315,6 @@ class ShadowKVLayer(SparseDecodeLayer):
 
     def read_factor(self) -> float:
         return 2.0  # the selected chunks' values, and their keys rebuilt to the same size
-
-    def index_tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.factor_a, self.factor_b, self.landmarks, self.bias, self.inv_freq) if t is not None]
-
-    def batch_tensors(self) -> list[str]:
-        return [*super().batch_tensors(), "factor_a", "factor_b", "landmarks", "bias"]
-
-    def ragged_dims(self) -> dict[str, int]:
-        return {"factor_a": 2, "factor_b": 1}  # each group's rank comes from its keys: zero columns are exact
 
     def info(self) -> dict[str, Any]:
         if self.factor_b is None:

@@ -120,9 +120,6 @@ class SnapKV(PromptMethod):
     def queries_needed(self) -> int:
         return self.window
 
-    def keep_counts(self, lengths: torch.Tensor) -> torch.Tensor:
-        return self.token_budgets(lengths, floor=self.window)
-
     def needs_tokens(self) -> bool:
         return self.clustering == "spans"
 

@@ -20,12 +20,12 @@ from typing import Any, Callable, ClassVar
 
 import torch
 
+from ..cache.held import counted_bytes, hold
 from ..cache.intake import StoredPrompt
-from ..cache.layer import KVLayer
-from ..cache.policy import OverlapProbe
+from ..cache.layer import KVLayer, OverlapProbe, batch_prompt_tokens
 from ..storage.attention import dense_attention
 from ..storage.offload import ChunkStore
-from ..storage.tensors import chunk_tokens, gather_tokens, nbytes, prompt_positions
+from ..storage.tensors import chunk_tokens, gather_tokens, prompt_positions
 from .base import BudgetMethod, require
 
 
@@ -67,25 +67,23 @@ class SparseDecodeLayer(KVLayer):
     what to index and how to score chunks."""
 
     method: SparseMethod
-    STATE = ("selectable", "unselectable", "step_chunks", "step_count", "batch_chunks", "all_counted", "front", "front_slots", "selected",
-             "hits", "steps", "lookups")
-    HELD = {"store": ChunkStore}
+    store: ChunkStore | None = hold(rows=True, kind=ChunkStore)  # region chunks [b, h, n, unit, d'] (stored_chunks)
+    selectable: torch.Tensor | None = hold(rows=True, counted=True)  # [b, h, n]: chunk may be selected
+    unselectable: torch.Tensor | None = hold(rows=True, counted=True)  # ~selectable, kept for the step
+    step_chunks: torch.Tensor | None = hold(rows=True, counted=True)  # [b]: chunks each row selects per step
+    selected: torch.Tensor | None = hold(rows=True, counted=True)  # [b, h, k]: last step's (an offload store reuses)
+    step_count: int = hold(default=0)  # chunks gathered per step (the largest row's)
+    batch_chunks: torch.Tensor | None = hold()  # region chunks of every row of the batch (they set the shapes)
+    all_counted: bool = hold(join=all, default=False)  # every gathered chunk counts (the front slots need no mask)
+    front: int = hold(default=0)  # slots at the front of the buffers that hold the step's selected chunks
+    front_slots: torch.Tensor | None = hold(counted=True)  # [front]: their indices
+    hits: torch.Tensor | None = hold(counted=True)  # a device scalar: counted without a host sync
+    steps: int = hold(default=0)  # decoding steps taken, and chunk lookups made (stats)
+    lookups: int = hold(default=0)
 
     def __init__(self, method: SparseMethod, layer_idx: int, unit: int, offload: bool) -> None:
         super().__init__(layer_idx)
         self.method, self.unit, self.offload = method, unit, offload
-        self.store: ChunkStore | None = None  # region chunks [b, h, n, unit, d'] (see stored_chunks)
-        self.selectable: torch.Tensor | None = None  # [b, h, n]: chunk may be selected
-        self.step_chunks: torch.Tensor | None = None  # [b]: chunks each row selects per step
-        self.step_count = 0  # chunks gathered per step (the largest row's)
-        self.front = 0  # slots at the front of the buffers that hold the step's selected chunks
-        self.front_slots: torch.Tensor | None = None  # [front]: their indices
-        self.selected: torch.Tensor | None = None  # [b, h, k]: last step's chunks (offloaded stores reuse them)
-        self.steps = self.lookups = 0
-        self.batch_chunks: torch.Tensor | None = None  # region chunks of every row of the batch (they set the shapes)
-        self.hits: torch.Tensor | None = None  # a device scalar: counted without a host sync
-        self.unselectable: torch.Tensor | None = None  # ~selectable, kept for the step
-        self.all_counted = False  # every gathered chunk counts for every row (the front slots need no mask)
 
     # --- what a method implements ---------------------------------------------------------------------
 
@@ -123,16 +121,12 @@ class SparseDecodeLayer(KVLayer):
         front = slice(0, self.front)
         return torch.cat([self.keys[:, :, front], self.values[:, :, front]], dim=-1)
 
-    def index_tensors(self) -> list[torch.Tensor]:
-        """The selection index kept on the device (landmarks, page bounds, projected keys, factors)."""
-        return []
-
     # --- the contract ----------------------------------------------------------------------------------
 
     def compress(self, query: torch.Tensor, scaling: float) -> None:
         lengths, seq = self.prompt_tokens, self.keys.shape[-2]
         counts = self.region_chunks(lengths).clamp(min=0)
-        everyone = self.batch_prompt_tokens()  # the batch's rows set the shapes (a group of them too)
+        everyone = batch_prompt_tokens(self)  # the batch's rows set the shapes (a group of them too)
         self.batch_chunks = self.region_chunks(everyone).clamp(min=0)
         n = int(self.batch_chunks.max())
         if n == 0:
@@ -218,11 +212,6 @@ class SparseDecodeLayer(KVLayer):
         self.selected.copy_(chunks)
         return gathered, result
 
-    def concat(self, others: list[KVLayer]) -> None:
-        counted = all(layer.all_counted for layer in [self, *others] if layer.store is not None)
-        super().concat(others)
-        self.all_counted = counted
-
     def advance(self, new: int) -> None:
         super().advance(new)
         if self.store is not None:
@@ -257,7 +246,6 @@ class SparseDecodeLayer(KVLayer):
         stats = super().stats()
         if self.store is None:
             return stats
-        stats["index_bytes"] += nbytes(self.selectable, self.unselectable, self.step_chunks, self.selected, self.hits, self.front_slots)
         stats["offloaded_bytes" if self.store.offloaded else "kv_bytes_kept"] += self.store.nbytes
         batch, heads, _, dim = self.keys.shape
         copies = 2 * batch * heads * self.front * dim * self.keys.element_size()  # the front slots: the step's chunks, copied from the store
@@ -265,7 +253,7 @@ class SparseDecodeLayer(KVLayer):
         stats["spare_bytes"] += copies
         per_chunk = self.store.chunk_bytes
         selected_bytes = self.keys.shape[0] * self.keys.shape[1] * self.step_count * per_chunk * self.read_factor()
-        stats["bytes_read_per_step"] += selected_bytes + nbytes(*self.index_tensors())
+        stats["bytes_read_per_step"] += selected_bytes + counted_bytes(self, index_only=True)
         misses = self.lookups - (0 if self.store.reads_hits() else int(self.hits))
         stats.update(
             sparse_layers=1,
@@ -288,6 +276,3 @@ class SparseDecodeLayer(KVLayer):
         """Bytes read per selected chunk relative to a stored chunk (ShadowKV stores values and
         rebuilds keys of the same size: 2)."""
         return 1.0
-
-    def batch_tensors(self) -> list[str]:
-        return [*super().batch_tensors(), "store", "selectable", "unselectable", "step_chunks", "selected"]

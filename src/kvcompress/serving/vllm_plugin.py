@@ -56,6 +56,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from ..cache.tokens import spans_for
 from ..integrations.transformers.rope import Rotary, rotary_from_config
 from ..methods import SnapKV, method_from_name
+from ..methods.prompt import PromptMethod
 from ..methods.base import InvalidParameterError, Method
 from ..methods.prompt import select_kept
 from ..storage.attention import scoring_sinks
@@ -105,8 +106,9 @@ def layer_index(name: str) -> int:
 
 def kept_count(method: Method, prompt: int) -> int:
     """Prompt tokens ``method`` keeps of a ``prompt``-token prompt (all of them: nothing to compress)."""
-    counts = method.keep_counts(torch.tensor([prompt]))
-    return prompt if counts is None else min(prompt, int(counts[0]))
+    if not isinstance(method, PromptMethod):
+        return prompt
+    return min(prompt, int(method.kept_tokens(torch.tensor([prompt]))[0]))
 
 
 # Per worker process: a scheduled request's first KV block -> its method and its prompt's length, as the

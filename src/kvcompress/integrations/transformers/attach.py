@@ -30,7 +30,7 @@ from transformers import AttentionInterface, AutoTokenizer, PreTrainedModel, Pre
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface
 
-from ...cache.adapter import take_announced
+from ...cache.layer import take_announced
 from ...cache.errors import CacheMisuseError, UnsupportedModelError
 from ...cache.kv_cache import KVCompressCache, LayerFactory, cache_argument
 from ...cache.layer import KVLayer, WindowLayer
@@ -204,7 +204,7 @@ def _layer_for(module: torch.nn.Module, key: torch.Tensor) -> KVLayer | None:
             "this attention layout is not supported"
         )
     if layer.module_id is not None and layer.module_id != id(module):
-        layer.awaiting_commit = False
+        layer.step_open = False
         raise CacheMisuseError(
             f"kvcompress: this cache was made for another model (layer {layer.layer_idx} belongs to a different attention module); "
             "make a cache for this model with method.make_cache(model)"
@@ -366,15 +366,16 @@ def kvcompress_attention(
         if sinks is not None:
             out, lse = attention.with_sinks(out, lse, sinks), attention.sink_normaliser(lse, sinks)
     elif layer.is_prefill:  # the new tokens are the newest of the prompt's
-        if layer.intake.joined_valid is not None:  # continuing a stored context: its slots, rows aligned, not transformers' columns
-            attention_mask = longprompt.continued_mask(layer.intake.joined_valid, q_len)
+        joined = layer.intake.joined_valid  # over a stored context: its slots, rows aligned, not transformers' columns
+        if joined is not None:
+            attention_mask = longprompt.continued_mask(joined, q_len)
         if sinks is not None:  # the same attention with each query's normaliser, for the sink's share
             out = attention.with_sinks(*blocks_with_lse(query, key, value, attention_mask, sliding_window, scaling, softcap), sinks)
         else:
             out = attend_prompt(layer, query, key, value, attention_mask, sliding_window, scaling, softcap)
     else:
         block = new_block(attention_mask, q_len, sliding_window) if q_len > 1 else None  # one query sees itself
-        mask = layer.visibility(block, q_len)
+        mask = layer.slots.visibility(block, q_len)
         if sinks is not None:  # the layer attends its slots (Method.attends_slots): the same attention, and its normaliser
             out = attention.with_sinks(*attention.spelled_out_with_lse(query, key, value, mask, scaling, softcap), sinks)
         else:

@@ -85,10 +85,9 @@ class BlockedPrefill(Wrapper):
         hidden, cache = next(iter(bound.arguments.values())), cache_argument(arguments)
         layer = cache.layers[self.layer_idx] if isinstance(cache, KVCompressCache) else None
         unseen = cache is not None and getattr(cache, "embeds_itself", False) and not self.observed() and not torch.is_grad_enabled()
-        if layer is None or not layer.is_prefill or hidden.dim() != 3 or hidden.shape[1] <= self.tokens or not unseen:
+        length = hidden.shape[1] if hidden.dim() == 3 else 0
+        if layer is None or length <= self.tokens or not unseen or not layer.expect_prompt(length):
             return self.inner(*args, **kwargs)
-        length = hidden.shape[1]
-        layer.expect_prompt(length)
         for start in range(0, length, self.tokens):
             end = min(length, start + self.tokens)
             block = self.signature.bind(*args, **kwargs)

@@ -1,0 +1,173 @@
+"""What a cache layer holds beside its storage, declared once per class; saving, loading, batch selection, beam
+reordering, joining a batch's groups, moving between devices and counting bytes all derive from the declaration.
+
+A layer class declares each such attribute once, in its body, with its type and role, as a dataclass field is
+(``prompt_tokens: torch.Tensor | None = hold(rows=True)``, gpt-fast's ``register_buffer`` in spirit); a subclass adds
+its own, ``declared`` collects them over the class's bases and ``reset`` gives a fresh layer their defaults. The
+storage (``layer.slots``) saves and moves its own tensors. A tensor attribute a layer sets that its class does not declare is a bug (a test walks
+every method's layers after a generation).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from ..storage.slots import held_state, inner, nested, on_device
+from ..storage.tensors import nbytes
+from .errors import CacheMisuseError
+from .phase import Phase, moved
+
+
+@dataclass(frozen=True)
+class Held:
+    """How a layer holds one attribute (``hold`` makes one).
+
+    ``saved``: an entry of the saved file under its name (docs/file-format.md); ``rows``: the batch comes first, so
+    selecting, repeating or reordering rows and joining groups of a batch apply to it; ``counted``: device bytes the
+    stats count as index bytes; ``index``: the method's selection index, read at every decoding step (counted too);
+    ``ragged``: a dimension whose size follows the data (a factor's rank), padded with zeros when groups are joined;
+    ``kind``: an object with ``state_dict``/``from_state``/``batch_apply``/``concat`` (an offload store);
+    ``join``: how a plain value of groups of a batch joins (``sum``, ``all``; None: the first group's);
+    ``default``: its value in a fresh layer (``reset``)."""
+
+    saved: bool = True
+    rows: bool = False
+    counted: bool = False
+    index: bool = False
+    ragged: int | None = None
+    kind: type | None = None
+    join: Callable[[list[Any]], Any] | None = None
+    default: Any = None
+
+
+def hold(saved: bool = True, rows: bool = False, counted: bool = False, index: bool = False, ragged: int | None = None,
+         kind: type | None = None, join: Callable[[list[Any]], Any] | None = None, default: Any = None) -> Any:
+    """A layer attribute's declaration, its class-level value (typed ``Any`` so it may stand where the
+    attribute's own type is annotated, as ``dataclasses.field`` does)."""
+    return Held(saved, rows, counted or index, index, ragged, kind, join, default)
+
+
+def declared(cls: type) -> dict[str, Held]:
+    """Every attribute ``cls`` and its bases declare (``hold``), the bases' first, each in its order."""
+    merged: dict[str, Held] = {}
+    for klass in reversed(cls.__mro__):
+        merged.update((name, value) for name, value in vars(klass).items() if isinstance(value, Held))
+    return merged
+
+
+def reset(layer: Any) -> None:
+    """Every declared attribute of ``layer`` at its default (a fresh layer)."""
+    for name, spec in declared(type(layer)).items():
+        setattr(layer, name, spec.default)
+
+
+def save(layer: Any) -> dict[str, Any]:
+    """The layer's saved entries: its storage's, an empty marker for each layout it may swap to and does not hold,
+    then every saved attribute (a held object's entries nested under its name). Only a layer at rest (its prompt
+    compressed, no step half done) is saved."""
+    if layer.phase is not Phase.DECODING or layer.step_open:
+        raise CacheMisuseError("kvcompress: a cache can be saved once its prompt is prefilled and compressed, not during "
+                               f"a step (layer {layer.layer_idx} is {layer.phase.value})")
+    layouts = type(layer).LAYOUTS
+    state = {**layer.slots.state_dict(), **{kind.NAME: None for kind in layouts if not isinstance(layer.slots, kind)}}
+    for name, spec in declared(type(layer)).items():
+        if spec.saved:
+            value = getattr(layer, name)
+            state.update(nested(name, held_state(value)) if spec.kind is not None else {name: value})
+    return state
+
+
+def load(layer: Any, state: dict[str, Any], device: torch.device) -> None:
+    """``save``'s entries (tensors in host memory) put back into a fresh layer on ``device``, which is then at rest
+    (decoding); an entry a file written before it existed lacks loads as None."""
+    put(layer, state, device)
+    layer.phase = moved(layer.layer_idx, layer.phase, Phase.DECODING, "a saved state loaded")
+
+
+def put(layer: Any, state: dict[str, Any], device: torch.device) -> None:
+    """``save``'s entries put into ``layer`` on ``device``, its phase left to the caller."""
+    swapped = [kind for kind in type(layer).LAYOUTS if inner(state, kind.NAME) is not None]
+    if swapped:
+        layer.slots = swapped[0].from_state(state, device)
+    else:
+        layer.slots.load_state_dict(state, device)
+    for name, spec in declared(type(layer)).items():
+        if not spec.saved:
+            continue
+        if spec.kind is not None:
+            entries = inner(state, name)
+            setattr(layer, name, None if entries is None else spec.kind.from_state(entries, device))
+        else:
+            setattr(layer, name, on_device(state.get(name), device))
+    layer.is_initialized = True
+    layer.dtype, layer.device = layer.keys.dtype, layer.keys.device
+
+
+def apply_rows(layer: Any, apply: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """A batch operation (select, repeat, reorder rows) on the storage and every attribute whose batch is first."""
+    layer.slots.batch_apply(apply)
+    for name, spec in declared(type(layer)).items():
+        value = getattr(layer, name)
+        if not spec.rows or value is None:
+            continue
+        if isinstance(value, torch.Tensor):
+            setattr(layer, name, apply(value))
+        else:
+            value.batch_apply(apply)
+
+
+def move(layer: Any, place: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Every tensor of the layer through ``place`` (onto another device): the storage's and each declared one."""
+    layer.slots.batch_apply(place)
+    for name in declared(type(layer)):
+        value = getattr(layer, name)
+        if isinstance(value, torch.Tensor):
+            setattr(layer, name, place(value))
+        elif value is not None and hasattr(value, "batch_apply"):
+            value.batch_apply(place)
+
+
+def join(layer: Any, others: list[Any]) -> None:
+    """The rows of ``others`` (the same layer in caches of other groups of one batch, each compressed with the
+    batch's shapes, none decoded yet) appended to ``layer``'s: the storage's, then every attribute whose batch is
+    first (each freed from ``others`` as the join goes) and every plain value with a ``join`` rule."""
+    if any(each.cursor is not None or each.phase is not Phase.DECODING for each in (layer, *others)):
+        raise CacheMisuseError("kvcompress: only caches holding a compressed prompt, not yet decoded, can be joined")
+    layer.slots = layer.slots.joined([other.slots for other in others])
+    for name, spec in declared(type(layer)).items():
+        values = [getattr(each, name) for each in (layer, *others)]
+        if spec.join is not None:
+            setattr(layer, name, spec.join(values))
+        if not spec.rows or any(value is None for value in values):
+            continue
+        if isinstance(values[0], torch.Tensor):
+            setattr(layer, name, concat_rows(values, spec.ragged))
+        else:
+            setattr(layer, name, type(values[0]).concat(values))
+        for other in others:
+            setattr(other, name, None)
+
+
+def counted_bytes(layer: Any, index_only: bool = False) -> int:
+    """Bytes of the attributes the stats count as index bytes (``index_only``: the selection index alone)."""
+    specs = declared(type(layer)).items()
+    return nbytes(*(getattr(layer, name) for name, spec in specs if (spec.index if index_only else spec.counted)))
+
+
+def undeclared(layer: Any) -> list[str]:
+    """Tensor attributes of ``layer`` its class does not declare (none may be: a test asks every method's layers)."""
+    names = declared(type(layer))
+    return sorted(name for name, value in vars(layer).items() if isinstance(value, torch.Tensor) and name not in names)
+
+
+def concat_rows(tensors: list[torch.Tensor], ragged: int | None = None) -> torch.Tensor:
+    """Tensors with the batch first, joined along it; with ``ragged``, each padded with zeros at the
+    end of that dimension to the largest first."""
+    if ragged is not None:
+        size = max(t.shape[ragged] for t in tensors)
+        tensors = [torch.nn.functional.pad(t, (0, 0) * (t.dim() - 1 - ragged) + (0, size - t.shape[ragged]))
+                   for t in tensors]
+    return torch.cat(tensors, dim=0)
