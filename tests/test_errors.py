@@ -154,7 +154,7 @@ def test_a_cache_refuses_another_model(made_for, used_with):
     cache = kvc.FullKV().make_cache(tiny_model(num_hidden_layers=made_for))
     model = tiny_model(num_hidden_layers=used_with)
     kvc.FullKV().make_cache(model)  # the model is set up for kvcompress, but this cache is not its own
-    with pytest.raises(kvc.CacheMisuseError, match=rf"this cache was made for another model \({made_for} layers; this LlamaForCausalLM has {used_with}\)"):
+    with pytest.raises(kvc.CacheMisuseError, match=rf"this cache was made for another model instance \({made_for} layers; this LlamaForCausalLM has {used_with}\)"):
         with torch.no_grad():
             model(torch.randint(3, 128, (1, 20)), past_key_values=cache)
 

@@ -26,6 +26,16 @@ from .tokens import TokenSpans
 class LayerFactory(Protocol):
     """What a cache needs from a method (``methods.base.Method`` provides it)."""
 
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """A layer's step, taken only within a call of the model this cache was made for (its input check ran)."""
+        if self.checked_call != self.model_id and self.model_id is not None and not torch.compiler.is_compiling():
+            raise CacheMisuseError(
+                "kvcompress: this cache was called by a model it was not made for (another model instance, or one never "
+                "prepared by method.make_cache(model)); make a cache for that model with method.make_cache(model)"
+            )
+        return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
+
     def check_model(self, model: Any) -> None: ...
 
     def make_layer(self, layer_idx: int, model: Any) -> KVLayer: ...
@@ -68,8 +78,27 @@ class KVCompressCache(Cache):
         self.embeds_itself = False  # the model embedded this cache's prompt itself (no one else holds its hidden states)
         self.observe_first = method.observation() is not None  # layers compress after an observation pass (end_observation)
         self.observe_s = 0.0  # time the observation pass took (part of compressing)
+        self.checked_call: int | None = None  # the model whose call the input check let through (attach.check_inputs)
         for layer in layers:
             layer.observes = self.observe_first
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """A layer's step, taken only within a call of the model this cache was made for (its input check ran)."""
+        if self.checked_call != self.model_id and self.model_id is not None and not torch.compiler.is_compiling():
+            raise CacheMisuseError(
+                "kvcompress: this cache was called by a model it was not made for (another model instance, or one never "
+                "prepared by method.make_cache(model)); make a cache for that model with method.make_cache(model)"
+            )
+        return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
+
+    def check_model(self, model: torch.nn.Module, remedy: str) -> None:
+        """Refuse ``model`` unless it is the one instance this cache was made for (another instance, even of the same
+        checkpoint, has other attention modules, and perhaps other weights); ``remedy`` says what to do instead."""
+        if self.model_id != id(model):
+            layers = model.config.get_text_config().num_hidden_layers
+            raise CacheMisuseError(f"kvcompress: this cache was made for another model instance ({len(self.layers)} "
+                                   f"layers; this {type(model).__name__} has {layers}); {remedy}")
 
     def note_prompt(self, ids: torch.Tensor | None) -> None:
         """The prompt's token ids (None: the model got embeddings): every layer learns its spans, and

@@ -498,6 +498,7 @@ def _start(model, tokenizer, prompt, method, question, past, record) -> _Start:
     """The ways in: a new prompt, a follow-up turn (``past``), a question over a stored context (``past``
     and a method), or a shared prefill (``record``)."""
     if past is not None:
+        past.cache.check_model(model, "continue a conversation with the model that began it (or kvc.load it for this one)")
         if question is not None:
             raise InvalidParameterError("with past=, give the question as prompt (question= splits a new prompt)")
         if method is not None:
@@ -512,6 +513,7 @@ def _start(model, tokenizer, prompt, method, question, past, record) -> _Start:
             past.cache.move(model.device)
         return _Start(past.cache, past.rows, len(past.rows) > 1, chunk_lists, past.attention_mask, past.next_position)
     if record is not None:
+        record.cache.check_model(model, "use a prefill record with the model that prefilled it")
         if prompt is not None or question is not None:
             raise InvalidParameterError("give either prompt (and question) or prefill, not both")
         cache = _from_prefill(model, _resolve_method(method), record)

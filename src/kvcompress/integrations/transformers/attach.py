@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from typing import Any
+
 import torch
 from torch.nn.attention.bias import causal_lower_right
 from transformers import AttentionInterface, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
@@ -139,19 +141,37 @@ def attach(model: PreTrainedModel) -> None:
     chunk_mlps(model, longprompt.MLP_CHUNK)
     if not getattr(model, "_kvcompress_input_check", False):
         model.register_forward_pre_hook(check_inputs, with_kwargs=True)
+        model.register_forward_hook(end_call, with_kwargs=True)
         model._kvcompress_input_check = True
 
 
-def check_inputs(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-    """Refuse, before the model runs, inputs a kvcompress cache cannot take."""
+def _cache_of(args: tuple, kwargs: dict) -> KVCompressCache | None:
     cache = cache_argument(kwargs)
-    if not isinstance(cache, KVCompressCache) or torch.compiler.is_compiling():  # a compiled step's loop checked before it
+    return cache if isinstance(cache, KVCompressCache) else next((a for a in args if isinstance(a, KVCompressCache)), None)
+
+
+def end_call(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+    """The model's call is over: its cache takes no more steps until the next call is checked (``check_inputs``)."""
+    cache = _cache_of(args, kwargs)
+    if cache is not None and not torch.compiler.is_compiling():
+        cache.checked_call = None
+
+
+def check_inputs(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    """Refuse, before the model runs, inputs a kvcompress cache cannot take; then let the cache take this call's
+    steps (a model kvcompress never prepared calls no hook, and its first step is refused: ``KVCompressCache.update``)."""
+    cache = _cache_of(args, kwargs)
+    if cache is None or torch.compiler.is_compiling():  # a compiled step's loop checked before it
         return
-    if cache.model_id != id(module):
-        raise CacheMisuseError(
-            f"kvcompress: this cache was made for another model ({len(cache.layers)} layers; this {type(module).__name__} has "
-            f"{module.config.get_text_config().num_hidden_layers}); make a cache for this model with method.make_cache(model)"
-        )
+    cache.checked_call = None
+    cache.check_model(module, "make a cache for this model with method.make_cache(model)")
+    _refuse_inputs(cache, args, kwargs)
+    cache.checked_call = id(module)
+
+
+def _refuse_inputs(cache: KVCompressCache, args: tuple, kwargs: dict) -> None:
+    """Inputs the cache cannot take, refused before the model runs: no tokens, a mask that does not cover the cached
+    tokens, new tokens whose positions do not continue them (a new prompt on a used cache)."""
     ids = kwargs.get("input_ids", args[0] if args else None)
     embeds = kwargs.get("inputs_embeds")
     new = ids.shape[-1] if ids is not None else embeds.shape[1] if embeds is not None else None
