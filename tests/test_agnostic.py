@@ -13,7 +13,7 @@ from transformers import DynamicCache
 
 import kvcompress as kvc
 from kvcompress.storage import attention
-from kvcompress.generation.generate import _first_turn
+from kvcompress.generation.conversation import first_turn
 from kvcompress.methods.kvzip import FIRST, LATER
 from kvcompress.methods.prompt import global_shares
 
@@ -209,11 +209,11 @@ def test_a_context_and_its_question_are_the_joined_prompts_tokens(make_tokenizer
     tok = make_tokenizer()
     document = random_text(200, seed=4) + "."
     context = [{"role": "user", "content": document}] if chat else document
-    alone = _first_turn(tok, context, None)[1][0]
+    alone = first_turn(tok, context, None)[1][0]
     for question in QUESTIONS:
         joined = [{"role": "user", "content": document + "\n\n" + question}] if chat else document + "\n" + question
-        chunks = _first_turn(tok, context, question)[1]
-        assert chunks[0] + chunks[1] == _first_turn(tok, joined, None)[1][0]
+        chunks = first_turn(tok, context, question)[1]
+        assert chunks[0] + chunks[1] == first_turn(tok, joined, None)[1][0]
         assert chunks[0] == alone[: len(chunks[0])]  # the document's own tokens, no separator
     model = tiny_model()
     joined = [{"role": "user", "content": document + "\n\n" + QUESTIONS[0]}] if chat else document + "\n" + QUESTIONS[0]

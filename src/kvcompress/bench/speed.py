@@ -33,7 +33,8 @@ from ..cache.kv_cache import cache_keyword
 from ..cache.layer import KVLayer
 from ..cache.tokens import TokenSpans
 from ..generation.decode import Compile, DecodeState, StepRunner, greedy_step
-from ..generation.generate import PREFILL_TOKENS, Lead, prefill_groups
+from ..generation.conversation import Lead
+from ..generation.generate import PREFILL_TOKENS, prefill_groups
 from ..methods import Method, method_from_spec
 from ..storage import attention
 
@@ -317,7 +318,7 @@ def measure(
         cache.reserve(run + 2, buckets)
         runner = StepRunner(model, cache, state, compile)
         runner.step()  # the first step runs eagerly (and times the SDPA kernels)
-        audit = audit_step(lambda: greedy_step(model, cache, state))  # one more eager step: its ops are counted
+        audit = audit_step(lambda held=cache: greedy_step(model, held, state))  # one more eager step: its ops are counted
         times = []
         for _ in range(run):  # a step that compiled (a new bucket) is timed as compile_s, never as decoding
             if len(times) == warmup + steps:

@@ -1,9 +1,9 @@
-"""``kvcompress.generate``: greedy generation over a compressed cache, with timing and stats.
+"""``kvcompress.generate``: the generation loop over a compressed cache, with timing and stats.
 
-Prompts are fed as one or two chunks: the whole prompt (question-aware compression: the question
-sits at the end, inside SnapKV's observation window), or, with ``question=``, the context first
-(compressed without seeing the question, as kvpress does) and then the question. A ``Result`` can
-be continued with a follow-up turn (``past=result``) over the same cache.
+Prompts are fed as one or two chunks of tokens (conversation.py makes them): the whole prompt (question-aware
+compression: the question sits at the end, inside SnapKV's observation window), or, with ``question=``, the context
+first (compressed without seeing the question, as kvpress does) and then the question. A ``Result`` can be continued
+with a follow-up turn (``past=result``) over the same cache, or asked a question compressed over it (a stored context).
 """
 
 from __future__ import annotations
@@ -11,20 +11,18 @@ from __future__ import annotations
 import copy
 import time
 from dataclasses import dataclass
-from typing import Callable, Union
+from typing import Callable
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ..cache.errors import CacheMisuseError
 from ..cache.kv_cache import KVCompressCache
-from ..cache.tokens import TokenSpans
 from ..methods import FullKV, InvalidParameterError, Method, method_from_name
+from .conversation import (ChatLeads, Lead, Prompt, ask, context_ids, context_turn, follow_up, joined_spans, new_rows,
+                           per_row, prompt_rows)
 from .decode import Compile, Decoded, greedy_decode
 from .result import Result, Row
-
-Messages = list[dict[str, str]]
-Prompt = Union[str, Messages]
 
 
 PREFILL_TOKENS = 8192  # padded prompt tokens one prefill forward takes at most: a larger batch is prefilled in groups of rows
@@ -32,135 +30,6 @@ PREFILL_TOKENS = 8192  # padded prompt tokens one prefill forward takes at most:
 
 class PromptTooLongError(ValueError):
     """A prompt (plus the tokens to generate) does not fit the model's context."""
-
-
-def _as_rows(prompt: Prompt | list[Prompt]) -> tuple[list[Prompt], bool]:
-    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and isinstance(prompt[0], dict)):
-        return [prompt], False
-    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        return list(prompt), True
-    raise TypeError(
-        "prompt must be a string, a list of chat messages ({'role', 'content'} dicts), "
-        f"or a non-empty list of those for a batch; got {type(prompt).__name__}"
-    )
-
-
-def _prompt_rows(prompt: Prompt | list[Prompt]) -> tuple[list[Prompt], bool]:
-    """Each row's prompt and whether a batch (``_as_rows``); an empty prompt (no text of its own: a
-    chat template alone is no prompt) is refused."""
-    prompts, is_batch = _as_rows(prompt)
-    for i, row in enumerate(prompts):
-        text = row if isinstance(row, str) else "".join(str(m.get("content") or "") for m in row)
-        if not text.strip():
-            raise InvalidParameterError(f"prompt {i} is empty: it has no tokens of its own (give some text; a chat template alone is not a prompt)")
-    return prompts, is_batch
-
-
-def _per_row(value: str | list[str] | None, n: int, name: str) -> list[str | None]:
-    if value is None or isinstance(value, str):
-        return [value] * n
-    if len(value) != n:
-        raise InvalidParameterError(f"{name} has {len(value)} entries for a batch of {n} prompts")
-    return list(value)
-
-
-def _render(tokenizer: PreTrainedTokenizerBase, messages: Messages) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-
-
-CHAT_SEPARATOR, RAW_SEPARATOR = "\n\n", "\n"  # what joins a context and its question (chat message / raw text)
-# Questions that begin as differently as questions can: the context's tokens are those every joined
-# prompt starts with (a byte-level BPE ends "doc.\n\n" with one "\n\n" token but splits it before a word).
-PROBES = ("Q", "1", "?", " q", "\n", "\u00e9")
-
-
-def _first_turn(tokenizer: PreTrainedTokenizerBase, prompt: Prompt, question: str | None) -> tuple[Row, list[list[int]], Row]:
-    """A new conversation, its token chunks (``[prompt]``, or ``[context, question]``: the context
-    compressed without the question, which is then appended, see ``_context_turn`` and ``_ask``), and
-    the row as its first chunk leaves it (what introduces an observation pass: ``ChatLeads``)."""
-    if question is not None:
-        row, context = _context_turn(tokenizer, prompt)
-        opened = copy.deepcopy(row)
-        return row, [context, _ask(tokenizer, row, question, context)], opened
-    if isinstance(prompt, str):
-        row = Row(chat=False, transcript=prompt)
-        return row, [tokenizer(prompt, add_special_tokens=True)["input_ids"]], row
-    messages = [dict(m) for m in prompt]
-    text = _render(tokenizer, messages)
-    row = Row(chat=True, messages=messages, transcript=text)
-    return row, [tokenizer(text, add_special_tokens=False)["input_ids"]], row
-
-
-def _joined_ids(tokenizer: PreTrainedTokenizerBase, row: Row, question: str | None) -> tuple[list[int], str]:
-    """Tokens of the prompt an open turn becomes with ``question`` (as ``generate`` would tokenize
-    that prompt whole; None: the context alone, no separator), and its text."""
-    tail = "" if question is None else (CHAT_SEPARATOR if row.chat else RAW_SEPARATOR) + question
-    if not row.chat:
-        text = row.transcript + tail
-        return tokenizer(text, add_special_tokens=True)["input_ids"], text
-    messages = [*row.messages[:-1], {**row.messages[-1], "content": row.messages[-1]["content"] + tail}]
-    text = _render(tokenizer, messages)
-    return tokenizer(text, add_special_tokens=False)["input_ids"], text
-
-
-def _context_ids(tokenizer: PreTrainedTokenizerBase, row: Row) -> list[int]:
-    """The tokens of an open turn's context: the longest prefix that the context alone and its joined
-    prompts with very different questions (``PROBES``) share. So the separator goes with the question,
-    whose tokens are what follows in the joined prompt: asking gives the question-aware prompt's tokens."""
-    probes = [_joined_ids(tokenizer, row, probe)[0] for probe in (None, *PROBES)]
-    return probes[0][: _shared(probes)]
-
-
-def _shared(token_lists: list[list[int]]) -> int:
-    """The length of the longest prefix every list starts with."""
-    shared = 0
-    while all(len(ids) > shared and ids[shared] == token_lists[0][shared] for ids in token_lists):
-        shared += 1
-    return shared
-
-
-def _context_turn(tokenizer: PreTrainedTokenizerBase, prompt: Prompt) -> tuple[Row, list[int]]:
-    """A context whose question comes later: a raw text, or a chat whose last user message the
-    question will be appended to (the turn stays open); its tokens (``_context_ids``)."""
-    row = Row(chat=False, transcript=prompt, open_turn=True) if isinstance(prompt, str) else Row(chat=True, messages=[dict(m) for m in prompt], open_turn=True)
-    context = _context_ids(tokenizer, row)
-    if row.chat:
-        row.transcript = tokenizer.decode(context)
-    return row, context
-
-
-def _ask(tokenizer: PreTrainedTokenizerBase, row: Row, question: str, context: list[int] | None = None) -> list[int]:
-    """Tokens that close an open turn with its question (and, for a chat, the assistant's prompt):
-    what follows the context's tokens (``_context_ids``, unless given) in the joined prompt's own tokens."""
-    context = _context_ids(tokenizer, row) if context is None else context
-    ids, text = _joined_ids(tokenizer, row, question)
-    if ids[: len(context)] != context:
-        raise ValueError(f"question {question[:40]!r} changes how this tokenizer splits the end of its context; put text before it")
-    row.open_turn = False
-    row.transcript = text
-    if row.chat:
-        row.messages[-1]["content"] += CHAT_SEPARATOR + question
-    return ids[len(context) :]
-
-
-def _follow_up(tokenizer: PreTrainedTokenizerBase, row: Row, prompt: str) -> list[int]:
-    """Tokens that continue a finished turn with a new user message (plus the unfed last token), or
-    that ask an open turn's question."""
-    if row.open_turn:
-        return _ask(tokenizer, row, prompt)
-    answer = tokenizer.decode(row.generated, skip_special_tokens=True)
-    head = [row.pending] if row.pending is not None else []
-    row.pending = None
-    if not row.chat:
-        row.transcript += answer + prompt
-        return head + tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    before = _render(tokenizer, row.messages) + answer
-    row.messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": prompt}]
-    after = _render(tokenizer, row.messages)
-    if not after.startswith(before):
-        raise ValueError("this tokenizer's chat template re-renders earlier turns differently; follow-ups are unsupported")
-    row.transcript = after
-    return head + tokenizer(after[len(before) :], add_special_tokens=False)["input_ids"]
 
 
 def _context_limit(model: PreTrainedModel) -> int | None:
@@ -224,19 +93,6 @@ class _Feeder:
         self.mask, self.position = mask, position
 
 
-class Lead:
-    """How an observation pass addresses the rows of a batch: ``introduce`` gives the tokens that
-    introduce a piece to a row (the instruction, then the tokens before the piece), ``opening`` how
-    many tokens open a row's prompt before its text (a chat template's system prompt and first
-    header, a BOS): the pass repeats only what follows them, the context, as the paper does."""
-
-    def introduce(self, row: int, text: str, before: list[int]) -> list[int]:
-        raise NotImplementedError
-
-    def opening(self, row: int, ids: list[int]) -> int:
-        return 0
-
-
 def observe_prompts(feeder: _Feeder, prompts: list[list[int]], lead: Lead | None, first: int = 0) -> None:
     """Run the observation pass of the cache's method over each row's prompt, if it has one (KVzip:
     the model asked to repeat the context, and the context as its answer), piece by piece, then let
@@ -260,29 +116,6 @@ def observe_prompts(feeder: _Feeder, prompts: list[list[int]], lead: Lead | None
         feeder.peek(pieces)
     _sync(feeder.device)
     feeder.cache.end_observation(time.perf_counter() - clock)
-
-
-class ChatLeads(Lead):
-    """Observation pieces introduced as a user would: for a context waiting for its question, the
-    instruction asked as that question would be (closing the turn; a chat's assistant then answers),
-    otherwise the instruction as text after the prompt; the opening found as the context's tokens
-    are, by probes (``_shared``)."""
-
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, rows: list[Row]) -> None:
-        self.tokenizer, self.rows = tokenizer, rows
-
-    def introduce(self, row: int, text: str, before: list[int]) -> list[int]:
-        if self.rows[row].open_turn:
-            return _ask(self.tokenizer, copy.deepcopy(self.rows[row]), text) + before
-        return self.tokenizer("\n\n" + text, add_special_tokens=False)["input_ids"] + before
-
-    def opening(self, row: int, ids: list[int]) -> int:
-        """The tokens ``ids`` shares with the same row whose first text is a probe instead."""
-        kept = self.rows[row]
-        if not kept.chat:
-            return _shared([ids, *(self.tokenizer(probe, add_special_tokens=True)["input_ids"] for probe in PROBES[:2])])
-        renders = (_render(self.tokenizer, [{**kept.messages[0], "content": probe}, *kept.messages[1:]]) for probe in PROBES[:2])
-        return _shared([ids, *(self.tokenizer(text, add_special_tokens=False)["input_ids"] for text in renders)])
 
 
 def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[int]:
@@ -312,15 +145,6 @@ class Prefill:
     prefill_s: float
     tokenizer: PreTrainedTokenizerBase
     prompts: list[list[int]]  # each row's prompt tokens (for a method's observation pass)
-
-
-def _new_rows(
-    tokenizer: PreTrainedTokenizerBase, prompt: Prompt | list[Prompt], question: str | list[str] | None
-) -> tuple[list[Row], list[list[list[int]]], bool, list[Row]]:
-    """Rows, token chunks, whether a batch, and each row as its first chunk leaves it (``_first_turn``)."""
-    prompts, is_batch = _prompt_rows(prompt)
-    turns = [_first_turn(tokenizer, p, q) for p, q in zip(prompts, _per_row(question, len(prompts), "question"))]
-    return [t[0] for t in turns], [t[1] for t in turns], is_batch, [t[2] for t in turns]
 
 
 def _feed_chunks(feeder: _Feeder, chunk_lists: list[list[list[int]]], logits: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -379,7 +203,7 @@ def prefill(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompt: 
     """Prefill ``prompt`` once (full cache), keeping the last ``query_window`` queries per layer
     (None: all, as H2O needs), so several methods can be compared on it without prefilling again
     (``generate(prefill=...)``). It must cover every method's ``queries_needed()``."""
-    rows, chunk_lists, is_batch, _ = _new_rows(tokenizer, prompt, None)
+    rows, chunk_lists, is_batch, _ = new_rows(tokenizer, prompt, None)
     _check_lengths(model, [len(chunks[0]) for chunks in chunk_lists], 1)
     cache = FullKV().make_cache(model, tokenizer)
     cache.record_prefill(query_window)
@@ -443,18 +267,6 @@ def _resolve_method(method: Method | str | None) -> Method:
     return method
 
 
-def _joined_spans(spans: TokenSpans | None, prompts: list[list[int]], width: int) -> torch.Tensor | None:
-    """Word spans ``[b, width]`` of each row's joined prompt (its context's tokens, then its question's), as
-    that prompt alone has them, rows right-aligned (each padding slot its own span); None without a tokenizer."""
-    if spans is None:
-        return None
-    rows = []
-    for ids in prompts:
-        lead = width - len(ids)
-        rows.append(torch.cat([torch.arange(lead), spans.span_ids(torch.tensor([ids]))[0] + lead]))
-    return torch.stack(rows)
-
-
 def _over_context(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompt: str | list[str], method: Method, past: Result) -> _Start:
     """Questions over a stored context, each prefilled over the context's tokens (read, never written)
     and compressed with them by ``method``: one question per row of ``past``, or a list of questions over
@@ -479,16 +291,16 @@ def _over_context(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, pr
     if isinstance(prompt, list) and stored == 1:
         questions, index = prompt, [0] * len(prompt)
     else:
-        questions, index = _per_row(prompt, stored, "prompt"), list(range(stored))
+        questions, index = per_row(prompt, stored, "prompt"), list(range(stored))
     if not questions or not all(isinstance(q, str) and q.strip() for q in questions):
         raise InvalidParameterError("give each question over a stored context as a non-empty string (a list of them for a batch)")
-    contexts = {i: _context_ids(tokenizer, past.rows[i]) for i in set(index)}
+    contexts = {i: context_ids(tokenizer, past.rows[i]) for i in set(index)}
     rows = [copy.deepcopy(past.rows[i]) for i in index]
-    asked = [_ask(tokenizer, row, question, contexts[i]) for row, question, i in zip(rows, questions, index)]
+    asked = [ask(tokenizer, row, question, contexts[i]) for row, question, i in zip(rows, questions, index)]
     width = max(len(ids) for ids in asked)
     chosen = torch.tensor(index, device=model.device)
     cache = method.make_cache(model, tokenizer)
-    spans = _joined_spans(cache.span_table, [contexts[i] + ids for i, ids in zip(index, asked)], past.attention_mask.shape[-1] + width)
+    spans = joined_spans(cache.span_table, [contexts[i] + ids for i, ids in zip(index, asked)], past.attention_mask.shape[-1] + width)
     cache.continue_context(past.cache, chosen, [width - len(ids) for ids in asked], None if spans is None else spans.to(model.device))
     return _Start(cache, rows, len(rows) > 1 or isinstance(prompt, list), [[ids] for ids in asked], past.attention_mask[chosen],
                   past.next_position[chosen], context=past.cache)
@@ -508,7 +320,7 @@ def _start(model, tokenizer, prompt, method, question, past, record) -> _Start:
                 "kvcompress: this conversation was already continued by another generate(past=...) call, which appended to its "
                 "cache; ask each question of its own copy (past=context.copy()), or continue the Result that call returned"
             )
-        chunk_lists = [[_follow_up(tokenizer, row, text)] for row, text in zip(past.rows, _per_row(prompt, len(past.rows), "prompt"))]
+        chunk_lists = [[follow_up(tokenizer, row, text)] for row, text in zip(past.rows, per_row(prompt, len(past.rows), "prompt"))]
         if past.cache.device_of() not in (None, model.device):  # a context stored in host memory, continued as it is
             past.cache.move(model.device)
         return _Start(past.cache, past.rows, len(past.rows) > 1, chunk_lists, past.attention_mask, past.next_position)
@@ -521,7 +333,7 @@ def _start(model, tokenizer, prompt, method, question, past, record) -> _Start:
     if prompt is None:
         raise InvalidParameterError("give a prompt (or prefill=, or past=)")
     resolved = _resolve_method(method)
-    rows, chunk_lists, is_batch, opened = _new_rows(tokenizer, prompt, question)
+    rows, chunk_lists, is_batch, opened = new_rows(tokenizer, prompt, question)
     return _Start(
         None, rows, is_batch, chunk_lists, *_empty_state(model, len(rows)), make_cache=lambda: resolved.make_cache(model, tokenizer),
         lead=ChatLeads(tokenizer, opened),
@@ -645,8 +457,8 @@ def compress(
     if not auto and query_window is not None and (not isinstance(query_window, int) or isinstance(query_window, bool) or query_window < 0):
         raise InvalidParameterError(f"query_window={query_window!r} is invalid; give an integer >= 0, None to keep every query, or 'auto'")
     clock = time.perf_counter()
-    prompts, is_batch = _prompt_rows(prompt)
-    turns = [_context_turn(tokenizer, p) for p in prompts]
+    prompts, is_batch = prompt_rows(prompt)
+    turns = [context_turn(tokenizer, p) for p in prompts]
     _check_lengths(model, [len(context) for _, context in turns], 1)
     resolved = _resolve_method(method)
     rows = [row for row, _ in turns]
