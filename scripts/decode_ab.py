@@ -23,16 +23,17 @@ import time
 import torch
 
 from kvcompress.bench.speed import machine
-from kvcompress.generation.decode import Compile, DecodeState, StepRunner
-from kvcompress.methods import method_from_spec
-from kvcompress.integrations.transformers.models import random_model
 from kvcompress.cache.tokens import TokenSpans
+from kvcompress.generation.decode import Compile, DecodeState, StepRunner
+from kvcompress.integrations.transformers.models import random_model
+from kvcompress.methods import method_from_spec
 
 
 @torch.inference_mode()
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="smollm2-135m", help="an architecture preset or a config.json (random weights)")
+    parser.add_argument("--model", default="smollm2-135m",
+                        help="an architecture preset or a config.json (random weights)")
     parser.add_argument("--methods", required=True, help="comma-separated specs; the first is the reference")
     parser.add_argument("--budget", type=int, default=256)
     parser.add_argument("--length", type=int, default=4096)
@@ -50,7 +51,8 @@ def main() -> None:
     runners = {}
     for spec in specs:
         method_spec, _, mode = spec.partition("@")
-        cache = method_from_spec(method_spec, budget=args.budget).make_cache(model, TokenSpans.every(vocab))  # random ids: every token a span, as bench speed
+        # random ids: every token a span, as bench speed
+        cache = method_from_spec(method_spec, budget=args.budget).make_cache(model, TokenSpans.every(vocab))
         logits = model(prompt, past_key_values=cache, logits_to_keep=1).logits[:, -1]
         state = DecodeState.start(logits, torch.full((args.batch,), args.length), total, set())
         cache.reserve(total)
@@ -68,12 +70,21 @@ def main() -> None:
             blocks[spec].append((time.perf_counter() - start) * 1000 / args.steps)
     medians = {spec: statistics.median(times[1:]) for spec, times in blocks.items()}
     reference = blocks[specs[0]]
-    ratios = {spec: statistics.median(t / r for t, r in zip(times[1:], reference[1:])) for spec, times in blocks.items()}
+    ratios = {
+        spec: statistics.median(t / r for t, r in zip(times[1:], reference[1:]))
+        for spec, times in blocks.items()
+    }
     for spec in blocks:
-        print(f"{spec:36s} {medians[spec]:8.2f} ms/step  x{ratios[spec]:.3f} (median of per-round ratios)  (blocks: {', '.join(f'{t:.1f}' for t in blocks[spec][1:])})")
+        times = ", ".join(f"{t:.1f}" for t in blocks[spec][1:])
+        print(f"{spec:36s} {medians[spec]:8.2f} ms/step  x{ratios[spec]:.3f} (median of per-round ratios)  "
+              f"(blocks: {times})")
     if args.out:
         with open(args.out, "w") as fh:
-            json.dump({"machine": machine(model.device), "settings": vars(args), "ms_per_step": medians, "ratio_to_first": ratios, "blocks": blocks}, fh, indent=2)
+            json.dump(
+                {
+                    "machine": machine(model.device), "settings": vars(args), "ms_per_step": medians,
+                    "ratio_to_first": ratios, "blocks": blocks
+                }, fh, indent=2)
 
 
 if __name__ == "__main__":

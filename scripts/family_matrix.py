@@ -1,6 +1,7 @@
 """The support table (family x method) from the family matrix that tests/test_models.py checks.
 
-    python scripts/family_matrix.py                      # runs the cells, writes docs/img/family_matrix.json, prints the table
+    python scripts/family_matrix.py                      # runs the cells, writes docs/img/family_matrix.json,
+                                                         # prints the table
     python scripts/family_matrix.py --table              # prints the table from the JSON (what README shows)
 
 Each cell runs as the test's does, on the same tiny random-weight models: the method at a budget
@@ -23,13 +24,18 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "src")]
 
 RESULTS = ROOT / "docs/img/family_matrix.json"
-REASONS = (("rotary", "RoPE it cannot invert"), ("sinks", "learned sinks"))  # what a refusal's message names, as the table says it
+# what a refusal's message names, as the table says it
+REASONS = (("rotary", "RoPE it cannot invert"), ("sinks", "learned sinks"))
 
 
 def run_cells() -> dict[str, dict[str, str]]:
     import kvcompress as kvc  # noqa: PLC0415 - the cells only
+    from tests import test_models  # noqa: PLC0415
     from tests.fixtures import FAMILIES, char_tokenizer, family_model  # noqa: PLC0415
-    from tests.test_models import COVERING, LOGPROB_TOLERANCE, PROMPT, SMALL, full_logprobs, full_reference  # noqa: PLC0415
+
+    COVERING, LOGPROB_TOLERANCE, PROMPT, SMALL = (test_models.COVERING, test_models.LOGPROB_TOLERANCE,
+                                                  test_models.PROMPT, test_models.SMALL)
+    full_logprobs, full_reference = test_models.full_logprobs, test_models.full_reference
 
     tok = char_tokenizer()
     table: dict[str, dict[str, str]] = {}
@@ -38,14 +44,20 @@ def run_cells() -> dict[str, dict[str, str]]:
         full, record = full_reference(family)
         row = table.setdefault(family, {})
         inputs = tok(PROMPT, return_tensors="pt")
-        plain = model.generate(**inputs, max_new_tokens=8, do_sample=False, eos_token_id=None)[0, inputs["input_ids"].shape[1] :].tolist()
-        row["full"] = "exact" if plain == full.token_ids[0] else "FAILS"  # the full cache through kvcompress is the model's own generate
+        plain = model.generate(**inputs, max_new_tokens=8, do_sample=False,
+                               eos_token_id=None)[0, inputs["input_ids"].shape[1]:].tolist()
+        # the full cache through kvcompress is the model's own generate
+        row["full"] = "exact" if plain == full.token_ids[0] else "FAILS"
         for name, covering in COVERING.items():
             try:
                 same = kvc.generate(model, tok, PROMPT, method=covering, max_new_tokens=8).token_ids == full.token_ids
-                close = (kvc.teacher_forced_logprobs(model, record, covering, full.token_ids[0]) - full_logprobs(family)).abs().max() <= LOGPROB_TOLERANCE
+                close = (kvc.teacher_forced_logprobs(model, record, covering, full.token_ids[0])
+                         - full_logprobs(family)).abs().max() <= LOGPROB_TOLERANCE
                 batch = kvc.generate(model, tok, [PROMPT, PROMPT[:30]], method=SMALL[name], max_new_tokens=6)
-                alone = [kvc.generate(model, tok, p, method=SMALL[name], max_new_tokens=6).token_ids[0] for p in (PROMPT, PROMPT[:30])]
+                alone = [
+                    kvc.generate(model, tok, p, method=SMALL[name], max_new_tokens=6).token_ids[0]
+                    for p in (PROMPT, PROMPT[:30])
+                ]
                 row[name] = "exact" if same and bool(close) and batch.token_ids == alone else "FAILS"
             except kvc.UnsupportedModelError as refused:
                 row[name] = "no: " + next((word for key, word in REASONS if key in str(refused).lower()), str(refused))
@@ -57,9 +69,15 @@ def markdown(table: dict[str, dict[str, str]]) -> str:
     """The table as README shows it: a row per family, a column per method (its test label); ``yes``: exact
     where the math says so and compressing in batches as alone, ``no (reason)``: refused in one line."""
     methods = list(next(iter(table.values())))
-    cell = lambda outcome: "yes" if outcome == "exact" else f"no ({outcome[4:]})" if outcome.startswith("no: ") else outcome  # noqa: E731
+
+    def cell(outcome: str) -> str:
+        return "yes" if outcome == "exact" else f"no ({outcome[4:]})" if outcome.startswith("no: ") else outcome
+
     lines = ["| family | " + " | ".join(methods) + " |", "| --- |" + " :---: |" * len(methods)]
-    lines += [f"| {family} | " + " | ".join(cell(outcome) for outcome in row.values()) + " |" for family, row in table.items()]
+    lines += [
+        f"| {family} | " + " | ".join(cell(outcome) for outcome in row.values()) + " |"
+        for family, row in table.items()
+    ]
     return "\n".join(lines)
 
 

@@ -24,9 +24,9 @@ from transformers import DynamicCache
 
 from kvcompress.bench.speed import machine
 from kvcompress.cache.kv_cache import cache_keyword
-from kvcompress.methods import method_from_spec
-from kvcompress.integrations.transformers.models import random_model
 from kvcompress.cache.tokens import TokenSpans
+from kvcompress.integrations.transformers.models import random_model
+from kvcompress.methods import method_from_spec
 
 
 @torch.inference_mode()
@@ -35,7 +35,8 @@ def prefill_seconds(model, plain, ids: torch.Tensor, spec: str | None, budget: i
     if spec is None:
         model, cache = plain, DynamicCache(config=plain.config)
     else:
-        cache = method_from_spec(spec, budget=budget).make_cache(model, TokenSpans.every(vocab))  # switches to "kvcompress"
+        # switches to "kvcompress"
+        cache = method_from_spec(spec, budget=budget).make_cache(model, TokenSpans.every(vocab))
     start = time.perf_counter()
     model(ids, **{cache_keyword(model): cache}, logits_to_keep=1)
     return time.perf_counter() - start
@@ -69,9 +70,13 @@ def main() -> None:
             rows.append({"length": length, "method": way, "seconds": statistics.median(seconds[way]),
                          "transformers_seconds": statistics.median(seconds[None]), "ratio": ratio, "runs": seconds[way],
                          "transformers_runs": seconds[None]})
-            print(f"{length:>6} {way:<10} {rows[-1]['seconds']:.2f} s vs transformers {rows[-1]['transformers_seconds']:.2f} s: {ratio:.3f}x", flush=True)
+            print(
+                f"{length:>6} {way:<10} {rows[-1]['seconds']:.2f} s vs transformers "
+                f"{rows[-1]['transformers_seconds']:.2f} s: {ratio:.3f}x",
+                flush=True)
     if args.out:
-        Path(args.out).write_text(json.dumps({"machine": machine(model.device), "settings": vars(args), "rows": rows}, indent=1))
+        Path(args.out).write_text(
+            json.dumps({"machine": machine(model.device), "settings": vars(args), "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -37,14 +37,12 @@ import transformers
 import vllm
 
 from kvcompress import demo
-from kvcompress.serving import settings as serving
 from kvcompress.integrations.transformers.models import default_model_dir
+from kvcompress.serving import settings as serving
 
 SETTINGS = {
-    "full": {"method": "full"},
-    "snapkv 256": {"method": "snapkv", "budget": 256},
-    "snapkv 512": {"method": "snapkv", "budget": 512},
-    "streamingllm 512": {"method": "streamingllm", "budget": 512},
+    "full": {"method": "full"}, "snapkv 256": {"method": "snapkv", "budget": 256},
+    "snapkv 512": {"method": "snapkv", "budget": 512}, "streamingllm 512": {"method": "streamingllm", "budget": 512}
 }
 DEFAULT_SETTINGS = "full,snapkv 256,snapkv 512"
 BLOCK = 32
@@ -117,9 +115,9 @@ async def run_setting(base: str, model: str, chats: list, settings: dict, max_to
     tokens = sum(r["tokens"] for r in results)
     return {
         "settings": settings, "requests": len(chats), "peak_running": int(peak), "wall_s": wall,
-        "output_tokens": tokens, "output_tokens_per_s": tokens / wall, "ttft_p50_s": quantile(ttft, 0.5), "ttft_p99_s": quantile(ttft, 0.99),
-        "tpot_p50_s": quantile(tpot, 0.5), "tpot_p99_s": quantile(tpot, 0.99),
-        "facts": sum(code in r["text"] for r, (_, code) in zip(results, chats)),
+        "output_tokens": tokens, "output_tokens_per_s": tokens / wall, "ttft_p50_s": quantile(ttft, 0.5),
+        "ttft_p99_s": quantile(ttft, 0.99), "tpot_p50_s": quantile(tpot, 0.5), "tpot_p99_s": quantile(tpot, 0.99),
+        "facts": sum(code in r["text"] for r, (_, code) in zip(results, chats))
     }
 
 
@@ -179,10 +177,15 @@ def main() -> None:
         server.send_signal(signal.SIGINT)
         server.wait(timeout=120)
     report = {
-        "machine": {"platform": platform.platform(), "cpu_threads": torch.get_num_threads(), "python": platform.python_version(),
-                    "torch": torch.__version__, "transformers": transformers.__version__, "vllm": vllm.__version__},
-        "settings": {**vars(args), "pool_blocks": pool_blocks, "block_size": BLOCK,
-                     "model": "embedded SmolLM2-135M-Instruct, float32"},
+        "machine": {
+            "platform": platform.platform(), "cpu_threads": torch.get_num_threads(),
+            "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "vllm": vllm.__version__
+        },
+        "settings": {
+            **vars(args), "pool_blocks": pool_blocks, "block_size": BLOCK,
+            "model": "embedded SmolLM2-135M-Instruct, float32"
+        },
         "rows": rows,
     }
     out.write_text(json.dumps(report, indent=2))
@@ -195,9 +198,10 @@ def main() -> None:
         if full and row is not full:
             ratio = f" ({row['peak_running'] / full['peak_running']:.1f}x, "
             ratio += f"{row['output_tokens_per_s'] / full['output_tokens_per_s']:.1f}x)"
-        print(f"| {row['name']}{ratio} | {row['peak_running']} | {row['output_tokens_per_s']:.1f} | "
-              f"{row['ttft_p50_s']:.1f} / {row['ttft_p99_s']:.1f} | {row['tpot_p50_s']:.3f} / {row['tpot_p99_s']:.3f} | "
-              f"{row['facts']}/{row['requests']} |")
+        print(
+            f"| {row['name']}{ratio} | {row['peak_running']} | {row['output_tokens_per_s']:.1f} | "
+            f"{row['ttft_p50_s']:.1f} / {row['ttft_p99_s']:.1f} | {row['tpot_p50_s']:.3f} / {row['tpot_p99_s']:.3f} | "
+            f"{row['facts']}/{row['requests']} |")
     print(f"\nwritten: {out}, {out.with_suffix('.png')}")
 
 

@@ -26,8 +26,14 @@ def junit(path: str) -> dict:
     suite = ElementTree.parse(path).getroot()
     suite = suite if suite.tag == "testsuite" else suite[0]
     counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
-    failed = [f"{case.get('classname')}::{case.get('name')}" for case in suite.iter("testcase") if case.find("failure") is not None or case.find("error") is not None]
-    return {**counts, "passed": counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"], "failed": failed, "seconds": float(suite.get("time", 0))}
+    failed = [
+        f"{case.get('classname')}::{case.get('name')}" for case in suite.iter("testcase")
+        if case.find("failure") is not None or case.find("error") is not None
+    ]
+    return {
+        **counts, "passed": counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"],
+        "failed": failed, "seconds": float(suite.get("time", 0))
+    }
 
 
 def gib(n: float) -> str:
@@ -37,11 +43,12 @@ def gib(n: float) -> str:
 def speed_table(report: dict) -> str:
     machine = report["machine"]
     lines = [
-        f"{report['model']} ({report['dtype']}) on {machine.get('gpu', machine['device'])}, torch {machine['torch']}, transformers {machine['transformers']}; "
-        f"copy bandwidth {report['device_bandwidth'] / 1e9:.0f} GB/s; weights {gib(report['weight_bytes'])} GiB",
-        "",
-        "| method | prompt | batch | prefill s | compress | decode ms/token | tokens/s | KV device GiB | offloaded GiB | peak GiB | bound ms | x bound | fetch hidden |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        f"{report['model']} ({report['dtype']}) on {machine.get('gpu', machine['device'])}, torch {machine['torch']}, "
+        f"transformers {machine['transformers']}; "
+        f"copy bandwidth {report['device_bandwidth'] / 1e9:.0f} GB/s; weights {gib(report['weight_bytes'])} GiB", "",
+        "| method | prompt | batch | prefill s | compress | decode ms/token | tokens/s | KV device GiB | offloaded "
+        "GiB | peak GiB | bound ms | x bound | fetch hidden |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
     ]
     for r in report["rows"]:
         if r["status"] != "ok":
@@ -50,10 +57,11 @@ def speed_table(report: dict) -> str:
         bound = r["bytes_read_per_step"] / report["device_bandwidth"] * 1000
         hidden = r.get("fetch_hidden")
         lines.append(
-            f"| {r['method']} | {r['prompt_tokens']} | {r['batch']} | {r['prefill_s']:.2f} | {r['compress_share']:.1%} | {r['decode_ms_per_token']:.2f} | "
-            f"{r['tokens_per_s']:.1f} | {gib(r['kv_device_bytes'])} | {gib(r['offloaded_bytes'])} | {gib(r['peak_bytes'])} | {bound:.2f} | "
-            f"{r['decode_ms_per_token'] / bound:.2f} | {'-' if hidden is None else format(hidden, '.0%')} |"
-        )
+            f"| {r['method']} | {r['prompt_tokens']} | {r['batch']} | {r['prefill_s']:.2f} | {r['compress_share']:.1%} "
+            f"| {r['decode_ms_per_token']:.2f} | "
+            f"{r['tokens_per_s']:.1f} | {gib(r['kv_device_bytes'])} | {gib(r['offloaded_bytes'])} | "
+            f"{gib(r['peak_bytes'])} | {bound:.2f} | "
+            f"{r['decode_ms_per_token'] / bound:.2f} | {'-' if hidden is None else format(hidden, '.0%')} |")
     for limit in report.get("limits", []):
         lines.append(f"\n{limit['method']}: {limit['kind']} = {limit['value']} ({len(limit['tried'])} runs tried)")
     return "\n".join(lines)
@@ -63,11 +71,18 @@ def accuracy_table(paths: list[str]) -> str:
     def number(text: str) -> str:
         return "-" if text in ("", None) else f"{float(text):.2f}"
 
-    lines = ["| task | method | budget | n | score | retained | top-1 | KL | KV kept | device |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [
+        "| task | method | budget | n | score | retained | top-1 | KL | KV kept | device |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+    ]
     for path in paths:
         for r in csv.DictReader(open(path)):
-            lines.append(f"| {r['task']} | {r['label'].split('@')[0]} | {r['budget'] or '-'} | {r['samples']} | {number(r['score'])} | {number(r['retained'])} | "
-                         f"{number(r['top1_agreement'])} | {number(r['kl'])} | {100 * float(r['kv_kept_fraction']):.1f}% | {100 * float(r['device_fraction']):.1f}% |")
+            lines.append(
+                f"| {r['task']} | {r['label'].split('@')[0]} | {r['budget'] or '-'} | {r['samples']} | "
+                f"{number(r['score'])} | {number(r['retained'])} | "
+                f"{number(r['top1_agreement'])} | {number(r['kl'])} | {100 * float(r['kv_kept_fraction']):.1f}% | "
+                f"{100 * float(r['device_fraction']):.1f}% |"
+            )
     return "\n".join(lines)
 
 
@@ -81,18 +96,34 @@ def paired_table(base: str, others: list[str], paths: list[str]) -> str:
             r = json.loads(line)
             records[(r["task"], r["budget"], r["sample"], r.get("turn", 1), r["label"].split("@")[0])] = r
     full = {key[:1] + key[2:4]: r["score"] for key, r in records.items() if key[4] == "full"}
-    head = "| task | budget | n | full | " + " | ".join(["base " + base, *others]) + " | higher / lower than base | KL | top-1 |"
+    head = "| task | budget | n | full | " + " | ".join(["base " + base, *others
+                                                         ]) + " | higher / lower than base | KL | top-1 |"
     lines = [head, "|" + " --- |" * 2 + " ---: |" * (3 + len(others)) + " --- | --- | --- |"]
     cells = sorted({(k[0], k[1]) for k in records if k[1] is not None and k[4] == base})
     for task, budget in cells:
-        samples = [k[2:4] for k in records if k[:2] == (task, budget) and k[4] == base and all((task, budget, *k[2:4], o) in records for o in others)]
+        samples = [
+            k[2:4] for k in records
+            if k[:2] == (task, budget) and k[4] == base and all((task, budget, *k[2:4], o) in records for o in others)
+        ]
         rows = {name: [records[(task, budget, *s, name)] for s in samples] for name in [base, *others]}
-        mean = lambda name, field: sum(r[field] for r in rows[name]) / len(samples)
-        moves = ", ".join(f"{sum(o['score'] > b['score'] for o, b in zip(rows[n], rows[base]))} / {sum(o['score'] < b['score'] for o, b in zip(rows[n], rows[base]))}" for n in others)
+
+        def mean(name: str, field: str) -> float:
+            return sum(r[field] for r in rows[name]) / len(samples)
+
+        def moved(name: str) -> str:
+            pairs = list(zip(rows[name], rows[base]))
+            better = sum(o["score"] > b["score"] for o, b in pairs)
+            worse = sum(o["score"] < b["score"] for o, b in pairs)
+            return f"{better} / {worse}"
+
+        moves = ", ".join(moved(n) for n in others)
         kl = " / ".join(f"{mean(n, 'kl'):.3f}" for n in [base, *others])
         top1 = " / ".join(f"{mean(n, 'top1_agreement'):.3f}" for n in [base, *others])
         scores = " | ".join(f"{mean(n, 'score'):.2f}" for n in [base, *others])
-        lines.append(f"| {task} | {budget} | {len(samples)} | {sum(full[(task, *s)] for s in samples) / len(samples):.2f} | {scores} | {moves} | {kl} | {top1} |")
+        lines.append(
+            f"| {task} | {budget} | {len(samples)} | {sum(full[(task, *s)] for s in samples) / len(samples):.2f} | "
+            f"{scores} | {moves} | {kl} | {top1} |"
+        )
     return "\n".join(lines)
 
 
@@ -105,8 +136,13 @@ def retained_table(paths: list[str]) -> str:
     records = [json.loads(line) for path in paths for line in open(path) if line.strip()]
     full = {(r["sample"], r["turn"]): r["score"] for r in records if r["label"] == "full"}
     tasks = list(dict.fromkeys(r["task"] for r in records))
-    labels = sorted({r["label"] for r in records}, key=lambda label: (label != "full", label.split("@")[0], int(label.split("@")[1]) if "@" in label else 0))
-    lines = ["| method | budget | " + " | ".join(tasks) + " | questions | retained (all) | full's answers kept |", "| --- | ---: |" + " ---: |" * (len(tasks) + 3)]
+    labels = sorted({r["label"]
+                     for r in records}, key=lambda label:
+                    (label != "full", label.split("@")[0], int(label.split("@")[1]) if "@" in label else 0))
+    lines = [
+        "| method | budget | " + " | ".join(tasks) + " | questions | retained (all) | full's answers kept |",
+        "| --- | ---: |" + " ---: |" * (len(tasks) + 3)
+    ]
     for label in labels:
         mine = [r for r in records if r["label"] == label and (r["sample"], r["turn"]) in full]
         cells = []
@@ -115,8 +151,10 @@ def retained_table(paths: list[str]) -> str:
             cells.append(f"{sum(scores) / len(scores):.2f}" if scores else "-")
         reference = sum(full[(r["sample"], r["turn"])] for r in mine)
         retained = f"{sum(r['score'] for r in mine) / reference:.2f}" if reference else "-"
-        kept = f"{sum(min(r['score'], full[(r['sample'], r['turn'])]) for r in mine) / reference:.2f}" if reference else "-"
-        lines.append(f"| {label.split('@')[0]} | {mine[0]['budget'] or '-'} | " + " | ".join(cells) + f" | {len(mine)} | {retained} | {kept} |")
+        capped = sum(min(r["score"], full[(r["sample"], r["turn"])]) for r in mine)
+        kept = f"{capped / reference:.2f}" if reference else "-"
+        lines.append(f"| {label.split('@')[0]} | {mine[0]['budget'] or '-'} | " + " | ".join(cells)
+                     + f" | {len(mine)} | {retained} | {kept} |")
     return "\n".join(lines)
 
 
@@ -130,8 +168,11 @@ def memory_curves(named: list[str], plot: str | None) -> str:
                 curves.setdefault((name, r["method"]), []).append((r["prompt_tokens"], r["peak_bytes"]))
     lengths = sorted({n for points in curves.values() for n, _ in points})
     shared = set.intersection(*({n for n, _ in points} for points in curves.values()))  # slopes over the same range
-    lines = ["| run | method | " + " | ".join(f"{n // 1024}K" for n in lengths) + f" | slope {min(shared) // 1024}K-{max(shared) // 1024}K, bytes per token |",
-             "| --- | --- | " + " | ".join("---:" for _ in lengths) + " | ---: |"]
+    lines = [
+        "| run | method | " + " | ".join(f"{n // 1024}K" for n in lengths)
+        + f" | slope {min(shared) // 1024}K-{max(shared) // 1024}K, bytes per token |",
+        "| --- | --- | " + " | ".join("---:" for _ in lengths) + " | ---: |"
+    ]
     for (name, method), points in curves.items():
         peaks = dict(points)
         fitted = [(x, y) for x, y in points if x in shared]
@@ -152,7 +193,8 @@ def memory_curves(named: list[str], plot: str | None) -> str:
             xs, ys = zip(*sorted(points))
             axes.plot([x / 1024 for x in xs], [y / 2**30 for y in ys], marker="o", color=f"C{methods.index(method)}",
                       linestyle=["--", "-", ":", "-."][runs.index(name) % 4], label=f"{method} ({name})")
-        axes.set(xlabel="prompt tokens (K)", ylabel="peak memory (GiB)", title="Peak memory of a prefill + one decoding step")
+        axes.set(xlabel="prompt tokens (K)", ylabel="peak memory (GiB)",
+                 title="Peak memory of a prefill + one decoding step")
         axes.grid(alpha=0.3)
         axes.legend()
         figure.tight_layout()

@@ -26,16 +26,22 @@ from vllm import LLM, SamplingParams  # noqa: E402
 
 import kvcompress as kvc  # noqa: E402
 from kvcompress import demo  # noqa: E402
-from kvcompress.serving import settings as serving, vllm_plugin  # noqa: E402
 from kvcompress.integrations.transformers.models import default_model_dir  # noqa: E402
+from kvcompress.serving import settings as serving  # noqa: E402
+from kvcompress.serving import vllm_plugin
+
 
 def engine(budget: int, blocks: int | None = None, max_len: int = 4096) -> LLM:
-    return LLM(model=str(default_model_dir()), dtype="float32", enforce_eager=True, max_model_len=max_len, block_size=32,
-               max_num_batched_tokens=max_len, num_gpu_blocks_override=blocks, **serving.engine_options(kvc.SnapKV(budget=budget)))
+    return LLM(model=str(default_model_dir()), dtype="float32", enforce_eager=True, max_model_len=max_len,
+               block_size=32, max_num_batched_tokens=max_len, num_gpu_blocks_override=blocks,
+               **serving.engine_options(kvc.SnapKV(budget=budget)))
 
 
 def chat(tokenizer, tokens: int, depth: float) -> list[dict]:
-    return [{"role": "user", "content": f"Read this document.\n\n{demo.build_document(tokenizer, tokens, depth)}\n\n{demo.QUESTION}"}]
+    return [{
+        "role": "user",
+        "content": f"Read this document.\n\n{demo.build_document(tokenizer, tokens, depth)}\n\n{demo.QUESTION}"
+    }]
 
 
 def scheduler(llm: LLM):
@@ -54,12 +60,21 @@ def compare(budget: int, depths: list[float], tokens: int) -> list[dict]:
         ours = kvc.generate(model, tokenizer, messages, method=kvc.SnapKV(budget=budget), max_new_tokens=24)
         (kept,) = vllm_plugin.KEPT_POSITIONS.values()
         layers = sorted(kept, key=vllm_plugin.layer_index)
-        before, after = next(v for k, v in scheduler(llm).blocks_before_after.items() if k.split('-')[0] == served.request_id)
+        before, after = next(
+            v for k, v in scheduler(llm).blocks_before_after.items() if k.split('-')[0] == served.request_id)
         rows.append({
-            "depth": depth, "prompt_tokens": len(served.prompt_token_ids), "vllm": served.outputs[0].text, "kvcompress": ours.text,
-            "same_answer": served.outputs[0].text.strip() == ours.text.strip(), "correct": demo.ANSWER in served.outputs[0].text,
-            "layers_with_identical_kept_positions": sum(torch.equal(kept[n], ours.cache.kept_positions(i)[0]) for i, n in enumerate(layers)),
-            "layers": len(layers), "blocks_before": before, "blocks_after": after,
+            "depth": depth,
+            "prompt_tokens": len(served.prompt_token_ids),
+            "vllm": served.outputs[0].text,
+            "kvcompress": ours.text,
+            "same_answer": served.outputs[0].text.strip() == ours.text.strip(),
+            "correct": demo.ANSWER in served.outputs[0].text,
+            "layers_with_identical_kept_positions": sum(
+                torch.equal(kept[n],
+                            ours.cache.kept_positions(i)[0]) for i, n in enumerate(layers)),
+            "layers": len(layers),
+            "blocks_before": before,
+            "blocks_after": after,
         })
     return rows
 
@@ -68,7 +83,8 @@ def pool(budget: int, blocks: int, depths: list[float], tokens: int) -> dict:
     """All prompts at once into a KV pool of ``blocks`` blocks: how many run at once, how many are right."""
     llm = engine(budget, blocks, max_len=2048)
     tokenizer = llm.get_tokenizer()
-    prompts = [tokenizer.apply_chat_template(chat(tokenizer, tokens, d), tokenize=False, add_generation_prompt=True) for d in depths]
+    prompts = [tokenizer.apply_chat_template(chat(tokenizer, tokens, d), tokenize=False, add_generation_prompt=True)
+               for d in depths]
     start = time.perf_counter()
     outs = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0), use_tqdm=False)
     s = scheduler(llm)
@@ -81,26 +97,34 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--budget", type=int, default=256)
     parser.add_argument("--tokens", type=int, default=1500, help="document length of each prompt")
-    parser.add_argument("--pool-blocks", type=int, default=120, help="KV blocks (32 tokens each) in the pool experiment")
+    parser.add_argument("--pool-blocks", type=int, default=120,
+                        help="KV blocks (32 tokens each) in the pool experiment")
     parser.add_argument("--out", default="vllm_check.json")
     args = parser.parse_args()
     report = {
-        "machine": {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
-                    "transformers": transformers.__version__, "vllm": vllm.__version__, "cpu_threads": torch.get_num_threads()},
+        "machine": {
+            "platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "vllm": vllm.__version__, "cpu_threads": torch.get_num_threads()
+        },
         "settings": vars(args),
         "compare": compare(args.budget, [0.1, 0.25, 0.5, 0.75, 0.9], args.tokens),
-        "pool": [pool(budget, args.pool_blocks, [i / 10 for i in range(1, 9)], args.tokens) for budget in (100_000, args.budget)],
+        "pool": [pool(budget, args.pool_blocks, [i / 10 for i in range(1, 9)], args.tokens)
+                 for budget in (100_000, args.budget)],
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "w") as fh:
         json.dump(report, fh, indent=2)
     for row in report["compare"]:
-        print(f"depth {row['depth']:.2f}: vLLM {row['vllm'][-18:]!r} kvcompress {row['kvcompress'][-18:]!r} same answer {row['same_answer']}, "
-              f"identical kept positions in {row['layers_with_identical_kept_positions']}/{row['layers']} layers, "
-              f"KV blocks {row['blocks_before']} -> {row['blocks_after']}")
+        print(
+            f"depth {row['depth']:.2f}: vLLM {row['vllm'][-18:]!r} kvcompress {row['kvcompress'][-18:]!r} same answer "
+            f"{row['same_answer']}, "
+            f"identical kept positions in {row['layers_with_identical_kept_positions']}/{row['layers']} layers, "
+            f"KV blocks {row['blocks_before']} -> {row['blocks_after']}")
     for row in report["pool"]:
-        print(f"budget {row['budget']}: {row['peak_running']} of {row['requests']} requests ran at once in {row['pool_blocks']} blocks, "
-              f"{row['correct']} correct, {row['seconds']:.0f} s")
+        print(
+            f"budget {row['budget']}: {row['peak_running']} of {row['requests']} requests ran at once in "
+            f"{row['pool_blocks']} blocks, "
+            f"{row['correct']} correct, {row['seconds']:.0f} s")
 
 
 if __name__ == "__main__":

@@ -47,7 +47,8 @@ def test_allocation_matches_a_reference(floor, window):
     keep = allocate_heads(scores, valid, counts, floor)
     for row in range(2):
         real = [j for j in range(40) if valid[row, j]]
-        expected = reference_allocation([[float(scores[row, h, j]) for j in real] for h in range(3)], int(counts[row]), floor)
+        expected = reference_allocation([[float(scores[row, h, j]) for j in real] for h in range(3)], int(counts[row]),
+                                        floor)
         got = [{real.index(j) for j in keep[row, h].nonzero()[:, 0].tolist()} for h in range(3)]
         assert got == expected
         assert int(keep[row].sum()) == 3 * int(counts[row])  # the same total as the uniform budget
@@ -69,12 +70,16 @@ def teacher_forced(model, method, prompt, continuation, follow_up):
     cache = method.make_cache(model, char_tokenizer())
     with torch.no_grad():
         logits = [model(prompt, past_key_values=cache).logits[:, -1]]
-        logits += [model(continuation[:, t : t + 1], past_key_values=cache).logits[:, -1] for t in range(continuation.shape[1])]
+        logits += [
+            model(continuation[:, t:t + 1], past_key_values=cache).logits[:, -1] for t in range(continuation.shape[1])
+        ]
         logits += model(follow_up, past_key_values=cache).logits.unbind(1)
     return torch.stack(logits, 1), cache
 
 
-@pytest.mark.parametrize("method", [kvc.SnapKV(budget=64, window=8), kvc.H2O(budget=64), kvc.StreamingLLM(budget=48)], ids=lambda m: m.name)
+@pytest.mark.parametrize(
+    "method", [kvc.SnapKV(budget=64, window=8),
+               kvc.H2O(budget=64), kvc.StreamingLLM(budget=48)], ids=lambda m: m.name)
 def test_equal_head_counts_in_the_packed_layout_give_the_uniform_cache(method):
     """head_floor=1: every head keeps exactly the uniform budget, now stored packed per head."""
     model = tiny_model()
@@ -82,7 +87,9 @@ def test_equal_head_counts_in_the_packed_layout_give_the_uniform_cache(method):
     prompt, continuation, follow_up = (torch.randint(3, 128, (1, n), generator=gen) for n in (300, 20, 40))
     uniform, uniform_cache = teacher_forced(model, method, prompt, continuation, follow_up)
     settings = {k: v for k, v in vars(method).items()}
-    packed, packed_cache = teacher_forced(model, type(method)(**{**settings, "heads": "adaptive", "head_floor": 1.0}), prompt, continuation, follow_up)
+    packed, packed_cache = teacher_forced(model,
+                                          type(method)(**{**settings, "heads": "adaptive", "head_floor": 1.0}), prompt,
+                                          continuation, follow_up)
     torch.testing.assert_close(packed, uniform, rtol=1e-5, atol=1e-5)
     for layer in range(2):
         assert packed_cache.layers[layer].packed is not None
@@ -97,7 +104,8 @@ def test_packed_layout_with_soft_capped_logits():
     prompt, continuation, follow_up = (torch.randint(3, 128, (1, n), generator=gen) for n in (120, 8, 12))
     method = kvc.SnapKV(budget=24, window=4)
     uniform, _ = teacher_forced(model, method, prompt, continuation, follow_up)
-    packed, cache = teacher_forced(model, kvc.SnapKV(budget=24, window=4, heads="adaptive", head_floor=1.0), prompt, continuation, follow_up)
+    packed, cache = teacher_forced(model, kvc.SnapKV(budget=24, window=4, heads="adaptive", head_floor=1.0), prompt,
+                                   continuation, follow_up)
     assert any(getattr(layer, "packed", None) is not None for layer in cache.layers)
     torch.testing.assert_close(packed, uniform, rtol=1e-5, atol=1e-5)
 
@@ -106,14 +114,17 @@ def test_adaptive_heads_hold_different_counts_in_the_same_memory():
     model, tok = tiny_model(), char_tokenizer()
     prompt = random_text(400, seed=5)
     uniform = kvc.generate(model, tok, prompt, method=kvc.SnapKV(budget=64, window=8), max_new_tokens=6)
-    adaptive = kvc.generate(model, tok, prompt, method=kvc.SnapKV(budget=64, window=8, heads="adaptive"), max_new_tokens=6)
+    adaptive = kvc.generate(model, tok, prompt, method=kvc.SnapKV(budget=64, window=8, heads="adaptive"),
+                            max_new_tokens=6)
     packed = adaptive.cache.layers[0].packed
     lengths = packed.lengths[0]
     assert len(set(lengths)) > 1 and sum(lengths) == sum(uniform.cache.layers[0].used for _ in lengths)
     held = sum(t.numel() * t.element_size() for t in (packed.keys, packed.values))  # measured from the tensors
     assert adaptive.cache.stats()["kv_bytes_kept"] + adaptive.cache.stats()["spare_bytes"] == sum(
         lyr.packed.keys.numel() * lyr.packed.keys.element_size() * 2 for lyr in adaptive.cache.layers)
-    assert held <= 1.02 * sum(t.numel() * t.element_size() for t in (uniform.cache.layers[0].keys, uniform.cache.layers[0].values))  # same spare room
+    # same spare room
+    assert held <= 1.02 * sum(
+        t.numel() * t.element_size() for t in (uniform.cache.layers[0].keys, uniform.cache.layers[0].values))
     assert abs(adaptive.cache.stats()["device_bytes"] / uniform.cache.stats()["device_bytes"] - 1) <= 0.02
     for layer in adaptive.cache.layers:  # the full prompt's keys and values are freed, not held by an empty view
         assert all(t.untyped_storage().nbytes() == 0 for t in (layer.keys, layer.values))
@@ -122,14 +133,19 @@ def test_adaptive_heads_hold_different_counts_in_the_same_memory():
         assert len(real) == lengths[head] - 5 and (real.diff() > 0).all()  # 5 generated tokens appended per head
 
 
-@pytest.mark.parametrize("method", [kvc.SnapKV(budget=64, window=8, heads="adaptive"), kvc.H2O(budget=64, layers="pyramid", heads="adaptive")], ids=lambda m: m.label())
+@pytest.mark.parametrize(
+    "method",
+    [kvc.SnapKV(budget=64, window=8, heads="adaptive"),
+     kvc.H2O(budget=64, layers="pyramid", heads="adaptive")], ids=lambda m: m.label())
 def test_model_generate_and_beams_with_adaptive_budgets(method):
     model, tok = tiny_model(), char_tokenizer()
     inputs = tok([random_text(200, seed=7)], return_tensors="pt")
-    greedy = model.generate(**inputs, past_key_values=method.make_cache(model, tok), max_new_tokens=8, do_sample=False, eos_token_id=None)
+    greedy = model.generate(**inputs, past_key_values=method.make_cache(model, tok), max_new_tokens=8, do_sample=False,
+                            eos_token_id=None)
     ours = kvc.generate(model, tok, random_text(200, seed=7), method=method, max_new_tokens=8)
     assert greedy[0, inputs["input_ids"].shape[1] :].tolist() == ours.token_ids[0]
-    beams = model.generate(**inputs, past_key_values=method.make_cache(model, tok), max_new_tokens=8, num_beams=3, num_return_sequences=2, eos_token_id=None)
+    beams = model.generate(**inputs, past_key_values=method.make_cache(model, tok), max_new_tokens=8, num_beams=3,
+                           num_return_sequences=2, eos_token_id=None)
     assert beams.shape == (2, inputs["input_ids"].shape[1] + 8)
 
 

@@ -12,10 +12,10 @@ import torch
 from transformers import DynamicCache
 
 import kvcompress as kvc
-from kvcompress.storage import attention
 from kvcompress.generation.conversation import first_turn
 from kvcompress.methods.kvzip import FIRST, LATER
 from kvcompress.methods.prompt import global_shares
+from kvcompress.storage import attention
 
 from .fixtures import bpe_tokenizer, char_tokenizer, family_model, random_text, tiny_model
 
@@ -40,7 +40,9 @@ def reconstruction_reference(model, tok, text: str, chunk: int, overlap: int) ->
         scores = []
         for weights in attentions:  # [1, q_heads, total, total]
             per_head = weights[0, :, n:, :n].amax(dim=1)  # [q_heads, prompt]: over the reconstruction's queries
-            scores.append(torch.stack([per_head[h * group : (h + 1) * group].amax(dim=0) for h in range(per_head.shape[0] // group)]))
+            scores.append(
+                torch.stack(
+                    [per_head[h * group:(h + 1) * group].amax(dim=0) for h in range(per_head.shape[0] // group)]))
         best = scores if best is None else [torch.maximum(a, b) for a, b in zip(best, scores)]
     return best
 
@@ -80,7 +82,8 @@ def expected_reference(model, ids: torch.Tensor, future: int, sinks: int) -> lis
 
     def hook(module, args, kwargs, output):
         hidden = kwargs["hidden_states"]
-        pre_rope[module.layer_idx] = module.q_proj(hidden).view(*hidden.shape[:-1], -1, module.head_dim)[0].transpose(0, 1).double()
+        pre_rope[module.layer_idx] = module.q_proj(hidden).view(*hidden.shape[:-1], -1,
+                                                                module.head_dim)[0].transpose(0, 1).double()
 
     handles = [layer.self_attn.register_forward_hook(hook, with_kwargs=True) for layer in model.model.layers]
     full = DynamicCache(config=model.config)
@@ -104,7 +107,8 @@ def expected_reference(model, ids: torch.Tensor, future: int, sinks: int) -> lis
                 mean = counted.mean(dim=0)
                 cov = sum(torch.outer(q - mean, q - mean) for q in counted) / counted.shape[0]
                 mean, cov = ahead @ mean, ahead @ cov @ ahead.T
-                exponent = torch.tensor([scaling * mean @ k + scaling**2 / 2 * k @ cov @ k for k in keys[kv_head, sinks:]])
+                exponent = torch.tensor(
+                    [scaling * mean @ k + scaling**2 / 2 * k @ cov @ k for k in keys[kv_head, sinks:]])
                 weights += exponent.softmax(dim=0) / group
             scores[kv_head, sinks:] = weights * values[kv_head, sinks:].norm(dim=-1)
         result.append(scores)
@@ -121,17 +125,23 @@ def test_expected_attention_keeps_what_modelled_future_queries_attend_most():
         assert cache.kept_positions(layer)[0].tolist() == top_positions(scores, 40), f"layer {layer}"
 
 
-@pytest.mark.parametrize("method", [kvc.KVzip(budget=64, chunk=90), kvc.ExpectedAttention(budget=64)], ids=lambda m: m.name)
+@pytest.mark.parametrize(
+    "method", [kvc.KVzip(budget=64, chunk=90), kvc.ExpectedAttention(budget=64)], ids=lambda m: m.name)
 def test_one_context_asked_many_questions_each_on_its_own_copy(method):
     model, tok = tiny_model(), char_tokenizer()
     document = [{"role": "user", "content": random_text(400, seed=7)}]
     context = kvc.compress(model, tok, document, method=method)
     kept = [layer.keys.clone() for layer in context.cache.layers]
-    answers = [kvc.generate(model, tok, question, past=context.copy(), max_new_tokens=6) for question in ("first?", "second one?")]
-    assert [layer.keys for layer in context.cache.layers] != [] and all(torch.equal(a.keys, b) for a, b in zip(context.cache.layers, kept))
+    answers = [
+        kvc.generate(model, tok, question, past=context.copy(), max_new_tokens=6)
+        for question in ("first?", "second one?")
+    ]
+    assert [layer.keys for layer in context.cache.layers] != [] and all(
+        torch.equal(a.keys, b) for a, b in zip(context.cache.layers, kept))
     for question, answer in zip(("first?", "second one?"), answers):
         asked = kvc.generate(model, tok, document, question=question, method=method, max_new_tokens=6)
-        assert answer.token_ids == asked.token_ids  # each copy answers as if the context had been compressed for it alone
+        # each copy answers as if the context had been compressed for it alone
+        assert answer.token_ids == asked.token_ids
 
 
 def test_the_observation_pass_is_timed_and_needs_a_tokenizer():
@@ -139,7 +149,8 @@ def test_the_observation_pass_is_timed_and_needs_a_tokenizer():
     result = kvc.compress(model, tok, random_text(300, seed=8), method=kvc.KVzip(budget=32))
     assert 0 < result.stats["compress_s"] <= result.stats["prefill_s"]
     cache = kvc.KVzip(budget=32, clustering="none").make_cache(model)
-    with pytest.raises(ValueError, match="KVzip scores from the prompt's reconstruction, which did not run"), torch.no_grad():
+    with pytest.raises(ValueError,
+                       match="KVzip scores from the prompt's reconstruction, which did not run"), torch.no_grad():
         model(torch.tensor([tok(random_text(300, seed=8))["input_ids"]]), past_key_values=cache)
         cache.end_observation(0.0)
 
@@ -154,12 +165,12 @@ def test_global_shares_rank_every_layer_together():
     free = torch.tensor([2, 3])
     shares = global_shares(scores, valid, free)
     for row in range(2):
-        entries = sorted(
-            (-float(scores[layer][row, head, pos]), layer, head, pos)
-            for layer in range(4) for head in range(3) for pos in range(10) if valid[row, pos] and scores[layer][row, head, pos] != math.inf
-        )
+        entries = sorted((-float(scores[layer][row, head, pos]), layer, head, pos) for layer in range(4)
+                         for head in range(3) for pos in range(10)
+                         if valid[row, pos] and scores[layer][row, head, pos] != math.inf)
         winners = [layer for _, layer, _, _ in entries[: 4 * 3 * int(free[row])]]
-        assert [float(share[row]) for share in shares] == [winners.count(layer) * 4 / len(winners) for layer in range(4)]
+        assert [float(share[row]) for share in shares
+                ] == [winners.count(layer) * 4 / len(winners) for layer in range(4)]
 
 
 def test_a_global_budget_keeps_the_uniform_total_spread_over_the_layers():
@@ -169,7 +180,8 @@ def test_a_global_budget_keeps_the_uniform_total_spread_over_the_layers():
     kept = [int((cache.kept_positions(layer)[0] >= 0).sum()) for layer in range(4)]
     assert len(set(kept)) > 1  # layers keep different numbers of tokens
     assert 4 * 2 * 40 <= sum(kept) <= 4 * 2 * 40 + 4 * 2  # the uniform total, up to rounding each layer's share up
-    with pytest.raises(kvc.InvalidParameterError, match="ExpectedAttention: layers='global' ranks every layer's scores together"):
+    with pytest.raises(kvc.InvalidParameterError,
+                       match="ExpectedAttention: layers='global' ranks every layer's scores together"):
         kvc.ExpectedAttention(layers="global")
 
 
@@ -194,7 +206,10 @@ def test_a_model_called_directly_cannot_skip_the_observation_pass():
     ids = torch.tensor([tok(random_text(200, seed=10))["input_ids"]])
     with torch.no_grad():
         model(ids, past_key_values=cache)
-        with pytest.raises(kvc.CacheMisuseError, match="compresses the prompt after an observation pass .* kvcompress.generate and kvcompress.compress run it"):
+        with pytest.raises(
+                kvc.CacheMisuseError, match=
+                "compresses the prompt after an observation pass .* kvcompress.generate and kvcompress.compress run it"
+        ):
             model(ids[:, -1:], past_key_values=cache)
 
 
@@ -262,8 +277,11 @@ def test_kvzip_scores_leave_the_opening_out_of_each_softmax():
     counted = valid[:, :prompt].clone()
     counted[0, 3:6] = False
     counted[1, 1:4] = False
-    logits = torch.stack([query[:, h] @ keys[:, h // 2].transpose(-1, -2) for h in range(4)], dim=1) * 0.3  # [b, h, new, prompt + new]
-    seen = valid[:, None, None, :] & torch.cat([torch.ones(new, prompt, dtype=torch.bool), torch.ones(new, new, dtype=torch.bool).tril()], dim=-1)
+    # [b, h, new, prompt + new]
+    logits = torch.stack([query[:, h] @ keys[:, h // 2].transpose(-1, -2) for h in range(4)], dim=1) * 0.3
+    seen = valid[:, None, None, :] & torch.cat(
+        [torch.ones(new, prompt, dtype=torch.bool),
+         torch.ones(new, new, dtype=torch.bool).tril()], dim=-1)
     lse = logits.masked_fill(~seen, -torch.inf).logsumexp(dim=-1)
     expected = torch.zeros(2, 2, prompt)
     for row in range(2):

@@ -46,7 +46,8 @@ def module_imports() -> dict[str, set[str]]:
 def test_the_module_graph_has_no_cycle():
     graph = module_imports()
     packages = {name for name in graph if (PACKAGE.parent / name.replace(".", "/") / "__init__.py").exists()}
-    edges = {name: {t for t in targets if t not in packages} for name, targets in graph.items()}  # a package's face only hands names on
+    # a package's face only hands names on
+    edges = {name: {t for t in targets if t not in packages} for name, targets in graph.items()}
     state: dict[str, str] = {}
 
     def visit(node: str, path: list[str]) -> None:
@@ -65,14 +66,8 @@ def test_the_module_graph_has_no_cycle():
 # The layers, bottom up: a module may import its own layer and those below it, never one above. The front (the
 # package's face, the command line, the demo) is everything else. Each layer's __init__ says what it owns.
 LAYERS = [
-    "kvcompress.storage",
-    "kvcompress.cache",
-    "kvcompress.io",
-    "kvcompress.integrations.transformers",
-    "kvcompress.methods",
-    "kvcompress.generation",
-    "kvcompress.serving",
-    "kvcompress.bench",
+    "kvcompress.storage", "kvcompress.cache", "kvcompress.io", "kvcompress.integrations.transformers",
+    "kvcompress.methods", "kvcompress.generation", "kvcompress.serving", "kvcompress.bench"
 ]
 
 
@@ -83,9 +78,11 @@ def layer_of(module: str) -> int:
 
 
 def test_no_layer_imports_one_above_it():
-    upward = [f"{source} ({LAYERS[layer_of(source)] if layer_of(source) < len(LAYERS) else 'the front'}) imports {target}"
-              for source, targets in module_imports().items() for target in sorted(targets)
-              if layer_of(target) > layer_of(source)]
+    upward = [
+        f"{source} ({LAYERS[layer_of(source)] if layer_of(source) < len(LAYERS) else 'the front'}) imports {target}"
+        for source, targets in module_imports().items() for target in sorted(targets)
+        if layer_of(target) > layer_of(source)
+    ]
     assert not upward, "\n".join(upward)
 
 
@@ -125,7 +122,8 @@ class EveryOther(PromptMethod):
     name: ClassVar[str] = "every-other"
     stride: int = param(2, "keep positions that are multiples of this", minimum=1)
 
-    def scores(self, query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scaling: float, spans: torch.Tensor | None = None) -> torch.Tensor:
+    def scores(self, query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scaling: float,
+               spans: torch.Tensor | None = None) -> torch.Tensor:
         position = valid.long().cumsum(-1).float()
         return (position + 1e6 * (position % self.stride == 0))[:, None, :].expand(-1, keys.shape[1], -1)
 
@@ -151,19 +149,27 @@ def test_a_new_method_is_one_class_and_a_registry_line(toy_method, saved_tiny_mo
     kept = result.cache.kept_positions(0)[0, 0].tolist()
     assert len(kept) == 20 and all(p % 3 == 2 for p in kept)  # cumsum positions start at 1
 
-    assert main(["generate", "--model", str(saved_tiny_model), "--method", "every-other", "--budget", "24", "--stride", "4",
-                 "--raw", "--prompt", "y" * 80, "--max-new-tokens", "3", "--json"]) == 0
+    assert main([
+        "generate", "--model",
+        str(saved_tiny_model), "--method", "every-other", "--budget", "24", "--stride", "4", "--raw", "--prompt",
+        "y" * 80, "--max-new-tokens", "3", "--json"
+    ]) == 0
     record = json.loads(capsys.readouterr().out)
     assert record["method"] == "every-other(budget=24, stride=4)"
     assert record["kv_tokens_per_layer"] == [24 + 2, 24 + 2]
 
     out = tmp_path / "acc"
-    assert main(["bench", "accuracy", "--model", str(saved_tiny_model), "--tasks", "niah", "--methods", "full,every-other:stride=2",
-                 "--budgets", "64", "--lengths", "300", "--depths", "0.5", "--out", str(out)]) == 0
+    assert main([
+        "bench", "accuracy", "--model",
+        str(saved_tiny_model), "--tasks", "niah", "--methods", "full,every-other:stride=2", "--budgets", "64",
+        "--lengths", "300", "--depths", "0.5", "--out", str(out)
+    ]) == 0
     labels = {json.loads(line)["label"] for line in (out / "results.jsonl").read_text().splitlines()}
     assert labels == {"full", "every-other:stride=2@64"}
-    assert main(["generate", "--model", str(saved_tiny_model), "--method", "every-other", "--window", "4", "--prompt", "z"]) == 2
-    assert "method 'every-other' does not take --window; it takes: --budget, --ratio, --heads, --head-floor, --layers, --pyramid-beta, --stride" in capsys.readouterr().err
+    assert main(["generate", "--model", str(saved_tiny_model), "--method", "every-other", "--window", "4",
+                 "--prompt", "z"]) == 2
+    assert ("method 'every-other' does not take --window; it takes: --budget, --ratio, --heads, --head-floor, "
+            "--layers, --pyramid-beta, --stride") in capsys.readouterr().err
 
 
 def test_every_layer_attribute_is_born_in_its_init():
@@ -174,9 +180,11 @@ def test_every_layer_attribute_is_born_in_its_init():
     model, tok = tiny_model(), char_tokenizer()
     for method in METHODS:
         declared = {type(layer): set(vars(layer)) for layer in method.make_cache(model, tok).layers}
-        result = kvc.generate(model, tok, ["one short prompt", "and a longer one, " * 20], method=method, max_new_tokens=3)
+        result = kvc.generate(model, tok, ["one short prompt", "and a longer one, " * 20], method=method,
+                              max_new_tokens=3)
         for layer in result.cache.layers:
-            assert set(vars(layer)) == declared[type(layer)], f"{method.label()}: {type(layer).__name__} gained {set(vars(layer)) - declared[type(layer)]}"
+            assert set(vars(layer)) == declared[type(
+                layer)], f"{method.label()}: {type(layer).__name__} gained {set(vars(layer)) - declared[type(layer)]}"
 
 
 def test_every_public_name_resolves_from_the_package():
@@ -224,7 +232,8 @@ def test_no_class_or_function_outgrows_a_reading():
             if isinstance(node, ast.ClassDef):
                 parts = mixed_in(node, classes)
                 size = sum(part.end_lineno - part.lineno + 1 for part in parts)
-                methods = sum(isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) for part in parts for item in part.body)
+                methods = sum(
+                    isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) for part in parts for item in part.body)
                 if size > MAX_CLASS_LINES or methods > MAX_CLASS_METHODS:
                     too_big.append(f"class {where}: {size} lines, {methods} methods")
             elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and size > MAX_FUNCTION_LINES:

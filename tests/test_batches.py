@@ -11,20 +11,11 @@ from .fixtures import char_tokenizer, random_text, tiny_model
 
 # Budgets small enough for the tiny model's prompts; every other setting at its default.
 METHODS = [
-    kvc.FullKV(),
-    kvc.SnapKV(budget=64),
-    kvc.SnapKV(budget=64, heads="adaptive", layers="pyramid"),
-    kvc.StreamingLLM(budget=48),
-    kvc.H2O(budget=64),
-    kvc.H2O(budget=64, evict_during_decoding=True),
-    kvc.H2O(budget=64, heads="adaptive"),
-    kvc.ShadowKV(budget=32),
-    kvc.Quest(budget=64),
-    kvc.Quest(budget=64, offload=True),
-    kvc.Loki(budget=64),
-    kvc.KVzip(budget=64, chunk=100),
-    kvc.KVzip(budget=64, layers="global"),
-    kvc.ExpectedAttention(budget=64),
+    kvc.FullKV(), kvc.SnapKV(budget=64), kvc.SnapKV(budget=64, heads="adaptive", layers="pyramid"),
+    kvc.StreamingLLM(budget=48), kvc.H2O(budget=64), kvc.H2O(budget=64, evict_during_decoding=True),
+    kvc.H2O(budget=64, heads="adaptive"), kvc.ShadowKV(budget=32), kvc.Quest(budget=64),
+    kvc.Quest(budget=64, offload=True), kvc.Loki(budget=64), kvc.KVzip(budget=64, chunk=100),
+    kvc.KVzip(budget=64, layers="global"), kvc.ExpectedAttention(budget=64)
 ]
 # 12 tokens: under every budget, one Quest page and ShadowKV's local chunks; 150 and 420: compressed.
 LENGTHS = (11, 149, 419)
@@ -40,8 +31,11 @@ def test_each_row_of_a_batch_equals_the_row_alone(method):
         assert batch.token_ids[row] == alone.token_ids[0], f"row {row} ({len(prompt) + 1} tokens)"
         if not (isinstance(method, kvc.H2O) and method.evict_during_decoding):
             for layer in range(2):
-                for head, (kept, expected) in enumerate(zip(batch.cache.kept_positions(layer)[row], alone.cache.kept_positions(layer)[0])):
-                    assert torch.equal(kept[kept >= 0], expected[expected >= 0]), f"row {row}, layer {layer}, head {head}"
+                for head, (kept, expected) in enumerate(
+                        zip(batch.cache.kept_positions(layer)[row],
+                            alone.cache.kept_positions(layer)[0])):
+                    assert torch.equal(kept[kept >= 0],
+                                       expected[expected >= 0]), f"row {row}, layer {layer}, head {head}"
 
 
 def test_quest_never_spends_its_pages_on_padding():
@@ -66,4 +60,5 @@ def test_shadowkv_outliers_never_come_from_padding():
         assert batch.token_ids[row] == kvc.generate(model, tok, prompt, method=method, max_new_tokens=10).token_ids[0]
     layer = batch.cache.layers[0]
     outlier_slots = layer.positions[1, :, : 2 * 8]  # the dense slots after the front slots of the selected chunks
-    assert (outlier_slots == -1).all() and not layer.valid[1, layer.front : layer.front + 2 * 8].any()  # the short row has no chunk to spare
+    # the short row has no chunk to spare
+    assert (outlier_slots == -1).all() and not layer.valid[1, layer.front : layer.front + 2 * 8].any()

@@ -14,8 +14,8 @@ from kvcompress.bench.accuracy import build_samples, method_configs, run_accurac
 from kvcompress.bench.haystack import fill, haystack_sentences
 from kvcompress.bench.metrics import f1, fidelity, score, string_match_all, string_match_any
 from kvcompress.bench.plots import budget_curves
-from kvcompress.bench.tasks import TASKS, load_dataset
 from kvcompress.bench.ruler import essay_sentences, questions
+from kvcompress.bench.tasks import TASKS, load_dataset
 from kvcompress.bench.tasks.base import prompt_tokens
 from kvcompress.io.wheels import NotFetchedError
 
@@ -38,15 +38,20 @@ def ruler_data(tmp_path_factory, monkeypatch):
         words = random_text(60000, seed=9).split()
         sentences = [" ".join(words[i : i + 12]).capitalize() + "." for i in range(0, len(words) - 12, 12)]
         (folder / "PaulGrahamEssays.json").write_text(json.dumps({"text": " ".join(sentences)}))
-        articles = [{"title": f"t{a}", "paragraphs": [
-            {"context": random_text(300, seed=100 * a + p) + f" The answer is code{a}x{p}.",
-             "qas": [{"question": f"What is the code of paragraph {a}-{p}?", "answers": [{"text": f"code{a}x{p}"}], "is_impossible": False}]}
-            for p in range(6)]} for a in range(8)]
+        articles = [{
+            "title": f"t{a}", "paragraphs": [{
+                "context": random_text(300, seed=100 * a + p) + f" The answer is code{a}x{p}.", "qas": [{
+                    "question": f"What is the code of paragraph {a}-{p}?", "answers": [{"text": f"code{a}x{p}"}],
+                    "is_impossible": False
+                }]
+            } for p in range(6)]
+        } for a in range(8)]
         (folder / "squad.json").write_text(json.dumps({"version": "v2.0", "data": articles}))
-        records = [{"question": f"Which city is twinned with town{r}?", "answer": f"city{r}",
-                    "supporting_facts": [[f"town{r}", 0]],
-                    "context": [[f"town{r}", [f"Town{r} is twinned with city{r}."]]] + [[f"other{r}-{k}", [random_text(200, seed=r * 10 + k)]] for k in range(3)]}
-                   for r in range(30)]
+        records = [{
+            "question": f"Which city is twinned with town{r}?", "answer": f"city{r}",
+            "supporting_facts": [[f"town{r}", 0]], "context": [[f"town{r}", [f"Town{r} is twinned with city{r}."]]]
+            + [[f"other{r}-{k}", [random_text(200, seed=r * 10 + k)]] for k in range(3)]
+        } for r in range(30)]
         (folder / "hotpotqa.json").write_text(json.dumps(records))
     monkeypatch.setenv("KVCOMPRESS_CACHE", str(root))
     essay_sentences.cache_clear()
@@ -87,7 +92,10 @@ def test_needle_sits_at_the_requested_depth(task, depth, tok):
 def test_multi_needle_target_keeps_its_depth(tok):
     for depth in (0.2, 0.5, 0.8):
         sample = TASKS["niah_multikey"](tok, 2000, depth, 1)
-        others = [s for s in re.findall(r"One of the special magic numbers for [^.]*\.", sample.context) if sample.turns[0].answers[0] not in s]
+        others = [
+            s for s in re.findall(r"One of the special magic numbers for [^.]*\.", sample.context)
+            if sample.turns[0].answers[0] not in s
+        ]
         haystack = sample.context
         for needle in others:
             haystack = haystack.replace(" " + needle, "")
@@ -101,7 +109,8 @@ def test_aggregation_answers_are_really_the_most_frequent(tok):
     cwe = TASKS["cwe"](tok, 1500, 0.5, 2)
     words = re.findall(r"\d+\. (\w+)", cwe.context)
     counts = Counter(words)
-    assert min(counts[w] for w in cwe.turns[0].answers) > max(c for w, c in counts.items() if w not in cwe.turns[0].answers)
+    assert min(counts[w] for w in cwe.turns[0].answers) > max(
+        c for w, c in counts.items() if w not in cwe.turns[0].answers)
     fwe = TASKS["fwe"](tok, 1200, 0.5, 2)
     counts = Counter(fwe.context.split("\n", 1)[1].split())
     top = fwe.turns[0].answers
@@ -176,20 +185,26 @@ def test_question_agnostic_track_asks_every_question_of_one_compressed_context(t
         (s.id, c.label, t) for s in samples for c in configs for t in range(1, len(s.questions()) + 1)
     }
     sample, number = samples[0], 3
-    alone = generate(model, tok, [{"role": "user", "content": sample.context}], question=sample.questions()[number - 1].question,
-                     method=FullKV(), max_new_tokens=sample.max_new_tokens)
+    alone = generate(model, tok, [{"role": "user", "content": sample.context}],
+                     question=sample.questions()[number - 1].question, method=FullKV(),
+                     max_new_tokens=sample.max_new_tokens)
     asked = next(r for r in records if (r["sample"], r["label"], r["turn"]) == (sample.id, "full", number))
     assert asked["track"] == "agnostic" and asked["prediction"] == alone.text  # as if asked first and alone
-    assert {r["task"] for r in summarize(records)} == {"niah_multikey", "qa_1"}  # independent questions, summed per task
-    with pytest.raises(ValueError, match="holds question-agnostic results; this is a question-aware run: give it another output folder"):
+    # independent questions, summed per task
+    assert {r["task"] for r in summarize(records)} == {"niah_multikey", "qa_1"}
+    with pytest.raises(
+            ValueError,
+            match="holds question-agnostic results; this is a question-aware run: give it another output folder"):
         run_matrix(model, tok, samples, configs, tmp_path, progress=False)
 
 
 def test_summary_retained_accuracy_and_outputs(tmp_path, tok):
     model = tiny_model(max_position_embeddings=2048)
-    rows, _ = run_accuracy(model, tok, ["niah", "passkey"], ["full", "snapkv"], [64, 128], [300], tmp_path, depths=[0.2, 0.8], progress=False)
+    rows, _ = run_accuracy(model, tok, ["niah", "passkey"], ["full", "snapkv"], [64, 128], [300], tmp_path,
+                           depths=[0.2, 0.8], progress=False)
     assert (tmp_path / "summary.csv").read_text().startswith("task,method,budget,label,samples,score,retained")
-    assert (tmp_path / "niah_heatmaps.png").stat().st_size > 1000 and (tmp_path / "score_vs_budget.png").stat().st_size > 1000
+    assert (tmp_path / "niah_heatmaps.png").stat().st_size > 1000 and (
+        tmp_path / "score_vs_budget.png").stat().st_size > 1000
     full = [r for r in rows if r["label"] == "full"]
     assert all(r["top1_agreement"] == 1.0 and r["kl"] == pytest.approx(0.0, abs=1e-6) for r in full)
     assert {r["label"] for r in rows} == {"full", "snapkv@64", "snapkv@128"}
@@ -197,16 +212,27 @@ def test_summary_retained_accuracy_and_outputs(tmp_path, tok):
 
 def test_score_vs_budget_draws_a_curve_per_method_setting():
     rows = [{"task": "t", "label": f"{setting}@{b}", "method": "snapkv", "budget": b, "score": score}
-            for setting, scores in (("snapkv", (0.5, 1.0)), ("snapkv:heads=adaptive", (0.25, 0.75))) for b, score in zip((128, 256), scores)]
+            for setting, scores in (("snapkv", (0.5, 1.0)), ("snapkv:heads=adaptive", (0.25, 0.75)))
+            for b, score in zip((128, 256), scores)]
     rows.append({"task": "t", "label": "full", "method": "full", "budget": None, "score": 1.0})
-    assert budget_curves(rows, "t") == {"snapkv": [(128, 0.5), (256, 1.0)], "snapkv:heads=adaptive": [(128, 0.25), (256, 0.75)]}
+    assert budget_curves(
+        rows, "t") == {"snapkv": [(128, 0.5), (256, 1.0)], "snapkv:heads=adaptive": [(128, 0.25), (256, 0.75)]}
 
 
 def test_summarize_pairs_samples_for_retained_accuracy():
     records = [
-        {"sample": "a", "task": "t", "turn": 1, "turns": 1, "label": "full", "method": "full", "budget": None, "score": 1.0, "kv_kept_fraction": 1.0, "top1_agreement": 1.0, "kl": 0.0},
-        {"sample": "b", "task": "t", "turn": 1, "turns": 1, "label": "full", "method": "full", "budget": None, "score": 0.5, "kv_kept_fraction": 1.0, "top1_agreement": 1.0, "kl": 0.0},
-        {"sample": "a", "task": "t", "turn": 1, "turns": 1, "label": "x@1", "method": "x", "budget": 1, "score": 0.75, "kv_kept_fraction": 0.2, "top1_agreement": 0.5, "kl": 0.3},
+        {
+            "sample": "a", "task": "t", "turn": 1, "turns": 1, "label": "full", "method": "full", "budget": None,
+            "score": 1.0, "kv_kept_fraction": 1.0, "top1_agreement": 1.0, "kl": 0.0
+        },
+        {
+            "sample": "b", "task": "t", "turn": 1, "turns": 1, "label": "full", "method": "full", "budget": None,
+            "score": 0.5, "kv_kept_fraction": 1.0, "top1_agreement": 1.0, "kl": 0.0
+        },
+        {
+            "sample": "a", "task": "t", "turn": 1, "turns": 1, "label": "x@1", "method": "x", "budget": 1,
+            "score": 0.75, "kv_kept_fraction": 0.2, "top1_agreement": 0.5, "kl": 0.3
+        },
     ]
     rows = {r["label"]: r for r in summarize(records)}
     assert rows["x@1"]["retained"] == pytest.approx(0.75)  # against sample a only
@@ -215,7 +241,9 @@ def test_summarize_pairs_samples_for_retained_accuracy():
 
 def test_bring_your_own_dataset(tmp_path, tok):
     path = tmp_path / "mine.jsonl"
-    path.write_text(json.dumps({"context": "Alice lives in Paris.", "input": "Where does Alice live?", "answers": ["Paris"]}) + "\n")
+    path.write_text(
+        json.dumps({"context": "Alice lives in Paris.", "input": "Where does Alice live?", "answers": ["Paris"]}) + "\n"
+    )
     samples = load_dataset(path, tok)
     assert samples[0].task == "mine" and samples[0].metric == "f1" and samples[0].turns[0].answers == ["Paris"]
     rows, _ = run_accuracy(tiny_model(), tok, [], ["full"], [], [], tmp_path / "out", dataset=samples, progress=False)
@@ -238,7 +266,8 @@ def test_ruler_qa_tasks_ask_about_their_documents(tok):
         assert sample.metric == "match_part" and sample.context.count("Document ") >= 3
         answer = sample.turns[0].answers[0]
         assert answer in sample.context and sample.turns[0].question.endswith("Answer:")
-    assert score("I think it is City7, surely", ["city7", "elsewhere"], "match_part") == 1.0  # any reference, case-insensitive
+    # any reference, case-insensitive
+    assert score("I think it is City7, surely", ["city7", "elsewhere"], "match_part") == 1.0
     assert score("nowhere", ["city7"], "match_part") == 0.0
 
 
@@ -253,5 +282,7 @@ def test_missing_ruler_data_says_how_to_fetch_it(tmp_path, monkeypatch):
     monkeypatch.setenv("PIP_NO_INDEX", "1")
     monkeypatch.setenv("PIP_FIND_LINKS", "")
     essay_sentences.cache_clear()
-    with pytest.raises(NotFetchedError, match=r"(?s)essays: RULER's data \(essays, SQuAD, HotpotQA\) is not cached .* `kvcompress fetch-data`"):
+    with pytest.raises(
+            NotFetchedError,
+            match=r"(?s)essays: RULER's data \(essays, SQuAD, HotpotQA\) is not cached .* `kvcompress fetch-data`"):
         essay_sentences()

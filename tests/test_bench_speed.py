@@ -10,19 +10,21 @@ from typing import ClassVar
 import pytest
 import torch
 
-from kvcompress.methods.prompt import PromptMethod
 from kvcompress.bench.speed import PRESETS, copy_bandwidth, measure, run_speed, search_limit
 from kvcompress.integrations.transformers.models import ARCHITECTURES, random_model
+from kvcompress.methods.prompt import PromptMethod
 
 from .fixtures import tiny_model
 
 
 def test_grid_writes_json_csv_and_plots(tmp_path):
     model = tiny_model()
-    report = run_speed(model, ["full", "snapkv", "shadowkv:budget=32"], [200, 400], [1, 2], tmp_path, budget=64, steps=3, warmup=1, progress=False)
+    report = run_speed(model, ["full", "snapkv", "shadowkv:budget=32"], [200, 400], [1, 2], tmp_path, budget=64,
+                       steps=3, warmup=1, progress=False)
     saved = json.loads((tmp_path / "speed.json").read_text())
     assert saved["rows"] == json.loads(json.dumps(report["rows"]))
-    assert {"platform", "torch", "transformers", "device"} <= set(saved["machine"]) and saved["settings"]["budget"] == 64
+    assert {"platform", "torch", "transformers", "device"} <= set(
+        saved["machine"]) and saved["settings"]["budget"] == 64
     assert len(saved["rows"]) == 3 * 2 * 2 and all(r["status"] == "ok" for r in saved["rows"])
     for row in saved["rows"]:
         assert row["decode_ms_per_token"] > 0 and row["prefill_s"] > 0 and 0 <= row["compress_share"] < 1
@@ -37,7 +39,8 @@ def test_grid_writes_json_csv_and_plots(tmp_path):
     assert "fetch_hidden" not in by["full", 400, 2]
     with open(tmp_path / "speed.csv") as fh:
         assert len(list(csv.DictReader(fh))) == 12
-    assert (tmp_path / "decode_latency.png").stat().st_size > 1000 and (tmp_path / "throughput.png").stat().st_size > 1000
+    assert (tmp_path / "decode_latency.png").stat().st_size > 1000 and (
+        tmp_path / "throughput.png").stat().st_size > 1000
     assert (tmp_path / "peak_memory.png").stat().st_size > 1000
 
 
@@ -74,7 +77,8 @@ def test_limit_search_finds_the_largest_size_that_fits():
 
 def test_max_context_search_on_a_model_with_a_memory_cap(tmp_path):
     model = tiny_model(max_position_embeddings=2048)
-    report = run_speed(model, ["full"], [256], [1], tmp_path, steps=2, warmup=1, find_max_context=True, max_memory=2**40, progress=False)
+    report = run_speed(model, ["full"], [256], [1], tmp_path, steps=2, warmup=1, find_max_context=True,
+                       max_memory=2**40, progress=False)
     (limit,) = report["limits"]
     assert limit["kind"] == "max_context" and limit["value"] == 2048 - 8
 
@@ -83,24 +87,29 @@ def test_bad_settings_are_refused(tmp_path):
     model = tiny_model(max_position_embeddings=512)
     with pytest.raises(ValueError, match="on a CPU the limit searches need max_memory"):
         run_speed(model, ["full"], [128], [1], tmp_path, find_max_batch=True, progress=False)
-    with pytest.raises(ValueError, match=r"prompt lengths \[510\] plus 20 decoding steps exceed the model's context of 512"):
+    with pytest.raises(ValueError,
+                       match=r"prompt lengths \[510\] plus 20 decoding steps exceed the model's context of 512"):
         run_speed(model, ["full"], [510], [1], tmp_path, steps=16, warmup=3, progress=False)
     with pytest.raises(ValueError, match="method='magic' is unknown"):
         run_speed(model, ["magic"], [128], [1], tmp_path, progress=False)
-    with pytest.raises(ValueError, match=r"batch_limit=0 is not a valid search setting; valid: an integer of at least 1"):
-        run_speed(model, ["full"], [128], [1], tmp_path, find_max_batch=True, max_memory=2**40, batch_limit=0, progress=False)
+    with pytest.raises(ValueError,
+                       match=r"batch_limit=0 is not a valid search setting; valid: an integer of at least 1"):
+        run_speed(model, ["full"], [128], [1], tmp_path, find_max_batch=True, max_memory=2**40, batch_limit=0,
+                  progress=False)
 
 
 def test_batch_search_stops_at_its_limit(tmp_path):
     model = tiny_model(max_position_embeddings=512)
-    report = run_speed(model, ["full"], [64], [1], tmp_path, steps=1, warmup=0, find_max_batch=True, max_memory=2**40, batch_limit=3, progress=False)
+    report = run_speed(model, ["full"], [64], [1], tmp_path, steps=1, warmup=0, find_max_batch=True, max_memory=2**40,
+                       batch_limit=3, progress=False)
     (limit,) = report["limits"]
     assert limit["value"] == 3 and max(row["batch"] for row in limit["tried"]) == 3
 
 
 def test_architecture_presets_have_the_documented_shapes():
     llama = ARCHITECTURES["llama-3.1-8b"]
-    assert (llama["num_hidden_layers"], llama["num_attention_heads"], llama["num_key_value_heads"], llama["head_dim"]) == (32, 32, 8, 128)
+    assert (llama["num_hidden_layers"], llama["num_attention_heads"], llama["num_key_value_heads"],
+            llama["head_dim"]) == (32, 32, 8, 128)
     small = random_model("smollm2-135m", device="cpu")
     assert sum(p.numel() for p in small.parameters()) == pytest.approx(134.5e6, rel=0.01)
     with pytest.raises(ValueError, match="architecture='gpt-9' is neither a preset"):
@@ -112,8 +121,10 @@ def test_copy_bandwidth_is_positive():
 
 
 def test_the_baselines_are_benchmarked_too(tmp_path):
-    report = run_speed(tiny_model(), ["h2o", "quest", "loki"], [300], [1], tmp_path, budget=64, steps=2, warmup=1, progress=False)
-    assert [r["method"] for r in report["rows"]] == ["h2o", "quest", "loki"] and all(r["status"] == "ok" for r in report["rows"])
+    report = run_speed(tiny_model(), ["h2o", "quest", "loki"], [300], [1], tmp_path, budget=64, steps=2, warmup=1,
+                       progress=False)
+    assert [r["method"] for r in report["rows"]] == ["h2o", "quest", "loki"] and all(
+        r["status"] == "ok" for r in report["rows"])
     assert report["rows"][0]["kv_device_bytes"] < report["rows"][1]["kv_device_bytes"]  # H2O drops, Quest keeps all
 
 
@@ -130,8 +141,11 @@ def test_cli_prints_the_table_and_the_overlap(tmp_path, capsys):
     config = tmp_path / "tiny"
     tiny_model().config.save_pretrained(config)
     out = tmp_path / "run"
-    argv = ["bench", "speed", "--model", str(config), "--methods", "full,shadowkv:budget=32", "--lengths", "300", "--batches", "1",
-            "--steps", "2", "--warmup", "1", "--out", str(out)]
+    argv = [
+        "bench", "speed", "--model",
+        str(config), "--methods", "full,shadowkv:budget=32", "--lengths", "300", "--batches", "1", "--steps", "2",
+        "--warmup", "1", "--out", str(out)
+    ]
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert "shadowkv:budget=32 300 x 1: one layer's store read" in printed and "chunk hit rate" in printed
@@ -148,10 +162,12 @@ def test_the_headline_sets_each_method_beside_transformers_generate_on_the_same_
 
     model = tiny_model()
     layers, kv_heads, head_dim = 2, model.config.num_key_value_heads, model.config.head_dim
-    report = run_headline(model, ["full", "snapkv:budget=32:window=8"], [150], [1, 2], tmp_path, steps=3, warmup=1, progress=False)
+    report = run_headline(model, ["full", "snapkv:budget=32:window=8"], [150], [1, 2], tmp_path, steps=3, warmup=1,
+                          progress=False)
     reference = {(r["method"], r["prompt_tokens"], r["batch"]): r for r in report["reference"]}
     assert set(reference) == {(CEILING, 1, 1), (CEILING, 1, 2), (REFERENCE, 150, 1), (REFERENCE, 150, 2)}
-    for (name, length, batch), row in reference.items():  # generate's cache after 1 + warmup + steps tokens, the last not fed
+    # generate's cache after 1 + warmup + steps tokens, the last not fed
+    for (_, length, batch), row in reference.items():
         assert row["kv_device_bytes"] == layers * 2 * batch * kv_heads * (length + 1 + 1 + 3 - 1) * head_dim * 4
         assert row["ttft_s"] > 0 and row["decode_ms_per_token"] > 0
     rows = {(r["method"], r["batch"]): r for r in report["rows"]}
@@ -162,8 +178,11 @@ def test_the_headline_sets_each_method_beside_transformers_generate_on_the_same_
         assert row["decode_speedup"] == base["decode_ms_per_token"] / grid[key]["decode_ms_per_token"]
         assert row["memory_ratio"] == base["kv_device_bytes"] / grid[key]["kv_device_bytes"]
         assert row["peak_ratio"] == base["peak_bytes"] / grid[key]["peak_bytes"]
-        assert row["ttft_s"] == grid[key]["prefill_s"] and row["ceiling_ms_per_token"] == reference[CEILING, 1, key[1]]["decode_ms_per_token"]
+        assert row["ttft_s"] == grid[key]["prefill_s"] and row["ceiling_ms_per_token"] == reference[
+            CEILING, 1, key[1]]["decode_ms_per_token"]
     assert rows["snapkv:budget=32:window=8", 2]["memory_ratio"] > 2 * rows["full", 2]["memory_ratio"]
-    assert (tmp_path / "headline.png").stat().st_size > 1000 and json.loads((tmp_path / "headline.json").read_text())["paper"]["decode_speedup"] == 3.6
-    with pytest.raises(ValueError, match="needs a model no kvcompress cache has attached to"):  # this model now has been
+    assert (tmp_path / "headline.png").stat().st_size > 1000 and json.loads(
+        (tmp_path / "headline.json").read_text())["paper"]["decode_speedup"] == 3.6
+    # this model now has been
+    with pytest.raises(ValueError, match="needs a model no kvcompress cache has attached to"):
         run_headline(model, ["full"], [150], [1], tmp_path / "again", steps=3, warmup=1, progress=False)

@@ -39,8 +39,8 @@ def doc(tmp_path):
 
 def cli(*args: str, cwd=None, umask: int | None = None) -> subprocess.CompletedProcess:
     """``kvcompress ARGS`` in a new process (as the console script runs it)."""
-    return subprocess.run([sys.executable, "-m", "kvcompress", *args], capture_output=True, text=True, cwd=cwd, timeout=300,
-                          preexec_fn=None if umask is None else lambda: os.umask(umask))
+    return subprocess.run([sys.executable, "-m", "kvcompress", *args], capture_output=True, text=True, cwd=cwd,
+                          timeout=300, preexec_fn=None if umask is None else lambda: os.umask(umask))
 
 
 def one_line(err: str) -> str:
@@ -58,7 +58,8 @@ def test_outputs_are_never_clobbered(folder, doc, tmp_path):
     before = doc.read_bytes()
     refused = cli("compress", "--model", folder, "--prompt-file", doc, "--budget", "16", "--out", doc)
     assert refused.returncode == 2 and doc.read_bytes() == before
-    assert one_line(refused.stderr) == f"kvcompress: error: --out {doc} is the input file (--prompt-file); write to another file"
+    assert one_line(
+        refused.stderr) == f"kvcompress: error: --out {doc} is the input file (--prompt-file); write to another file"
 
     out = tmp_path / "doc.kvc"
     made = cli("compress", "--model", folder, "--prompt-file", doc, "--budget", "16", "--out", out, umask=0o027)
@@ -74,12 +75,17 @@ def test_outputs_are_never_clobbered(folder, doc, tmp_path):
 def test_force_replaces_and_the_folder_is_checked_before_any_work(folder, doc, tmp_path, capsys, monkeypatch):
     out = tmp_path / "doc.kvc"
     out.write_text("an older file")
-    assert run(capsys, "compress", "--model", folder, "--prompt-file", doc, "--budget", "16", "--out", out, "--force")[0] == 0
+    assert run(capsys, "compress", "--model", folder, "--prompt-file", doc, "--budget", "16", "--out", out,
+               "--force")[0] == 0
     assert kvc.load(out, *kvc.load_model(str(folder))).cache.method.name == "kvzip"
 
-    monkeypatch.setattr("kvcompress.cli.load_model", lambda *a, **k: pytest.fail("the model was loaded before the output was checked"))
+    monkeypatch.setattr("kvcompress.cli.load_model",
+                        lambda *a, **k: pytest.fail("the model was loaded before the output was checked"))
     code, _, err = run(capsys, "compress", "--prompt-file", doc, "--out", tmp_path / "nodir" / "sub" / "x.kvc")
-    assert code == 2 and one_line(err) == f"kvcompress: error: --out {tmp_path / 'nodir' / 'sub' / 'x.kvc'}: the folder {tmp_path / 'nodir' / 'sub'} does not exist"
+    assert code == 2 and one_line(
+        err
+    ) == (f"kvcompress: error: --out {tmp_path / 'nodir' / 'sub' / 'x.kvc'}: the folder {tmp_path / 'nodir' / 'sub'} "
+          "does not exist")
     code, _, err = run(capsys, "generate", "--prompt", "hi", "--save", tmp_path)
     assert code == 2 and one_line(err) == f"kvcompress: error: --save {tmp_path} is a folder; give a file name"
 
@@ -118,14 +124,17 @@ def test_an_interrupt_says_only_what_is_true(folder, doc, tmp_path, capsys, monk
     code, _, err = run(capsys, "compress", "--model", folder, "--prompt-file", doc, "--out", tmp_path / "fresh.kvc")
     assert code == 130 and err == f"kvcompress: interrupted; nothing was written to {tmp_path / 'fresh.kvc'}\n"
     (tmp_path / "old.kvc").write_text("kept")
-    code, _, err = run(capsys, "compress", "--model", folder, "--prompt-file", doc, "--out", tmp_path / "old.kvc", "--force")
+    code, _, err = run(capsys, "compress", "--model", folder, "--prompt-file", doc, "--out", tmp_path / "old.kvc",
+                       "--force")
     assert code == 130 and err == f"kvcompress: interrupted; {tmp_path / 'old.kvc'} is unchanged\n"
     assert (tmp_path / "old.kvc").read_text() == "kept"
 
 
 def test_an_interrupt_while_starting_is_one_line(doc, tmp_path):
-    process = subprocess.Popen([sys.executable, "-m", "kvcompress", "compress", "--prompt-file", str(doc), "--out", str(tmp_path / "x.kvc")],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kvcompress", "compress", "--prompt-file",
+         str(doc), "--out",
+         str(tmp_path / "x.kvc")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     time.sleep(0.5)  # the imports (torch, transformers) take seconds
     process.send_signal(signal.SIGINT)
     _, err = process.communicate(timeout=60)
@@ -133,18 +142,24 @@ def test_an_interrupt_while_starting_is_one_line(doc, tmp_path):
 
 
 def test_method_flags_follow_the_chosen_method(folder, doc, tmp_path, capsys):
-    code, _, err = run(capsys, "compress", "--model", folder, "--prompt-file", doc, "--method", "kvzip", "--clustering", "none", "--budget", "16",
-                       "--out", tmp_path / "a.kvc")
+    code, _, err = run(capsys, "compress", "--model", folder, "--prompt-file", doc, "--method", "kvzip", "--clustering",
+                       "none", "--budget", "16", "--out", tmp_path / "a.kvc")
     assert code == 0, err
     assert kvc.load(tmp_path / "a.kvc", *kvc.load_model(str(folder))).cache.method.clustering == "none"
     with pytest.raises(SystemExit) as exit:
-        main(["compress", "--prompt-file", str(doc), "--method", "kvzip", "--clustering", "pool", "--out", str(tmp_path / "b.kvc")])
+        main([
+            "compress", "--prompt-file", str(doc), "--method", "kvzip", "--clustering", "pool", "--out",
+            str(tmp_path / "b.kvc")
+        ])
     err = capsys.readouterr().err
     assert exit.value.code == 2 and one_line(err) == (
-        "kvcompress compress: error: argument --clustering: invalid choice: 'pool' (choose from 'spans', 'none') (see kvcompress compress --help)")
+        "kvcompress compress: error: argument --clustering: invalid choice: 'pool' (choose from 'spans', 'none') (see "
+        "kvcompress compress --help)"
+    )
     code, _, err = run(capsys, "generate", "--method", "shadowkv", "--window", "3", "--prompt", "x")
-    assert code == 2 and one_line(err) == ("kvcompress: error: method 'shadowkv' does not take --window; "
-                                           "it takes: --budget, --ratio, --chunk, --rank, --rank-error, --outliers, --local-chunks")
+    assert code == 2 and one_line(err) == (
+        "kvcompress: error: method 'shadowkv' does not take --window; "
+        "it takes: --budget, --ratio, --chunk, --rank, --rank-error, --outliers, --local-chunks")
 
 
 def test_help_shows_the_chosen_methods_flags_and_defaults(capsys):
@@ -157,13 +172,14 @@ def test_help_shows_the_chosen_methods_flags_and_defaults(capsys):
     with pytest.raises(SystemExit):
         main(["generate", "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert "settings of --method snapkv (the default method" in text and "--pooling {max,avg}" in text and "(default: 1024)" in text
+    assert "settings of --method snapkv (the default method" in text
+    assert "--pooling {max,avg}" in text and "(default: 1024)" in text
 
 
 def test_methods_lists_every_method_with_its_fields(capsys):
     code, out, _ = run(capsys, "methods")
     assert code == 0
-    for name, cls in kvc.METHODS.items():
+    for name in kvc.METHODS:
         assert f"{name}: " in out
     for row in ("--budget", "--clustering", "one of spans, none", "--rank-error", "a number in (0, 1]", "--page-size"):
         assert row in out
@@ -175,33 +191,37 @@ def test_past_keeps_its_method_and_honours_question(folder, doc, tmp_path, capsy
     code, _, err = run(capsys, "generate", "--model", folder, "--past", saved, "--prompt", "q", "--budget", "64")
     assert code == 2 and one_line(err).startswith(f"kvcompress: error: {saved} was compressed with kvzip(budget=16")
     assert "--budget 64 would not apply" in err and "name --method to compress each question" in err
-    code, _, err = run(capsys, "generate", "--model", folder, "--past", saved, "--prompt", "q", "--method", "snapkv", "--budget", "64")
+    code, _, err = run(capsys, "generate", "--model", folder, "--past", saved, "--prompt", "q", "--method", "snapkv",
+                       "--budget", "64")
     assert code == 2 and one_line(err).startswith("kvcompress: error: this context was compressed with kvzip(budget=16")
-    assert "store it with kvc.compress(..., method=kvc.FullKV())" in err  # a thinned packed context cannot take a question's prefill
+    # a thinned packed context cannot take a question's prefill
+    assert "store it with kvc.compress(..., method=kvc.FullKV())" in err
     code, _, err = run(capsys, "generate", "--model", folder, "--past", saved, "--prompt", "q", "--question", "q2")
     assert code == 2 and "give the question once" in one_line(err)
-    code, out, _ = run(capsys, "generate", "--model", folder, "--past", saved, "--question", "which word?", "--max-new-tokens", "4", "--json")
+    code, out, _ = run(capsys, "generate", "--model", folder, "--past", saved, "--question", "which word?",
+                       "--max-new-tokens", "4", "--json")
     asked = json.loads(out)
     model, tok = kvc.load_model(str(folder))
-    expected = kvc.generate(model, tok, [{"role": "user", "content": doc.read_text()}], question="which word?", method=kvc.KVzip(budget=16),
-                            max_new_tokens=4)
+    expected = kvc.generate(model, tok, [{"role": "user", "content": doc.read_text()}], question="which word?",
+                            method=kvc.KVzip(budget=16), max_new_tokens=4)
     assert asked["text"] == expected.text
-    assert run(capsys, "generate", "--model", folder, "--past", saved, "--prompt", "q", "--method", "kvzip", "--budget", "16",
-               "--max-new-tokens", "2")[0] == 0  # the file's own settings agree
+    assert run(capsys, "generate", "--model", folder, "--past", saved, "--prompt", "q", "--method", "kvzip", "--budget",
+               "16", "--max-new-tokens", "2")[0] == 0  # the file's own settings agree
 
 
 def test_a_context_continued_twice_names_copy(folder):
     model, tok = kvc.load_model(str(folder))
     context = kvc.compress(model, tok, [{"role": "user", "content": random_text(200)}], method=kvc.KVzip(budget=16))
     kvc.generate(model, tok, "first?", past=context, max_new_tokens=2)
-    with pytest.raises(kvc.CacheMisuseError, match=r"already continued by another generate\(past=...\) call.*past=context.copy\(\)"):
+    with pytest.raises(kvc.CacheMisuseError,
+                       match=r"already continued by another generate\(past=...\) call.*past=context.copy\(\)"):
         kvc.generate(model, tok, "second?", past=context, max_new_tokens=2)
 
 
 def test_bench_accuracy_names_only_the_files_it_wrote(folder, tmp_path, capsys):
     out = tmp_path / "acc"
-    code, text, _ = run(capsys, "bench", "accuracy", "--model", folder, "--tasks", "fact", "--methods", "full", "--lengths", "200",
-                        "--samples", "1", "--out", out)
+    code, text, _ = run(capsys, "bench", "accuracy", "--model", folder, "--tasks", "fact", "--methods", "full",
+                        "--lengths", "200", "--samples", "1", "--out", out)
     wrote = " ".join(text.split()).split(f"wrote {out}/")[1].split(", ")
     assert code == 0 and "niah_heatmaps.png" not in wrote
     assert all((out / name.strip()).exists() for name in wrote)
@@ -228,10 +248,14 @@ def test_file_errors_are_one_line_without_a_doubled_prefix(folder, tmp_path, cap
 
 def test_a_preset_name_is_refused_at_once(capsys):
     code, _, err = run(capsys, "generate", "--model", "smollm2-135m", "--prompt", "hi")
-    assert code == 2 and one_line(err).startswith("kvcompress: error: model='smollm2-135m' is a random-weight architecture preset")
+    assert code == 2 and one_line(err).startswith(
+        "kvcompress: error: model='smollm2-135m' is a random-weight architecture preset")
 
 
-@pytest.mark.parametrize("method", [kvc.Loki(budget=64), kvc.Quest(budget=64), kvc.FullKV(), kvc.ShadowKV(budget=64, chunk=8)], ids=lambda m: m.name)
+@pytest.mark.parametrize(
+    "method",
+    [kvc.Loki(budget=64), kvc.Quest(budget=64),
+     kvc.FullKV(), kvc.ShadowKV(budget=64, chunk=8)], ids=lambda m: m.name)
 def test_kept_counts_tokens_not_room(folder, method):
     model, tok = kvc.load_model(str(folder))
     stats = kvc.generate(model, tok, random_text(700), method=method, max_new_tokens=8).stats
@@ -246,11 +270,12 @@ def test_the_readme_walk(tmp_path):
     """The README's commands, in order, as a new user types them (the embedded model)."""
     if not (default_model_dir() / "model.safetensors").exists():
         pytest.skip("embedded model not fetched (run `make model`)")
-    (tmp_path / "doc.txt").write_text("The archive keeps old maps. The vault code for the east wing is 4817. The garden has roses.\n")
+    (tmp_path / "doc.txt"
+     ).write_text("The archive keeps old maps. The vault code for the east wing is 4817. The garden has roses.\n")
     made = cli("compress", "--prompt-file", "doc.txt", "--budget", "64", "--out", "doc.kvc", cwd=tmp_path)
     assert made.returncode == 0 and "ask with: kvcompress generate --past doc.kvc --prompt QUESTION" in made.stdout
-    asked = cli("generate", "--past", "doc.kvc", "--prompt", "What is the vault code for the east wing?", "--max-new-tokens", "24", "--json",
-                cwd=tmp_path)
+    asked = cli("generate", "--past", "doc.kvc", "--prompt", "What is the vault code for the east wing?",
+                "--max-new-tokens", "24", "--json", cwd=tmp_path)
     assert asked.returncode == 0 and "4817" in json.loads(asked.stdout)["text"]
     direct = cli("generate", "--method", "snapkv", "--budget", "64", "--prompt-file", "doc.txt", "--question",
                  "What is the vault code for the east wing?", "--max-new-tokens", "24", "--json", cwd=tmp_path)

@@ -19,7 +19,8 @@ from .fixtures import char_tokenizer
 
 DATA = Path(__file__).parent / "data"
 DOC = Path(__file__).parents[1] / "docs" / "file-format.md"
-FIXTURES = [(path.name.split("-")[0], name, case) for path in sorted(DATA.glob("v*-answers.json")) for name, case in json.loads(path.read_text()).items()]
+FIXTURES = [(path.name.split("-")[0], name, case) for path in sorted(DATA.glob("v*-answers.json"))
+            for name, case in json.loads(path.read_text()).items()]
 
 
 @pytest.mark.parametrize(("version", "name", "case"), FIXTURES, ids=[f"{v}-{n}" for v, n, _ in FIXTURES])
@@ -27,7 +28,8 @@ def test_every_fixture_loads_with_its_recorded_answer_or_is_refused_by_version(v
     path, tok = DATA / f"{version}-{name}.kvc", char_tokenizer()
     model = fixture_model(case["family"])
     if int(version[1:]) != VERSION:
-        with pytest.raises(kvc.CacheFileError, match=rf"is in kvcompress cache format version {version[1:]} .* reads version {VERSION}"):
+        with pytest.raises(kvc.CacheFileError,
+                           match=rf"is in kvcompress cache format version {version[1:]} .* reads version {VERSION}"):
             kvc.load(path, model, tok)
         return
     loaded = kvc.load(path, model, tok)
@@ -39,7 +41,9 @@ def test_this_version_has_a_fixture_of_every_storage_kind():
     written = {name for version, name, _ in FIXTURES if version == f"v{VERSION}"}
     assert written == set(CASES)
     classes = {layer["class"] for name in written for layer in header(DATA / f"v{VERSION}-{name}.kvc")["layers"]}
-    assert classes >= {"WindowLayer", "EvictionLayer", "H2OLayer", "HeadAdaptiveLayer", "ShadowKVLayer", "QuestLayer", "LokiLayer"}
+    assert classes >= {
+        "WindowLayer", "EvictionLayer", "H2OLayer", "HeadAdaptiveLayer", "ShadowKVLayer", "QuestLayer", "LokiLayer"
+    }
 
 
 def header(path: Path) -> dict:
@@ -63,13 +67,16 @@ def test_a_files_layer_entries_are_the_documented_ones(name, tmp_path):
     saved = header(tmp_path / "case.kvc")
     documented = documented_entries()
     model = fixture_model(CASES[name][0])
-    classes = {type(layer).__name__: type(layer) for layer in kvc.method_from_spec(CASES[name][1]).make_cache(model, char_tokenizer()).layers}
+    classes = {
+        type(layer).__name__: type(layer)
+        for layer in kvc.method_from_spec(CASES[name][1]).make_cache(model, char_tokenizer()).layers
+    }
     for index, layer in enumerate(saved["layers"]):
         prefix = f"layers.{index}."
         names = set(layer["values"]) | {key[len(prefix) :] for key in saved["tensors"] if key.startswith(prefix)}
         names = {re.sub(r"^packed\.positions\.\d+\.\d+$", "packed.positions.<r>.<h>", n) for n in names}
         allowed = set().union(*(documented.get(cls.__name__, set()) for cls in classes[layer["class"]].__mro__))
-        assert names <= allowed, f"layer {index} ({layer['class']}) holds undocumented entries {sorted(names - allowed)}"
+        assert names <= allowed, f"layer {index} ({layer['class']}) holds undocumented {sorted(names - allowed)}"
         held_objects = {n.split(".")[0] for n in allowed if "." in n}
         required = {n for n in allowed if "." not in n and n not in held_objects}
-        assert required <= names, f"layer {index} ({layer['class']}) lacks documented entries {sorted(required - names)}"
+        assert required <= names, f"layer {index} ({layer['class']}) lacks documented {sorted(required - names)}"

@@ -52,7 +52,8 @@ def test_batched_model_generate_with_left_padding(tok):
     prompts = [random_text(60, seed=5), random_text(160, seed=6)]
     tok.padding_side = "left"
     inputs = tok(prompts, return_tensors="pt", padding=True)
-    out = model.generate(**inputs, past_key_values=method.make_cache(model, tok), max_new_tokens=8, do_sample=False, eos_token_id=None)
+    out = model.generate(**inputs, past_key_values=method.make_cache(model, tok), max_new_tokens=8, do_sample=False,
+                         eos_token_id=None)
     ours = kvc.generate(model, tok, prompts, method=method, max_new_tokens=8)
     for row in range(2):
         generated = out[row, inputs["input_ids"].shape[1] :].tolist()
@@ -126,7 +127,8 @@ def test_follow_up_equals_full_conversation_with_full_cache(tok):
 def test_stats_report_the_required_fields(tok):
     model = tiny_model()
     result = kvc.generate(model, tok, random_text(150), method=kvc.SnapKV(budget=64, window=8), max_new_tokens=5)
-    for field in ("prompt_tokens", "new_tokens", "kv_tokens_per_layer", "kv_bytes_full", "kv_bytes_kept", "prefill_s", "decode_ms_per_token"):
+    for field in ("prompt_tokens", "new_tokens", "kv_tokens_per_layer", "kv_bytes_full", "kv_bytes_kept", "prefill_s",
+                  "decode_ms_per_token"):
         assert field in result.stats
     assert result.stats["prompt_tokens"] == 151
     assert result.stats["kv_bytes_kept"] < result.stats["kv_bytes_full"]
@@ -143,7 +145,8 @@ def test_model_behaves_as_sdpa_for_other_caches():
     torch.testing.assert_close(after, before, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("options", [{"num_beams": 2}, {"do_sample": True, "num_return_sequences": 2}], ids=["beams", "samples"])
+@pytest.mark.parametrize("options", [{"num_beams": 2}, {"do_sample": True, "num_return_sequences": 2}],
+                         ids=["beams", "samples"])
 def test_model_generate_search_modes_keep_the_budget(options, tok):
     model = tiny_model()
     inputs = tok([random_text(150)], return_tensors="pt")
@@ -205,8 +208,14 @@ def test_decoding_appends_into_spare_slots_and_counts_them():
     full, ours = DynamicCache(config=model.config), kvc.FullKV().make_cache(model)
     steps = torch.randint(3, 128, (1, 60), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
-        expected = [model(torch.randint(3, 128, (1, 300), generator=torch.Generator().manual_seed(2)), past_key_values=full).logits[:, -1]]
-        got = [model(torch.randint(3, 128, (1, 300), generator=torch.Generator().manual_seed(2)), past_key_values=ours).logits[:, -1]]
+        expected = [
+            model(torch.randint(3, 128, (1, 300), generator=torch.Generator().manual_seed(2)),
+                  past_key_values=full).logits[:, -1]
+        ]
+        got = [
+            model(torch.randint(3, 128, (1, 300), generator=torch.Generator().manual_seed(2)),
+                  past_key_values=ours).logits[:, -1]
+        ]
         layer, copies, storage = ours.layers[0], 0, None
         for t in range(steps.shape[1]):
             expected.append(model(steps[:, t : t + 1], past_key_values=full).logits[:, -1])
@@ -218,10 +227,12 @@ def test_decoding_appends_into_spare_slots_and_counts_them():
     # the first step moves the prompt into 301 + 18 slots; it grows at 320 (+20) and 341 (+21) slots:
     # three copies in 60 steps, not 60
     assert copies == 3 and layer.keys.shape[-2] == 341 + 21
-    held = sum(t.numel() * t.element_size() for lyr in ours.layers for t in (lyr.keys, lyr.values, lyr.valid, lyr.positions, lyr.cursor) if t is not None)
+    held = sum(t.numel() * t.element_size() for lyr in ours.layers
+               for t in (lyr.keys, lyr.values, lyr.valid, lyr.positions, lyr.cursor) if t is not None)
     stats = ours.stats()
     assert stats["device_bytes"] == held  # spare slots count as memory
-    assert stats["kv_bytes_kept"] == stats["kv_bytes_full"] and stats["kv_kept_fraction"] == 1.0  # but not as kept tokens
+    # but not as kept tokens
+    assert stats["kv_bytes_kept"] == stats["kv_bytes_full"] and stats["kv_kept_fraction"] == 1.0
     assert stats["spare_bytes"] == held - stats["index_bytes"] - stats["kv_bytes_full"]
 
 

@@ -27,7 +27,8 @@ COVERING = {  # budgets that cover the prompt: the method's output must equal th
     "kvzip-uniform": kvc.KVzip(budget=500, layers="uniform"),
     "expected": kvc.ExpectedAttention(budget=500),
     "snapkv-adaptive": kvc.SnapKV(budget=500, window=8, heads="adaptive"),
-    "snapkv-pyramid": kvc.SnapKV(budget=4096, window=8, layers="pyramid"),  # the last layer keeps budget / 20 (over 120)
+    # the last layer keeps budget / 20 (over 120)
+    "snapkv-pyramid": kvc.SnapKV(budget=4096, window=8, layers="pyramid"),
     "h2o-adaptive": kvc.H2O(budget=500, heads="adaptive"),
     "kvzip-adaptive": kvc.KVzip(budget=500, heads="adaptive"),
     "streamingllm-pyramid": kvc.StreamingLLM(budget=4096, layers="pyramid"),
@@ -53,16 +54,22 @@ SMALL = {  # budgets that compress a 120-token prompt
 }
 SPARSE = ("shadowkv", "quest", "loki")  # drop nothing: each step attends fewer tokens instead
 LOGPROB_TOLERANCE = 1e-4
-ROTARY_METHODS = (("shadowkv", "ShadowKV"), ("expected", "ExpectedAttention"), ("expected-pyramid", "ExpectedAttention"))  # they invert RoPE
-NOT_INVERTIBLE = {"gpt2-no-rope": "GPT2LMHeadModel: it has no single rotary", "glm4": "Glm4ForCausalLM: its rotary embedding is not the rotate-half",
-                  "cohere": "CohereForCausalLM: its rotary embedding is not the rotate-half"}
+# they invert RoPE
+ROTARY_METHODS = (("shadowkv", "ShadowKV"), ("expected", "ExpectedAttention"), ("expected-pyramid",
+                                                                                "ExpectedAttention"))
+NOT_INVERTIBLE = {
+    "gpt2-no-rope": "GPT2LMHeadModel: it has no single rotary",
+    "glm4": "Glm4ForCausalLM: its rotary embedding is not the rotate-half",
+    "cohere": "CohereForCausalLM: its rotary embedding is not the rotate-half"
+}
 REFUSED = {
     **{(family, method): f"{name} needs rotary position embeddings it can invert, and {reason}"
-       for family, reason in NOT_INVERTIBLE.items() for method, name in ROTARY_METHODS},
+       for family, reason in NOT_INVERTIBLE.items()
+       for method, name in ROTARY_METHODS},
     **{("gpt-oss", method): "GptOssForCausalLM uses learned attention sinks.*cannot carry"
        for method in ("h2o-evicting", "quest", "loki", "kvzip", "snapkv-adaptive", "h2o-adaptive", "kvzip-adaptive")},
-    **{("gpt-oss", method): f"{name} needs rotary position embeddings it can invert, and GptOssForCausalLM: its rotary embedding is not the rotate-half"
-       for method, name in ROTARY_METHODS},
+    **{("gpt-oss", method): f"{name} needs rotary position embeddings it can invert, and GptOssForCausalLM: its "
+                            "rotary embedding is not the rotate-half" for method, name in ROTARY_METHODS},
 }
 PROMPT = random_text(119, seed=1)  # 120 tokens with BOS: longer than the 16-token sliding windows
 
@@ -71,14 +78,17 @@ PROMPT = random_text(119, seed=1)  # 120 tokens with BOS: longer than the 16-tok
 def test_full_cache_equals_plain_generate(family):
     model, tok = family_model(family), char_tokenizer()
     inputs = tok(PROMPT, return_tensors="pt")
-    plain = model.generate(**inputs, max_new_tokens=10, do_sample=False, eos_token_id=None)[0, inputs["input_ids"].shape[1] :].tolist()
+    plain = model.generate(**inputs, max_new_tokens=10, do_sample=False,
+                           eos_token_id=None)[0, inputs["input_ids"].shape[1]:].tolist()
     first = kvc.generate(model, tok, PROMPT, method=kvc.FullKV(), max_new_tokens=10)
     assert first.token_ids[0] == plain
     # A follow-up feeds many tokens at once over the cache (sliding windows must hold per query).
     follow_up = " and then some more words"
     second = kvc.generate(model, tok, follow_up, past=first, max_new_tokens=8)
-    ids = torch.tensor([inputs["input_ids"][0].tolist() + first.token_ids[0] + tok(follow_up, add_special_tokens=False)["input_ids"]])
-    model.set_attn_implementation("eager" if family in ("gemma2", "gpt-oss") else "sdpa")  # soft-capping, learned sinks: eager
+    ids = torch.tensor(
+        [inputs["input_ids"][0].tolist() + first.token_ids[0] + tok(follow_up, add_special_tokens=False)["input_ids"]])
+    # soft-capping, learned sinks: eager
+    model.set_attn_implementation("eager" if family in ("gemma2", "gpt-oss") else "sdpa")
     again = model.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None)[0, ids.shape[1] :].tolist()
     assert second.token_ids[0] == again
 
@@ -98,7 +108,9 @@ def test_every_method_runs_or_is_refused(family, method):
     logprobs = kvc.teacher_forced_logprobs(model, record, COVERING[method], full.token_ids[0])
     assert (logprobs - full_logprobs(family)).abs().max() <= LOGPROB_TOLERANCE
     batch = kvc.generate(model, tok, [PROMPT, PROMPT[:30]], method=SMALL[method], max_new_tokens=6)
-    alone = [kvc.generate(model, tok, prompt, method=SMALL[method], max_new_tokens=6) for prompt in (PROMPT, PROMPT[:30])]
+    alone = [
+        kvc.generate(model, tok, prompt, method=SMALL[method], max_new_tokens=6) for prompt in (PROMPT, PROMPT[:30])
+    ]
     assert batch.token_ids == [result.token_ids[0] for result in alone] and all(batch.token_ids)
     stats = alone[0].stats  # the 120-token row: over every small budget
     if all(layer.is_sliding for layer in alone[0].cache.layers):  # every layer keeps its window, whatever the method
@@ -126,7 +138,8 @@ def full_reference(family: str) -> tuple[kvc.Result, kvc.Prefill]:
         model, tok = shared_model(family), char_tokenizer()
         full = kvc.generate(model, tok, PROMPT, method=kvc.FullKV(), max_new_tokens=8)
         record = kvc.prefill(model, tok, PROMPT, query_window=None)
-        _REFERENCES[family] = (full, record, kvc.teacher_forced_logprobs(model, record, kvc.FullKV(), full.token_ids[0]))
+        _REFERENCES[family] = (full, record, kvc.teacher_forced_logprobs(model, record, kvc.FullKV(),
+                                                                         full.token_ids[0]))
     return _REFERENCES[family][:2]
 
 
@@ -135,19 +148,24 @@ def full_logprobs(family: str) -> torch.Tensor:
     return _REFERENCES[family][2]
 
 
-@pytest.mark.parametrize("method", [kvc.FullKV(), *(m for m in COVERING.values() if m.observation() is None)], ids=lambda m: m.label())
-@pytest.mark.parametrize("options", [{"num_beams": 3}, {"num_beams": 3, "num_return_sequences": 2}], ids=["beams", "beams-2-returned"])
+@pytest.mark.parametrize("method", [kvc.FullKV(), *(m for m in COVERING.values() if m.observation() is None)],
+                         ids=lambda m: m.label())
+@pytest.mark.parametrize("options", [{"num_beams": 3}, {"num_beams": 3, "num_return_sequences": 2}],
+                         ids=["beams", "beams-2-returned"])
 def test_beam_search_through_model_generate(method, options):
     """Beam search reorders every tensor a layer keeps: with budgets that cover the prompt each
     method must give the plain model's beams; with small ones it must at least run to the end."""
     model, tok = tiny_model(), char_tokenizer()
     inputs = tok([random_text(150, seed=2)], return_tensors="pt")
     plain = model.generate(**inputs, max_new_tokens=8, eos_token_id=None, **options)
-    ours = model.generate(**inputs, past_key_values=method.make_cache(model, tok), max_new_tokens=8, eos_token_id=None, **options)
+    ours = model.generate(**inputs, past_key_values=method.make_cache(model, tok), max_new_tokens=8, eos_token_id=None,
+                          **options)
     assert ours.tolist() == plain.tolist()
-    small = SMALL.get(method.label().split()[0].replace("h2o", "h2o-evicting" if getattr(method, "evict_during_decoding", False) else "h2o"))
+    small = SMALL.get(method.label().split()[0].replace(
+        "h2o", "h2o-evicting" if getattr(method, "evict_during_decoding", False) else "h2o"))
     if small is not None:
-        out = model.generate(**inputs, past_key_values=small.make_cache(model, tok), max_new_tokens=8, eos_token_id=None, **options)
+        out = model.generate(**inputs, past_key_values=small.make_cache(model, tok), max_new_tokens=8,
+                             eos_token_id=None, **options)
         assert out.shape == plain.shape
 
 
@@ -167,7 +185,8 @@ def test_the_readme_support_table_is_the_matrix():
     assert set(table) == set(FAMILIES) and all(list(row) == ["full", *COVERING] for row in table.values())
     for family, row in table.items():
         for method, outcome in row.items():
-            assert outcome.startswith("no: ") == ((family, method) in REFUSED) and outcome != "FAILS", (family, method, outcome)
+            assert outcome.startswith("no: ") == ((family, method) in REFUSED) and outcome != "FAILS", (family, method,
+                                                                                                        outcome)
 
 
 def test_a_learned_sink_is_one_more_logit_in_each_softmax():
@@ -175,12 +194,14 @@ def test_a_learned_sink_is_one_more_logit_in_each_softmax():
     from kvcompress.storage.attention import spelled_out_with_lse, with_sinks  # noqa: PLC0415
 
     torch.manual_seed(0)
-    query, keys, values, sinks = torch.randn(2, 4, 3, 16), torch.randn(2, 2, 7, 16), torch.randn(2, 2, 7, 16), torch.randn(4)
+    query, keys, values, sinks = torch.randn(2, 4, 3, 16), torch.randn(2, 2, 7, 16), torch.randn(2, 2, 7,
+                                                                                                 16), torch.randn(4)
     mask = torch.rand(2, 1, 3, 7) > 0.3
     mask[..., 0] = True
     logits = query @ keys.repeat_interleave(2, dim=1).transpose(-1, -2) * 0.25
     logits = logits.masked_fill(~mask, -torch.inf)
-    reference = torch.cat([logits, sinks[None, :, None, None].expand(2, 4, 3, 1)], dim=-1).softmax(-1)[..., :-1] @ values.repeat_interleave(2, dim=1)
+    reference = torch.cat([logits, sinks[None, :, None, None].expand(2, 4, 3, 1)],
+                          dim=-1).softmax(-1)[..., :-1] @ values.repeat_interleave(2, dim=1)
     ours = with_sinks(*spelled_out_with_lse(query, keys, values, mask, 0.25), sinks)
     torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-6)
 

@@ -10,8 +10,16 @@ import sys
 import pytest
 import torch
 
-from kvcompress.bench.observe import (hit_rate, outlier_fraction, relative_spectrum, reuse_fraction, significant, subspace_similarity,
-                                      top_subspace, vote_mask)
+from kvcompress.bench.observe import (
+    hit_rate,
+    outlier_fraction,
+    relative_spectrum,
+    reuse_fraction,
+    significant,
+    subspace_similarity,
+    top_subspace,
+    vote_mask,
+)
 from kvcompress.methods.shadowkv import chunk_landmarks, chunk_min_cosine
 
 from .fixtures import char_tokenizer, tiny_model
@@ -19,7 +27,8 @@ from .fixtures import char_tokenizer, tiny_model
 
 def test_the_hit_rate_of_a_made_up_attention_map():
     """Two heads, a prefix of 10: the window votes for positions 2 and 7 (head 0) and 4 and 5 (head 1); a generated
-    token attends above theta to 2, 3 and 7 (head 0) and to 5 (head 1): 3 of its 4 significant positions are selected."""
+    token attends above theta to 2, 3 and 7 (head 0) and to 5 (head 1): 3 of its 4 significant positions are
+    selected."""
     window = torch.zeros(2, 3, 10)
     window[0, :, 2], window[0, :, 7], window[1, :, 4], window[1, :, 5] = 0.4, 0.3, 0.5, 0.2
     selection = vote_mask(window, share=0.2)  # 2 of 10 per head
@@ -51,7 +60,8 @@ def test_a_rank_two_matrix_has_two_relative_singular_values():
 
 
 def test_cosine_outliers_on_constructed_chunks():
-    """Chunks of 4 keys: three chunks of one direction, one with a key turned the other way (its minimum cosine is negative)."""
+    """Chunks of 4 keys: three chunks of one direction, one with a key turned the other way (its minimum cosine is
+    negative)."""
     direction = torch.tensor([1.0, 0.0, 0.0])
     keys = direction.repeat(16, 1) + 0.01 * torch.arange(16.0)[:, None] * torch.tensor([0.0, 1.0, 0.0])
     keys[13] = -direction
@@ -73,8 +83,12 @@ def test_observe_on_the_command_line(tmp_path):
     char_tokenizer().save_pretrained(folder)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, ["src", os.environ.get("PYTHONPATH")]))}
     out = tmp_path / "obs"
-    run = lambda *args: subprocess.run([sys.executable, "-m", "kvcompress", "observe", "--model", str(folder), "--quick", "--tokens", "120",  # noqa: E731
-                                        "--out", str(out), *args], capture_output=True, text=True, env=env)
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        command = [sys.executable, "-m", "kvcompress", "observe", "--model", str(folder), "--quick", "--tokens", "120",
+                   "--out", str(out), *args]
+        return subprocess.run(command, capture_output=True, text=True, env=env)
+
     done = run()
     assert done.returncode == 0, done.stderr
     results = json.loads((out / "observations.json").read_text())

@@ -57,14 +57,17 @@ def test_groups_of_rows_give_the_batched_prefill(method):
     model, tok = tiny_model(), char_tokenizer()
     prompts = [random_text(n, seed=n) for n in LENGTHS] + [random_text(300, seed=7), random_text(60, seed=8)]
     batched = kvc.generate(model, tok, prompts, method=method, max_new_tokens=10, prefill_tokens=None)
-    grouped = kvc.generate(model, tok, prompts, method=method, max_new_tokens=10, prefill_tokens=900)  # two rows at a time
+    # two rows at a time
+    grouped = kvc.generate(model, tok, prompts, method=method, max_new_tokens=10, prefill_tokens=900)
     assert grouped.token_ids == batched.token_ids
-    assert torch.equal(grouped.attention_mask, batched.attention_mask) and torch.equal(grouped.next_position, batched.next_position)
+    assert torch.equal(grouped.attention_mask, batched.attention_mask) and torch.equal(
+        grouped.next_position, batched.next_position)
     if not (isinstance(method, kvc.H2O) and method.evict_during_decoding):
         for layer in range(2):
             assert torch.equal(grouped.cache.kept_positions(layer), batched.cache.kept_positions(layer))
     if isinstance(method, (kvc.FullKV, kvc.ShadowKV, kvc.Quest)) or getattr(method, "heads", "") == "adaptive":
-        follow_up = kvc.generate(model, tok, "and then?", past=grouped, max_new_tokens=6, compile=kvc.Compile(backend="eager"))
+        follow_up = kvc.generate(model, tok, "and then?", past=grouped, max_new_tokens=6,
+                                 compile=kvc.Compile(backend="eager"))
         assert follow_up.token_ids == kvc.generate(model, tok, "and then?", past=batched, max_new_tokens=6).token_ids
 
 
@@ -102,5 +105,6 @@ def test_eight_rows_peak_at_one_row_plus_the_kept_caches(method, monkeypatch):
 
 def test_bad_prefill_tokens_are_refused():
     model, tok = tiny_model(), char_tokenizer()
-    with pytest.raises(kvc.InvalidParameterError, match=r"prefill_tokens=0 is invalid; give an integer >= 1, or None for one prefill of all rows"):
+    with pytest.raises(kvc.InvalidParameterError,
+                       match=r"prefill_tokens=0 is invalid; give an integer >= 1, or None for one prefill of all rows"):
         kvc.generate(model, tok, [random_text(50)] * 2, prefill_tokens=0)

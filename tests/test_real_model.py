@@ -25,7 +25,8 @@ def smol():
 def test_embedded_model_shape(smol):
     model, _ = smol
     config = model.config
-    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.num_hidden_layers) == (9, 3, 64, 30)
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim,
+            config.num_hidden_layers) == (9, 3, 64, 30)
 
 
 def test_snapkv_on_a_buried_fact(smol):
@@ -65,7 +66,10 @@ def test_a_question_asked_later_sees_the_joined_prompts_tokens(smol):
     question-agnostic path feeds exactly the joined prompt's tokens, so the full cache answers alike."""
     model, tok = smol
     document = demo.build_document(tok, 400, depth=0.5)
-    asked = kvc.generate(model, tok, [{"role": "user", "content": document}], question=demo.QUESTION, method=kvc.FullKV(), max_new_tokens=20)
-    joined = kvc.generate(model, tok, [{"role": "user", "content": document + "\n\n" + demo.QUESTION}], method=kvc.FullKV(), max_new_tokens=20)
+    asked = kvc.generate(model, tok, [{"role": "user", "content": document}], question=demo.QUESTION,
+                         method=kvc.FullKV(), max_new_tokens=20)
+    joined = kvc.generate(model, tok, [{"role": "user", "content": document + "\n\n" + demo.QUESTION}],
+                          method=kvc.FullKV(), max_new_tokens=20)
     assert asked.token_ids == joined.token_ids and demo.ANSWER in asked.text
-    assert asked.stats["prompt_tokens"] < joined.stats["prompt_tokens"]  # the context alone was compressed (here: kept whole)
+    # the context alone was compressed (here: kept whole)
+    assert asked.stats["prompt_tokens"] < joined.stats["prompt_tokens"]

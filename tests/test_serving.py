@@ -11,9 +11,9 @@ import sys
 import pytest
 
 import kvcompress as kvc
-from kvcompress.serving import settings as serving
 from kvcompress.integrations.transformers.attach import layer_windows
 from kvcompress.methods.base import InvalidParameterError
+from kvcompress.serving import settings as serving
 
 from .fixtures import FAMILIES, char_tokenizer, family_model
 
@@ -23,8 +23,10 @@ from .fixtures import FAMILIES, char_tokenizer, family_model
     ({"method": "nope"}, r"^kvcompress.method='nope' is unknown; valid: full, snapkv, streamingllm, h2o, expected$"),
     ({"method": 7}, r"^kvcompress.method=7 is invalid; valid: full, snapkv, streamingllm, h2o, expected$"),
     ({"method": "snapkv", "windows": 8}, r"^kvcompress: method 'snapkv' does not take windows; it takes: .*window"),
-    ({"method": "kvzip"}, r"method='kvzip' cannot be served by vLLM: it scores from an observation pass .*; servable: full, snapkv"),
-    ({"method": "snapkv", "heads": "adaptive"}, r"SnapKV: heads='adaptive' cannot be served by vLLM .*; valid: 'uniform'"),
+    ({"method": "kvzip"
+      }, r"method='kvzip' cannot be served by vLLM: it scores from an observation pass .*; servable: full, snapkv"),
+    ({"method": "snapkv", "heads": "adaptive"
+      }, r"SnapKV: heads='adaptive' cannot be served by vLLM .*; valid: 'uniform'"),
     ({"method": "h2o", "evict_during_decoding": True}, r"H2O: evict_during_decoding=True cannot be served by vLLM"),
     ("snapkv", r"^kvcompress must be an object such as \{\"method\": \"snapkv\", \"budget\": 256\}; got 'snapkv'$"),
 ])
@@ -36,19 +38,24 @@ def test_a_requests_bad_settings_are_refused_naming_the_field(settings, message)
 def test_a_requests_settings_name_its_method_or_take_the_engines():
     engine = kvc.SnapKV(budget=512)
     assert serving.method_of(None, default=engine) is engine
-    assert serving.method_of({"budget": 128}, default=engine) == kvc.SnapKV(budget=128)  # the engine's method, its own budget
+    # the engine's method, its own budget
+    assert serving.method_of({"budget": 128}, default=engine) == kvc.SnapKV(budget=128)
     assert serving.method_of({"method": "streamingllm", "budget": 64}) == kvc.StreamingLLM(budget=64)
     assert serving.method_of({"method": "full"}) == kvc.FullKV()
 
 
 def test_the_server_command_line_carries_the_plugin_and_the_engines_method():
     argv = serving.serve_argv("/models/m", kvc.H2O(budget=300), "127.0.0.1", 8123, ["--max-model-len", "4096"])
-    flags = {flag: argv[i + 1] for i, flag in enumerate(argv[:-1]) if flag.startswith("--") and not argv[i + 1].startswith("--")}
+    flags = {
+        flag: argv[i + 1]
+        for i, flag in enumerate(argv[:-1]) if flag.startswith("--") and not argv[i + 1].startswith("--")
+    }
     assert flags["--model"] == "/models/m" and flags["--port"] == "8123" and flags["--max-model-len"] == "4096"
     assert flags["--scheduler-cls"] == serving.SCHEDULER and flags["--middleware"] == serving.MIDDLEWARE
     assert json.loads(flags["--kv-transfer-config"]) == serving.CONNECTOR
     assert serving.method_of(json.loads(flags["--additional-config"])["kvcompress"]) == kvc.H2O(budget=300)
-    assert "--no-enable-prefix-caching" in argv and "--no-enable-chunked-prefill" not in argv  # chunked prefill compresses too
+    # chunked prefill compresses too
+    assert "--no-enable-prefix-caching" in argv and "--no-enable-chunked-prefill" not in argv
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
@@ -58,8 +65,8 @@ def cli(*args: str) -> subprocess.CompletedProcess:
 def test_kvcompress_serve_refuses_what_it_cannot_serve_before_starting_anything():
     done = cli("serve", "--method", "kvzip")
     assert done.returncode == 2 and done.stderr.strip().splitlines() == [
-        "kvcompress: error: method='kvzip' cannot be served by vLLM: it scores from an observation pass (the model repeating the prompt) "
-        "that vLLM does not run; servable: full, snapkv, streamingllm, h2o, expected"
+        "kvcompress: error: method='kvzip' cannot be served by vLLM: it scores from an observation pass (the model "
+        "repeating the prompt) " "that vLLM does not run; servable: full, snapkv, streamingllm, h2o, expected"
     ]
     done = cli("serve", "--budget", "0")
     assert done.returncode == 2 and "SnapKV: budget=0 is invalid; it must be an integer >= 1" in done.stderr
@@ -69,8 +76,8 @@ def test_kvcompress_serve_refuses_what_it_cannot_serve_before_starting_anything(
 def test_kvcompress_serve_without_vllm_says_how_to_get_it():
     done = cli("serve", "--budget", "256")
     assert done.returncode == 2 and done.stderr.strip().splitlines() == [
-        "kvcompress: error: kvcompress serve runs vLLM's server, and vLLM is not installed here: `make vllm` builds .venv-vllm with "
-        "vLLM's CPU build; then run .venv-vllm/bin/kvcompress serve"
+        "kvcompress: error: kvcompress serve runs vLLM's server, and vLLM is not installed here: `make vllm` builds "
+        ".venv-vllm with " "vLLM's CPU build; then run .venv-vllm/bin/kvcompress serve"
     ]
 
 
@@ -100,8 +107,10 @@ def test_a_method_reading_the_rotary_embedding_needs_a_model_with_one():
     assert serving.scorable(kvc.ExpectedAttention(), LlamaConfig()).name == "expected"
     assert serving.scorable(kvc.SnapKV(), GPT2Config()).name == "snapkv"
     assert serving.scorable(kvc.ExpectedAttention(), None).name == "expected"  # unknown model: the workers check
-    with pytest.raises(InvalidParameterError, match=r"^kvcompress: method='expected' scores with the model's rotary "
-                       r"embedding, and model type 'gpt2': transformers has no single rotary class for it \(no RoPE, or several\)$"):
+    with pytest.raises(
+            InvalidParameterError, match=r"^kvcompress: method='expected' scores with the model's rotary "
+            r"embedding, and model type 'gpt2': transformers has no single rotary class for it \(no RoPE, or several\)$"
+    ):
         serving.scorable(kvc.ExpectedAttention(), GPT2Config())
 
 
@@ -129,10 +138,12 @@ def test_the_server_serves_each_family_or_refuses_it_in_one_line(family):
         except InvalidParameterError as refused:
             served = str(refused)
         compressing = method.name != "full"
-        assert (served is not None) == (library is not None or (compressing and bool(sliding))), (method.name, library, served)
+        assert (served is not None) == (library is not None or
+                                        (compressing and bool(sliding))), (method.name, library, served)
         if served is not None:
             kind = model.config.get_text_config().model_type
-            assert "\n" not in served and served.startswith(f"kvcompress: method={method.name!r}") and repr(kind) in served
+            assert "\n" not in served and served.startswith(f"kvcompress: method={method.name!r}") and repr(
+                kind) in served
             assert ("sliding-window layers" in served) == (compressing and bool(sliding)), served  # the first reason
     assert serving.scorable(kvc.FullKV(), model.config) == kvc.FullKV()  # every family is served its full cache
 
@@ -159,7 +170,8 @@ def test_the_vllm_family_table_is_the_servers_decisions():
             except InvalidParameterError as refused:
                 refusal = "refused: " + str(refused).split(": ", 1)[1]
             outcome = row[name]
-            assert outcome == refusal if refusal else outcome == "same" or outcome.startswith("vLLM: "), (family, name, outcome)
+            assert outcome == refusal if refusal else outcome == "same" or outcome.startswith("vLLM: "), (family, name,
+                                                                                                          outcome)
 
 
 GIB = serving.GiB
@@ -202,6 +214,7 @@ def test_a_reservation_that_fits_is_kept_as_given():
 
 
 def test_too_little_free_memory_is_refused_in_one_line():
-    with pytest.raises(InvalidParameterError, match=r"^kvcompress serve needs about 2 GiB for the model and its KV cache "
-                       r"and 2.5 GiB of this machine's 16.0 GiB are free; pass --kv-cache-memory-bytes"):
+    with pytest.raises(
+            InvalidParameterError, match=r"^kvcompress serve needs about 2 GiB for the model and its KV cache "
+            r"and 2.5 GiB of this machine's 16.0 GiB are free; pass --kv-cache-memory-bytes"):
         serving.memory_flags([], 16 * GIB, int(2.5 * GIB), {})

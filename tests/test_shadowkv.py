@@ -9,16 +9,26 @@ import torch
 from transformers import DynamicCache
 
 import kvcompress as kvc
-from kvcompress.methods.shadowkv import chunk_landmarks, key_rows, key_spectrum, landmark_bias, landmark_scores, low_rank_factors, rank_for_error, rebuild_keys
-from kvcompress.storage.offload import fetch_chunks
 from kvcompress.integrations.transformers.rope import apply_rope, invert_rope, rotary_for
+from kvcompress.methods.shadowkv import (
+    chunk_landmarks,
+    key_rows,
+    key_spectrum,
+    landmark_bias,
+    landmark_scores,
+    low_rank_factors,
+    rank_for_error,
+    rebuild_keys,
+)
+from kvcompress.storage.offload import fetch_chunks
 
 from .fixtures import char_tokenizer, random_text, tiny_model
 
 EXACT = dict(rank=32, outliers=0, budget=4096)  # tiny model: 2 KV heads x 16 dims = 32
 
 
-def teacher_forced_logits(model, method, prompt: torch.Tensor, continuation: torch.Tensor) -> tuple[torch.Tensor, kvc.KVCompressCache]:
+def teacher_forced_logits(model, method, prompt: torch.Tensor,
+                          continuation: torch.Tensor) -> tuple[torch.Tensor, kvc.KVCompressCache]:
     cache = method.make_cache(model)
     with torch.no_grad():
         logits = [model(prompt, past_key_values=cache).logits[:, -1]]
@@ -36,7 +46,8 @@ def test_full_rank_no_outliers_full_budget_matches_full_cache(arch):
     shadow, cache = teacher_forced_logits(model, kvc.ShadowKV(**EXACT), prompt, continuation)
     torch.testing.assert_close(shadow, full, rtol=1e-4, atol=1e-4)
     layer = cache.layers[0]
-    assert layer.used - layer.front == 4 * 8 + 300 % 8 + 24  # only local chunks, the tail and the continuation stay dense (after the front slots)
+    # only local chunks, the tail and the continuation stay dense (after the front slots)
+    assert layer.used - layer.front == 4 * 8 + 300 % 8 + 24
     # every chunk is selected at every step: the first step reads all from the store, the 23 after reuse all
     assert cache.stats()["chunk_hit_rate"] == pytest.approx(23 / 24)
 
@@ -57,11 +68,13 @@ def test_rank_from_the_error_target_is_the_smallest_that_reaches_it():
     """The rank rebuilds the keys' deviations from their mean within the target, plus one direction
     for the mean: a large component shared by every key (here an offset) does not hide the rest."""
     torch.manual_seed(1)
-    keys = torch.randn(2, 2, 120, 16) @ torch.diag(torch.logspace(0, -2, 16)) + 5.0 * torch.randn(1, 2, 1, 16)  # decaying spectrum + shared offset
+    # decaying spectrum + shared offset
+    keys = torch.randn(2, 2, 120, 16) @ torch.diag(torch.logspace(0, -2, 16)) + 5.0 * torch.randn(1, 2, 1, 16)
     valid = torch.ones(2, 120, dtype=torch.bool)
     valid[1, :40] = False  # the second row is shorter (padding first)
     method = kvc.ShadowKV(rank_error=0.2)
-    spectrum = key_spectrum([(keys[:, :, :50], valid[:, :50]), (keys[:, :, 50:], valid[:, 50:])])  # streamed in two chunks
+    # streamed in two chunks
+    spectrum = key_spectrum([(keys[:, :, :50], valid[:, :50]), (keys[:, :, 50:], valid[:, 50:])])
     ranks = method.ranks(spectrum)
     for row in range(2):
         rows = keys[row].permute(1, 0, 2).reshape(120, 32)[valid[row]]
@@ -80,7 +93,8 @@ def test_rank_from_the_error_target_is_the_smallest_that_reaches_it():
     assert (uncentered < ranks).all()  # the offset's energy alone would have met the target with fewer
 
 
-def reference_chunk_selection(query: torch.Tensor, landmarks: torch.Tensor, selectable: torch.Tensor, k: int) -> list[list[int]]:
+def reference_chunk_selection(query: torch.Tensor, landmarks: torch.Tensor, selectable: torch.Tensor,
+                              k: int) -> list[list[int]]:
     """Algorithm 2 lines 2-5 for one sequence, loop by loop. query [q_heads, q, d], landmarks [kv_heads, n, d]."""
     q_heads, q_len, dim = query.shape
     kv_heads, n = landmarks.shape[:2]
@@ -89,7 +103,11 @@ def reference_chunk_selection(query: torch.Tensor, landmarks: torch.Tensor, sele
     for h in range(q_heads):
         total = [0.0] * n
         for t in range(q_len):
-            logits = [float(query[h, t] @ landmarks[h // group, j]) / math.sqrt(dim) if selectable[h // group, j] else -math.inf for j in range(n)]
+            logits = [
+                float(query[h, t] @ landmarks[h // group, j]) / math.sqrt(dim) if selectable[h // group,
+                                                                                             j] else -math.inf
+                for j in range(n)
+            ]
             peak = max(logits)
             weights = [math.exp(x - peak) for x in logits]
             for j in range(n):
@@ -122,7 +140,8 @@ def test_rope_inverse_recovers_pre_rope_keys():
     positions = torch.arange(50)[None]
     pre = torch.randn(1, 2, 50, 16)
     cos, sin = rotary_for(model, 0).cos_sin(positions, pre)
-    torch.testing.assert_close(invert_rope(apply_rope(pre, cos[:, None], sin[:, None]), cos[:, None], sin[:, None]), pre)
+    torch.testing.assert_close(invert_rope(apply_rope(pre, cos[:, None], sin[:, None]), cos[:, None], sin[:, None]),
+                               pre)
 
 
 def test_rebuilt_keys_carry_rope_at_their_original_positions():
@@ -152,11 +171,13 @@ def test_memory_split_between_device_and_offload_store():
     n_chunks = (403 - 16) // 8  # 48 chunks; 3 tail tokens + 2 local chunks stay dense
     assert layer.factor_a.shape == (1, n_chunks * 8, 4) and layer.factor_b.shape == (1, 4, 2, 16)
     assert layer.landmarks.shape == (1, 2, n_chunks, 16)
-    assert layer.front == 32 and layer.used - layer.front == 2 * 8 + 16 + 3 + 1  # selected chunks, then outliers + local + tail + one generated token
+    # selected chunks, then outliers + local + tail + one generated token
+    assert layer.front == 32 and layer.used - layer.front == 2 * 8 + 16 + 3 + 1
     assert layer.store.host.shape == (1, 2, n_chunks, 8, 16) and layer.store.host.device.type == "cpu"
     assert stats["offloaded_bytes"] == 2 * n_chunks * 8 * 2 * 16 * 4
     def held(lyr) -> int:  # every tensor the layer keeps on the device between steps
-        names = ("keys", "values", "valid", "positions", "cursor", "factor_a", "factor_b", "landmarks", "bias", "inv_freq", "selectable", "unselectable", "step_chunks", "selected", "hits", "front_slots")
+        names = ("keys", "values", "valid", "positions", "cursor", "factor_a", "factor_b", "landmarks", "bias",
+                 "inv_freq", "selectable", "unselectable", "step_chunks", "selected", "hits", "front_slots")
         tensors = [getattr(lyr, n) for n in names]
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
@@ -181,7 +202,8 @@ def test_follow_up_turn_and_long_generation():
     dense_before = first.cache.layers[0].used
     second = kvc.generate(model, tok, "and the second word?", past=first, max_new_tokens=40)
     follow_up = second.attention_mask.shape[-1] - first.attention_mask.shape[-1] - len(second.token_ids[0]) + 1
-    assert second.cache.layers[0].used == dense_before + follow_up + len(second.token_ids[0]) - 1  # appended, not compressed
+    # appended, not compressed
+    assert second.cache.layers[0].used == dense_before + follow_up + len(second.token_ids[0]) - 1
     full_first = kvc.generate(model, tok, chat, method=kvc.ShadowKV(**EXACT), max_new_tokens=40)
     full_second = kvc.generate(model, tok, "and the second word?", past=full_first, max_new_tokens=40)
     reference = kvc.generate(model, tok, chat, method=kvc.FullKV(), max_new_tokens=40)
@@ -197,7 +219,8 @@ def test_follow_up_turn_and_long_generation():
         (lambda: kvc.ShadowKV(budget=4), r"budget=4 is smaller than one chunk \(chunk=8\)"),
         (lambda: kvc.ShadowKV(ratio=2.0), r"ratio=2.0 is outside the valid range \(0, 1\]"),
         (lambda: kvc.ShadowKV(outliers=-1), r"outliers=-1 is invalid"),
-        (lambda: kvc.ShadowKV(rank=33).make_cache(tiny_model()), r"rank=33 exceeds kv_heads \* head_dim = 32 of this model; valid: 1 to 32"),
+        (lambda: kvc.ShadowKV(rank=33).make_cache(tiny_model()),
+         r"rank=33 exceeds kv_heads \* head_dim = 32 of this model; valid: 1 to 32"),
     ],
 )
 def test_bad_parameters(make, expected):

@@ -15,7 +15,8 @@ from kvcompress.methods.prompt import select_kept
 from .fixtures import char_tokenizer, prefilled_cache, random_text, tiny_model
 
 
-def reference_keep(query: torch.Tensor, keys: torch.Tensor, budget: int, window: int, kernel: int, pooling: str) -> list[list[int]]:
+def reference_keep(query: torch.Tensor, keys: torch.Tensor, budget: int, window: int, kernel: int,
+                   pooling: str) -> list[list[int]]:
     """Kept positions per KV head for one prompt. query [q_heads, L, D] post-RoPE, keys [kv_heads, L, D].
 
     Listing 1: the window's attention (softmax over all keys, causal inside the window) is summed
@@ -60,7 +61,8 @@ def reference_spans(texts: list[str]) -> list[int]:
     spans, current = [], -1
     for i, text in enumerate(texts):
         core = text.lstrip("Ġ▁ ")
-        between_digits = core in (".", ",") and 0 < i < len(texts) - 1 and texts[i - 1].lstrip("Ġ▁ ").isdigit() and texts[i + 1].lstrip("Ġ▁ ").isdigit()
+        between_digits = core in (".", ",") and 0 < i < len(texts) - 1 and texts[i - 1].lstrip(
+            "Ġ▁ ").isdigit() and texts[i + 1].lstrip("Ġ▁ ").isdigit()
         starts = i == 0 or text[:1] in ("Ġ", "▁", " ") or (not core[:1].isalnum() and not between_digits)
         current += starts
         spans.append(current)
@@ -87,9 +89,11 @@ def test_span_clustering_matches_a_reference():
     highest pooled score (the reference computes both loop by loop)."""
     torch.manual_seed(2)
     query, keys = torch.randn(6, 90, 8), torch.randn(2, 90, 8)
-    spans = torch.tensor([[i // 4 + (i > 40) * (i % 3 == 0) for i in range(90)]]).cummax(-1).values  # spans of 1 to 4 tokens
+    # spans of 1 to 4 tokens
+    spans = torch.tensor([[i // 4 + (i > 40) * (i % 3 == 0) for i in range(90)]]).cummax(-1).values
     valid = torch.ones(1, 90, dtype=torch.bool)
-    paper = kvc.SnapKV(budget=40, window=12, kernel=5, clustering="pool").scores(query[None], keys[None], valid, 8**-0.5)
+    paper = kvc.SnapKV(budget=40, window=12, kernel=5, clustering="pool").scores(query[None], keys[None], valid,
+                                                                                 8**-0.5)
     clustered = kvc.SnapKV(budget=40, window=12, kernel=5).scores(query[None], keys[None], valid, 8**-0.5, spans)
     for head in range(2):
         for position in range(78):
@@ -97,7 +101,11 @@ def test_span_clustering_matches_a_reference():
             assert clustered[0, head, position] == max(paper[0, head, j] for j in members)
     indices, _ = select_kept(clustered, valid, torch.tensor([40]))
     kept = set(indices[0, 0].tolist())
-    cut = [s for s in set(spans[0, :78].tolist()) if 0 < len({j for j in range(78) if spans[0, j] == s} & kept) < len([j for j in range(78) if spans[0, j] == s])]
+    cut = [
+        s for s in set(spans[0, :78].tolist()) if 0 < len({j
+                                                           for j in range(78) if spans[0, j] == s
+                                                           } & kept) < len([j for j in range(78) if spans[0, j] == s])
+    ]
     assert len(cut) <= 1  # at most the span at the budget's edge is cut
 
 

@@ -20,20 +20,15 @@ import kvcompress as kvc
 from tests.fixtures import char_tokenizer, family_model, random_text, tiny_model
 
 DOCUMENT = [{"role": "user", "content": random_text(400, seed=7)}]
-QUESTIONS = ("What is the first word?", "1 or 2?", "Which of the words above is the longest one, and where does it stand?")
+QUESTIONS = ("What is the first word?", "1 or 2?",
+             "Which of the words above is the longest one, and where does it stand?")
 
 # Every method that compresses a prompt at its end (or selects from it while decoding), at a budget under the prompt.
 PER_QUESTION = [
-    kvc.SnapKV(budget=48, window=8),
-    kvc.SnapKV(budget=48, window=8, clustering="pool"),
-    kvc.SnapKV(budget=48, window=8, heads="adaptive"),
-    kvc.SnapKV(budget=64, window=8, layers="pyramid"),
-    kvc.H2O(budget=48),
-    kvc.StreamingLLM(budget=48),
-    kvc.ExpectedAttention(budget=48),
-    kvc.ShadowKV(budget=48),
-    kvc.Quest(budget=48),
-    kvc.Loki(budget=48),
+    kvc.SnapKV(budget=48, window=8), kvc.SnapKV(budget=48, window=8, clustering="pool"),
+    kvc.SnapKV(budget=48, window=8, heads="adaptive"), kvc.SnapKV(budget=64, window=8, layers="pyramid"),
+    kvc.H2O(budget=48), kvc.StreamingLLM(budget=48), kvc.ExpectedAttention(budget=48), kvc.ShadowKV(budget=48),
+    kvc.Quest(budget=48), kvc.Loki(budget=48)
 ]
 
 
@@ -52,8 +47,12 @@ def model_and_store():
     return model, tok, kvc.compress(model, tok, DOCUMENT, method=kvc.FullKV(), query_window=None)
 
 
-@pytest.mark.parametrize("method", PER_QUESTION, ids=lambda m: m.describe().split(",")[0] + ("-" + m.heads if getattr(m, "heads", "uniform") != "uniform" else "")
-                         + ("-" + m.layers if getattr(m, "layers", "uniform") != "uniform" else "") + ("-pool" if getattr(m, "clustering", "") == "pool" else ""))
+@pytest.mark.parametrize(
+    "method", PER_QUESTION, ids=lambda m: m.describe().split(",")[0] +
+    ("-" + m.heads if getattr(m, "heads", "uniform") != "uniform" else "") +
+    ("-" + m.layers
+     if getattr(m, "layers", "uniform") != "uniform" else "") + ("-pool"
+                                                                 if getattr(m, "clustering", "") == "pool" else ""))
 def test_a_question_over_a_stored_context_keeps_what_the_joined_prompt_keeps(model_and_store, method):
     model, tok, store = model_and_store
     for question in QUESTIONS[:2]:
@@ -62,7 +61,8 @@ def test_a_question_over_a_stored_context_keeps_what_the_joined_prompt_keeps(mod
         assert asked.stats["prompt_tokens"] == reference.stats["prompt_tokens"]
         assert all(torch.equal(a, b) for a, b in zip(kept(asked), kept(reference)))
         assert asked.token_ids == reference.token_ids and asked.text == reference.text
-        assert asked.stats["kv_bytes_kept"] == reference.stats["kv_bytes_kept"]  # decodes from what the method keeps, no more
+        # decodes from what the method keeps, no more
+        assert asked.stats["kv_bytes_kept"] == reference.stats["kv_bytes_kept"]
 
 
 def test_the_store_is_read_never_written(model_and_store):
@@ -77,13 +77,18 @@ def test_the_store_is_read_never_written(model_and_store):
     assert again.token_ids == first.token_ids
     after = [tensor for layer in store.cache.layers for tensor in (layer.keys, layer.values)]
     assert all(torch.equal(a, b) for a, b in zip(before, after))
-    assert torch.equal(store.attention_mask, mask) and [row.transcript for row in store.rows] == rows and all(row.open_turn for row in store.rows)
-    continued = kvc.generate(model, tok, QUESTIONS[0], past=store.copy(), max_new_tokens=8)  # today's way still works: the full cache continued
-    assert continued.token_ids == kvc.generate(model, tok, joined(QUESTIONS[0]), method=kvc.FullKV(), max_new_tokens=8).token_ids
+    assert torch.equal(store.attention_mask, mask) and [row.transcript for row in store.rows] == rows and all(
+        row.open_turn for row in store.rows)
+    # today's way still works: the full cache continued
+    continued = kvc.generate(model, tok, QUESTIONS[0], past=store.copy(), max_new_tokens=8)
+    assert continued.token_ids == kvc.generate(model, tok, joined(QUESTIONS[0]), method=kvc.FullKV(),
+                                               max_new_tokens=8).token_ids
 
 
-@pytest.mark.parametrize("method", [kvc.SnapKV(budget=48, window=8), kvc.H2O(budget=48), kvc.SnapKV(budget=48, window=8, heads="adaptive")],
-                         ids=["snapkv", "h2o", "snapkv-adaptive"])
+@pytest.mark.parametrize(
+    "method", [kvc.SnapKV(budget=48, window=8),
+               kvc.H2O(budget=48),
+               kvc.SnapKV(budget=48, window=8, heads="adaptive")], ids=["snapkv", "h2o", "snapkv-adaptive"])
 def test_questions_of_very_different_lengths_are_a_batch_each_row_as_alone(model_and_store, method):
     model, tok, store = model_and_store
     questions = ["1?", QUESTIONS[2] * 3, QUESTIONS[0]]
@@ -101,7 +106,8 @@ def test_a_stored_batch_of_documents_asks_each_its_own_question():
     method = kvc.SnapKV(budget=48, window=8)
     batch = kvc.generate(model, tok, list(QUESTIONS[:2]), past=store, method=method, max_new_tokens=8)
     for row, (document, question) in enumerate(zip(documents, QUESTIONS[:2])):
-        assert batch.token_ids[row] == kvc.generate(model, tok, joined(question, document), method=method, max_new_tokens=8).token_ids[0]
+        assert batch.token_ids[row] == kvc.generate(model, tok, joined(question, document), method=method,
+                                                    max_new_tokens=8).token_ids[0]
 
 
 @pytest.mark.parametrize("family", ["gemma2", "mistral-sliding", "qwen3"])
@@ -135,8 +141,10 @@ def test_a_thinned_store_answers_from_fewer_bytes():
     answer = kvc.generate(model, tok, QUESTIONS[0], past=thinned, method=method, max_new_tokens=8)
     assert len(answer.token_ids[0]) > 0 and answer.stats["context_bytes"] < whole.stats["device_bytes"]
     context = thinned.stats["prompt_tokens"]
-    prompt = kvc.generate(model, tok, joined(QUESTIONS[0]), method=kvc.FullKV(), max_new_tokens=1).stats["prompt_tokens"]
-    for chosen, stored in zip(kept(answer), kept(thinned)):  # the joined prompt's positions: a head keeps only what the store kept, or the question
+    prompt = kvc.generate(model, tok, joined(QUESTIONS[0]), method=kvc.FullKV(),
+                          max_new_tokens=1).stats["prompt_tokens"]
+    # the joined prompt's positions: a head keeps only what the store kept, or the question
+    for chosen, stored in zip(kept(answer), kept(thinned)):
         assert int(chosen.max()) < prompt
         for head in range(chosen.shape[1]):
             from_context = {p for p in chosen[0, head].tolist() if 0 <= p < context}
@@ -145,10 +153,12 @@ def test_a_thinned_store_answers_from_fewer_bytes():
 
 def test_stats_say_which_tier_holds_what(model_and_store):
     model, tok, store = model_and_store
-    answer = kvc.generate(model, tok, QUESTIONS[0], past=store, method=kvc.SnapKV(budget=48, window=8), max_new_tokens=4)
+    answer = kvc.generate(model, tok, QUESTIONS[0], past=store, method=kvc.SnapKV(budget=48, window=8),
+                          max_new_tokens=4)
     assert answer.stats["context_on"] == "cpu" and answer.stats["context_bytes"] == store.stats["device_bytes"]
     assert answer.stats["device_bytes"] < store.stats["device_bytes"] / 3
-    assert answer.stats["ttft_s"] == answer.stats["prefill_s"] > 0 and answer.stats["decode_ms_per_token"] > 0  # the first token apart
+    # the first token apart
+    assert answer.stats["ttft_s"] == answer.stats["prefill_s"] > 0 and answer.stats["decode_ms_per_token"] > 0
 
 
 def test_what_cannot_be_asked_per_question_is_refused_in_one_line(model_and_store):
@@ -159,15 +169,19 @@ def test_what_cannot_be_asked_per_question_is_refused_in_one_line(model_and_stor
     with pytest.raises(kvc.InvalidParameterError, match=r"compressed with kvzip\(budget=48.*method=kvc.FullKV\(\)"):
         kvc.generate(model, tok, "q?", past=packed, method=kvc.SnapKV(budget=32, window=8))
     answered = kvc.generate(model, tok, "q?", past=store.copy(), max_new_tokens=2)
-    with pytest.raises(kvc.InvalidParameterError, match="not one waiting for its question; continue it with method=None"):
+    with pytest.raises(kvc.InvalidParameterError,
+                       match="not one waiting for its question; continue it with method=None"):
         kvc.generate(model, tok, "again?", past=answered, method=kvc.SnapKV(budget=32, window=8))
     few = kvc.compress(model, tok, DOCUMENT, method=kvc.FullKV(), query_window=4)
-    with pytest.raises(ValueError, match=r"every query of the context, and the stored context kept its last 4.*query_window=None"):
+    with pytest.raises(ValueError,
+                       match=r"every query of the context, and the stored context kept its last 4.*query_window=None"):
         kvc.generate(model, tok, "q?", past=few, method=kvc.H2O(budget=48))
     with pytest.raises(ValueError, match=r"the last 32 queries, and the stored context kept its last 4"):
         kvc.generate(model, tok, "q?", past=few, method=kvc.SnapKV(budget=48))
     with pytest.raises(kvc.InvalidParameterError, match="3 entries for a batch of 2"):
-        kvc.generate(model, tok, ["a?", "b?", "c?"], past=kvc.compress(model, tok, [DOCUMENT, DOCUMENT], method=kvc.FullKV()), method=kvc.SnapKV(budget=48, window=8))
+        kvc.generate(model, tok, ["a?", "b?", "c?"], past=kvc.compress(model, tok, [DOCUMENT, DOCUMENT],
+                                                                       method=kvc.FullKV()),
+                     method=kvc.SnapKV(budget=48, window=8))
     with pytest.raises(kvc.InvalidParameterError, match="query_window='x' is invalid"):
         kvc.compress(model, tok, DOCUMENT, method=kvc.FullKV(), query_window="x")
 
@@ -178,15 +192,21 @@ def test_the_command_line_asks_a_stored_file_per_question(tmp_path):
     char_tokenizer().save_pretrained(folder)
     (tmp_path / "doc.txt").write_text(DOCUMENT[0]["content"])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, ["src", os.environ.get("PYTHONPATH")]))}
-    run = lambda *args: subprocess.run([sys.executable, "-m", "kvcompress", *map(str, args)], capture_output=True, text=True, env=env)  # noqa: E731
+
+    def run(*args: object) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "kvcompress", *map(str, args)], capture_output=True, text=True,
+                              env=env)
+
     model, tok = kvc.load_model(str(folder))
-    kvc.compress(model, tok, DOCUMENT, method=kvc.FullKV()).save(tmp_path / "doc.kvc")  # as `kvcompress compress --method full` writes it
-    asked = run("generate", "--model", folder, "--past", tmp_path / "doc.kvc", "--method", "snapkv", "--budget", "48", "--window", "8",
-                "--prompt", QUESTIONS[0], "--max-new-tokens", "6", "--json")
+    # as `kvcompress compress --method full` writes it
+    kvc.compress(model, tok, DOCUMENT, method=kvc.FullKV()).save(tmp_path / "doc.kvc")
+    asked = run("generate", "--model", folder, "--past", tmp_path / "doc.kvc", "--method", "snapkv", "--budget", "48",
+                "--window", "8", "--prompt", QUESTIONS[0], "--max-new-tokens", "6", "--json")
     assert asked.returncode == 0, asked.stderr
     expected = kvc.generate(model, tok, joined(QUESTIONS[0]), method=kvc.SnapKV(budget=48, window=8), max_new_tokens=6)
     answer = json.loads(asked.stdout)
-    assert answer["text"] == expected.text and answer["method"] == expected.stats["method"] and answer["context_on"] == "cpu"
+    assert answer["text"] == expected.text and answer["method"] == expected.stats["method"] and answer[
+        "context_on"] == "cpu"
     assert answer["ttft_s"] > 0 and "decode_ms_per_token" in answer
 
 
@@ -210,7 +230,8 @@ def test_decoding_after_a_question_over_a_store_is_the_question_aware_step(model
             audits.append(audit_step(lambda cache=result.cache, state=state: greedy_step(model, cache, state)))
     assert not audits[0].host_reads and audits[0].total == audits[1].total
     eager = kvc.generate(model, tok, QUESTIONS[1], past=store, method=method, max_new_tokens=10)
-    compiled = kvc.generate(model, tok, QUESTIONS[1], past=store, method=method, max_new_tokens=10, compile=kvc.Compile(backend="eager"))
+    compiled = kvc.generate(model, tok, QUESTIONS[1], past=store, method=method, max_new_tokens=10,
+                            compile=kvc.Compile(backend="eager"))
     assert compiled.token_ids == eager.token_ids
 
 
@@ -231,7 +252,8 @@ def test_a_thinned_stores_heads_take_their_tokens_word_spans():
     assert per_head[0, :, 1:].tolist() == [[0, 1, 3, 3, 4], [0, 1, 2, 3, 4]] and per_head[0, 0, 0] >= spans.shape[-1]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="a GPU: the store in host memory, each layer copied to the device per question")
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="a GPU: the store in host memory, each layer copied to the device per question")
 def test_on_a_gpu_the_store_lives_in_host_memory_and_answers_as_the_joined_prompt():
     model, tok = tiny_model().cuda(), char_tokenizer()
     store = kvc.compress(model, tok, DOCUMENT, method=kvc.FullKV())
@@ -240,5 +262,7 @@ def test_on_a_gpu_the_store_lives_in_host_memory_and_answers_as_the_joined_promp
     asked = kvc.generate(model, tok, QUESTIONS[0], past=store, method=method, max_new_tokens=8)
     assert asked.stats["context_on"] == "cpu" and asked.cache.device_of().type == "cuda"
     assert asked.token_ids == kvc.generate(model, tok, joined(QUESTIONS[0]), method=method, max_new_tokens=8).token_ids
-    continued = kvc.generate(model, tok, QUESTIONS[0], past=store, max_new_tokens=8)  # the stored full cache continued: moved to the device
-    assert continued.token_ids == kvc.generate(model, tok, joined(QUESTIONS[0]), method=kvc.FullKV(), max_new_tokens=8).token_ids
+    # the stored full cache continued: moved to the device
+    continued = kvc.generate(model, tok, QUESTIONS[0], past=store, max_new_tokens=8)
+    assert continued.token_ids == kvc.generate(model, tok, joined(QUESTIONS[0]), method=kvc.FullKV(),
+                                               max_new_tokens=8).token_ids

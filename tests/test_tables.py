@@ -12,14 +12,17 @@ spec.loader.exec_module(tables)
 
 
 def record(sample: str, label: str, budget: int | None, score: float, kl: float = 0.0) -> dict:
-    return {"task": "niah", "sample": sample, "turn": 1, "label": label if budget is None else f"{label}@{budget}", "budget": budget,
-            "score": score, "kl": kl, "top1_agreement": 1.0 - kl}
+    return {
+        "task": "niah", "sample": sample, "turn": 1, "label": label if budget is None else f"{label}@{budget}",
+        "budget": budget, "score": score, "kl": kl, "top1_agreement": 1.0 - kl
+    }
 
 
 def test_paired_table_counts_samples_won_and_lost_on_shared_samples(tmp_path):
     rows = [record("a", "full", None, 1.0), record("b", "full", None, 0.0), record("c", "full", None, 1.0),
             record("a", "snapkv", 128, 1.0, 0.2), record("b", "snapkv", 128, 0.0, 0.4), record("c", "snapkv", 128, 1.0),
-            record("a", "snapkv:heads=adaptive", 128, 0.0, 0.1), record("b", "snapkv:heads=adaptive", 128, 1.0, 0.1)]  # c: not run
+            # c: not run
+            record("a", "snapkv:heads=adaptive", 128, 0.0, 0.1), record("b", "snapkv:heads=adaptive", 128, 1.0, 0.1)]
     path = tmp_path / "results.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     table = tables.paired_table("snapkv", ["snapkv:heads=adaptive"], [str(path)]).splitlines()

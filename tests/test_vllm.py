@@ -18,13 +18,16 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 import torch  # noqa: E402
 
 import kvcompress as kvc  # noqa: E402
-from kvcompress.serving import settings as serving, vllm_plugin  # noqa: E402
 from kvcompress.integrations.transformers.models import default_model_dir  # noqa: E402
+from kvcompress.serving import settings as serving  # noqa: E402
+from kvcompress.serving import vllm_plugin  # noqa: E402
 
 from .served import Server, chat  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not (default_model_dir() / "model.safetensors").exists(), reason="no embedded model")
-ENGINE = {"dtype": "float32", "enforce_eager": True, "max_model_len": 2048, "block_size": 32, "max_num_batched_tokens": 2048}
+ENGINE = {
+    "dtype": "float32", "enforce_eager": True, "max_model_len": 2048, "block_size": 32, "max_num_batched_tokens": 2048
+}
 METHOD = kvc.SnapKV(budget=256)  # the engines' own method
 
 
@@ -85,7 +88,10 @@ def served_alike(llm, library, cases: list[tuple]) -> list[dict[str, torch.Tenso
 
 def sampling(cases: list[tuple]) -> list:
     """Greedy sampling parameters, each case's ``kvcompress`` settings (its last entry) in its extra arguments."""
-    return [vllm.SamplingParams(max_tokens=12, temperature=0, extra_args=None if s is None else {"kvcompress": s}) for *_, s in cases]
+    return [
+        vllm.SamplingParams(max_tokens=12, temperature=0, extra_args=None if s is None else {"kvcompress": s})
+        for *_, s in cases
+    ]
 
 
 def same_positions(layers: dict[str, torch.Tensor], cache: kvc.KVCompressCache) -> bool:
@@ -152,9 +158,11 @@ def test_a_prompt_prefilled_in_chunks_keeps_them_while_it_holds_blocks(engine):
 
 def test_a_request_with_invalid_settings_is_refused_by_name(engine):
     for settings, message in (({"method": "snapkv", "window": 0}, r"kvcompress: SnapKV: window=0 is invalid"),
-                              ({"method": "kvzip"}, r"method='kvzip' cannot be served by vLLM: it scores from an observation pass")):
+                              ({"method": "kvzip"},
+                               r"method='kvzip' cannot be served by vLLM: it scores from an observation pass")):
         with pytest.raises(Exception, match=message):
-            engine.generate(["hello"], vllm.SamplingParams(max_tokens=2, extra_args={"kvcompress": settings}), use_tqdm=False)
+            engine.generate(["hello"], vllm.SamplingParams(max_tokens=2, extra_args={"kvcompress": settings}),
+                            use_tqdm=False)
 
 
 def test_kvcompress_serve_answers_the_openai_client_as_the_library_does(library, tmp_path):
@@ -163,8 +171,9 @@ def test_kvcompress_serve_answers_the_openai_client_as_the_library_does(library,
     (its blocks back in the pool), then SIGINT stops it cleanly."""
     openai = pytest.importorskip("openai")
     model, tokenizer = library
-    server = Server(["--budget", "256", "--dtype", "float32", "--max-model-len", "2048", "--enforce-eager", "--block-size",
-                     "32"], tmp_path / "serve.log")
+    server = Server(
+        ["--budget", "256", "--dtype", "float32", "--max-model-len", "2048", "--enforce-eager", "--block-size", "32"],
+        tmp_path / "serve.log")
     try:
         client = openai.OpenAI(base_url=f"{server.start(400).base}/v1", api_key="none")
         name = client.models.list().data[0].id
@@ -189,10 +198,11 @@ def test_kvcompress_serve_answers_the_openai_client_as_the_library_does(library,
             alone = kvc.generate(model, tokenizer, messages, method=serving.method_of(setting), max_new_tokens=16).text
             assert answers[i] == alone, setting
 
-        for bad, message in (({"method": "snapkv", "budget": -3}, r"kvcompress: SnapKV: budget=-3 is invalid; it must be an integer >= 1"),
-                             ({"method": "nope"},
-                              r"kvcompress.method='nope' is unknown; valid: full, snapkv, streamingllm, h2o, expected"
-                              )):
+        for bad, message in (({
+                "method": "snapkv", "budget": -3
+        }, r"kvcompress: SnapKV: budget=-3 is invalid; it must be an integer >= 1"), ({
+                "method": "nope"
+        }, r"kvcompress.method='nope' is unknown; valid: full, snapkv, streamingllm, h2o, expected")):
             with pytest.raises(openai.BadRequestError, match=message):
                 ask(max_tokens=4, extra_body={"kvcompress": bad})
 
@@ -221,7 +231,8 @@ def test_tensor_parallel_workers_each_keep_their_own_heads(tmp_path, monkeypatch
     method = kvc.SnapKV(budget=64, window=8, clustering="pool")
     cache = method.make_cache(model)
     with torch.no_grad():
-        ours = model.generate(torch.tensor([ids]), past_key_values=cache, max_new_tokens=8, do_sample=False)[0, len(ids) :].tolist()
+        ours = model.generate(torch.tensor([ids]), past_key_values=cache, max_new_tokens=8,
+                              do_sample=False)[0, len(ids):].tolist()
         full = model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)[0, len(ids) :].tolist()
     assert ours != full  # the answer shows whether the workers compressed
     answers = []
@@ -290,8 +301,10 @@ def test_a_family_is_served_as_the_library_compresses_it_or_refused_at_start(fam
                                        max_new_tokens=8, do_sample=False)[0, len(ids) :].tolist())
     llm = vllm.LLM(model=str(tmp_path), **{**ENGINE, "max_model_len": 1024, "max_num_batched_tokens": 1024},
                    **serving.engine_options(kvc.FullKV()))
-    params = [vllm.SamplingParams(max_tokens=8, temperature=0, extra_args={"kvcompress": {"method": m.name, **m.settings()}})
-              for m in served]
+    params = [
+        vllm.SamplingParams(max_tokens=8, temperature=0, extra_args={"kvcompress": {"method": m.name, **m.settings()}})
+        for m in served
+    ]
     answers = llm.generate([{"prompt_token_ids": ids}] * len(served), params, use_tqdm=False)
     del llm
     for method, answer, tokens in zip(served, answers, ours):
@@ -300,4 +313,6 @@ def test_a_family_is_served_as_the_library_compresses_it_or_refused_at_start(fam
     for method, why in refused[:1]:
         done = subprocess.run([sys.executable, "-m", "kvcompress", "serve", str(tmp_path), "--method", method.name],
                               capture_output=True, text=True, timeout=120)
-        assert done.returncode == 2 and done.stderr.strip().splitlines() == [f"kvcompress: error: {why.removeprefix('kvcompress: ')}"]
+        assert done.returncode == 2 and done.stderr.strip().splitlines() == [
+            f"kvcompress: error: {why.removeprefix('kvcompress: ')}"
+        ]

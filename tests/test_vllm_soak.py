@@ -17,9 +17,9 @@ vllm = pytest.importorskip("vllm")
 openai = pytest.importorskip("openai")
 
 import kvcompress as kvc  # noqa: E402
-from kvcompress.serving import settings as serving  # noqa: E402
 from kvcompress.generation.generate import _eos_ids  # noqa: E402
 from kvcompress.integrations.transformers.models import default_model_dir  # noqa: E402
+from kvcompress.serving import settings as serving  # noqa: E402
 
 from .served import Server, chat  # noqa: E402
 

@@ -42,31 +42,37 @@ def write_samples(args: argparse.Namespace) -> None:
     from kvcompress.bench.accuracy import build_samples
 
     _, tokenizer = kvc.load_model()
-    samples = build_samples(tokenizer, _names(args.tasks), [int(n) for n in _names(args.lengths)], [float(d) for d in _names(args.depths)],
-                            args.samples, args.seed, args.haystack)
+    samples = build_samples(tokenizer, _names(args.tasks), [int(n) for n in _names(args.lengths)],
+                            [float(d) for d in _names(args.depths)], args.samples, args.seed, args.haystack)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "w") as out:
         for sample in samples:
-            out.write(json.dumps({"id": sample.id, "task": sample.task, "length": sample.length, "depth": sample.depth, "metric": sample.metric,
-                                  "max_new_tokens": sample.max_new_tokens, "context": sample.context,
-                                  "questions": [{"question": t.question, "answers": t.answers} for t in sample.questions()]}) + "\n")
+            out.write(
+                json.dumps({
+                    "id": sample.id, "task": sample.task, "length": sample.length, "depth": sample.depth,
+                    "metric": sample.metric, "max_new_tokens": sample.max_new_tokens, "context": sample.context,
+                    "questions": [{"question": t.question, "answers": t.answers} for t in sample.questions()]
+                }) + "\n")
     print(f"wrote {len(samples)} samples to {args.out}")
 
 
 def _press(name: str, ratio: float):
     from kvpress import ExpectedAttentionPress, KVzipPress, SnapKVPress
 
-    return {"kvzip": lambda: KVzipPress(compression_ratio=ratio), "kvzip+": lambda: KVzipPress(compression_ratio=ratio, kvzip_plus_normalization=True),
-            "expected": lambda: ExpectedAttentionPress(compression_ratio=ratio), "snapkv": lambda: SnapKVPress(compression_ratio=ratio)}[name]()
+    return {
+        "kvzip": lambda: KVzipPress(compression_ratio=ratio),
+        "kvzip+": lambda: KVzipPress(compression_ratio=ratio, kvzip_plus_normalization=True),
+        "expected": lambda: ExpectedAttentionPress(compression_ratio=ratio),
+        "snapkv": lambda: SnapKVPress(compression_ratio=ratio)
+    }[name]()
 
 
 def run_presses(args: argparse.Namespace) -> None:
     """kvpress's venv: every question of every sample, per press and budget; resumes from ``--out``."""
+    import kvpress  # noqa: F401 - registers the kv-press-text-generation pipeline
     import torch
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
-
-    import kvpress  # noqa: F401 - registers the kv-press-text-generation pipeline
 
     transformers.utils.logging.disable_progress_bar()
     model_dir = Path(args.model).expanduser()
@@ -75,8 +81,13 @@ def run_presses(args: argparse.Namespace) -> None:
     pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer, device="cpu")
     samples = [json.loads(line) for line in open(args.samples) if line.strip()]
     out = Path(args.out)
-    done = {(r["sample"], r["press"], r["budget"]) for r in map(json.loads, out.read_text().splitlines())} if out.exists() else set()
-    print(f"kvpress {kvpress.__version__ if hasattr(kvpress, '__version__') else '?'}, transformers {transformers.__version__}, torch {torch.__version__}")
+    done = {(r["sample"], r["press"], r["budget"])
+            for r in map(json.loads,
+                         out.read_text().splitlines())} if out.exists() else set()
+    print(
+        f"kvpress {kvpress.__version__ if hasattr(kvpress, '__version__') else '?'}, transformers "
+        f"{transformers.__version__}, torch {torch.__version__}"
+    )
     for sample in samples:
         context_tokens = len(tokenizer.encode(sample["context"], add_special_tokens=False))
         for name in _names(args.presses):
@@ -86,10 +97,12 @@ def run_presses(args: argparse.Namespace) -> None:
                 ratio = max(0.0, 1 - budget / context_tokens)
                 start = time.perf_counter()
                 with torch.inference_mode():
-                    answers = pipe(sample["context"], questions=["\n\n" + q["question"] for q in sample["questions"]], press=_press(name, ratio),
-                                   max_new_tokens=sample["max_new_tokens"])["answers"]
-                row = {"sample": sample["id"], "press": name, "budget": budget, "compression_ratio": ratio, "context_tokens": context_tokens,
-                       "answers": answers, "seconds": time.perf_counter() - start}
+                    answers = pipe(sample["context"], questions=["\n\n" + q["question"] for q in sample["questions"]],
+                                   press=_press(name, ratio), max_new_tokens=sample["max_new_tokens"])["answers"]
+                row = {
+                    "sample": sample["id"], "press": name, "budget": budget, "compression_ratio": ratio,
+                    "context_tokens": context_tokens, "answers": answers, "seconds": time.perf_counter() - start
+                }
                 with open(out, "a") as file:
                     file.write(json.dumps(row) + "\n")
                 print(f"{sample['id']} {name}@{budget}: {row['seconds']:.1f} s", flush=True)
@@ -101,7 +114,9 @@ def score_answers(args: argparse.Namespace) -> None:
 
     samples = {s["id"]: s for s in map(json.loads, open(args.samples)) if s}
     results = Path(args.results)
-    labelled = {(r["sample"], r["label"]) for r in map(json.loads, results.read_text().splitlines())} if results.exists() else set()
+    labelled = {(r["sample"], r["label"])
+                for r in map(json.loads,
+                             results.read_text().splitlines())} if results.exists() else set()
     rows = []
     for answer in map(json.loads, open(args.answers)):
         sample, label = samples[answer["sample"]], f"kvpress-{answer['press']}@{answer['budget']}"
@@ -109,11 +124,14 @@ def score_answers(args: argparse.Namespace) -> None:
             continue
         count = len(sample["questions"])
         for number, (question, prediction) in enumerate(zip(sample["questions"], answer["answers"]), start=1):
-            rows.append({"sample": sample["id"], "task": sample["task"], "length": sample["length"], "depth": sample["depth"], "turn": number,
-                         "turns": count, "label": label, "method": f"kvpress-{answer['press']}", "budget": answer["budget"],
-                         "score": score(prediction, question["answers"], sample["metric"]), "prediction": prediction, "answers": question["answers"],
-                         "prompt_tokens": answer["context_tokens"], "kv_kept_fraction": 1 - answer["compression_ratio"],
-                         "device_fraction": 1 - answer["compression_ratio"], "track": "agnostic"})
+            rows.append({
+                "sample": sample["id"], "task": sample["task"], "length": sample["length"], "depth": sample["depth"],
+                "turn": number, "turns": count, "label": label, "method": f"kvpress-{answer['press']}",
+                "budget": answer["budget"], "score": score(prediction, question["answers"], sample["metric"]),
+                "prediction": prediction, "answers": question["answers"], "prompt_tokens": answer["context_tokens"],
+                "kv_kept_fraction": 1 - answer["compression_ratio"], "device_fraction": 1 - answer["compression_ratio"],
+                "track": "agnostic"
+            })
     with open(results, "a") as file:
         file.writelines(json.dumps(row) + "\n" for row in rows)
     print(f"appended {len(rows)} rows to {results}")
@@ -135,7 +153,8 @@ def main() -> None:
     run.add_argument("--samples", required=True)
     run.add_argument("--presses", default=",".join(PRESSES), help=f"comma-separated: {', '.join(PRESSES)}")
     run.add_argument("--budgets", default="64,256", help="kept tokens per KV head")
-    run.add_argument("--model", default="~/.cache/kvcompress/smollm2-135m-instruct", help="the embedded model's folder (kvcompress fetch-model)")
+    run.add_argument("--model", default="~/.cache/kvcompress/smollm2-135m-instruct",
+                     help="the embedded model's folder (kvcompress fetch-model)")
     run.add_argument("--out", required=True)
     run.set_defaults(run=run_presses)
     scored = sub.add_parser("score", help="kvcompress's venv: score kvpress's answers into the track's results")

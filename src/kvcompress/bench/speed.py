@@ -1,11 +1,10 @@
 """Speed and memory: decode latency vs context, throughput vs batch, peak memory, the longest context
 and largest batch that fit, and a bandwidth view of each decoding step.
 
-Timing does not depend on weight values, so models come from architecture presets with random
-weights (``kvcompress.models.ARCHITECTURES``), a config file, or the embedded model. Every run is a
-fresh prefill (so memory peaks are each method's own; each shape is first prefilled once, untimed)
-followed by ``warmup + steps`` single-token decoding steps; the decode figure is the median step. Runs that run out of memory are recorded as
-``oom``, not raised.
+Timing does not depend on weight values, so models come from architecture presets with random weights
+(``kvcompress.models.ARCHITECTURES``), a config file, or the embedded model. Every run is a fresh prefill (so memory
+peaks are each method's own; each shape is first prefilled once, untimed) followed by ``warmup + steps`` single-token
+decoding steps; the decode figure is the median step. Runs that run out of memory are recorded as ``oom``, not raised.
 """
 
 from __future__ import annotations
@@ -19,9 +18,10 @@ import resource
 import statistics
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import transformers
@@ -32,23 +32,31 @@ from transformers import DynamicCache, PreTrainedModel
 from ..cache.kv_cache import cache_keyword
 from ..cache.layer import KVLayer
 from ..cache.tokens import TokenSpans
-from ..generation.decode import Compile, DecodeState, StepRunner, greedy_step
 from ..generation.conversation import Lead
+from ..generation.decode import Compile, DecodeState, StepRunner, greedy_step
 from ..generation.generate import PREFILL_TOKENS, prefill_groups
 from ..methods import Method, method_from_spec
 from ..storage import attention
 
-HOST_READS = {"_local_scalar_dense", "item", "nonzero", "is_nonzero", "equal"}  # ops that hand a tensor's value to the host
+# ops that hand a tensor's value to the host
+HOST_READS = {"_local_scalar_dense", "item", "nonzero", "is_nonzero", "equal"}
 
 PRESETS: dict[str, dict] = {
     # The CPU check: the embedded model's shape, 1K-8K prompts (8000 leaves room to decode in 8K).
-    "quick": {"model": "smollm2-135m", "methods": ["full", "snapkv", "shadowkv:budget=2048"], "lengths": [1024, 2048, 4096, 8000], "batches": [1], "budget": 1024, "steps": 16, "warmup": 3},
+    "quick": {
+        "model": "smollm2-135m", "methods": ["full", "snapkv", "shadowkv:budget=2048"],
+        "lengths": [1024, 2048, 4096, 8000], "batches": [1], "budget": 1024, "steps": 16, "warmup": 3
+    },
     # SnapKV Fig. 7 / ShadowKV Table 4 shapes on one GPU.
-    "gpu": {"model": "llama-3.1-8b", "methods": ["full", "snapkv", "shadowkv"], "lengths": [16384, 32768, 65536, 131000], "batches": [1, 2, 4, 8], "budget": 2048, "steps": 32, "warmup": 5},
+    "gpu": {
+        "model": "llama-3.1-8b", "methods": ["full", "snapkv", "shadowkv"], "lengths": [16384, 32768, 65536, 131000],
+        "batches": [1, 2, 4, 8], "budget": 2048, "steps": 32, "warmup": 5
+    },
 }
 
 
-COMPILING_STEPS = 3  # compiled decoding: the step that compiles, and on a GPU the warm-up and the capture of its CUDA graph
+# compiled decoding: the step that compiles, and on a GPU the warm-up and the capture of its CUDA graph
+COMPILING_STEPS = 3
 
 
 def machine(device: torch.device) -> dict:
@@ -180,10 +188,8 @@ def fetch_overlap_times(layer: KVLayer, timer: Timer, repeats: int = 10) -> dict
 
     fetch, work, both = median_ms(probe.fetch), median_ms(probe.work), median_ms(probe.both)
     return {
-        "layer_fetch_ms": fetch,
-        "layer_work_ms": work,
-        "layer_fetch_and_work_ms": both,
-        "fetch_hidden": min(1.0, max(0.0, (fetch + work - both) / max(fetch, 1e-9))) if probe.concurrent else None,
+        "layer_fetch_ms": fetch, "layer_work_ms": work, "layer_fetch_and_work_ms": both,
+        "fetch_hidden": min(1.0, max(0.0, (fetch + work - both) / max(fetch, 1e-9))) if probe.concurrent else None
     }
 
 
@@ -204,11 +210,14 @@ class StepAudit(TorchDispatchMode):
         name = str(func.overloadpacket)
         self.ops[name] += 1
         if self.record_fused and name.startswith("kvcompress."):
-            self.fused_calls.append((name, (tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args), dict(kwargs or {}))))
+            self.fused_calls.append(
+                (name, (tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args), dict(kwargs or {}))))
         out = func(*args, **(kwargs or {}))
-        asynchronous = name == "aten.copy_" and bool(args[2] if len(args) > 2 else (kwargs or {}).get("non_blocking")) and args[0].is_pinned()
-        to_host = name in ("aten._to_copy", "aten.copy_") and isinstance(out, torch.Tensor) and out.device.type == "cpu" and not asynchronous and any(
-            isinstance(a, torch.Tensor) and a.device.type != "cpu" for a in args)
+        asynchronous = name == "aten.copy_" and bool(args[2] if len(args) > 2 else (
+            kwargs or {}).get("non_blocking")) and args[0].is_pinned()
+        to_host = name in ("aten._to_copy", "aten.copy_") and isinstance(
+            out, torch.Tensor) and out.device.type == "cpu" and not asynchronous and any(
+                isinstance(a, torch.Tensor) and a.device.type != "cpu" for a in args)
         if name.split(".")[-1] in HOST_READS or to_host:
             self.host_reads[name] += 1
         return out
@@ -227,7 +236,8 @@ def audit_step(step: Callable[[], Any], record_fused: bool = False) -> StepAudit
 
 @torch.inference_mode()
 def transformers_step_ops(model: PreTrainedModel) -> int:
-    """Ops one decoding step of plain transformers dispatches (its own cache, after a 16-token prompt): the reference."""
+    """Ops one decoding step of plain transformers dispatches (its own cache, after a 16-token prompt): the
+    reference."""
     cache = DynamicCache(config=model.config)
     ids = torch.randint(10, model.config.get_text_config().vocab_size, (1, 16), device=model.device)
     keyword = cache_keyword(model)
@@ -264,37 +274,41 @@ def decode_figures(model: PreTrainedModel, stats: dict, times: list[float], pref
     decode_ms = statistics.median(times)
     read = weight_bytes(model) + stats["bytes_read_per_step"]
     return dict(
-        prefill_s=prefill_ms / 1000,
-        compress_share=stats["compress_s"] / (prefill_ms / 1000),
-        decode_ms_per_token=decode_ms,
-        tokens_per_s=batch * 1000 / decode_ms,
-        kv_device_bytes=stats["device_bytes"],
-        kv_full_bytes=stats["kv_bytes_full"],
-        offloaded_bytes=stats["offloaded_bytes"],
-        peak_bytes=_peak_bytes(model.device),
-        held_bytes=weight_bytes(model) + stats["device_bytes"],
-        bytes_read_per_step=read,
-        achieved_bandwidth=read / (decode_ms / 1000),
-        bandwidth_fraction=read / (decode_ms / 1000) / bandwidth,
-        bound_ms_per_token=read / bandwidth * 1000,
-        ops_per_step=audit.total,
-        host_reads_per_step=sum(audit.host_reads.values()),
-        sdpa=attention.sdpa_choices(),
+        prefill_s=prefill_ms / 1000, compress_share=stats["compress_s"] / (prefill_ms / 1000),
+        decode_ms_per_token=decode_ms, tokens_per_s=batch * 1000 / decode_ms, kv_device_bytes=stats["device_bytes"],
+        kv_full_bytes=stats["kv_bytes_full"], offloaded_bytes=stats["offloaded_bytes"],
+        peak_bytes=_peak_bytes(model.device), held_bytes=weight_bytes(model) + stats["device_bytes"],
+        bytes_read_per_step=read, achieved_bandwidth=read / (decode_ms / 1000),
+        bandwidth_fraction=read / (decode_ms / 1000) / bandwidth, bound_ms_per_token=read / bandwidth * 1000,
+        ops_per_step=audit.total, host_reads_per_step=sum(audit.host_reads.values()), sdpa=attention.sdpa_choices()
     )
 
 
 @torch.inference_mode()
-def measure(
-    model: PreTrainedModel, method: Method, name: str, length: int, batch: int, steps: int, warmup: int, bandwidth: float,
-    compile: Compile | None = None, prefill_tokens: int | None = PREFILL_TOKENS, replicate: bool = False,
-) -> dict:
+def timed_steps(runner: StepRunner, timer: Timer, run: int, wanted: int) -> list[float]:
+    """Milliseconds of up to ``wanted`` decoding steps of at most ``run``: a step that compiled (a new bucket) is
+    timed as compile_s, never as decoding."""
+    times: list[float] = []
+    for _ in range(run):
+        if len(times) == wanted:
+            break
+        start, compiled = timer.start(), runner.compile_steps
+        runner.step()
+        if runner.compile_steps == compiled:
+            times.append(timer.ms_since(start))
+    return times
+
+
+def measure(model: PreTrainedModel, method: Method, name: str, length: int, batch: int, steps: int, warmup: int,
+            bandwidth: float, compile: Compile | None = None, prefill_tokens: int | None = PREFILL_TOKENS,
+            replicate: bool = False) -> dict:
     """One run: prefill ``batch`` random prompts of ``length`` tokens (in groups of rows of at most
     ``prefill_tokens`` tokens, see ``generation.prefill_groups``; with ``replicate``, one prompt whose
     compressed cache is then copied to every row), then decode greedily (eagerly, or with
     ``compile``); never raises on OOM."""
     device = model.device
-    row: dict = {"method": name, "method_params": method.describe(), "prompt_tokens": length, "batch": batch, "compiled": compile is not None,
-                 "replicated": replicate}
+    row: dict = {"method": name, "method_params": method.describe(), "prompt_tokens": length, "batch": batch,
+                 "compiled": compile is not None, "replicated": replicate}
     timer = Timer(device)
     cache = ids = None
     try:
@@ -302,7 +316,8 @@ def measure(
         ids = prompt_ids(model, length, batch)
         spans = TokenSpans.every(model.config.get_text_config().vocab_size)
         start = timer.start()
-        feeder, logits = prefill_groups(model, lambda: method.make_cache(model, spans), ids[:1] if replicate else ids, 0, prefill_tokens, stand_in_lead)
+        feeder, logits = prefill_groups(model, lambda: method.make_cache(model, spans), ids[:1] if replicate else ids,
+                                        0, prefill_tokens, stand_in_lead)
         prefill_ms = timer.ms_since(start)
         cache = feeder.cache
         if replicate and batch > 1:  # the decoding and the memory of a batch, without its prefill
@@ -318,15 +333,9 @@ def measure(
         cache.reserve(run + 2, buckets)
         runner = StepRunner(model, cache, state, compile)
         runner.step()  # the first step runs eagerly (and times the SDPA kernels)
-        audit = audit_step(lambda held=cache: greedy_step(model, held, state))  # one more eager step: its ops are counted
-        times = []
-        for _ in range(run):  # a step that compiled (a new bucket) is timed as compile_s, never as decoding
-            if len(times) == warmup + steps:
-                break
-            start, compiled = timer.start(), runner.compile_steps
-            runner.step()
-            if runner.compile_steps == compiled:
-                times.append(timer.ms_since(start))
+        # one more eager step: its ops are counted
+        audit = audit_step(lambda held=cache: greedy_step(model, held, state))
+        times = timed_steps(runner, timer, run, warmup + steps)
         stats = cache.stats()
         row.update(status="ok", **decode_figures(model, stats, times[warmup:], prefill_ms, batch, bandwidth, audit),
                    compile_s=runner.compile_s if compile is not None else None)
@@ -403,7 +412,8 @@ class Journal:
         path.parent.mkdir(parents=True, exist_ok=True)
         lines = path.read_text().splitlines() if path.exists() else []
         if lines and json.loads(lines[0]).get("settings") != json.loads(json.dumps(settings)):
-            raise ValueError(f"{path} holds a run with other settings; use another --out folder (or delete it) to start a new run")
+            raise ValueError(
+                f"{path} holds a run with other settings; use another --out folder (or delete it) to start a new run")
         for line in lines[1:]:
             try:
                 row = json.loads(line)
@@ -432,7 +442,8 @@ def _check_grid(model: PreTrainedModel, lengths: list[int], decode_steps: int, s
     if searching and model.device.type == "cpu" and max_memory is None:
         raise ValueError("on a CPU the limit searches need max_memory (bytes): running out of RAM kills the process "
                          "instead of raising")
-    for name, value in (("search_step", search_step), ("batch_limit", batch_limit), ("prefill_tokens", prefill_tokens or 1)):
+    for name, value in (("search_step", search_step), ("batch_limit", batch_limit),
+                        ("prefill_tokens", prefill_tokens or 1)):
         if value < 1:
             raise ValueError(f"{name}={value} is not a valid search setting; valid: an integer of at least 1")
     limit = model.config.get_text_config().max_position_embeddings
@@ -466,7 +477,7 @@ def run_speed(
     budget: int | None = None, steps: int = 16, warmup: int = 3, find_max_context: bool = False,
     find_max_batch: bool = False, max_memory: int | None = None, model_name: str = "", progress: bool = True,
     search_step: int = 1024, batch_limit: int = 1024, compile: bool = False,
-    prefill_tokens: int | None = PREFILL_TOKENS, replicate: bool = False,
+    prefill_tokens: int | None = PREFILL_TOKENS, replicate: bool = False
 ) -> dict:
     """Run the grid (and the optional searches), write ``speed.json``, ``speed.csv`` and plots; return
     the report. ``methods`` are specs (``name[:field=value...]``); ``budget`` applies to every method
@@ -480,9 +491,12 @@ def run_speed(
     searching = find_max_context or find_max_batch
     limit = _check_grid(model, lengths, steps + warmup, searching, max_memory, search_step, batch_limit, prefill_tokens)
     built = {spec: method_from_spec(spec, budget=budget) for spec in methods}
-    settings = {"model": model_name, "methods": methods, "lengths": lengths, "batches": batches, "budget": budget, "steps": steps,
-                "warmup": warmup, "max_memory": max_memory, "find_max_context": find_max_context, "find_max_batch": find_max_batch,
-                "search_step": search_step, "batch_limit": batch_limit, "compile": compile, "prefill_tokens": prefill_tokens, "replicate": replicate}
+    settings = {
+        "model": model_name, "methods": methods, "lengths": lengths, "batches": batches, "budget": budget,
+        "steps": steps, "warmup": warmup, "max_memory": max_memory, "find_max_context": find_max_context,
+        "find_max_batch": find_max_batch, "search_step": search_step, "batch_limit": batch_limit, "compile": compile,
+        "prefill_tokens": prefill_tokens, "replicate": replicate
+    }
     options = Compile() if compile else None
     journal = Journal(Path(out_dir) / "rows.jsonl", settings)
     bandwidth = copy_bandwidth(device)
@@ -497,7 +511,7 @@ def run_speed(
     report = {
         "machine": machine(device), "model": model_name, "dtype": str(next(model.parameters()).dtype),
         "weight_bytes": weight_bytes(model), "device_bandwidth": bandwidth, "settings": settings, "rows": rows,
-        "transformers_ops_per_step": transformers_step_ops(model),
+        "transformers_ops_per_step": transformers_step_ops(model)
     }
     for row in rows:
         if row["status"] == "ok":
@@ -505,8 +519,10 @@ def run_speed(
     report["peak_slopes"] = peak_slopes(rows, hidden_vector_bytes(model))
     if searching:
         def fits(kind: str, spec: str, n: int, b: int) -> dict:
-            row = journal.measure((kind, spec, n, b), lambda: measure(model, built[spec], spec, n, b, 2, 1, bandwidth,
-                                                                      options, prefill_tokens, replicate))
+            def run() -> dict:
+                return measure(model, built[spec], spec, n, b, 2, 1, bandwidth, options, prefill_tokens, replicate)
+
+            row = journal.measure((kind, spec, n, b), run)
             return {**row, "fits": _fits(row, max_memory)}
 
         report["limits"] = search_limits(fits, methods, find_max_context, find_max_batch, lengths, batches, limit - 8,
@@ -525,7 +541,8 @@ def peak_slopes(rows: list[dict], vector_bytes: int) -> list[dict]:
     between the shortest and the longest that ran, in bytes and in hidden-sized vectors."""
     slopes = []
     for method, batch in dict.fromkeys((r["method"], r["batch"]) for r in rows):
-        ok = sorted((r["prompt_tokens"], r["peak_bytes"]) for r in rows if r["method"] == method and r["batch"] == batch and r["status"] == "ok")
+        ok = sorted((r["prompt_tokens"], r["peak_bytes"]) for r in rows
+                    if r["method"] == method and r["batch"] == batch and r["status"] == "ok")
         if len(ok) >= 2 and ok[-1][0] > ok[0][0]:
             per_token = (ok[-1][1] - ok[0][1]) / ((ok[-1][0] - ok[0][0]) * batch)
             slopes.append({"method": method, "batch": batch, "from_tokens": ok[0][0], "to_tokens": ok[-1][0],
@@ -536,7 +553,9 @@ def peak_slopes(rows: list[dict], vector_bytes: int) -> list[dict]:
 def write_report(report: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "speed.json").write_text(json.dumps(report, indent=2))
-    fields = sorted({key for row in report["rows"] for key in row}, key=lambda k: list(report["rows"][0]).index(k) if k in report["rows"][0] else 99)
+    fields = sorted({key
+                     for row in report["rows"]
+                     for key in row}, key=lambda k: list(report["rows"][0]).index(k) if k in report["rows"][0] else 99)
     with open(out / "speed.csv", "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=fields)
         writer.writeheader()
@@ -558,7 +577,7 @@ def plot_speed(report: dict, out: Path) -> None:
     for name, panel_key, x_key, y_key, x_label, y_label in (
         ("decode_latency.png", "batch", "prompt_tokens", "decode_ms_per_token", "prompt tokens", "decode ms/token"),
         ("throughput.png", "prompt_tokens", "batch", "tokens_per_s", "batch size", "tokens/s"),
-        ("peak_memory.png", "batch", "prompt_tokens", "peak_gib", "prompt tokens", "peak memory (GiB)"),
+        ("peak_memory.png", "batch", "prompt_tokens", "peak_gib", "prompt tokens", "peak memory (GiB)")
     ):
         panels = sorted({r[panel_key] for r in report["rows"]})
         fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False)
@@ -576,7 +595,10 @@ def plot_speed(report: dict, out: Path) -> None:
             ax.set_ylim(bottom=0)
             ax.grid(alpha=0.3)
         axes.flat[0].legend(fontsize=8)
-        fig.suptitle(f"{report['model']} ({report['dtype']}) on {report['machine'].get('gpu', report['machine']['device'])}; red: out of memory", fontsize=9)
+        fig.suptitle(
+            f"{report['model']} ({report['dtype']}) on {report['machine'].get('gpu', report['machine']['device'])}; "
+            "red: out of memory",
+            fontsize=9)
         fig.tight_layout()
         fig.savefig(out / name, dpi=110)
         plt.close(fig)

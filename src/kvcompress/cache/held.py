@@ -3,15 +3,16 @@ reordering, joining a batch's groups, moving between devices and counting bytes 
 
 A layer class declares each such attribute once, in its body, with its type and role, as a dataclass field is
 (``prompt_tokens: torch.Tensor | None = hold(rows=True)``, gpt-fast's ``register_buffer`` in spirit); a subclass adds
-its own, ``declared`` collects them over the class's bases and ``reset`` gives a fresh layer their defaults. The
-storage (``layer.slots``) saves and moves its own tensors. A tensor attribute a layer sets that its class does not declare is a bug (a test walks
-every method's layers after a generation).
+its own, ``declared`` collects them over the class's bases and ``reset`` gives a fresh layer their defaults. The storage
+(``layer.slots``) saves and moves its own tensors. A tensor attribute a layer sets that its class does not declare is a
+bug (a test walks every method's layers after a generation).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -69,8 +70,9 @@ def save(layer: Any) -> dict[str, Any]:
     then every saved attribute (a held object's entries nested under its name). Only a layer at rest (its prompt
     compressed, no step half done) is saved."""
     if layer.phase is not Phase.DECODING or layer.step_open:
-        raise CacheMisuseError("kvcompress: a cache can be saved once its prompt is prefilled and compressed, not during "
-                               f"a step (layer {layer.layer_idx} is {layer.phase.value})")
+        raise CacheMisuseError(
+            "kvcompress: a cache can be saved once its prompt is prefilled and compressed, not during "
+            f"a step (layer {layer.layer_idx} is {layer.phase.value})")
     layouts = type(layer).LAYOUTS
     state = {**layer.slots.state_dict(), **{kind.NAME: None for kind in layouts if not isinstance(layer.slots, kind)}}
     for name, spec in declared(type(layer)).items():

@@ -138,8 +138,9 @@ class OverStored(Intake):
 
     def take(self, slots: Slots, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         stored = self.stored
-        held = stored.keys.shape[-2]
-        context_valid = stored.valid if stored.valid is not None else torch.ones(stored.keys.shape[0], held, dtype=torch.bool)
+        context_valid = stored.valid
+        if context_valid is None:
+            context_valid = torch.ones(stored.keys.shape[0], stored.keys.shape[-2], dtype=torch.bool)
         new_valid = torch.ones(keys.shape[0], keys.shape[-2], dtype=torch.bool, device=keys.device)
         self.joined_valid = right_aligned(context_valid, new_valid, self.pads, 1, False)
         slots.hold(right_aligned(stored.keys, keys, self.pads, 2), right_aligned(stored.values, values, self.pads, 2))

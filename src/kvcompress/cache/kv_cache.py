@@ -31,9 +31,9 @@ class LayerFactory(Protocol):
         """A layer's step, taken only within a call of the model this cache was made for (its input check ran)."""
         if self.checked_call != self.model_id and self.model_id is not None and not torch.compiler.is_compiling():
             raise CacheMisuseError(
-                "kvcompress: this cache was called by a model it was not made for (another model instance, or one never "
-                "prepared by method.make_cache(model)); make a cache for that model with method.make_cache(model)"
-            )
+                "kvcompress: this cache was called by a model it was not made for (another model instance, or one "
+                "never "
+                "prepared by method.make_cache(model)); make a cache for that model with method.make_cache(model)")
         return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
 
     def check_model(self, model: Any) -> None: ...
@@ -67,16 +67,22 @@ class KVCompressCache(Cache):
     """A ``Cache`` whose layers apply a method. Build it with ``method.make_cache(model)`` and pass it
     to ``model.generate(past_key_values=cache)`` or use ``kvcompress.generate``."""
 
-    def __init__(self, method: LayerFactory, layers: list[KVLayer], model: torch.nn.Module | None = None, spans: TokenSpans | None = None) -> None:
+    def __init__(self, method: LayerFactory, layers: list[KVLayer], model: torch.nn.Module | None = None,
+                 spans: TokenSpans | None = None) -> None:
         super().__init__(layers=layers)
         self.method = method
-        self.model_id = id(model) if model is not None else None  # the model it was made for: attach.py refuses any other
+        # the model it was made for: attach.py refuses any other
+        self.model_id = id(model) if model is not None else None
         self.model = weakref.ref(model) if model is not None else lambda: None  # for a saved cache's fingerprint
         self.keyword = cache_keyword(model)  # the model's name for its cache argument
         self.span_table = spans  # the tokenizer's word boundaries, when known
-        self.timings: dict[str, float | None] = {"prefill_s": None, "ttft_s": None, "decode_ms_per_token": None, "compile_s": None}
-        self.embeds_itself = False  # the model embedded this cache's prompt itself (no one else holds its hidden states)
-        self.observe_first = method.observation() is not None  # layers compress after an observation pass (end_observation)
+        self.timings: dict[str, float | None] = {
+            "prefill_s": None, "ttft_s": None, "decode_ms_per_token": None, "compile_s": None
+        }
+        # the model embedded this cache's prompt itself (no one else holds its hidden states)
+        self.embeds_itself = False
+        # layers compress after an observation pass (end_observation)
+        self.observe_first = method.observation() is not None
         self.observe_s = 0.0  # time the observation pass took (part of compressing)
         self.checked_call: int | None = None  # the model whose call the input check let through (attach.check_inputs)
         for layer in layers:
@@ -87,9 +93,9 @@ class KVCompressCache(Cache):
         """A layer's step, taken only within a call of the model this cache was made for (its input check ran)."""
         if self.checked_call != self.model_id and self.model_id is not None and not torch.compiler.is_compiling():
             raise CacheMisuseError(
-                "kvcompress: this cache was called by a model it was not made for (another model instance, or one never "
-                "prepared by method.make_cache(model)); make a cache for that model with method.make_cache(model)"
-            )
+                "kvcompress: this cache was called by a model it was not made for (another model instance, or one "
+                "never "
+                "prepared by method.make_cache(model)); make a cache for that model with method.make_cache(model)")
         return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
 
     def check_model(self, model: torch.nn.Module, remedy: str) -> None:
@@ -117,13 +123,15 @@ class KVCompressCache(Cache):
         """LongTensor ``[batch, kv_heads, n_kept]``: original prompt positions kept by ``layer_idx``."""
         return self.layers[layer_idx].kept_positions()
 
-    def continue_context(self, context: KVCompressCache, rows: torch.Tensor, pads: list[int], spans: torch.Tensor | None) -> None:
+    def continue_context(self, context: KVCompressCache, rows: torch.Tensor, pads: list[int],
+                         spans: torch.Tensor | None) -> None:
         """This fresh cache's prompt continues ``context``'s (a stored context, read and never written, e.g. a
         document prefilled once): rows ``rows`` of it, one per row of the new prompt (a question), whose tokens
         are led by ``pads`` padding slots; each layer's prefill attends to the context, then the method
         compresses the joined prompt. ``spans``: the joined prompt's word spans, rows right-aligned."""
         if context.model_id != self.model_id:
-            raise CacheMisuseError("kvcompress: this context was stored for another model; ask it with the model that compressed it")
+            raise CacheMisuseError(
+                "kvcompress: this context was stored for another model; ask it with the model that compressed it")
         for layer, source in zip(self.layers, context.layers):
             layer.continue_prompt(source, rows, pads, spans)
 
@@ -179,7 +187,8 @@ class KVCompressCache(Cache):
         for it (e.g. to share a budget across layers), then every layer compresses."""
         start = time.perf_counter()
         # the method's own layers: a sliding-window layer keeps its window, whatever the method
-        self.method.before_compress([layer for layer in self.layers if layer.observation is not None and not layer.is_sliding])
+        self.method.before_compress(
+            [layer for layer in self.layers if layer.observation is not None and not layer.is_sliding])
         self.observe_s += seconds + time.perf_counter() - start
         for layer in self.layers:
             layer.end_observation()
@@ -210,23 +219,15 @@ class KVCompressCache(Cache):
         full, kept = totals["kv_bytes_full"], totals["kv_bytes_kept"]
         device = kept + totals["spare_bytes"] + totals["index_bytes"]
         return {
-            "method": self.method.describe(),
-            "prompt_tokens": prompt[0] if len(prompt) == 1 else prompt,
+            "method": self.method.describe(), "prompt_tokens": prompt[0] if len(prompt) == 1 else prompt,
             "new_tokens": first.seen_tokens - first.prefill_len,
-            "kv_tokens_per_layer": [s["kv_tokens"] for s in per_layer],
-            "kv_bytes_full": full,
-            "kv_bytes_kept": kept,
-            "kv_kept_fraction": kept / full if full else 1.0,
-            "device_bytes": device,
-            "device_fraction": device / full if full else 1.0,
-            "spare_bytes": totals["spare_bytes"],
-            "index_bytes": totals["index_bytes"],
-            "offloaded_bytes": totals["offloaded_bytes"],
+            "kv_tokens_per_layer": [s["kv_tokens"] for s in per_layer], "kv_bytes_full": full, "kv_bytes_kept": kept,
+            "kv_kept_fraction": kept / full if full else 1.0, "device_bytes": device,
+            "device_fraction": device / full if full else 1.0, "spare_bytes": totals["spare_bytes"],
+            "index_bytes": totals["index_bytes"], "offloaded_bytes": totals["offloaded_bytes"],
             "bytes_read_per_step": totals["bytes_read_per_step"],
-            "compress_s": self.observe_s + sum(layer.compress_s for layer in layers),
-            **facts,
-            **self.method.summarize(totals),
-            **self.timings,
+            "compress_s": self.observe_s + sum(layer.compress_s for layer in layers), **facts,
+            **self.method.summarize(totals), **self.timings
         }
 
 

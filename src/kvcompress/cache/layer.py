@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Callable, ClassVar, NamedTuple
+from collections.abc import Callable
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 from transformers.cache_utils import DynamicLayer
@@ -32,8 +33,18 @@ from ..storage.tensors import prompt_positions
 from . import held
 from .errors import CacheMisuseError, UnsupportedModelError
 from .held import hold
-from .intake import InBlocks, Intake, ObservationPass, OneForward, OverStored, PromptRecord, StoredPrompt
-from .intake import left_padded, queries_to_keep, recorded_prompt
+from .intake import (
+    InBlocks,
+    Intake,
+    ObservationPass,
+    OneForward,
+    OverStored,
+    PromptRecord,
+    StoredPrompt,
+    left_padded,
+    queries_to_keep,
+    recorded_prompt,
+)
 from .phase import Phase, moved
 
 _announced = threading.local()
@@ -114,7 +125,8 @@ class KVLayer(DynamicLayer):
         self.dtype, self.device = key_states.dtype, key_states.device
         self.is_initialized = True
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args,
+               **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         _check_step(self, key_states)
         if self.phase in _STEPS:
             if not torch.compiler.is_compiling():  # a compiled step's loop reserved the room before it
@@ -229,7 +241,8 @@ class KVLayer(DynamicLayer):
             raise CacheMisuseError(f"kvcompress: layer {source.layer_idx} of this context ({type(source).__name__}) "
                                    f"holds its prompt in a form a question cannot be prefilled over; {_STORE_WHOLE}")
         moved(self.layer_idx, self.phase, Phase.PROMPT, "a prompt continuing a stored context")
-        picked = StoredPrompt(*(t.index_select(0, rows.to(t.device)) if isinstance(t, torch.Tensor) else t for t in stored))
+        picked = StoredPrompt(
+            *(t.index_select(0, rows.to(t.device)) if isinstance(t, torch.Tensor) else t for t in stored))
         self.intake = OverStored(picked, pads, spans)
         self.slots.seen, self.slots.used = source.seen_tokens, stored.keys.shape[-2]  # the logical length continued
         self.spans = spans
@@ -261,8 +274,6 @@ class KVLayer(DynamicLayer):
         if self.observation is not None:
             self.phase = moved(self.layer_idx, self.phase, Phase.DECODING, "the observation pass ended")
             self._compress(self.observation.record)
-
-    # --- the storage -----------------------------------------------------------------------------------------
 
     def advance(self, new: int) -> None:
         self.slots.advance(new)  # the host mirrors of the lengths after a step of ``new`` tokens
@@ -343,7 +354,10 @@ class WindowLayer(KVLayer):
     def continue_prompt(self, source: KVLayer, rows: torch.Tensor, pads: list[int], spans: torch.Tensor | None) -> None:
         """A window is what this layer keeps whatever the method: a copy of the stored one (rows ``rows``),
         which the new prompt's tokens then go through as a later turn's do."""
-        state = {name: value.clone() if isinstance(value, torch.Tensor) else value for name, value in held.save(source).items()}
+        state = {
+            name: value.clone() if isinstance(value, torch.Tensor) else value
+            for name, value in held.save(source).items()
+        }
         held.put(self, state, rows.device)
         self.phase = moved(self.layer_idx, self.phase, Phase.CONTINUING, "a stored window continued")
         self.batch_select_indices(rows)
@@ -354,7 +368,8 @@ class WindowLayer(KVLayer):
         stores none of its own tokens, as after a prefill: ``compress`` waits for the pass)."""
         self.lazy_initialization(source.keys, source.values)
         self.slots.set(source.keys, source.values, source.valid, source.positions)
-        self.slots.seen, self.prefill_len, self.prompt_tokens = source.seen_tokens, source.prefill_len, source.prompt_tokens
+        self.slots.seen, self.prefill_len = source.seen_tokens, source.prefill_len
+        self.prompt_tokens = source.prompt_tokens
         if self.observes:  # compress (the window kept) reads no query
             self.observation = ObservationPass(PromptRecord(source.keys.new_zeros(0), None, 1.0), self.prefill_len)
             self.phase = moved(self.layer_idx, self.phase, Phase.AWAITING_PASS, "a recorded window")

@@ -30,7 +30,8 @@ class TokenSpans:
             text = text or ""
             core = text.lstrip("".join(SPACE_MARKERS))
             spaced = text[:1] in SPACE_MARKERS
-            starts.append(index in special or spaced or (core[:1] != "" and not core[0].isalnum() and core not in NUMBER_JOINERS))
+            starts.append(index in special or spaced or
+                          (core[:1] != "" and not core[0].isalnum() and core not in NUMBER_JOINERS))
             digits.append(core != "" and core.isdigit())
             joiners.append(core in NUMBER_JOINERS and not spaced)
         return cls(torch.tensor(starts), torch.tensor(digits), torch.tensor(joiners))

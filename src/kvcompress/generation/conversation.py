@@ -12,7 +12,6 @@ a ``Lead`` (``ChatLeads``: as the context's question would be asked).
 from __future__ import annotations
 
 import copy
-from typing import Union
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -24,7 +23,7 @@ from .result import Row
 Messages = list[dict[str, str]]
 
 
-Prompt = Union[str, Messages]
+Prompt = str | Messages
 
 
 def as_rows(prompt: Prompt | list[Prompt]) -> tuple[list[Prompt], bool]:
@@ -45,7 +44,10 @@ def prompt_rows(prompt: Prompt | list[Prompt]) -> tuple[list[Prompt], bool]:
     for i, row in enumerate(prompts):
         text = row if isinstance(row, str) else "".join(str(m.get("content") or "") for m in row)
         if not text.strip():
-            raise InvalidParameterError(f"prompt {i} is empty: it has no tokens of its own (give some text; a chat template alone is not a prompt)")
+            raise InvalidParameterError(
+                f"prompt {i} is empty: it has no tokens of its own (give some text; a chat template alone is not a "
+                "prompt)"
+            )
     return prompts, is_batch
 
 
@@ -69,7 +71,8 @@ CHAT_SEPARATOR, RAW_SEPARATOR = "\n\n", "\n"  # what joins a context and its que
 PROBES = ("Q", "1", "?", " q", "\n", "\u00e9")
 
 
-def first_turn(tokenizer: PreTrainedTokenizerBase, prompt: Prompt, question: str | None) -> tuple[Row, list[list[int]], Row]:
+def first_turn(tokenizer: PreTrainedTokenizerBase, prompt: Prompt,
+               question: str | None) -> tuple[Row, list[list[int]], Row]:
     """A new conversation, its token chunks (``[prompt]``, or ``[context, question]``: the context
     compressed without the question, which is then appended, see ``context_turn`` and ``ask``), and
     the row as its first chunk leaves it (what introduces an observation pass: ``ChatLeads``)."""
@@ -117,7 +120,8 @@ def shared_prefix(token_lists: list[list[int]]) -> int:
 def context_turn(tokenizer: PreTrainedTokenizerBase, prompt: Prompt) -> tuple[Row, list[int]]:
     """A context whose question comes later: a raw text, or a chat whose last user message the
     question will be appended to (the turn stays open); its tokens (``context_ids``)."""
-    row = Row(chat=False, transcript=prompt, open_turn=True) if isinstance(prompt, str) else Row(chat=True, messages=[dict(m) for m in prompt], open_turn=True)
+    row = Row(chat=False, transcript=prompt, open_turn=True) if isinstance(prompt, str) else Row(
+        chat=True, messages=[dict(m) for m in prompt], open_turn=True)
     context = context_ids(tokenizer, row)
     if row.chat:
         row.transcript = tokenizer.decode(context)
@@ -130,7 +134,8 @@ def ask(tokenizer: PreTrainedTokenizerBase, row: Row, question: str, context: li
     context = context_ids(tokenizer, row) if context is None else context
     ids, text = joined_ids(tokenizer, row, question)
     if ids[: len(context)] != context:
-        raise ValueError(f"question {question[:40]!r} changes how this tokenizer splits the end of its context; put text before it")
+        raise ValueError(
+            f"question {question[:40]!r} changes how this tokenizer splits the end of its context; put text before it")
     row.open_turn = False
     row.transcript = text
     if row.chat:
@@ -153,7 +158,8 @@ def follow_up(tokenizer: PreTrainedTokenizerBase, row: Row, prompt: str) -> list
     row.messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": prompt}]
     after = render(tokenizer, row.messages)
     if not after.startswith(before):
-        raise ValueError("this tokenizer's chat template re-renders earlier turns differently; follow-ups are unsupported")
+        raise ValueError(
+            "this tokenizer's chat template re-renders earlier turns differently; follow-ups are unsupported")
     row.transcript = after
     return head + tokenizer(after[len(before) :], add_special_tokens=False)["input_ids"]
 
@@ -189,8 +195,11 @@ class ChatLeads(Lead):
         """The tokens ``ids`` shares with the same row whose first text is a probe instead."""
         kept = self.rows[row]
         if not kept.chat:
-            return shared_prefix([ids, *(self.tokenizer(probe, add_special_tokens=True)["input_ids"] for probe in PROBES[:2])])
-        renders = (render(self.tokenizer, [{**kept.messages[0], "content": probe}, *kept.messages[1:]]) for probe in PROBES[:2])
+            return shared_prefix(
+                [ids, *(self.tokenizer(probe, add_special_tokens=True)["input_ids"] for probe in PROBES[:2])])
+        renders = (
+            render(self.tokenizer, [{**kept.messages[0], "content": probe}, *kept.messages[1:]]) for probe in PROBES[:2]
+        )
         return shared_prefix([ids, *(self.tokenizer(text, add_special_tokens=False)["input_ids"] for text in renders)])
 
 

@@ -23,8 +23,8 @@ captured and replayed.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch._dynamo.utils import counters
@@ -60,7 +60,8 @@ class DecodeState:
     eos: torch.Tensor  # [e]: the end tokens
 
     @classmethod
-    def start(cls, logits: torch.Tensor, position: torch.Tensor, max_new_tokens: int, eos: set[int], buckets: bool = False) -> DecodeState:
+    def start(cls, logits: torch.Tensor, position: torch.Tensor, max_new_tokens: int, eos: set[int],
+              buckets: bool = False) -> DecodeState:
         """The state after the prompt: ``logits [b, vocab]`` give each row's first token; room for
         ``max_new_tokens`` (with ``buckets``, rounded to ``capacity_bucket``, as compiled decoding needs)."""
         device = logits.device
@@ -81,7 +82,8 @@ def greedy_step(model: PreTrainedModel, cache: KVCompressCache, state: DecodeSta
     logits = model(
         input_ids=state.token[:, None],
         position_ids=fed_position[:, None],
-        attention_mask=real[:, None, None, None],  # the new token's own block: the kvcompress attention reads padding from it
+        # the new token's own block: the kvcompress attention reads padding from it
+        attention_mask=real[:, None, None, None],
         **{cache.keyword: cache},
         use_cache=True,
         logits_to_keep=1,
@@ -108,7 +110,8 @@ def compiled_step(options: Compile) -> Callable:
 class StepRunner:
     """Runs greedy steps over one cache: eagerly, or compiled (and on a GPU replayed as a CUDA graph)."""
 
-    def __init__(self, model: PreTrainedModel, cache: KVCompressCache, state: DecodeState, compile: Compile | None) -> None:
+    def __init__(self, model: PreTrainedModel, cache: KVCompressCache, state: DecodeState,
+                 compile: Compile | None) -> None:
         self.model, self.cache, self.state, self.options = model, cache, state, compile
         self.cuda = state.token.is_cuda
         self.calls = 0
@@ -122,7 +125,8 @@ class StepRunner:
         if self.options is None or self.calls == 0:  # eager (the first step also times the SDPA kernels)
             greedy_step(self.model, self.cache, self.state)
         else:
-            graphs, capturing = counters["stats"]["unique_graphs"], self.cuda and self.options.cuda_graph and self.graph is None
+            graphs, capturing = counters["stats"][
+                "unique_graphs"], self.cuda and self.options.cuda_graph and self.graph is None
             start = time.perf_counter()
             with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
                 self._compiled()
@@ -173,7 +177,10 @@ def check_capturable(cache: KVCompressCache) -> None:
     for layer in cache.layers:
         problem = layer.uncapturable()
         if problem:
-            raise ValueError(f"kvcompress: compile=True cannot capture {cache.method.describe()}'s decoding step: {problem}; run it without compile")
+            raise ValueError(
+                f"kvcompress: compile=True cannot capture {cache.method.describe()}'s decoding step: {problem}; run it "
+                "without compile"
+            )
 
 
 @dataclass
@@ -183,13 +190,16 @@ class Decoded:
     tokens: list[list[int]]  # each row's tokens, up to and including its end token
     finished: list[bool]  # whether the row produced an end token
     steps: int  # decoding steps run
-    compile_s: float  # seconds of the steps that compiled the decoding step (or captured it), included in the loop's time
+    # seconds of the steps that compiled the decoding step (or captured it), included in the loop's time
+    compile_s: float
     compile_steps: int  # those steps
-    fed_real: torch.Tensor  # [b, steps]: which fed tokens were real (a finished row is fed padding until the loop stops)
+    # [b, steps]: which fed tokens were real (a finished row is fed padding until the loop stops)
+    fed_real: torch.Tensor
     position: torch.Tensor  # [b]: each row's next RoPE position
 
 
-def greedy_decode(model: PreTrainedModel, cache: KVCompressCache, logits: torch.Tensor, position: torch.Tensor, max_new_tokens: int, eos: set[int], compile: Compile | None) -> Decoded:
+def greedy_decode(model: PreTrainedModel, cache: KVCompressCache, logits: torch.Tensor, position: torch.Tensor,
+                  max_new_tokens: int, eos: set[int], compile: Compile | None) -> Decoded:
     """Greedy decoding after the prompt (``logits [b, vocab]``, next positions ``position [b]``) until
     every row produced an end token or ``max_new_tokens`` are produced. Compiled, every shape the
     request sets is rounded to a bucket, so later requests in it reuse the graph."""
@@ -210,4 +220,5 @@ def greedy_decode(model: PreTrainedModel, cache: KVCompressCache, logits: torch.
     for row in produced:
         end = next((i for i, t in enumerate(row) if t in eos), len(row) - 1)
         tokens.append(row[: end + 1])
-    return Decoded(tokens, finished, steps, runner.compile_s, runner.compile_steps, state.fed_real[:, :steps], state.position)
+    return Decoded(tokens, finished, steps, runner.compile_s, runner.compile_steps, state.fed_real[:, :steps],
+                   state.position)

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import copy
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -19,13 +19,24 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from ..cache.errors import CacheMisuseError
 from ..cache.kv_cache import KVCompressCache
 from ..methods import FullKV, InvalidParameterError, Method, method_from_name
-from .conversation import (ChatLeads, Lead, Prompt, ask, context_ids, context_turn, follow_up, joined_spans, new_rows,
-                           per_row, prompt_rows)
+from .conversation import (
+    ChatLeads,
+    Lead,
+    Prompt,
+    ask,
+    context_ids,
+    context_turn,
+    follow_up,
+    joined_spans,
+    new_rows,
+    per_row,
+    prompt_rows,
+)
 from .decode import Compile, Decoded, greedy_decode
 from .result import Result, Row
 
-
-PREFILL_TOKENS = 8192  # padded prompt tokens one prefill forward takes at most: a larger batch is prefilled in groups of rows
+# padded prompt tokens one prefill forward takes at most: a larger batch is prefilled in groups of rows
+PREFILL_TOKENS = 8192
 
 
 class PromptTooLongError(ValueError):
@@ -56,12 +67,14 @@ def _check_lengths(model: PreTrainedModel, total: list[int], max_new_tokens: int
 class _Feeder:
     """Runs forward passes over the cache, keeping the 2-D mask and per-row positions in step."""
 
-    def __init__(self, model: PreTrainedModel, cache: KVCompressCache, mask: torch.Tensor, position: torch.Tensor, pad_id: int):
+    def __init__(self, model: PreTrainedModel, cache: KVCompressCache, mask: torch.Tensor, position: torch.Tensor,
+                 pad_id: int):
         self.model, self.cache, self.mask, self.position, self.pad_id = model, cache, mask, position, pad_id
         self.device = model.device
 
     def feed(self, chunks: list[list[int]], width: int | None = None) -> torch.Tensor:
-        """Feed one token list per row (left-padded to a common length, at least ``width``); return last logits ``[batch, vocab]``."""
+        """Feed one token list per row (left-padded to a common length, at least ``width``); return the last logits
+        ``[batch, vocab]``."""
         width = max(width or 0, max(len(c) for c in chunks))
         ids = torch.full((len(chunks), width), self.pad_id, dtype=torch.long)
         real = torch.zeros(len(chunks), width, dtype=torch.long)
@@ -77,12 +90,8 @@ class _Feeder:
         self.mask = torch.cat([self.mask, real], dim=-1)
         self.position = self.position + real.sum(-1)
         out = self.model(
-            input_ids=ids,
-            attention_mask=self.mask,
-            position_ids=positions,
-            **{self.cache.keyword: self.cache},
-            use_cache=True,
-            logits_to_keep=0 if every_position else 1,
+            input_ids=ids, attention_mask=self.mask, position_ids=positions, **{self.cache.keyword: self.cache},
+            use_cache=True, logits_to_keep=0 if every_position else 1
         )
         return out.logits if every_position else out.logits[:, -1, :]
 
@@ -101,7 +110,10 @@ def observe_prompts(feeder: _Feeder, prompts: list[list[int]], lead: Lead | None
     if observation is None:
         return
     if lead is None:
-        raise ValueError(f"{feeder.cache.method.describe()} compresses after an observation pass, whose instruction needs the tokenizer")
+        raise ValueError(
+            f"{feeder.cache.method.describe()} compresses after an observation pass, whose instruction needs the "
+            "tokenizer"
+        )
     clock = time.perf_counter()
     openings = [lead.opening(first + row, ids) for row, ids in enumerate(prompts)]
     feeder.cache.begin_observation(torch.tensor(openings, device=feeder.device))
@@ -112,7 +124,8 @@ def observe_prompts(feeder: _Feeder, prompts: list[list[int]], lead: Lead | None
         for row, ids in enumerate(texts):
             text = observation.first if start == 0 else observation.later
             before = ids[max(0, start - observation.overlap) : start]
-            pieces.append(lead.introduce(first + row, text, before) + ids[start : start + size] if start < len(ids) else [])
+            pieces.append(
+                lead.introduce(first + row, text, before) + ids[start:start + size] if start < len(ids) else [])
         feeder.peek(pieces)
     _sync(feeder.device)
     feeder.cache.end_observation(time.perf_counter() - clock)
@@ -147,7 +160,8 @@ class Prefill:
     prompts: list[list[int]]  # each row's prompt tokens (for a method's observation pass)
 
 
-def _feed_chunks(feeder: _Feeder, chunk_lists: list[list[list[int]]], logits: torch.Tensor | None = None) -> torch.Tensor | None:
+def _feed_chunks(feeder: _Feeder, chunk_lists: list[list[list[int]]],
+                 logits: torch.Tensor | None = None) -> torch.Tensor | None:
     """Feed each row's chunks, one step per chunk; the last logits (``logits`` when nothing is left)."""
     for step in range(max(len(c) for c in chunk_lists)):
         logits = feeder.feed([chunks[step] if step < len(chunks) else [] for chunks in chunk_lists])
@@ -155,8 +169,8 @@ def _feed_chunks(feeder: _Feeder, chunk_lists: list[list[list[int]]], logits: to
 
 
 def prefill_groups(
-    model: PreTrainedModel, make_cache: Callable[[], KVCompressCache], prompts: list[list[int]], pad_id: int, prefill_tokens: int | None,
-    lead: Lead | None = None,
+    model: PreTrainedModel, make_cache: Callable[[], KVCompressCache], prompts: list[list[int]], pad_id: int,
+    prefill_tokens: int | None, lead: Lead | None = None
 ) -> tuple[_Feeder, torch.Tensor]:
     """Feed each row's prompt into a new cache (and run its method's observation pass, introduced by
     ``lead``: ``observe_prompts``). A batch whose padded prompt tokens exceed
@@ -195,11 +209,13 @@ def _pad_id(tokenizer: PreTrainedTokenizerBase) -> int:
 
 
 def _empty_state(model: PreTrainedModel, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.zeros(batch, 0, dtype=torch.long, device=model.device), torch.zeros(batch, dtype=torch.long, device=model.device)
+    return torch.zeros(batch, 0, dtype=torch.long,
+                       device=model.device), torch.zeros(batch, dtype=torch.long, device=model.device)
 
 
 @torch.inference_mode()
-def prefill(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompt: Prompt | list[Prompt], query_window: int | None = 64) -> Prefill:
+def prefill(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompt: Prompt | list[Prompt],
+            query_window: int | None = 64) -> Prefill:
     """Prefill ``prompt`` once (full cache), keeping the last ``query_window`` queries per layer
     (None: all, as H2O needs), so several methods can be compared on it without prefilling again
     (``generate(prefill=...)``). It must cover every method's ``queries_needed()``."""
@@ -211,7 +227,8 @@ def prefill(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompt: 
     start = time.perf_counter()
     logits = _feed_chunks(feeder, chunk_lists)
     _sync(model.device)
-    return Prefill(rows, is_batch, cache, logits, feeder.mask, feeder.position, time.perf_counter() - start, tokenizer, [chunks[0] for chunks in chunk_lists])
+    return Prefill(rows, is_batch, cache, logits, feeder.mask, feeder.position,
+                   time.perf_counter() - start, tokenizer, [chunks[0] for chunks in chunk_lists])
 
 
 def _from_prefill(model: PreTrainedModel, method: Method, record: Prefill) -> KVCompressCache:
@@ -263,29 +280,34 @@ def _resolve_method(method: Method | str | None) -> Method:
     if isinstance(method, str):
         return method_from_name(method)
     if not isinstance(method, Method):
-        raise InvalidParameterError(f"method={method!r} is invalid; give a kvcompress method (e.g. kvcompress.SnapKV()) or its name")
+        raise InvalidParameterError(
+            f"method={method!r} is invalid; give a kvcompress method (e.g. kvcompress.SnapKV()) or its name")
     return method
 
 
-def _over_context(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompt: str | list[str], method: Method, past: Result) -> _Start:
+def _over_context(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompt: str | list[str], method: Method,
+                  past: Result) -> _Start:
     """Questions over a stored context, each prefilled over the context's tokens (read, never written)
     and compressed with them by ``method``: one question per row of ``past``, or a list of questions over
     its one row (a batch, each row its own selection)."""
     if method.observation() is not None:
         raise InvalidParameterError(
-            f"{method.describe()} scores a prompt by an observation pass before its question, which a question over a stored context "
-            "does not need: compress per question with a question-aware method (snapkv, h2o, streamingllm, expected)"
-        )
+            f"{method.describe()} scores a prompt by an observation pass before its question, which a question over a "
+            "stored context "
+            "does not need: compress per question with a question-aware method (snapkv, h2o, streamingllm, expected)")
     if not all(row.open_turn for row in past.rows):
         raise InvalidParameterError(
-            "method= compresses a question over a stored context (kvc.compress(...)), and this conversation is not one waiting for its "
-            "question; continue it with method=None (its cache keeps its method)"
-        )
+            "method= compresses a question over a stored context (kvc.compress(...)), and this conversation is not one "
+            "waiting for its "
+            "question; continue it with method=None (its cache keeps its method)")
     if not past.cache.storable():
         raise InvalidParameterError(
-            f"this context was compressed with {past.cache.method.describe()}, which does not keep its prompt's tokens in a form a question "
-            "can be prefilled over; store it with kvc.compress(..., method=kvc.FullKV()) (or a prompt method with heads='uniform' and "
-            "layers='uniform', which thins it) to compress per question, or continue it with method=None (on the command line: leave --method out)"
+            f"this context was compressed with {past.cache.method.describe()}, which does not keep its prompt's tokens "
+            "in a form a question "
+            "can be prefilled over; store it with kvc.compress(..., method=kvc.FullKV()) (or a prompt method with "
+            "heads='uniform' and "
+            "layers='uniform', which thins it) to compress per question, or continue it with method=None (on the "
+            "command line: leave --method out)"
         )
     stored = len(past.rows)
     if isinstance(prompt, list) and stored == 1:
@@ -293,16 +315,20 @@ def _over_context(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, pr
     else:
         questions, index = per_row(prompt, stored, "prompt"), list(range(stored))
     if not questions or not all(isinstance(q, str) and q.strip() for q in questions):
-        raise InvalidParameterError("give each question over a stored context as a non-empty string (a list of them for a batch)")
+        raise InvalidParameterError(
+            "give each question over a stored context as a non-empty string (a list of them for a batch)")
     contexts = {i: context_ids(tokenizer, past.rows[i]) for i in set(index)}
     rows = [copy.deepcopy(past.rows[i]) for i in index]
     asked = [ask(tokenizer, row, question, contexts[i]) for row, question, i in zip(rows, questions, index)]
     width = max(len(ids) for ids in asked)
     chosen = torch.tensor(index, device=model.device)
     cache = method.make_cache(model, tokenizer)
-    spans = joined_spans(cache.span_table, [contexts[i] + ids for i, ids in zip(index, asked)], past.attention_mask.shape[-1] + width)
-    cache.continue_context(past.cache, chosen, [width - len(ids) for ids in asked], None if spans is None else spans.to(model.device))
-    return _Start(cache, rows, len(rows) > 1 or isinstance(prompt, list), [[ids] for ids in asked], past.attention_mask[chosen],
+    spans = joined_spans(cache.span_table, [contexts[i] + ids for i, ids in zip(index, asked)],
+                         past.attention_mask.shape[-1] + width)
+    cache.continue_context(past.cache, chosen, [width - len(ids) for ids in asked],
+                           None if spans is None else spans.to(model.device))
+    return _Start(cache, rows,
+                  len(rows) > 1 or isinstance(prompt, list), [[ids] for ids in asked], past.attention_mask[chosen],
                   past.next_position[chosen], context=past.cache)
 
 
@@ -310,17 +336,22 @@ def _start(model, tokenizer, prompt, method, question, past, record) -> _Start:
     """The ways in: a new prompt, a follow-up turn (``past``), a question over a stored context (``past``
     and a method), or a shared prefill (``record``)."""
     if past is not None:
-        past.cache.check_model(model, "continue a conversation with the model that began it (or kvc.load it for this one)")
+        past.cache.check_model(model,
+                               "continue a conversation with the model that began it (or kvc.load it for this one)")
         if question is not None:
             raise InvalidParameterError("with past=, give the question as prompt (question= splits a new prompt)")
         if method is not None:
             return _over_context(model, tokenizer, prompt, _resolve_method(method), past)
         if past.cache.get_seq_length() != past.attention_mask.shape[-1]:
             raise CacheMisuseError(
-                "kvcompress: this conversation was already continued by another generate(past=...) call, which appended to its "
-                "cache; ask each question of its own copy (past=context.copy()), or continue the Result that call returned"
+                "kvcompress: this conversation was already continued by another generate(past=...) call, which "
+                "appended to its "
+                "cache; ask each question of its own copy (past=context.copy()), or continue the Result that call "
+                "returned"
             )
-        chunk_lists = [[follow_up(tokenizer, row, text)] for row, text in zip(past.rows, per_row(prompt, len(past.rows), "prompt"))]
+        chunk_lists = [
+            [follow_up(tokenizer, row, text)] for row, text in zip(past.rows, per_row(prompt, len(past.rows), "prompt"))
+        ]
         if past.cache.device_of() not in (None, model.device):  # a context stored in host memory, continued as it is
             past.cache.move(model.device)
         return _Start(past.cache, past.rows, len(past.rows) > 1, chunk_lists, past.attention_mask, past.next_position)
@@ -329,14 +360,15 @@ def _start(model, tokenizer, prompt, method, question, past, record) -> _Start:
         if prompt is not None or question is not None:
             raise InvalidParameterError("give either prompt (and question) or prefill, not both")
         cache = _from_prefill(model, _resolve_method(method), record)
-        return _Start(cache, copy.deepcopy(record.rows), record.is_batch, [], record.attention_mask, record.next_position, record.logits, record.prefill_s)
+        return _Start(cache, copy.deepcopy(record.rows), record.is_batch, [], record.attention_mask,
+                      record.next_position, record.logits, record.prefill_s)
     if prompt is None:
         raise InvalidParameterError("give a prompt (or prefill=, or past=)")
     resolved = _resolve_method(method)
     rows, chunk_lists, is_batch, opened = new_rows(tokenizer, prompt, question)
     return _Start(
-        None, rows, is_batch, chunk_lists, *_empty_state(model, len(rows)), make_cache=lambda: resolved.make_cache(model, tokenizer),
-        lead=ChatLeads(tokenizer, opened),
+        None, rows, is_batch, chunk_lists, *_empty_state(model, len(rows)),
+        make_cache=lambda: resolved.make_cache(model, tokenizer), lead=ChatLeads(tokenizer, opened)
     )
 
 
@@ -346,8 +378,10 @@ def _check_settings(max_new_tokens: int, compile: bool | Compile, prefill_tokens
         raise InvalidParameterError(f"max_new_tokens={max_new_tokens!r} is invalid; it must be an integer >= 1")
     if not isinstance(compile, (bool, Compile)):
         raise InvalidParameterError(f"compile={compile!r} is invalid; give True, False or a kvcompress.Compile")
-    if prefill_tokens is not None and (not isinstance(prefill_tokens, int) or isinstance(prefill_tokens, bool) or prefill_tokens < 1):
-        raise InvalidParameterError(f"prefill_tokens={prefill_tokens!r} is invalid; give an integer >= 1, or None for one prefill of all rows")
+    if prefill_tokens is not None and (not isinstance(prefill_tokens, int) or isinstance(prefill_tokens, bool) or
+                                       prefill_tokens < 1):
+        raise InvalidParameterError(
+            f"prefill_tokens={prefill_tokens!r} is invalid; give an integer >= 1, or None for one prefill of all rows")
 
 
 def _result(begin: _Start, feeder: _Feeder, decoded: Decoded, tokenizer: PreTrainedTokenizerBase, eos: set[int],
@@ -364,36 +398,29 @@ def _result(begin: _Start, feeder: _Feeder, decoded: Decoded, tokenizer: PreTrai
     timed = steps - decoded.compile_steps  # the steps that compiled are timed as compile_s, never as decoding
     # ttft_s: what a user waits for the first token: the prompt fed, any observation pass and the compression, the first
     # token's logits (it is their argmax); decoding's own time is decode_ms_per_token, a first compilation compile_s
-    cache.timings = {"prefill_s": prefill_s, "ttft_s": prefill_s, "decode_ms_per_token": 1000 * (decode_s - decoded.compile_s) / timed if timed else None,
-                     "compile_s": decoded.compile_s if compiled else None}
+    cache.timings = {
+        "prefill_s": prefill_s, "ttft_s": prefill_s,
+        "decode_ms_per_token": 1000 * (decode_s - decoded.compile_s) / timed if timed else None,
+        "compile_s": decoded.compile_s if compiled else None
+    }
     stats = cache.stats()
     stats["new_tokens"] = [len(g) for g in generated] if begin.is_batch else len(generated[0])
     if begin.context is not None:  # the stored context, apart: where it is and what it holds
         held = begin.context.stats()
-        stats.update(context_bytes=held["device_bytes"] + held["offloaded_bytes"], context_on=str(begin.context.device_of()))
+        stats.update(context_bytes=held["device_bytes"] + held["offloaded_bytes"],
+                     context_on=str(begin.context.device_of()))
     return Result(
-        text=texts if begin.is_batch else texts[0],
-        stats=stats,
-        cache=cache,
-        token_ids=generated,
-        rows=begin.rows,
-        attention_mask=feeder.mask,
-        next_position=feeder.position,
+        text=texts if begin.is_batch else texts[0], stats=stats, cache=cache, token_ids=generated, rows=begin.rows,
+        attention_mask=feeder.mask, next_position=feeder.position
     )
 
 
 @torch.inference_mode()
 def generate(
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    prompt: Prompt | list[Prompt] | None = None,
-    method: Method | str | None = None,
-    max_new_tokens: int = 64,
-    question: str | list[str] | None = None,
-    past: Result | None = None,
-    prefill: Prefill | None = None,
-    compile: bool | Compile = False,
-    prefill_tokens: int | None = PREFILL_TOKENS,
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompt: Prompt | list[Prompt] | None = None,
+    method: Method | str | None = None, max_new_tokens: int = 64, question: str | list[str] | None = None,
+    past: Result | None = None, prefill: Prefill | None = None, compile: bool | Compile = False,
+    prefill_tokens: int | None = PREFILL_TOKENS
 ) -> Result:
     """Greedy generation with ``method`` (a method, or its name) applied to the prompt's KV cache.
 
@@ -411,10 +438,12 @@ def generate(
     _check_settings(max_new_tokens, compile, prefill_tokens)
     clock = time.perf_counter()
     begin = _start(model, tokenizer, prompt, method, question, past, prefill)
-    fed = [int(p) + sum(len(c) for c in chunks) for p, chunks in zip(begin.position.tolist(), begin.chunk_lists)] if begin.chunk_lists else begin.position.tolist()
+    fed = [int(p) + sum(len(c) for c in chunks) for p, chunks in zip(begin.position.tolist(), begin.chunk_lists)
+           ] if begin.chunk_lists else begin.position.tolist()
     _check_lengths(model, fed, max_new_tokens)
     if begin.cache is None:  # a new prompt: prefilled in groups of rows when the batch is large
-        feeder, first = prefill_groups(model, begin.make_cache, [chunks[0] for chunks in begin.chunk_lists], _pad_id(tokenizer), prefill_tokens, begin.lead)
+        feeder, first = prefill_groups(model, begin.make_cache, [chunks[0] for chunks in begin.chunk_lists],
+                                       _pad_id(tokenizer), prefill_tokens, begin.lead)
         logits = _feed_chunks(feeder, [chunks[1:] for chunks in begin.chunk_lists], first)
     else:
         feeder = _Feeder(model, begin.cache, begin.mask, begin.position, _pad_id(tokenizer))
@@ -432,13 +461,15 @@ def generate(
     return _result(begin, feeder, decoded, tokenizer, eos, prefill_s, decode_s, options is not None)
 
 
-QUERY_WINDOW = 64  # a stored context's last prefill queries kept per layer, for the question-aware methods asked over it
+# a stored context's last prefill queries kept per layer, for the question-aware methods asked over it
+QUERY_WINDOW = 64
 
 
 @torch.inference_mode()
 def compress(
-    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompt: Prompt | list[Prompt], method: Method | str | None = None,
-    prefill_tokens: int | None = PREFILL_TOKENS, query_window: int | None | str = "auto",
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompt: Prompt | list[Prompt],
+    method: Method | str | None = None, prefill_tokens: int | None = PREFILL_TOKENS,
+    query_window: int | None | str = "auto"
 ) -> Result:
     """Prefill and compress ``prompt`` (a document, a codebase, a chat history; or a list of them)
     once, with no question: the result waits for one, ``generate(model, tokenizer, question,
@@ -454,8 +485,10 @@ def compress(
     where it is thinned (they would add to what a compressed context holds). On an accelerator, a
     context that keeps every token is held in host memory."""
     auto = query_window == "auto"
-    if not auto and query_window is not None and (not isinstance(query_window, int) or isinstance(query_window, bool) or query_window < 0):
-        raise InvalidParameterError(f"query_window={query_window!r} is invalid; give an integer >= 0, None to keep every query, or 'auto'")
+    if not auto and query_window is not None and (not isinstance(query_window, int) or isinstance(query_window, bool) or
+                                                  query_window < 0):
+        raise InvalidParameterError(
+            f"query_window={query_window!r} is invalid; give an integer >= 0, None to keep every query, or 'auto'")
     clock = time.perf_counter()
     prompts, is_batch = prompt_rows(prompt)
     turns = [context_turn(tokenizer, p) for p in prompts]
@@ -463,17 +496,19 @@ def compress(
     resolved = _resolve_method(method)
     rows = [row for row, _ in turns]
     feeder, _ = prefill_groups(
-        model, lambda: _recording(resolved.make_cache(model, tokenizer), QUERY_WINDOW if auto else query_window), [context for _, context in turns],
-        _pad_id(tokenizer), prefill_tokens, ChatLeads(tokenizer, rows),
+        model, lambda: _recording(resolved.make_cache(model, tokenizer), QUERY_WINDOW if auto else query_window),
+        [context for _, context in turns], _pad_id(tokenizer), prefill_tokens, ChatLeads(tokenizer, rows)
     )
     _sync(model.device)
-    feeder.cache.timings = {"prefill_s": time.perf_counter() - clock, "ttft_s": None, "decode_ms_per_token": None, "compile_s": None}
+    feeder.cache.timings = {
+        "prefill_s": time.perf_counter() - clock, "ttft_s": None, "decode_ms_per_token": None, "compile_s": None
+    }
     whole = feeder.cache.storable() and feeder.cache.stats()["kv_kept_fraction"] == 1.0
     if auto and not whole:
         feeder.cache.forget_records()
     if whole and model.device.type != "cpu":
         feeder.cache.move("cpu")  # every token kept: the device holds only what each question selects
     return Result(
-        text=[""] * len(rows) if is_batch else "", stats=feeder.cache.stats(), cache=feeder.cache, token_ids=[[] for _ in rows], rows=rows,
-        attention_mask=feeder.mask, next_position=feeder.position,
+        text=[""] * len(rows) if is_batch else "", stats=feeder.cache.stats(), cache=feeder.cache,
+        token_ids=[[] for _ in rows], rows=rows, attention_mask=feeder.mask, next_position=feeder.position
     )

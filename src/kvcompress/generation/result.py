@@ -73,10 +73,22 @@ class Result:
         tensors["conversation.next_position"] = self.next_position.cpu()
         method = self.cache.method
         meta = {
-            "format": FORMAT, "version": VERSION, "written_by": f"kvcompress {package_version()}", "model": model_fingerprint(model),
-            "method": {"name": method.name, "fields": {spec.name: getattr(method, spec.name) for spec in field_specs(type(method))}},
-            "layers": layers, "rows": [asdict(row) for row in self.rows], "text": self.text, "token_ids": self.token_ids,
-            "stats": self.stats, "embeds_itself": self.cache.embeds_itself, "observe_s": self.cache.observe_s,
+            "format": FORMAT,
+            "version": VERSION,
+            "written_by": f"kvcompress {package_version()}",
+            "model": model_fingerprint(model),
+            "method": {
+                "name": method.name,
+                "fields": {spec.name: getattr(method, spec.name)
+                           for spec in field_specs(type(method))}
+            },
+            "layers": layers,
+            "rows": [asdict(row) for row in self.rows],
+            "text": self.text,
+            "token_ids": self.token_ids,
+            "stats": self.stats,
+            "embeds_itself": self.cache.embeds_itself,
+            "observe_s": self.cache.observe_s,
         }
         staging = target.with_name(f".{target.name}.{os.getpid()}.partial")
         try:
@@ -94,15 +106,20 @@ class Result:
         if model is None:
             raise CacheFileError("the model this cache was made for is gone; copy while it is loaded")
         tensors, layers = cache_state(self.cache)
-        cache = _rebuilt(self.cache.method, model, self.cache.span_table, layers, {key: t.clone() for key, t in tensors.items()})
-        cache.embeds_itself, cache.timings, cache.observe_s = self.cache.embeds_itself, dict(self.cache.timings), self.cache.observe_s
+        cache = _rebuilt(self.cache.method, model, self.cache.span_table, layers,
+                         {key: t.clone()
+                          for key, t in tensors.items()})
+        cache.embeds_itself, cache.timings, cache.observe_s = self.cache.embeds_itself, dict(
+            self.cache.timings), self.cache.observe_s
         return Result(
             text=copy.deepcopy(self.text), stats=dict(self.stats), cache=cache, token_ids=copy.deepcopy(self.token_ids),
-            rows=copy.deepcopy(self.rows), attention_mask=self.attention_mask.clone(), next_position=self.next_position.clone(),
+            rows=copy.deepcopy(self.rows), attention_mask=self.attention_mask.clone(),
+            next_position=self.next_position.clone()
         )
 
 
-def _rebuilt(method: Method, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | TokenSpans | None, layers: list[dict[str, Any]], tensors: dict[str, torch.Tensor]) -> KVCompressCache:
+def _rebuilt(method: Method, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | TokenSpans | None,
+             layers: list[dict[str, Any]], tensors: dict[str, torch.Tensor]) -> KVCompressCache:
     """A fresh cache of ``method`` for ``model`` holding a saved state."""
     cache = method.make_cache(model, tokenizer)
     restore_cache(cache, layers, tensors, model.device)
@@ -130,12 +147,15 @@ def read_header(path: str | Path) -> dict[str, Any]:
     if meta.get("version") != VERSION:
         writer = meta.get("written_by", "an earlier kvcompress")
         raise CacheFileError(
-            f"{path} is in kvcompress cache format version {meta.get('version')} (written by {writer}); this kvcompress "
-            f"{package_version()} reads version {VERSION}: compress the document again with this version"
-        )
+            f"{path} is in kvcompress cache format version {meta.get('version')} (written by {writer}); this "
+            "kvcompress "
+            f"{package_version()} reads version {VERSION}: compress the document again with this version")
     name = meta["method"]["name"]
     if name not in METHODS:
-        raise CacheFileError(f"{path} was made with method {name!r}, which is not registered here (register it with kvc.register_method first)")
+        raise CacheFileError(
+            f"{path} was made with method {name!r}, which is not registered here (register it with kvc.register_method "
+            "first)"
+        )
     return meta
 
 
@@ -162,7 +182,10 @@ def load(path: str | Path, model: PreTrainedModel, tokenizer: PreTrainedTokenize
     was saved from), ready to continue with ``generate(model, tokenizer, prompt, past=...)``."""
     meta = read_header(path)
     if meta["model"] != model_fingerprint(model):
-        raise CacheFileError(f"{path} was saved from another model (fingerprint {meta['model']}, this {type(model).__name__}: {model_fingerprint(model)}); load it into the model it was made with")
+        raise CacheFileError(
+            f"{path} was saved from another model (fingerprint {meta['model']}, this {type(model).__name__}: "
+            f"{model_fingerprint(model)}); load it into the model it was made with"
+        )
     try:
         with safe_open(str(path), framework="pt") as file:
             tensors = {key: file.get_tensor(key) for key in file.keys()}
@@ -172,6 +195,8 @@ def load(path: str | Path, model: PreTrainedModel, tokenizer: PreTrainedTokenize
     cache.embeds_itself, cache.observe_s = meta["embeds_itself"], meta.get("observe_s", 0.0)
     cache.timings = {key: meta["stats"].get(key) for key in cache.timings}
     return Result(
-        text=meta["text"], stats=meta["stats"], cache=cache, token_ids=meta["token_ids"], rows=[Row(**row) for row in meta["rows"]],
-        attention_mask=tensors["conversation.attention_mask"].long().to(model.device), next_position=tensors["conversation.next_position"].to(model.device),
+        text=meta["text"], stats=meta["stats"], cache=cache, token_ids=meta["token_ids"],
+        rows=[Row(**row) for row in meta["rows"]],
+        attention_mask=tensors["conversation.attention_mask"].long().to(model.device),
+        next_position=tensors["conversation.next_position"].to(model.device)
     )

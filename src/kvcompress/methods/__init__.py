@@ -23,7 +23,10 @@ from .shadowkv import ShadowKV
 from .snapkv import SnapKV
 from .streaming import StreamingLLM
 
-METHODS: dict[str, type[Method]] = {cls.name: cls for cls in (FullKV, SnapKV, StreamingLLM, H2O, KVzip, ExpectedAttention, ShadowKV, Quest, Loki)}
+METHODS: dict[str, type[Method]] = {
+    cls.name: cls
+    for cls in (FullKV, SnapKV, StreamingLLM, H2O, KVzip, ExpectedAttention, ShadowKV, Quest, Loki)
+}
 
 
 def register_method(cls: type[Method]) -> type[Method]:
@@ -46,7 +49,10 @@ def method_from_name(name: str, **params: Any) -> Method:
     accepted = {spec.name for spec in field_specs(cls)}
     unknown = sorted(k for k, v in params.items() if v is not None and k not in accepted)
     if unknown:
-        raise InvalidParameterError(f"method {name!r} does not take {', '.join(unknown)}; it takes: {', '.join(sorted(accepted)) or 'no parameters'}")
+        raise InvalidParameterError(
+            f"method {name!r} does not take {', '.join(unknown)}; "
+            f"it takes: {', '.join(sorted(accepted)) or 'no parameters'}"
+        )
     return cls(**{k: v for k, v in params.items() if v is not None})
 
 
@@ -76,7 +82,10 @@ def method_from_spec(spec: str, **defaults: Any) -> Method:
     for setting in settings:
         key, sep, text = setting.partition("=")
         if not sep or key not in fields:
-            raise InvalidParameterError(f"method spec {spec!r}: {setting!r} is not field=value for a field of {name} ({', '.join(fields) or 'none'})")
+            raise InvalidParameterError(
+                f"method spec {spec!r}: {setting!r} is not field=value for a field of {name} "
+                f"({', '.join(fields) or 'none'})"
+            )
         params[key] = parse_value(fields[key], text)
     if "ratio" in params and any(s.startswith("ratio=") for s in settings) and "budget" in defaults:
         params.pop("budget", None)  # a ratio in the spec replaces the benchmark's budget
@@ -84,6 +93,7 @@ def method_from_spec(spec: str, **defaults: Any) -> Method:
 
 
 __all__ = [
-    "BudgetMethod", "ExpectedAttention", "FieldSpec", "FullKV", "H2O", "KVzip", "InvalidParameterError", "Loki", "METHODS", "Method", "PromptMethod", "Quest", "ShadowKV",
-    "SnapKV", "StreamingLLM", "field_specs", "method_class", "method_from_name", "method_from_spec", "parse_value", "register_method",
+    "BudgetMethod", "ExpectedAttention", "FieldSpec", "FullKV", "H2O", "KVzip", "InvalidParameterError", "Loki",
+    "METHODS", "Method", "PromptMethod", "Quest", "ShadowKV", "SnapKV", "StreamingLLM", "field_specs", "method_class",
+    "method_from_name", "method_from_spec", "parse_value", "register_method"
 ]

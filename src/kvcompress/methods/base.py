@@ -48,10 +48,12 @@ def require(ok: bool, message: str) -> None:
         raise InvalidParameterError(message)
 
 
-def param(default: Any, help: str, *, minimum: float | None = None, choices: tuple[str, ...] | None = None, above: float | None = None, at_most: float | None = None) -> Any:
+def param(default: Any, help: str, *, minimum: float | None = None, choices: tuple[str, ...] | None = None,
+          above: float | None = None, at_most: float | None = None) -> Any:
     """A method field: its default, its help text (shown by the CLI) and its valid range:
     ``minimum`` (inclusive), ``above`` (exclusive), ``at_most`` (inclusive), or ``choices``."""
-    return field(default=default, metadata={"help": help, "minimum": minimum, "above": above, "at_most": at_most, "choices": choices})
+    return field(default=default,
+                 metadata={"help": help, "minimum": minimum, "above": above, "at_most": at_most, "choices": choices})
 
 
 def default_of(cls: type, name: str, default: Any) -> Any:
@@ -85,10 +87,13 @@ class FieldSpec:
         valid_type = isinstance(value, bool) if self.kind is bool else (
             isinstance(value, (int, float) if self.kind is float else self.kind) and not isinstance(value, bool)
         )
-        require(valid_type and (self.kind is not float or math.isfinite(value)), f"{owner}: {self.name}={value!r} is invalid; it must be {self._what()}")
+        require(valid_type and (self.kind is not float or math.isfinite(value)),
+                f"{owner}: {self.name}={value!r} is invalid; it must be {self._what()}")
         if self.choices is not None:
-            require(value in self.choices, f"{owner}: {self.name}={value!r} is unknown; valid: {', '.join(self.choices)}")
-        in_range = (self.minimum is None or value >= self.minimum) and (self.above is None or value > self.above) and (self.at_most is None or value <= self.at_most)
+            require(value in self.choices,
+                    f"{owner}: {self.name}={value!r} is unknown; valid: {', '.join(self.choices)}")
+        in_range = ((self.minimum is None or value >= self.minimum) and (self.above is None or value > self.above)
+                    and (self.at_most is None or value <= self.at_most))
         if self.above is not None or self.at_most is not None:
             require(in_range, f"{owner}: {self.name}={value!r} is outside the valid range {self._interval()}")
         require(in_range, f"{owner}: {self.name}={value!r} is invalid; it must be {self._what()}")
@@ -100,7 +105,10 @@ class FieldSpec:
         return self._what(optional_note=False)
 
     def _interval(self) -> str:
-        low = f"({self.above:g}" if self.above is not None else f"[{self.minimum:g}" if self.minimum is not None else "(-inf"
+        if self.above is not None:
+            low = f"({self.above:g}"
+        else:
+            low = f"[{self.minimum:g}" if self.minimum is not None else "(-inf"
         high = f"{self.at_most:g}]" if self.at_most is not None else "inf)"
         return f"{low}, {high}"
 
@@ -123,8 +131,10 @@ def field_specs(cls: type) -> list[FieldSpec]:
         args = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else ()
         kinds = [a for a in args if a is not type(None)] or [hint]
         meta = f.metadata
-        specs.append(FieldSpec(f.name, kinds[0], type(None) in args, None if f.default is MISSING else f.default, meta.get("help", ""),
-                               meta.get("minimum"), meta.get("above"), meta.get("at_most"), meta.get("choices")))
+        specs.append(
+            FieldSpec(f.name, kinds[0],
+                      type(None) in args, None if f.default is MISSING else f.default, meta.get("help", ""),
+                      meta.get("minimum"), meta.get("above"), meta.get("at_most"), meta.get("choices")))
     return specs
 
 
@@ -156,7 +166,8 @@ class Method:
     def validate(self) -> None:
         """Checks across fields; raise ``InvalidParameterError`` naming the values and the valid range."""
 
-    def make_cache(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | TokenSpans | None = None) -> KVCompressCache:
+    def make_cache(self, model: PreTrainedModel,
+                   tokenizer: PreTrainedTokenizerBase | TokenSpans | None = None) -> KVCompressCache:
         """A transformers ``Cache`` applying this method to ``model`` (see ``integration.make_cache``);
         ``tokenizer`` (or its ``TokenSpans``) tells it where words and numbers start (needed by
         ``needs_tokens`` methods; without it they load the model's own tokenizer from disk)."""
@@ -196,7 +207,8 @@ class Method:
         """After an observation pass, before any of ``layers`` (each holding its whole prompt)
         compresses. Default: nothing."""
 
-    def scores(self, query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scaling: float, spans: torch.Tensor | None = None) -> torch.Tensor:
+    def scores(self, query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scaling: float,
+               spans: torch.Tensor | None = None) -> torch.Tensor:
         """Importance of each prompt position per KV head ``[batch, kv_heads, seq]``; higher is kept.
         ``query``: the prefill's post-RoPE queries; ``spans [batch, seq]``: the word/number span of
         each token (``tokens.TokenSpans``; None when unknown); padding is excluded by the caller."""
@@ -213,12 +225,15 @@ class Method:
     def describe(self) -> str:
         """``snapkv(budget=256, window=32, ...)``: every setting (quiet ones only when changed)."""
         defaults = {spec.name: spec.default for spec in field_specs(type(self))}
-        shown = ", ".join(f"{k}={v}" for k, v in self.settings().items() if v is not None and not (k in self.quiet_fields and v == defaults[k]))
+        shown = ", ".join(f"{k}={v}" for k, v in self.settings().items()
+                          if v is not None and not (k in self.quiet_fields and v == defaults[k]))
         return f"{self.name}({shown})"
 
     def label(self) -> str:
         """Short form for tables: the name and the settings that differ from the defaults."""
-        changed = [f"{s.name}={getattr(self, s.name)}" for s in field_specs(type(self)) if getattr(self, s.name) != s.default]
+        changed = [
+            f"{s.name}={getattr(self, s.name)}" for s in field_specs(type(self)) if getattr(self, s.name) != s.default
+        ]
         return " ".join([self.name, *changed])
 
 
@@ -229,9 +244,11 @@ class BudgetMethod(Method):
 
     default_budget: ClassVar[int] = 1024
     budget: int | None = param(
-        None, "working-set size in tokens per KV head: prompt tokens kept (prompt compression) or attended per decoding "
+        None,
+        "working-set size in tokens per KV head: prompt tokens kept (prompt compression) or attended per decoding "
         "step (sparse decoding)", minimum=1)
-    ratio: float | None = param(None, "fraction of each prompt used instead of a fixed budget, in (0, 1]", above=0, at_most=1)
+    ratio: float | None = param(None, "fraction of each prompt used instead of a fixed budget, in (0, 1]", above=0,
+                                at_most=1)
 
     def validate(self) -> None:
         require(
@@ -273,9 +290,14 @@ def require_rope(model: PreTrainedModel, owner: str) -> None:
     for index, window in enumerate(layer_windows(model)):
         problem = check_rope(model, index, head_dim) if window is None else None
         if problem:
-            raise UnsupportedModelError(f"{owner} needs rotary position embeddings it can invert, and {type(model).__name__}: {problem}")
+            raise UnsupportedModelError(
+                f"{owner} needs rotary position embeddings it can invert, and {type(model).__name__}: {problem}")
 
 
 def check_reserved(owner: str, budget: int, reserved_name: str, reserved: int, what: str) -> None:
     """``budget`` must exceed the ``reserved`` tokens it always includes (a window, sinks, ...)."""
-    require(budget > reserved, f"{owner}: budget={budget} must be greater than {reserved_name}={reserved} (budget counts the {what}; valid: budget > {reserved})")
+    require(
+        budget > reserved,
+        f"{owner}: budget={budget} must be greater than {reserved_name}={reserved} (budget counts the {what}; valid: "
+        f"budget > {reserved})"
+    )

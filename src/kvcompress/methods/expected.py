@@ -38,7 +38,8 @@ if TYPE_CHECKING:
     from .prompt import EvictionLayer
 
 
-def query_statistics(query: torch.Tensor, real: torch.Tensor, covariance: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+def query_statistics(query: torch.Tensor, real: torch.Tensor,
+                     covariance: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Mean ``[b, h, d]`` and (biased) covariance ``[b, h, d, d]`` in float32 of the queries
     ``[b, h, n, d]`` whose ``real [b, n]`` is True."""
     weight = real.float()[:, None, :, None]
@@ -51,11 +52,13 @@ def query_statistics(query: torch.Tensor, real: torch.Tensor, covariance: bool) 
 
 
 def rotate_rows(matrix: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``matrix @ R'`` for the linear map ``R: x -> apply_rope(x, cos, sin)``: each row of ``matrix [..., d, d]`` mapped by ``R``."""
+    """``matrix @ R'`` for the linear map ``R: x -> apply_rope(x, cos, sin)``: each row of ``matrix [..., d, d]``
+    mapped by ``R``."""
     return apply_rope(matrix, cos[..., None, :], sin[..., None, :])
 
 
-def future_statistics(mean: torch.Tensor, cov: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+def future_statistics(mean: torch.Tensor, cov: torch.Tensor | None, cos: torch.Tensor,
+                      sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``R mean`` and ``R cov R'`` for ``R`` the average rotation of the future positions:
     ``cos``/``sin [b, future, rotary_dim]`` are averaged (a mean of rotations is the map with the
     mean coefficients)."""
@@ -66,9 +69,8 @@ def future_statistics(mean: torch.Tensor, cov: torch.Tensor | None, cos: torch.T
     return mean, rotate_rows(rotate_rows(cov, cos, sin).transpose(-1, -2), cos, sin).transpose(-1, -2)
 
 
-def expected_attention_scores(
-    keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor, mean: torch.Tensor, cov: torch.Tensor | None, scaling: float, sinks: int, value_norm: bool
-) -> torch.Tensor:
+def expected_attention_scores(keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor, mean: torch.Tensor,
+                              cov: torch.Tensor | None, scaling: float, sinks: int, value_norm: bool) -> torch.Tensor:
     """``[b, kv_heads, seq]``: each key's expected attention from queries ``N(mean, cov)`` (per query
     head ``[b, q_heads, d]``, ``[b, q_heads, d, d]``), the softmax over the real keys after the first
     ``sinks`` real tokens, averaged over each KV head's query heads, times the value norm; ``+inf`` on the sinks."""
@@ -97,7 +99,9 @@ class ExpectedAttention(PromptMethod):
     sinks: int = param(4, "first prompt tokens always kept, and left out of the statistics", minimum=0)
     covariance: bool = param(True, "use the queries' covariance as well as their mean")
     value_norm: bool = param(True, "weight each key's expected attention by the norm of its value")
-    clustering: str = param("spans", "spans: each word or number scored by its best token, kept whole; none: per-token scores", choices=("spans", "none"))
+    clustering: str = param("spans",
+                            "spans: each word or number scored by its best token, kept whole; none: per-token scores",
+                            choices=("spans", "none"))
 
     def validate(self) -> None:
         super().validate()
@@ -134,9 +138,13 @@ class ExpectedAttention(PromptMethod):
         mean, cov = query_statistics(unrotated, (asked >= self.sinks) & valid[:, -query.shape[-2] :], self.covariance)
         ahead = layer.prompt_tokens[:, None] + torch.arange(self.future, device=valid.device)[None, :]
         mean, cov = future_statistics(mean, cov, *layer.rotary.cos_sin(ahead, mean))
-        scores = expected_attention_scores(layer.keys, layer.values, valid, mean, cov, scaling, self.sinks, self.value_norm)
+        scores = expected_attention_scores(layer.keys, layer.values, valid, mean, cov, scaling, self.sinks,
+                                           self.value_norm)
         if self.clustering == "none":
             return scores
         if layer.spans is None:
-            raise ValueError("ExpectedAttention(clustering='spans') needs the prompt's token ids; the model was called with embeddings only: use clustering='none'")
+            raise ValueError(
+                "ExpectedAttention(clustering='spans') needs the prompt's token ids; the model was called with "
+                "embeddings only: use clustering='none'"
+            )
         return span_max(scores, layer.spans)

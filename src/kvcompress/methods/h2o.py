@@ -33,7 +33,8 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 
-def accumulated_attention(query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scaling: float, block: int = 256) -> torch.Tensor:
+def accumulated_attention(query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scaling: float,
+                          block: int = 256) -> torch.Tensor:
     """Attention each key receives, summed over all (real, causal) queries, per query head
     ``[batch, q_heads, seq]``; computed ``block`` queries and one KV head at a time, so memory stays
     linear in the prompt length."""
@@ -44,11 +45,14 @@ def accumulated_attention(query: torch.Tensor, keys: torch.Tensor, valid: torch.
     key_pos = torch.arange(seq, device=query.device)
     for start in range(0, seq, block):
         rows = min(block, seq - start)
-        visible = (key_pos[None, :] <= torch.arange(start, start + rows, device=query.device)[:, None])[None, None] & valid[:, None, None, :]
+        visible = (key_pos[None, :] <= torch.arange(start, start + rows,
+                                                    device=query.device)[:, None])[None, None] & valid[:, None, None, :]
         for h in range(kv_heads):
-            logits = grouped_logits(query[:, h * group : (h + 1) * group, start : start + rows], keys[:, h : h + 1], scaling)
-            probs = key_probabilities(logits.masked_fill(~visible, torch.finfo(torch.float32).min), slice(h * group, (h + 1) * group))
-            total[:, h * group : (h + 1) * group] += (probs * valid[:, None, start : start + rows, None]).sum(dim=2)  # padding queries vote nothing
+            logits = grouped_logits(query[:, h * group:(h + 1) * group, start:start + rows], keys[:, h:h + 1], scaling)
+            probs = key_probabilities(logits.masked_fill(~visible, torch.finfo(torch.float32).min),
+                                      slice(h * group, (h + 1) * group))
+            # padding queries vote nothing
+            total[:, h * group : (h + 1) * group] += (probs * valid[:, None, start : start + rows, None]).sum(dim=2)
     return total
 
 
@@ -59,9 +63,11 @@ def protect_recent(scores: torch.Tensor, recent: int) -> torch.Tensor:
     return protected
 
 
-def h2o_scores(query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scaling: float, recent: int, block: int = 256) -> torch.Tensor:
+def h2o_scores(query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scaling: float, recent: int,
+               block: int = 256) -> torch.Tensor:
     """``[batch, kv_heads, seq]``: accumulated attention, with the ``recent`` last tokens at ``+inf``."""
-    return protect_recent(average_over_groups(accumulated_attention(query, keys, valid, scaling, block), keys.shape[1]), recent)
+    return protect_recent(average_over_groups(accumulated_attention(query, keys, valid, scaling, block), keys.shape[1]),
+                          recent)
 
 
 @dataclass
@@ -75,8 +81,11 @@ class H2O(PromptMethod):
 
     def validate(self) -> None:
         super().validate()
-        require(not (self.evict_during_decoding and self.ratio is not None), "H2O: evict_during_decoding needs a fixed budget, not ratio")
-        require(not (self.evict_during_decoding and self.heads == "adaptive"), "H2O: evict_during_decoding keeps a uniform budget per head; it does not combine with heads='adaptive'")
+        require(not (self.evict_during_decoding and self.ratio is not None),
+                "H2O: evict_during_decoding needs a fixed budget, not ratio")
+        require(
+            not (self.evict_during_decoding and self.heads == "adaptive"),
+            "H2O: evict_during_decoding keeps a uniform budget per head; it does not combine with heads='adaptive'")
         if self.ratio is None:
             check_reserved("H2O", self.budget_tokens, "recent", self.recent_tokens, "recent tokens")
 
@@ -90,11 +99,13 @@ class H2O(PromptMethod):
     def queries_needed(self) -> int | None:
         return None  # every prompt query votes
 
-    def scores(self, query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scaling: float, spans: torch.Tensor | None = None) -> torch.Tensor:
+    def scores(self, query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scaling: float,
+               spans: torch.Tensor | None = None) -> torch.Tensor:
         return h2o_scores(query, keys, valid, scaling, self.recent_tokens, self.block)
 
     def attends_slots(self) -> bool:
-        return super().attends_slots() and not self.evict_during_decoding  # evicting, a step runs its own attention (H2OLayer.attend)
+        # evicting, a step runs its own attention (H2OLayer.attend)
+        return super().attends_slots() and not self.evict_during_decoding
 
     def make_layer(self, layer_idx: int, model: PreTrainedModel) -> KVLayer:
         layer = super().make_layer(layer_idx, model)
@@ -129,13 +140,16 @@ class H2OLayer(EvictionLayer):
 
     def compress(self, query: torch.Tensor, scaling: float) -> None:
         # Computed once: it ranks the prompt and seeds the scores that eviction keeps adding to.
-        full = average_over_groups(accumulated_attention(query, self.keys, self.slot_validity(), scaling, self.method.block), self.keys.shape[1])
+        full = average_over_groups(
+            accumulated_attention(query, self.keys, self.slot_validity(), scaling, self.method.block),
+            self.keys.shape[1])
         kept = self.keep_top(lambda: protect_recent(full, self.method.recent_tokens))
         self.slots.notes["slot_positions"] = super().kept_positions()
         self.slots.notes["slot_scores"] = full if kept is None else full.gather(2, kept)
         self.next_position = self.prompt_tokens.clone()
 
-    def attend(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scaling: float, softcap: float | None = None) -> torch.Tensor:
+    def attend(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
+               scaling: float, softcap: float | None = None) -> torch.Tensor:
         if self.is_prefill:
             return super().attend(query, keys, values, mask, scaling, softcap)
         batch, q_heads, q_len, dim = query.shape
@@ -143,7 +157,8 @@ class H2OLayer(EvictionLayer):
         logits = grouped_logits(query, keys, scaling).view(batch, kv_heads, -1, slots)
         if softcap is not None:
             logits = softcap * torch.tanh(logits / softcap)
-        probs = logits.masked_fill(~group_mask(mask, q_heads // kv_heads), torch.finfo(torch.float32).min).softmax(dim=-1)
+        probs = logits.masked_fill(~group_mask(mask, q_heads // kv_heads),
+                                   torch.finfo(torch.float32).min).softmax(dim=-1)
         received = average_over_groups(probs.view(batch, q_heads, q_len, slots).sum(dim=2), kv_heads)
         self.slots.notes["slot_scores"].add_(received)
         return (probs @ values.float()).view(batch, q_heads, q_len, dim).to(query.dtype)

@@ -40,9 +40,8 @@ FIRST = "Repeat the previous context exactly."
 LATER = "Repeat the part of the previous context exactly, starting with"
 
 
-def reconstruction_scores(
-    query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, prompt: int, scaling: float, lse: torch.Tensor, counted: torch.Tensor
-) -> torch.Tensor:
+def reconstruction_scores(query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, prompt: int, scaling: float,
+                          lse: torch.Tensor, counted: torch.Tensor) -> torch.Tensor:
     """The most attention any real query of this step pays each counted prompt position, over the
     query heads of each KV head: ``[b, kv_heads, prompt]`` float32, 0 where not counted.
 
@@ -59,16 +58,19 @@ def reconstruction_scores(
     group = q_heads // kv_heads
     best = torch.full((batch * kv_heads, prompt), -torch.inf, dtype=torch.float32, device=keys.device)
     prompt_keys = keys[:, :, :prompt].float().transpose(-1, -2).reshape(batch * kv_heads, dim, prompt)
-    prompt_keys = torch.cat([prompt_keys, prompt_keys.new_ones(batch * kv_heads, 1, prompt)], dim=1)  # a row of ones meets -lse
+    # a row of ones meets -lse
+    prompt_keys = torch.cat([prompt_keys, prompt_keys.new_ones(batch * kv_heads, 1, prompt)], dim=1)
     offset = -lse.masked_fill(~valid[:, None, prompt:], torch.inf)  # -lse, and -inf for padding queries
     dropped = valid[:, :prompt] & ~counted  # attended by the pass, left out of its softmax here
-    width = int(dropped.nonzero()[:, 1].max()) + 1 if bool(dropped.any()) else 0  # they open the prompt: its first columns
+    # they open the prompt: its first columns
+    width = int(dropped.nonzero()[:, 1].max()) + 1 if bool(dropped.any()) else 0
     left_out = dropped[:, None, :width].expand(-1, kv_heads, -1).reshape(batch * kv_heads, 1, width)
     rows = max(1, SCORE_ELEMENTS // (batch * q_heads * prompt))
     for start in range(0, new, rows):
         end = min(new, start + rows)
         block = torch.cat([query[:, :, start:end].float() * scaling, offset[:, :, start:end, None]], dim=-1)
-        logits = torch.bmm(block.reshape(batch * kv_heads, group * (end - start), dim + 1), prompt_keys)  # a KV head's query heads stacked
+        # a KV head's query heads stacked
+        logits = torch.bmm(block.reshape(batch * kv_heads, group * (end - start), dim + 1), prompt_keys)
         if width:  # renormalise without them: lse' = lse + log(1 - their share of the softmax)
             share = logits[..., :width].masked_fill(~left_out, -torch.inf).logsumexp(dim=-1, keepdim=True)
             logits -= torch.log1p(-share.exp().clamp(max=1 - 1e-6))
@@ -82,11 +84,20 @@ class KVzip(PromptMethod):
     """Keep each KV head's ``budget`` prompt positions the model attends to most while repeating the prompt."""
 
     name: ClassVar[str] = "kvzip"
-    layers: str = default_of(PromptMethod, "layers", "global")  # the paper's selection: every layer's and head's pairs ranked together
-    chunk: int = param(2000, "prompt tokens repeated per step of the reconstruction (bounds the queries scored at once)", minimum=1)
+    # the paper's selection: every layer's and head's pairs ranked together
+    layers: str = default_of(PromptMethod, "layers", "global")
+    chunk: int = param(2000,
+                       "prompt tokens repeated per step of the reconstruction (bounds the queries scored at once)",
+                       minimum=1)
     overlap: int = param(8, "tokens before a chunk repeated with the instruction that introduces it", minimum=0)
-    sinks: int = param(4, "the prompt's first tokens scored with the context; the rest of a chat template's opening is left out of the scores (kept last)", minimum=0)
-    clustering: str = param("spans", "spans: each word or number scored by its best token, kept whole; none: the paper's per-token scores", choices=("spans", "none"))
+    sinks: int = param(
+        4,
+        "the prompt's first tokens scored with the context; the rest of a chat template's opening is left out of the "
+        "scores (kept last)",
+        minimum=0)
+    clustering: str = param(
+        "spans", "spans: each word or number scored by its best token, kept whole; none: the paper's per-token scores",
+        choices=("spans", "none"))
 
     def queries_needed(self) -> int:
         return 0
@@ -98,8 +109,8 @@ class KVzip(PromptMethod):
         return Observation(FIRST, LATER, self.chunk, self.overlap)
 
     def observe(
-        self, seen: torch.Tensor | None, query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, prompt: int, scaling: float,
-        lse: torch.Tensor, context: torch.Tensor,
+        self, seen: torch.Tensor | None, query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, prompt: int,
+        scaling: float, lse: torch.Tensor, context: torch.Tensor
     ) -> torch.Tensor:
         real = valid[:, :prompt]
         counted = real & (context | (prompt_positions(real) < self.sinks))  # the context, and the prompt's first tokens

@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from .base import InvalidParameterError, model_head_dim, param
 from ..cache.held import hold
+from .base import InvalidParameterError, model_head_dim, param
 from .sparse import SparseDecodeLayer, SparseMethod
 
 if TYPE_CHECKING:
@@ -36,11 +36,12 @@ def principal_components(keys: torch.Tensor, valid: torch.Tensor) -> torch.Tenso
 
 
 def approximate_scores(query: torch.Tensor, projected_keys: torch.Tensor, components: torch.Tensor) -> torch.Tensor:
-    """Approximate ``q . k`` in the component subspace, max over a group's query heads and queries ``[b, kv_heads, seq]``
-    (``projected_keys [b, kv_heads, seq, r]``, ``components [b, kv_heads, d, r]``)."""
+    """Approximate ``q . k`` in the component subspace, max over a group's query heads and queries ``[b, kv_heads,
+    seq]`` (``projected_keys [b, kv_heads, seq, r]``, ``components [b, kv_heads, d, r]``)."""
     batch, q_heads, q_len, dim = query.shape
     kv_heads, seq, rank = projected_keys.shape[1:]
-    stacked = query.reshape(batch * kv_heads, -1, dim).to(components.dtype) @ components.reshape(batch * kv_heads, dim, rank)
+    stacked = query.reshape(batch * kv_heads, -1, dim).to(components.dtype) @ components.reshape(
+        batch * kv_heads, dim, rank)
     scores = stacked.to(projected_keys.dtype) @ projected_keys.view(batch * kv_heads, seq, rank).mT
     return scores.view(batch, kv_heads, -1, seq).amax(dim=2)
 
@@ -52,11 +53,15 @@ def load_calibration(path: str, layers: int, kv_heads: int, head_dim: int) -> to
     try:
         components = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # noqa: BLE001 - any unreadable file gets the same clear error
-        raise InvalidParameterError(f"Loki: calibration={path!r} could not be read as a saved tensor ({error})") from None
+        raise InvalidParameterError(
+            f"Loki: calibration={path!r} could not be read as a saved tensor ({error})") from None
     expected = (layers, kv_heads, head_dim, head_dim)
     if not isinstance(components, torch.Tensor) or tuple(components.shape) != expected:
         shape = tuple(components.shape) if isinstance(components, torch.Tensor) else type(components).__name__
-        raise InvalidParameterError(f"Loki: calibration={path!r} holds {shape}; expected a tensor of shape {list(expected)} (layers, kv_heads, head_dim, head_dim)")
+        raise InvalidParameterError(
+            f"Loki: calibration={path!r} holds {shape}; expected a tensor of shape {list(expected)} (layers, kv_heads, "
+            "head_dim, head_dim)"
+        )
     return components
 
 
@@ -67,12 +72,14 @@ class Loki(SparseMethod):
     name: ClassVar[str] = "loki"
     dim: int | None = param(None, "principal components used for scoring (default half the head dimension)", minimum=1)
     recent: int = param(32, "recent tokens kept dense, never selected", minimum=0)
-    calibration: str | None = param(None, "file of precomputed components [layers, kv_heads, head_dim, head_dim] (default: from the prompt)")
+    calibration: str | None = param(
+        None, "file of precomputed components [layers, kv_heads, head_dim, head_dim] (default: from the prompt)")
 
     def validate(self) -> None:
         super().validate()
         if self.calibration is not None and not Path(self.calibration).is_file():
-            raise InvalidParameterError(f"Loki: calibration={self.calibration!r} is not a file; give a tensor saved with torch.save")
+            raise InvalidParameterError(
+                f"Loki: calibration={self.calibration!r} is not a file; give a tensor saved with torch.save")
 
     def check_model(self, model: PreTrainedModel) -> None:
         head_dim = model_head_dim(model)
@@ -85,7 +92,8 @@ class Loki(SparseMethod):
         if self.calibration is None:
             return None
         config = model.config.get_text_config()
-        return load_calibration(self.calibration, config.num_hidden_layers, config.num_key_value_heads, model_head_dim(model))
+        return load_calibration(self.calibration, config.num_hidden_layers, config.num_key_value_heads,
+                                model_head_dim(model))
 
     def make_layer(self, layer_idx: int, model: PreTrainedModel) -> LokiLayer:
         components = self.calibrated(model)
@@ -116,4 +124,3 @@ class LokiLayer(SparseDecodeLayer):
 
     def chunk_scores(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
         return approximate_scores(query, self.projected, self.components)
-

@@ -36,7 +36,8 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 
-def select_kept(scores: torch.Tensor, valid: torch.Tensor, counts: torch.Tensor, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def select_kept(scores: torch.Tensor, valid: torch.Tensor, counts: torch.Tensor,
+                width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick, per row and KV head, the ``counts[row]`` highest-scoring real positions.
 
     Returns ``(indices, slot_valid)``: ``indices [batch, kv_heads, n]`` with ``n = width`` (default
@@ -130,21 +131,31 @@ class PromptMethod(BudgetMethod):
     """A method that keeps each KV head's best prompt positions: how many (``kept_tokens``) and which (``scores``)."""
 
     quiet_fields: ClassVar[tuple[str, ...]] = ("heads", "head_floor", "layers", "pyramid_beta")
-    heads: str = param("uniform", "how a layer's budget is shared by its KV heads: uniform, or adaptive (Ada-KV: by their scores)", choices=("uniform", "adaptive"))
-    head_floor: float = param(0.2, "with heads=adaptive: the weight of the uniform share in each head's budget, so every head keeps at least this share (Ada-KV's safeguard)", minimum=0, at_most=1)
+    heads: str = param(
+        "uniform", "how a layer's budget is shared by its KV heads: uniform, or adaptive (Ada-KV: by their scores)",
+        choices=("uniform", "adaptive"))
+    head_floor: float = param(
+        0.2,
+        "with heads=adaptive: the weight of the uniform share in each head's budget, so every head keeps at least "
+        "this share (Ada-KV's safeguard)",
+        minimum=0, at_most=1)
     layers: str = param(
-        "uniform", "how the budget is shared by the layers: uniform; pyramid (PyramidKV: more in lower layers); global (all layers' scores "
-        "ranked together, per head: methods with an observation pass, e.g. KVzip)", choices=("uniform", "pyramid", "global"),
+        "uniform",
+        "how the budget is shared by the layers: uniform; pyramid (PyramidKV: more in lower layers); global (all "
+        "layers' scores " "ranked together, per head: methods with an observation pass, e.g. KVzip)",
+        choices=("uniform", "pyramid", "global")
     )
     pyramid_beta: float = param(20.0, "with layers=pyramid: the last layer keeps budget / pyramid_beta", above=1)
 
     def validate(self) -> None:
         super().validate()
-        require(self.layers != "pyramid" or self.ratio is None, f"{type(self).__name__}: layers='pyramid' needs a fixed budget, not ratio")
+        require(self.layers != "pyramid" or self.ratio is None,
+                f"{type(self).__name__}: layers='pyramid' needs a fixed budget, not ratio")
         require(
             self.layers != "global" or self.observation() is not None,
-            f"{type(self).__name__}: layers='global' ranks every layer's scores together, so every layer must hold its prompt until they are "
-            "all scored, which only a method with an observation pass does (KVzip); valid here: uniform, pyramid",
+            f"{type(self).__name__}: layers='global' ranks every layer's scores together, so every layer must hold its "
+            "prompt until they are "
+            "all scored, which only a method with an observation pass does (KVzip); valid here: uniform, pyramid"
         )
 
     def kept_tokens(self, lengths: torch.Tensor, share: float | torch.Tensor = 1.0) -> torch.Tensor:
@@ -183,8 +194,8 @@ class PromptMethod(BudgetMethod):
         return self.scores(query, layer.keys, layer.slot_validity(), scaling, layer.spans)
 
     def observe(
-        self, seen: torch.Tensor | None, query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, prompt: int, scaling: float,
-        lse: torch.Tensor, context: torch.Tensor,
+        self, seen: torch.Tensor | None, query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, prompt: int,
+        scaling: float, lse: torch.Tensor, context: torch.Tensor
     ) -> torch.Tensor:
         """What a method with an ``observation`` pass keeps from one step of it, ``[b, kv_heads, prompt]``,
         merged with what earlier steps left (``seen``); see ``KVLayer.observe`` for the arguments."""
@@ -205,8 +216,11 @@ class PromptMethod(BudgetMethod):
         if self.layers != "global" or not layers:
             return
         counts = self.kept_tokens(layers[0].prompt_tokens)
-        scores = [layer.prompt_scores(layer.observation.record.query, layer.observation.record.scaling) for layer in layers]
-        for layer, share in zip(layers, global_shares(scores, layers[0].slot_validity(), counts - self.reserved_tokens())):
+        scores = [
+            layer.prompt_scores(layer.observation.record.query, layer.observation.record.scaling) for layer in layers
+        ]
+        for layer, share in zip(layers, global_shares(scores, layers[0].slot_validity(),
+                                                      counts - self.reserved_tokens())):
             layer.share = share
 
 
@@ -276,13 +290,15 @@ class HeadAdaptiveLayer(EvictionLayer):
             return
         valid = self.slot_validity()
         keep = allocate_heads(self.prompt_scores(query, scaling), valid, kept[0], self.method.head_floor)
-        positions = self.kept_positions()  # [b, h, slots]: the slots' prompt positions (a thinned context's are not in order)
+        # [b, h, slots]: the slots' prompt positions (a thinned context's are not in order)
+        positions = self.kept_positions()
         segments = []
         for row in range(keep.shape[0]):
             segments.append([])
             for head in range(keep.shape[1]):
                 slots = keep[row, head].nonzero()[:, 0]
-                segments[row].append((self.keys[row, head, slots], self.values[row, head, slots], positions[row, head, slots]))
+                segments[row].append(
+                    (self.keys[row, head, slots], self.values[row, head, slots], positions[row, head, slots]))
         self.slots = PackedSlots(segments, self.seen_tokens)  # the dense slots (the prompt's KV) are freed
 
     @property

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from .base import param
 from ..cache.held import hold
+from .base import param
 from .sparse import SparseDecodeLayer, SparseMethod
 
 if TYPE_CHECKING:
@@ -37,13 +37,14 @@ def page_bounds(keys: torch.Tensor, valid: torch.Tensor, page_size: int) -> tupl
 
 
 def page_upper_bounds(query: torch.Tensor, low: torch.Tensor, span: torch.Tensor) -> torch.Tensor:
-    """Upper bound of ``q . k`` over each page, max over query heads of a group and over queries ``[b, kv_heads, pages]``,
-    from the pages' ``low`` and ``span = high - low``: ``sum_d max(q_d low_d, q_d high_d)`` is
-    ``relu(q) . span + q . low``, two matrix products."""
+    """Upper bound of ``q . k`` over each page, max over query heads of a group and over queries ``[b, kv_heads,
+    pages]``, from the pages' ``low`` and ``span = high - low``: ``sum_d max(q_d low_d, q_d high_d)`` is ``relu(q) .
+    span + q . low``, two matrix products."""
     batch, q_heads, q_len, dim = query.shape
     kv_heads, pages = low.shape[1], low.shape[2]
     stacked = query.reshape(batch * kv_heads, -1, dim)
-    bound = torch.baddbmm(stacked @ low.view(batch * kv_heads, pages, dim).mT, stacked.clamp(min=0), span.view(batch * kv_heads, pages, dim).mT)
+    bound = torch.baddbmm(stacked @ low.view(batch * kv_heads, pages, dim).mT, stacked.clamp(min=0),
+                          span.view(batch * kv_heads, pages, dim).mT)
     return bound.view(batch, kv_heads, -1, pages).amax(dim=2)
 
 
@@ -74,4 +75,3 @@ class QuestLayer(SparseDecodeLayer):
 
     def chunk_scores(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
         return page_upper_bounds(query, self.low, self.span)
-

@@ -28,16 +28,17 @@ tokens = 1.56% of 128K). ``local_chunks=4`` (32 recent tokens) is this library's
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Iterable, NamedTuple
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 import torch
 
+from ..cache.held import hold
 from ..integrations.transformers.rope import Rotary, apply_rope, invert_rope, rope_cos_sin, rotary_for
 from ..storage.ops import fused
 from ..storage.tensors import chunk_tokens, gather_tokens, prompt_positions
 from .base import InvalidParameterError, model_head_dim, param, require_rope
-from ..cache.held import hold
 from .sparse import SparseDecodeLayer, SparseMethod
 
 if TYPE_CHECKING:
@@ -74,7 +75,8 @@ def leading_eigenvectors(gram: torch.Tensor, rank: int) -> torch.Tensor:
     n = gram.shape[-1]
     if rank + OVERSAMPLE >= 3 * n // 4:
         return torch.linalg.eigh(gram).eigenvectors.flip(-1)[:, :rank]
-    sketch = torch.randn(n, rank + OVERSAMPLE, generator=torch.Generator().manual_seed(0), dtype=torch.float64).to(gram.device)
+    sketch = torch.randn(n, rank + OVERSAMPLE, generator=torch.Generator().manual_seed(0),
+                         dtype=torch.float64).to(gram.device)
     basis = torch.linalg.qr(gram @ sketch).Q
     for _ in range(SUBSPACE_ITERATIONS):
         basis = torch.linalg.qr(gram @ basis).Q
@@ -108,7 +110,10 @@ class Spectrum(NamedTuple):
         be alone)."""
         ranks = torch.as_tensor(ranks).expand(self.gram.shape[0]).tolist()
         width = max(ranks)
-        columns = [torch.nn.functional.pad(leading_eigenvectors(gram, rank), (0, width - rank)) for gram, rank in zip(self.gram, ranks)]
+        columns = [
+            torch.nn.functional.pad(leading_eigenvectors(gram, rank), (0, width - rank))
+            for gram, rank in zip(self.gram, ranks)
+        ]
         return torch.stack(columns).float()
 
 
@@ -134,11 +139,13 @@ def rank_for_error(energy: torch.Tensor, target: float, cap: int) -> torch.Tenso
     return ((error > target).sum(-1) + 1).clamp(1, cap)
 
 
-def low_rank_factors(pre_rope_keys: torch.Tensor, valid: torch.Tensor, ranks: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def low_rank_factors(pre_rope_keys: torch.Tensor, valid: torch.Tensor,
+                     ranks: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Truncated SVD of each row's keys ``[b, kv_heads, s, d]`` viewed as ``[s, kv_heads*d]``: ``A [b,
     s, r]`` (left singular vectors times singular values) and ``B [b, r, kv_heads, d]``."""
     basis = key_spectrum([(pre_rope_keys, valid)]).basis(ranks)
-    return key_rows(pre_rope_keys, valid) @ basis, basis.mT.reshape(basis.shape[0], basis.shape[-1], pre_rope_keys.shape[1], -1)
+    factor_b = basis.mT.reshape(basis.shape[0], basis.shape[-1], pre_rope_keys.shape[1], -1)
+    return key_rows(pre_rope_keys, valid) @ basis, factor_b
 
 
 def rebuild_keys(a_rows: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -151,7 +158,8 @@ def _keys_like(factor_a: torch.Tensor, factor_b: torch.Tensor, chunks: torch.Ten
 
 
 @fused("rotated_keys", mutates_args=(), fake=_keys_like)
-def rotated_keys(factor_a: torch.Tensor, factor_b: torch.Tensor, chunks: torch.Tensor, inv_freq: torch.Tensor, scale: float, unit: int) -> torch.Tensor:
+def rotated_keys(factor_a: torch.Tensor, factor_b: torch.Tensor, chunks: torch.Tensor, inv_freq: torch.Tensor,
+                 scale: float, unit: int) -> torch.Tensor:
     """Post-RoPE keys ``[b, kv_heads, k * unit, d]`` of ``chunks [b, kv_heads, k]``: rebuilt from the
     factors (``A [b, region, r]``, ``B [b, r, kv_heads, d]``) and rotated at their positions (a region
     token's index is its position) with the model's frequencies ``inv_freq`` and ``scale``."""
@@ -172,11 +180,13 @@ def chunk_landmarks(keys: torch.Tensor, valid: torch.Tensor, chunk: int) -> torc
 def chunk_min_cosine(keys: torch.Tensor, landmarks: torch.Tensor, valid: torch.Tensor, chunk: int) -> torch.Tensor:
     """Lowest cosine similarity between a chunk's real keys and its landmark, ``[b, kv_heads, n_chunks]``."""
     batch, heads, seq, dim = keys.shape
-    cosine = torch.nn.functional.cosine_similarity(keys.view(batch, heads, seq // chunk, chunk, dim), landmarks[..., None, :], dim=-1)
+    cosine = torch.nn.functional.cosine_similarity(keys.view(batch, heads, seq // chunk, chunk, dim),
+                                                   landmarks[..., None, :], dim=-1)
     return cosine.masked_fill(~valid.view(batch, 1, seq // chunk, chunk), math.inf).amin(dim=-1)
 
 
-def select_outliers(min_cosine: torch.Tensor, counts: torch.Tensor, eligible: torch.Tensor, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def select_outliers(min_cosine: torch.Tensor, counts: torch.Tensor, eligible: torch.Tensor,
+                    width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row, its ``counts[row]`` eligible chunks with the lowest minimum cosine similarity:
     ids ``[b, kv_heads, m]`` ascending (``m = width``, default ``counts.max()``) and which of them are
     real ``[b, m]`` (a row with fewer gets filler entries, never padding chunks marked real)."""
@@ -190,7 +200,8 @@ def select_outliers(min_cosine: torch.Tensor, counts: torch.Tensor, eligible: to
 
 def landmark_bias(selectable: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``[b, kv_heads, 1, n_chunks]``: 0 for selectable chunks, -inf for the others (added to their logits)."""
-    return torch.zeros(selectable.shape, dtype=dtype, device=selectable.device).masked_fill(~selectable, -math.inf)[:, :, None]
+    zeros = torch.zeros(selectable.shape, dtype=dtype, device=selectable.device)
+    return zeros.masked_fill(~selectable, -math.inf)[:, :, None]
 
 
 def landmark_scores(query: torch.Tensor, landmarks: torch.Tensor, bias: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -200,7 +211,8 @@ def landmark_scores(query: torch.Tensor, landmarks: torch.Tensor, bias: torch.Te
     batch, q_heads, q_len, dim = query.shape
     kv_heads, n_chunks = landmarks.shape[1], landmarks.shape[2]
     stacked = query.reshape(batch * kv_heads, -1, dim)
-    logits = torch.baddbmm(bias.flatten(0, 1), stacked, landmarks.view(batch * kv_heads, n_chunks, dim).mT, alpha=scaling)
+    logits = torch.baddbmm(bias.flatten(0, 1), stacked,
+                           landmarks.view(batch * kv_heads, n_chunks, dim).mT, alpha=scaling)
     probs = logits.softmax(dim=-1, dtype=torch.float32)
     if q_len > 1:
         probs = probs.view(batch, kv_heads, q_heads // kv_heads, q_len, n_chunks).sum(dim=3)
@@ -218,19 +230,26 @@ class ShadowKV(SparseMethod):
     unit_setting: ClassVar[tuple[str, str]] = ("chunk", "chunk")
     default_budget: ClassVar[int] = 2048
     chunk: int = param(8, "tokens per chunk: the unit of selection", minimum=1)
-    rank: int | None = param(None, "SVD rank of the pre-RoPE keys, the same for every layer (default: from rank_error)", minimum=1)
+    rank: int | None = param(None, "SVD rank of the pre-RoPE keys, the same for every layer (default: from rank_error)",
+                             minimum=1)
     rank_error: float | None = param(
-        0.1, "when rank is None: each layer takes the smallest rank that rebuilds its pre-RoPE keys' deviations from their mean "
-        "within this relative error, plus one for the mean (capped at half of kv_heads * head_dim); None with rank None: the paper's "
+        0.1,
+        "when rank is None: each layer takes the smallest rank that rebuilds its pre-RoPE keys' deviations from their "
+        "mean "
+        "within this relative error, plus one for the mean (capped at half of kv_heads * head_dim); None with rank "
+        "None: the paper's "
         "15.625%", above=0, at_most=1)
-    outliers: int | None = param(None, "outlier chunks kept dense per KV head (default ~0.3% of the chunks, at least 1)", minimum=0)
+    outliers: int | None = param(None,
+                                 "outlier chunks kept dense per KV head (default ~0.3% of the chunks, at least 1)",
+                                 minimum=0)
     local_chunks: int = param(4, "most recent prompt chunks kept dense", minimum=0)
 
     def check_model(self, model: PreTrainedModel) -> None:
         require_rope(model, "ShadowKV")
         width = model.config.get_text_config().num_key_value_heads * model_head_dim(model)
         if self.rank is not None and self.rank > width:
-            raise InvalidParameterError(f"ShadowKV: rank={self.rank} exceeds kv_heads * head_dim = {width} of this model; valid: 1 to {width}")
+            raise InvalidParameterError(
+                f"ShadowKV: rank={self.rank} exceeds kv_heads * head_dim = {width} of this model; valid: 1 to {width}")
 
     def make_layer(self, layer_idx: int, model: PreTrainedModel) -> ShadowKVLayer:
         return ShadowKVLayer(self, layer_idx, rotary_for(model, layer_idx))
@@ -248,7 +267,8 @@ class ShadowKV(SparseMethod):
 
     def outlier_counts(self, chunks: torch.Tensor) -> torch.Tensor:
         """Outlier chunks per row for ``chunks [b]`` selectable chunks (at most all of them)."""
-        wanted = torch.full_like(chunks, self.outliers) if self.outliers is not None else torch.round(OUTLIER_FRACTION * chunks).long().clamp(min=1)
+        wanted = torch.full_like(chunks, self.outliers) if self.outliers is not None else torch.round(
+            OUTLIER_FRACTION * chunks).long().clamp(min=1)
         return torch.minimum(wanted, chunks)
 
 
@@ -277,14 +297,18 @@ class ShadowKVLayer(SparseDecodeLayer):
         cos, sin = self.rotary.cos_sin(positions, keys)
         return invert_rope(keys, cos[:, None], sin[:, None])
 
-    def prepare(self, keys: torch.Tensor, valid: torch.Tensor, chunks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def prepare(self, keys: torch.Tensor, valid: torch.Tensor,
+                chunks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         heads, seq = self.keys.shape[1], self.keys.shape[-2]
         prompt_valid = self.slot_validity()
         positions = prompt_positions(prompt_valid).clamp(min=0)
-        spectrum = key_spectrum((self.pre_rope(self.keys[:, :, s:e], positions[:, s:e]), prompt_valid[:, s:e]) for s, e in stream_spans(seq))
+        spectrum = key_spectrum(
+            (self.pre_rope(self.keys[:, :, s:e], positions[:, s:e]), prompt_valid[:, s:e]) for s, e in stream_spans(seq)
+        )
         basis = spectrum.basis(self.method.ranks(spectrum)).to(self.keys.device)
         region = keys.shape[-2]
-        token = torch.arange(region, device=keys.device)[None, :].expand(keys.shape[0], -1)  # a region token's index is its position
+        # a region token's index is its position
+        token = torch.arange(region, device=keys.device)[None, :].expand(keys.shape[0], -1)
         parts = [(key_rows(self.pre_rope(keys[:, :, s:e], token[:, s:e]), valid[:, s:e]) @ basis).to(self.keys.dtype)
                  for s, e in stream_spans(region)]
         self.factor_a = torch.cat(parts, dim=1)
@@ -292,7 +316,8 @@ class ShadowKVLayer(SparseDecodeLayer):
         self.landmarks = chunk_landmarks(keys, valid, self.unit)
         eligible = self.selectable  # whole real chunks
         width = int(self.method.outlier_counts(self.batch_chunks).max())  # the batch's, for a group of its rows too
-        return select_outliers(chunk_min_cosine(keys, self.landmarks, valid, self.unit), self.method.outlier_counts(chunks), eligible, width)
+        return select_outliers(chunk_min_cosine(keys, self.landmarks, valid, self.unit),
+                               self.method.outlier_counts(chunks), eligible, width)
 
     def index_selection(self, scaling: float) -> None:
         self.bias = landmark_bias(self.selectable, self.landmarks.dtype)
@@ -310,7 +335,8 @@ class ShadowKVLayer(SparseDecodeLayer):
         return self.values[:, :, : self.front]
 
     def rebuild_keys(self, chunks: torch.Tensor) -> torch.Tensor:
-        """Post-RoPE keys of ``chunks [b, h, m]``, rebuilt from the low-rank factors and rotated at their original positions."""
+        """Post-RoPE keys of ``chunks [b, h, m]``, rebuilt from the low-rank factors and rotated at their original
+        positions."""
         return rotated_keys(self.factor_a, self.factor_b, chunks, self.inv_freq, self.rope_scale, self.unit)
 
     def read_factor(self) -> float:

@@ -38,7 +38,8 @@ POOLINGS = ("max", "avg")
 CLUSTERINGS = ("spans", "pool")
 
 
-def window_attention(query_window: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scaling: float, heads: slice | None = None) -> torch.Tensor:
+def window_attention(query_window: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scaling: float,
+                     heads: slice | None = None) -> torch.Tensor:
     """Attention of the window queries over all prompt keys, float32 ``[batch, q_heads, window, seq]``.
 
     Causal inside the window; padding keys (``valid`` False) get no weight; a learned sink (gpt-oss)
@@ -62,8 +63,9 @@ def window_votes(query_window: torch.Tensor, keys: torch.Tensor, valid: torch.Te
     kv_heads = keys.shape[1]
     group = query_window.shape[1] // kv_heads
     parts = [
-        prefix_votes(window_attention(query_window[:, h * group : (h + 1) * group], keys[:, h : h + 1], valid, scaling, slice(h * group, (h + 1) * group)))
-        for h in range(kv_heads)
+        prefix_votes(
+            window_attention(query_window[:, h * group:(h + 1) * group], keys[:, h:h + 1], valid, scaling,
+                             slice(h * group, (h + 1) * group))) for h in range(kv_heads)
     ]
     return torch.cat(parts, dim=1)
 
@@ -106,11 +108,14 @@ class SnapKV(PromptMethod):
     window: int = param(32, "observation window: the last prompt tokens that vote (always kept)", minimum=1)
     kernel: int = param(7, "pooling kernel over positions, odd (1 = no pooling)", minimum=1)
     pooling: str = param("max", "pooling of the votes", choices=POOLINGS)
-    clustering: str = param("spans", "spans: pooled votes shared by each word or number, kept whole; pool: the paper's pooling alone", choices=CLUSTERINGS)
+    clustering: str = param(
+        "spans", "spans: pooled votes shared by each word or number, kept whole; pool: the paper's pooling alone",
+        choices=CLUSTERINGS)
 
     def validate(self) -> None:
         super().validate()
-        require(self.kernel % 2 == 1, f"SnapKV: kernel={self.kernel} is invalid; it must be a positive odd integer (1 = no pooling)")
+        require(self.kernel % 2 == 1,
+                f"SnapKV: kernel={self.kernel} is invalid; it must be a positive odd integer (1 = no pooling)")
         if self.ratio is None:
             check_reserved("SnapKV", self.budget_tokens, "window", self.window, "observation window")
 
@@ -123,7 +128,8 @@ class SnapKV(PromptMethod):
     def needs_tokens(self) -> bool:
         return self.clustering == "spans"
 
-    def scores(self, query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scaling: float, spans: torch.Tensor | None = None) -> torch.Tensor:
+    def scores(self, query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scaling: float,
+               spans: torch.Tensor | None = None) -> torch.Tensor:
         if query.shape[-2] < self.window:
             raise ValueError(
                 f"SnapKV: window={self.window} needs the last {self.window} prefill queries but got {query.shape[-2]} "
@@ -133,5 +139,8 @@ class SnapKV(PromptMethod):
         if self.clustering == "pool":
             return scores
         if spans is None:
-            raise ValueError("SnapKV(clustering='spans') needs the prompt's token ids; the model was called with embeddings only: use clustering='pool'")
+            raise ValueError(
+                "SnapKV(clustering='spans') needs the prompt's token ids; the model was called with embeddings only: "
+                "use clustering='pool'"
+            )
         return span_max(scores, spans)

@@ -15,8 +15,9 @@ they were selected then too, if the store is offloaded), and attention runs exac
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -46,7 +47,8 @@ class SparseMethod(BudgetMethod):
             size = getattr(self, field)
             require(
                 self.budget_tokens >= size,
-                f"{type(self).__name__}: budget={self.budget_tokens} is smaller than one {word} ({field}={size}); valid: budget >= {size}",
+                f"{type(self).__name__}: budget={self.budget_tokens} is smaller than one {word} ({field}={size}); "
+                f"valid: budget >= {size}"
             )
 
     def step_tokens(self, lengths: torch.Tensor) -> torch.Tensor:
@@ -58,7 +60,7 @@ class SparseMethod(BudgetMethod):
         return {
             "selected_tokens_per_step": totals["selected_tokens"] / layers if layers else None,
             "chunk_hit_rate": totals["chunk_hits"] / lookups if lookups and "chunk_hits" in totals else None,
-            "fetched_bytes_per_step": totals.get("fetched_bytes_per_step"),
+            "fetched_bytes_per_step": totals.get("fetched_bytes_per_step")
         }
 
 
@@ -138,32 +140,40 @@ class SparseDecodeLayer(KVLayer):
         slots = ((seq - lengths)[:, None] + token[None, :]).clamp(max=seq - 1)[:, None, :].expand(-1, heads, -1)
         keys = gather_tokens(self.keys, slots) * region_valid[:, None, :, None]
         values = gather_tokens(self.values, slots) * region_valid[:, None, :, None]
-        self.selectable = (torch.arange(n, device=device)[None, :] < counts[:, None])[:, None, :].expand(-1, heads, -1).clone()
+        real_chunks = torch.arange(n, device=device)[None, :] < counts[:, None]
+        self.selectable = real_chunks[:, None, :].expand(-1, heads, -1).clone()
         kept_dense = self.prepare(keys, region_valid, counts)
 
         # Dense slots: the chunks the method keeps dense, then each row's tokens after its region.
         rest = lengths - counts * self.unit
         tail = int((everyone - self.batch_chunks * self.unit).max())
         tail_valid = torch.arange(tail, device=device)[None, :] >= (tail - rest)[:, None]
-        tail_positions = ((lengths - tail)[:, None] + torch.arange(tail, device=device)[None, :]).masked_fill(~tail_valid, -1)
-        parts = [(self.keys[:, :, seq - tail :], self.values[:, :, seq - tail :], tail_valid, tail_positions[:, None, :].expand(-1, heads, -1))]
+        tail_positions = ((lengths - tail)[:, None] + torch.arange(tail, device=device)[None, :]).masked_fill(
+            ~tail_valid, -1)
+        parts = [(self.keys[:, :, seq - tail:], self.values[:, :, seq - tail:], tail_valid,
+                  tail_positions[:, None, :].expand(-1, heads, -1))]
         if kept_dense is not None:
             chunks, chunk_valid = kept_dense
             per_head = chunk_valid[:, None, :].expand_as(chunks)
             self.selectable.scatter_(-1, chunks, self.selectable.gather(-1, chunks) & ~per_head)
             tokens = chunk_tokens(chunks, self.unit)
             token_valid = chunk_valid.repeat_interleave(self.unit, dim=-1)
-            parts.insert(0, (gather_tokens(keys, tokens), gather_tokens(values, tokens), token_valid, tokens.masked_fill(~token_valid[:, None, :], -1)))
-        dense_keys, dense_values, valid, positions = (torch.cat(column, dim=-2 if i < 2 else -1) for i, column in enumerate(zip(*parts)))
+            parts.insert(0, (gather_tokens(keys, tokens), gather_tokens(
+                values, tokens), token_valid, tokens.masked_fill(~token_valid[:, None, :], -1)))
+        dense_keys, dense_values, valid, positions = (
+            torch.cat(column, dim=-2 if i < 2 else -1) for i, column in enumerate(zip(*parts)))
         self.store = ChunkStore(self.stored_chunks(keys, values), self.offload)
         per_step = torch.div(self.method.step_tokens(lengths), self.unit, rounding_mode="floor").clamp(min=1)
         self.step_chunks = torch.minimum(per_step, counts)
-        batch_steps = torch.minimum(torch.div(self.method.step_tokens(everyone), self.unit, rounding_mode="floor").clamp(min=1), self.batch_chunks)
+        batch_steps = torch.minimum(
+            torch.div(self.method.step_tokens(everyone), self.unit, rounding_mode="floor").clamp(min=1),
+            self.batch_chunks)
         self.step_count = int(batch_steps.max())  # chunks gathered per step: a fixed shape
         self.front = self.step_count * self.unit
         self.front_slots = torch.arange(self.front, device=device)
         front = dense_keys.new_zeros(*dense_keys.shape[:2], self.front, dense_keys.shape[-1])
-        front_valid = torch.ones(valid.shape[0], self.front, dtype=torch.bool, device=device)  # per head: from each step's selection
+        # per head: from each step's selection
+        front_valid = torch.ones(valid.shape[0], self.front, dtype=torch.bool, device=device)
         self.slots.set(torch.cat([front, dense_keys], dim=2), torch.cat([front, dense_values], dim=2),
                        None if bool(valid.all()) else torch.cat([front_valid, valid], dim=1), positions)
         self.selected = torch.full((valid.shape[0], heads, self.step_count), -1, device=device)  # no chunk yet
@@ -171,13 +181,15 @@ class SparseDecodeLayer(KVLayer):
         self.unselectable = ~self.selectable
         # Every row selects as many chunks as the step gathers, from enough selectable ones: every
         # gathered chunk counts, so the front slots need no mask of their own (checked once, here).
-        self.all_counted = bool((self.step_chunks == self.step_count).all() and (self.selectable.sum(-1) >= self.step_count).all())
+        self.all_counted = bool((self.step_chunks == self.step_count).all() and
+                                (self.selectable.sum(-1) >= self.step_count).all())
         self.index_selection(scaling)
 
     def index_selection(self, scaling: float) -> None:
         """After ``compress``: lay out what ``chunk_scores`` reads each step (``selectable`` is final)."""
 
-    def attend(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scaling: float, softcap: float | None = None) -> torch.Tensor:
+    def attend(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
+               scaling: float, softcap: float | None = None) -> torch.Tensor:
         """Exact attention over the step's selected chunks, written into the front slots, and the dense slots."""
         if self.store is None:
             return super().attend(query, keys, values, mask, scaling, softcap)
@@ -198,7 +210,8 @@ class SparseDecodeLayer(KVLayer):
         top = scores.topk(self.step_count, dim=-1, sorted=not self.all_counted)
         if self.all_counted:
             return (top.indices.sort(dim=-1).values if self.store.offloaded else top.indices), None
-        in_budget = torch.arange(self.step_count, device=scores.device)[None, None, :] < self.step_chunks[:, None, None]  # by rank
+        # by rank
+        in_budget = torch.arange(self.step_count, device=scores.device)[None, None, :] < self.step_chunks[:, None, None]
         chosen, order = top.indices.sort(dim=-1)
         return chosen, (in_budget & (top.values > -math.inf)).gather(-1, order)
 
@@ -228,14 +241,15 @@ class SparseDecodeLayer(KVLayer):
             fetch=lambda: self.store.fetch(chosen, None, None, None, overlap=lambda: None),
             work=lambda: self.rebuild_keys(chosen),
             both=lambda: self.store.fetch(chosen, None, None, None, overlap=lambda: self.rebuild_keys(chosen)),
-            concurrent=self.store.stream is not None,
+            concurrent=self.store.stream is not None
         )
 
     def kept_positions(self) -> torch.Tensor:
         """Every prompt position: nothing is dropped (padding of shorter rows reported as -1)."""
         if self.store is None:
             return super().kept_positions()
-        real = torch.arange(self.prefill_len, device=self.keys.device)[None, :] >= (self.prefill_len - self.prompt_tokens)[:, None]
+        real = torch.arange(self.prefill_len,
+                            device=self.keys.device)[None, :] >= (self.prefill_len - self.prompt_tokens)[:, None]
         return prompt_positions(real)[:, None, :].expand(-1, self.keys.shape[1], -1)
 
     def stored_prompt(self) -> StoredPrompt | None:
@@ -248,7 +262,8 @@ class SparseDecodeLayer(KVLayer):
             return stats
         stats["offloaded_bytes" if self.store.offloaded else "kv_bytes_kept"] += self.store.nbytes
         batch, heads, _, dim = self.keys.shape
-        copies = 2 * batch * heads * self.front * dim * self.keys.element_size()  # the front slots: the step's chunks, copied from the store
+        # the front slots: the step's chunks, copied from the store
+        copies = 2 * batch * heads * self.front * dim * self.keys.element_size()
         stats["kv_bytes_kept"] -= copies
         stats["spare_bytes"] += copies
         per_chunk = self.store.chunk_bytes
@@ -256,11 +271,8 @@ class SparseDecodeLayer(KVLayer):
         stats["bytes_read_per_step"] += selected_bytes + counted_bytes(self, index_only=True)
         misses = self.lookups - (0 if self.store.reads_hits() else int(self.hits))
         stats.update(
-            sparse_layers=1,
-            selected_tokens=self.step_count * self.unit,
-            chunk_hits=int(self.hits),
-            chunk_lookups=self.lookups,
-            fetched_bytes_per_step=misses * per_chunk / self.steps if self.steps else 0,
+            sparse_layers=1, selected_tokens=self.step_count * self.unit, chunk_hits=int(self.hits),
+            chunk_lookups=self.lookups, fetched_bytes_per_step=misses * per_chunk / self.steps if self.steps else 0
         )
         return stats
 
@@ -269,7 +281,8 @@ class SparseDecodeLayer(KVLayer):
 
     def uncapturable(self) -> str | None:
         if self.store is not None and self.store.mode == "host-gather":
-            return "its offloaded chunks are gathered through the host (no zero-copy view of pinned memory on this machine)"
+            return ("its offloaded chunks are gathered through the host (no zero-copy view of pinned memory on this "
+                    "machine)")
         return None
 
     def read_factor(self) -> float:

@@ -36,7 +36,7 @@ WHY_NOT = {
     "kvzip": "it scores from an observation pass (the model repeating the prompt) that vLLM does not run",
     "shadowkv": "it changes every decoding step's attention (chunk selection), not which tokens a request keeps",
     "quest": "it changes every decoding step's attention (page selection), not which tokens a request keeps",
-    "loki": "it changes every decoding step's attention (low-rank scores), not which tokens a request keeps",
+    "loki": "it changes every decoding step's attention (low-rank scores), not which tokens a request keeps"
 }
 
 
@@ -93,14 +93,15 @@ def scorable(method: Method, config: Any) -> Method:
     if isinstance(method, PromptMethod) and sliding_layers(config):
         raise InvalidParameterError(
             f"{FIELD}: method={method.name!r} cannot be served on model type {kind!r}: it has sliding-window layers "
-            f"({', '.join(map(str, sliding_layers(config)))}), which vLLM pages apart from a compressed cache; serve it "
-            f"with method='full', or compress it with the library (kvcompress generate)"
-        )
+            f"({', '.join(map(str, sliding_layers(config)))}), which vLLM pages apart from a compressed cache; serve "
+            "it "
+            f"with method='full', or compress it with the library (kvcompress generate)")
     if method.needs_rotary():
         problem = check_rope_config(config, 0)
         if problem:
-            raise InvalidParameterError(f"{FIELD}: method={method.name!r} scores with the model's rotary embedding, and "
-                                        f"model type {kind!r}: {problem}")
+            raise InvalidParameterError(
+                f"{FIELD}: method={method.name!r} scores with the model's rotary embedding, and "
+                f"model type {kind!r}: {problem}")
     return method
 
 

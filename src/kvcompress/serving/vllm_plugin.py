@@ -56,9 +56,8 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from ..cache.tokens import spans_for
 from ..integrations.transformers.rope import Rotary, rotary_from_config
 from ..methods import SnapKV, method_from_name
-from ..methods.prompt import PromptMethod
 from ..methods.base import InvalidParameterError, Method
-from ..methods.prompt import select_kept
+from ..methods.prompt import PromptMethod, select_kept
 from ..storage.attention import scoring_sinks
 from .settings import ENGINE_ENV, FIELD, method_of, model_config, scorable
 
@@ -236,7 +235,7 @@ class KVCompressCPUImpl(CPUAttentionBackendImpl):
     def compress(
         self, layer: Any, method: Method, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         kv_cache: torch.Tensor, blocks: torch.Tensor, spans: torch.Tensor | None, later_keys: torch.Tensor,
-        later_values: torch.Tensor,
+        later_values: torch.Tensor
     ) -> int:
         """One request's prompt (keys and values ``[tokens, heads, dim]``, the last queries its method reads):
         keep each KV head's tokens in its first slots, then ``later_keys``/``later_values`` (the tokens a
@@ -246,7 +245,8 @@ class KVCompressCPUImpl(CPUAttentionBackendImpl):
             raise RuntimeError(f"kvcompress: a prompt of {length} tokens came with {spans.shape[-1]} token ids")
         rotary = self.layer_rotary(layer) if method.needs_rotary() else None
         prompt = PromptLayer(key.transpose(0, 1)[None], value.transpose(0, 1)[None], spans, rotary)
-        with scoring_sinks(self.sinks):  # gpt-oss's learned sinks take their share of the scorer's softmax, as in the library
+        # gpt-oss's learned sinks take their share of the scorer's softmax, as in the library
+        with scoring_sinks(self.sinks):
             scores = method.layer_scores(prompt, query.transpose(0, 1)[None], self.scale)
         valid = prompt.slot_validity()
         kept, _ = select_kept(scores, valid, torch.tensor([kept_count(method, length)]))  # [1, kv_heads, n] ascending
@@ -275,14 +275,14 @@ class KVCompressCPUImpl(CPUAttentionBackendImpl):
             num_reqs=1, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_size,
             seq_lens=lengths, dtype=query.dtype, query_start_loc=starts, causal=True,
             sliding_window_size=self.sliding_window, isa=layer.isa, enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
-            dynamic_causal=None, kv_cache_dtype=self.kv_cache_dtype,
+            dynamic_causal=None, kv_cache_dtype=self.kv_cache_dtype
         )
         ops.cpu_attention_with_kv_cache(
             query=query, key_cache=key_cache, value_cache=value_cache, output=output, query_start_loc=starts,
             seq_lens=lengths, scale=self.scale, causal=True, alibi_slopes=self.alibi_slopes,
             sliding_window=self.sliding_window, block_table=blocks[None], softcap=self.logits_soft_cap,
             scheduler_metadata=schedule, s_aux=self.sinks, dynamic_causal=None, k_scale=layer._k_scale_float,
-            v_scale=layer._v_scale_float, kv_cache_dtype=self.kv_cache_dtype,
+            v_scale=layer._v_scale_float, kv_cache_dtype=self.kv_cache_dtype
         )
 
 

@@ -27,8 +27,12 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import CausalBias, causal_lower_right
 
-PROBE_TOKENS = 4096  # keys of the probe a phase's kernels are timed on (a prefill's probe: a quarter, its cost is quadratic)
-BACKEND_NAMES = {"math": SDPBackend.MATH, "flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
+# keys of the probe a phase's kernels are timed on (a prefill's probe: a quarter, its cost is quadratic)
+PROBE_TOKENS = 4096
+BACKEND_NAMES = {
+    "math": SDPBackend.MATH, "flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    "cudnn": SDPBackend.CUDNN_ATTENTION
+}
 _NAMES = {int(backend): name for name, backend in BACKEND_NAMES.items()}  # PyTorch's kernel numbers
 _default_picks: dict[tuple, str | None] = {}  # input shapes -> the kernel PyTorch picks for them
 _chosen: dict[tuple, tuple[str, ...]] = {}  # (phase, device type, dtype, head_dim, masked) -> kernels, fastest first
@@ -69,7 +73,10 @@ def _parse_forced(text: str) -> dict[str, tuple[str, ...]]:
             chosen = tuple(k.strip() for k in kernels.split(","))
             unknown = [k for k in chosen if k not in BACKEND_NAMES]
             if unknown:
-                raise ValueError(f"KVCOMPRESS_SDPA names unknown kernels {unknown} for {name.strip()}; valid: {', '.join(BACKEND_NAMES)}")
+                raise ValueError(
+                    f"KVCOMPRESS_SDPA names unknown kernels {unknown} for {name.strip()}; "
+                    f"valid: {', '.join(BACKEND_NAMES)}"
+                )
             forced[name.strip()] = chosen
     return forced
 
@@ -82,7 +89,9 @@ def sdpa_choices() -> dict[str, tuple[str, ...]]:
 @torch.compiler.assume_constant_result
 def _compiled_backends(phase: str, device_type: str, dtype: str, head_dim: int, masked: bool) -> str:
     """The chosen kernels as a string: a compiled step bakes the choice in without guarding on it."""
-    key = next((k for k in _chosen if k[:2] == (phase, device_type) and str(k[2]) == dtype and k[3:] == (head_dim, masked)), None)
+    key = next(
+        (k for k in _chosen if k[:2] == (phase, device_type) and str(k[2]) == dtype and k[3:] == (head_dim, masked)),
+        None)
     return ",".join(_chosen[key] if key is not None else forced_backends(phase) or candidates(phase))
 
 
@@ -97,7 +106,8 @@ def _time_backend(name: str, probe: tuple, is_causal: bool, enable_gqa: bool) ->
                 if cuda:
                     torch.cuda.synchronize(query.device)
                 start = time.perf_counter()
-                F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, is_causal=is_causal, enable_gqa=enable_gqa)
+                F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, is_causal=is_causal,
+                                               enable_gqa=enable_gqa)
                 if cuda:
                     torch.cuda.synchronize(query.device)
                 times.append(time.perf_counter() - start)
@@ -118,21 +128,26 @@ def _probe(query: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor | None, p
     if isinstance(mask, CausalBias):
         probe_mask = causal_lower_right(q_len, seq)
     else:
-        probe_mask = None if mask is None else torch.ones(batch, mask.shape[1], q_len, seq, dtype=torch.bool, device=query.device)
+        shape = (batch, 1 if mask is None else mask.shape[1], q_len, seq)
+        probe_mask = None if mask is None else torch.ones(shape, dtype=torch.bool, device=query.device)
     return probe_query, probe_keys, torch.randn_like(probe_keys), probe_mask
 
 
-def choose_backends(phase: str, query: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor | None, is_causal: bool, enable_gqa: bool) -> tuple[str, ...]:
+def choose_backends(phase: str, query: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor | None, is_causal: bool,
+                    enable_gqa: bool) -> tuple[str, ...]:
     """The phase's kernels, fastest first (timed once per phase, device, dtype, head size and masking)."""
     if torch.compiler.is_compiling():
-        return tuple(_compiled_backends(phase, query.device.type, str(query.dtype), query.shape[-1], mask is not None).split(","))
+        return tuple(
+            _compiled_backends(phase, query.device.type, str(query.dtype), query.shape[-1], mask
+                               is not None).split(","))
     key = (phase, query.device.type, query.dtype, query.shape[-1], mask is not None)
     chosen = _chosen.get(key)
     if chosen is None:
         chosen = forced_backends(phase)
         if chosen is None:
             probe = _probe(query, keys, mask, phase)
-            timed = [(t, name) for name in candidates(phase) if (t := _time_backend(name, probe, is_causal, enable_gqa)) is not None]
+            times = ((_time_backend(name, probe, is_causal, enable_gqa), name) for name in candidates(phase))
+            timed = [(t, name) for t, name in times if t is not None]
             chosen = tuple(name for _, name in sorted(timed)) or ("math",)
         _chosen[key] = chosen
     return chosen
@@ -147,28 +162,35 @@ def kernel_context(chosen: tuple[str, ...]):
 def chosen_kernels(query: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor | None):
     """The chosen kernels as a context, for SDPA called by someone else (transformers' own cache)."""
     phase = phase_of(query.shape[-2], keys.shape[-2])
-    return kernel_context(choose_backends(phase, query, keys, mask, is_causal=mask is None and phase == "prefill", enable_gqa=query.shape[1] != keys.shape[1]))
+    return kernel_context(
+        choose_backends(phase, query, keys, mask, is_causal=mask is None and phase == "prefill",
+                        enable_gqa=query.shape[1] != keys.shape[1]))
 
 
-def sdpa(
-    phase: str, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scaling: float | None, is_causal: bool = False, enable_gqa: bool = False
-) -> torch.Tensor:
+def sdpa(phase: str, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
+         scaling: float | None, is_causal: bool = False, enable_gqa: bool = False) -> torch.Tensor:
     """``F.scaled_dot_product_attention`` with the kernels chosen for ``phase`` (see ``phase_of``).
     Where PyTorch would pick the fastest one anyway, no context is entered (it costs ~20 us a call)."""
     chosen = choose_backends(phase, query, keys, mask, is_causal, enable_gqa)
-    if not torch.compiler.is_compiling() and default_backend(query, keys, values, mask, is_causal, scaling, enable_gqa) == chosen[0]:
-        return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, is_causal=is_causal, scale=scaling, enable_gqa=enable_gqa)
+    compiling = torch.compiler.is_compiling()
+    if not compiling and chosen[0] == default_backend(query, keys, values, mask, is_causal, scaling, enable_gqa):
+        return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, is_causal=is_causal, scale=scaling,
+                                              enable_gqa=enable_gqa)
     with kernel_context(chosen):
-        return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, is_causal=is_causal, scale=scaling, enable_gqa=enable_gqa)
+        return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, is_causal=is_causal, scale=scaling,
+                                              enable_gqa=enable_gqa)
 
 
 def default_backend(query, keys, values, mask, is_causal, scaling, enable_gqa) -> str | None:
     """The kernel PyTorch would pick by itself for these inputs (None where this torch cannot say),
     asked once per shapes: a decoding step's shapes repeat."""
-    key = (query.shape, keys.shape, None if mask is None else (mask.shape, mask.dtype), query.dtype, query.device, is_causal, enable_gqa)
+    key = (query.shape, keys.shape, None if mask is None else
+           (mask.shape, mask.dtype), query.dtype, query.device, is_causal, enable_gqa)
     if key not in _default_picks:
         try:
-            _default_picks[key] = _NAMES.get(torch._fused_sdp_choice(query, keys, values, mask, 0.0, is_causal, scale=scaling, enable_gqa=enable_gqa))
+            _default_picks[key] = _NAMES.get(
+                torch._fused_sdp_choice(query, keys, values, mask, 0.0, is_causal, scale=scaling,
+                                        enable_gqa=enable_gqa))
         except (AttributeError, TypeError, RuntimeError):
             _default_picks[key] = None
     return _default_picks[key]
@@ -181,16 +203,16 @@ def stack_groups(query: torch.Tensor, kv_heads: int) -> torch.Tensor:
 
 
 def group_mask(mask: torch.Tensor, group: int) -> torch.Tensor:
-    """A mask ``[b, 1 | kv_heads, q, s]`` for stacked queries ``[b, kv_heads, group * q, s]`` (one query: a broadcast)."""
+    """A mask ``[b, 1 | kv_heads, q, s]`` for stacked queries ``[b, kv_heads, group * q, s]`` (one query: a
+    broadcast)."""
     if mask.shape[2] == 1:
         return mask
     batch, heads, q_len, seq = mask.shape
     return mask[:, :, None].expand(batch, heads, group, q_len, seq).reshape(batch, heads, group * q_len, seq)
 
 
-def dense_attention(
-    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scaling: float, softcap: float | None = None
-) -> torch.Tensor:
+def dense_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
+                    scaling: float, softcap: float | None = None) -> torch.Tensor:
     """Exact attention ``[b, q_heads, q, d]``. ``mask`` is boolean, ``[b, 1 | kv_heads, q, s]``, or
     SDPA's lower-right causal bias; None means causal over the last ``q`` slots (or no mask for one
     query). ``softcap`` (Gemma 2): logits become ``softcap * tanh(logits / softcap)`` before the softmax."""
@@ -202,22 +224,23 @@ def dense_attention(
         logits = grouped_logits(query, keys, scaling)
         logits = softcap * torch.tanh(logits / softcap)
         if mask is not None:
-            logits = logits.view(batch, kv_heads, -1, seq).masked_fill(~group_mask(mask, q_heads // kv_heads), torch.finfo(torch.float32).min)
+            hidden = ~group_mask(mask, q_heads // kv_heads)
+            logits = logits.view(batch, kv_heads, -1, seq).masked_fill(hidden, torch.finfo(torch.float32).min)
         probs = logits.view(batch, kv_heads, -1, seq).softmax(dim=-1)
         return (probs @ values.float()).view(batch, q_heads, q_len, -1).to(query.dtype)
     phase = phase_of(q_len, seq)
     if isinstance(mask, CausalBias):  # the newest q of the slots, causal, without building the mask
         return sdpa(phase, query, keys, values, mask, scaling, enable_gqa=q_heads != kv_heads)
-    if q_len == 1 or (mask is not None and mask.shape[1] > 1):  # stacked: KV read once per KV head, a per-head mask as is
+    # stacked: KV read once per KV head, a per-head mask as is
+    if q_len == 1 or (mask is not None and mask.shape[1] > 1):
         mask = None if mask is None else group_mask(mask, q_heads // kv_heads)
         out = sdpa(phase, stack_groups(query, kv_heads), keys, values, mask, scaling)
         return out.view(batch, q_heads, q_len, dim)
     return sdpa(phase, query, keys, values, mask, scaling, is_causal=mask is None, enable_gqa=q_heads != kv_heads)
 
 
-def attention_with_lse(
-    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scaling: float, softcap: float | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
+def attention_with_lse(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                       scaling: float, softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact attention ``[b, q_heads, q, d]`` and each query's log-normaliser (the log of its softmax's
     sum) ``[b, q_heads, q]`` float32, for a boolean ``mask [b | 1, 1, q, s]``: an observation pass's
     attention, whose normalisers a method scores with. On a CPU, SDPA's own flash kernel returns both
@@ -228,12 +251,12 @@ def attention_with_lse(
     group = query.shape[1] // keys.shape[1]
     bias = torch.zeros(mask.shape, dtype=query.dtype).masked_fill_(~mask, -torch.inf)
     keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, keys, values, 0.0, False, attn_mask=bias, scale=scaling)
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    return flash(query, keys, values, 0.0, False, attn_mask=bias, scale=scaling)
 
 
-def spelled_out_with_lse(
-    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scaling: float, softcap: float | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
+def spelled_out_with_lse(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                         scaling: float, softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``attention_with_lse`` from the logits in float32 (any device, soft-capping included)."""
     batch, q_heads, q_len, dim = query.shape
     group = q_heads // keys.shape[1]
@@ -246,7 +269,8 @@ def spelled_out_with_lse(
     return out.view(batch, q_heads, q_len, dim).to(query.dtype), lse.view(batch, q_heads, q_len)
 
 
-def after_prompt_with_lse(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+def after_prompt_with_lse(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                          scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``attention_with_lse`` on a CPU for queries that are the newest of ``keys`` and see every older
     key (no padding): two flash calls, the older keys unmasked and the new ones causal, merged by their
     log-normalisers (each call is faster than one call with a mask: 0.11 s against 0.18 s for 2K
@@ -256,7 +280,8 @@ def after_prompt_with_lse(query: torch.Tensor, keys: torch.Tensor, values: torch
     batch, q_heads, q_len, dim = query.shape
     kv_heads = keys.shape[1]
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    old_out, old_lse = flash(stack_groups(query, kv_heads), keys[:, :, :-q_len], values[:, :, :-q_len], 0.0, False, scale=scaling)
+    old_out, old_lse = flash(stack_groups(query, kv_heads), keys[:, :, :-q_len], values[:, :, :-q_len], 0.0, False,
+                             scale=scaling)
     old_out, old_lse = old_out.reshape(batch, q_heads, q_len, dim), old_lse.reshape(batch, q_heads, q_len)
     new_keys, new_values = (t[:, :, -q_len:].repeat_interleave(q_heads // kv_heads, dim=1) for t in (keys, values))
     new_out, new_lse = flash(query, new_keys, new_values, 0.0, True, scale=scaling)

@@ -21,7 +21,8 @@ import triton.language as tl
 
 
 @triton.jit
-def _gather_chunks_kernel(store, chunks, previous_chunks, previous, hits, out, n_chunks, k, REUSE: tl.constexpr, LOG_K: tl.constexpr, CHUNK_NUMEL: tl.constexpr, BLOCK: tl.constexpr):
+def _gather_chunks_kernel(store, chunks, previous_chunks, previous, hits, out, n_chunks, k, REUSE: tl.constexpr,
+                          LOG_K: tl.constexpr, CHUNK_NUMEL: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)  # b * kv_heads + h
     j = tl.program_id(1).to(tl.int64)  # which selected chunk
     entry = row * k + j
@@ -47,35 +48,25 @@ def _gather_chunks_kernel(store, chunks, previous_chunks, previous, hits, out, n
     tl.store(out + entry * CHUNK_NUMEL + offsets, tl.where(is_hit, kept, fresh), mask=inside)
 
 
-def gather_chunks_triton(
-    store: torch.Tensor, chunks: torch.Tensor, previous_chunks: torch.Tensor | None, previous: torch.Tensor | None, hits: torch.Tensor | None
-) -> torch.Tensor:
+def gather_chunks_triton(store: torch.Tensor, chunks: torch.Tensor, previous_chunks: torch.Tensor | None,
+                         previous: torch.Tensor | None, hits: torch.Tensor | None) -> torch.Tensor:
     """Same result as ``ops.gather_chunks`` (``store [b, h, n_chunks, chunk, d]`` contiguous)."""
     batch, heads, n_chunks, chunk, dim = store.shape
     k = chunks.shape[-1]
     out = torch.empty(batch, heads, k * chunk, dim, dtype=store.dtype, device=chunks.device)
     reuse = previous is not None
     _gather_chunks_kernel[(batch * heads, k)](
-        store,
-        chunks.contiguous(),
-        previous_chunks.contiguous() if reuse else chunks,
-        previous.contiguous() if reuse else out,
-        hits if reuse else chunks,
-        out,
-        n_chunks,
-        k,
-        REUSE=reuse,
-        LOG_K=max(1, int(k).bit_length()),
-        CHUNK_NUMEL=chunk * dim,
-        BLOCK=triton.next_power_of_2(chunk * dim),
+        store, chunks.contiguous(), previous_chunks.contiguous() if reuse else chunks,
+        previous.contiguous() if reuse else out, hits if reuse else chunks, out, n_chunks, k, REUSE=reuse,
+        LOG_K=max(1, int(k).bit_length()), CHUNK_NUMEL=chunk * dim, BLOCK=triton.next_power_of_2(chunk * dim)
     )
     return out
 
 
 @triton.jit
 def _rotated_keys_kernel(
-    factor_a, factor_b, chunks, inv_freq, out, heads, region, k, rank, scale,
-    UNIT: tl.constexpr, DIM: tl.constexpr, HALF_ROT: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+    factor_a, factor_b, chunks, inv_freq, out, heads, region, k, rank, scale, UNIT: tl.constexpr, DIM: tl.constexpr,
+    HALF_ROT: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr
 ):
     row = tl.program_id(0).to(tl.int64)  # b * kv_heads + h
     j = tl.program_id(1).to(tl.int64)
@@ -94,15 +85,19 @@ def _rotated_keys_kernel(
     turned = tl.zeros([BLOCK_U, BLOCK_D], tl.float32)
     for r0 in range(0, rank, BLOCK_R):
         r = r0 + tl.arange(0, BLOCK_R)
-        a = tl.load(factor_a + (batch * region + tokens[:, None]) * rank + r[None, :], mask=real[:, None] & (r[None, :] < rank), other=0.0)
+        a = tl.load(factor_a + (batch * region + tokens[:, None]) * rank + r[None, :],
+                    mask=real[:, None] & (r[None, :] < rank), other=0.0)
         b_row = factor_b + ((batch * rank + r[:, None]) * heads + head) * DIM  # B is [b, r, heads, d]
         b = tl.load(b_row + d[None, :], mask=(r[:, None] < rank) & (d[None, :] < DIM), other=0.0)
-        b_turned = tl.load(b_row + partner[None, :], mask=(r[:, None] < rank) & (d[None, :] < DIM), other=0.0) * sign[None, :]
+        b_turned = tl.load(b_row + partner[None, :], mask=(r[:, None] < rank) & (d[None, :] < DIM),
+                           other=0.0) * sign[None, :]
         plain += tl.dot(a.to(tl.float32), b.to(tl.float32))
         turned += tl.dot(a.to(tl.float32), b_turned.to(tl.float32))
     freq = tl.load(inv_freq + d % HALF_ROT, mask=rotated, other=0.0)
-    angle = (tokens[:, None].to(tl.float32) * freq[None, :]).to(tl.float64)  # the model's float32 angle, as its rotary computes it
-    turns = tl.floor(angle * 0.15915494309189535 + 0.5)  # reduced to [-pi, pi] in float64: exact cos/sin at any position
+    # the model's float32 angle, as its rotary computes it
+    angle = (tokens[:, None].to(tl.float32) * freq[None, :]).to(tl.float64)
+    # reduced to [-pi, pi] in float64: exact cos/sin at any position
+    turns = tl.floor(angle * 0.15915494309189535 + 0.5)
     angle = (angle - turns * 6.283185307179586).to(tl.float32)
     cos = tl.where(rotated[None, :], tl.cos(angle) * scale, 1.0)
     sin = tl.where(rotated[None, :], tl.sin(angle) * scale, 0.0)
@@ -111,28 +106,16 @@ def _rotated_keys_kernel(
     tl.store(target, keys.to(out.dtype.element_ty), mask=real[:, None] & (d[None, :] < DIM))
 
 
-def rotated_keys_triton(factor_a: torch.Tensor, factor_b: torch.Tensor, chunks: torch.Tensor, inv_freq: torch.Tensor, scale: float, unit: int) -> torch.Tensor:
+def rotated_keys_triton(factor_a: torch.Tensor, factor_b: torch.Tensor, chunks: torch.Tensor, inv_freq: torch.Tensor,
+                        scale: float, unit: int) -> torch.Tensor:
     """Same result as ``ops.rotated_keys`` (``factor_a [b, region, r]``, ``factor_b [b, r, heads, d]``)."""
     batch, region, rank = factor_a.shape
     heads, dim = factor_b.shape[2], factor_b.shape[3]
     k = chunks.shape[-1]
     out = torch.empty(batch, heads, k * unit, dim, dtype=factor_a.dtype, device=chunks.device)
     _rotated_keys_kernel[(batch * heads, k)](
-        factor_a.contiguous(),
-        factor_b.contiguous(),
-        chunks.contiguous(),
-        inv_freq.float().contiguous(),
-        out,
-        heads,
-        region,
-        k,
-        rank,
-        float(scale),
-        UNIT=unit,
-        DIM=dim,
-        HALF_ROT=inv_freq.shape[0],
-        BLOCK_U=max(16, triton.next_power_of_2(unit)),
-        BLOCK_R=16,
-        BLOCK_D=max(16, triton.next_power_of_2(dim)),
+        factor_a.contiguous(), factor_b.contiguous(), chunks.contiguous(), inv_freq.float().contiguous(), out, heads,
+        region, k, rank, float(scale), UNIT=unit, DIM=dim, HALF_ROT=inv_freq.shape[0],
+        BLOCK_U=max(16, triton.next_power_of_2(unit)), BLOCK_R=16, BLOCK_D=max(16, triton.next_power_of_2(dim))
     )
     return out

@@ -14,7 +14,7 @@ import contextlib
 import functools
 import importlib.util
 import inspect
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 

@@ -24,7 +24,8 @@ is the interface both follow); attention then gets no slots from ``update`` (the
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -45,12 +46,14 @@ class PackedSlots(Slots):
         self.rows, self.heads = len(segments), len(segments[0])
         self.lengths = [[int(k.shape[0]) for k, _, _ in row] for row in segments]  # host mirror of lengths_t
         self.positions = [[p for _, _, p in row] for row in segments]  # prompt positions held, per segment
-        self._pack([[(k, v) for k, v, _ in row] for row in segments], [[None] * self.heads for _ in range(self.rows)], spare_slots(self.mean_length()))
+        self._pack([[(k, v) for k, v, _ in row] for row in segments], [[None] * self.heads for _ in range(self.rows)],
+                   spare_slots(self.mean_length()))
 
     def mean_length(self) -> int:
         return sum(map(sum, self.lengths)) // (self.rows * self.heads)
 
-    def _pack(self, parts: list[list[tuple[torch.Tensor, torch.Tensor]]], valid: list[list[torch.Tensor | None]], room: int) -> None:
+    def _pack(self, parts: list[list[tuple[torch.Tensor, torch.Tensor]]], valid: list[list[torch.Tensor | None]],
+              room: int) -> None:
         """Lay the segments out afresh, each with ``room`` slots after it. The flat buffer's length
         and the widest segment differ by layer and request (they follow attention): a compiled step
         takes both as symbols (tensor sizes marked dynamic, never Python ints), so no request recompiles it."""
@@ -102,7 +105,7 @@ class PackedSlots(Slots):
         packing = {
             "keys": self.keys, "values": self.values, "valid": self.valid,
             "starts": self.starts_t, "lengths": self.lengths_t, "capacities": self.capacities_t,
-            "rows": self.rows, "heads": self.heads, "room_left": self.room_left, **positions,
+            "rows": self.rows, "heads": self.heads, "room_left": self.room_left, **positions
         }
         return {
             "keys": self.none, "values": self.none, "valid": None, "positions": None, "cursor": None,
@@ -148,7 +151,8 @@ class PackedSlots(Slots):
 
     def _repack(self, room: int) -> None:
         kept = [[self.segment(r, h) for h in range(self.heads)] for r in range(self.rows)]
-        self._pack([[(k.clone(), v.clone()) for k, v, _ in row] for row in kept], [[m.clone() for _, _, m in row] for row in kept], room)
+        self._pack([[(k.clone(), v.clone()) for k, v, _ in row] for row in kept],
+                   [[m.clone() for _, _, m in row] for row in kept], room)
 
     def newest(self, new: int) -> torch.Tensor:
         """Flat slots ``[segments * new]`` of this step's ``new`` tokens in every segment."""
@@ -194,20 +198,23 @@ class PackedSlots(Slots):
         seen = self.valid.index_select(0, index).view(rows, self.heads, 1, -1)
         if q_len > 1:  # the step's own tokens: each query sees those its mask allows
             step = causal_slot_mask(q_len, q_len, query.device) if new_mask is None else new_mask  # [rows | 1, 1, q, q]
-            newest = (self.lengths_t.view(rows, self.heads, 1, 1) + torch.arange(q_len, device=query.device)).expand(-1, -1, q_len, -1)
+            newest = (self.lengths_t.view(rows, self.heads, 1, 1) + torch.arange(q_len, device=query.device)).expand(
+                -1, -1, q_len, -1)
             seen = seen.expand(-1, -1, q_len, -1).scatter(3, newest, step.expand(rows, self.heads, -1, -1))
         return dense_attention(query, keys, values, seen, scaling, softcap)
 
     def gather_index(self) -> torch.Tensor:
         """Flat slots ``[segments * widest]`` of every segment, room included; past a segment's room, the sentinel."""
         offsets = self.offsets
-        return torch.where(offsets < self.capacities_t[:, None], self.starts_t[:, None] + offsets, self.valid.shape[0] - 1).view(-1)
+        return torch.where(offsets < self.capacities_t[:, None], self.starts_t[:, None] + offsets,
+                           self.valid.shape[0] - 1).view(-1)
 
     def stored(self) -> None:
         return None  # segments of different lengths per head: no slots every head shares for a later prompt to attend
 
     def kept_positions(self, prefill_len: int) -> torch.Tensor:
-        """``[rows, heads, n]`` prompt positions of each segment, ascending; shorter segments padded with -1 at the front."""
+        """``[rows, heads, n]`` prompt positions of each segment, ascending; shorter segments padded with -1 at the
+        front."""
         width = max(len(p) for row in self.positions for p in row)
         out = torch.full((self.rows, self.heads, width), -1, dtype=torch.long, device=self.keys.device)
         for r in range(self.rows):
@@ -247,4 +254,5 @@ class PackedSlots(Slots):
         self.lengths = [list(self.lengths[r]) for r in rows]
         self.positions = [list(self.positions[r]) for r in rows]
         self.rows = len(rows)
-        self._pack([[(k.clone(), v.clone()) for k, v, _ in row] for row in parts], [[m.clone() for _, _, m in row] for row in parts], self.room_left)
+        self._pack([[(k.clone(), v.clone()) for k, v, _ in row] for row in parts],
+                   [[m.clone() for _, _, m in row] for row in parts], self.room_left)

@@ -23,7 +23,6 @@ the ones that layer returned, and that the module is the one the cache was made 
 from __future__ import annotations
 
 from collections.abc import Iterator
-
 from typing import Any
 
 import torch
@@ -32,10 +31,9 @@ from transformers import AttentionInterface, AutoTokenizer, PreTrainedModel, Pre
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface
 
-from ...cache.layer import take_announced
 from ...cache.errors import CacheMisuseError, UnsupportedModelError
 from ...cache.kv_cache import KVCompressCache, LayerFactory, cache_argument
-from ...cache.layer import KVLayer, WindowLayer
+from ...cache.layer import KVLayer, WindowLayer, take_announced
 from ...cache.tokens import TokenSpans, spans_for
 from ...storage import attention
 from ...storage.attention import dense_attention
@@ -48,7 +46,10 @@ IMPLEMENTATION = "kvcompress"
 
 def attention_modules(model: PreTrainedModel) -> list[torch.nn.Module]:
     """The model's attention modules, by layer index."""
-    found = {m.layer_idx: m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "head_dim") and isinstance(m.layer_idx, int)}
+    found = {
+        m.layer_idx: m
+        for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "head_dim") and isinstance(m.layer_idx, int)
+    }
     return [found[i] for i in sorted(found)]
 
 
@@ -69,16 +70,18 @@ def check_model(model: PreTrainedModel) -> None:
     config = model.config.get_text_config()
     if not getattr(model, "_supports_attention_backend", False):
         raise UnsupportedModelError(
-            f"kvcompress: {name} does not dispatch attention through transformers' AttentionInterface; its attention layout is not supported"
+            f"kvcompress: {name} does not dispatch attention through transformers' AttentionInterface; its attention "
+            "layout is not supported"
         )
     modules = attention_modules(model)
     if len(modules) != config.num_hidden_layers:
         raise UnsupportedModelError(
-            f"kvcompress: {name} has {len(modules)} attention modules with a layer index for {config.num_hidden_layers} layers; "
-            "models with other layer kinds (linear attention, shared KV, ...) are not supported"
-        )
+            f"kvcompress: {name} has {len(modules)} attention modules with a layer index for "
+            f"{config.num_hidden_layers} layers; "
+            "models with other layer kinds (linear attention, shared KV, ...) are not supported")
     refusals = (
-        (getattr(config, "attention_chunk_size", None) is not None, f"chunked attention (attention_chunk_size={getattr(config, 'attention_chunk_size', None)})"),
+        (getattr(config, "attention_chunk_size", None)
+         is not None, f"chunked attention (attention_chunk_size={getattr(config, 'attention_chunk_size', None)})"),
         (getattr(config, "kv_lora_rank", None) is not None, "multi-head latent attention (kv_lora_rank)"),
     )
     for refused, what in refusals:
@@ -86,7 +89,8 @@ def check_model(model: PreTrainedModel) -> None:
             raise UnsupportedModelError(f"kvcompress: {name} uses {what}, which kvcompress does not support")
 
 
-def make_cache(method: LayerFactory, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | TokenSpans | None = None) -> KVCompressCache:
+def make_cache(method: LayerFactory, model: PreTrainedModel,
+               tokenizer: PreTrainedTokenizerBase | TokenSpans | None = None) -> KVCompressCache:
     """A ``KVCompressCache`` applying ``method`` to ``model``: checks both, switches the model to the
     ``"kvcompress"`` attention implementation (idempotent) and builds one layer per model layer;
     sliding-window layers keep their window whatever the method. ``tokenizer`` gives the cache the
@@ -96,10 +100,11 @@ def make_cache(method: LayerFactory, model: PreTrainedModel, tokenizer: PreTrain
     method.check_model(model)
     if has_sinks(model) and not method.attends_slots():
         raise UnsupportedModelError(
-            f"kvcompress: {type(model).__name__} uses learned attention sinks (a per-head logit in every softmax), which {method.describe()} "
-            "cannot carry: its decoding steps attend gathered chunks or per-head segments; use a prompt method with heads='uniform' and "
-            "layers other than 'global' (snapkv, streamingllm, h2o, expected, kvzip:layers=uniform) or full"
-        )
+            f"kvcompress: {type(model).__name__} uses learned attention sinks (a per-head logit in every softmax), "
+            f"which {method.describe()} "
+            "cannot carry: its decoding steps attend gathered chunks or per-head segments; use a prompt method with "
+            "heads='uniform' and "
+            "layers other than 'global' (snapkv, streamingllm, h2o, expected, kvzip:layers=uniform) or full")
     if tokenizer is None and method.needs_tokens():
         tokenizer = local_tokenizer(model, method)
     layers: list[KVLayer] = []
@@ -116,15 +121,16 @@ def has_sinks(model: torch.nn.Module) -> bool:
 
 
 def local_tokenizer(model: PreTrainedModel, method: LayerFactory) -> PreTrainedTokenizerBase:
-    """The model's tokenizer from its local folder or cache (never downloaded), for methods that need word boundaries."""
+    """The model's tokenizer from its local folder or cache (never downloaded), for methods that need word
+    boundaries."""
     source = getattr(model.config, "_name_or_path", "") or ""
     try:
         return AutoTokenizer.from_pretrained(source, local_files_only=True)
     except (OSError, ValueError, TypeError):
         raise UnsupportedModelError(
-            f"kvcompress: {method.describe()} needs the tokenizer to find word and number boundaries, and none was found for "
-            f"model {source!r} on this machine; pass it: method.make_cache(model, tokenizer)"
-        ) from None
+            f"kvcompress: {method.describe()} needs the tokenizer to find word and number boundaries, and none was "
+            "found for "
+            f"model {source!r} on this machine; pass it: method.make_cache(model, tokenizer)") from None
 
 
 def attach(model: PreTrainedModel) -> None:
@@ -147,7 +153,8 @@ def attach(model: PreTrainedModel) -> None:
 
 def _cache_of(args: tuple, kwargs: dict) -> KVCompressCache | None:
     cache = cache_argument(kwargs)
-    return cache if isinstance(cache, KVCompressCache) else next((a for a in args if isinstance(a, KVCompressCache)), None)
+    return cache if isinstance(cache, KVCompressCache) else next(
+        (a for a in args if isinstance(a, KVCompressCache)), None)
 
 
 def end_call(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
@@ -159,7 +166,8 @@ def end_call(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) ->
 
 def check_inputs(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
     """Refuse, before the model runs, inputs a kvcompress cache cannot take; then let the cache take this call's
-    steps (a model kvcompress never prepared calls no hook, and its first step is refused: ``KVCompressCache.update``)."""
+    steps (a model kvcompress never prepared calls no hook, and its first step is refused:
+    ``KVCompressCache.update``)."""
     cache = _cache_of(args, kwargs)
     if cache is None or torch.compiler.is_compiling():  # a compiled step's loop checked before it
         return
@@ -181,9 +189,7 @@ def _refuse_inputs(cache: KVCompressCache, args: tuple, kwargs: dict) -> None:
             "kvcompress: the input has no tokens"
             + (
                 f"; this cache already holds {seen} tokens, and generate() feeds only tokens beyond them: "
-                "a new prompt needs a new cache (method.make_cache(model))"
-                if seen
-                else " (an empty prompt)"
+                "a new prompt needs a new cache (method.make_cache(model))" if seen else " (an empty prompt)"
             )
         )
     mask = kwargs.get("attention_mask")
@@ -194,10 +200,11 @@ def _refuse_inputs(cache: KVCompressCache, args: tuple, kwargs: dict) -> None:
         return
     if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[-1] != seen + new:
         raise CacheMisuseError(
-            f"kvcompress: this cache already holds {seen} tokens, so the attention mask must cover them plus the {new} new ones "
-            f"({seen + new} columns) but it has {mask.shape[-1]}; to continue, pass the whole mask; a new prompt needs a new cache "
-            "(method.make_cache(model))"
-        )
+            f"kvcompress: this cache already holds {seen} tokens, so the attention mask must cover them plus the {new} "
+            "new ones "
+            f"({seen + new} columns) but it has {mask.shape[-1]}; to continue, pass the whole mask; a new prompt needs "
+            "a new cache "
+            "(method.make_cache(model))")
     positions = kwargs.get("position_ids")
     if new > 1 and positions is not None:  # several new tokens: a new turn, or a new prompt by mistake
         rows = positions.shape[-2] if positions.dim() > 1 else 1
@@ -205,12 +212,14 @@ def _refuse_inputs(cache: KVCompressCache, args: tuple, kwargs: dict) -> None:
         real = mask[:, :seen].sum(-1) if padded else torch.full((rows,), seen, device=positions.device)
         new_real = mask[:, -new:].sum(-1) if padded else torch.full_like(real, new)
         last = positions[..., -1].reshape(-1, real.shape[0]).amax(0) if positions.dim() > 2 else positions[:, -1]
-        if bool(((new_real > 0) & (last.to(real.device) != real + new_real - 1)).any()):  # one check per turn, not per step
+        # one check per turn, not per step
+        if bool(((new_real > 0) & (last.to(real.device) != real + new_real - 1)).any()):
             raise CacheMisuseError(
-                f"kvcompress: this cache already holds {seen} tokens but the {new} new tokens do not continue them (their positions "
-                f"end at {last.tolist()}); generate() with a used cache feeds only the tokens beyond what it holds, so a new prompt "
-                "needs a new cache (method.make_cache(model)); to continue a conversation, pass all of it"
-            )
+                f"kvcompress: this cache already holds {seen} tokens but the {new} new tokens do not continue them "
+                "(their positions "
+                f"end at {last.tolist()}); generate() with a used cache feeds only the tokens beyond what it holds, so "
+                "a new prompt "
+                "needs a new cache (method.make_cache(model)); to continue a conversation, pass all of it")
 
 
 def _layer_for(module: torch.nn.Module, key: torch.Tensor) -> KVLayer | None:
@@ -220,15 +229,15 @@ def _layer_for(module: torch.nn.Module, key: torch.Tensor) -> KVLayer | None:
         return None
     if keys is not key or getattr(module, "layer_idx", layer.layer_idx) != layer.layer_idx:
         raise UnsupportedModelError(
-            f"kvcompress: {type(module).__name__} passed attention keys that are not the ones its cache layer returned; "
-            "this attention layout is not supported"
-        )
+            f"kvcompress: {type(module).__name__} passed attention keys that are not the ones its cache layer "
+            "returned; "
+            "this attention layout is not supported")
     if layer.module_id is not None and layer.module_id != id(module):
         layer.step_open = False
         raise CacheMisuseError(
-            f"kvcompress: this cache was made for another model (layer {layer.layer_idx} belongs to a different attention module); "
-            "make a cache for this model with method.make_cache(model)"
-        )
+            f"kvcompress: this cache was made for another model (layer {layer.layer_idx} belongs to a different "
+            "attention module); "
+            "make a cache for this model with method.make_cache(model)")
     return layer
 
 
@@ -246,9 +255,8 @@ def new_token_validity(attention_mask: torch.Tensor | LazyMask | None, q_len: in
     return real if real.dtype == torch.bool else real.bool()
 
 
-def mask_block(
-    attention_mask: torch.Tensor | LazyMask | None, q_len: int, kv_len: int, sliding_window: int | None, rows: tuple[int, int], columns: tuple[int, int]
-) -> torch.Tensor:
+def mask_block(attention_mask: torch.Tensor | LazyMask | None, q_len: int, kv_len: int, sliding_window: int | None,
+               rows: tuple[int, int], columns: tuple[int, int]) -> torch.Tensor:
     """Boolean mask ``[batch | 1, 1, rows, columns]``: rows ``rows`` of the ``q_len`` new queries,
     which are the newest of ``kv_len`` keys, against keys ``columns`` (padding, causality, a sliding
     window), from transformers' mask (its newest rows and columns). Every query sees itself, so
@@ -270,7 +278,8 @@ def mask_block(
     return block | (key_index == query_index).to(block.device)[None, None]
 
 
-def new_block(attention_mask: torch.Tensor | LazyMask | None, q_len: int, sliding_window: int | None) -> torch.Tensor | None:
+def new_block(attention_mask: torch.Tensor | LazyMask | None, q_len: int,
+              sliding_window: int | None) -> torch.Tensor | None:
     """Boolean mask ``[batch, 1, q_len, q_len]`` of the new queries against the new tokens, from the
     newest block of transformers' mask; None when that is plain causal."""
     if attention_mask is None and (sliding_window is None or q_len <= sliding_window):
@@ -279,8 +288,8 @@ def new_block(attention_mask: torch.Tensor | LazyMask | None, q_len: int, slidin
 
 
 def attend_prompt(
-    layer: KVLayer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | LazyMask | None,
-    sliding_window: int | None, scaling: float, softcap: float | None,
+    layer: KVLayer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    attention_mask: torch.Tensor | LazyMask | None, sliding_window: int | None, scaling: float, softcap: float | None
 ) -> torch.Tensor:
     """A prefill's attention: the new queries are the newest of the prompt's keys so far (the whole
     prompt, or a block of it: ``longprompt.BlockedPrefill``). Plain causal attention is one call
@@ -294,66 +303,67 @@ def attend_prompt(
             return layer.attend(query, key, value, None, scaling, softcap)
         if query.is_cuda:
             return layer.attend(query, key, value, causal_lower_right(q_len, kv_len), scaling, softcap)
-        if query.device.type == "cpu":  # a CPU kernel would build that bias as a q x kv mask, and a masked call is slower:
-            return attention.after_prompt_with_lse(query, key, value, scaling)[0]  # the older keys unmasked, the block causal
+        # a CPU kernel would build that bias as a q x kv mask, and a masked call is slower:
+        if query.device.type == "cpu":
+            # the older keys unmasked, the block causal
+            return attention.after_prompt_with_lse(query, key, value, scaling)[0]
     out = torch.empty_like(query)
-    for (first, last), (start, end), mask in mask_blocks(attention_mask, q_len, kv_len, key.shape[0], sliding_window, longprompt.BLOCK_ELEMENTS):
-        out[:, :, first:last] = layer.attend(query[:, :, first:last], key[:, :, start:end], value[:, :, start:end], mask, scaling, softcap)
+    blocks = mask_blocks(attention_mask, q_len, kv_len, key.shape[0], sliding_window, longprompt.BLOCK_ELEMENTS)
+    for (first, last), (start, end), mask in blocks:
+        out[:, :, first:last] = layer.attend(query[:, :, first:last], key[:, :, start:end], value[:, :, start:end],
+                                             mask, scaling, softcap)
     return out
 
 
 def attend_observed(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | LazyMask | None, scaling: float,
-    softcap: float | None, padded: bool, sliding_window: int | None = None,
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | LazyMask | None,
+    scaling: float, softcap: float | None, padded: bool, sliding_window: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """An observation pass's attention (its tokens just after the prompt's, attended, never stored) and
-    each query's log-normaliser ``[b, q_heads, q]``, which the method scores with. Without padding or a
-    window that cuts the keys, on a CPU, two unmasked flash calls; otherwise blocks of queries, each with its mask as a float bias (a
+    each query's log-normaliser ``[b, q_heads, q]``, which the method scores with. Without padding or a window that cuts
+    the keys, on a CPU, two unmasked flash calls; otherwise blocks of queries, each with its mask as a float bias (a
     quarter of the booleans a prefill's block may build)."""
-    if not padded and softcap is None and query.device.type == "cpu" and (sliding_window is None or key.shape[-2] <= sliding_window):
+    uncut = sliding_window is None or key.shape[-2] <= sliding_window
+    if not padded and softcap is None and query.device.type == "cpu" and uncut:
         return attention.after_prompt_with_lse(query, key, value, scaling)
     return blocks_with_lse(query, key, value, attention_mask, sliding_window, scaling, softcap)
 
 
 def blocks_with_lse(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | LazyMask | None, sliding_window: int | None,
-    scaling: float, softcap: float | None,
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | LazyMask | None,
+    sliding_window: int | None, scaling: float, softcap: float | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The new queries' attention (the newest of the keys) and each query's log-normaliser, a block of
     queries at a time, each with its mask as a float bias (a quarter of the booleans a prefill's block may build)."""
     q_len, kv_len = query.shape[-2], key.shape[-2]
     out, lse = torch.empty_like(query), query.new_empty(query.shape[:-1], dtype=torch.float32)
-    for (first, last), (start, end), mask in mask_blocks(attention_mask, q_len, kv_len, key.shape[0], sliding_window, longprompt.BLOCK_ELEMENTS // 4):
+    blocks = mask_blocks(attention_mask, q_len, kv_len, key.shape[0], sliding_window, longprompt.BLOCK_ELEMENTS // 4)
+    for (first, last), (start, end), mask in blocks:
         out[:, :, first:last], lse[:, :, first:last] = attention.attention_with_lse(
             query[:, :, first:last], key[:, :, start:end], value[:, :, start:end], mask, scaling, softcap
         )
     return out, lse
 
 
-def mask_blocks(
-    attention_mask: torch.Tensor | LazyMask | None, q_len: int, kv_len: int, batch: int, sliding_window: int | None, elements: int
-) -> Iterator[tuple[tuple[int, int], tuple[int, int], torch.Tensor]]:
+def mask_blocks(attention_mask: torch.Tensor | LazyMask | None, q_len: int, kv_len: int, batch: int,
+                sliding_window: int | None,
+                elements: int) -> Iterator[tuple[tuple[int, int], tuple[int, int], torch.Tensor]]:
     """Blocks of the ``q_len`` new queries (the newest of ``kv_len`` keys), each with at most ``elements``
     mask elements: its rows, the keys its queries can see, and its boolean mask over them."""
     rows = max(1, elements // (batch * kv_len))
     for first in range(0, q_len, rows):
         last = min(q_len, first + rows)
         end = kv_len - q_len + last  # the keys up to the block's last query
-        start = max(0, kv_len - q_len + first - sliding_window + 1) if sliding_window is not None else 0  # older keys are out of every window
-        yield (first, last), (start, end), mask_block(attention_mask, q_len, kv_len, sliding_window, (first, last), (start, end))
+        # older keys are out of every window
+        start = max(0, kv_len - q_len + first - sliding_window + 1) if sliding_window is not None else 0
+        yield (first, last), (start, end), mask_block(attention_mask, q_len, kv_len, sliding_window, (first, last),
+                                                      (start, end))
 
 
 def kvcompress_attention(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-    **kwargs,
+    module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+    sliding_window: int | None = None, softcap: float | None = None, **kwargs
 ) -> tuple[torch.Tensor, None]:
     """Attention over a kvcompress cache layer (then commit the step), or plain SDPA otherwise."""
     layer = _layer_for(module, key)
@@ -370,13 +380,14 @@ def kvcompress_attention(
             mask = None if attention_mask is None else attention_mask.bool()
             return dense_attention(query, key, value, mask, scale, softcap).transpose(1, 2).contiguous(), None
         with attention.chosen_kernels(query, key, attention_mask):
-            return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, sliding_window=sliding_window, **kwargs)
+            return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                          sliding_window=sliding_window, **kwargs)
     expected = layer.window if isinstance(layer, WindowLayer) else None
     if sliding_window != expected:
         raise UnsupportedModelError(
-            f"kvcompress: layer {layer.layer_idx} attends with sliding_window={sliding_window} but its cache layer was built for "
-            f"{expected}; this model's per-layer attention pattern is not supported"
-        )
+            f"kvcompress: layer {layer.layer_idx} attends with sliding_window={sliding_window} but its cache layer was "
+            "built for "
+            f"{expected}; this model's per-layer attention pattern is not supported")
     q_len = query.shape[-2]
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     lse, new_valid = None, new_token_validity(attention_mask, q_len)
@@ -390,14 +401,17 @@ def kvcompress_attention(
         if joined is not None:
             attention_mask = longprompt.continued_mask(joined, q_len)
         if sinks is not None:  # the same attention with each query's normaliser, for the sink's share
-            out = attention.with_sinks(*blocks_with_lse(query, key, value, attention_mask, sliding_window, scaling, softcap), sinks)
+            out = attention.with_sinks(
+                *blocks_with_lse(query, key, value, attention_mask, sliding_window, scaling, softcap), sinks)
         else:
             out = attend_prompt(layer, query, key, value, attention_mask, sliding_window, scaling, softcap)
     else:
         block = new_block(attention_mask, q_len, sliding_window) if q_len > 1 else None  # one query sees itself
         mask = layer.slots.visibility(block, q_len)
-        if sinks is not None:  # the layer attends its slots (Method.attends_slots): the same attention, and its normaliser
-            out = attention.with_sinks(*attention.spelled_out_with_lse(query, key, value, mask, scaling, softcap), sinks)
+        # the layer attends its slots (Method.attends_slots): the same attention, and its normaliser
+        if sinks is not None:
+            out = attention.with_sinks(*attention.spelled_out_with_lse(query, key, value, mask, scaling, softcap),
+                                       sinks)
         else:
             out = layer.attend(query, key, value, mask, scaling, softcap)
     layer.commit(query, new_valid, scaling, lse)

