@@ -1,4 +1,5 @@
 # `make run`: set up .venv if needed, fetch the embedded model if needed, run the demo.
+# `make lint`: ruff (lint, import order, lines under 120) over the code, mypy over the cache, storage and methods.
 # `make test`: set up .venv if needed, run the test suite (a worker per core, each test file on one worker so the
 # files' shared models are built once; tests/conftest.py splits the cores' threads among the workers).
 VENV ?= .venv
@@ -9,7 +10,7 @@ VLLM_VENV ?= .venv-vllm
 KVPRESS_VENV ?= .venv-kvpress
 QUICK := runs/kvpress-quick
 
-.PHONY: run test setup model clean vllm vllm-test kvpress
+.PHONY: run test lint setup model clean vllm vllm-test kvpress
 
 $(STAMP): pyproject.toml scripts/setup.sh
 	VENV=$(VENV) bash scripts/setup.sh
@@ -25,6 +26,10 @@ run: model
 
 test: model
 	$(PY) -m pytest -q -n auto --dist loadfile
+
+lint: $(STAMP)
+	$(PY) -m ruff check src tests scripts
+	$(PY) -m mypy
 
 # `make vllm`: vLLM's CPU build pins its own torch and transformers, so it gets its own venv (never a dependency of
 # the package); PyPI's torchvision does not load beside the CPU torch wheel and is not used. `make vllm-test` (CI's

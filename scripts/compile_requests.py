@@ -71,10 +71,9 @@ def main() -> None:
             rows.append(row)
             print(
                 f"{spec} {index + 1}/{len(requests)}: {row['prompt_tokens']} tokens, {new} new; eager "
-                f"{row['eager']['wall_s']:.1f} s, "
-                f"compiled {row['compiled']['wall_s']:.1f} s (compile {row['compiled']['compile_s']:.1f} s); "
-                f"decode {row['eager']['decode_ms_per_token'] or 0:.1f} "
-                f"vs {row['compiled']['decode_ms_per_token'] or 0:.1f} ms/token",
+                f"{row['eager']['wall_s']:.1f} s, compiled {row['compiled']['wall_s']:.1f} s (compile "
+                f"{row['compiled']['compile_s']:.1f} s); decode {row['eager']['decode_ms_per_token'] or 0:.1f} vs "
+                f"{row['compiled']['decode_ms_per_token'] or 0:.1f} ms/token",
                 flush=True)
         eager_wall = sum(r["eager"]["wall_s"] for r in rows)
         compiled_wall = sum(r["compiled"]["wall_s"] for r in rows)

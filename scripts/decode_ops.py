@@ -64,8 +64,7 @@ def main() -> None:
         })
         print(
             f"{spec:44s} {audit.total:6d} ops ({audit.total / reference:.2f}x transformers' {reference}); fused ops "
-            f"{fused}, "
-            f"unfused {unfused} ({unfused / reference:.2f}x); host reads {rows[-1]['host_reads']}")
+            f"{fused}, unfused {unfused} ({unfused / reference:.2f}x); host reads {rows[-1]['host_reads']}")
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(

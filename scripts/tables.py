@@ -44,10 +44,10 @@ def speed_table(report: dict) -> str:
     machine = report["machine"]
     lines = [
         f"{report['model']} ({report['dtype']}) on {machine.get('gpu', machine['device'])}, torch {machine['torch']}, "
-        f"transformers {machine['transformers']}; "
-        f"copy bandwidth {report['device_bandwidth'] / 1e9:.0f} GB/s; weights {gib(report['weight_bytes'])} GiB", "",
-        "| method | prompt | batch | prefill s | compress | decode ms/token | tokens/s | KV device GiB | offloaded "
-        "GiB | peak GiB | bound ms | x bound | fetch hidden |",
+        f"transformers {machine['transformers']}; copy bandwidth {report['device_bandwidth'] / 1e9:.0f} GB/s; weights "
+        f"{gib(report['weight_bytes'])} GiB", "",
+        "| method | prompt | batch | prefill s | compress | decode ms/token | tokens/s | KV device GiB | offloaded GiB "
+        "| peak GiB | bound ms | x bound | fetch hidden |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
     ]
     for r in report["rows"]:
@@ -79,9 +79,8 @@ def accuracy_table(paths: list[str]) -> str:
         for r in csv.DictReader(open(path)):
             lines.append(
                 f"| {r['task']} | {r['label'].split('@')[0]} | {r['budget'] or '-'} | {r['samples']} | "
-                f"{number(r['score'])} | {number(r['retained'])} | "
-                f"{number(r['top1_agreement'])} | {number(r['kl'])} | {100 * float(r['kv_kept_fraction']):.1f}% | "
-                f"{100 * float(r['device_fraction']):.1f}% |"
+                f"{number(r['score'])} | {number(r['retained'])} | {number(r['top1_agreement'])} | {number(r['kl'])} | "
+                f"{100 * float(r['kv_kept_fraction']):.1f}% | {100 * float(r['device_fraction']):.1f}% |"
             )
     return "\n".join(lines)
 

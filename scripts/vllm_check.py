@@ -117,14 +117,13 @@ def main() -> None:
     for row in report["compare"]:
         print(
             f"depth {row['depth']:.2f}: vLLM {row['vllm'][-18:]!r} kvcompress {row['kvcompress'][-18:]!r} same answer "
-            f"{row['same_answer']}, "
-            f"identical kept positions in {row['layers_with_identical_kept_positions']}/{row['layers']} layers, "
-            f"KV blocks {row['blocks_before']} -> {row['blocks_after']}")
+            f"{row['same_answer']}, identical kept positions in "
+            f"{row['layers_with_identical_kept_positions']}/{row['layers']} layers, KV blocks {row['blocks_before']} "
+            f"-> {row['blocks_after']}")
     for row in report["pool"]:
         print(
             f"budget {row['budget']}: {row['peak_running']} of {row['requests']} requests ran at once in "
-            f"{row['pool_blocks']} blocks, "
-            f"{row['correct']} correct, {row['seconds']:.0f} s")
+            f"{row['pool_blocks']} blocks, {row['correct']} correct, {row['seconds']:.0f} s")
 
 
 if __name__ == "__main__":

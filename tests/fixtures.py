@@ -18,8 +18,8 @@ from transformers import (
 CHARS = [chr(c) for c in range(32, 127)] + ["\n"]
 SPECIALS = ["<pad>", "<s>", "</s>"]
 CHAT_TEMPLATE = (
-    "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}[assistant]{% endif %}"
+    "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt "
+    "%}[assistant]{% endif %}"
 )
 ARCHITECTURES = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config}
 

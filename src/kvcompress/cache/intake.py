@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..storage.slots import Slots
+from ..storage.slots import DenseSlots
 from ..storage.tensors import right_aligned
 from .errors import CacheMisuseError
 
@@ -78,10 +78,10 @@ class Intake:
 
     joined_valid: torch.Tensor | None = None
 
-    def take(self, slots: Slots, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def take(self, slots: DenseSlots, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
-    def commit(self, slots: Slots, query: torch.Tensor, new_valid: torch.Tensor | None, scaling: float,
+    def commit(self, slots: DenseSlots, query: torch.Tensor, new_valid: torch.Tensor | None, scaling: float,
                keep: int | None) -> PromptRecord | None:
         """After the forward's attention (the storage's lengths moved past it): ``keep`` is how many of the last
         queries compression and a record read (None: all)."""
@@ -91,12 +91,12 @@ class Intake:
 class OneForward(Intake):
     """The whole prompt in one forward, held as computed (not copied)."""
 
-    def take(self, slots: Slots, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def take(self, slots: DenseSlots, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         slots.hold(keys, values)
         view = slots.view()
         return view.keys, view.values
 
-    def commit(self, slots: Slots, query: torch.Tensor, new_valid: torch.Tensor | None, scaling: float,
+    def commit(self, slots: DenseSlots, query: torch.Tensor, new_valid: torch.Tensor | None, scaling: float,
                keep: int | None) -> PromptRecord:
         return PromptRecord(query, new_valid, scaling)
 
@@ -110,13 +110,13 @@ class InBlocks(Intake):
         self.valid: torch.Tensor | None = None  # [b, total]: real tokens, block by block (None: all so far)
         self.queries: torch.Tensor | None = None  # the last queries kept, block by block
 
-    def take(self, slots: Slots, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def take(self, slots: DenseSlots, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         end = slots.used + keys.shape[-2]  # the blocks so far (the lengths move when the step commits)
         slots.write_block(keys, values, self.total)
         view = slots.view()
         return view.keys[:, :, :end], view.values[:, :, :end]
 
-    def commit(self, slots: Slots, query: torch.Tensor, new_valid: torch.Tensor | None, scaling: float,
+    def commit(self, slots: DenseSlots, query: torch.Tensor, new_valid: torch.Tensor | None, scaling: float,
                keep: int | None) -> PromptRecord | None:
         end = slots.used
         if new_valid is not None:
@@ -136,7 +136,7 @@ class OverStored(Intake):
     def __init__(self, stored: StoredPrompt, pads: list[int], spans: torch.Tensor | None) -> None:
         self.stored, self.pads, self.spans = stored, pads, spans
 
-    def take(self, slots: Slots, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def take(self, slots: DenseSlots, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         stored = self.stored
         context_valid = stored.valid
         if context_valid is None:
@@ -147,7 +147,7 @@ class OverStored(Intake):
         view = slots.view()
         return view.keys, view.values
 
-    def commit(self, slots: Slots, query: torch.Tensor, new_valid: torch.Tensor | None, scaling: float,
+    def commit(self, slots: DenseSlots, query: torch.Tensor, new_valid: torch.Tensor | None, scaling: float,
                keep: int | None) -> PromptRecord:
         new = slots.view().keys.shape[-2] - self.stored.keys.shape[-2]
         positions = self.joined_positions(new)
@@ -201,7 +201,7 @@ class OverStored(Intake):
         return joined[..., -(stored.keys.shape[-2] + new) :, :] if needed is None else joined[..., -needed:, :]
 
 
-def recorded_prompt(source: Any, slots: Slots) -> PromptRecord:
+def recorded_prompt(source: Any, slots: DenseSlots) -> PromptRecord:
     """A prefill record's prompt (``source``: an uncompressed layer that kept its last queries) copied into
     ``slots``, and its record."""
     if source.queries is None:

@@ -26,16 +26,6 @@ from .tokens import TokenSpans
 class LayerFactory(Protocol):
     """What a cache needs from a method (``methods.base.Method`` provides it)."""
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
-               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """A layer's step, taken only within a call of the model this cache was made for (its input check ran)."""
-        if self.checked_call != self.model_id and self.model_id is not None and not torch.compiler.is_compiling():
-            raise CacheMisuseError(
-                "kvcompress: this cache was called by a model it was not made for (another model instance, or one "
-                "never "
-                "prepared by method.make_cache(model)); make a cache for that model with method.make_cache(model)")
-        return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
-
     def check_model(self, model: Any) -> None: ...
 
     def make_layer(self, layer_idx: int, model: Any) -> KVLayer: ...
@@ -67,9 +57,11 @@ class KVCompressCache(Cache):
     """A ``Cache`` whose layers apply a method. Build it with ``method.make_cache(model)`` and pass it
     to ``model.generate(past_key_values=cache)`` or use ``kvcompress.generate``."""
 
+    layers: list[KVLayer]  # type: ignore[assignment]  # transformers types them as its own layer classes
+
     def __init__(self, method: LayerFactory, layers: list[KVLayer], model: torch.nn.Module | None = None,
                  spans: TokenSpans | None = None) -> None:
-        super().__init__(layers=layers)
+        super().__init__(layers=layers)  # type: ignore[arg-type]
         self.method = method
         # the model it was made for: attach.py refuses any other
         self.model_id = id(model) if model is not None else None
@@ -94,11 +86,11 @@ class KVCompressCache(Cache):
         if self.checked_call != self.model_id and self.model_id is not None and not torch.compiler.is_compiling():
             raise CacheMisuseError(
                 "kvcompress: this cache was called by a model it was not made for (another model instance, or one "
-                "never "
-                "prepared by method.make_cache(model)); make a cache for that model with method.make_cache(model)")
+                "never prepared by method.make_cache(model)); make a cache for that model with "
+                "method.make_cache(model)")
         return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
 
-    def check_model(self, model: torch.nn.Module, remedy: str) -> None:
+    def check_model(self, model: Any, remedy: str) -> None:
         """Refuse ``model`` unless it is the one instance this cache was made for (another instance, even of the same
         checkpoint, has other attention modules, and perhaps other weights); ``remedy`` says what to do instead."""
         if self.model_id != id(model):

@@ -23,7 +23,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar, NamedTuple, cast
 
 import torch
 from transformers.cache_utils import DynamicLayer
@@ -141,7 +141,7 @@ class KVLayer(DynamicLayer):
             if self.phase is Phase.EMPTY:
                 self.lazy_initialization(key_states, value_states)
                 self.phase = moved(self.layer_idx, self.phase, Phase.PROMPT, "a prompt's first tokens")
-            keys, values = self.intake.take(self.slots, key_states, value_states)
+            keys, values = self.intake.take(cast(DenseSlots, self.slots), key_states, value_states)
         self.step_open = True
         _announced.layer, _announced.keys = self, keys
         return keys, values
@@ -160,7 +160,7 @@ class KVLayer(DynamicLayer):
         if self.is_initialized:
             held.apply_rows(self, lambda t: t.index_select(0, indices.to(t.device)))
 
-    reorder_cache = batch_select_indices  # beam search's reordering is a selection of rows
+    reorder_cache = batch_select_indices  # type: ignore[assignment]  # beam search's reordering: a row selection
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.is_initialized:
@@ -181,7 +181,7 @@ class KVLayer(DynamicLayer):
             self.advance(query.shape[-2])
         if self.phase is Phase.PROMPT:
             keep = queries_to_keep(self.queries_needed(), self.record_window)
-            record = self.intake.commit(self.slots, query, new_valid, scaling, keep)
+            record = self.intake.commit(cast(DenseSlots, self.slots), query, new_valid, scaling, keep)
             if record is not None:
                 self._end_prompt(record)
             return
@@ -196,10 +196,11 @@ class KVLayer(DynamicLayer):
 
     def _end_prompt(self, record: PromptRecord) -> None:
         """The whole prompt is held: its validity, lengths and recorded queries; then compress, or wait for a pass."""
+        slots = cast(DenseSlots, self.slots)  # a prompt comes into dense slots
         if record.valid is not None and not bool(record.valid.all()):
-            self.slots.valid = left_padded(record.valid)
+            slots.valid = left_padded(record.valid)
         if record.positions is not None:  # a thinned context: its slots are not its tokens in order
-            self.slots.positions = record.positions
+            slots.positions = record.positions
             self.spans = record.spans
         self.intake = OneForward()
         self.prefill_len = self.keys.shape[-2]
@@ -241,8 +242,8 @@ class KVLayer(DynamicLayer):
             raise CacheMisuseError(f"kvcompress: layer {source.layer_idx} of this context ({type(source).__name__}) "
                                    f"holds its prompt in a form a question cannot be prefilled over; {_STORE_WHOLE}")
         moved(self.layer_idx, self.phase, Phase.PROMPT, "a prompt continuing a stored context")
-        picked = StoredPrompt(
-            *(t.index_select(0, rows.to(t.device)) if isinstance(t, torch.Tensor) else t for t in stored))
+        picked = StoredPrompt(*(t.index_select(0, rows.to(t.device)) if isinstance(t, torch.Tensor) else t
+                                for t in stored))  # type: ignore[arg-type]
         self.intake = OverStored(picked, pads, spans)
         self.slots.seen, self.slots.used = source.seen_tokens, stored.keys.shape[-2]  # the logical length continued
         self.spans = spans
@@ -250,7 +251,7 @@ class KVLayer(DynamicLayer):
     def load_prefill(self, source: KVLayer) -> None:
         """A prompt recorded by ``source`` (an uncompressed layer that kept its last queries), compressed here."""
         self.lazy_initialization(source.keys, source.values)
-        record = recorded_prompt(source, self.slots)
+        record = recorded_prompt(source, cast(DenseSlots, self.slots))
         self.spans = source.spans
         self.phase = moved(self.layer_idx, self.phase, Phase.PROMPT, "a prefill record")
         self._end_prompt(record)
@@ -279,7 +280,7 @@ class KVLayer(DynamicLayer):
         self.slots.advance(new)  # the host mirrors of the lengths after a step of ``new`` tokens
 
     def slot_validity(self) -> torch.Tensor:
-        return self.slots.slot_validity()  # [batch, slots] bool, True for real tokens
+        return cast(DenseSlots, self.slots).slot_validity()  # [batch, slots] bool, True for real tokens
 
     def kept_positions(self) -> torch.Tensor:
         """Prompt positions held, ``[batch, kv_heads, prompt slots]`` ascending per head; -1 marks
@@ -336,6 +337,7 @@ class WindowLayer(KVLayer):
     method (the method compresses the full-attention layers), in a ring (``slots.RingSlots``)."""
 
     is_sliding = True
+    slots: RingSlots
 
     def __init__(self, layer_idx: int, window: int) -> None:
         super().__init__(layer_idx, RingSlots(window))
@@ -392,8 +394,8 @@ def _check_step(layer: KVLayer, key_states: torch.Tensor) -> None:
     if layer.step_open:
         raise UnsupportedModelError(
             f"kvcompress: layer {layer.layer_idx} was updated twice without its attention running through the "
-            "'kvcompress' attention implementation; the model's attention layout is not supported "
-            "(was attn_implementation changed after make_cache?)"
+            "'kvcompress' attention implementation; the model's attention layout is not supported (was "
+            "attn_implementation changed after make_cache?)"
         )
     rows = layer.slots.view().keys.shape[0] if layer.phase is not Phase.EMPTY else key_states.shape[0]
     if rows != key_states.shape[0]:

@@ -293,21 +293,18 @@ def _over_context(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, pr
     if method.observation() is not None:
         raise InvalidParameterError(
             f"{method.describe()} scores a prompt by an observation pass before its question, which a question over a "
-            "stored context "
-            "does not need: compress per question with a question-aware method (snapkv, h2o, streamingllm, expected)")
+            "stored context does not need: compress per question with a question-aware method (snapkv, h2o, "
+            "streamingllm, expected)")
     if not all(row.open_turn for row in past.rows):
         raise InvalidParameterError(
             "method= compresses a question over a stored context (kvc.compress(...)), and this conversation is not one "
-            "waiting for its "
-            "question; continue it with method=None (its cache keeps its method)")
+            "waiting for its question; continue it with method=None (its cache keeps its method)")
     if not past.cache.storable():
         raise InvalidParameterError(
             f"this context was compressed with {past.cache.method.describe()}, which does not keep its prompt's tokens "
-            "in a form a question "
-            "can be prefilled over; store it with kvc.compress(..., method=kvc.FullKV()) (or a prompt method with "
-            "heads='uniform' and "
-            "layers='uniform', which thins it) to compress per question, or continue it with method=None (on the "
-            "command line: leave --method out)"
+            "in a form a question can be prefilled over; store it with kvc.compress(..., method=kvc.FullKV()) (or a "
+            "prompt method with heads='uniform' and layers='uniform', which thins it) to compress per question, or "
+            "continue it with method=None (on the command line: leave --method out)"
         )
     stored = len(past.rows)
     if isinstance(prompt, list) and stored == 1:
@@ -345,9 +342,8 @@ def _start(model, tokenizer, prompt, method, question, past, record) -> _Start:
         if past.cache.get_seq_length() != past.attention_mask.shape[-1]:
             raise CacheMisuseError(
                 "kvcompress: this conversation was already continued by another generate(past=...) call, which "
-                "appended to its "
-                "cache; ask each question of its own copy (past=context.copy()), or continue the Result that call "
-                "returned"
+                "appended to its cache; ask each question of its own copy (past=context.copy()), or continue the "
+                "Result that call returned"
             )
         chunk_lists = [
             [follow_up(tokenizer, row, text)] for row, text in zip(past.rows, per_row(prompt, len(past.rows), "prompt"))

@@ -148,8 +148,7 @@ def read_header(path: str | Path) -> dict[str, Any]:
         writer = meta.get("written_by", "an earlier kvcompress")
         raise CacheFileError(
             f"{path} is in kvcompress cache format version {meta.get('version')} (written by {writer}); this "
-            "kvcompress "
-            f"{package_version()} reads version {VERSION}: compress the document again with this version")
+            f"kvcompress {package_version()} reads version {VERSION}: compress the document again with this version")
     name = meta["method"]["name"]
     if name not in METHODS:
         raise CacheFileError(

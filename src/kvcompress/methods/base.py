@@ -58,7 +58,8 @@ def param(default: Any, help: str, *, minimum: float | None = None, choices: tup
 
 def default_of(cls: type, name: str, default: Any) -> Any:
     """Field ``name`` of the dataclass ``cls`` (its help, range and choices) with a subclass's own default."""
-    return field(default=default, metadata=cls.__dataclass_fields__[name].metadata)
+    declared = {each.name: each for each in fields(cls)}
+    return field(default=default, metadata=declared[name].metadata)
 
 
 @dataclass(frozen=True)
@@ -245,8 +246,8 @@ class BudgetMethod(Method):
     default_budget: ClassVar[int] = 1024
     budget: int | None = param(
         None,
-        "working-set size in tokens per KV head: prompt tokens kept (prompt compression) or attended per decoding "
-        "step (sparse decoding)", minimum=1)
+        "working-set size in tokens per KV head: prompt tokens kept (prompt compression) or attended per decoding step "
+        "(sparse decoding)", minimum=1)
     ratio: float | None = param(None, "fraction of each prompt used instead of a fixed budget, in (0, 1]", above=0,
                                 at_most=1)
 

@@ -34,7 +34,6 @@ from .prompt import PromptMethod
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-    from ..cache.layer import KVLayer
     from .prompt import EvictionLayer
 
 
@@ -123,7 +122,7 @@ class ExpectedAttention(PromptMethod):
     def check_model(self, model: PreTrainedModel) -> None:
         require_rope(model, "ExpectedAttention")
 
-    def make_layer(self, layer_idx: int, model: PreTrainedModel) -> KVLayer:
+    def make_layer(self, layer_idx: int, model: PreTrainedModel) -> EvictionLayer:
         layer = super().make_layer(layer_idx, model)
         layer.rotary = rotary_for(model, layer_idx)
         return layer

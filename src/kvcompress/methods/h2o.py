@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from ..cache.held import hold
-from ..cache.layer import KVLayer
 from ..storage.attention import group_mask, grouped_logits, key_probabilities
 from ..storage.slots import CappedSlots
 from ..storage.tensors import gather_tokens
@@ -107,9 +106,10 @@ class H2O(PromptMethod):
         # evicting, a step runs its own attention (H2OLayer.attend)
         return super().attends_slots() and not self.evict_during_decoding
 
-    def make_layer(self, layer_idx: int, model: PreTrainedModel) -> KVLayer:
+    def make_layer(self, layer_idx: int, model: PreTrainedModel) -> EvictionLayer:
         layer = super().make_layer(layer_idx, model)
-        return H2OLayer(self, layer_idx, layer.share) if self.evict_during_decoding else layer
+        # a pyramid's share (a float: layers="global" needs an observation pass, which H2O has not)
+        return H2OLayer(self, layer_idx, float(layer.share)) if self.evict_during_decoding else layer
 
 
 class H2OLayer(EvictionLayer):
@@ -124,6 +124,7 @@ class H2OLayer(EvictionLayer):
     KV head of a row evicts the same padding slots and slot validity stays per row."""
 
     method: H2O
+    slots: CappedSlots
     next_position: torch.Tensor | None = hold(rows=True)  # [batch]: the position of each row's next token
 
     def __init__(self, method: H2O, layer_idx: int, share: float = 1.0) -> None:

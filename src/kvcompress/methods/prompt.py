@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import torch
 
@@ -30,6 +30,7 @@ from ..cache.held import hold
 from ..cache.layer import KVLayer, batch_prompt_tokens
 from ..storage.attention import scoring_sinks
 from ..storage.packed import PackedSlots
+from ..storage.slots import DenseSlots
 from .base import BudgetMethod, param, require
 
 if TYPE_CHECKING:
@@ -136,8 +137,8 @@ class PromptMethod(BudgetMethod):
         choices=("uniform", "adaptive"))
     head_floor: float = param(
         0.2,
-        "with heads=adaptive: the weight of the uniform share in each head's budget, so every head keeps at least "
-        "this share (Ada-KV's safeguard)",
+        "with heads=adaptive: the weight of the uniform share in each head's budget, so every head keeps at least this "
+        "share (Ada-KV's safeguard)",
         minimum=0, at_most=1)
     layers: str = param(
         "uniform",
@@ -154,8 +155,8 @@ class PromptMethod(BudgetMethod):
         require(
             self.layers != "global" or self.observation() is not None,
             f"{type(self).__name__}: layers='global' ranks every layer's scores together, so every layer must hold its "
-            "prompt until they are "
-            "all scored, which only a method with an observation pass does (KVzip); valid here: uniform, pyramid"
+            "prompt until they are all scored, which only a method with an observation pass does (KVzip); valid here: "
+            "uniform, pyramid"
         )
 
     def kept_tokens(self, lengths: torch.Tensor, share: float | torch.Tensor = 1.0) -> torch.Tensor:
@@ -201,7 +202,7 @@ class PromptMethod(BudgetMethod):
         merged with what earlier steps left (``seen``); see ``KVLayer.observe`` for the arguments."""
         raise NotImplementedError(f"{type(self).__name__} has no observation pass")
 
-    def make_layer(self, layer_idx: int, model: PreTrainedModel) -> KVLayer:
+    def make_layer(self, layer_idx: int, model: PreTrainedModel) -> EvictionLayer:
         share = 1.0
         if self.layers == "pyramid":
             layers = model.config.get_text_config().num_hidden_layers
@@ -215,12 +216,11 @@ class PromptMethod(BudgetMethod):
         scores it will compress with."""
         if self.layers != "global" or not layers:
             return
-        counts = self.kept_tokens(layers[0].prompt_tokens)
-        scores = [
-            layer.prompt_scores(layer.observation.record.query, layer.observation.record.scaling) for layer in layers
-        ]
-        for layer, share in zip(layers, global_shares(scores, layers[0].slot_validity(),
-                                                      counts - self.reserved_tokens())):
+        own = cast(list[EvictionLayer], layers)  # a prompt method's layers
+        counts = self.kept_tokens(own[0].prompt_tokens)
+        records = [layer.observation.record for layer in own]
+        scores = [layer.prompt_scores(record.query, record.scaling) for layer, record in zip(own, records)]
+        for layer, share in zip(own, global_shares(scores, own[0].slot_validity(), counts - self.reserved_tokens())):
             layer.share = share
 
 
@@ -234,7 +234,7 @@ class EvictionLayer(KVLayer):
         super().__init__(layer_idx)
         self.method = method
         self.share = share
-        self.rotary = None  # the model's rotary module for this layer, for methods that score with it
+        self.rotary: Any = None  # the model's rotary module for this layer, for methods that score with it
 
     def counts(self) -> tuple[torch.Tensor, int] | None:
         """Tokens each row keeps per KV head in this layer and the slots the batch needs for them (its
@@ -268,7 +268,7 @@ class EvictionLayer(KVLayer):
         if kept is None:
             return None
         indices, slot_valid = select_kept(scores(), self.slot_validity(), *kept)
-        self.slots.keep(indices, slot_valid)
+        cast(DenseSlots, self.slots).keep(indices, slot_valid)
         return indices
 
 
@@ -292,7 +292,7 @@ class HeadAdaptiveLayer(EvictionLayer):
         keep = allocate_heads(self.prompt_scores(query, scaling), valid, kept[0], self.method.head_floor)
         # [b, h, slots]: the slots' prompt positions (a thinned context's are not in order)
         positions = self.kept_positions()
-        segments = []
+        segments: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = []
         for row in range(keep.shape[0]):
             segments.append([])
             for head in range(keep.shape[1]):

@@ -108,11 +108,11 @@ class Spectrum(NamedTuple):
         """The leading right singular vectors of each row's keys, ``[b, n, r]`` (one rank for all rows,
         or ``[b]``: a row with a smaller rank gets zero columns, so it is rebuilt exactly as it would
         be alone)."""
-        ranks = torch.as_tensor(ranks).expand(self.gram.shape[0]).tolist()
-        width = max(ranks)
+        per_row: list[int] = torch.as_tensor(ranks).expand(self.gram.shape[0]).tolist()
+        width = max(per_row)
         columns = [
             torch.nn.functional.pad(leading_eigenvectors(gram, rank), (0, width - rank))
-            for gram, rank in zip(self.gram, ranks)
+            for gram, rank in zip(self.gram, per_row)
         ]
         return torch.stack(columns).float()
 
@@ -235,10 +235,8 @@ class ShadowKV(SparseMethod):
     rank_error: float | None = param(
         0.1,
         "when rank is None: each layer takes the smallest rank that rebuilds its pre-RoPE keys' deviations from their "
-        "mean "
-        "within this relative error, plus one for the mean (capped at half of kv_heads * head_dim); None with rank "
-        "None: the paper's "
-        "15.625%", above=0, at_most=1)
+        "mean within this relative error, plus one for the mean (capped at half of kv_heads * head_dim); None with "
+        "rank None: the paper's 15.625%", above=0, at_most=1)
     outliers: int | None = param(None,
                                  "outlier chunks kept dense per KV head (default ~0.3% of the chunks, at least 1)",
                                  minimum=0)

@@ -26,6 +26,7 @@ from ..cache.intake import StoredPrompt
 from ..cache.layer import KVLayer, OverlapProbe, batch_prompt_tokens
 from ..storage.attention import dense_attention
 from ..storage.offload import ChunkStore
+from ..storage.slots import DenseSlots
 from ..storage.tensors import chunk_tokens, gather_tokens, prompt_positions
 from .base import BudgetMethod, require
 
@@ -69,6 +70,7 @@ class SparseDecodeLayer(KVLayer):
     what to index and how to score chunks."""
 
     method: SparseMethod
+    slots: DenseSlots
     store: ChunkStore | None = hold(rows=True, kind=ChunkStore)  # region chunks [b, h, n, unit, d'] (stored_chunks)
     selectable: torch.Tensor | None = hold(rows=True, counted=True)  # [b, h, n]: chunk may be selected
     unselectable: torch.Tensor | None = hold(rows=True, counted=True)  # ~selectable, kept for the step
@@ -85,7 +87,8 @@ class SparseDecodeLayer(KVLayer):
 
     def __init__(self, method: SparseMethod, layer_idx: int, unit: int, offload: bool) -> None:
         super().__init__(layer_idx)
-        self.method, self.unit, self.offload = method, unit, offload
+        # offloads: the store in host memory (not ``offload``, a name transformers' layers give a method of their own)
+        self.method, self.unit, self.offloads = method, unit, offload
 
     # --- what a method implements ---------------------------------------------------------------------
 
@@ -93,7 +96,8 @@ class SparseDecodeLayer(KVLayer):
         """Whole chunks of each row's prompt ``[batch]`` that become selectable (the rest stays dense)."""
         raise NotImplementedError
 
-    def prepare(self, keys: torch.Tensor, valid: torch.Tensor, chunks: torch.Tensor) -> torch.Tensor | None:
+    def prepare(self, keys: torch.Tensor, valid: torch.Tensor,
+                chunks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Build the selection index from the region's keys ``[b, h, n * unit, d]`` (``valid`` per
         token, ``chunks [b]`` real chunks per row). May return a pair: chunk ids ``[b, h, m]`` to keep
         dense instead (never selected) and their validity ``[b, m]``; or None."""
@@ -116,7 +120,10 @@ class SparseDecodeLayer(KVLayer):
     def selected_kv(self, chunks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values ``[b, h, k * unit, d]`` of ``chunks [b, h, k]``."""
         gathered, rebuilt = self.gather(chunks, overlap=lambda: self.rebuild_keys(chunks))
-        return gathered.chunk(2, dim=-1) if rebuilt is None else (rebuilt, gathered)
+        if rebuilt is not None:
+            return rebuilt, gathered
+        keys, values = gathered.chunk(2, dim=-1)
+        return keys, values
 
     def previous_chunks(self) -> torch.Tensor:
         """Last step's gathered chunks as the store holds them (the front slots; keys and values side by side)."""
@@ -162,7 +169,7 @@ class SparseDecodeLayer(KVLayer):
                 values, tokens), token_valid, tokens.masked_fill(~token_valid[:, None, :], -1)))
         dense_keys, dense_values, valid, positions = (
             torch.cat(column, dim=-2 if i < 2 else -1) for i, column in enumerate(zip(*parts)))
-        self.store = ChunkStore(self.stored_chunks(keys, values), self.offload)
+        self.store = ChunkStore(self.stored_chunks(keys, values), self.offloads)
         per_step = torch.div(self.method.step_tokens(lengths), self.unit, rounding_mode="floor").clamp(min=1)
         self.step_chunks = torch.minimum(per_step, counts)
         batch_steps = torch.minimum(

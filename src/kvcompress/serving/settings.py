@@ -51,8 +51,8 @@ def check_servable(method: Method) -> Method:
         for field, uniform in (("heads", method.heads), ("layers", method.layers)):
             if uniform != "uniform":
                 raise InvalidParameterError(
-                    f"{owner}: {field}={uniform!r} cannot be served by vLLM (a paged cache holds the same count per "
-                    f"KV head and layer); valid: 'uniform'"
+                    f"{owner}: {field}={uniform!r} cannot be served by vLLM (a paged cache holds the same count per KV "
+                    "head and layer); valid: 'uniform'"
                 )
     if getattr(method, "evict_during_decoding", False):
         raise InvalidParameterError(
@@ -94,14 +94,13 @@ def scorable(method: Method, config: Any) -> Method:
         raise InvalidParameterError(
             f"{FIELD}: method={method.name!r} cannot be served on model type {kind!r}: it has sliding-window layers "
             f"({', '.join(map(str, sliding_layers(config)))}), which vLLM pages apart from a compressed cache; serve "
-            "it "
-            f"with method='full', or compress it with the library (kvcompress generate)")
+            "it with method='full', or compress it with the library (kvcompress generate)")
     if method.needs_rotary():
         problem = check_rope_config(config, 0)
         if problem:
             raise InvalidParameterError(
-                f"{FIELD}: method={method.name!r} scores with the model's rotary embedding, and "
-                f"model type {kind!r}: {problem}")
+                f"{FIELD}: method={method.name!r} scores with the model's rotary embedding, and model type {kind!r}: "
+                f"{problem}")
     return method
 
 

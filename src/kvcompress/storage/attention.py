@@ -33,7 +33,7 @@ BACKEND_NAMES = {
     "math": SDPBackend.MATH, "flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
     "cudnn": SDPBackend.CUDNN_ATTENTION
 }
-_NAMES = {int(backend): name for name, backend in BACKEND_NAMES.items()}  # PyTorch's kernel numbers
+_NAMES = {int(backend): name for name, backend in BACKEND_NAMES.items()}  # type: ignore[call-overload]  # PyTorch's kernel numbers
 _default_picks: dict[tuple, str | None] = {}  # input shapes -> the kernel PyTorch picks for them
 _chosen: dict[tuple, tuple[str, ...]] = {}  # (phase, device type, dtype, head_dim, masked) -> kernels, fastest first
 _PRIORITY = "set_priority" in inspect.signature(sdpa_kernel).parameters
@@ -122,9 +122,9 @@ def _probe(query: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor | None, p
     seq = min(keys.shape[-2], PROBE_TOKENS // 4 if phase == "prefill" else PROBE_TOKENS)
     q_len = seq if phase == "prefill" else min(query.shape[-2], seq)
     batch = min(query.shape[0], 4)
-    like = dict(device=query.device, dtype=query.dtype)
-    probe_query = torch.randn(batch, query.shape[1], q_len, query.shape[-1], **like)
-    probe_keys = torch.randn(batch, keys.shape[1], seq, keys.shape[-1], **like)
+    probe_query = torch.randn(batch, query.shape[1], q_len, query.shape[-1], device=query.device, dtype=query.dtype)
+    probe_keys = torch.randn(batch, keys.shape[1], seq, keys.shape[-1], device=query.device, dtype=query.dtype)
+    probe_mask: torch.Tensor | CausalBias | None
     if isinstance(mask, CausalBias):
         probe_mask = causal_lower_right(q_len, seq)
     else:

@@ -49,7 +49,7 @@ def fused(name: str, mutates_args: tuple[str, ...], fake: Callable) -> Callable[
                 return triton_kernel(f"{name}_triton")(*args, **kwargs)
             return implementation(*args, **kwargs)
 
-        anywhere.__signature__ = inspect.signature(implementation, eval_str=True)  # the op's schema, from real types
+        anywhere.__signature__ = inspect.signature(implementation, eval_str=True)  # type: ignore[attr-defined]
         op = torch.library.custom_op(f"kvcompress::{name}", anywhere, mutates_args=mutates_args)
         op.register_fake(fake)
         if importlib.util.find_spec("triton") is not None:

@@ -25,7 +25,7 @@ is the interface both follow); attention then gets no slots from ``update`` (the
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -64,7 +64,8 @@ class PackedSlots(Slots):
         self.keys = first.new_zeros(total + 1, first.shape[-1])  # the last slot: the sentinel
         self.values = first.new_zeros(total + 1, first.shape[-1])
         self.valid = torch.zeros(total + 1, dtype=torch.bool, device=device)
-        self.starts, start = [], 0
+        self.starts: list[list[int]] = []
+        start = 0
         for r in range(self.rows):
             self.starts.append([])
             for h in range(self.heads):
@@ -91,7 +92,7 @@ class PackedSlots(Slots):
         self.none = self.keys.new_empty(self.rows, self.heads, 0, self.keys.shape[-1])  # no storage: nothing held twice
 
     @property
-    def used(self) -> int:
+    def used(self) -> int:  # type: ignore[override]  # the longest segment: computed, never set
         return max(map(max, self.lengths))
 
     def view(self) -> SlotView:
@@ -240,7 +241,7 @@ class PackedSlots(Slots):
 
     def joined(self, others: list[Slots]) -> PackedSlots:
         """These rows, then ``others``' (groups of one batch, not decoded yet), as one packing."""
-        parts = [self, *others]
+        parts = [self, *cast(list[PackedSlots], others)]
         segments = [
             [(*part.segment(r, h)[:2], part.positions[r][h]) for h in range(part.heads)]
             for part in parts for r in range(part.rows)

@@ -21,7 +21,7 @@ An offload store of chunks (``offload.ChunkStore``) is held beside a layer's slo
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar, NamedTuple, cast
 
 import torch
 
@@ -301,7 +301,7 @@ class DenseSlots(Slots):
                 setattr(self, name, apply(value))
 
     def joined(self, others: list[Slots]) -> Slots:
-        parts = [self, *others]
+        parts = [self, *cast(list[DenseSlots], others)]
         if any(part.valid is not None for part in parts):  # a group without padding holds None
             for part in parts:
                 part.valid = part.slot_validity()
@@ -312,8 +312,8 @@ class DenseSlots(Slots):
             values = [getattr(part, name) for part in parts]
             if values[0] is not None:
                 setattr(self, name, torch.cat(values, dim=0))
-            for part in others:
-                setattr(part, name, None)  # freed as the join goes, not held twice
+            for other in others:
+                setattr(other, name, None)  # freed as the join goes, not held twice
         self.used = self.keys.shape[-2]
         return self
 
@@ -462,7 +462,7 @@ class CappedSlots(DenseSlots):
 
     def joined(self, others: list[Slots]) -> Slots:
         notes = {
-            name: None if note is None else torch.cat([note, *(part.notes[name] for part in others)])
+            name: None if note is None else torch.cat([note, *(cast(CappedSlots, part).notes[name] for part in others)])
             for name, note in self.notes.items()
         }
         super().joined(others)

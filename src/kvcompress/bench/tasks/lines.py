@@ -10,8 +10,8 @@ from transformers import PreTrainedTokenizerBase
 from .base import Sample, Turn, distinct_keys, number, prompt_tokens
 
 INTRO = (
-    "Below is a record of lines I want you to remember. Each line begins with 'line <line name>' and ends with "
-    "its REGISTER_CONTENT, a number. At the end of the record I will ask for the REGISTER_CONTENT of one line.\n"
+    "Below is a record of lines I want you to remember. Each line begins with 'line <line name>' and ends with its "
+    "REGISTER_CONTENT, a number. At the end of the record I will ask for the REGISTER_CONTENT of one line.\n"
 )
 
 

@@ -77,8 +77,8 @@ def check_model(model: PreTrainedModel) -> None:
     if len(modules) != config.num_hidden_layers:
         raise UnsupportedModelError(
             f"kvcompress: {name} has {len(modules)} attention modules with a layer index for "
-            f"{config.num_hidden_layers} layers; "
-            "models with other layer kinds (linear attention, shared KV, ...) are not supported")
+            f"{config.num_hidden_layers} layers; models with other layer kinds (linear attention, shared KV, ...) are "
+            "not supported")
     refusals = (
         (getattr(config, "attention_chunk_size", None)
          is not None, f"chunked attention (attention_chunk_size={getattr(config, 'attention_chunk_size', None)})"),
@@ -101,10 +101,9 @@ def make_cache(method: LayerFactory, model: PreTrainedModel,
     if has_sinks(model) and not method.attends_slots():
         raise UnsupportedModelError(
             f"kvcompress: {type(model).__name__} uses learned attention sinks (a per-head logit in every softmax), "
-            f"which {method.describe()} "
-            "cannot carry: its decoding steps attend gathered chunks or per-head segments; use a prompt method with "
-            "heads='uniform' and "
-            "layers other than 'global' (snapkv, streamingllm, h2o, expected, kvzip:layers=uniform) or full")
+            f"which {method.describe()} cannot carry: its decoding steps attend gathered chunks or per-head segments; "
+            "use a prompt method with heads='uniform' and layers other than 'global' (snapkv, streamingllm, h2o, "
+            "expected, kvzip:layers=uniform) or full")
     if tokenizer is None and method.needs_tokens():
         tokenizer = local_tokenizer(model, method)
     layers: list[KVLayer] = []
@@ -129,8 +128,7 @@ def local_tokenizer(model: PreTrainedModel, method: LayerFactory) -> PreTrainedT
     except (OSError, ValueError, TypeError):
         raise UnsupportedModelError(
             f"kvcompress: {method.describe()} needs the tokenizer to find word and number boundaries, and none was "
-            "found for "
-            f"model {source!r} on this machine; pass it: method.make_cache(model, tokenizer)") from None
+            f"found for model {source!r} on this machine; pass it: method.make_cache(model, tokenizer)") from None
 
 
 def attach(model: PreTrainedModel) -> None:
@@ -188,8 +186,8 @@ def _refuse_inputs(cache: KVCompressCache, args: tuple, kwargs: dict) -> None:
         raise CacheMisuseError(
             "kvcompress: the input has no tokens"
             + (
-                f"; this cache already holds {seen} tokens, and generate() feeds only tokens beyond them: "
-                "a new prompt needs a new cache (method.make_cache(model))" if seen else " (an empty prompt)"
+                f"; this cache already holds {seen} tokens, and generate() feeds only tokens beyond them: a new prompt "
+                "needs a new cache (method.make_cache(model))" if seen else " (an empty prompt)"
             )
         )
     mask = kwargs.get("attention_mask")
@@ -201,10 +199,8 @@ def _refuse_inputs(cache: KVCompressCache, args: tuple, kwargs: dict) -> None:
     if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[-1] != seen + new:
         raise CacheMisuseError(
             f"kvcompress: this cache already holds {seen} tokens, so the attention mask must cover them plus the {new} "
-            "new ones "
-            f"({seen + new} columns) but it has {mask.shape[-1]}; to continue, pass the whole mask; a new prompt needs "
-            "a new cache "
-            "(method.make_cache(model))")
+            f"new ones ({seen + new} columns) but it has {mask.shape[-1]}; to continue, pass the whole mask; a new "
+            "prompt needs a new cache (method.make_cache(model))")
     positions = kwargs.get("position_ids")
     if new > 1 and positions is not None:  # several new tokens: a new turn, or a new prompt by mistake
         rows = positions.shape[-2] if positions.dim() > 1 else 1
@@ -216,10 +212,9 @@ def _refuse_inputs(cache: KVCompressCache, args: tuple, kwargs: dict) -> None:
         if bool(((new_real > 0) & (last.to(real.device) != real + new_real - 1)).any()):
             raise CacheMisuseError(
                 f"kvcompress: this cache already holds {seen} tokens but the {new} new tokens do not continue them "
-                "(their positions "
-                f"end at {last.tolist()}); generate() with a used cache feeds only the tokens beyond what it holds, so "
-                "a new prompt "
-                "needs a new cache (method.make_cache(model)); to continue a conversation, pass all of it")
+                f"(their positions end at {last.tolist()}); generate() with a used cache feeds only the tokens beyond "
+                "what it holds, so a new prompt needs a new cache (method.make_cache(model)); to continue a "
+                "conversation, pass all of it")
 
 
 def _layer_for(module: torch.nn.Module, key: torch.Tensor) -> KVLayer | None:
@@ -230,14 +225,12 @@ def _layer_for(module: torch.nn.Module, key: torch.Tensor) -> KVLayer | None:
     if keys is not key or getattr(module, "layer_idx", layer.layer_idx) != layer.layer_idx:
         raise UnsupportedModelError(
             f"kvcompress: {type(module).__name__} passed attention keys that are not the ones its cache layer "
-            "returned; "
-            "this attention layout is not supported")
+            "returned; this attention layout is not supported")
     if layer.module_id is not None and layer.module_id != id(module):
         layer.step_open = False
         raise CacheMisuseError(
             f"kvcompress: this cache was made for another model (layer {layer.layer_idx} belongs to a different "
-            "attention module); "
-            "make a cache for this model with method.make_cache(model)")
+            "attention module); make a cache for this model with method.make_cache(model)")
     return layer
 
 
@@ -386,8 +379,7 @@ def kvcompress_attention(
     if sliding_window != expected:
         raise UnsupportedModelError(
             f"kvcompress: layer {layer.layer_idx} attends with sliding_window={sliding_window} but its cache layer was "
-            "built for "
-            f"{expected}; this model's per-layer attention pattern is not supported")
+            f"built for {expected}; this model's per-layer attention pattern is not supported")
     q_len = query.shape[-2]
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     lse, new_valid = None, new_token_validity(attention_mask, q_len)

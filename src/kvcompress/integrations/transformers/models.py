@@ -85,8 +85,7 @@ def load_model(
     if not local.exists() and path in ARCHITECTURES:
         raise ModelNotAvailableError(
             f"model={name!r} is a random-weight architecture preset, for timing only (bench speed --model); give a "
-            "model "
-            f"folder, or leave the model out for the embedded SmolLM2-135M-Instruct ({DEFAULT_MODEL!r})")
+            f"model folder, or leave the model out for the embedded SmolLM2-135M-Instruct ({DEFAULT_MODEL!r})")
     if not local.exists() and (local.is_absolute() or path.startswith((".", "~"))):
         raise ModelNotAvailableError(
             f"model={name!r}: no such directory (give a local model folder, or a name from_pretrained can load)")
