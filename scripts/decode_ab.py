@@ -53,7 +53,7 @@ def main() -> None:
         method_spec, _, mode = spec.partition("@")
         # random ids: every token a span, as bench speed
         cache = method_from_spec(method_spec, budget=args.budget).make_cache(model, TokenSpans.every(vocab))
-        logits = model(prompt, past_key_values=cache, logits_to_keep=1).logits[:, -1]
+        logits = model(prompt, **{cache.keyword: cache}, logits_to_keep=1).logits[:, -1]
         state = DecodeState.start(logits, torch.full((args.batch,), args.length), total, set())
         cache.reserve(total)
         runners[spec] = StepRunner(model, cache, state, Compile() if mode == "compile" else None)

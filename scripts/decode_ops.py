@@ -49,7 +49,7 @@ def main() -> None:
     rows = []
     for spec in args.methods.split(","):
         cache = method_from_spec(spec, budget=args.budget).make_cache(model, TokenSpans.every(vocab))
-        logits = model(torch.randint(10, vocab, (1, args.length), device=model.device), past_key_values=cache,
+        logits = model(torch.randint(10, vocab, (1, args.length), device=model.device), **{cache.keyword: cache},
                        logits_to_keep=1).logits[:, -1]
         state = DecodeState.start(logits, torch.tensor([args.length], device=model.device), 4, set())
         cache.reserve(3)

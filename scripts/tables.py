@@ -76,7 +76,7 @@ def accuracy_table(paths: list[str]) -> str:
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
     ]
     for path in paths:
-        for r in csv.DictReader(open(path)):
+        for r in csv.DictReader(Path(path).read_text().splitlines()):
             lines.append(
                 f"| {r['task']} | {r['label'].split('@')[0]} | {r['budget'] or '-'} | {r['samples']} | "
                 f"{number(r['score'])} | {number(r['retained'])} | {number(r['top1_agreement'])} | {number(r['kl'])} | "
@@ -91,7 +91,7 @@ def paired_table(base: str, others: list[str], paths: list[str]) -> str:
     what a single wrong digit changes)."""
     records: dict[tuple, dict] = {}
     for path in paths:
-        for line in open(path):
+        for line in Path(path).read_text().splitlines():
             r = json.loads(line)
             records[(r["task"], r["budget"], r["sample"], r.get("turn", 1), r["label"].split("@")[0])] = r
     full = {key[:1] + key[2:4]: r["score"] for key, r in records.items() if key[4] == "full"}
@@ -132,7 +132,7 @@ def retained_table(paths: list[str]) -> str:
     of the setting's scores over the full cache's) and the part of the full cache's answers it keeps
     (its score capped at the full cache's, question by question: a lucky answer the full cache
     missed does not make up for one it found)."""
-    records = [json.loads(line) for path in paths for line in open(path) if line.strip()]
+    records = [json.loads(line) for path in paths for line in Path(path).read_text().splitlines() if line.strip()]
     full = {(r["sample"], r["turn"]): r["score"] for r in records if r["label"] == "full"}
     tasks = list(dict.fromkeys(r["task"] for r in records))
     labels = sorted({r["label"]

@@ -68,9 +68,10 @@ def run_family(family: str, folder: Path) -> dict[str, str]:
             continue
         asked[name] = method
         # before vLLM loads the model: its transformers backend decorates transformers' class in place
+        cache = method.make_cache(model, char_tokenizer())
         with torch.no_grad():
-            ours[name] = model.generate(torch.tensor([ids]), past_key_values=method.make_cache(model, char_tokenizer()),
-                                        max_new_tokens=NEW_TOKENS, do_sample=False)[0, PROMPT_TOKENS:].tolist()
+            ours[name] = model.generate(torch.tensor([ids]), **{cache.keyword: cache}, max_new_tokens=NEW_TOKENS,
+                                        do_sample=False)[0, PROMPT_TOKENS:].tolist()
     try:
         llm = vllm.LLM(model=str(folder), **ENGINE, **serving.engine_options(kvc.FullKV()))
         params = [

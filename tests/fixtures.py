@@ -10,11 +10,17 @@ from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
     LlamaConfig,
+    LlamaForCausalLM,
     MistralConfig,
     PreTrainedTokenizerFast,
     Qwen2Config,
 )
 
+from kvcompress.cache.kv_cache import cache_keyword
+
+# The name of a model's cache argument in the installed transformers: ``cache`` from 5.24 on, where
+# ``past_key_values`` is deprecated, and ``past_key_values`` before.
+CACHE = cache_keyword(LlamaForCausalLM)
 CHARS = [chr(c) for c in range(32, 127)] + ["\n"]
 SPECIALS = ["<pad>", "<s>", "</s>"]
 CHAT_TEMPLATE = (
@@ -114,7 +120,7 @@ def prefilled_cache(method, prompt_tokens: int, **model_overrides):
     model = tiny_model(**model_overrides)
     cache = method.make_cache(model, char_tokenizer())
     with torch.no_grad():
-        model(torch.randint(3, 128, (1, prompt_tokens)), past_key_values=cache)
+        model(torch.randint(3, 128, (1, prompt_tokens)), **{CACHE: cache})
     return cache
 
 

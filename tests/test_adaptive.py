@@ -10,7 +10,7 @@ import torch
 import kvcompress as kvc
 from kvcompress.methods.prompt import allocate_heads, pyramid_budgets
 
-from .fixtures import char_tokenizer, family_model, random_text, tiny_model
+from .fixtures import CACHE, char_tokenizer, family_model, random_text, tiny_model
 
 
 def reference_allocation(scores: list[list[float]], count: int, floor: float) -> list[set[int]]:
@@ -69,11 +69,11 @@ def teacher_forced(model, method, prompt, continuation, follow_up):
     token of a follow-up turn fed in one forward (longer than a segment's spare room)."""
     cache = method.make_cache(model, char_tokenizer())
     with torch.no_grad():
-        logits = [model(prompt, past_key_values=cache).logits[:, -1]]
+        logits = [model(prompt, **{CACHE: cache}).logits[:, -1]]
         logits += [
-            model(continuation[:, t:t + 1], past_key_values=cache).logits[:, -1] for t in range(continuation.shape[1])
+            model(continuation[:, t:t + 1], **{CACHE: cache}).logits[:, -1] for t in range(continuation.shape[1])
         ]
-        logits += model(follow_up, past_key_values=cache).logits.unbind(1)
+        logits += model(follow_up, **{CACHE: cache}).logits.unbind(1)
     return torch.stack(logits, 1), cache
 
 
@@ -140,11 +140,11 @@ def test_adaptive_heads_hold_different_counts_in_the_same_memory():
 def test_model_generate_and_beams_with_adaptive_budgets(method):
     model, tok = tiny_model(), char_tokenizer()
     inputs = tok([random_text(200, seed=7)], return_tensors="pt")
-    greedy = model.generate(**inputs, past_key_values=method.make_cache(model, tok), max_new_tokens=8, do_sample=False,
+    greedy = model.generate(**inputs, **{CACHE: method.make_cache(model, tok)}, max_new_tokens=8, do_sample=False,
                             eos_token_id=None)
     ours = kvc.generate(model, tok, random_text(200, seed=7), method=method, max_new_tokens=8)
     assert greedy[0, inputs["input_ids"].shape[1] :].tolist() == ours.token_ids[0]
-    beams = model.generate(**inputs, past_key_values=method.make_cache(model, tok), max_new_tokens=8, num_beams=3,
+    beams = model.generate(**inputs, **{CACHE: method.make_cache(model, tok)}, max_new_tokens=8, num_beams=3,
                            num_return_sequences=2, eos_token_id=None)
     assert beams.shape == (2, inputs["input_ids"].shape[1] + 8)
 

@@ -17,7 +17,7 @@ from kvcompress.methods.kvzip import FIRST, LATER
 from kvcompress.methods.prompt import global_shares
 from kvcompress.storage import attention
 
-from .fixtures import bpe_tokenizer, char_tokenizer, family_model, random_text, tiny_model
+from .fixtures import CACHE, bpe_tokenizer, char_tokenizer, family_model, random_text, tiny_model
 
 
 def reconstruction_reference(model, tok, text: str, chunk: int, overlap: int) -> list[torch.Tensor]:
@@ -88,7 +88,7 @@ def expected_reference(model, ids: torch.Tensor, future: int, sinks: int) -> lis
     handles = [layer.self_attn.register_forward_hook(hook, with_kwargs=True) for layer in model.model.layers]
     full = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(ids, past_key_values=full)
+        model(ids, **{CACHE: full})
     for handle in handles:
         handle.remove()
     n = ids.shape[1]
@@ -151,7 +151,7 @@ def test_the_observation_pass_is_timed_and_needs_a_tokenizer():
     cache = kvc.KVzip(budget=32, clustering="none").make_cache(model)
     with pytest.raises(ValueError,
                        match="KVzip scores from the prompt's reconstruction, which did not run"), torch.no_grad():
-        model(torch.tensor([tok(random_text(300, seed=8))["input_ids"]]), past_key_values=cache)
+        model(torch.tensor([tok(random_text(300, seed=8))["input_ids"]]), **{CACHE: cache})
         cache.end_observation(0.0)
 
 
@@ -205,12 +205,12 @@ def test_a_model_called_directly_cannot_skip_the_observation_pass():
     cache = kvc.KVzip(budget=32).make_cache(model, tok)
     ids = torch.tensor([tok(random_text(200, seed=10))["input_ids"]])
     with torch.no_grad():
-        model(ids, past_key_values=cache)
+        model(ids, **{CACHE: cache})
         with pytest.raises(
                 kvc.CacheMisuseError, match=
                 "compresses the prompt after an observation pass .* kvcompress.generate and kvcompress.compress run it"
         ):
-            model(ids[:, -1:], past_key_values=cache)
+            model(ids[:, -1:], **{CACHE: cache})
 
 
 QUESTIONS = ("What is the first word?", "1 or 2?", " spaced out", "\nnew line", "é?")

@@ -15,7 +15,7 @@ from kvcompress.methods.prompt import select_kept
 from kvcompress.methods.quest import page_bounds, page_upper_bounds
 from kvcompress.storage.slots import spare_slots
 
-from .fixtures import char_tokenizer, prefilled_cache, random_text, tiny_model
+from .fixtures import CACHE, char_tokenizer, prefilled_cache, random_text, tiny_model
 from .test_shadowkv import teacher_forced_logits
 
 
@@ -174,8 +174,8 @@ def prefilled_pair(method, length: int, seed: int = 0):
     full = DynamicCache(config=model.config)
     cache = method.make_cache(model, char_tokenizer())
     with torch.no_grad():
-        model(prompt, past_key_values=full)
-        model(prompt, past_key_values=cache)
+        model(prompt, **{CACHE: full})
+        model(prompt, **{CACHE: cache})
     return full, cache
 
 

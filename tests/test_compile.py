@@ -22,7 +22,7 @@ from kvcompress.generation.decode import DecodeState, greedy_step
 from kvcompress.generation.generate import prefill_groups
 from kvcompress.integrations.transformers.models import random_model
 
-from .fixtures import FAMILIES, char_tokenizer, family_model, random_text, tiny_model
+from .fixtures import CACHE, FAMILIES, char_tokenizer, family_model, random_text, tiny_model
 from .test_batches import LENGTHS, METHODS
 
 CAPTURE = kvc.Compile(backend="eager")
@@ -144,7 +144,7 @@ def test_sparse_steps_dispatch_at_most_one_and_a_half_times_transformers_ops():
         for method in (kvc.ShadowKV(budget=64), kvc.Quest(budget=64), kvc.Loki(budget=64), kvc.SnapKV(budget=64),
                        kvc.FullKV()):
             cache = method.make_cache(model, TokenSpans.every(model.config.vocab_size))
-            logits = model(torch.randint(10, 1000, (1, 256)), past_key_values=cache, logits_to_keep=1).logits[:, -1]
+            logits = model(torch.randint(10, 1000, (1, 256)), **{CACHE: cache}, logits_to_keep=1).logits[:, -1]
             state = DecodeState.start(logits, torch.tensor([256]), 4, set())
             cache.reserve(3)
             greedy_step(model, cache, state)

@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM, GPT2Config
 import kvcompress as kvc
 from kvcompress.cli import main
 
-from .fixtures import char_tokenizer, random_text, tiny_model
+from .fixtures import CACHE, char_tokenizer, random_text, tiny_model
 
 
 @pytest.mark.parametrize(
@@ -66,8 +66,8 @@ def test_attention_outside_kvcompress_is_detected():
     model.set_attn_implementation("eager")
     with pytest.raises(kvc.UnsupportedModelError, match=r"layer 0 was updated twice"):
         with torch.no_grad():
-            model(torch.randint(3, 128, (1, 60)), past_key_values=cache)
-            model(torch.randint(3, 128, (1, 1)), past_key_values=cache)
+            model(torch.randint(3, 128, (1, 60)), **{CACHE: cache})
+            model(torch.randint(3, 128, (1, 1)), **{CACHE: cache})
 
 
 def test_bad_max_new_tokens():
@@ -143,23 +143,23 @@ def test_an_empty_prompt_is_refused():
         kvc.generate(model, char_tokenizer(bos=False), "")
     with pytest.raises(kvc.CacheMisuseError, match=r"the input has no tokens \(an empty prompt\)"):
         with torch.no_grad():
-            model(torch.zeros(1, 0, dtype=torch.long), past_key_values=kvc.SnapKV().make_cache(model, char_tokenizer()))
+            model(torch.zeros(1, 0, dtype=torch.long), **{CACHE: kvc.SnapKV().make_cache(model, char_tokenizer())})
 
 
 def test_a_cache_refuses_a_second_prompt():
     model, tok = tiny_model(), char_tokenizer()
     cache = kvc.SnapKV(budget=40, window=8).make_cache(model, char_tokenizer())
-    model.generate(**tok(random_text(100), return_tensors="pt"), past_key_values=cache, max_new_tokens=3)
+    model.generate(**tok(random_text(100), return_tensors="pt"), **{CACHE: cache}, max_new_tokens=3)
     # transformers 5.17 passes the new prompt's mask (caught by its size), 5.23 does not (caught by the positions)
     with pytest.raises(kvc.CacheMisuseError,
                        match=r"this cache already holds 103 tokens.*a new prompt needs a new cache"):
-        model.generate(**tok(random_text(60), return_tensors="pt"), past_key_values=cache, max_new_tokens=3)
+        model.generate(**tok(random_text(60), return_tensors="pt"), **{CACHE: cache}, max_new_tokens=3)
     with pytest.raises(
             kvc.CacheMisuseError, match=
             r"this cache already holds 103 tokens, and generate\(\) feeds only tokens beyond them: a new prompt needs "
             r"a new cache"
     ):
-        model.generate(**tok("ab", return_tensors="pt"), past_key_values=cache, max_new_tokens=3)
+        model.generate(**tok("ab", return_tensors="pt"), **{CACHE: cache}, max_new_tokens=3)
     other = tok(random_text(60), return_tensors="pt")
     with pytest.raises(
             kvc.CacheMisuseError, match=
@@ -167,7 +167,7 @@ def test_a_cache_refuses_a_second_prompt():
             r"needs a new cache"
     ):
         with torch.no_grad():
-            model(**other, past_key_values=cache)
+            model(**other, **{CACHE: cache})
 
 
 @pytest.mark.parametrize("made_for, used_with", [(4, 2), (2, 4)])
@@ -181,7 +181,7 @@ def test_a_cache_refuses_another_model(made_for, used_with):
             rf"{used_with}\)"
     ):
         with torch.no_grad():
-            model(torch.randint(3, 128, (1, 20)), past_key_values=cache)
+            model(torch.randint(3, 128, (1, 20)), **{CACHE: cache})
 
 
 def test_generate_takes_a_method_or_its_name():

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from transformers import DynamicCache
 
 import kvcompress as kvc
 
-from .fixtures import char_tokenizer, prefilled_cache, random_text, tiny_model
+from .fixtures import CACHE, char_tokenizer, prefilled_cache, random_text, tiny_model
 
 METHODS = [kvc.FullKV(), kvc.SnapKV(budget=64, window=8, kernel=5), kvc.StreamingLLM(budget=48, sinks=4)]
 
@@ -25,7 +27,7 @@ def test_model_generate_agrees_with_kvc_generate(method, tok):
     ours = kvc.generate(model, tok, prompt, method=method, max_new_tokens=12)
     inputs = tok(prompt, return_tensors="pt")
     cache = method.make_cache(model, tok)
-    out = model.generate(**inputs, past_key_values=cache, max_new_tokens=12, do_sample=False, eos_token_id=None)
+    out = model.generate(**inputs, **{CACHE: cache}, max_new_tokens=12, do_sample=False, eos_token_id=None)
     theirs = out[0, inputs["input_ids"].shape[1] :].tolist()
     assert theirs[: len(ours.token_ids[0])] == ours.token_ids[0]
     assert cache.stats()["kv_tokens_per_layer"] == ours.cache.stats()["kv_tokens_per_layer"]
@@ -52,7 +54,7 @@ def test_batched_model_generate_with_left_padding(tok):
     prompts = [random_text(60, seed=5), random_text(160, seed=6)]
     tok.padding_side = "left"
     inputs = tok(prompts, return_tensors="pt", padding=True)
-    out = model.generate(**inputs, past_key_values=method.make_cache(model, tok), max_new_tokens=8, do_sample=False,
+    out = model.generate(**inputs, **{CACHE: method.make_cache(model, tok)}, max_new_tokens=8, do_sample=False,
                          eos_token_id=None)
     ours = kvc.generate(model, tok, prompts, method=method, max_new_tokens=8)
     for row in range(2):
@@ -80,13 +82,13 @@ def test_rope_positions_continue_from_the_true_prompt_length():
     nxt = torch.tensor([[42]])
     with torch.no_grad():
         cache = kvc.StreamingLLM(budget=budget, sinks=sinks).make_cache(model)
-        model(ids, past_key_values=cache)
-        ours = model(nxt, past_key_values=cache).logits
+        model(ids, **{CACHE: cache})
+        ours = model(nxt, **{CACHE: cache}).logits
         full = DynamicCache(config=model.config)
-        model(ids, past_key_values=full)
+        model(ids, **{CACHE: full})
         mask = torch.ones(1, length + 1, dtype=torch.long)
         mask[0, sinks : length - (budget - sinks)] = 0
-        reference = model(nxt, past_key_values=full, attention_mask=mask, position_ids=torch.tensor([[length]])).logits
+        reference = model(nxt, **{CACHE: full}, attention_mask=mask, position_ids=torch.tensor([[length]])).logits
     assert cache.kept_positions(0)[0, 0].tolist() == list(range(sinks)) + list(range(length - budget + sinks, length))
     assert cache.get_seq_length() == length + 1
     torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-5)
@@ -151,7 +153,7 @@ def test_model_generate_search_modes_keep_the_budget(options, tok):
     model = tiny_model()
     inputs = tok([random_text(150)], return_tensors="pt")
     cache = kvc.SnapKV(budget=64, window=8).make_cache(model, char_tokenizer())
-    out = model.generate(**inputs, past_key_values=cache, max_new_tokens=6, eos_token_id=None, **options)
+    out = model.generate(**inputs, **{CACHE: cache}, max_new_tokens=6, eos_token_id=None, **options)
     assert out.shape[-1] == inputs["input_ids"].shape[1] + 6
     assert cache.stats()["kv_tokens_per_layer"] == [64 + 5, 64 + 5]
 
@@ -165,7 +167,7 @@ def test_right_padding_is_refused(tok):
         tok.padding_side = "left"
     with pytest.raises(ValueError, match="kvcompress needs left-padded batches"):
         with torch.no_grad():
-            model(**batch, past_key_values=kvc.SnapKV(budget=64, window=8).make_cache(model, char_tokenizer()))
+            model(**batch, **{CACHE: kvc.SnapKV(budget=64, window=8).make_cache(model, char_tokenizer())})
 
 
 ALL_METHODS = METHODS + [kvc.ShadowKV(budget=32, rank=8)]
@@ -210,16 +212,16 @@ def test_decoding_appends_into_spare_slots_and_counts_them():
     with torch.no_grad():
         expected = [
             model(torch.randint(3, 128, (1, 300), generator=torch.Generator().manual_seed(2)),
-                  past_key_values=full).logits[:, -1]
+                  **{CACHE: full}).logits[:, -1]
         ]
         got = [
             model(torch.randint(3, 128, (1, 300), generator=torch.Generator().manual_seed(2)),
-                  past_key_values=ours).logits[:, -1]
+                  **{CACHE: ours}).logits[:, -1]
         ]
         layer, copies, storage = ours.layers[0], 0, None
         for t in range(steps.shape[1]):
-            expected.append(model(steps[:, t : t + 1], past_key_values=full).logits[:, -1])
-            got.append(model(steps[:, t : t + 1], past_key_values=ours).logits[:, -1])
+            expected.append(model(steps[:, t : t + 1], **{CACHE: full}).logits[:, -1])
+            got.append(model(steps[:, t : t + 1], **{CACHE: ours}).logits[:, -1])
             copies += layer.keys.data_ptr() != storage
             storage = layer.keys.data_ptr()
     torch.testing.assert_close(torch.stack(got), torch.stack(expected))
@@ -246,7 +248,8 @@ def test_a_model_given_its_cache_under_either_name_compresses_alike():
     kept = []
     for name in ("past_key_values", cache_keyword(model)):
         cache = kvc.SnapKV(budget=48, window=8).make_cache(model, tokenizer)  # words kept whole: needs the token ids
-        with torch.no_grad():
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "`past_key_values` is deprecated", FutureWarning)  # the old name, asked
             model(ids, **{name: cache})
         kept.append([cache.kept_positions(layer) for layer in range(2)])
     assert all(torch.equal(a, b) for a, b in zip(*kept))

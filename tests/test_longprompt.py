@@ -11,7 +11,7 @@ import kvcompress as kvc
 from kvcompress.integrations.transformers import longprompt
 from kvcompress.integrations.transformers.longprompt import SequenceChunked, chunk_mlps
 
-from .fixtures import char_tokenizer, family_model, random_text, tiny_model
+from .fixtures import CACHE, char_tokenizer, family_model, random_text, tiny_model
 
 METHODS = [
     kvc.FullKV(), kvc.SnapKV(budget=64), kvc.H2O(budget=64), kvc.StreamingLLM(budget=48), kvc.ShadowKV(budget=32),
@@ -96,7 +96,7 @@ def test_no_tensor_grows_with_prompt_squared_or_intermediate_size(method, small_
     inputs = tok(prompts, return_tensors="pt", padding=True)
     watch = LargestTensor()
     with torch.no_grad(), watch:
-        model(**inputs, past_key_values=cache, logits_to_keep=1)
+        model(**inputs, **{CACHE: cache}, logits_to_keep=1)
     assert watch.largest <= 2 * 400 * 64
 
 
@@ -150,7 +150,7 @@ def test_a_prompt_in_blocks_writes_each_layer_over_its_input(small_blocks, monke
         for n in (400, 800):
             cache = kvc.SnapKV(budget=64, window=8).make_cache(model, tok)
             with torch.inference_mode(), LiveBytes() as live:
-                model(torch.randint(3, 128, (1, n), generator=torch.Generator().manual_seed(n)), past_key_values=cache,
+                model(torch.randint(3, 128, (1, n), generator=torch.Generator().manual_seed(n)), **{CACHE: cache},
                       logits_to_keep=1)
             peaks[n] = live.peak()
         return (peaks[800] - peaks[400]) / 400 / (model.config.hidden_size * 4)
@@ -162,7 +162,7 @@ def test_a_prompt_in_blocks_writes_each_layer_over_its_input(small_blocks, monke
     monkeypatch.setattr(longprompt, "PREFILL_BLOCK", 64)
     kvc.FullKV().make_cache(model)
     with torch.inference_mode():  # observed by a hook: not in blocks
-        model(torch.randint(3, 128, (1, 300)), past_key_values=kvc.SnapKV(budget=64).make_cache(model, tok),
+        model(torch.randint(3, 128, (1, 300)), **{CACHE: kvc.SnapKV(budget=64).make_cache(model, tok)},
               logits_to_keep=1)
     handle.remove()
     assert calls == [300]
@@ -174,8 +174,8 @@ def test_given_embeddings_are_not_overwritten(small_blocks):
                                                     generator=torch.Generator().manual_seed(1))).detach()
     kept = embeds.clone()
     with torch.inference_mode():
-        out = model(inputs_embeds=embeds, past_key_values=kvc.SnapKV(budget=64,
-                                                                     clustering="pool").make_cache(model, tok),
+        out = model(inputs_embeds=embeds, **{CACHE: kvc.SnapKV(budget=64,
+                                                                     clustering="pool").make_cache(model, tok)},
                     logits_to_keep=1).logits
         plain = model(inputs_embeds=embeds, logits_to_keep=1).logits
     assert torch.equal(embeds, kept)

@@ -13,7 +13,7 @@ import torch
 
 import kvcompress as kvc
 
-from .fixtures import FAMILIES, char_tokenizer, family_model, random_text, tiny_model
+from .fixtures import CACHE, FAMILIES, char_tokenizer, family_model, random_text, tiny_model
 
 COVERING = {  # budgets that cover the prompt: the method's output must equal the full cache's
     "snapkv": kvc.SnapKV(budget=500, window=8),
@@ -158,13 +158,13 @@ def test_beam_search_through_model_generate(method, options):
     model, tok = tiny_model(), char_tokenizer()
     inputs = tok([random_text(150, seed=2)], return_tensors="pt")
     plain = model.generate(**inputs, max_new_tokens=8, eos_token_id=None, **options)
-    ours = model.generate(**inputs, past_key_values=method.make_cache(model, tok), max_new_tokens=8, eos_token_id=None,
+    ours = model.generate(**inputs, **{CACHE: method.make_cache(model, tok)}, max_new_tokens=8, eos_token_id=None,
                           **options)
     assert ours.tolist() == plain.tolist()
     small = SMALL.get(method.label().split()[0].replace(
         "h2o", "h2o-evicting" if getattr(method, "evict_during_decoding", False) else "h2o"))
     if small is not None:
-        out = model.generate(**inputs, past_key_values=small.make_cache(model, tok), max_new_tokens=8,
+        out = model.generate(**inputs, **{CACHE: small.make_cache(model, tok)}, max_new_tokens=8,
                              eos_token_id=None, **options)
         assert out.shape == plain.shape
 

@@ -16,7 +16,7 @@ import torch
 import kvcompress as kvc
 from kvcompress.storage.offload import ChunkStore, fetch_chunks, match_previous, reuse_previous, zero_copy_view
 
-from .fixtures import tiny_model
+from .fixtures import CACHE, tiny_model
 
 CUDA = torch.cuda.is_available()
 needs_gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
@@ -104,15 +104,15 @@ TRITON_CHECK = textwrap.dedent(
 
     # Both kernels inside ShadowKV's decoding: the same logits as torch ops, the same chunks reused.
     import kvcompress as kvc
-    from tests.fixtures import tiny_model
+    from tests.fixtures import CACHE, tiny_model
     model = tiny_model()
     gen = torch.Generator().manual_seed(1)
     prompt, steps = torch.randint(3, 128, (1, 300), generator=gen), torch.randint(3, 128, (1, 8), generator=gen)
     def decode():
         cache = kvc.ShadowKV(budget=32, rank=8, outliers=1).make_cache(model)
         with torch.no_grad():
-            model(prompt, past_key_values=cache)
-            logits = [model(steps[:, t : t + 1], past_key_values=cache).logits for t in range(steps.shape[1])]
+            model(prompt, **{CACHE: cache})
+            logits = [model(steps[:, t : t + 1], **{CACHE: cache}).logits for t in range(steps.shape[1])]
         return torch.cat(logits, 1), cache.stats()
     plain, plain_stats = decode()
     with ops.triton_everywhere():
@@ -135,9 +135,9 @@ def test_shadowkv_reports_its_value_fetches():
     model = tiny_model()
     cache = kvc.ShadowKV(budget=32, rank=8, outliers=1).make_cache(model)
     with torch.no_grad():
-        model(torch.randint(3, 128, (1, 300)), past_key_values=cache)
+        model(torch.randint(3, 128, (1, 300)), **{CACHE: cache})
         for token in torch.randint(3, 128, (5,)).tolist():
-            model(torch.tensor([[token]]), past_key_values=cache)
+            model(torch.tensor([[token]]), **{CACHE: cache})
     stats = cache.stats()
     layers = len(cache.layers)
     assert stats["value_fetch"] == "cpu"
@@ -183,9 +183,9 @@ def test_gpu_decode_step_never_synchronizes_and_matches_cpu():
         model.to(device)
         cache = kvc.ShadowKV(budget=32, rank=8, outliers=1).make_cache(model)
         with torch.no_grad():
-            model(prompt.to(device), past_key_values=cache)
+            model(prompt.to(device), **{CACHE: cache})
             for t in range(steps.shape[1]):
-                model(steps[:, t : t + 1].to(device), past_key_values=cache)
+                model(steps[:, t : t + 1].to(device), **{CACHE: cache})
         layer, step_query = cache.layers[0], query.to(device)
         if device == "cuda":
             assert layer.store.mode.startswith("zero-copy") and layer.store.host.is_pinned()

@@ -14,7 +14,7 @@ from kvcompress.cache.layer import KVLayer
 from kvcompress.cache.phase import TRANSITIONS, Phase, PhaseError, moved
 from kvcompress.methods import method_from_spec
 
-from .fixtures import char_tokenizer, random_text, tiny_model
+from .fixtures import CACHE, char_tokenizer, random_text, tiny_model
 
 SPECS = [
     "full", "snapkv:budget=24:window=4", "snapkv:budget=24:window=4:heads=adaptive",
@@ -104,13 +104,13 @@ def test_misuse_across_model_instances_is_a_named_error_that_loses_nothing():
             r"model that began it"):
         kvc.generate(other, tok, "more", past=result, max_new_tokens=3)
     used = kvc.SnapKV(budget=32, window=8).make_cache(model, tok)
-    model.generate(**ids, past_key_values=used, max_new_tokens=3, do_sample=False)
+    model.generate(**ids, **{CACHE: used}, max_new_tokens=3, do_sample=False)
     fresh = kvc.SnapKV(budget=32, window=8).make_cache(model, tok)
     for cache in (used, fresh):
         with pytest.raises(kvc.CacheMisuseError,
                            match=r"called by a model it was not made for .*method.make_cache\(model\)"):
-            other.generate(**ids, past_key_values=cache, max_new_tokens=3, do_sample=False)
+            other.generate(**ids, **{CACHE: cache}, max_new_tokens=3, do_sample=False)
         with pytest.raises(kvc.CacheMisuseError, match=r"called by a model it was not made for"), torch.no_grad():
-            other(**ids, past_key_values=cache)
+            other(**ids, **{CACHE: cache})
     assert _answer(model, tok, result) == before  # the refused calls wrote nothing
     assert fresh.get_seq_length() == 0 and all(layer.phase is Phase.EMPTY for layer in fresh.layers)

@@ -22,7 +22,7 @@ from kvcompress.methods.shadowkv import (
 )
 from kvcompress.storage.offload import fetch_chunks
 
-from .fixtures import char_tokenizer, random_text, tiny_model
+from .fixtures import CACHE, char_tokenizer, random_text, tiny_model
 
 EXACT = dict(rank=32, outliers=0, budget=4096)  # tiny model: 2 KV heads x 16 dims = 32
 
@@ -31,9 +31,9 @@ def teacher_forced_logits(model, method, prompt: torch.Tensor,
                           continuation: torch.Tensor) -> tuple[torch.Tensor, kvc.KVCompressCache]:
     cache = method.make_cache(model)
     with torch.no_grad():
-        logits = [model(prompt, past_key_values=cache).logits[:, -1]]
+        logits = [model(prompt, **{CACHE: cache}).logits[:, -1]]
         for t in range(continuation.shape[1]):
-            logits.append(model(continuation[:, t : t + 1], past_key_values=cache).logits[:, -1])
+            logits.append(model(continuation[:, t : t + 1], **{CACHE: cache}).logits[:, -1])
     return torch.stack(logits, dim=1), cache
 
 
@@ -150,8 +150,8 @@ def test_rebuilt_keys_carry_rope_at_their_original_positions():
     full = DynamicCache(config=model.config)
     cache = kvc.ShadowKV(**EXACT).make_cache(model)
     with torch.no_grad():
-        model(prompt, past_key_values=full)
-        model(prompt, past_key_values=cache)
+        model(prompt, **{CACHE: full})
+        model(prompt, **{CACHE: cache})
     layer = cache.layers[1]
     chunks = torch.tensor([[[0, 5, 11], [2, 3, 17]]])
     keys, values = layer.rebuild_keys(chunks), fetch_chunks(layer.store.host, chunks)
@@ -165,8 +165,8 @@ def test_memory_split_between_device_and_offload_store():
     model = tiny_model()
     cache = kvc.ShadowKV(budget=32, rank=4, outliers=2, local_chunks=2).make_cache(model)
     with torch.no_grad():
-        model(torch.randint(3, 128, (1, 403)), past_key_values=cache)
-        model(torch.randint(3, 128, (1, 1)), past_key_values=cache)
+        model(torch.randint(3, 128, (1, 403)), **{CACHE: cache})
+        model(torch.randint(3, 128, (1, 1)), **{CACHE: cache})
     layer, stats = cache.layers[0], cache.stats()
     n_chunks = (403 - 16) // 8  # 48 chunks; 3 tail tokens + 2 local chunks stay dense
     assert layer.factor_a.shape == (1, n_chunks * 8, 4) and layer.factor_b.shape == (1, 4, 2, 16)

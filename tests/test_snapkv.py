@@ -12,7 +12,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 import kvcompress as kvc
 from kvcompress.methods.prompt import select_kept
 
-from .fixtures import char_tokenizer, prefilled_cache, random_text, tiny_model
+from .fixtures import CACHE, char_tokenizer, prefilled_cache, random_text, tiny_model
 
 
 def reference_keep(query: torch.Tensor, keys: torch.Tensor, budget: int, window: int, kernel: int,
@@ -143,13 +143,13 @@ def test_selection_matches_reference_in_every_layer(arch, pooling):
     queries, handles = capture_queries(model)
     full = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(ids, past_key_values=full)
+        model(ids, **{CACHE: full})
     for h in handles:
         h.remove()
     method = kvc.SnapKV(budget=48, window=16, kernel=5, pooling=pooling, clustering="pool")
     cache = method.make_cache(model)
     with torch.no_grad():
-        model(ids, past_key_values=cache)
+        model(ids, **{CACHE: cache})
     for layer in range(3):
         expected = reference_keep(queries[layer][0], full.layers[layer].keys[0], 48, 16, 5, pooling)
         assert cache.kept_positions(layer)[0].tolist() == expected, f"layer {layer}"
@@ -160,8 +160,8 @@ def test_prefill_attention_uses_the_full_cache():
     model = tiny_model()
     ids = torch.randint(3, 128, (1, 120), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        full = model(ids, past_key_values=kvc.FullKV().make_cache(model)).logits
-        snap = model(ids, past_key_values=kvc.SnapKV(budget=40, window=8).make_cache(model, char_tokenizer())).logits
+        full = model(ids, **{CACHE: kvc.FullKV().make_cache(model)}).logits
+        snap = model(ids, **{CACHE: kvc.SnapKV(budget=40, window=8).make_cache(model, char_tokenizer())}).logits
     torch.testing.assert_close(snap, full, rtol=0, atol=0)
 
 
@@ -176,7 +176,7 @@ def test_at_most_one_layer_holds_a_full_prompt():
 
     handles = [layer.register_forward_hook(after_layer) for layer in model.model.layers]
     with torch.no_grad():
-        model(torch.randint(3, 128, (1, 200)), past_key_values=cache)
+        model(torch.randint(3, 128, (1, 200)), **{CACHE: cache})
     for h in handles:
         h.remove()
     assert seen == [[40, 0, 0, 0], [40, 40, 0, 0], [40, 40, 40, 0], [40, 40, 40, 40]]
@@ -197,7 +197,7 @@ def test_compressed_tensors_hold_exactly_kv_heads_times_budget():
     model = tiny_model()
     cache = kvc.SnapKV(budget=64, window=16).make_cache(model, char_tokenizer())
     with torch.no_grad():
-        model(torch.randint(3, 128, (1, 300)), past_key_values=cache)
+        model(torch.randint(3, 128, (1, 300)), **{CACHE: cache})
     stats = cache.stats()
     for layer in cache.layers:
         assert layer.keys.shape == (1, 2, 64, 16) and layer.values.shape == (1, 2, 64, 16)

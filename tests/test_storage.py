@@ -13,7 +13,7 @@ from kvcompress.methods.sparse import SparseDecodeLayer
 from kvcompress.storage.packed import PackedSlots
 from kvcompress.storage.slots import CappedSlots, DenseSlots, RingSlots, Slots
 
-from .fixtures import char_tokenizer, random_text, tiny_model
+from .fixtures import CACHE, char_tokenizer, random_text, tiny_model
 from .test_architecture import module_imports
 
 LAYOUTS = (DenseSlots, RingSlots, CappedSlots, PackedSlots)
@@ -93,11 +93,11 @@ def test_a_turn_fed_at_once_after_an_evicting_cache_is_full_stays_causal():
     def turn_logits(tokens: torch.Tensor) -> torch.Tensor:
         cache = kvc.H2O(budget=24, evict_during_decoding=True).make_cache(model)
         with torch.no_grad():
-            model(prompt, past_key_values=cache)
+            model(prompt, **{CACHE: cache})
             for t in range(steps.shape[1]):
-                model(steps[:, t : t + 1], past_key_values=cache)
+                model(steps[:, t : t + 1], **{CACHE: cache})
             assert cache.layers[0].used == 24
-            return model(tokens, past_key_values=cache).logits[0]
+            return model(tokens, **{CACHE: cache}).logits[0]
 
     whole = turn_logits(turn)
     # The first token alone attends as in the turn (eviction comes after attention); later tokens change none before.

@@ -221,7 +221,7 @@ def test_kvcompress_serve_answers_the_openai_client_as_the_library_does(library,
 def test_tensor_parallel_workers_each_keep_their_own_heads(tmp_path, monkeypatch):
     """--tensor-parallel-size 2: each worker holds one of a tiny model's two KV heads and keeps that
     head's tokens; the answer is the one worker's and the library's."""
-    from .fixtures import char_tokenizer, tiny_model
+    from .fixtures import CACHE, char_tokenizer, tiny_model
 
     folder = tmp_path / "tiny"
     model = tiny_model(hidden_size=256, head_dim=64, max_position_embeddings=2048)
@@ -231,7 +231,7 @@ def test_tensor_parallel_workers_each_keep_their_own_heads(tmp_path, monkeypatch
     method = kvc.SnapKV(budget=64, window=8, clustering="pool")
     cache = method.make_cache(model)
     with torch.no_grad():
-        ours = model.generate(torch.tensor([ids]), past_key_values=cache, max_new_tokens=8,
+        ours = model.generate(torch.tensor([ids]), **{CACHE: cache}, max_new_tokens=8,
                               do_sample=False)[0, len(ids):].tolist()
         full = model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)[0, len(ids) :].tolist()
     assert ours != full  # the answer shows whether the workers compressed
@@ -283,7 +283,7 @@ def test_a_family_is_served_as_the_library_compresses_it_or_refused_at_start(fam
     """A tiny model of the family (widened to vLLM's CPU head size), one engine of the full cache, each method a
     request of its own: every method the server takes answers with the library's tokens; a method it refuses on
     the family (Gemma 2's sliding-window layers) is refused by `kvcompress serve` at start, in one line."""
-    from .fixtures import char_tokenizer, family_model
+    from .fixtures import CACHE, char_tokenizer, family_model
 
     model = family_model(family, hidden_size=256, head_dim=64, num_attention_heads=4, num_key_value_heads=2)
     model.save_pretrained(tmp_path)
@@ -297,7 +297,7 @@ def test_a_family_is_served_as_the_library_compresses_it_or_refused_at_start(fam
             refused.append((method, str(refusal)))
             continue
         with torch.no_grad():  # before vLLM loads the model (its transformers backend decorates transformers' classes)
-            ours.append(model.generate(torch.tensor([ids]), past_key_values=method.make_cache(model, char_tokenizer()),
+            ours.append(model.generate(torch.tensor([ids]), **{CACHE: method.make_cache(model, char_tokenizer())},
                                        max_new_tokens=8, do_sample=False)[0, len(ids) :].tolist())
     llm = vllm.LLM(model=str(tmp_path), **{**ENGINE, "max_model_len": 1024, "max_num_batched_tokens": 1024},
                    **serving.engine_options(kvc.FullKV()))

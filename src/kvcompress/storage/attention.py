@@ -33,7 +33,8 @@ BACKEND_NAMES = {
     "math": SDPBackend.MATH, "flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
     "cudnn": SDPBackend.CUDNN_ATTENTION
 }
-_NAMES = {int(backend): name for name, backend in BACKEND_NAMES.items()}  # type: ignore[call-overload]  # PyTorch's kernel numbers
+# PyTorch's kernel numbers
+_NAMES = {int(backend): name for name, backend in BACKEND_NAMES.items()}  # type: ignore[call-overload]
 _default_picks: dict[tuple, str | None] = {}  # input shapes -> the kernel PyTorch picks for them
 _chosen: dict[tuple, tuple[str, ...]] = {}  # (phase, device type, dtype, head_dim, masked) -> kernels, fastest first
 _PRIORITY = "set_priority" in inspect.signature(sdpa_kernel).parameters
