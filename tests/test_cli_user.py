@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import stat
 import subprocess
@@ -195,7 +196,7 @@ def test_past_keeps_its_method_and_honours_question(folder, doc, tmp_path, capsy
                        "--budget", "64")
     assert code == 2 and one_line(err).startswith("kvcompress: error: this context was compressed with kvzip(budget=16")
     # a thinned packed context cannot take a question's prefill
-    assert "store it with kvc.compress(..., method=kvc.FullKV())" in err
+    assert "store the document with `kvcompress compress --method full`" in err and "kvc." not in err
     code, _, err = run(capsys, "generate", "--model", folder, "--past", saved, "--prompt", "q", "--question", "q2")
     assert code == 2 and "give the question once" in one_line(err)
     code, out, _ = run(capsys, "generate", "--model", folder, "--past", saved, "--question", "which word?",
@@ -249,7 +250,7 @@ def test_file_errors_are_one_line_without_a_doubled_prefix(folder, tmp_path, cap
 def test_a_preset_name_is_refused_at_once(capsys):
     code, _, err = run(capsys, "generate", "--model", "smollm2-135m", "--prompt", "hi")
     assert code == 2 and one_line(err).startswith(
-        "kvcompress: error: model='smollm2-135m' is a random-weight architecture preset")
+        "kvcompress: error: --model smollm2-135m is a random-weight architecture preset")
 
 
 @pytest.mark.parametrize(
@@ -288,3 +289,17 @@ def test_a_choice_named_none_is_that_choice_in_a_method_spec():
     assert kvc.method_from_spec("kvzip:layers=global:clustering=none").clustering == "none"
     assert kvc.method_from_spec("expected:clustering=none").clustering == "none"
     assert kvc.method_from_spec("h2o:recent=none").recent is None
+
+
+def test_version_names_the_package_and_what_it_runs_on():
+    done = subprocess.run([sys.executable, "-m", "kvcompress", "--version"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0
+    assert re.fullmatch(r"kvcompress \S+ \(torch \S+, transformers \S+\)\n", done.stdout), done.stdout
+
+
+def test_a_method_setting_is_refused_in_the_flags_words_and_its_description_kept():
+    err = subprocess.run([sys.executable, "-m", "kvcompress", "generate", "--method", "snapkv", "--budget", "16",
+                          "--window", "32", "--prompt", "x"], capture_output=True, text=True, timeout=60).stderr
+    assert err == ("kvcompress: error: SnapKV: --budget 16 must be greater than --window 32 (budget counts the "
+                   "observation window; valid: --budget > 32)\n")
+    assert "budget=" not in err and "window=" not in err

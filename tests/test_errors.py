@@ -83,16 +83,17 @@ def test_bad_prompt_type():
 @pytest.mark.parametrize(
     "argv, expected",
     [
-        (["generate", "--method", "magic", "--prompt", "x"], "method='magic' is unknown"),
+        (["generate", "--method", "magic", "--prompt", "x"], "--method magic is unknown"),
         (["generate", "--method", "snapkv", "--budget", "8", "--prompt", "x"
-          ], "budget=8 must be greater than window=32"),
-        (["generate", "--method", "snapkv", "--kernel", "6", "--prompt", "x"], "kernel=6 is invalid"),
+          ], "--budget 8 must be greater than --window 32"),
+        (["generate", "--method", "snapkv", "--kernel", "6", "--prompt", "x"], "--kernel 6 is invalid"),
         (["generate", "--method", "streamingllm", "--window", "8", "--prompt", "x"],
          "method 'streamingllm' does not take --window; it takes: --budget, --ratio, --heads, --head-floor, --layers, "
          "--pyramid-beta, --sinks"
          ),
         (["generate", "--method", "snapkv"], "give exactly one of --prompt TEXT or --prompt-file FILE"),
-        (["generate", "--method", "shadowkv", "--budget", "4", "--prompt", "x"], "budget=4 is smaller than one chunk"),
+        (["generate", "--method", "shadowkv", "--budget", "4", "--prompt", "x"],
+         "--budget 4 is smaller than one chunk (--chunk 8)"),
         (["generate", "--method", "snapkv", "--rank", "8", "--prompt", "x"], "does not take --rank"),
     ],
 )
@@ -201,11 +202,12 @@ def test_cli_errors_name_files_flags_and_folders(tmp_path, capsys):
     assert main(["generate", "--prompt-file", str(binary)]) == 2
     assert f"--prompt-file {binary}: not UTF-8 text" in capsys.readouterr().err
     assert main(["generate", "--model", "/missing/dir", "--prompt", "x"]) == 2
-    assert "model='/missing/dir': no such directory" in capsys.readouterr().err
+    assert "--model /missing/dir: no such directory" in capsys.readouterr().err
     assert main(["generate", "--method", "snapkv", "--ratio", "0.5", "--budget", "-100", "--prompt", "x"]) == 2
-    assert "SnapKV: budget=-100 is invalid; it must be an integer >= 1" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "SnapKV: --budget -100 is invalid; it must be an integer >= 1 (or leave it out for the default)" in err
     assert main(["generate", "--method", "shadowkv", "--ratio", "0.5", "--budget", "300", "--prompt", "x"]) == 2
-    assert "ShadowKV: give budget or ratio, not both (got budget=300, ratio=0.5)" in capsys.readouterr().err
+    assert "ShadowKV: give budget or ratio, not both (got --budget 300, --ratio 0.5)" in capsys.readouterr().err
 
 
 def test_ctrl_c_in_a_long_command_says_where_results_are(tmp_path, monkeypatch, capsys):

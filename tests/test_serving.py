@@ -65,11 +65,11 @@ def cli(*args: str) -> subprocess.CompletedProcess:
 def test_kvcompress_serve_refuses_what_it_cannot_serve_before_starting_anything():
     done = cli("serve", "--method", "kvzip")
     assert done.returncode == 2 and done.stderr.strip().splitlines() == [
-        "kvcompress: error: method='kvzip' cannot be served by vLLM: it scores from an observation pass (the model "
+        "kvcompress: error: --method kvzip cannot be served by vLLM: it scores from an observation pass (the model "
         "repeating the prompt) " "that vLLM does not run; servable: full, snapkv, streamingllm, h2o, expected"
     ]
     done = cli("serve", "--budget", "0")
-    assert done.returncode == 2 and "SnapKV: budget=0 is invalid; it must be an integer >= 1" in done.stderr
+    assert done.returncode == 2 and "SnapKV: --budget 0 is invalid; it must be an integer >= 1" in done.stderr
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")

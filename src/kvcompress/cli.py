@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.metadata
 import importlib.util
 import json
 import os
+import re
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -782,10 +784,55 @@ def _fetch_commands(sub: argparse._SubParsersAction) -> None:
     data.set_defaults(run=_cmd_fetch_data)
 
 
+def _version() -> str:
+    """kvcompress's version, and torch's and transformers' as installed (read without importing them)."""
+    versions = {}
+    for name in ("kvcompress", "torch", "transformers"):
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = "not installed"
+    return f"kvcompress {versions['kvcompress']} (torch {versions['torch']}, transformers {versions['transformers']})"
+
+
+def _flags(parser: argparse.ArgumentParser) -> dict[str, str]:
+    """Every option's name in the library (its destination) and its flag, over the parser and its subcommands."""
+    flags: dict[str, str] = {}
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                flags.update(_flags(child))
+        elif action.option_strings and action.dest not in ("help", "version"):
+            flags.setdefault(action.dest, max(action.option_strings, key=len))
+    return flags
+
+
+def in_flag_words(error: Exception, flags: dict[str, str]) -> str:
+    """A library error in the command line's words: its own CLI wording where it has one, otherwise each
+    ``name=value`` of a flag's name as ``--name value`` (``name=None``: ``no --name``); a method's description
+    (``snapkv(budget=1024, ...)``, as files and stats name it) is left as it is."""
+    if getattr(error, "cli", None):
+        return error.cli
+
+    def flag(match: re.Match) -> str:
+        name, value = match.group(1), match.group(2)
+        if name not in flags:
+            return match.group(0)
+        return f"no {flags[name]}" if value == "None" else f"{flags[name]} {value.strip(chr(39))}"
+
+    parts = re.split(r"(\b[a-z0-9_-]+\([^()]*=[^()]*\))", str(error).removeprefix("kvcompress: "))
+    words = [part if index % 2 else re.sub(r"\b([a-z][a-z_]*)=('[^']*'|[^\s,;:()]+)", flag, part)
+             for index, part in enumerate(parts)]
+    bound = re.compile(r"\bvalid: ([a-z][a-z_]*) ([<>]=?)")  # a range: "valid: budget > 32"
+    words = [bound.sub(lambda m: f"valid: {flags.get(m.group(1), m.group(1))} {m.group(2)}", w) for w in words]
+    return "".join(words).replace("(or None for the default)", "(or leave it out for the default)")
+
+
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     """The command line; ``generate`` and ``compress`` show the flags of the method ``argv`` names."""
     chosen = given_method(sys.argv[1:] if argv is None else argv)
     parser = _Parser(prog="kvcompress", description="KV-cache compression for transformers models", allow_abbrev=False)
+    parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_command(sub, chosen)
     _compress_command(sub, chosen)
@@ -815,7 +862,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.run(args, console)
     except USER_ERRORS as err:
-        print(f"kvcompress: error: {str(err).removeprefix('kvcompress: ')}", file=sys.stderr)
+        print(f"kvcompress: error: {in_flag_words(err, _flags(parser))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         said = getattr(args, "interrupted", None)

@@ -298,14 +298,19 @@ def _over_context(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, pr
     if not all(row.open_turn for row in past.rows):
         raise InvalidParameterError(
             "method= compresses a question over a stored context (kvc.compress(...)), and this conversation is not one "
-            "waiting for its question; continue it with method=None (its cache keeps its method)")
+            "waiting for its question; continue it with method=None (its cache keeps its method)",
+            cli="--method compresses a question over a stored context (a file `kvcompress compress` wrote), and this "
+            "file holds a conversation that is not waiting for its question; leave --method out to continue it (its "
+            "cache keeps its method)")
     if not past.cache.storable():
+        kept = (f"this context was compressed with {past.cache.method.describe()}, which does not keep its prompt's "
+                "tokens in a form a question can be prefilled over")
         raise InvalidParameterError(
-            f"this context was compressed with {past.cache.method.describe()}, which does not keep its prompt's tokens "
-            "in a form a question can be prefilled over; store it with kvc.compress(..., method=kvc.FullKV()) (or a "
-            "prompt method with heads='uniform' and layers='uniform', which thins it) to compress per question, or "
-            "continue it with method=None (on the command line: leave --method out)"
-        )
+            f"{kept}; store it with kvc.compress(..., method=kvc.FullKV()) (or a prompt method with heads='uniform' "
+            "and layers='uniform', which thins it) to compress per question, or continue it with method=None",
+            cli=f"{kept}; to compress each question with --method, store the document with `kvcompress compress "
+            "--method full` (or a prompt method with --heads uniform --layers uniform, which thins it); or leave "
+            "--method out to ask this file with the method it was compressed with")
     stored = len(past.rows)
     if isinstance(prompt, list) and stored == 1:
         questions, index = prompt, [0] * len(prompt)

@@ -39,7 +39,13 @@ if TYPE_CHECKING:
 
 
 class InvalidParameterError(ValueError):
-    """A method was given a hyperparameter outside its valid range (or of the wrong type)."""
+    """A method was given a hyperparameter outside its valid range (or of the wrong type). ``cli``: the same refusal
+    in the command line's words, where the library's names a Python remedy (the CLI otherwise says ``--budget 0``
+    for ``budget=0`` itself)."""
+
+    def __init__(self, message: str, cli: str | None = None) -> None:
+        super().__init__(message)
+        self.cli = cli
 
 
 def require(ok: bool, message: str) -> None:
