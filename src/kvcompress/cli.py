@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.table import Table
 
+from .bench import report
 from .bench.accuracy import PRESETS as ACCURACY_PRESETS
 from .bench.accuracy import run_accuracy
 from .bench.haystack import HAYSTACKS
@@ -57,27 +57,6 @@ from .serving.settings import (
 
 USER_ERRORS = (InvalidParameterError, PromptTooLongError, UnsupportedModelError, CacheMisuseError, CacheFileError,
                NotFetchedError, OSError, ValueError)
-
-
-def _mib(n: int) -> str:
-    return f"{n / 2**20:.2f} MiB"
-
-
-def _ms(value: float | None) -> str:
-    return "-" if value is None else f"{value:.1f}"
-
-
-def _stats_table(stats: dict) -> Table:
-    table = Table("stat", "value", title="KV cache")
-    for key, value in stats.items():
-        if key == "kv_tokens_per_layer":
-            value = f"{min(value)}..{max(value)} (per KV head, {len(value)} layers)"
-        elif key.startswith("kv_bytes"):
-            value = f"{value} ({_mib(value)})"
-        elif isinstance(value, float):
-            value = f"{value:.4g}"
-        table.add_row(key, str(value))
-    return table
 
 
 def method_flag_owners() -> dict[str, list[tuple[str, FieldSpec]]]:
@@ -252,7 +231,7 @@ def _cmd_generate(args: argparse.Namespace, console: Console) -> int:
         print(json.dumps({"text": result.text, **result.stats}))
     else:
         console.print(result.text)
-        console.print(_stats_table(result.stats))
+        console.print(report.stats_table(result.stats))
     return 0
 
 
@@ -265,25 +244,13 @@ def _cmd_compress(args: argparse.Namespace, console: Console) -> int:
         result = compress(model, tokenizer, prompt if args.raw else [{"role": "user", "content": prompt}],
                           method=method)
         result.save(args.out)
-    stats = result.stats
-    console.print(
-        f"wrote {args.out}: {Path(args.out).stat().st_size / 2**20:.2f} MiB for {stats['prompt_tokens']} prompt tokens "
-        f"({stats['device_bytes'] / 2**20:.2f} MiB on the device, {stats['offloaded_bytes'] / 2**20:.2f} MiB "
-        f"offloaded; compressed in {stats['compress_s']:.1f} s); ask with: kvcompress generate --past {args.out} "
-        "--prompt QUESTION",
-        soft_wrap=True)
+    console.print(report.compressed(args.out, Path(args.out).stat().st_size, result.stats), soft_wrap=True)
     return 0
 
 
 def _cmd_methods(args: argparse.Namespace, console: Console) -> int:
-    for name, cls in METHODS.items():
-        summary = " ".join((cls.__doc__ or "").strip().split("\n\n")[0].split()).replace("``", "")
-        table = Table("flag", "default", "valid", "what it sets", title=f"{name}: {summary}", title_justify="left")
-        defaults = cls().settings()
-        for spec in field_specs(cls):
-            default = defaults.get(spec.name)
-            table.add_row(spec.flag, "-" if default is None else str(default), spec.valid(), spec.help)
-        console.print(table if table.rows else f"{name}: {summary} (no settings)")
+    for shown in report.methods():
+        console.print(shown)
     return 0
 
 
@@ -303,11 +270,7 @@ def _cmd_observe(args: argparse.Namespace, console: Console) -> int:
         settings.tokens = args.tokens
     model, tokenizer = load_model(args.model)
     written = observe.write_report(observe.observe(model, tokenizer, settings), args.out)
-    results = json.loads(target.read_text())
-    table = Table("measurement", "this model", "the paper", title=f"observations ({settings.tokens}-token document)")
-    for row in observe.summary(results):
-        table.add_row(*row)
-    console.print(table)
+    console.print(report.observations(observe.summary(json.loads(target.read_text())), settings.tokens))
     console.print(f"wrote {', '.join(written)} to {args.out}", soft_wrap=True)
     return 0
 
@@ -327,19 +290,8 @@ def _cmd_demo(args: argparse.Namespace, console: Console) -> int:
             model, tokenizer, methods, target_tokens=args.tokens, depth=args.depth,
             on_start=lambda m: status.update(f"running {m.describe()} ({methods.index(m) + 1}/{len(methods)})")
         )
-    table = Table("method", "answer ends", "correct", "KV/head", "KV kept", "of full", "on device", "prefill s",
-                  "ms/token", title="kvcompress demo")
-    for row in rows:
-        s = row.stats
-        table.add_row(
-            row.label, row.answer[-24:], "yes" if row.correct else "no", str(max(s["kv_tokens_per_layer"])),
-            _mib(s["kv_bytes_kept"]), f"{100 * s['kv_kept_fraction']:.1f}%", _mib(s["device_bytes"]),
-            f"{s['prefill_s']:.2f}", _ms(s["decode_ms_per_token"])
-        )
-    console.print(table)
-    console.print(
-        f"prompt: {rows[0].stats['prompt_tokens']} tokens; full KV cache {_mib(rows[0].stats['kv_bytes_full'])}; on "
-        "device: kept tokens plus room for the tokens to generate and each method's index")
+    for shown in report.demo(rows):
+        console.print(shown)
     if args.json:
         Path(args.json).write_text(json.dumps([vars(r) for r in rows], indent=2))
     return 0
@@ -382,12 +334,6 @@ def _with_flags(preset: dict, args: argparse.Namespace, flags: tuple[str, ...]) 
     return settings
 
 
-def _fmt(value: object) -> str:
-    if value is None:
-        return "-"
-    return f"{value:.3f}" if isinstance(value, float) else str(value)
-
-
 def _cmd_bench_accuracy(args: argparse.Namespace, console: Console) -> int:
     preset = _with_flags(ACCURACY_PRESETS[args.preset or "quick"], args,
                          ("tasks", "methods", "budgets", "lengths", "depths", "samples"))
@@ -404,13 +350,7 @@ def _cmd_bench_accuracy(args: argparse.Namespace, console: Console) -> int:
                                  preset["lengths"], out, depths=preset["depths"], samples=preset["samples"],
                                  seed=args.seed, dataset=dataset, haystack=args.haystack,
                                  question_agnostic=args.question_agnostic)
-    table = Table("task", "method", "budget", "n", "score", "retained", "top-1 agr.", "KL", "KV kept", "device",
-                  title="accuracy summary")
-    for row in rows:
-        table.add_row(row["task"], row["label"], _fmt(row["budget"]), str(row["samples"]), _fmt(row["score"]),
-                      _fmt(row["retained"]), _fmt(row["top1_agreement"]), _fmt(row["kl"]),
-                      f"{row['kv_kept_fraction']:.1%}", f"{row['device_fraction']:.1%}")
-    console.print(table)
+    console.print(report.accuracy(rows))
     console.print(f"wrote {out}/{', '.join(written)}", soft_wrap=True)
     return 0
 
@@ -432,37 +372,11 @@ def _cmd_bench_headline(args: argparse.Namespace, console: Console) -> int:
     flags = ("model", "methods", "lengths", "batches", "steps", "warmup")
     settings = _with_flags(HEADLINE_PRESETS[args.preset], args, flags)
     model = _bench_model(settings["model"], args.dtype, console)
-    report = run_headline(model, settings["methods"], settings["lengths"], settings["batches"], args.out,
-                          steps=settings["steps"], warmup=settings["warmup"], model_name=settings["model"],
-                          compile=args.compile)
-    info = report["machine"]
-    console.print(
-        f"{settings['model']} ({report['dtype']}) on {info.get('gpu', info['device'])}, torch {info['torch']}, "
-        f"transformers {info['transformers']}, {info['cpu_threads']} threads")
-    for row in report["reference"]:
-        if row["status"] == "ok":
-            console.print(
-                f"{row['method']}: {row['prompt_tokens']} tokens x {row['batch']}: first token {row['ttft_s']:.2f} s, "
-                f"{row['decode_ms_per_token']:.1f} ms/token, KV {_mib(row['kv_device_bytes'])}")
-    table = Table("method", "prompt", "batch", "TTFT s", "TTFT ratio", "ms/token", "transformers", "speedup", "ceiling",
-                  "KV MiB", "memory", "peak",
-                  title="against transformers' generate" + (" (compiled decoding)" if args.compile else ""))
-    for r in report["rows"]:
-        if r["status"] != "ok":
-            table.add_row(r["method"], str(r["prompt_tokens"]), str(r["batch"]), r["status"], *["-"] * 8)
-            continue
-        table.add_row(r["method"], str(r["prompt_tokens"]), str(r["batch"]), f"{r['ttft_s']:.2f}",
-                      f"{r['ttft_vs_transformers']:.2f}x", f"{r['decode_ms_per_token']:.1f}",
-                      f"{r['transformers_ms_per_token']:.1f}", f"{r['decode_speedup']:.2f}x",
-                      _fmt(r["ceiling_speedup"] and f"{r['ceiling_speedup']:.2f}x"),
-                      f"{r['kv_device_bytes'] / 2**20:.1f}", f"{r['memory_ratio']:.1f}x", f"{r['peak_ratio']:.2f}x")
-    console.print(table)
-    paper = report["paper"]
-    console.print(
-        f"the paper: {paper['decode_speedup']}x decoding and {paper['memory_ratio']}x memory at "
-        f"{paper['prompt_tokens']} tokens, batch {paper['batch']} ({paper['source']}); ceiling: transformers' step "
-        "over the weights-only step")
-    console.print(f"wrote {args.out}/headline.json, headline.png, speed.json", soft_wrap=True)
+    results = run_headline(model, settings["methods"], settings["lengths"], settings["batches"], args.out,
+                           steps=settings["steps"], warmup=settings["warmup"], model_name=settings["model"],
+                           compile=args.compile)
+    for shown in report.headline(settings["model"], results, args.compile, args.out):
+        console.print(shown, soft_wrap=isinstance(shown, str))
     return 0
 
 
@@ -470,51 +384,15 @@ def _cmd_bench_speed(args: argparse.Namespace, console: Console) -> int:
     settings = _with_flags(SPEED_PRESETS[args.preset or "quick"], args,
                            ("model", "methods", "lengths", "batches", "budget", "steps", "warmup"))
     model = _bench_model(settings["model"], args.dtype, console)
-    report = run_speed(
+    results = run_speed(
         model, settings["methods"], settings["lengths"], settings["batches"], args.out, budget=settings["budget"],
         steps=settings["steps"], warmup=settings["warmup"], find_max_context=args.find_max_context,
         find_max_batch=args.find_max_batch, max_memory=int(args.max_memory * 2**30) if args.max_memory else None,
         model_name=settings["model"], search_step=args.search_step, batch_limit=args.batch_limit, compile=args.compile,
         prefill_tokens=None if args.prefill_tokens == 0 else args.prefill_tokens, replicate=args.replicate
     )
-    info = report["machine"]
-    console.print(
-        f"{settings['model']} ({report['dtype']}, weights {_mib(report['weight_bytes'])}) "
-        f"on {info.get('gpu', info['device'])}, torch {info['torch']}, transformers {info['transformers']}, "
-        f"{info['cpu_threads']} threads; measured copy bandwidth {report['device_bandwidth'] / 1e9:.1f} GB/s")
-    compiled = " (compiled decoding)" if args.compile else ""
-    table = Table("method", "prompt", "batch", "prefill s", "compress", "ms/token", "bound ms", "tokens/s",
-                  "KV dev MiB", "offload MiB", "peak MiB", "GB/s read", "of copy bw", "ops/step",
-                  title="speed" + compiled)
-    for r in report["rows"]:
-        if r["status"] != "ok":
-            table.add_row(r["method"], str(r["prompt_tokens"]), str(r["batch"]), r["status"], *["-"] * 10)
-            continue
-        table.add_row(r["method"], str(r["prompt_tokens"]), str(r["batch"]), f"{r['prefill_s']:.2f}",
-                      f"{r['compress_share']:.1%}", f"{r['decode_ms_per_token']:.1f}", f"{r['bound_ms_per_token']:.1f}",
-                      f"{r['tokens_per_s']:.1f}", f"{r['kv_device_bytes'] / 2**20:.1f}",
-                      f"{r['offloaded_bytes'] / 2**20:.1f}", f"{r['peak_bytes'] / 2**20:.0f}",
-                      f"{r['achieved_bandwidth'] / 1e9:.1f}", f"{r['bandwidth_fraction']:.0%}",
-                      f"{r['ops_per_step']} ({r['ops_vs_transformers']:.2f}x)")
-    console.print(table)
-    for slope in report.get("peak_slopes", []):
-        console.print(
-            f"{slope['method']} x {slope['batch']}: the peak grows {slope['bytes_per_token'] / 1024:.2f} KiB per "
-            f"prompt token ({slope['hidden_vectors_per_token']:.2f} hidden-sized vectors) from {slope['from_tokens']} "
-            f"to {slope['to_tokens']} tokens"
-        )
-    for r in report["rows"]:
-        if "fetch_hidden" in r:
-            share = r["fetch_hidden"]
-            hidden = "no side stream here" if share is None else format(share, ".0%") + " of the fetch hidden"
-            console.print(
-                f"{r['method']} {r['prompt_tokens']} x {r['batch']}: one layer's store read {r['layer_fetch_ms']:.3f} "
-                f"ms ({r['value_fetch']}), the work overlapped with it {r['layer_work_ms']:.3f} ms, both "
-                f"{r['layer_fetch_and_work_ms']:.3f} ms: {hidden}; chunk hit rate {_fmt(r['chunk_hit_rate'])}")
-    for limit in report.get("limits", []):
-        console.print(f"{limit['method']}: {limit['kind']} = {limit['value']} ({len(limit['tried'])} runs tried)")
-    console.print(f"wrote {args.out}/speed.json, speed.csv, decode_latency.png, throughput.png, peak_memory.png",
-                  soft_wrap=True)
+    for shown in report.speed(settings["model"], results, args.compile, args.out):
+        console.print(shown, soft_wrap=isinstance(shown, str))
     return 0
 
 
