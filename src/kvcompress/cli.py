@@ -1,4 +1,5 @@
-"""The ``kvcompress`` command line: a thin layer over the library.
+"""The ``kvcompress`` command line: it parses, checks the flags and outputs before any work, calls the library, and
+prints what bench/report.py builds of the results; a library error is shown in the flags' words.
 
     kvcompress generate --method snapkv --budget 1024 --prompt "..." [--json]
     kvcompress compress --prompt-file doc.txt --out doc.kvc

@@ -1,7 +1,8 @@
 """The cache: a transformers ``Cache`` whose layers hold storage and apply a method's policy.
 
-It owns ``KVCompressCache`` (``kv_cache``), its layers split by role (``layer``: transformers' layer contract as
-a thin adapter over ``lifecycle``, the prompt's way from prefill to compression, and ``policy``, what a method's
-layer overrides; ``window``: a sliding-window layer), what a layer holds while its prompt comes in (``intake``)
-and a prompt's word spans (``tokens``). It knows no method and no model: it may import storage only.
+It owns ``KVCompressCache`` (``kv_cache``), its layers (``layer``: ``KVLayer``, transformers' layer contract with
+``update`` and ``commit`` dispatched on the layer's ``phase``; ``WindowLayer`` for sliding-window layers), the ways a
+prompt comes in (``intake``), what a layer holds beside its storage, declared once (``held``), a prompt's word spans
+(``tokens``) and its two errors (``errors``). It knows no method and no model: it may import storage only (and
+transformers' cache classes, which its layers and cache subclass).
 """
