@@ -4,8 +4,8 @@ A layer is composed of three things: its storage (``slots``, a ``storage.slots.S
 knowing no method), the way its prompt is coming in (``intake``, intake.py) and its phase (phase.py). Its method's
 policy is what a method's layer class overrides (``compress``, ``attend``, ``after_step``, ``observe``, ...), with an
 uncompressed layer's defaults here, as transformers' cache layers are a few abstract methods. What it holds beside
-its storage is declared once per class (``HOLDS``, held.py), and saving, loading, batch operations, joining groups
-and moving derive from that declaration.
+its storage is declared once, in the class body (``hold``, held.py), and saving, loading, batch operations, joining
+groups and moving derive from that declaration.
 
 transformers calls ``update`` (a step's keys and values) and the attention function then calls ``commit``; both
 dispatch once on the phase. ``get_seq_length`` is the *logical* length (prompt + appended tokens, padding included),
@@ -89,7 +89,7 @@ class KVLayer(DynamicLayer):
     compress_s: float = hold(join=sum, default=0.0)
     queries: torch.Tensor | None = hold(rows=True, counted=True)  # a record's last prefill queries (a stored context)
     query_scaling: float | None = hold()
-    batch_lengths: torch.Tensor | None = hold(saved=False, join=lambda values: None)  # a batch group: every row's
+    batch_lengths: torch.Tensor | None = hold(saved=False, join=lambda v: None)  # a batch group: all rows' lengths
     sinks: torch.Tensor | None = hold(saved=False)  # [q_heads]: learned sink logits (gpt-oss), set by make_cache
     LAYOUTS: ClassVar[tuple[type[Slots], ...]] = ()  # storage a subclass may swap its slots for (saved under NAME)
 
@@ -117,7 +117,7 @@ class KVLayer(DynamicLayer):
         self.device: torch.device | None = None
         self.record_window: int | None | bool = False  # the last prefill queries to record (False: none; None: all)
         self.observes = False  # compression waits for an observation pass (KVCompressCache.observe_first)
-        held.reset(self)  # every declared attribute (HOLDS) at its default
+        held.reset(self)  # every attribute the class declares (hold) at its default
 
     # --- transformers' layer contract -----------------------------------------------------------------------
 
@@ -125,8 +125,8 @@ class KVLayer(DynamicLayer):
         self.dtype, self.device = key_states.dtype, key_states.device
         self.is_initialized = True
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args,
-               **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor,
+               *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         _check_step(self, key_states)
         if self.phase in _STEPS:
             if not torch.compiler.is_compiling():  # a compiled step's loop reserved the room before it
