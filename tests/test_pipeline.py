@@ -114,3 +114,15 @@ def test_misuse_across_model_instances_is_a_named_error_that_loses_nothing():
             other(**ids, **{CACHE: cache})
     assert _answer(model, tok, result) == before  # the refused calls wrote nothing
     assert fresh.get_seq_length() == 0 and all(layer.phase is Phase.EMPTY for layer in fresh.layers)
+
+
+def test_the_budget_is_one_function_of_the_methods_fields_and_the_layers_share():
+    """kept_tokens: budget or ceil(ratio * length), never under the reserved tokens (SnapKV's window), a layer's
+    pyramid share of the budget or global share of each row's count beyond them, capped by each row's length."""
+    lengths = torch.tensor([100, 1000, 5])
+    assert kvc.SnapKV(ratio=0.01, window=8).kept_tokens(lengths).tolist() == [8, 10, 5]
+    assert kvc.SnapKV(budget=64, window=8).kept_tokens(lengths).tolist() == [64, 64, 5]
+    assert kvc.SnapKV(budget=64, window=8).kept_tokens(lengths, 0.5).tolist() == [8 + 28, 8 + 28, 5]  # pyramid
+    shares = torch.tensor([2.0, 0.5, 1.0], dtype=torch.float64)  # global: of each row's own count
+    assert kvc.SnapKV(budget=64, window=8).kept_tokens(lengths, shares).tolist() == [100, 8 + 28, 5]
+    assert kvc.StreamingLLM(ratio=0.001, sinks=4).kept_tokens(torch.tensor([900])).tolist() == [4]
