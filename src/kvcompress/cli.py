@@ -674,13 +674,13 @@ def _version() -> str:
     return f"kvcompress {versions['kvcompress']} (torch {versions['torch']}, transformers {versions['transformers']})"
 
 
-def _flags(parser: argparse.ArgumentParser) -> dict[str, str]:
+def flag_names(parser: argparse.ArgumentParser) -> dict[str, str]:
     """Every option's name in the library (its destination) and its flag, over the parser and its subcommands."""
     flags: dict[str, str] = {}
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
             for child in action.choices.values():
-                flags.update(_flags(child))
+                flags.update(flag_names(child))
         elif action.option_strings and action.dest not in ("help", "version"):
             flags.setdefault(action.dest, max(action.option_strings, key=len))
     return flags
@@ -741,7 +741,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.run(args, console)
     except USER_ERRORS as err:
-        print(f"kvcompress: error: {in_flag_words(err, _flags(parser))}", file=sys.stderr)
+        print(f"kvcompress: error: {in_flag_words(err, flag_names(parser))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         said = getattr(args, "interrupted", None)
