@@ -51,12 +51,17 @@ def hold(saved: bool = True, rows: bool = False, counted: bool = False, index: b
     return Held(saved, rows, counted or index, index, ragged, kind, join, default)
 
 
+_DECLARED: dict[type, dict[str, Held]] = {}  # per class, read once: beam search reorders a layer's rows every step
+
+
 def declared(cls: type) -> dict[str, Held]:
-    """Every attribute ``cls`` and its bases declare (``hold``), the bases' first, each in its order."""
-    merged: dict[str, Held] = {}
-    for klass in reversed(cls.__mro__):
-        merged.update((name, value) for name, value in vars(klass).items() if isinstance(value, Held))
-    return merged
+    """Every attribute ``cls`` and its bases declare (``hold``), the bases' first, each in its order (read-only)."""
+    if cls not in _DECLARED:
+        merged: dict[str, Held] = {}
+        for klass in reversed(cls.__mro__):
+            merged.update((name, value) for name, value in vars(klass).items() if isinstance(value, Held))
+        _DECLARED[cls] = merged
+    return _DECLARED[cls]
 
 
 def reset(layer: Any) -> None:
