@@ -41,8 +41,10 @@ from kvcompress.integrations.transformers.models import default_model_dir
 from kvcompress.serving import settings as serving
 
 SETTINGS = {
-    "full": {"method": "full"}, "snapkv 256": {"method": "snapkv", "budget": 256},
-    "snapkv 512": {"method": "snapkv", "budget": 512}, "streamingllm 512": {"method": "streamingllm", "budget": 512}
+    "full": {"method": "full"},
+    "snapkv 256": {"method": "snapkv", "budget": 256},
+    "snapkv 512": {"method": "snapkv", "budget": 512},
+    "streamingllm 512": {"method": "streamingllm", "budget": 512},
 }
 DEFAULT_SETTINGS = "full,snapkv 256,snapkv 512"
 BLOCK = 32

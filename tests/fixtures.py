@@ -59,9 +59,18 @@ def bpe_tokenizer() -> PreTrainedTokenizerFast:
 def tiny_model(arch: str = "llama", seed: int = 0, **overrides) -> torch.nn.Module:
     """A 2-layer GQA model (4 query heads, 2 KV heads, head_dim 16) with random weights."""
     params = dict(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, initializer_range=0.2, bos_token_id=1,
-        eos_token_id=2, pad_token_id=0
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=1024,
+        initializer_range=0.2,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
     )
     if arch == "mistral":
         params["sliding_window"] = None
@@ -76,17 +85,22 @@ def tiny_model(arch: str = "llama", seed: int = 0, **overrides) -> torch.nn.Modu
 # mixtures of experts, interleaved rotary (GLM-4, Cohere), layers without RoPE (SmolLM3), and
 # learned attention sinks (gpt-oss).
 FAMILIES = {
-    "llama": dict(model_type="llama"), "mistral": dict(model_type="mistral", sliding_window=None),
-    "mistral-sliding": dict(model_type="mistral", sliding_window=16), "qwen2": dict(model_type="qwen2"),
+    "llama": dict(model_type="llama"),
+    "mistral": dict(model_type="mistral", sliding_window=None),
+    "mistral-sliding": dict(model_type="mistral", sliding_window=16),
+    "qwen2": dict(model_type="qwen2"),
     "qwen2-sliding": dict(model_type="qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=1),
     "qwen3": dict(model_type="qwen3"), "gemma2": dict(model_type="gemma2", sliding_window=16, query_pre_attn_scalar=16),
     "gemma3": dict(model_type="gemma3_text", sliding_window=16, query_pre_attn_scalar=16, sliding_window_pattern=2),
     "phi3-partial-rotary": dict(model_type="phi3", partial_rotary_factor=0.5),
     "gpt2-no-rope": dict(model_type="gpt2", n_layer=2, n_head=4, n_embd=64, n_positions=1024),
     "qwen3-moe": dict(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
-    "olmo2": dict(model_type="olmo2"), "granite": dict(model_type="granite"), "glm4": dict(model_type="glm4"),
-    "smollm3": dict(model_type="smollm3"), "cohere": dict(model_type="cohere"),
-    "gpt-oss": dict(model_type="gpt_oss", num_local_experts=4, num_experts_per_tok=2, sliding_window=16)
+    "olmo2": dict(model_type="olmo2"),
+    "granite": dict(model_type="granite"),
+    "glm4": dict(model_type="glm4"),
+    "smollm3": dict(model_type="smollm3"),
+    "cohere": dict(model_type="cohere"),
+    "gpt-oss": dict(model_type="gpt_oss", num_local_experts=4, num_experts_per_tok=2, sliding_window=16),
 }
 
 

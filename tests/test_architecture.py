@@ -66,8 +66,14 @@ def test_the_module_graph_has_no_cycle():
 # The layers, bottom up: a module may import its own layer and those below it, never one above. The front (the
 # package's face, the command line, the demo) is everything else. Each layer's __init__ says what it owns.
 LAYERS = [
-    "kvcompress.storage", "kvcompress.cache", "kvcompress.io", "kvcompress.integrations.transformers",
-    "kvcompress.methods", "kvcompress.generation", "kvcompress.serving", "kvcompress.bench"
+    "kvcompress.storage",
+    "kvcompress.cache",
+    "kvcompress.io",
+    "kvcompress.integrations.transformers",
+    "kvcompress.methods",
+    "kvcompress.generation",
+    "kvcompress.serving",
+    "kvcompress.bench",
 ]
 
 

@@ -128,8 +128,9 @@ def test_loki_with_a_calibration_file(tmp_path):
         (lambda: kvc.H2O(budget=8, recent=8), r"H2O: budget=8 must be greater than recent=8"),
         (lambda: kvc.H2O(block=0), r"block=0 is invalid"),
         (lambda: kvc.Quest(budget=8, page_size=16), r"budget=8 is smaller than one page \(page_size=16\)"),
-        (lambda: kvc.Quest(page_size=0), r"page_size=0 is invalid"), (lambda: kvc.Loki(dim=0), r"dim=0 is invalid"),
-        (lambda: kvc.Loki(dim=17).make_cache(tiny_model()), r"Loki: dim=17 exceeds head_dim=16; valid: 1 to 16")
+        (lambda: kvc.Quest(page_size=0), r"page_size=0 is invalid"),
+        (lambda: kvc.Loki(dim=0), r"dim=0 is invalid"),
+        (lambda: kvc.Loki(dim=17).make_cache(tiny_model()), r"Loki: dim=17 exceeds head_dim=16; valid: 1 to 16"),
     ],
 )
 def test_bad_parameters(make, expected):

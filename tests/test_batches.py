@@ -11,11 +11,20 @@ from .fixtures import char_tokenizer, random_text, tiny_model
 
 # Budgets small enough for the tiny model's prompts; every other setting at its default.
 METHODS = [
-    kvc.FullKV(), kvc.SnapKV(budget=64), kvc.SnapKV(budget=64, heads="adaptive", layers="pyramid"),
-    kvc.StreamingLLM(budget=48), kvc.H2O(budget=64), kvc.H2O(budget=64, evict_during_decoding=True),
-    kvc.H2O(budget=64, heads="adaptive"), kvc.ShadowKV(budget=32), kvc.Quest(budget=64),
-    kvc.Quest(budget=64, offload=True), kvc.Loki(budget=64), kvc.KVzip(budget=64, chunk=100),
-    kvc.KVzip(budget=64, layers="global"), kvc.ExpectedAttention(budget=64)
+    kvc.FullKV(),
+    kvc.SnapKV(budget=64),
+    kvc.SnapKV(budget=64, heads="adaptive", layers="pyramid"),
+    kvc.StreamingLLM(budget=48),
+    kvc.H2O(budget=64),
+    kvc.H2O(budget=64, evict_during_decoding=True),
+    kvc.H2O(budget=64, heads="adaptive"),
+    kvc.ShadowKV(budget=32),
+    kvc.Quest(budget=64),
+    kvc.Quest(budget=64, offload=True),
+    kvc.Loki(budget=64),
+    kvc.KVzip(budget=64, chunk=100),
+    kvc.KVzip(budget=64, layers="global"),
+    kvc.ExpectedAttention(budget=64),
 ]
 # 12 tokens: under every budget, one Quest page and ShadowKV's local chunks; 150 and 420: compressed.
 LENGTHS = (11, 149, 419)

@@ -25,10 +25,16 @@ QUESTIONS = ("What is the first word?", "1 or 2?",
 
 # Every method that compresses a prompt at its end (or selects from it while decoding), at a budget under the prompt.
 PER_QUESTION = [
-    kvc.SnapKV(budget=48, window=8), kvc.SnapKV(budget=48, window=8, clustering="pool"),
-    kvc.SnapKV(budget=48, window=8, heads="adaptive"), kvc.SnapKV(budget=64, window=8, layers="pyramid"),
-    kvc.H2O(budget=48), kvc.StreamingLLM(budget=48), kvc.ExpectedAttention(budget=48), kvc.ShadowKV(budget=48),
-    kvc.Quest(budget=48), kvc.Loki(budget=48)
+    kvc.SnapKV(budget=48, window=8),
+    kvc.SnapKV(budget=48, window=8, clustering="pool"),
+    kvc.SnapKV(budget=48, window=8, heads="adaptive"),
+    kvc.SnapKV(budget=64, window=8, layers="pyramid"),
+    kvc.H2O(budget=48),
+    kvc.StreamingLLM(budget=48),
+    kvc.ExpectedAttention(budget=48),
+    kvc.ShadowKV(budget=48),
+    kvc.Quest(budget=48),
+    kvc.Loki(budget=48),
 ]
 
 

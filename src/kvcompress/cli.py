@@ -288,8 +288,12 @@ def _cmd_demo(args: argparse.Namespace, console: Console) -> int:
     )
     with console.status("") as status:
         rows = demo.run_demo(
-            model, tokenizer, methods, target_tokens=args.tokens, depth=args.depth,
-            on_start=lambda m: status.update(f"running {m.describe()} ({methods.index(m) + 1}/{len(methods)})")
+            model,
+            tokenizer,
+            methods,
+            target_tokens=args.tokens,
+            depth=args.depth,
+            on_start=lambda m: status.update(f"running {m.describe()} ({methods.index(m) + 1}/{len(methods)})"),
         )
     for shown in report.demo(rows):
         console.print(shown)

@@ -45,8 +45,13 @@ def demo_methods(budget: int) -> list[Method]:
 
 
 def run_demo(
-    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, methods: list[Method], target_tokens: int = 2000,
-    depth: float = 0.5, max_new_tokens: int = 32, on_start=None
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    methods: list[Method],
+    target_tokens: int = 2000,
+    depth: float = 0.5,
+    max_new_tokens: int = 32,
+    on_start=None,
 ) -> list[DemoRow]:
     """Ask the buried-fact question with each method; ``on_start(method)`` is called before each."""
     document = build_document(tokenizer, target_tokens, depth)

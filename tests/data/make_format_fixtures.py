@@ -19,8 +19,10 @@ HERE = Path(__file__).parent
 QUESTION = "which word?"
 # name: (model family, method spec, tokens generated before saving: 0 saves the compressed context alone)
 CASES = {
-    "dense": ("llama", "snapkv:budget=24:window=8", 0), "dense-continued": ("llama", "snapkv:budget=24:window=8", 5),
-    "ring": ("mistral-sliding", "full", 4), "packed": ("llama", "snapkv:budget=24:window=8:heads=adaptive", 0),
+    "dense": ("llama", "snapkv:budget=24:window=8", 0),
+    "dense-continued": ("llama", "snapkv:budget=24:window=8", 5),
+    "ring": ("mistral-sliding", "full", 4),
+    "packed": ("llama", "snapkv:budget=24:window=8:heads=adaptive", 0),
     "packed-global": ("llama", "kvzip:budget=24:chunk=40", 0),
     "scores": ("llama", "h2o:budget=24:evict_during_decoding=true", 3),
     "chunks": ("llama", "shadowkv:budget=16:chunk=4:rank=4:local_chunks=1:outliers=1", 0),

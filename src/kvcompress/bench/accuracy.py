@@ -36,18 +36,28 @@ from .tasks import DEPTH_GRID_TASKS, HAYSTACK_TASKS, TASKS, Sample, Turn
 PRESETS: dict[str, dict] = {
     "quick": {
         "tasks": ["niah", "passkey", "lines", "niah_multikey", "vt", "multiturn"],
-        "methods": ["full", "snapkv", "streamingllm", "shadowkv"], "budgets": [128, 256], "lengths": [1000, 2000],
-        "depths": [0.1, 0.5, 0.9], "samples": 1
+        "methods": ["full", "snapkv", "streamingllm", "shadowkv"],
+        "budgets": [128, 256],
+        "lengths": [1000, 2000],
+        "depths": [0.1, 0.5, 0.9],
+        "samples": 1,
     },
     # The needle set: a plain fact in prose, a pass key in filler, and questions over several turns.
     "needles": {
-        "tasks": ["fact", "passkey", "multiturn"], "methods": ["full", "snapkv", "shadowkv"], "budgets": [256],
-        "lengths": [2000, 4000], "depths": [0.1, 0.3, 0.5, 0.7, 0.9], "samples": 1
+        "tasks": ["fact", "passkey", "multiturn"],
+        "methods": ["full", "snapkv", "shadowkv"],
+        "budgets": [256],
+        "lengths": [2000, 4000],
+        "depths": [0.1, 0.3, 0.5, 0.7, 0.9],
+        "samples": 1,
     },
     "full": {
-        "tasks": list(TASKS), "methods": ["full", "snapkv", "streamingllm", "shadowkv"],
-        "budgets": [128, 256, 512, 1024], "lengths": [1000, 2000, 4000, 8000], "depths": [0.0, 0.25, 0.5, 0.75, 1.0],
-        "samples": 3
+        "tasks": list(TASKS),
+        "methods": ["full", "snapkv", "streamingllm", "shadowkv"],
+        "budgets": [128, 256, 512, 1024],
+        "lengths": [1000, 2000, 4000, 8000],
+        "depths": [0.0, 0.25, 0.5, 0.75, 1.0],
+        "samples": 3,
     },
 }
 
@@ -298,10 +308,21 @@ def write_summary(rows: list[dict], path: str | Path) -> None:
 
 
 def run_accuracy(
-    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, tasks: list[str], methods: list[str],
-    budgets: list[int], lengths: list[int], out_dir: str | Path, depths: list[float] = (0.1, 0.5, 0.9),
-    samples: int = 1, seed: int = 0, dataset: list[Sample] | None = None, haystack: str | None = None,
-    progress: bool = True, plots: bool = True, question_agnostic: bool = False
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    tasks: list[str],
+    methods: list[str],
+    budgets: list[int],
+    lengths: list[int],
+    out_dir: str | Path,
+    depths: list[float] = (0.1, 0.5, 0.9),
+    samples: int = 1,
+    seed: int = 0,
+    dataset: list[Sample] | None = None,
+    haystack: str | None = None,
+    progress: bool = True,
+    plots: bool = True,
+    question_agnostic: bool = False,
 ) -> tuple[list[dict], list[str]]:
     """Build the samples, run the matrix (resuming; ``question_agnostic``: that track, see the module
     docstring), write ``summary.csv`` and plots; return the summary rows and the names of the files

@@ -188,8 +188,10 @@ def fetch_overlap_times(layer: KVLayer, timer: Timer, repeats: int = 10) -> dict
 
     fetch, work, both = median_ms(probe.fetch), median_ms(probe.work), median_ms(probe.both)
     return {
-        "layer_fetch_ms": fetch, "layer_work_ms": work, "layer_fetch_and_work_ms": both,
-        "fetch_hidden": min(1.0, max(0.0, (fetch + work - both) / max(fetch, 1e-9))) if probe.concurrent else None
+        "layer_fetch_ms": fetch,
+        "layer_work_ms": work,
+        "layer_fetch_and_work_ms": both,
+        "fetch_hidden": min(1.0, max(0.0, (fetch + work - both) / max(fetch, 1e-9))) if probe.concurrent else None,
     }
 
 
@@ -274,13 +276,22 @@ def decode_figures(model: PreTrainedModel, stats: dict, times: list[float], pref
     decode_ms = statistics.median(times)
     read = weight_bytes(model) + stats["bytes_read_per_step"]
     return dict(
-        prefill_s=prefill_ms / 1000, compress_share=stats["compress_s"] / (prefill_ms / 1000),
-        decode_ms_per_token=decode_ms, tokens_per_s=batch * 1000 / decode_ms, kv_device_bytes=stats["device_bytes"],
-        kv_full_bytes=stats["kv_bytes_full"], offloaded_bytes=stats["offloaded_bytes"],
-        peak_bytes=_peak_bytes(model.device), held_bytes=weight_bytes(model) + stats["device_bytes"],
-        bytes_read_per_step=read, achieved_bandwidth=read / (decode_ms / 1000),
-        bandwidth_fraction=read / (decode_ms / 1000) / bandwidth, bound_ms_per_token=read / bandwidth * 1000,
-        ops_per_step=audit.total, host_reads_per_step=sum(audit.host_reads.values()), sdpa=attention.sdpa_choices()
+        prefill_s=prefill_ms / 1000,
+        compress_share=stats["compress_s"] / (prefill_ms / 1000),
+        decode_ms_per_token=decode_ms,
+        tokens_per_s=batch * 1000 / decode_ms,
+        kv_device_bytes=stats["device_bytes"],
+        kv_full_bytes=stats["kv_bytes_full"],
+        offloaded_bytes=stats["offloaded_bytes"],
+        peak_bytes=_peak_bytes(model.device),
+        held_bytes=weight_bytes(model) + stats["device_bytes"],
+        bytes_read_per_step=read,
+        achieved_bandwidth=read / (decode_ms / 1000),
+        bandwidth_fraction=read / (decode_ms / 1000) / bandwidth,
+        bound_ms_per_token=read / bandwidth * 1000,
+        ops_per_step=audit.total,
+        host_reads_per_step=sum(audit.host_reads.values()),
+        sdpa=attention.sdpa_choices(),
     )
 
 

@@ -83,7 +83,8 @@ class KVCompressCache(Cache):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """A layer's step, taken only within a call of the model this cache was made for (its input check ran)."""
-        if self.checked_call != self.model_id and self.model_id is not None and not torch.compiler.is_compiling():
+        # a compiled step reads no Python state here: its loop's model call was checked before it
+        if not torch.compiler.is_compiling() and self.model_id is not None and self.checked_call != self.model_id:
             raise CacheMisuseError(
                 "kvcompress: this cache was called by a model it was not made for (another model instance, or one "
                 "never prepared by method.make_cache(model)); make a cache for that model with "
@@ -211,15 +212,23 @@ class KVCompressCache(Cache):
         full, kept = totals["kv_bytes_full"], totals["kv_bytes_kept"]
         device = kept + totals["spare_bytes"] + totals["index_bytes"]
         return {
-            "method": self.method.describe(), "prompt_tokens": prompt[0] if len(prompt) == 1 else prompt,
+            "method": self.method.describe(),
+            "prompt_tokens": prompt[0] if len(prompt) == 1 else prompt,
             "new_tokens": first.seen_tokens - first.prefill_len,
-            "kv_tokens_per_layer": [s["kv_tokens"] for s in per_layer], "kv_bytes_full": full, "kv_bytes_kept": kept,
-            "kv_kept_fraction": kept / full if full else 1.0, "device_bytes": device,
-            "device_fraction": device / full if full else 1.0, "spare_bytes": totals["spare_bytes"],
-            "index_bytes": totals["index_bytes"], "offloaded_bytes": totals["offloaded_bytes"],
+            "kv_tokens_per_layer": [s["kv_tokens"] for s in per_layer],
+            "kv_bytes_full": full,
+            "kv_bytes_kept": kept,
+            "kv_kept_fraction": kept / full if full else 1.0,
+            "device_bytes": device,
+            "device_fraction": device / full if full else 1.0,
+            "spare_bytes": totals["spare_bytes"],
+            "index_bytes": totals["index_bytes"],
+            "offloaded_bytes": totals["offloaded_bytes"],
             "bytes_read_per_step": totals["bytes_read_per_step"],
-            "compress_s": self.observe_s + sum(layer.compress_s for layer in layers), **facts,
-            **self.method.summarize(totals), **self.timings
+            "compress_s": self.observe_s + sum(layer.compress_s for layer in layers),
+            **facts,
+            **self.method.summarize(totals),
+            **self.timings,
         }
 
 

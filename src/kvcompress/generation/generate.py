@@ -90,8 +90,12 @@ class _Feeder:
         self.mask = torch.cat([self.mask, real], dim=-1)
         self.position = self.position + real.sum(-1)
         out = self.model(
-            input_ids=ids, attention_mask=self.mask, position_ids=positions, **{self.cache.keyword: self.cache},
-            use_cache=True, logits_to_keep=0 if every_position else 1
+            input_ids=ids,
+            attention_mask=self.mask,
+            position_ids=positions,
+            **{self.cache.keyword: self.cache},
+            use_cache=True,
+            logits_to_keep=0 if every_position else 1,
         )
         return out.logits if every_position else out.logits[:, -1, :]
 
@@ -411,17 +415,28 @@ def _result(begin: _Start, feeder: _Feeder, decoded: Decoded, tokenizer: PreTrai
         stats.update(context_bytes=held["device_bytes"] + held["offloaded_bytes"],
                      context_on=str(begin.context.device_of()))
     return Result(
-        text=texts if begin.is_batch else texts[0], stats=stats, cache=cache, token_ids=generated, rows=begin.rows,
-        attention_mask=feeder.mask, next_position=feeder.position
+        text=texts if begin.is_batch else texts[0],
+        stats=stats,
+        cache=cache,
+        token_ids=generated,
+        rows=begin.rows,
+        attention_mask=feeder.mask,
+        next_position=feeder.position,
     )
 
 
 @torch.inference_mode()
 def generate(
-    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompt: Prompt | list[Prompt] | None = None,
-    method: Method | str | None = None, max_new_tokens: int = 64, question: str | list[str] | None = None,
-    past: Result | None = None, prefill: Prefill | None = None, compile: bool | Compile = False,
-    prefill_tokens: int | None = PREFILL_TOKENS
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompt: Prompt | list[Prompt] | None = None,
+    method: Method | str | None = None,
+    max_new_tokens: int = 64,
+    question: str | list[str] | None = None,
+    past: Result | None = None,
+    prefill: Prefill | None = None,
+    compile: bool | Compile = False,
+    prefill_tokens: int | None = PREFILL_TOKENS,
 ) -> Result:
     """Greedy generation with ``method`` (a method, or its name) applied to the prompt's KV cache.
 

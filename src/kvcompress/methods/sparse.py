@@ -278,8 +278,11 @@ class SparseDecodeLayer(KVLayer):
         stats["bytes_read_per_step"] += selected_bytes + counted_bytes(self, index_only=True)
         misses = self.lookups - (0 if self.store.reads_hits() else int(self.hits))
         stats.update(
-            sparse_layers=1, selected_tokens=self.step_count * self.unit, chunk_hits=int(self.hits),
-            chunk_lookups=self.lookups, fetched_bytes_per_step=misses * per_chunk / self.steps if self.steps else 0
+            sparse_layers=1,
+            selected_tokens=self.step_count * self.unit,
+            chunk_hits=int(self.hits),
+            chunk_lookups=self.lookups,
+            fetched_bytes_per_step=misses * per_chunk / self.steps if self.steps else 0,
         )
         return stats
 

@@ -56,9 +56,18 @@ def gather_chunks_triton(store: torch.Tensor, chunks: torch.Tensor, previous_chu
     out = torch.empty(batch, heads, k * chunk, dim, dtype=store.dtype, device=chunks.device)
     reuse = previous is not None
     _gather_chunks_kernel[(batch * heads, k)](
-        store, chunks.contiguous(), previous_chunks.contiguous() if reuse else chunks,
-        previous.contiguous() if reuse else out, hits if reuse else chunks, out, n_chunks, k, REUSE=reuse,
-        LOG_K=max(1, int(k).bit_length()), CHUNK_NUMEL=chunk * dim, BLOCK=triton.next_power_of_2(chunk * dim)
+        store,
+        chunks.contiguous(),
+        previous_chunks.contiguous() if reuse else chunks,
+        previous.contiguous() if reuse else out,
+        hits if reuse else chunks,
+        out,
+        n_chunks,
+        k,
+        REUSE=reuse,
+        LOG_K=max(1, int(k).bit_length()),
+        CHUNK_NUMEL=chunk * dim,
+        BLOCK=triton.next_power_of_2(chunk * dim),
     )
     return out
 
@@ -114,8 +123,21 @@ def rotated_keys_triton(factor_a: torch.Tensor, factor_b: torch.Tensor, chunks: 
     k = chunks.shape[-1]
     out = torch.empty(batch, heads, k * unit, dim, dtype=factor_a.dtype, device=chunks.device)
     _rotated_keys_kernel[(batch * heads, k)](
-        factor_a.contiguous(), factor_b.contiguous(), chunks.contiguous(), inv_freq.float().contiguous(), out, heads,
-        region, k, rank, float(scale), UNIT=unit, DIM=dim, HALF_ROT=inv_freq.shape[0],
-        BLOCK_U=max(16, triton.next_power_of_2(unit)), BLOCK_R=16, BLOCK_D=max(16, triton.next_power_of_2(dim))
+        factor_a.contiguous(),
+        factor_b.contiguous(),
+        chunks.contiguous(),
+        inv_freq.float().contiguous(),
+        out,
+        heads,
+        region,
+        k,
+        rank,
+        float(scale),
+        UNIT=unit,
+        DIM=dim,
+        HALF_ROT=inv_freq.shape[0],
+        BLOCK_U=max(16, triton.next_power_of_2(unit)),
+        BLOCK_R=16,
+        BLOCK_D=max(16, triton.next_power_of_2(dim)),
     )
     return out

@@ -285,9 +285,12 @@ class DenseSlots(Slots):
         per_token = 2 * batch * heads * dim * self.keys.element_size()
         held = nbytes(self.keys, self.values)
         return {
-            "kv_tokens": self.used, "kv_bytes_full": per_token * full_tokens, "kv_bytes_kept": per_token * self.used,
-            "spare_bytes": held - per_token * self.used, "index_bytes": nbytes(*self.index_tensors()),
-            "bytes_read_per_step": held
+            "kv_tokens": self.used,
+            "kv_bytes_full": per_token * full_tokens,
+            "kv_bytes_kept": per_token * self.used,
+            "spare_bytes": held - per_token * self.used,
+            "index_bytes": nbytes(*self.index_tensors()),
+            "bytes_read_per_step": held,
         }
 
     # --- batches and files ----------------------------------------------------------------------------

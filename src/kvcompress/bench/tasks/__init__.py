@@ -17,10 +17,20 @@ from .words import common_words, frequent_words
 Generator = Callable[[PreTrainedTokenizerBase, int, float, int], Sample]
 
 TASKS: dict[str, Generator] = {
-    "niah": niah, "fact": fact, "passkey": passkey, "lines": lines, "niah_single": niah_single,
-    "niah_multikey": niah_multikey, "niah_multivalue": niah_multivalue, "niah_multiquery": niah_multiquery,
-    "vt": variable_tracking, "cwe": common_words, "fwe": frequent_words, "multiturn": multiturn, "qa_1": qa_squad,
-    "qa_2": qa_hotpot
+    "niah": niah,
+    "fact": fact,
+    "passkey": passkey,
+    "lines": lines,
+    "niah_single": niah_single,
+    "niah_multikey": niah_multikey,
+    "niah_multivalue": niah_multivalue,
+    "niah_multiquery": niah_multiquery,
+    "vt": variable_tracking,
+    "cwe": common_words,
+    "fwe": frequent_words,
+    "multiturn": multiturn,
+    "qa_1": qa_squad,
+    "qa_2": qa_hotpot,
 }
 # Tasks swept over the depth grid (heatmaps); the others draw one depth per sample from the seed.
 DEPTH_GRID_TASKS = ("niah", "fact", "passkey", "lines")

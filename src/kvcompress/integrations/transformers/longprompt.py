@@ -233,9 +233,18 @@ def continued_mask(valid: torch.Tensor, q_len: int) -> LazyMask | None:
 
 
 def lazy_sdpa_mask(
-    batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
-    mask_function: Callable | None = None, attention_mask: torch.Tensor | None = None, local_size: int | None = None,
-    allow_is_causal_skip: bool = True, use_vmap: bool = False, device: torch.device | str = "cpu", **kwargs: Any
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    mask_function: Callable | None = None,
+    attention_mask: torch.Tensor | None = None,
+    local_size: int | None = None,
+    allow_is_causal_skip: bool = True,
+    use_vmap: bool = False,
+    device: torch.device | str = "cpu",
+    **kwargs: Any,
 ) -> torch.Tensor | LazyMask | None:
     """SDPA's mask builder, except that a mask of more than ``MASK_LIMIT`` elements comes back as a
     ``LazyMask`` (no mask at all where plain causal attention is right, as SDPA's builder does)."""

@@ -69,7 +69,10 @@ def fetch_default_model() -> Path:
 
 
 def load_model(
-    name: str | None = None, *, dtype: torch.dtype | str | None = None, device: str | torch.device | None = None
+    name: str | None = None,
+    *,
+    dtype: torch.dtype | str | None = None,
+    device: str | torch.device | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a causal LM and its tokenizer.
 
