@@ -74,7 +74,7 @@ def test_files_that_cannot_be_loaded_are_refused_by_name(tmp_path):
     for change, message in (({
             "version": 1, "written_by": "kvcompress 0.0.9"
     }, r"other.kvc is in kvcompress cache format version 1 \(written by kvcompress 0.0.9\); this kvcompress \S+ reads "
-                             r"version 2: compress the document again with this version"),
+                             r"versions 2 and 3: compress the document again with this version"),
                             ({"format": "other"},
                              r"other.kvc is not a kvcompress cache file \(its format is 'other'\)"),
                             ({"method": {"name": "nosuch", "fields": {}}},
@@ -86,6 +86,23 @@ def test_files_that_cannot_be_loaded_are_refused_by_name(tmp_path):
     (tmp_path / "cut.kvc").write_bytes(data[: len(data) // 2])
     with pytest.raises(kvc.CacheFileError, match=r"cut.kvc is not a whole kvcompress cache file"):
         kvc.load(tmp_path / "cut.kvc", model, tok)
+
+
+@pytest.mark.parametrize("spec", ["snapkv:budget=64", "full:kv_bits=4"])
+def test_bytes_changed_inside_a_files_tensors_are_refused_by_its_checksum(spec, tmp_path):
+    """As a new user damaged one: bytes flipped after the header (in the tensors) used to load and answer garbage."""
+    model, tok = tiny_model(), char_tokenizer()
+    path = tmp_path / "doc.kvc"
+    kvc.compress(model, tok, random_text(400, seed=5), method=kvc.method_from_spec(spec)).save(path)
+    data = bytearray(path.read_bytes())
+    body = 8 + int.from_bytes(data[:8], "little")  # safetensors: the header's length, the header, then the tensors
+    flips = min(20_000, (len(data) - body) // 2)
+    for offset in range(body, body + 2 * flips, 2):
+        data[offset] ^= 0x5A
+    (tmp_path / "flipped.kvc").write_bytes(bytes(data))
+    with pytest.raises(kvc.CacheFileError, match=r"^\S*flipped.kvc is damaged: its tensors do not match the checksum"):
+        kvc.load(tmp_path / "flipped.kvc", model, tok)
+    assert kvc.load(path, model, tok).cache.method == kvc.method_from_spec(spec)  # the whole file still loads
 
 
 def test_compress_then_ask_on_the_command_line(tmp_path, capsys):

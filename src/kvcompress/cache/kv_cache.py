@@ -32,6 +32,8 @@ class LayerFactory(Protocol):
 
     def describe(self) -> str: ...
 
+    def kv_codec(self) -> str | None: ...
+
     def needs_tokens(self) -> bool: ...
 
     def summarize(self, totals: dict[str, Any]) -> dict[str, Any]: ...
@@ -218,7 +220,8 @@ class KVCompressCache(Cache):
             "kv_tokens_per_layer": [s["kv_tokens"] for s in per_layer],
             "kv_bytes_full": full,
             "kv_bytes_kept": kept,
-            "kv_kept_fraction": kept / full if full else 1.0,
+            "kv_kept_fraction": kept / full if full else 1.0,  # bytes: a codec's tokens cost less
+            "tokens_kept_fraction": sum(s["kv_tokens"] for s in per_layer) / max(1, totals["kv_tokens_full"]),
             "device_bytes": device,
             "device_fraction": device / full if full else 1.0,
             "spare_bytes": totals["spare_bytes"],

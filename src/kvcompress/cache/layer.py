@@ -28,6 +28,7 @@ from typing import Any, ClassVar, NamedTuple, cast
 import torch
 from transformers.cache_utils import DynamicLayer
 
+from ..storage.codec import make_codec
 from ..storage.slots import DenseSlots, RingSlots, Slots
 from ..storage.tensors import prompt_positions
 from . import held
@@ -92,13 +93,14 @@ class KVLayer(DynamicLayer):
     batch_lengths: torch.Tensor | None = hold(saved=False, join=lambda v: None)  # a batch group: all rows' lengths
     sinks: torch.Tensor | None = hold(saved=False)  # [q_heads]: learned sink logits (gpt-oss), set by make_cache
     LAYOUTS: ClassVar[tuple[type[Slots], ...]] = ()  # storage a subclass may swap its slots for (saved under NAME)
+    TURNS_CODES: ClassVar[bool] = True  # integer codes of Hadamard-turned vectors (storage/codec.py)
 
     # The storage as the layer's callers read it (SlotView: keys/values as attention gets them, validity, ...).
     keys = property(lambda self: self.slots.view().keys, _refuse_replacing("keys"))
     values = property(lambda self: self.slots.view().values, _refuse_replacing("values"))
-    valid = property(lambda self: self.slots.view().valid)
-    positions = property(lambda self: self.slots.view().positions)
-    cursor = property(lambda self: self.slots.view().cursor)
+    valid = property(lambda self: self.slots.view(decoded=False).valid)
+    positions = property(lambda self: self.slots.view(decoded=False).positions)
+    cursor = property(lambda self: self.slots.view(decoded=False).cursor)
     used = property(lambda self: self.slots.used)
     seen_tokens = property(lambda self: self.slots.seen)  # the logical length: every token fed, padding included
     is_prefill = property(lambda self: self.phase in _PROMPT, doc="The prompt is coming in (not compressed yet).")
@@ -117,6 +119,7 @@ class KVLayer(DynamicLayer):
         self.device: torch.device | None = None
         self.record_window: int | None | bool = False  # the last prefill queries to record (False: none; None: all)
         self.observes = False  # compression waits for an observation pass (KVCompressCache.observe_first)
+        self.kv_codec: str | None = None  # how tokens are stored once compressed (storage/codec.py; None: as computed)
         held.reset(self)  # every attribute the class declares (hold) at its default
 
     # --- transformers' layer contract -----------------------------------------------------------------------
@@ -216,19 +219,17 @@ class KVLayer(DynamicLayer):
         self._compress(record)
 
     def _compress(self, record: PromptRecord) -> None:
-        """The method's ``compress``, timed (on a GPU, between synchronizations)."""
-        _sync(self.keys)
-        start = time.perf_counter()
+        """The method's ``compress``, then the storage's codec, timed (on a GPU, between synchronizations)."""
+        start = _sync(self.device)
         self.compress(record.query, record.scaling)
-        _sync(self.keys)
-        self.compress_s += time.perf_counter() - start
+        _encode(self)
+        self.compress_s += _sync(self.device) - start
         self.observation = None
         if self.record_window is False:
             self.spans = None  # read by compress only (a prefill record keeps them for the methods it makes)
 
     def expect_prompt(self, total: int) -> bool:
-        """The prompt will come in blocks, ``total`` tokens in all (``longprompt.BlockedPrefill``); False where it
-        comes in another way."""
+        """The prompt will come in blocks, ``total`` tokens in all (``longprompt.BlockedPrefill``); False: it won't."""
         if self.phase is not Phase.EMPTY or not isinstance(self.intake, OneForward):
             return False
         self.intake = InBlocks(total)
@@ -294,8 +295,8 @@ class KVLayer(DynamicLayer):
         return 0
 
     def compress(self, query: torch.Tensor, scaling: float) -> None:
-        """Once the layer holds the whole prompt (``query``: its last post-RoPE queries ``[b, q_heads, seq, d]``):
-        keep or store what the method needs. Default: keep everything."""
+        """Once the layer holds the whole prompt (``query``: its last post-RoPE queries ``[b, q_heads, seq, d]``): keep
+        or store what the method needs (the storage codes what it keeps afterwards). Default: keep everything."""
 
     def attend(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
                scaling: float, softcap: float | None = None) -> torch.Tensor:
@@ -313,7 +314,7 @@ class KVLayer(DynamicLayer):
 
     def stats(self) -> dict[str, Any]:
         """This layer's counters (the storage's bytes, the declared index), summed over layers by the cache."""
-        stats = {**self.slots.memory(self.full_tokens()), "offloaded_bytes": 0}
+        stats = {**self.slots.memory(self.full_tokens()), "offloaded_bytes": 0, "kv_tokens_full": self.full_tokens()}
         stats["index_bytes"] += held.counted_bytes(self)
         return stats
 
@@ -377,6 +378,7 @@ class WindowLayer(KVLayer):
             self.phase = moved(self.layer_idx, self.phase, Phase.AWAITING_PASS, "a recorded window")
         else:
             self.phase = moved(self.layer_idx, self.phase, Phase.DECODING, "a recorded window")
+            _encode(self)
 
 
 _PASS_NOT_RUN = (
@@ -397,7 +399,7 @@ def _check_step(layer: KVLayer, key_states: torch.Tensor) -> None:
             "'kvcompress' attention implementation; the model's attention layout is not supported (was "
             "attn_implementation changed after make_cache?)"
         )
-    rows = layer.slots.view().keys.shape[0] if layer.phase is not Phase.EMPTY else key_states.shape[0]
+    rows = layer.slots.view(decoded=False).keys.shape[0] if layer.phase is not Phase.EMPTY else key_states.shape[0]
     if rows != key_states.shape[0]:
         raise CacheMisuseError(f"kvcompress: this cache holds a batch of {rows} rows but got {key_states.shape[0]}; "
                                "make a new cache for a new batch")
@@ -409,6 +411,14 @@ def batch_prompt_tokens(layer: KVLayer) -> torch.Tensor:
     return layer.prompt_tokens if layer.batch_lengths is None else layer.batch_lengths
 
 
-def _sync(tensor: torch.Tensor) -> None:
-    if tensor.is_cuda:
-        torch.cuda.synchronize(tensor.device)
+def _encode(layer: KVLayer) -> None:
+    """From compression on, the layer's storage writes its tokens with the layer's codec (if any)."""
+    if layer.kv_codec is not None and layer.slots.codec is None:
+        layer.slots.encode_with(make_codec(layer.kv_codec, layer.keys.shape[-1], layer.dtype, layer.TURNS_CODES))
+
+
+def _sync(device: torch.device) -> float:
+    """The clock once ``device`` has done its queued work."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()

@@ -519,7 +519,7 @@ def compress(
     feeder.cache.timings = {
         "prefill_s": time.perf_counter() - clock, "ttft_s": None, "decode_ms_per_token": None, "compile_s": None
     }
-    whole = feeder.cache.storable() and feeder.cache.stats()["kv_kept_fraction"] == 1.0
+    whole = feeder.cache.storable() and feeder.cache.stats()["tokens_kept_fraction"] == 1.0
     if auto and not whole:
         feeder.cache.forget_records()
     if whole and model.device.type != "cpu":

@@ -13,8 +13,10 @@ here, or a damaged or truncated file is refused with ``CacheFileError``.
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import os
+import warnings
 from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -30,7 +32,12 @@ from ..cache.tokens import TokenSpans
 from ..io.saved import CacheFileError, cache_state, model_fingerprint, restore_cache, to_json
 from ..methods import METHODS, Method, field_specs
 
-FORMAT, VERSION = "kvcompress-cache", 2  # the version changes only when docs/file-format.md does
+FORMAT, VERSION = "kvcompress-cache", 3  # the version changes only when docs/file-format.md does
+READS = (2, 3)  # version 2: the same entries without codecs, and no checksum (loaded unchecked, with a warning)
+
+
+class UncheckedFileWarning(UserWarning):
+    """A saved file that carries no checksum (format version 2) was loaded without one."""
 Messages = list[dict[str, str]]
 
 
@@ -72,6 +79,7 @@ class Result:
         tensors["conversation.attention_mask"] = self.attention_mask.bool().cpu()  # one byte per token fed
         tensors["conversation.next_position"] = self.next_position.cpu()
         method = self.cache.method
+        checksum = {"algorithm": "sha256", "digest": tensor_digest(tensors)}
         meta = {
             "format": FORMAT,
             "version": VERSION,
@@ -89,6 +97,7 @@ class Result:
             "stats": self.stats,
             "embeds_itself": self.cache.embeds_itself,
             "observe_s": self.cache.observe_s,
+            "checksum": checksum,
         }
         staging = target.with_name(f".{target.name}.{os.getpid()}.partial")
         try:
@@ -144,11 +153,12 @@ def read_header(path: str | Path) -> dict[str, Any]:
         raise CacheFileError(f"{path} is not a whole kvcompress cache file ({type(error).__name__}: {error})") from None
     if meta.get("format") != FORMAT:
         raise CacheFileError(f"{path} is not a kvcompress cache file (its format is {meta.get('format')!r})")
-    if meta.get("version") != VERSION:
+    if meta.get("version") not in READS:
         writer = meta.get("written_by", "an earlier kvcompress")
         raise CacheFileError(
             f"{path} is in kvcompress cache format version {meta.get('version')} (written by {writer}); this "
-            f"kvcompress {package_version()} reads version {VERSION}: compress the document again with this version")
+            f"kvcompress {package_version()} reads versions {' and '.join(map(str, READS))}: compress the document "
+            "again with this version")
     name = meta["method"]["name"]
     if name not in METHODS:
         raise CacheFileError(
@@ -156,6 +166,29 @@ def read_header(path: str | Path) -> dict[str, Any]:
             "first)"
         )
     return meta
+
+
+def tensor_digest(tensors: dict[str, torch.Tensor]) -> str:
+    """SHA-256 over every tensor in name order: its name, dtype, shape and bytes (docs/file-format.md)."""
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        tensor = tensors[name].detach().cpu().contiguous()
+        digest.update(f"{name}:{str(tensor.dtype).removeprefix('torch.')}:{list(tensor.shape)};".encode())
+        digest.update(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
+    return digest.hexdigest()
+
+
+def check_digest(path: str | Path, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+    """Refuse a file whose tensors are not the ones its header's checksum was computed over (a version 2 file,
+    which carries none, is loaded unchecked, with an ``UncheckedFileWarning``)."""
+    checksum = meta.get("checksum")
+    if checksum is None:
+        warnings.warn(f"{path} carries no checksum (format version {meta.get('version')}): its tensors are loaded "
+                      "unchecked; save it again to add one", UncheckedFileWarning, stacklevel=3)
+        return
+    if tensor_digest(tensors) != checksum["digest"]:
+        raise CacheFileError(f"{path} is damaged: its tensors do not match the checksum in its header (sha256); "
+                             "compress the document again or restore the file from a copy")
 
 
 def saved_method(path: str | Path) -> Method:
@@ -190,6 +223,7 @@ def load(path: str | Path, model: PreTrainedModel, tokenizer: PreTrainedTokenize
             tensors = {key: file.get_tensor(key) for key in file.keys()}
     except Exception as error:  # noqa: BLE001 - as in read_header
         raise CacheFileError(f"{path} is not a whole kvcompress cache file ({type(error).__name__}: {error})") from None
+    check_digest(path, meta, tensors)
     cache = _rebuilt(_method(meta), model, tokenizer, meta["layers"], tensors)
     cache.embeds_itself, cache.observe_s = meta["embeds_itself"], meta.get("observe_s", 0.0)
     cache.timings = {key: meta["stats"].get(key) for key in cache.timings}

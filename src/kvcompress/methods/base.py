@@ -54,11 +54,12 @@ def require(ok: bool, message: str) -> None:
         raise InvalidParameterError(message)
 
 
-def param(default: Any, help: str, *, minimum: float | None = None, choices: tuple[str, ...] | None = None,
-          above: float | None = None, at_most: float | None = None) -> Any:
+def param(default: Any, help: str, *, minimum: float | None = None, choices: tuple[Any, ...] | None = None,
+          above: float | None = None, at_most: float | None = None, kw_only: bool = False) -> Any:
     """A method field: its default, its help text (shown by the CLI) and its valid range:
-    ``minimum`` (inclusive), ``above`` (exclusive), ``at_most`` (inclusive), or ``choices``."""
-    return field(default=default,
+    ``minimum`` (inclusive), ``above`` (exclusive), ``at_most`` (inclusive), or ``choices``; ``kw_only``: never
+    given by position (the fields every method shares)."""
+    return field(default=default, kw_only=kw_only,
                  metadata={"help": help, "minimum": minimum, "above": above, "at_most": at_most, "choices": choices})
 
 
@@ -66,6 +67,9 @@ def default_of(cls: type, name: str, default: Any) -> Any:
     """Field ``name`` of the dataclass ``cls`` (its help, range and choices) with a subclass's own default."""
     declared = {each.name: each for each in fields(cls)}
     return field(default=default, metadata=declared[name].metadata)
+
+
+CODEC_FIELDS = ("kv_bits", "kv_format")  # every method's; shown by describe() only when not at their default
 
 
 @dataclass(frozen=True)
@@ -80,7 +84,7 @@ class FieldSpec:
     minimum: float | None
     above: float | None
     at_most: float | None
-    choices: tuple[str, ...] | None
+    choices: tuple[Any, ...] | None  # strings, or numbers (kv_bits)
 
     @property
     def flag(self) -> str:
@@ -98,7 +102,7 @@ class FieldSpec:
                 f"{owner}: {self.name}={value!r} is invalid; it must be {self._what()}")
         if self.choices is not None:
             require(value in self.choices,
-                    f"{owner}: {self.name}={value!r} is unknown; valid: {', '.join(self.choices)}")
+                    f"{owner}: {self.name}={value!r} is unknown; valid: {', '.join(map(str, self.choices))}")
         in_range = ((self.minimum is None or value >= self.minimum) and (self.above is None or value > self.above)
                     and (self.at_most is None or value <= self.at_most))
         if self.above is not None or self.at_most is not None:
@@ -121,14 +125,15 @@ class FieldSpec:
 
     def _what(self, optional_note: bool = True) -> str:
         if self.choices:
-            return f"one of {', '.join(self.choices)}"
+            return f"one of {', '.join(map(str, self.choices))}"
         kind = {int: "an integer", float: "a number", bool: "True or False", str: "a string"}[self.kind]
         text = f"{kind} >= {self.minimum:g}" if self.minimum is not None else kind
         return text + (" (or None for the default)" if self.optional and optional_note else "")
 
 
 def field_specs(cls: type) -> list[FieldSpec]:
-    """The hyperparameters of a method class, from its dataclass fields and their annotations."""
+    """The hyperparameters of a method class, from its dataclass fields and their annotations (the codec fields
+    every method shares last)."""
     hints = typing.get_type_hints(cls)
     specs = []
     for f in fields(cls):
@@ -142,7 +147,7 @@ def field_specs(cls: type) -> list[FieldSpec]:
             FieldSpec(f.name, kinds[0],
                       type(None) in args, None if f.default is MISSING else f.default, meta.get("help", ""),
                       meta.get("minimum"), meta.get("above"), meta.get("at_most"), meta.get("choices")))
-    return specs
+    return sorted(specs, key=lambda spec: spec.name in CODEC_FIELDS)  # the method's own first, storage's last
 
 
 @dataclass(frozen=True)
@@ -160,15 +165,30 @@ class Observation:
 
 @dataclass
 class Method:
-    """Base of all methods. Subclasses set ``name`` and declare their fields with ``param``."""
+    """Base of all methods. Subclasses set ``name`` and declare their fields with ``param``. Every method also
+    says how its kept tokens are stored (``kv_bits``, ``kv_format``: storage/codec.py), whatever it keeps."""
 
     name: ClassVar[str] = "method"
     quiet_fields: ClassVar[tuple[str, ...]] = ()  # shown by describe() only when not at their default
+    kv_bits: int = param(
+        16, "bits per stored key and value element once the prompt is compressed: 16 (the model's own precision), "
+        "8 or 4 (codes with scales, docs/quantization.md)", choices=(16, 8, 4), kw_only=True)
+    kv_format: str = param("int", "how 8 or 4 bits are written: int (per-token groups with scales) or fp8 (float8 e4m3, "
+                           "as vLLM's fp8 cache dtype; kv_bits=8 only)", choices=("int", "fp8"), kw_only=True)
 
     def __post_init__(self) -> None:
         for spec in field_specs(type(self)):
             spec.check(type(self).__name__, getattr(self, spec.name))
+        require(self.kv_format == "int" or self.kv_bits == 8,
+                f"{type(self).__name__}: kv_format={self.kv_format!r} stores 8 bits, got kv_bits={self.kv_bits}; valid: kv_bits=8 "
+                "with kv_format='fp8', or kv_format='int'")
         self.validate()
+
+    def kv_codec(self) -> str | None:
+        """The codec kept tokens are stored with (storage/codec.py's names; None: the model's precision)."""
+        if self.kv_bits == 16:
+            return None
+        return "fp8" if self.kv_format == "fp8" else f"int{self.kv_bits}"
 
     def validate(self) -> None:
         """Checks across fields; raise ``InvalidParameterError`` naming the values and the valid range."""
@@ -233,7 +253,7 @@ class Method:
         """``snapkv(budget=256, window=32, ...)``: every setting (quiet ones only when changed)."""
         defaults = {spec.name: spec.default for spec in field_specs(type(self))}
         shown = ", ".join(f"{k}={v}" for k, v in self.settings().items()
-                          if v is not None and not (k in self.quiet_fields and v == defaults[k]))
+                          if v is not None and not (k in self.quiet_fields + CODEC_FIELDS and v == defaults[k]))
         return f"{self.name}({shown})"
 
     def label(self) -> str:

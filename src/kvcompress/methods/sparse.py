@@ -25,6 +25,7 @@ from ..cache.held import counted_bytes, hold
 from ..cache.intake import StoredPrompt
 from ..cache.layer import KVLayer, OverlapProbe, batch_prompt_tokens
 from ..storage.attention import dense_attention
+from ..storage.codec import make_codec, token_bytes
 from ..storage.offload import ChunkStore
 from ..storage.slots import DenseSlots
 from ..storage.tensors import chunk_tokens, gather_tokens, prompt_positions
@@ -71,6 +72,7 @@ class SparseDecodeLayer(KVLayer):
 
     method: SparseMethod
     slots: DenseSlots
+    TURNS_CODES = False  # a step's front slots take keys gathered or rebuilt in the model's basis
     store: ChunkStore | None = hold(rows=True, kind=ChunkStore)  # region chunks [b, h, n, unit, d'] (stored_chunks)
     selectable: torch.Tensor | None = hold(rows=True, counted=True)  # [b, h, n]: chunk may be selected
     unselectable: torch.Tensor | None = hold(rows=True, counted=True)  # ~selectable, kept for the step
@@ -169,7 +171,8 @@ class SparseDecodeLayer(KVLayer):
                 values, tokens), token_valid, tokens.masked_fill(~token_valid[:, None, :], -1)))
         dense_keys, dense_values, valid, positions = (
             torch.cat(column, dim=-2 if i < 2 else -1) for i, column in enumerate(zip(*parts)))
-        self.store = ChunkStore(self.stored_chunks(keys, values), self.offloads)
+        codec = None if self.kv_codec is None else make_codec(self.kv_codec, keys.shape[-1], keys.dtype)
+        self.store = ChunkStore(self.stored_chunks(keys, values), self.offloads, codec)
         per_step = torch.div(self.method.step_tokens(lengths), self.unit, rounding_mode="floor").clamp(min=1)
         self.step_chunks = torch.minimum(per_step, counts)
         batch_steps = torch.minimum(
@@ -268,9 +271,9 @@ class SparseDecodeLayer(KVLayer):
         if self.store is None:
             return stats
         stats["offloaded_bytes" if self.store.offloaded else "kv_bytes_kept"] += self.store.nbytes
-        batch, heads, _, dim = self.keys.shape
+        batch, heads = self.keys.shape[:2]
         # the front slots: the step's chunks, copied from the store
-        copies = 2 * batch * heads * self.front * dim * self.keys.element_size()
+        copies = 2 * batch * heads * self.front * token_bytes(self.slots.codec, self.slots.keys)[0]
         stats["kv_bytes_kept"] -= copies
         stats["spare_bytes"] += copies
         per_chunk = self.store.chunk_bytes

@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from .codec import Codec, from_spec
 from .ops import fused
 from .tensors import chunk_tokens, gather_tokens, to_host
 
@@ -110,11 +111,19 @@ class ChunkStore:
     ``mode`` says which: "device" (kept on the compute device), "cpu" (offloaded, model on the CPU),
     "zero-copy+triton" (GPU kernel reading pinned memory, hit chunks never cross PCIe), "zero-copy"
     (the same read with plain torch ops: every selected chunk crosses PCIe) or "host-gather" (chunk
-    ids copied to the host: synchronizes)."""
+    ids copied to the host: synchronizes).
 
-    def __init__(self, chunks: torch.Tensor, offload: bool) -> None:
+    With a ``codec`` (codec.py) each of a token's ``dim``-channel vectors is stored as one coded row and decoded
+    once gathered; a coded step reads every chunk it selects from the store (the previous step's chunks are not
+    reused: they are held decoded)."""
+
+    def __init__(self, chunks: torch.Tensor, offload: bool, codec: Codec | None = None) -> None:
         self.device = chunks.device
         self.offloaded = offload
+        self.codec = codec
+        if codec is not None:
+            lead, width = chunks.shape[:-1], chunks.shape[-1]
+            chunks = codec.encode(chunks.reshape(*lead, width // codec.dim, codec.dim)).flatten(-2)
         self.host = to_host(chunks) if offload else chunks
         self.view: torch.Tensor | None = self.host
         self.stream: torch.cuda.Stream | None = None
@@ -145,24 +154,33 @@ class ChunkStore:
         return self.host[0, 0, 0].numel() * self.host.element_size()
 
     def reads_hits(self) -> bool:
-        """Whether a chunk selected again is read from the store again (all modes but the Triton kernel)."""
-        return self.mode != "zero-copy+triton"
+        """Whether a chunk selected again is read from the store again (all modes but the Triton kernel's, and
+        always from a coded store)."""
+        return self.codec is not None or self.mode != "zero-copy+triton"
 
     def fetch(self, chunks: torch.Tensor, previous_chunks: torch.Tensor | None, previous: torch.Tensor | None,
               hits: torch.Tensor | None, overlap: Callable[[], T]) -> tuple[torch.Tensor, T]:
         """Gather ``chunks [b, h, k]`` (see ``gather_chunks``; with ``previous``, chunks selected again
         come from it) on the side stream while ``overlap()`` runs on the current one; returns the
         gathered ``[b, h, k * chunk, d]`` and ``overlap()``'s result."""
+        if self.codec is not None:
+            previous_chunks = previous = hits = None
         if self.stream is None or torch.compiler.is_compiling():  # a compiled step runs on one stream
-            return self._gather(chunks, previous_chunks, previous, hits), overlap()
+            return self.decoded(self._gather(chunks, previous_chunks, previous, hits)), overlap()
         main = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(main)
         with torch.cuda.stream(self.stream):
-            gathered = self._gather(chunks, previous_chunks, previous, hits)
+            gathered = self.decoded(self._gather(chunks, previous_chunks, previous, hits))
         result = overlap()
         main.wait_stream(self.stream)
         gathered.record_stream(main)
         return gathered, result
+
+    def decoded(self, gathered: torch.Tensor) -> torch.Tensor:
+        """Gathered tokens ``[..., parts * row_bytes]`` as their ``parts`` vectors side by side (plain: as they are)."""
+        if self.codec is None:
+            return gathered
+        return self.codec.decode(gathered.unflatten(-1, (-1, self.codec.row_bytes))).flatten(-2)
 
     def _gather(self, chunks: torch.Tensor, previous_chunks: torch.Tensor | None, previous: torch.Tensor | None,
                 hits: torch.Tensor | None) -> torch.Tensor:
@@ -174,13 +192,15 @@ class ChunkStore:
 
     def state_dict(self) -> dict[str, Any]:
         """The store as a saved file holds it (docs/file-format.md): its chunks and where they live."""
-        return {"host": self.host, "offloaded": self.offloaded}
+        return {"host": self.host, "offloaded": self.offloaded,
+                "codec": None if self.codec is None else self.codec.spec()}
 
     @classmethod
     def from_state(cls, state: dict[str, Any], device: torch.device) -> ChunkStore:
         """The store ``state_dict`` saved (its chunks in host memory), serving a model on ``device``."""
         store = cls.__new__(cls)
         store.host, store.offloaded = state["host"], state["offloaded"]
+        store.codec = from_spec(state.get("codec"))
         store.restored(device)
         return store
 

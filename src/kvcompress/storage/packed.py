@@ -30,6 +30,7 @@ from typing import Any, cast
 import torch
 
 from .attention import causal_slot_mask, dense_attention
+from .codec import Codec, decoded, encoded, from_spec, token_bytes
 from .slots import Slots, SlotView, inner, nested, spare_slots
 from .tensors import nbytes
 
@@ -39,10 +40,12 @@ class PackedSlots(Slots):
 
     NAME = "packed"
 
-    def __init__(self, segments: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]], seen: int) -> None:
+    def __init__(self, segments: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]], seen: int,
+                 codec: Codec | None = None) -> None:
         """``segments[row][head]``: that head's keys ``[n, d]``, values ``[n, d]`` and prompt
-        positions ``[n]`` (ascending); ``seen``: the layer's tokens fed so far."""
-        self.seen = seen
+        positions ``[n]`` (ascending), as this storage holds them (``codec``: coded rows); ``seen``: the layer's
+        tokens fed so far."""
+        self.seen, self.codec = seen, codec
         self.rows, self.heads = len(segments), len(segments[0])
         self.lengths = [[int(k.shape[0]) for k, _, _ in row] for row in segments]  # host mirror of lengths_t
         self.positions = [[p for _, _, p in row] for row in segments]  # prompt positions held, per segment
@@ -89,14 +92,20 @@ class PackedSlots(Slots):
         self.offsets = torch.arange(self.widest, device=device)
         for size in (self.keys, self.values, self.valid, self.offsets):
             torch._dynamo.maybe_mark_dynamic(size, 0)
-        self.none = self.keys.new_empty(self.rows, self.heads, 0, self.keys.shape[-1])  # no storage: nothing held twice
+        dim, dtype = (self.keys.shape[-1], self.keys.dtype) if self.codec is None else (self.codec.dim, self.codec.dtype)
+        self.none = torch.empty(self.rows, self.heads, 0, dim, dtype=dtype, device=device)  # no storage: none held twice
 
     @property
     def used(self) -> int:  # type: ignore[override]  # the longest segment: computed, never set
         return max(map(max, self.lengths))
 
-    def view(self) -> SlotView:
+    def view(self, decoded: bool = True) -> SlotView:
         return SlotView(self.none, self.none, None, None, None)
+
+    def encode_with(self, codec: Codec) -> None:
+        self.codec = codec
+        self.keys, self.values = encoded(codec, self.keys), encoded(codec, self.values)
+        self.restored(self.keys.device)
 
     def state_dict(self) -> dict[str, Any]:
         """The packing as a saved file holds it (docs/file-format.md): the layer's entries with no slots,
@@ -106,11 +115,12 @@ class PackedSlots(Slots):
         packing = {
             "keys": self.keys, "values": self.values, "valid": self.valid,
             "starts": self.starts_t, "lengths": self.lengths_t, "capacities": self.capacities_t,
-            "rows": self.rows, "heads": self.heads, "room_left": self.room_left, **positions
+            "rows": self.rows, "heads": self.heads, "room_left": self.room_left, **positions,
+            "codec": None if self.codec is None else self.codec.spec(),
         }
         return {
             "keys": self.none, "values": self.none, "valid": None, "positions": None, "cursor": None,
-            "seen_tokens": self.seen, "used": self.used, **nested(self.NAME, packing),
+            "seen_tokens": self.seen, "used": self.used, "codec": None, **nested(self.NAME, packing),
         }
 
     @classmethod
@@ -125,6 +135,7 @@ class PackedSlots(Slots):
         state = inner(layer_state, self.NAME)
         self.seen = layer_state["seen_tokens"]
         self.rows, self.heads, self.room_left = state["rows"], state["heads"], state["room_left"]
+        self.codec = from_spec(state.get("codec"))
         self.keys, self.values, self.valid = (state[name].to(device) for name in ("keys", "values", "valid"))
         self.starts_t, self.lengths_t, self.capacities_t = (
             state[name].to(device) for name in ("starts", "lengths", "capacities")
@@ -163,8 +174,8 @@ class PackedSlots(Slots):
     def write(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Append ``keys``/``values [rows, heads, q, d]`` to every segment (valid until ``mark_padding``)."""
         index = self.newest(keys.shape[2])
-        self.keys.index_copy_(0, index, keys.reshape(-1, keys.shape[-1]))
-        self.values.index_copy_(0, index, values.reshape(-1, values.shape[-1]))
+        self.keys.index_copy_(0, index, encoded(self.codec, keys.reshape(-1, keys.shape[-1])))
+        self.values.index_copy_(0, index, encoded(self.codec, values.reshape(-1, values.shape[-1])))
         self.valid.index_fill_(0, index, True)
 
     def close_step(self, new: int) -> None:
@@ -195,7 +206,8 @@ class PackedSlots(Slots):
         one query always sees its own token). ``keys``/``values``: the empty views, unused."""
         rows, q_heads, q_len, dim = query.shape
         index = self.gather_index()
-        keys, values = (t.index_select(0, index).view(rows, self.heads, -1, dim) for t in (self.keys, self.values))
+        keys, values = (decoded(self.codec, t.index_select(0, index)).view(rows, self.heads, -1, dim)
+                        for t in (self.keys, self.values))
         seen = self.valid.index_select(0, index).view(rows, self.heads, 1, -1)
         if q_len > 1:  # the step's own tokens: each query sees those its mask allows
             step = causal_slot_mask(q_len, q_len, query.device) if new_mask is None else new_mask  # [rows | 1, 1, q, q]
@@ -226,17 +238,17 @@ class PackedSlots(Slots):
         return out
 
     def memory(self, full_tokens: int) -> dict[str, int]:
-        dim, size = self.keys.shape[-1], self.keys.element_size()
-        used = sum(map(sum, self.lengths)) * dim * size * 2
+        size, uncoded = token_bytes(self.codec, self.keys)
+        used = sum(map(sum, self.lengths)) * size * 2
         return {
             "kv_tokens": self.used,
-            "kv_bytes_full": 2 * self.rows * self.heads * full_tokens * dim * size,
+            "kv_bytes_full": 2 * self.rows * self.heads * full_tokens * uncoded,
             "kv_bytes_kept": used,
             "spare_bytes": nbytes(self.keys, self.values) - used,  # the sentinel slot counts as spare
             "index_bytes": nbytes(
                 self.valid, self.capacities_t, self.starts_t, self.lengths_t, *(p for r in self.positions for p in r)
             ),
-            "bytes_read_per_step": 2 * self.rows * self.heads * self.widest * dim * size,  # the gathered block and room
+            "bytes_read_per_step": 2 * self.rows * self.heads * self.widest * size,  # the gathered block and room
         }
 
     def joined(self, others: list[Slots]) -> PackedSlots:
@@ -246,7 +258,7 @@ class PackedSlots(Slots):
             [(*part.segment(r, h)[:2], part.positions[r][h]) for h in range(part.heads)]
             for part in parts for r in range(part.rows)
         ]
-        return PackedSlots(segments, self.seen)
+        return PackedSlots(segments, self.seen, self.codec)
 
     def batch_apply(self, apply: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """A batch operation (beam reorder, repeat) over the rows: applied to each row's segments."""

@@ -26,6 +26,8 @@ from typing import Any, ClassVar, NamedTuple, cast
 import torch
 
 from .attention import causal_slot_mask, dense_attention
+from . import codec as codecs
+from .codec import Codec, encoded, from_spec, restored, token_bytes
 from .tensors import gather_rows, gather_tokens, nbytes, prompt_positions
 
 
@@ -79,9 +81,15 @@ class Slots:
 
     seen: int  # tokens fed, padding included
     used: int  # slots holding tokens (per row and KV head: the longest)
+    codec: Codec | None = None  # how tokens are stored from ``encode_with`` on (None: as the model computed them)
 
-    def view(self) -> SlotView:
-        """The attend-ready views."""
+    def view(self, decoded: bool = True) -> SlotView:
+        """The attend-ready views (``decoded=False``: keys and values as stored, coded rows where a codec writes
+        them: for shapes and validity, without decoding every token)."""
+        raise NotImplementedError
+
+    def encode_with(self, codec: Codec) -> None:
+        """Store the held tokens, and every later one, with ``codec`` (codec.py)."""
         raise NotImplementedError
 
     def make_room(self, new: int) -> None:
@@ -163,8 +171,15 @@ class DenseSlots(Slots):
         self.seen = 0
         self.used = 0  # slots holding tokens: [0, used)
 
-    def view(self) -> SlotView:
+    def view(self, decoded: bool = True) -> SlotView:
+        if decoded and self.codec is not None:
+            return SlotView(codecs.decoded(self.codec, self.keys), codecs.decoded(self.codec, self.values), self.valid,
+                            self.positions, self.cursor)
         return SlotView(self.keys, self.values, self.valid, self.positions, self.cursor)
+
+    def encode_with(self, codec: Codec) -> None:
+        self.codec = codec
+        self.keys, self.values = encoded(codec, self.keys), encoded(codec, self.values)
 
     # --- the prompt ---------------------------------------------------------------------------------
 
@@ -237,8 +252,8 @@ class DenseSlots(Slots):
 
     def write(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         slots = self.new_slots(keys.shape[-2])
-        self.keys.index_copy_(2, slots, keys)
-        self.values.index_copy_(2, slots, values)
+        self.keys.index_copy_(2, slots, encoded(self.codec, keys))
+        self.values.index_copy_(2, slots, encoded(self.codec, values))
         self.valid.index_fill_(1, slots, True)
 
     def mark_padding(self, valid: torch.Tensor) -> None:
@@ -274,19 +289,21 @@ class DenseSlots(Slots):
 
     def stored(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None:
         valid = None if self.valid is None else self.valid[:, : self.used]
-        return self.keys[:, :, : self.used], self.values[:, :, : self.used], valid, self.positions
+        keys, values = (restored(self.codec, t[:, :, : self.used]) for t in (self.keys, self.values))
+        return keys, values, valid, self.positions
 
     def index_tensors(self) -> list[torch.Tensor]:
         """The layout's own device tensors besides the slots."""
         return [t for t in (self.valid, self.positions, self.cursor) if t is not None]
 
     def memory(self, full_tokens: int) -> dict[str, int]:
-        batch, heads, _, dim = self.keys.shape
-        per_token = 2 * batch * heads * dim * self.keys.element_size()
+        batch, heads = self.keys.shape[:2]
+        stored, uncoded = token_bytes(self.codec, self.keys)
+        per_token = 2 * batch * heads * stored
         held = nbytes(self.keys, self.values)
         return {
             "kv_tokens": self.used,
-            "kv_bytes_full": per_token * full_tokens,
+            "kv_bytes_full": 2 * batch * heads * uncoded * full_tokens,
             "kv_bytes_kept": per_token * self.used,
             "spare_bytes": held - per_token * self.used,
             "index_bytes": nbytes(*self.index_tensors()),
@@ -324,6 +341,7 @@ class DenseSlots(Slots):
         return {
             "keys": self.keys, "values": self.values, "valid": self.valid, "positions": self.positions,
             "cursor": self.cursor, "seen_tokens": self.seen, "used": self.used,
+            "codec": None if self.codec is None else self.codec.spec(),
         }
 
     def load_state_dict(self, state: dict[str, Any], device: torch.device) -> None:
@@ -331,6 +349,7 @@ class DenseSlots(Slots):
             on_device(state[name], device) for name in ("keys", "values", "valid", "positions", "cursor")
         )
         self.seen, self.used = state["seen_tokens"], state["used"]
+        self.codec = from_spec(state.get("codec"))  # files before codecs: stored as computed
 
 
 class RingSlots(DenseSlots):
