@@ -173,15 +173,16 @@ class Method:
     kv_bits: int = param(
         16, "bits per stored key and value element once the prompt is compressed: 16 (the model's own precision), "
         "8 or 4 (codes with scales, docs/quantization.md)", choices=(16, 8, 4), kw_only=True)
-    kv_format: str = param("int", "how 8 or 4 bits are written: int (per-token groups with scales) or fp8 (float8 e4m3, "
-                           "as vLLM's fp8 cache dtype; kv_bits=8 only)", choices=("int", "fp8"), kw_only=True)
+    kv_format: str = param(
+        "int", "how 8 or 4 bits are written: int (per-token groups with scales) or fp8 (float8 e4m3, as vLLM's fp8 "
+        "cache dtype; kv_bits=8 only)", choices=("int", "fp8"), kw_only=True)
 
     def __post_init__(self) -> None:
         for spec in field_specs(type(self)):
             spec.check(type(self).__name__, getattr(self, spec.name))
         require(self.kv_format == "int" or self.kv_bits == 8,
-                f"{type(self).__name__}: kv_format={self.kv_format!r} stores 8 bits, got kv_bits={self.kv_bits}; valid: kv_bits=8 "
-                "with kv_format='fp8', or kv_format='int'")
+                f"{type(self).__name__}: kv_format={self.kv_format!r} stores 8 bits, got kv_bits={self.kv_bits}; "
+                "valid: kv_bits=8 with kv_format='fp8', or kv_format='int'")
         self.validate()
 
     def kv_codec(self) -> str | None:

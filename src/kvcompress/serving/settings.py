@@ -54,6 +54,10 @@ def check_servable(method: Method) -> Method:
                     f"{owner}: {field}={uniform!r} cannot be served by vLLM (a paged cache holds the same count per KV "
                     "head and layer); valid: 'uniform'"
                 )
+    if method.kv_bits != 16:
+        raise InvalidParameterError(
+            f"{owner}: kv_bits={method.kv_bits} cannot be served per request (vLLM's cache pool has one dtype for "
+            "every request, its --kv-cache-dtype); valid: 16")
     if getattr(method, "evict_during_decoding", False):
         raise InvalidParameterError(
             f"{owner}: evict_during_decoding=True cannot be served by vLLM (it compresses at the end of a prefill)"

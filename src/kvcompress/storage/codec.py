@@ -25,7 +25,6 @@ the model's values, as a serving engine's prefill does), and decoded where a ste
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 from typing import ClassVar
@@ -117,7 +116,8 @@ class IntCodec(Codec):
         codes = ((grouped - low.float()) * inverse).round_().clamp_(0, levels).to(torch.uint8).reshape(*lead, self.dim)
         if self.bits == 4:
             codes = codes[..., 0::2] | (codes[..., 1::2] << 4)
-        meta = torch.cat([scale, low], dim=-1).reshape(*lead, 2 * self.groups).view(torch.uint8)
+        # every group's scale, then every group's minimum
+        meta = torch.cat([scale, low], dim=-1).transpose(-1, -2).reshape(*lead, 2 * self.groups).view(torch.uint8)
         return torch.cat([codes, meta], dim=-1)
 
     def decode(self, rows: torch.Tensor) -> torch.Tensor:
@@ -161,13 +161,18 @@ class Fp8Codec(Codec):
 _CLASSES: dict[str, type[Codec]] = {"int8": Int8Codec, "int4": Int4Codec, "fp8": Fp8Codec}
 
 
-@functools.cache
+_TURNS: dict[tuple[int, str], torch.Tensor] = {}  # built once per size and device (a compiled step reads it)
+
+
 def hadamard(size: int, device: torch.device) -> torch.Tensor:
     """The orthonormal Sylvester-Hadamard matrix ``[size, size]`` (``size`` a power of two), float32, symmetric."""
-    turn = torch.ones(1, 1)
-    while turn.shape[0] < size:
-        turn = torch.cat([torch.cat([turn, turn], 1), torch.cat([turn, -turn], 1)], 0)
-    return (turn / math.sqrt(size)).to(device)
+    key = (size, str(device))
+    if key not in _TURNS:
+        turn = torch.ones(1, 1)
+        while turn.shape[0] < size:
+            turn = torch.cat([torch.cat([turn, turn], 1), torch.cat([turn, -turn], 1)], 0)
+        _TURNS[key] = (turn / math.sqrt(size)).to(device)
+    return _TURNS[key]
 
 
 def make_codec(name: str, dim: int, dtype: torch.dtype, rotated: bool = False) -> Codec:

@@ -92,8 +92,9 @@ class PackedSlots(Slots):
         self.offsets = torch.arange(self.widest, device=device)
         for size in (self.keys, self.values, self.valid, self.offsets):
             torch._dynamo.maybe_mark_dynamic(size, 0)
-        dim, dtype = (self.keys.shape[-1], self.keys.dtype) if self.codec is None else (self.codec.dim, self.codec.dtype)
-        self.none = torch.empty(self.rows, self.heads, 0, dim, dtype=dtype, device=device)  # no storage: none held twice
+        coded = self.codec
+        dim, dtype = (self.keys.shape[-1], self.keys.dtype) if coded is None else (coded.dim, coded.dtype)
+        self.none = torch.empty(self.rows, self.heads, 0, dim, dtype=dtype, device=device)  # no storage held twice
 
     @property
     def used(self) -> int:  # type: ignore[override]  # the longest segment: computed, never set

@@ -25,8 +25,8 @@ from typing import Any, ClassVar, NamedTuple, cast
 
 import torch
 
-from .attention import causal_slot_mask, dense_attention
 from . import codec as codecs
+from .attention import causal_slot_mask, dense_attention
 from .codec import Codec, encoded, from_spec, restored, token_bytes
 from .tensors import gather_rows, gather_tokens, nbytes, prompt_positions
 
