@@ -1,10 +1,17 @@
 #!/usr/bin/env bash
-# The whole GPU check, in slices of under 10 minutes each (30 minutes of device time per session).
+# The whole GPU check, in slices of under 9 minutes each (a drawn session has 15 minutes of device time in all, a
+# start costing 1-2: one slice per session, `first` before anything else).
 #
 #   bash scripts/gpu_check.sh SLICE        on a GPU machine (the device tool), results in $OUT/SLICE/
 #   GPU_CHECK_DRY=1 bash scripts/gpu_check.sh all   on a CPU: every slice at toy sizes (checks the plumbing)
 #
 # Slices, most important first:
+#   first                what matters most, in one slice (<= 9 minutes on an H100): the GPU-only tests and the coded
+#                        cache's (offload, stored contexts, codecs, the inductor step); compiled decoding at 32K on the
+#                        8B shape (full, SnapKV 2048 at 16 and 4 bits, ShadowKV's paper setting) beside the bandwidth
+#                        bound; the headline against transformers at 16K, batch 2
+#   quantized            issue 51: compiled and eager decoding at 16K and 32K, full and SnapKV 2048 at 16 / 8 / 4 bits
+#                        and fp8; bytes held and read per step
 #   tests                the whole suite on the GPU (GPU-only tests included)
 #   decode-compiled      issue 21: the compiled step (a CUDA graph per token), batch 1, 16K and 32K: full, SnapKV 2048,
 #                        SnapKV head-adaptive, ShadowKV at the paper's setting; the bandwidth bound beside each figure
@@ -41,11 +48,11 @@ DRY=${GPU_CHECK_DRY:-0}
 # Sizes: real (GPU) or toy (CPU dry run).
 if [ "$DRY" = 1 ]; then
   MODEL=smollm2-135m LONG_MODEL=smollm2-135m L_LAT=512,1024 L_TP=1024 L_AD=512,1024 L_LONG=1024,2048 L_1M=4096 L_896K=3072 L_BATCH=512 B_DEC=2
-  L_DEC=512 L_DEC_LONG=1024 L_ASK=512
+  L_DEC=512 L_DEC_LONG=1024 L_ASK=512 L_FIRST=512
   STEPS="--steps 2 --warmup 1" MEM="--max-memory 1.5" STEP=512 BUDGET=128 MAXCTX_START=1024 BATCH_LIMIT=4
 else
   MODEL=llama-3.1-8b LONG_MODEL=llama-3.1-8b-1m L_LAT=16384,32768,65536,131000 L_TP=122880 L_AD=32768,131000 L_LONG=262144,524288,786432 L_1M=1048576 L_896K=917504
-  L_BATCH=16384,32768 B_DEC=8 L_DEC=16384,32768 L_DEC_LONG=65536,131000 L_ASK=32768,131000
+  L_BATCH=16384,32768 B_DEC=8 L_DEC=16384,32768 L_DEC_LONG=65536,131000 L_ASK=32768,131000 L_FIRST=32768
   STEPS="--steps 16 --warmup 3" MEM="" STEP=65536 BUDGET=2048 MAXCTX_START=131072
   BATCH_LIMIT=64  # with --replicate each try of the batch search is one 122K prefill (~15-20 s on an H100)
 fi
@@ -57,6 +64,8 @@ speed() {  # speed SLICE ARGS...: one bench run, its report under $OUT/SLICE
 }
 
 DECODE_METHODS=full,snapkv,snapkv:heads=adaptive,shadowkv:rank=160:outliers=48:ratio=0.0156
+FIRST_METHODS=full,snapkv,snapkv:kv_bits=4,shadowkv:rank=160:outliers=48:ratio=0.0156
+CODED_METHODS=full,full:kv_bits=8,full:kv_bits=4,full:kv_bits=8:kv_format=fp8,snapkv,snapkv:kv_bits=8,snapkv:kv_bits=4
 
 run_slice() {
   case "$1" in
@@ -69,6 +78,18 @@ run_slice() {
     decode-batch)
       speed decode-batch/eager --model $MODEL --methods $DECODE_METHODS --budget $BUDGET --lengths $L_BATCH --batches $B_DEC $STEPS $MEM
       speed decode-batch/compiled --model $MODEL --methods $DECODE_METHODS --budget $BUDGET --lengths $L_BATCH --batches $B_DEC $STEPS $MEM --compile ;;
+    first)
+      mkdir -p "$OUT/first"
+      $PY -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'transformers', transformers.__version__)" | tee "$OUT/first/versions.txt"
+      nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/first/gpu.csv" 2>/dev/null || echo "no nvidia-smi" > "$OUT/first/gpu.csv"
+      $PY -m pytest -q -p no:cacheprovider tests/test_offload.py tests/test_stored_context.py tests/test_codec.py \
+        "tests/test_compile.py::test_inductor_compiles_the_step_to_the_eager_tokens" --junitxml="$OUT/first/junit.xml" 2>&1 | tee "$OUT/first/tests.txt"
+      speed first/decode --model $MODEL --methods $FIRST_METHODS --budget $BUDGET --lengths $L_FIRST --batches 1 $STEPS --compile
+      if [ "$DRY" = 1 ]; then HEADLINE="--model $MODEL --lengths 512"; else HEADLINE="--preset gpu --lengths 16384"; fi
+      $PY -m kvcompress.cli bench headline $HEADLINE --batches 2 $STEPS --out "$OUT/first/headline" 2>&1 | tee "$OUT/first/headline.txt" ;;
+    quantized)
+      speed quantized/compiled --model $MODEL --methods $CODED_METHODS --budget $BUDGET --lengths $L_DEC --batches 1 $STEPS --compile
+      speed quantized/eager --model $MODEL --methods $CODED_METHODS --budget $BUDGET --lengths $L_DEC --batches 1 $STEPS ;;
     tests)
       mkdir -p "$OUT/tests"
       $PY -c "import torch, transformers, triton; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'transformers', transformers.__version__, 'triton', triton.__version__)" | tee "$OUT/tests/versions.txt"
@@ -108,7 +129,7 @@ run_slice() {
   esac
 }
 
-SLICES="tests decode-compiled decode-compiled-long decode-eager decode-batch ask headline latency throughput-full throughput-snapkv throughput-shadowkv throughput-rows adaptive longprompt-snapkv longprompt-full longprompt-896k longprompt-1m"
+SLICES="first quantized tests decode-compiled decode-compiled-long decode-eager decode-batch ask headline latency throughput-full throughput-snapkv throughput-shadowkv throughput-rows adaptive longprompt-snapkv longprompt-full longprompt-896k longprompt-1m"
 if [ "${1:-}" = all ]; then
   for s in $SLICES; do run_slice "$s" || exit $?; done
 else

@@ -135,7 +135,7 @@ class KVLayer(DynamicLayer):
             if not torch.compiler.is_compiling():  # a compiled step's loop reserved the room before it
                 self.slots.make_room(key_states.shape[-2])
             self.slots.write(key_states, value_states)
-            keys, values = self.keys, self.values
+            keys, values = self.slots.view()[:2]  # decoded once (a coded storage's keys and values)
         elif self.phase is Phase.OBSERVING:
             keys, values = self.observation.take((self.keys, self.values), key_states, value_states)
         elif self.phase is Phase.AWAITING_PASS:

@@ -30,7 +30,7 @@ from typing import Any, cast
 import torch
 
 from .attention import causal_slot_mask, dense_attention
-from .codec import Codec, decoded, encoded, from_spec, token_bytes
+from .codec import Codec, decoded, encoded, encoded_pair, from_spec, token_bytes
 from .slots import Slots, SlotView, inner, nested, spare_slots
 from .tensors import nbytes
 
@@ -175,8 +175,9 @@ class PackedSlots(Slots):
     def write(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Append ``keys``/``values [rows, heads, q, d]`` to every segment (valid until ``mark_padding``)."""
         index = self.newest(keys.shape[2])
-        self.keys.index_copy_(0, index, encoded(self.codec, keys.reshape(-1, keys.shape[-1])))
-        self.values.index_copy_(0, index, encoded(self.codec, values.reshape(-1, values.shape[-1])))
+        keys, values = encoded_pair(self.codec, keys.reshape(-1, keys.shape[-1]), values.reshape(-1, values.shape[-1]))
+        self.keys.index_copy_(0, index, keys)
+        self.values.index_copy_(0, index, values)
         self.valid.index_fill_(0, index, True)
 
     def close_step(self, new: int) -> None:

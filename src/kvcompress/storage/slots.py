@@ -27,7 +27,7 @@ import torch
 
 from . import codec as codecs
 from .attention import causal_slot_mask, dense_attention
-from .codec import Codec, encoded, from_spec, restored, token_bytes
+from .codec import Codec, encoded, encoded_pair, from_spec, restored, token_bytes
 from .tensors import gather_rows, gather_tokens, nbytes, prompt_positions
 
 
@@ -252,8 +252,9 @@ class DenseSlots(Slots):
 
     def write(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         slots = self.new_slots(keys.shape[-2])
-        self.keys.index_copy_(2, slots, encoded(self.codec, keys))
-        self.values.index_copy_(2, slots, encoded(self.codec, values))
+        keys, values = encoded_pair(self.codec, keys, values)
+        self.keys.index_copy_(2, slots, keys)
+        self.values.index_copy_(2, slots, values)
         self.valid.index_fill_(1, slots, True)
 
     def mark_padding(self, valid: torch.Tensor) -> None:
