@@ -201,6 +201,33 @@ def memory_curves(named: list[str], plot: str | None) -> str:
     return "Peak GiB per prompt length:\n\n" + "\n".join(lines)
 
 
+def retained_by_bytes(paths: list[str], plot: str) -> str:
+    """Each setting's score retained against the full cache (as ``retained_table``) against its mean device bytes
+    while decoding, as a PNG (score against bytes, one point per setting, labelled), and the points as rows."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = [json.loads(line) for path in paths for line in Path(path).read_text().splitlines() if line.strip()]
+    full = {(r["sample"], r["turn"]): r["score"] for r in records if r["label"] == "full"}
+    points = []
+    for label in dict.fromkeys(r["label"] for r in records):
+        mine = [r for r in records if r["label"] == label and (r["sample"], r["turn"]) in full]
+        reference = sum(full[(r["sample"], r["turn"])] for r in mine)
+        device = sum(r["device_bytes"] for r in mine) / len(mine) / 2**20
+        points.append((label, device, sum(r["score"] for r in mine) / reference if reference else 0.0))
+    figure, axis = plt.subplots(figsize=(7, 4.5))
+    for label, device, retained in points:
+        axis.scatter(device, retained, color="tab:red" if "kv_bits=4" in label else
+                     "tab:orange" if "kv_bits=8" in label else "tab:blue")
+        axis.annotate(label, (device, retained), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    axis.set(xscale="log", xlabel="device MiB while decoding (mean over questions)",
+             ylabel="score retained vs the full cache", title="answers at equal bytes (blue 16, orange 8, red 4 bits)")
+    figure.tight_layout()
+    figure.savefig(plot, dpi=120)
+    return "\n".join(f"| {label} | {device:.1f} | {retained:.2f} |" for label, device, retained in points)
+
+
 def main(argv: list[str]) -> None:
     kind, paths = argv[0], argv[1:]
     if kind == "junit":
@@ -218,6 +245,9 @@ def main(argv: list[str]) -> None:
         return
     if kind == "retained":
         print(retained_table(paths))
+        return
+    if kind == "bytes":  # tables.py bytes PLOT.png RESULTS.jsonl...
+        print(retained_by_bytes(paths[1:], paths[0]))
         return
     for folder in paths:
         for path in sorted(Path(folder).rglob("speed.json")):
