@@ -13,7 +13,7 @@ import kvcompress as kvc
 from kvcompress.serving.settings import method_of
 from kvcompress.storage.codec import hadamard, make_codec
 
-from .fixtures import char_tokenizer, random_text, tiny_model
+from .fixtures import FAMILIES, char_tokenizer, family_model, random_text, tiny_model
 from .test_batches import LENGTHS, METHODS
 from .test_compile import compiled, fresh_dynamo, graphs  # noqa: F401 (fresh_dynamo: autouse, every test here)
 
@@ -149,3 +149,15 @@ def test_codec_settings_are_refused_in_one_line_naming_the_value():
         method_of({"method": "snapkv", "kv_bits": 4})
     assert kvc.SnapKV(budget=64).describe() == kvc.SnapKV(budget=64, kv_bits=16).describe()  # quiet at its default
     assert "kv_bits=4" in kvc.SnapKV(budget=64, kv_bits=4).describe()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_model_family_decodes_a_coded_cache(family):
+    """Sliding-window rings, soft-capping, partial rotary, learned sinks, no RoPE: each codes what it keeps."""
+    model, tok = family_model(family), char_tokenizer()
+    prompts = [random_text(300, seed=1), random_text(120, seed=2)]
+    for coded in (kvc.SnapKV(budget=64, kv_bits=4), kvc.FullKV(kv_bits=8, kv_format="fp8")):
+        plain = type(coded)(**{**coded.settings(), "kv_bits": 16, "kv_format": "int"})
+        sizes = [kvc.generate(model, tok, prompts, method=m, max_new_tokens=4).stats["kv_bytes_kept"]
+                 for m in (coded, plain)]
+        assert sizes[0] < 0.3 * sizes[1]  # float32 tiny heads of 16 channels: 12 (int4) or 16 (fp8) of 64 bytes
