@@ -231,7 +231,9 @@ class SparseDecodeLayer(KVLayer):
         runs meanwhile."""
         if not self.store.offloaded:
             return self.store.fetch(chunks, None, None, None, overlap)
-        gathered, result = self.store.fetch(chunks, self.selected, self.previous_chunks(), self.hits, overlap)
+        # a coded store's chunks are held decoded in the front slots: read again, not reused (and not decoded for it)
+        reused = (self.selected, self.previous_chunks(), self.hits) if self.store.codec is None else (None, None, None)
+        gathered, result = self.store.fetch(chunks, *reused, overlap)
         self.selected.copy_(chunks)
         return gathered, result
 
@@ -271,13 +273,13 @@ class SparseDecodeLayer(KVLayer):
         if self.store is None:
             return stats
         stats["offloaded_bytes" if self.store.offloaded else "kv_bytes_kept"] += self.store.nbytes
-        batch, heads = self.keys.shape[:2]
+        batch, heads = self.slots.keys.shape[:2]  # as stored: no decoding for a shape
         # the front slots: the step's chunks, copied from the store
         copies = 2 * batch * heads * self.front * token_bytes(self.slots.codec, self.slots.keys)[0]
         stats["kv_bytes_kept"] -= copies
         stats["spare_bytes"] += copies
         per_chunk = self.store.chunk_bytes
-        selected_bytes = self.keys.shape[0] * self.keys.shape[1] * self.step_count * per_chunk * self.read_factor()
+        selected_bytes = batch * heads * self.step_count * per_chunk * self.read_factor()
         stats["bytes_read_per_step"] += selected_bytes + counted_bytes(self, index_only=True)
         misses = self.lookups - (0 if self.store.reads_hits() else int(self.hits))
         stats.update(

@@ -31,7 +31,6 @@ from typing import ClassVar
 
 import torch
 
-CODECS = ("int8", "int4", "fp8")
 FP8_MAX = 448.0  # the largest finite float8 e4m3 value
 
 
@@ -81,10 +80,6 @@ class Codec:
         """What a saved file holds to make this codec again (``from_spec``)."""
         turned = "/rotated" if self.rotated else ""
         return f"{self.name}/{self.dim}/{str(self.dtype).removeprefix('torch.')}{turned}"
-
-    def empty(self, *lead: int, device: torch.device | str | None = None) -> torch.Tensor:
-        """Zeroed rows ``[*lead, row_bytes]`` (room: decodes to zeros)."""
-        return torch.zeros(*lead, self.row_bytes, dtype=torch.uint8, device=device)
 
 
 @dataclass(frozen=True)
@@ -181,10 +176,10 @@ def hadamard(size: int, device: torch.device) -> torch.Tensor:
 
 
 def make_codec(name: str, dim: int, dtype: torch.dtype, rotated: bool = False) -> Codec:
-    """The codec ``name`` (one of ``CODECS``) for vectors of ``dim`` channels computed in ``dtype``; ``rotated``:
+    """The codec ``name`` (int8, int4 or fp8) for vectors of ``dim`` channels computed in ``dtype``; ``rotated``:
     integer codes of Hadamard-turned vectors (float8 is never turned, as vLLM stores it)."""
     if name not in _CLASSES:
-        raise ValueError(f"unknown KV codec {name!r}; valid: {', '.join(CODECS)}")
+        raise ValueError(f"unknown KV codec {name!r}; valid: {', '.join(_CLASSES)}")
     if dim % 4:
         raise ValueError(f"a {name} KV codec needs a head size divisible by 4, got {dim}")
     return _CLASSES[name](dim, dtype, rotated and name != "fp8")

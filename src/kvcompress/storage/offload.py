@@ -114,8 +114,8 @@ class ChunkStore:
     ids copied to the host: synchronizes).
 
     With a ``codec`` (codec.py) each of a token's ``dim``-channel vectors is stored as one coded row and decoded
-    once gathered; a coded step reads every chunk it selects from the store (the previous step's chunks are not
-    reused: they are held decoded)."""
+    once gathered; a coded step reads every chunk it selects from the store (its caller passes no previous chunks:
+    they are held decoded)."""
 
     def __init__(self, chunks: torch.Tensor, offload: bool, codec: Codec | None = None) -> None:
         self.device = chunks.device
@@ -163,8 +163,6 @@ class ChunkStore:
         """Gather ``chunks [b, h, k]`` (see ``gather_chunks``; with ``previous``, chunks selected again
         come from it) on the side stream while ``overlap()`` runs on the current one; returns the
         gathered ``[b, h, k * chunk, d]`` and ``overlap()``'s result."""
-        if self.codec is not None:
-            previous_chunks = previous = hits = None
         if self.stream is None or torch.compiler.is_compiling():  # a compiled step runs on one stream
             return self.decoded(self._gather(chunks, previous_chunks, previous, hits)), overlap()
         main = torch.cuda.current_stream(self.device)
