@@ -4,14 +4,20 @@
 #
 #   bash scripts/gpu_check.sh SLICE        on a GPU machine (the device tool), results in $OUT/SLICE/
 #   GPU_CHECK_DRY=1 bash scripts/gpu_check.sh all   on a CPU: every slice at toy sizes (checks the plumbing)
+#   GPU_CHECK_PACK=1 ...                            also packs $OUT/SLICE into $OUT/SLICE.tgz (the device tool returns
+#                                                   at most 8 files)
+#
+# Measured on an H100 (11-26, docs/gpu-runs/2026-11-26-h100): `first`'s tests 160 s, each compiled 32K run ~60 s
+# (a compile of 46-59 s included), the headline ~55 s: ~8 minutes in all.
 #
 # Slices, most important first:
 #   first                what matters most, in one slice (<= 9 minutes on an H100): the GPU-only tests and the coded
 #                        cache's (offload, stored contexts, codecs, the inductor step); compiled decoding at 32K on the
 #                        8B shape (full, SnapKV 2048 at 16 and 4 bits, ShadowKV's paper setting) beside the bandwidth
 #                        bound; the headline against transformers at 16K, batch 2
-#   quantized            issue 51: compiled and eager decoding at 16K and 32K, full and SnapKV 2048 at 16 / 8 / 4 bits
-#                        and fp8; bytes held and read per step
+#   quantized            issue 51: compiled decoding at 32K, full and SnapKV 2048 at 16 / 8 / 4 bits and fp8 (seven
+#                        compiles of ~60 s); bytes held and read per step
+#   quantized-eager      the same eagerly at 16K and 32K
 #   tests                the whole suite on the GPU (GPU-only tests included)
 #   decode-compiled      issue 21: the compiled step (a CUDA graph per token), batch 1, 16K and 32K: full, SnapKV 2048,
 #                        SnapKV head-adaptive, ShadowKV at the paper's setting; the bandwidth bound beside each figure
@@ -88,8 +94,9 @@ run_slice() {
       if [ "$DRY" = 1 ]; then HEADLINE="--model $MODEL --lengths 512"; else HEADLINE="--preset gpu --lengths 16384"; fi
       $PY -m kvcompress.cli bench headline $HEADLINE --batches 2 $STEPS --out "$OUT/first/headline" 2>&1 | tee "$OUT/first/headline.txt" ;;
     quantized)
-      speed quantized/compiled --model $MODEL --methods $CODED_METHODS --budget $BUDGET --lengths $L_DEC --batches 1 $STEPS --compile
-      speed quantized/eager --model $MODEL --methods $CODED_METHODS --budget $BUDGET --lengths $L_DEC --batches 1 $STEPS ;;
+      speed quantized --model $MODEL --methods $CODED_METHODS --budget $BUDGET --lengths $L_FIRST --batches 1 $STEPS --compile ;;
+    quantized-eager)
+      speed quantized-eager --model $MODEL --methods $CODED_METHODS --budget $BUDGET --lengths $L_DEC --batches 1 $STEPS ;;
     tests)
       mkdir -p "$OUT/tests"
       $PY -c "import torch, transformers, triton; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'transformers', transformers.__version__, 'triton', triton.__version__)" | tee "$OUT/tests/versions.txt"
@@ -129,9 +136,12 @@ run_slice() {
   esac
 }
 
-SLICES="first quantized tests decode-compiled decode-compiled-long decode-eager decode-batch ask headline latency throughput-full throughput-snapkv throughput-shadowkv throughput-rows adaptive longprompt-snapkv longprompt-full longprompt-896k longprompt-1m"
+SLICES="first quantized quantized-eager tests decode-compiled decode-compiled-long decode-eager decode-batch ask headline latency throughput-full throughput-snapkv throughput-shadowkv throughput-rows adaptive longprompt-snapkv longprompt-full longprompt-896k longprompt-1m"
 if [ "${1:-}" = all ]; then
   for s in $SLICES; do run_slice "$s" || exit $?; done
 else
   run_slice "${1:?usage: gpu_check.sh SLICE|all (slices: $SLICES)}"
+  status=$?
+  if [ "${GPU_CHECK_PACK:-0}" = 1 ]; then tar czf "$OUT/$1.tgz" -C "$OUT" "$1" && rm -rf "${OUT:?}/$1"; fi
+  exit $status
 fi

@@ -10,6 +10,8 @@ from typing import ClassVar
 import pytest
 import torch
 
+import kvcompress as kvc
+
 from kvcompress.bench.speed import PRESETS, copy_bandwidth, measure, run_speed, search_limit
 from kvcompress.integrations.transformers.models import ARCHITECTURES, random_model
 from kvcompress.methods.prompt import PromptMethod
@@ -60,6 +62,19 @@ class ExhaustsMemory(PromptMethod):
 def test_out_of_memory_is_recorded_not_raised():
     row = measure(tiny_model(), ExhaustsMemory(), "exhausts", 400, 1, 2, 1, bandwidth=1e9)
     assert row["status"] == "oom" and row["prompt_tokens"] == 400
+    # the allocator's words and the line that asked: a report says where, not only that
+    assert row["error"] == "CUDA out of memory. Tried to allocate 2.00 GiB" and row["where"].startswith("methods/prompt.py:")
+
+
+def test_a_run_records_no_autograd_history():
+    # Weights that require grad (a random preset's, before 11-26): a prefill recording history keeps every layer's
+    # activations alive and skips the blocked prefill; the 11-26 H100 run ran out of memory at 32K so.
+    model = tiny_model().requires_grad_(True)
+    modes = []
+    model.register_forward_pre_hook(lambda *_: modes.append(torch.is_grad_enabled()))
+    row = measure(model, kvc.SnapKV(budget=64, window=8), "snapkv", 300, 1, 2, 1, bandwidth=1e9)
+    assert row["status"] == "ok" and len(modes) > 3 and not any(modes)
+    assert not any(p.requires_grad for p in random_model("smollm2-135m", device="cpu").parameters())
 
 
 def test_limit_search_finds_the_largest_size_that_fits():

@@ -192,7 +192,7 @@ def test_gpu_decode_step_never_synchronizes_and_matches_cpu():
             torch.cuda.synchronize()
             torch.cuda.set_sync_debug_mode("error")  # any host synchronisation raises
         try:
-            out[device] = layer.attend(step_query, layer.keys, layer.values, layer.visibility(None, 1), 0.25)
+            out[device] = layer.attend(step_query, layer.keys, layer.values, layer.slots.visibility(None, 1), 0.25)
         finally:
             torch.cuda.set_sync_debug_mode("default")
     torch.testing.assert_close(out["cuda"].cpu(), out["cpu"], rtol=1e-4, atol=1e-4)

@@ -22,7 +22,7 @@ import torch
 from tqdm import tqdm
 from transformers import PreTrainedModel, StoppingCriteria
 
-from .speed import Journal, Timer, _is_oom, _peak_bytes, _reset_peak, machine, prompt_ids, run_speed
+from .speed import Journal, Timer, _is_oom, _peak_bytes, _reset_peak, machine, oom_figures, prompt_ids, run_speed
 
 PAPER = {"source": "SnapKV (Li et al., 2024), abstract and Sec. 5.1: Mistral-7B on an A100 80GB",
          "prompt_tokens": 16384, "batch": 2, "decode_speedup": 3.6, "memory_ratio": 8.2}
@@ -76,7 +76,7 @@ def measure_generate(model: PreTrainedModel, name: str, length: int, batch: int,
     except (RuntimeError, MemoryError) as error:
         if not _is_oom(error):
             raise
-        row.update(status="oom")
+        row.update(oom_figures(error))
     finally:
         _reset_peak(device)
     return row

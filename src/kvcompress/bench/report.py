@@ -120,6 +120,7 @@ def headline(model: str, report: dict, compiled: bool, out: str) -> list[Any]:
             f"the paper: {paper['decode_speedup']}x decoding and {paper['memory_ratio']}x memory at "
             f"{paper['prompt_tokens']} tokens, batch {paper['batch']} ({paper['source']}); ceiling: transformers' step "
             "over the weights-only step",
+            *out_of_memory_lines(report["reference"] + report["rows"]),
             f"wrote {out}/headline.json, headline.png, speed.json"]
 
 
@@ -154,7 +155,14 @@ def speed(model: str, report: dict, compiled: bool, out: str) -> list[Any]:
                      f"rate {fmt(r['chunk_hit_rate'])}")
     for limit in report.get("limits", []):
         shown.append(f"{limit['method']}: {limit['kind']} = {limit['value']} ({len(limit['tried'])} runs tried)")
+    shown.extend(out_of_memory_lines(report["rows"]))
     return [*shown, f"wrote {out}/speed.json, speed.csv, decode_latency.png, throughput.png, peak_memory.png"]
+
+
+def out_of_memory_lines(rows: list[dict]) -> list[str]:
+    """One line per run that ran out of device memory: what the allocator said and where."""
+    return [f"{r['method']} {r['prompt_tokens']} x {r['batch']}: out of memory at {r['where']}: {r['error']}"
+            for r in rows if r.get("status") == "oom" and r.get("error")]
 
 
 def observations(rows: list[tuple[str, str, str]], tokens: int) -> Table:

@@ -17,6 +17,7 @@ import platform
 import resource
 import statistics
 import time
+import traceback
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -134,6 +135,15 @@ def host_available() -> int:
 
 def _is_oom(error: BaseException) -> bool:
     return isinstance(error, (torch.OutOfMemoryError, MemoryError)) or "out of memory" in str(error).lower()
+
+
+def oom_figures(error: BaseException) -> dict:
+    """A row's record of an out-of-memory run: the allocator's first line (how much it asked for, how
+    much was free) and the innermost kvcompress line that asked, so a report says where, not only that."""
+    frames = [frame for frame in traceback.extract_tb(error.__traceback__) if "kvcompress" in frame.filename]
+    where = f"{frames[-1].filename.rsplit('kvcompress', 1)[-1].lstrip('/')}:{frames[-1].lineno}" if frames else None
+    return {"status": "oom", "error": str(error).strip().splitlines()[0][:300] if str(error).strip() else
+            type(error).__name__, "where": where}
 
 
 @dataclass
@@ -295,7 +305,6 @@ def decode_figures(model: PreTrainedModel, stats: dict, times: list[float], pref
     )
 
 
-@torch.inference_mode()
 def timed_steps(runner: StepRunner, timer: Timer, run: int, wanted: int) -> list[float]:
     """Milliseconds of up to ``wanted`` decoding steps of at most ``run``: a step that compiled (a new bucket) is
     timed as compile_s, never as decoding."""
@@ -310,6 +319,9 @@ def timed_steps(runner: StepRunner, timer: Timer, run: int, wanted: int) -> list
     return times
 
 
+# inference mode: a prefill that recorded autograd history would keep every layer's activations (random
+# weights may require grad) and skip the blocked prefill: out of memory at 32K on the 8B shape (H100, 11-26)
+@torch.inference_mode()
 def measure(model: PreTrainedModel, method: Method, name: str, length: int, batch: int, steps: int, warmup: int,
             bandwidth: float, compile: Compile | None = None, prefill_tokens: int | None = PREFILL_TOKENS,
             replicate: bool = False) -> dict:
@@ -356,7 +368,7 @@ def measure(model: PreTrainedModel, method: Method, name: str, length: int, batc
     except (RuntimeError, MemoryError) as error:
         if not _is_oom(error):
             raise
-        row.update(status="oom")
+        row.update(oom_figures(error))
     finally:
         del cache, ids
         _reset_peak(device)

@@ -139,6 +139,15 @@ class KVCompressCache(Cache):
         """Whether a later prompt can continue this cache's prompt without writing to it (``continue_context``)."""
         return all(layer.is_sliding or layer.stored_prompt() is not None for layer in self.layers)
 
+    def hold_in_host(self) -> bool:
+        """Whether this is a stored context (every prompt token kept, continuable); such a store on an
+        accelerator moves to host memory (pinned): the device then holds only what each question selects."""
+        whole = self.storable() and self.stats()["tokens_kept_fraction"] == 1.0
+        held = self.device_of()
+        if whole and held is not None and held.type != "cpu":
+            self.move("cpu")
+        return whole
+
     def device_of(self) -> torch.device | None:
         """Where the layers' keys are (None: nothing held yet)."""
         held = next((layer.keys for layer in self.layers if layer.is_initialized and layer.keys is not None), None)

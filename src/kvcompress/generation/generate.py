@@ -519,11 +519,9 @@ def compress(
     feeder.cache.timings = {
         "prefill_s": time.perf_counter() - clock, "ttft_s": None, "decode_ms_per_token": None, "compile_s": None
     }
-    whole = feeder.cache.storable() and feeder.cache.stats()["tokens_kept_fraction"] == 1.0
+    whole = feeder.cache.hold_in_host()  # a stored context: in host memory on a GPU
     if auto and not whole:
         feeder.cache.forget_records()
-    if whole and model.device.type != "cpu":
-        feeder.cache.move("cpu")  # every token kept: the device holds only what each question selects
     return Result(
         text=[""] * len(rows) if is_batch else "", stats=feeder.cache.stats(), cache=feeder.cache,
         token_ids=[[] for _ in rows], rows=rows, attention_mask=feeder.mask, next_position=feeder.position

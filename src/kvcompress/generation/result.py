@@ -227,6 +227,7 @@ def load(path: str | Path, model: PreTrainedModel, tokenizer: PreTrainedTokenize
     cache = _rebuilt(_method(meta), model, tokenizer, meta["layers"], tensors)
     cache.embeds_itself, cache.observe_s = meta["embeds_itself"], meta.get("observe_s", 0.0)
     cache.timings = {key: meta["stats"].get(key) for key in cache.timings}
+    cache.hold_in_host()  # a stored context loads into host memory, as compress() leaves it
     return Result(
         text=meta["text"], stats=meta["stats"], cache=cache, token_ids=meta["token_ids"],
         rows=[Row(**row) for row in meta["rows"]],

@@ -231,12 +231,19 @@ def dense_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
         return (probs @ values.float()).view(batch, q_heads, q_len, -1).to(query.dtype)
     phase = phase_of(q_len, seq)
     if isinstance(mask, CausalBias):  # the newest q of the slots, causal, without building the mask
-        return sdpa(phase, query, keys, values, mask, scaling, enable_gqa=q_heads != kv_heads)
+        if q_heads != kv_heads and not query.is_cpu:
+            # PyTorch's fused kernels take a lower-right bias only for equal head counts; with GQA it falls back
+            # to the math kernel and a q x s float32 score tensor (16 GiB per 4K block over 32K keys on the 8B
+            # shape: the 11-26 H100 run's out-of-memory). The KV heads are repeated instead, for this call only
+            # (group x the keys and values seen: 512 MiB at 32K on the 8B shape)
+            keys, values = (t.repeat_interleave(q_heads // kv_heads, dim=1) for t in (keys, values))
+        return sdpa(phase, query, keys, values, mask, scaling, enable_gqa=q_heads != keys.shape[1])
     # stacked: KV read once per KV head, a per-head mask as is
     if q_len == 1 or (mask is not None and mask.shape[1] > 1):
         mask = None if mask is None else group_mask(mask, q_heads // kv_heads)
         out = sdpa(phase, stack_groups(query, kv_heads), keys, values, mask, scaling)
-        return out.view(batch, q_heads, q_len, dim)
+        # a fused kernel's output may be laid out [b, group * q, kv_heads, d] (CUDA's efficient kernel): no view
+        return out.reshape(batch, q_heads, q_len, dim)
     return sdpa(phase, query, keys, values, mask, scaling, is_causal=mask is None, enable_gqa=q_heads != kv_heads)
 
 

@@ -74,8 +74,8 @@ def gather_chunks_triton(store: torch.Tensor, chunks: torch.Tensor, previous_chu
 
 @triton.jit
 def _rotated_keys_kernel(
-    factor_a, factor_b, chunks, inv_freq, out, heads, region, k, rank, scale, UNIT: tl.constexpr, DIM: tl.constexpr,
-    HALF_ROT: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr
+    factor_a, factor_b, chunks, inv_freq, out, heads, region, k, scale, RANK: tl.constexpr, UNIT: tl.constexpr,
+    DIM: tl.constexpr, HALF_ROT: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr
 ):
     row = tl.program_id(0).to(tl.int64)  # b * kv_heads + h
     j = tl.program_id(1).to(tl.int64)
@@ -92,13 +92,14 @@ def _rotated_keys_kernel(
     sign = tl.where(d < HALF_ROT, -1.0, 1.0)
     plain = tl.zeros([BLOCK_U, BLOCK_D], tl.float32)
     turned = tl.zeros([BLOCK_U, BLOCK_D], tl.float32)
-    for r0 in range(0, rank, BLOCK_R):
+    # the rank is a compile-time constant: Triton 3.6's interpreter cannot bound a loop by an argument
+    for r0 in range(0, RANK, BLOCK_R):
         r = r0 + tl.arange(0, BLOCK_R)
-        a = tl.load(factor_a + (batch * region + tokens[:, None]) * rank + r[None, :],
-                    mask=real[:, None] & (r[None, :] < rank), other=0.0)
-        b_row = factor_b + ((batch * rank + r[:, None]) * heads + head) * DIM  # B is [b, r, heads, d]
-        b = tl.load(b_row + d[None, :], mask=(r[:, None] < rank) & (d[None, :] < DIM), other=0.0)
-        b_turned = tl.load(b_row + partner[None, :], mask=(r[:, None] < rank) & (d[None, :] < DIM),
+        a = tl.load(factor_a + (batch * region + tokens[:, None]) * RANK + r[None, :],
+                    mask=real[:, None] & (r[None, :] < RANK), other=0.0)
+        b_row = factor_b + ((batch * RANK + r[:, None]) * heads + head) * DIM  # B is [b, r, heads, d]
+        b = tl.load(b_row + d[None, :], mask=(r[:, None] < RANK) & (d[None, :] < DIM), other=0.0)
+        b_turned = tl.load(b_row + partner[None, :], mask=(r[:, None] < RANK) & (d[None, :] < DIM),
                            other=0.0) * sign[None, :]
         plain += tl.dot(a.to(tl.float32), b.to(tl.float32))
         turned += tl.dot(a.to(tl.float32), b_turned.to(tl.float32))
@@ -131,8 +132,8 @@ def rotated_keys_triton(factor_a: torch.Tensor, factor_b: torch.Tensor, chunks: 
         heads,
         region,
         k,
-        rank,
         float(scale),
+        RANK=rank,
         UNIT=unit,
         DIM=dim,
         HALF_ROT=inv_freq.shape[0],

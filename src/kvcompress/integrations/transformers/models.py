@@ -170,4 +170,4 @@ def random_model(architecture: str, *, dtype: torch.dtype | None = None,
         )
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
-    return model.eval()
+    return model.eval().requires_grad_(False)  # never trained: no call can record autograd history
