@@ -143,6 +143,16 @@ def ask(tokenizer: PreTrainedTokenizerBase, row: Row, question: str, context: li
     return ids[len(context) :]
 
 
+def after_context(tokenizer: PreTrainedTokenizerBase, row: Row, context: list[int]) -> list[int]:
+    """The tokens of the whole conversation ``row`` holds (its transcript, as a prompt of it would be tokenized)
+    after its stored context's tokens ``context``: every question and answer since, and the newest message."""
+    ids = tokenizer(row.transcript, add_special_tokens=not row.chat)["input_ids"]
+    if ids[: len(context)] != context:
+        raise ValueError("this conversation changes how this tokenizer splits the end of its stored context; start "
+                         "the conversation with text after the context")
+    return ids[len(context) :]
+
+
 def follow_up(tokenizer: PreTrainedTokenizerBase, row: Row, prompt: str) -> list[int]:
     """Tokens that continue a finished turn with a new user message (plus the unfed last token), or
     that ask an open turn's question."""

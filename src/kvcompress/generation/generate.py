@@ -23,6 +23,7 @@ from .conversation import (
     ChatLeads,
     Lead,
     Prompt,
+    after_context,
     ask,
     context_ids,
     context_turn,
@@ -276,6 +277,7 @@ class _Start:
     make_cache: Callable[[], KVCompressCache] | None = None
     lead: Lead | None = None  # addresses the rows in the method's observation pass over a new prompt (ChatLeads)
     context: KVCompressCache | None = None  # a stored context the prompt continues (read, never written)
+    store: Result | None = None  # the conversation's stored context (``Result.store``), passed on to its result
 
 
 def _resolve_method(method: Method | str | None) -> Method:
@@ -326,16 +328,45 @@ def _over_context(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, pr
     contexts = {i: context_ids(tokenizer, past.rows[i]) for i in set(index)}
     rows = [copy.deepcopy(past.rows[i]) for i in index]
     asked = [ask(tokenizer, row, question, contexts[i]) for row, question, i in zip(rows, questions, index)]
+    for row, i in zip(rows, index):
+        row.store_row = i
+    return _asked_over(model, tokenizer, method, past, rows, asked, contexts,
+                       len(rows) > 1 or isinstance(prompt, list))
+
+
+def _over_conversation(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompt: str | list[str],
+                       method: Method, past: Result) -> _Start:
+    """A follow-up compressed per question: everything said after the stored context (each earlier question
+    and answer, as the whole conversation's prompt would tokenize them) and the new message are prefilled over
+    the store, read and never written, and compressed by ``method`` with them: question-aware compression of
+    the whole conversation so far. A turn's cost grows with the conversation after the document, not with it."""
+    store = past.store
+    assert store is not None
+    rows = [copy.deepcopy(row) for row in past.rows]
+    contexts = {row.store_row: context_ids(tokenizer, store.rows[row.store_row]) for row in rows}
+    asked = []
+    for row, text in zip(rows, per_row(prompt, len(rows), "prompt")):
+        if not isinstance(text, str) or not text.strip():
+            raise InvalidParameterError("give each follow-up as a non-empty string (a list of them for a batch)")
+        follow_up(tokenizer, row, text)
+        asked.append(after_context(tokenizer, row, contexts[row.store_row]))
+    return _asked_over(model, tokenizer, method, store, rows, asked, contexts, len(rows) > 1)
+
+
+def _asked_over(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, method: Method, store: Result,
+                rows: list[Row], asked: list[list[int]], contexts: dict[int, list[int]], is_batch: bool) -> _Start:
+    """A fresh cache of ``method`` whose prompt continues rows ``row.store_row`` of ``store`` with each row's
+    ``asked`` tokens (right-aligned), to be compressed with them."""
+    index = [row.store_row for row in rows]
     width = max(len(ids) for ids in asked)
     chosen = torch.tensor(index, device=model.device)
     cache = method.make_cache(model, tokenizer)
     spans = joined_spans(cache.span_table, [contexts[i] + ids for i, ids in zip(index, asked)],
-                         past.attention_mask.shape[-1] + width)
-    cache.continue_context(past.cache, chosen, [width - len(ids) for ids in asked],
+                         store.attention_mask.shape[-1] + width)
+    cache.continue_context(store.cache, chosen, [width - len(ids) for ids in asked],
                            None if spans is None else spans.to(model.device))
-    return _Start(cache, rows,
-                  len(rows) > 1 or isinstance(prompt, list), [[ids] for ids in asked], past.attention_mask[chosen],
-                  past.next_position[chosen], context=past.cache)
+    return _Start(cache, rows, is_batch, [[ids] for ids in asked], store.attention_mask[chosen],
+                  store.next_position[chosen], context=store.cache, store=store)
 
 
 def _start(model, tokenizer, prompt, method, question, past, record) -> _Start:
@@ -346,8 +377,14 @@ def _start(model, tokenizer, prompt, method, question, past, record) -> _Start:
                                "continue a conversation with the model that began it (or kvc.load it for this one)")
         if question is not None:
             raise InvalidParameterError("with past=, give the question as prompt (question= splits a new prompt)")
+        if method is not None and past.store is not None:
+            return _over_conversation(model, tokenizer, prompt, _resolve_method(method), past)
         if method is not None:
             return _over_context(model, tokenizer, prompt, _resolve_method(method), past)
+        if all(row.open_turn for row in past.rows) and type(past.cache.method) is FullKV and past.cache.storable():
+            # a whole stored context asked as it is: its tokens continued in a new cache of its method, the store
+            # kept for the next question (the answer is the one appending to the store would give)
+            return _over_context(model, tokenizer, prompt, past.cache.method, past)
         if past.cache.get_seq_length() != past.attention_mask.shape[-1]:
             raise CacheMisuseError(
                 "kvcompress: this conversation was already continued by another generate(past=...) call, which "
@@ -359,7 +396,8 @@ def _start(model, tokenizer, prompt, method, question, past, record) -> _Start:
         ]
         if past.cache.device_of() not in (None, model.device):  # a context stored in host memory, continued as it is
             past.cache.move(model.device)
-        return _Start(past.cache, past.rows, len(past.rows) > 1, chunk_lists, past.attention_mask, past.next_position)
+        return _Start(past.cache, past.rows, len(past.rows) > 1, chunk_lists, past.attention_mask, past.next_position,
+                      store=past.store)
     if record is not None:
         record.cache.check_model(model, "use a prefill record with the model that prefilled it")
         if prompt is not None or question is not None:
@@ -422,6 +460,7 @@ def _result(begin: _Start, feeder: _Feeder, decoded: Decoded, tokenizer: PreTrai
         rows=begin.rows,
         attention_mask=feeder.mask,
         next_position=feeder.position,
+        store=begin.store,
     )
 
 

@@ -51,6 +51,7 @@ class Row:
     generated: list[int] = field(default_factory=list)
     pending: int | None = None  # last sampled token, not yet fed to the cache
     open_turn: bool = False  # the last user message (a compressed context) waits for its question
+    store_row: int | None = None  # the row of the stored context (``Result.store``) this conversation is asked over
 
 
 @dataclass
@@ -64,6 +65,9 @@ class Result:
     rows: list[Row]
     attention_mask: torch.Tensor  # [batch, logical length] of everything fed so far
     next_position: torch.Tensor  # [batch] RoPE position of each row's next real token
+    # the stored context this conversation's turns are asked over (read, never written): a follow-up with a
+    # method is compressed with the whole conversation over it
+    store: Result | None = None
 
     def save(self, path: str | Path) -> None:
         """Write this conversation and its cache to ``path`` (see the module docstring); the model is
@@ -110,7 +114,7 @@ class Result:
     def copy(self) -> Result:
         """An independent copy of this conversation and its cache (what ``save`` then ``load`` would
         give, without a file): each question asked of its own copy of one compressed context sees
-        none of the others."""
+        none of the others. The stored context it is asked over (``store``), never written, is shared."""
         model = self.cache.model()
         if model is None:
             raise CacheFileError("the model this cache was made for is gone; copy while it is loaded")
@@ -123,7 +127,7 @@ class Result:
         return Result(
             text=copy.deepcopy(self.text), stats=dict(self.stats), cache=cache, token_ids=copy.deepcopy(self.token_ids),
             rows=copy.deepcopy(self.rows), attention_mask=self.attention_mask.clone(),
-            next_position=self.next_position.clone()
+            next_position=self.next_position.clone(), store=self.store
         )
 
 
