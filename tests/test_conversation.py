@@ -8,6 +8,11 @@ positions and give the same tokens, at every turn. The store is read, never writ
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -107,3 +112,34 @@ def test_asking_a_store_without_a_method_does_not_use_it_up(model_and_store):
     method = kvc.SnapKV(budget=48, window=8)
     asked = kvc.generate(model, tok, TURNS[0], past=store, method=method, max_new_tokens=6)
     same_as_whole_conversation(model, tok, asked, method)
+
+
+CONTINUE_ELSEWHERE = """
+import json, sys
+import kvcompress as kvc
+from tests.fixtures import char_tokenizer, tiny_model
+model, tok = tiny_model(), char_tokenizer()
+loaded = kvc.load(sys.argv[1], model, tok)
+turn = kvc.generate(model, tok, sys.argv[2], past=loaded, method=kvc.SnapKV(budget=48, window=8), max_new_tokens=6)
+print(json.dumps({"tokens": turn.token_ids, "messages": turn.rows[0].messages, "stored": loaded.store is not None}))
+"""
+
+
+def test_a_saved_conversation_continues_in_another_process(model_and_store, tmp_path):
+    model, tok, store = model_and_store
+    method = kvc.SnapKV(budget=48, window=8)
+    turn = kvc.generate(model, tok, TURNS[0], past=store, method=method, max_new_tokens=6)
+    turn = kvc.generate(model, tok, TURNS[1], past=turn, method=method, max_new_tokens=6)
+    turn.save(tmp_path / "chat.kvc")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [".", "src", os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-c", CONTINUE_ELSEWHERE, str(tmp_path / "chat.kvc"), TURNS[2]],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    elsewhere = json.loads(done.stdout)
+    here = kvc.generate(model, tok, TURNS[2], past=turn, method=method, max_new_tokens=6)
+    assert elsewhere == {"tokens": here.token_ids, "messages": here.rows[0].messages, "stored": True}
+    # loaded twice: the same conversation, its store in host memory once more
+    again = kvc.load(tmp_path / "chat.kvc", model, tok)
+    assert again.store.cache.stats()["tokens_kept_fraction"] == 1.0 and all(r.open_turn for r in again.store.rows)
+    same_as_whole_conversation(model, tok, kvc.generate(model, tok, TURNS[2], past=again, method=method,
+                                                        max_new_tokens=6), method)

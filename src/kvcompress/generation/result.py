@@ -4,7 +4,7 @@
 the offload store of ShadowKV or Quest with ``offload=True``), the conversation's mask and positions,
 and as metadata the format version, the method and its settings, a fingerprint of the model's
 config and weights, each layer's other state and the conversation itself (messages, transcript,
-tokens). ``load(path, model, tokenizer)`` makes a fresh cache of that method for ``model``, puts the
+tokens); a conversation asked over a stored context (``Result.store``) holds that context too. ``load(path, model, tokenizer)`` makes a fresh cache of that method for ``model``, puts the
 saved state into it and returns a ``Result`` that ``generate(..., past=...)`` continues exactly as the
 one it was saved from. A file from another model, another format version, a method not registered
 here, or a damaged or truncated file is refused with ``CacheFileError``.
@@ -34,6 +34,9 @@ from ..methods import METHODS, Method, field_specs
 
 FORMAT, VERSION = "kvcompress-cache", 3  # the version changes only when docs/file-format.md does
 READS = (2, 3)  # version 2: the same entries without codecs, and no checksum (loaded unchecked, with a warning)
+
+
+STORE_PREFIX = "store."  # a conversation's stored context: its entries under this prefix, its header under "store"
 
 
 class UncheckedFileWarning(UserWarning):
@@ -79,29 +82,17 @@ class Result:
         target = Path(path)
         if not target.parent.is_dir():
             raise FileNotFoundError(f"cannot save to {target}: the folder {target.parent} does not exist")
-        tensors, layers = cache_state(self.cache)
-        tensors["conversation.attention_mask"] = self.attention_mask.bool().cpu()  # one byte per token fed
-        tensors["conversation.next_position"] = self.next_position.cpu()
-        method = self.cache.method
-        checksum = {"algorithm": "sha256", "digest": tensor_digest(tensors)}
+        tensors, conversation = _entries(self)
+        if self.store is not None:  # the stored context the turns are asked over, its entries under "store."
+            stored, conversation["store"] = _entries(self.store)
+            tensors.update({f"{STORE_PREFIX}{key}": tensor for key, tensor in stored.items()})
         meta = {
             "format": FORMAT,
             "version": VERSION,
             "written_by": f"kvcompress {package_version()}",
             "model": model_fingerprint(model),
-            "method": {
-                "name": method.name,
-                "fields": {spec.name: getattr(method, spec.name)
-                           for spec in field_specs(type(method))}
-            },
-            "layers": layers,
-            "rows": [asdict(row) for row in self.rows],
-            "text": self.text,
-            "token_ids": self.token_ids,
-            "stats": self.stats,
-            "embeds_itself": self.cache.embeds_itself,
-            "observe_s": self.cache.observe_s,
-            "checksum": checksum,
+            **conversation,
+            "checksum": {"algorithm": "sha256", "digest": tensor_digest(tensors)},
         }
         staging = target.with_name(f".{target.name}.{os.getpid()}.partial")
         try:
@@ -129,6 +120,41 @@ class Result:
             rows=copy.deepcopy(self.rows), attention_mask=self.attention_mask.clone(),
             next_position=self.next_position.clone(), store=self.store
         )
+
+
+def _entries(result: Result) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """A conversation's tensors (its cache's, its mask and positions) and its metadata (the method, the layers'
+    plain values, the conversation itself), as a file holds them (docs/file-format.md)."""
+    tensors, layers = cache_state(result.cache)
+    tensors["conversation.attention_mask"] = result.attention_mask.bool().cpu()  # one byte per token fed
+    tensors["conversation.next_position"] = result.next_position.cpu()
+    method = result.cache.method
+    return tensors, {
+        "method": {"name": method.name,
+                   "fields": {spec.name: getattr(method, spec.name) for spec in field_specs(type(method))}},
+        "layers": layers,
+        "rows": [asdict(row) for row in result.rows],
+        "text": result.text,
+        "token_ids": result.token_ids,
+        "stats": result.stats,
+        "embeds_itself": result.cache.embeds_itself,
+        "observe_s": result.cache.observe_s,
+    }
+
+
+def _restored(meta: dict[str, Any], tensors: dict[str, torch.Tensor], model: PreTrainedModel,
+              tokenizer: PreTrainedTokenizerBase | None) -> Result:
+    """The conversation ``_entries`` wrote, its cache rebuilt for ``model`` (a stored context in host memory)."""
+    cache = _rebuilt(_method(meta), model, tokenizer, meta["layers"], tensors)
+    cache.embeds_itself, cache.observe_s = meta["embeds_itself"], meta.get("observe_s", 0.0)
+    cache.timings = {key: meta["stats"].get(key) for key in cache.timings}
+    cache.hold_in_host()  # a stored context loads into host memory, as compress() leaves it
+    return Result(
+        text=meta["text"], stats=meta["stats"], cache=cache, token_ids=meta["token_ids"],
+        rows=[Row(**row) for row in meta["rows"]],
+        attention_mask=tensors["conversation.attention_mask"].long().to(model.device),
+        next_position=tensors["conversation.next_position"].to(model.device)
+    )
 
 
 def _rebuilt(method: Method, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | TokenSpans | None,
@@ -228,13 +254,9 @@ def load(path: str | Path, model: PreTrainedModel, tokenizer: PreTrainedTokenize
     except Exception as error:  # noqa: BLE001 - as in read_header
         raise CacheFileError(f"{path} is not a whole kvcompress cache file ({type(error).__name__}: {error})") from None
     check_digest(path, meta, tensors)
-    cache = _rebuilt(_method(meta), model, tokenizer, meta["layers"], tensors)
-    cache.embeds_itself, cache.observe_s = meta["embeds_itself"], meta.get("observe_s", 0.0)
-    cache.timings = {key: meta["stats"].get(key) for key in cache.timings}
-    cache.hold_in_host()  # a stored context loads into host memory, as compress() leaves it
-    return Result(
-        text=meta["text"], stats=meta["stats"], cache=cache, token_ids=meta["token_ids"],
-        rows=[Row(**row) for row in meta["rows"]],
-        attention_mask=tensors["conversation.attention_mask"].long().to(model.device),
-        next_position=tensors["conversation.next_position"].to(model.device)
-    )
+    own = {key: tensor for key, tensor in tensors.items() if not key.startswith(STORE_PREFIX)}
+    result = _restored(meta, own, model, tokenizer)
+    if "store" in meta:
+        stored = {key[len(STORE_PREFIX):]: t for key, t in tensors.items() if key.startswith(STORE_PREFIX)}
+        result.store = _restored(meta["store"], stored, model, tokenizer)
+    return result
