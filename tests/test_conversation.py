@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import kvcompress as kvc
+from kvcompress.generation.result import read_header
 from tests.fixtures import char_tokenizer, random_text, tiny_model
 
 DOCUMENT = [{"role": "user", "content": random_text(400, seed=11)}]
@@ -131,6 +132,10 @@ def test_a_saved_conversation_continues_in_another_process(model_and_store, tmp_
     turn = kvc.generate(model, tok, TURNS[0], past=store, method=method, max_new_tokens=6)
     turn = kvc.generate(model, tok, TURNS[1], past=turn, method=method, max_new_tokens=6)
     turn.save(tmp_path / "chat.kvc")
+    store.save(tmp_path / "store.kvc")
+    # a file holding a store is version 4 (an earlier reader refuses it by version); any other stays version 3
+    assert (read_header(tmp_path / "chat.kvc")["version"], read_header(tmp_path / "store.kvc")["version"]) == (4, 3)
+    assert "store_row" not in read_header(tmp_path / "store.kvc")["rows"][0]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [".", "src", os.environ.get("PYTHONPATH")]))}
     done = subprocess.run([sys.executable, "-c", CONTINUE_ELSEWHERE, str(tmp_path / "chat.kvc"), TURNS[2]],
                           capture_output=True, text=True, env=env, timeout=300)

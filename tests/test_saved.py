@@ -74,7 +74,7 @@ def test_files_that_cannot_be_loaded_are_refused_by_name(tmp_path):
     for change, message in (({
             "version": 1, "written_by": "kvcompress 0.0.9"
     }, r"other.kvc is in kvcompress cache format version 1 \(written by kvcompress 0.0.9\); this kvcompress \S+ reads "
-                             r"versions 2 and 3: compress the document again with this version"),
+                             r"versions 2, 3 and 4: compress the document again with this version"),
                             ({"format": "other"},
                              r"other.kvc is not a kvcompress cache file \(its format is 'other'\)"),
                             ({"method": {"name": "nosuch", "fields": {}}},

@@ -33,7 +33,10 @@ from ..io.saved import CacheFileError, cache_state, model_fingerprint, restore_c
 from ..methods import METHODS, Method, field_specs
 
 FORMAT, VERSION = "kvcompress-cache", 3  # the version changes only when docs/file-format.md does
-READS = (2, 3)  # version 2: the same entries without codecs, and no checksum (loaded unchecked, with a warning)
+# version 4: version 3 plus a conversation's stored context (header "store", rows' "store_row"), written only by a
+# file that holds one, so a kvcompress that reads 3 refuses it by version and still reads every other file
+STORE_VERSION = 4
+READS = (2, 3, 4)  # version 2: the same entries without codecs, and no checksum (loaded unchecked, with a warning)
 
 
 STORE_PREFIX = "store."  # a conversation's stored context: its entries under this prefix, its header under "store"
@@ -88,7 +91,7 @@ class Result:
             tensors.update({f"{STORE_PREFIX}{key}": tensor for key, tensor in stored.items()})
         meta = {
             "format": FORMAT,
-            "version": VERSION,
+            "version": VERSION if self.store is None else STORE_VERSION,
             "written_by": f"kvcompress {package_version()}",
             "model": model_fingerprint(model),
             **conversation,
@@ -133,7 +136,7 @@ def _entries(result: Result) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         "method": {"name": method.name,
                    "fields": {spec.name: getattr(method, spec.name) for spec in field_specs(type(method))}},
         "layers": layers,
-        "rows": [asdict(row) for row in result.rows],
+        "rows": [{k: v for k, v in asdict(row).items() if k != "store_row" or v is not None} for row in result.rows],
         "text": result.text,
         "token_ids": result.token_ids,
         "stats": result.stats,
@@ -185,10 +188,10 @@ def read_header(path: str | Path) -> dict[str, Any]:
         raise CacheFileError(f"{path} is not a kvcompress cache file (its format is {meta.get('format')!r})")
     if meta.get("version") not in READS:
         writer = meta.get("written_by", "an earlier kvcompress")
+        versions = f"{', '.join(map(str, READS[:-1]))} and {READS[-1]}"
         raise CacheFileError(
             f"{path} is in kvcompress cache format version {meta.get('version')} (written by {writer}); this "
-            f"kvcompress {package_version()} reads versions {' and '.join(map(str, READS))}: compress the document "
-            "again with this version")
+            f"kvcompress {package_version()} reads versions {versions}: compress the document again with this version")
     name = meta["method"]["name"]
     if name not in METHODS:
         raise CacheFileError(
