@@ -4,9 +4,10 @@
 the offload store of ShadowKV or Quest with ``offload=True``), the conversation's mask and positions,
 and as metadata the format version, the method and its settings, a fingerprint of the model's
 config and weights, each layer's other state and the conversation itself (messages, transcript,
-tokens); a conversation asked over a stored context (``Result.store``) holds that context too. ``load(path, model, tokenizer)`` makes a fresh cache of that method for ``model``, puts the
-saved state into it and returns a ``Result`` that ``generate(..., past=...)`` continues exactly as the
-one it was saved from. A file from another model, another format version, a method not registered
+tokens); a conversation asked over a stored context (``Result.store``) holds that context too.
+``load(path, model, tokenizer)`` makes a fresh cache of that method for ``model``, puts the saved
+state into it and returns a ``Result`` that ``generate(..., past=...)`` continues exactly as the one
+it was saved from. A file from another model, another format version, a method not registered
 here, or a damaged or truncated file is refused with ``CacheFileError``.
 """
 
