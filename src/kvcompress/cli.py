@@ -43,7 +43,7 @@ from .generation.result import load, saved_method
 from .integrations.transformers.models import ARCHITECTURES, fetch_default_model, load_model, random_model
 from .io.saved import CacheFileError
 from .io.wheels import NotFetchedError
-from .methods import METHODS, FieldSpec, InvalidParameterError, Method, field_specs, method_class
+from .methods import METHODS, FieldSpec, FullKV, InvalidParameterError, Method, field_specs, method_class
 from .serving.settings import (
     ENGINE_ENV,
     SERVABLE,
@@ -209,31 +209,43 @@ def _past_method(args: argparse.Namespace) -> Method | None:
 def _cmd_generate(args: argparse.Namespace, console: Console) -> int:
     if args.save:
         check_output("--save", args.save, args.force, {"--prompt-file": args.prompt_file, "--past": args.past})
+    if args.stream and args.json:
+        raise InvalidParameterError("--stream prints the answer as it comes and --json prints it once: give one")
+    options = {"max_new_tokens": args.max_new_tokens, "compile": args.compile, "temperature": args.temperature,
+               "top_p": args.top_p, "seed": args.seed}
+    quiet = args.json or args.stream
     # a saved context: continued with its method, or each question compressed over it with --method
     if args.past is not None:
         question = _past_question(args)
         method = _past_method(args)
         model, tokenizer = load_model(args.model)
         past = load(args.past, model, tokenizer)
-        with contextlib.nullcontext() if args.json else console.status(f"answering over {args.past}"):
-            result = generate(model, tokenizer, question, past=past, method=method, max_new_tokens=args.max_new_tokens,
-                              compile=args.compile)
+        with contextlib.nullcontext() if quiet else console.status(f"answering over {args.past}"):
+            result = generate(model, tokenizer, question, past=past, method=method, streamer=_streamer(args, tokenizer),
+                              **options)
     else:
         prompt, question = _prompt_of(args), _question_of(args)
         method = method_from_args(args.method or DEFAULT_METHODS["generate"], args)
         model, tokenizer = load_model(args.model)
         messages = prompt if args.raw else [{"role": "user", "content": prompt}]
-        with contextlib.nullcontext() if args.json else console.status(f"generating with {method.describe()}"):
-            result = generate(model, tokenizer, messages, method=method, max_new_tokens=args.max_new_tokens,
-                              question=question, compile=args.compile)
+        with contextlib.nullcontext() if quiet else console.status(f"generating with {method.describe()}"):
+            result = generate(model, tokenizer, messages, method=method, question=question,
+                              streamer=_streamer(args, tokenizer), **options)
     if args.save:
         result.save(args.save)
     if args.json:
         print(json.dumps({"text": result.text, **result.stats}))
     else:
-        console.print(result.text)
+        if not args.stream:
+            console.print(result.text)
         console.print(report.stats_table(result.stats))
     return 0
+
+
+def _streamer(args: argparse.Namespace, tokenizer: Any) -> Any:
+    from .chat import Printer  # noqa: PLC0415 - the interactive front, loaded when asked for
+
+    return Printer(tokenizer, sys.stdout) if args.stream else None
 
 
 def _cmd_compress(args: argparse.Namespace, console: Console) -> int:
@@ -490,8 +502,53 @@ def _generate_command(sub: argparse._SubParsersAction, chosen: str | None) -> No
         "that method instead: the question is prefilled over the stored context and compressed with it")
     gen.add_argument("--save", help="write the conversation and its compressed cache to this file")
     gen.add_argument("--force", action="store_true", help="let --save replace an existing file")
+    gen.add_argument("--stream", action="store_true", help="print the answer as its tokens come")
+    _sampling_flags(gen)
     add_method_flags(gen, "generate", chosen)
     gen.set_defaults(run=_cmd_generate, interrupted=lambda args: _unwritten(args.save))
+
+
+def _sampling_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="sample at this temperature instead of the greedy choice (0: greedy)")
+    parser.add_argument("--top-p", type=float, default=1.0,
+                        help="sample from the most probable tokens until their probability reaches this")
+    parser.add_argument("--seed", type=int, help="the sampling seed (the same seed repeats an answer)")
+
+
+def _chat_command(sub: argparse._SubParsersAction, chosen: str | None) -> None:
+    """``chat``: a conversation over a document, every turn compressed per question."""
+    names = ", ".join(METHODS)
+    chat = _command(sub, "chat", "talk about a document: every message compressed with the conversation so far")
+    chat.add_argument("--method", help=f"one of: {names} (default {DEFAULT_METHODS['generate']})")
+    chat.add_argument("--model", help="model folder or name (default: the embedded SmolLM2-135M-Instruct)")
+    chat.add_argument("--prompt-file", help="the document (UTF-8), stored once")
+    chat.add_argument("--past", help="a stored document (`kvcompress compress --method full`) or a saved chat")
+    chat.add_argument("--raw", action="store_true", help="store the document as raw text, without the chat template")
+    chat.add_argument("--max-new-tokens", type=int, default=256, help="tokens per answer at most")
+    _sampling_flags(chat)
+    add_method_flags(chat, "generate", chosen)
+    chat.set_defaults(run=_cmd_chat)
+
+
+def _cmd_chat(args: argparse.Namespace, console: Console) -> int:
+    from .chat import chat  # noqa: PLC0415 - the interactive front, loaded when asked for
+
+    if (args.prompt_file is None) == (args.past is None):
+        raise InvalidParameterError("give the document as --prompt-file or a stored one as --past (one of them)")
+    method = method_from_args(args.method or DEFAULT_METHODS["generate"], args)
+    model, tokenizer = load_model(args.model)
+    if args.past is not None:
+        opened = load(args.past, model, tokenizer)
+    else:
+        document = _read_prompt(args.prompt_file)
+        if not document.strip():
+            raise InvalidParameterError(f"--prompt-file {args.prompt_file} is empty; give the document to talk about")
+        with console.status("storing the document"):
+            opened = compress(model, tokenizer, document if args.raw else [{"role": "user", "content": document}],
+                              method=FullKV())
+    sampling = {"temperature": args.temperature, "top_p": args.top_p, "seed": args.seed}
+    return chat(model, tokenizer, opened, method, args.max_new_tokens, sampling)
 
 
 def _compress_command(sub: argparse._SubParsersAction, chosen: str | None) -> None:
@@ -718,6 +775,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_command(sub, chosen)
+    _chat_command(sub, chosen)
     _compress_command(sub, chosen)
     _methods_command(sub)
     _demo_command(sub)

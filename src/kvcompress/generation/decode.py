@@ -25,6 +25,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch._dynamo.utils import counters
@@ -47,9 +48,19 @@ class Compile:
     cuda_graph: bool = True
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """Sampled decoding instead of greedy: logits divided by ``temperature`` (> 0), the smallest set of tokens whose
+    probability reaches ``top_p`` (nucleus sampling), drawn with ``seed`` (None: a random seed)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+
+
 @dataclass
 class DecodeState:
-    """What greedy decoding carries from step to step, on the device."""
+    """What decoding carries from step to step, on the device."""
 
     token: torch.Tensor  # [b]: each row's last produced token, fed by the next step
     position: torch.Tensor  # [b]: RoPE position of each row's next real token
@@ -58,25 +69,59 @@ class DecodeState:
     fed_real: torch.Tensor  # [b, max_new_tokens - 1]: whether each fed token was real
     count: torch.Tensor  # [1]: tokens produced so far
     eos: torch.Tensor  # [e]: the end tokens
+    # sampling (None: greedy): each step's uniform noise [b, vocab], drawn by the host before the step (no
+    # generator inside a compiled step), and the temperature and top-p as [1] tensors (no recompile per value)
+    noise: torch.Tensor | None = None
+    temperature: torch.Tensor | None = None
+    top_p: torch.Tensor | None = None
 
     @classmethod
     def start(cls, logits: torch.Tensor, position: torch.Tensor, max_new_tokens: int, eos: set[int],
-              buckets: bool = False) -> DecodeState:
-        """The state after the prompt: ``logits [b, vocab]`` give each row's first token; room for
-        ``max_new_tokens`` (with ``buckets``, rounded to ``capacity_bucket``, as compiled decoding needs)."""
-        device = logits.device
+              buckets: bool = False, sampling: Sampling | None = None,
+              generator: torch.Generator | None = None) -> DecodeState:
+        """The state after the prompt: ``logits [b, vocab]`` give each row's first token (greedy, or drawn with
+        ``sampling`` from ``generator``); room for ``max_new_tokens`` (with ``buckets``, rounded to
+        ``capacity_bucket``, as compiled decoding needs)."""
+        device, batch = logits.device, logits.shape[0]
         width = capacity_bucket(max_new_tokens) if buckets else max_new_tokens
-        token = logits.argmax(dim=-1)
         eos_ids = torch.tensor(sorted(eos), dtype=torch.long, device=device)
-        produced = torch.zeros(token.shape[0], width, dtype=torch.long, device=device)
-        produced[:, 0] = token
-        fed_real = torch.zeros(token.shape[0], width - 1, dtype=torch.bool, device=device)
+        produced = torch.zeros(batch, width, dtype=torch.long, device=device)
+        fed_real = torch.zeros(batch, width - 1, dtype=torch.bool, device=device)
         count = torch.ones(1, dtype=torch.long, device=device)
-        return cls(token, position.clone(), torch.isin(token, eos_ids), produced, fed_real, count, eos_ids)
+        token = torch.zeros(batch, dtype=torch.long, device=device)
+        state = cls(token, position.clone(), token.bool(), produced, fed_real, count, eos_ids)
+        if sampling is not None:
+            state.noise = torch.empty(logits.shape, dtype=torch.float32, device=device)
+            state.temperature = torch.tensor([float(sampling.temperature)], device=device)
+            state.top_p = torch.tensor([float(sampling.top_p)], device=device)
+            state.draw(generator)
+        token.copy_(next_token(logits, state))
+        produced[:, 0] = token
+        state.finished.copy_(torch.isin(token, eos_ids))
+        return state
+
+    def draw(self, generator: torch.Generator | None) -> None:
+        """The next step's noise (sampling only)."""
+        if self.noise is not None:
+            torch.rand(self.noise.shape, generator=generator, device=self.noise.device, out=self.noise)
+
+
+def next_token(logits: torch.Tensor, state: DecodeState) -> torch.Tensor:
+    """Each row's next token from ``logits [b, vocab]``: the argmax, or with sampling a draw from the nucleus
+    (the most probable tokens until their probability reaches top-p) of the temperature-scaled distribution, by the
+    Gumbel-max trick over the state's noise (the same draw for the same noise: a seed repeats an answer)."""
+    if state.noise is None:
+        return logits.argmax(dim=-1)
+    ordered, order = (logits.float() / state.temperature).sort(dim=-1, descending=True)
+    probs = ordered.softmax(dim=-1)
+    ordered = ordered.masked_fill(probs.cumsum(dim=-1) - probs > state.top_p, float("-inf"))  # past the nucleus
+    gumbel = -torch.log(-torch.log(state.noise.clamp(1e-10, 1 - 1e-7)))
+    return order.gather(-1, (ordered + gumbel).argmax(dim=-1, keepdim=True)).squeeze(-1)
 
 
 def greedy_step(model: PreTrainedModel, cache: KVCompressCache, state: DecodeState) -> None:
-    """Feed each row's last token (as padding where the row finished) and record the next greedy token."""
+    """Feed each row's last token (as padding where the row finished) and record the next one (greedy, or drawn
+    from the state's noise: ``next_token``)."""
     real = ~state.finished
     fed_position = (state.position + real.long() - 1).clamp(min=0)  # padding: the position before (never attended)
     logits = model(
@@ -88,7 +133,7 @@ def greedy_step(model: PreTrainedModel, cache: KVCompressCache, state: DecodeSta
         use_cache=True,
         logits_to_keep=1,
     ).logits
-    token = logits[:, -1].argmax(dim=-1)
+    token = next_token(logits[:, -1], state)
     state.fed_real.index_copy_(1, state.count - 1, real[:, None])
     state.produced.index_copy_(1, state.count, token[:, None])
     state.count.add_(1)
@@ -183,6 +228,17 @@ def check_capturable(cache: KVCompressCache) -> None:
             )
 
 
+def _stream(streamer: Any, state: DecodeState, column: int, ended: torch.Tensor) -> torch.Tensor:
+    """Give ``streamer`` the tokens of step ``column`` of the rows that had not produced an end token before
+    it; returns which rows have ended now."""
+    if streamer is None:
+        return ended
+    tokens, ended_now = state.produced[:, column].cpu(), ended | state.finished.cpu()
+    if not bool(ended.all()):
+        streamer.put(tokens[~ended])
+    return ended_now
+
+
 @dataclass
 class Decoded:
     """What ``greedy_decode`` returns."""
@@ -199,22 +255,34 @@ class Decoded:
 
 
 def greedy_decode(model: PreTrainedModel, cache: KVCompressCache, logits: torch.Tensor, position: torch.Tensor,
-                  max_new_tokens: int, eos: set[int], compile: Compile | None) -> Decoded:
-    """Greedy decoding after the prompt (``logits [b, vocab]``, next positions ``position [b]``) until
-    every row produced an end token or ``max_new_tokens`` are produced. Compiled, every shape the
-    request sets is rounded to a bucket, so later requests in it reuse the graph."""
+                  max_new_tokens: int, eos: set[int], compile: Compile | None, sampling: Sampling | None = None,
+                  streamer: Any = None) -> Decoded:
+    """Decoding after the prompt (``logits [b, vocab]``, next positions ``position [b]``), greedy or with
+    ``sampling``, until every row produced an end token or ``max_new_tokens`` are produced. Compiled, every
+    shape the request sets is rounded to a bucket, so later requests in it reuse the graph. ``streamer``
+    (transformers' ``TextStreamer`` contract: ``put(tokens)``, ``end()``) is given each step's tokens as they
+    come, up to each row's end token (a read from the device per step)."""
     buckets = compile is not None
-    state = DecodeState.start(logits, position, max_new_tokens, eos, buckets)
+    generator = None
+    if sampling is not None:
+        generator = torch.Generator(device=logits.device)
+        generator.manual_seed(sampling.seed) if sampling.seed is not None else generator.seed()
+    state = DecodeState.start(logits, position, max_new_tokens, eos, buckets, sampling, generator)
     if buckets:
         check_capturable(cache)
     cache.reserve(max_new_tokens - 1, buckets)
     runner = StepRunner(model, cache, state, compile)
     steps = 0
     done = bool(state.finished.all())
+    streamed = _stream(streamer, state, 0, torch.zeros_like(state.finished))
     while steps < max_new_tokens - 1 and not done:
+        state.draw(generator)
         runner.step()
         steps += 1
+        streamed = _stream(streamer, state, steps, streamed)
         done = runner.all_finished()
+    if streamer is not None:
+        streamer.end()
     produced, finished = state.produced[:, : steps + 1].tolist(), state.finished.tolist()
     tokens = []
     for row in produced:

@@ -12,6 +12,7 @@ import copy
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -33,7 +34,7 @@ from .conversation import (
     per_row,
     prompt_rows,
 )
-from .decode import Compile, Decoded, greedy_decode
+from .decode import Compile, Decoded, Sampling, greedy_decode
 from .result import Result, Row
 
 # padded prompt tokens one prefill forward takes at most: a larger batch is prefilled in groups of rows
@@ -427,6 +428,17 @@ def _check_settings(max_new_tokens: int, compile: bool | Compile, prefill_tokens
             f"prefill_tokens={prefill_tokens!r} is invalid; give an integer >= 1, or None for one prefill of all rows")
 
 
+def _sampling(temperature: float, top_p: float, seed: int | None) -> Sampling | None:
+    """The sampling settings (None: greedy), each refused in one line naming its value and range."""
+    if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or not 0 <= temperature <= 100:
+        raise InvalidParameterError(f"temperature={temperature!r} is invalid; give a number in [0, 100] (0: greedy)")
+    if not isinstance(top_p, (int, float)) or isinstance(top_p, bool) or not 0 < top_p <= 1:
+        raise InvalidParameterError(f"top_p={top_p!r} is invalid; give a number in (0, 1]")
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):
+        raise InvalidParameterError(f"seed={seed!r} is invalid; give an integer >= 0, or None")
+    return Sampling(float(temperature), float(top_p), seed) if temperature > 0 else None
+
+
 def _result(begin: _Start, feeder: _Feeder, decoded: Decoded, tokenizer: PreTrainedTokenizerBase, eos: set[int],
             prefill_s: float, decode_s: float, compiled: bool) -> Result:
     """The conversation after a decode: each row's tokens and text, the cache's stats and the run's timings."""
@@ -476,6 +488,10 @@ def generate(
     prefill: Prefill | None = None,
     compile: bool | Compile = False,
     prefill_tokens: int | None = PREFILL_TOKENS,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    streamer: Any = None,
 ) -> Result:
     """Greedy generation with ``method`` (a method, or its name) applied to the prompt's KV cache.
 
@@ -489,8 +505,11 @@ def generate(
     replayed as a CUDA graph), or a ``Compile`` with other options; the prompt runs eagerly.
     ``prefill_tokens``: the most padded prompt tokens one prefill forward takes; a larger batch is
     prefilled in groups of rows, each compressed before the next (``prefill_groups``; None: all rows
-    at once)."""
+    at once). ``temperature`` > 0 samples instead of the greedy choice (``top_p``: nucleus sampling;
+    ``seed``: the same seed repeats an answer). ``streamer``: given the prompt's tokens, then each new
+    token as it comes (transformers' ``TextStreamer`` works: ``put``, ``end``)."""
     _check_settings(max_new_tokens, compile, prefill_tokens)
+    sampling = _sampling(temperature, top_p, seed)
     clock = time.perf_counter()
     begin = _start(model, tokenizer, prompt, method, question, past, prefill)
     fed = [int(p) + sum(len(c) for c in chunks) for p, chunks in zip(begin.position.tolist(), begin.chunk_lists)
@@ -510,7 +529,10 @@ def generate(
     eos = _eos_ids(model, tokenizer)
     decode_start = time.perf_counter()
     options = Compile() if compile is True else compile or None
-    decoded = greedy_decode(model, cache, logits, feeder.position, max_new_tokens, eos, options)
+    if streamer is not None:  # as transformers' generate does: the prompt first (a TextStreamer may skip it)
+        streamer.put(torch.tensor([[t for chunk in begin.chunk_lists[0] for t in chunk] if begin.chunk_lists else []],
+                                  dtype=torch.long))
+    decoded = greedy_decode(model, cache, logits, feeder.position, max_new_tokens, eos, options, sampling, streamer)
     _sync(model.device)
     decode_s = time.perf_counter() - decode_start
     return _result(begin, feeder, decoded, tokenizer, eos, prefill_s, decode_s, options is not None)

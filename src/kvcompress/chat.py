@@ -1,0 +1,143 @@
+"""``kvcompress chat``: a conversation over a document, every turn compressed per question.
+
+The document is stored once (its whole KV in host memory on a GPU) or read from a ``.kvc`` file;
+each message is then prefilled over the store with the conversation so far and compressed by the
+chosen method (``generate(past=..., method=...)``), its answer printed as it comes, then one line of
+what the turn cost. Ctrl-C stops the answer in progress (the conversation goes on from the last
+whole answer); Ctrl-D (end of input) or ``/quit`` ends the session.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TextIO
+
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from .generation.generate import generate
+from .generation.result import Result
+from .methods import Method
+
+COMMANDS = "/save FILE (write the conversation), /reset (forget it, keep the document), /quit (or Ctrl-D)"
+
+
+class Printer:
+    """A streamer (transformers' ``TextStreamer`` contract) that prints an answer's text as its tokens come:
+    the prompt's tokens, put first, are skipped; a token that does not end a character waits for the next."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, out: TextIO) -> None:
+        self.tokenizer, self.out = tokenizer, out
+        self.ids: list[int] | None = None  # None until the prompt has been put
+        self.shown = ""
+
+    def put(self, value: Any) -> None:
+        if self.ids is None:
+            self.ids = []
+            return
+        self.ids.extend(int(t) for t in value.reshape(-1).tolist())
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if not text.endswith("\ufffd"):  # a character cut between tokens
+            self.out.write(text[len(self.shown):])
+            self.out.flush()
+            self.shown = text
+
+    def end(self) -> None:
+        self.out.write("\n")
+        self.out.flush()
+
+
+def read_line(prompt: str) -> str:
+    """``input()`` that Ctrl-C interrupts at once: the wait for a line is cut in short slices, so Python's handler
+    runs on the main thread even where the kernel gave the signal to another thread (torch's workers), which would
+    leave a blocking read waiting for Enter. End of input raises ``EOFError``."""
+    sys.stdout.write(prompt)
+    sys.stdout.flush()
+    if os.name == "posix":
+        while not select.select([sys.stdin], [], [], 0.1)[0]:
+            pass
+    line = sys.stdin.readline()
+    if not line:
+        raise EOFError
+    return line.rstrip("\n")
+
+
+def cost_line(stats: dict[str, Any]) -> str:
+    """What a turn cost: time to its first token, decoding speed, the device's and the store's bytes."""
+    decode = stats.get("decode_ms_per_token")
+    speed = f"{1000 / decode:.1f} tokens/s" if decode else "- tokens/s"
+    return (f"[TTFT {stats['prefill_s']:.2f} s | {speed} | device {stats['device_bytes'] / 2**20:.1f} MiB | "
+            f"store {stats.get('context_bytes', 0) / 2**20:.1f} MiB | {stats['prompt_tokens']} prompt tokens]")
+
+
+def stored_document(loaded: Result) -> Result:
+    """The stored context a loaded file's conversation is asked over (a stored document, or a saved chat's)."""
+    if loaded.store is not None:
+        return loaded.store
+    if all(row.open_turn for row in loaded.rows) and loaded.cache.storable():
+        return loaded
+    raise ValueError("this file holds a conversation without a stored document to ask per question; store one with "
+                     "`kvcompress compress --method full --prompt-file DOC --out FILE`, or continue this one with "
+                     "`kvcompress generate --past`")
+
+
+def chat(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, opened: Result, method: Method,
+         max_new_tokens: int, sampling: dict[str, Any], read: Callable[[str], str] = read_line,
+         out: TextIO = sys.stdout) -> int:
+    """The session: ``opened`` is a stored document (or a conversation over one) to continue."""
+    store, turn = stored_document(opened), opened
+    out.write(f"Asking {method.describe()} per question over a stored document of "
+              f"{int(store.attention_mask.sum())} tokens. Commands: {COMMANDS}\n")
+    while True:
+        try:
+            line = read("> ").strip()
+        except EOFError:
+            out.write("\n")
+            return 0
+        except KeyboardInterrupt:  # at the prompt: a fresh prompt, the session goes on
+            out.write("\n")
+            continue
+        if not line:
+            continue
+        if line.startswith("/"):
+            if _command(line, turn, out) == "quit":
+                return 0
+            if line == "/reset":
+                turn = store
+            continue
+        try:
+            turn = generate(model, tokenizer, line, past=turn, method=method, max_new_tokens=max_new_tokens,
+                            streamer=Printer(tokenizer, out), **sampling)
+        except KeyboardInterrupt:
+            out.write("\n(answer stopped; the conversation goes on from the last whole answer)\n")
+            continue
+        except ValueError as error:  # what the message or the settings cannot do: said, and the session goes on
+            out.write(f"kvcompress: error: {error}\n")
+            continue
+        out.write(cost_line(turn.stats) + "\n")
+
+
+def _command(line: str, turn: Result, out: TextIO) -> str | None:
+    """A ``/`` command: ``quit``, or None once it is done (or refused in one line)."""
+    name, _, rest = line.partition(" ")
+    if name in ("/quit", "/exit"):
+        return "quit"
+    target = rest.strip()
+    if name == "/reset":
+        out.write("(conversation reset; the document is kept)\n")
+    elif name == "/save" and not target:
+        out.write("usage: /save FILE\n")
+    elif name == "/save" and Path(target).exists():
+        out.write(f"{target} exists; /save to another name (the chat never replaces a file)\n")
+    elif name == "/save":
+        try:
+            turn.save(target)
+            out.write(f"(saved to {target}: kvcompress chat --past {target} continues it)\n")
+        except OSError as error:
+            out.write(f"cannot save to {target}: {error.strerror or error}\n")
+    else:
+        out.write(f"unknown command {name}; commands: {COMMANDS}\n")
+    return None
