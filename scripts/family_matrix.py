@@ -2,7 +2,7 @@
 
     python scripts/family_matrix.py                      # runs the cells, writes docs/img/family_matrix.json,
                                                          # prints the table
-    python scripts/family_matrix.py --table              # prints the table from the JSON (what README shows)
+    python scripts/family_matrix.py --table              # prints the table from the JSON (what docs/usage.md shows)
 
 Each cell runs as the test's does, on the same tiny random-weight models: the method at a budget
 covering the prompt (or attending every token) against the full cache (its tokens, and its
@@ -66,7 +66,7 @@ def run_cells() -> dict[str, dict[str, str]]:
 
 
 def markdown(table: dict[str, dict[str, str]]) -> str:
-    """The table as README shows it: a row per family, a column per method (its test label); ``yes``: exact
+    """The table as docs/usage.md shows it: a row per family, a column per method (its test label); ``yes``: exact
     where the math says so and compressing in batches as alone, ``no (reason)``: refused in one line."""
     methods = list(next(iter(table.values())))
 

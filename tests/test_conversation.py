@@ -30,7 +30,10 @@ PER_QUESTION = [
     kvc.H2O(budget=48),
     kvc.StreamingLLM(budget=48),
     kvc.ExpectedAttention(budget=48),
+    kvc.SnapKV(budget=64, window=8, layers="pyramid"),
+    kvc.ShadowKV(budget=48),
     kvc.Quest(budget=48),
+    kvc.Loki(budget=48),
 ]
 
 
@@ -54,7 +57,8 @@ def same_as_whole_conversation(model, tok, turn: kvc.Result, method: kvc.Method,
 
 
 @pytest.mark.parametrize("method", PER_QUESTION, ids=lambda m: m.describe().split("(")[0] + (
-    "-adaptive" if getattr(m, "heads", "uniform") == "adaptive" else ""))
+    "-adaptive" if getattr(m, "heads", "uniform") == "adaptive" else "") + (
+    "-pyramid" if getattr(m, "layers", "uniform") == "pyramid" else ""))
 def test_every_turn_is_compressed_with_the_whole_conversation(model_and_store, method):
     model, tok, store = model_and_store
     turn = kvc.generate(model, tok, TURNS[0], past=store, method=method, max_new_tokens=6)
@@ -99,8 +103,15 @@ def test_turns_with_and_without_a_method_mix(model_and_store):
     turn = kvc.generate(model, tok, TURNS[0], past=store, method=method, max_new_tokens=6)
     appended = kvc.generate(model, tok, TURNS[1], past=turn, max_new_tokens=6)
     assert appended.cache is turn.cache and appended.store is store
+    # each turn counts what it fed: the first its question, the appended one its message (and the last answer's
+    # unfed token), while the cache's prompt stays the first turn's
+    stored = int(store.attention_mask.sum())
+    assert turn.stats["turn_tokens"] == turn.stats["prompt_tokens"] - stored
+    assert appended.stats["prompt_tokens"] == turn.stats["prompt_tokens"]
+    assert len(TURNS[1]) < appended.stats["turn_tokens"] < len(TURNS[1]) + 40
     again = kvc.generate(model, tok, TURNS[2], past=appended, method=method, max_new_tokens=6)
     same_as_whole_conversation(model, tok, again, method)
+    assert again.stats["turn_tokens"] == again.stats["prompt_tokens"] - stored
 
 
 def test_asking_a_store_without_a_method_does_not_use_it_up(model_and_store):

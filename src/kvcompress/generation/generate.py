@@ -460,6 +460,9 @@ def _result(begin: _Start, feeder: _Feeder, decoded: Decoded, tokenizer: PreTrai
     }
     stats = cache.stats()
     stats["new_tokens"] = [len(g) for g in generated] if begin.is_batch else len(generated[0])
+    # the tokens this call fed before decoding: its message, and over a store the conversation it re-read
+    fed = [sum(len(chunk) for chunk in chunks) for chunks in begin.chunk_lists] or [0] * len(begin.rows)
+    stats["turn_tokens"] = fed if begin.is_batch else fed[0]
     if begin.context is not None:  # the stored context, apart: where it is and what it holds
         held = begin.context.stats()
         stats.update(context_bytes=held["device_bytes"] + held["offloaded_bytes"],
