@@ -34,6 +34,8 @@ from .bench.haystack import HAYSTACKS
 from .bench.headline import PRESETS as HEADLINE_PRESETS
 from .bench.headline import run_headline
 from .bench.ruler import fetch_ruler_data
+from .bench.shared_context import DEFAULT_SPECS as SHARED_SPECS
+from .bench.shared_context import run_shared_context
 from .bench.speed import PRESETS as SPEED_PRESETS
 from .bench.speed import run_speed
 from .bench.tasks import TASKS, load_dataset
@@ -43,7 +45,16 @@ from .generation.result import load, saved_method
 from .integrations.transformers.models import ARCHITECTURES, fetch_default_model, load_model, random_model
 from .io.saved import CacheFileError
 from .io.wheels import NotFetchedError
-from .methods import METHODS, FieldSpec, FullKV, InvalidParameterError, Method, field_specs, method_class
+from .methods import (
+    METHODS,
+    FieldSpec,
+    FullKV,
+    InvalidParameterError,
+    Method,
+    field_specs,
+    method_class,
+    method_from_spec,
+)
 from .serving.settings import (
     ENGINE_ENV,
     SERVABLE,
@@ -698,6 +709,44 @@ def _headline_command(bench: argparse._SubParsersAction) -> None:
     headline.set_defaults(run=_cmd_bench_headline, interrupted=_resumable)
 
 
+def _shared_context_command(bench: argparse._SubParsersAction) -> None:
+    """``bench shared-context``: several questions over one context, as requests and as a conversation."""
+    shared = _command(bench, "shared-context",
+                      "several questions over one context (SCBench's multi-request and multi-turn modes): per-question "
+                      "compression against compress-once methods, scored by turn")
+    shared.add_argument("--model", help="model folder or name (default: the embedded model)")
+    shared.add_argument("--methods", default=SHARED_SPECS,
+                        help="method specs; first:SPEC compresses the context with the first question and reuses it")
+    shared.add_argument("--lengths", default="1k,2k,4k", help="context lengths in tokens")
+    shared.add_argument("--samples", type=int, default=2, help="contexts per length")
+    shared.add_argument("--facts", type=int, default=5, help="facts per context (a question each)")
+    shared.add_argument("--fraction", type=float, default=1 / 16,
+                        help="each method's budget as a fraction of the context's tokens (unless its spec sets one)")
+    shared.add_argument("--max-new-tokens", type=int, default=16, help="tokens per answer at most")
+    shared.add_argument("--haystack", choices=list(HAYSTACKS), default="essays", help="the text around the facts")
+    shared.add_argument("--out", default="runs/shared-context")
+    shared.set_defaults(run=_cmd_bench_shared_context, interrupted=_resumable)
+
+
+def _cmd_bench_shared_context(args: argparse.Namespace, console: Console) -> int:
+    if not 0 < args.fraction <= 1:
+        raise InvalidParameterError(f"--fraction {args.fraction} is invalid; give a number in (0, 1]")
+    specs, lengths = _names(args.methods), _int_list(args.lengths)
+    for spec in specs:
+        method_from_spec(spec.removeprefix("first:"))  # a bad spec is refused before any work
+    model, tokenizer = load_model(args.model)
+    console.print(f"shared context: methods={specs} lengths={lengths} samples={args.samples} facts={args.facts} "
+                  f"budget={args.fraction:.4g} of each context -> {args.out}")
+    def progress(row: dict) -> None:
+        console.print(f"{row['length']} tokens, sample {row['seed']}, {row['method']}, {row['mode']}: {row['scores']}")
+
+    summary = run_shared_context(model, tokenizer, specs, lengths, args.samples, args.facts, args.fraction, args.out,
+                                 args.max_new_tokens, args.haystack, progress=progress)
+    for shown in report.shared_context(summary, args.out):
+        console.print(shown, soft_wrap=isinstance(shown, str))
+    return 0
+
+
 def _serve_command(sub: argparse._SubParsersAction, chosen: str | None) -> None:
     """``serve``: vLLM's OpenAI-compatible server, each request compressed."""
     serve = _command(
@@ -784,6 +833,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     _accuracy_command(bench)
     _speed_command(bench)
     _headline_command(bench)
+    _shared_context_command(bench)
     _serve_command(sub, chosen)
     _fetch_commands(sub)
     return parser

@@ -165,6 +165,20 @@ def out_of_memory_lines(rows: list[dict]) -> list[str]:
             for r in rows if r.get("status") == "oom" and r.get("error")]
 
 
+def shared_context(summary: dict, out: str) -> list[Any]:
+    """``bench shared-context``: per mode, each method's answers right by turn, and against the full cache's."""
+    shown: list[Any] = []
+    for mode, methods in summary.items():
+        turns = max((len(row["score"]) for row in methods.values()), default=0)
+        table = Table("method", *(f"turn {t + 1}" for t in range(turns)), title=f"{mode}: answers right (of the full "
+                      "cache's)")
+        for spec, row in methods.items():
+            table.add_row(spec, *(f"{s:.2f}" + ("" if f is None else f" ({f:.2f})")
+                                  for s, f in zip(row["score"], row["of_full"])))
+        shown.append(table)
+    return [*shown, f"wrote {out}/results.jsonl, summary.json, shared_context.png"]
+
+
 def observations(rows: list[tuple[str, str, str]], tokens: int) -> Table:
     """``kvcompress observe``'s summary: each measurement on this model beside the paper's."""
     table = Table("measurement", "this model", "the paper", title=f"observations ({tokens}-token document)")

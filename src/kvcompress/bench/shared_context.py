@@ -1,0 +1,193 @@
+"""``kvcompress bench shared-context``: several questions over one context, SCBench's two modes.
+
+SCBench (Li et al., 2025, "SCBench: A KV Cache-Centric Analysis of Long-Context Methods") asks many
+questions of one shared context, in two modes: *multi-request* (each question its own request over the
+context's cache) and *multi-turn* (the questions are one conversation). It found that methods whose
+memory is below O(n) fail there, and that a selection made for one query degrades the next ones. The
+tasks here are generated (seeded, lengths in the model's own tokens), in the spirit of its retrieval
+tasks: a context of essays with facts placed at spread depths (``The code of the red fox is 4817.``),
+one question per fact, and in a conversation a last question that refers to an earlier answer ("the
+code you gave for the first animal I asked about").
+
+Methods are specs (``name[:field=value...]``) in three kinds, by how they meet a second question:
+
+* *per question* (``snapkv``, ``h2o``, ``streamingllm``, the full cache): the context is stored whole
+  once, each question (with the conversation so far, in a conversation) is prefilled over it and
+  compressed with it (``generate(past=..., method=...)``);
+* *compress once* (``kvzip``, ``expected``): the context compressed before any question, every question
+  then appended to (a copy of) that cache;
+* ``first:SPEC``: the context and the first question compressed together by SPEC, later questions
+  appended to that selection: the reuse SCBench shows failing.
+
+A method's budget, unless its spec sets one, is ``--fraction`` of each context's tokens (1/16 by
+default). Outputs: ``results.jsonl`` (one line per answer; rerunning resumes), ``summary.json`` (score
+per method, mode and turn, and against the full cache's), ``shared_context.png``.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from ..generation.generate import compress, generate
+from ..generation.result import Result
+from ..methods import FullKV, Method, method_from_spec
+from .haystack import fill
+
+COLORS = ("red", "blue", "green", "yellow", "white", "black", "grey", "brown")
+ANIMALS = ("fox", "owl", "horse", "otter", "crane", "lynx", "heron", "badger")
+MODES = ("multi-request", "multi-turn")
+COMPRESS_ONCE = ("kvzip", "expected")
+DEFAULT_SPECS = "full,snapkv,h2o,snapkv:heads=adaptive,streamingllm,kvzip,expected,first:snapkv"
+
+
+@dataclass
+class Sample:
+    """One shared context and its questions, each with the text its answer must contain."""
+
+    length: int
+    seed: int
+    context: str
+    questions: list[tuple[str, str]]
+
+
+def make_sample(tokenizer: PreTrainedTokenizerBase, length: int, seed: int, facts: int,
+                haystack: str = "essays") -> Sample:
+    """``facts`` codes of distinct animals at spread depths of about ``length`` tokens of ``haystack`` text
+    (``bench.haystack``); a question per fact (in a shuffled order), then one that refers to the first answer."""
+    rng = random.Random(seed)
+    names = rng.sample([f"{c} {a}" for c in COLORS for a in ANIMALS], facts)
+    codes = [str(rng.randrange(1000, 10000)) for _ in names]
+    depths = [(i + 0.5) / facts for i in range(facts)]
+    context = fill(tokenizer, length, [(d, f"The code of the {n} is {c}.") for d, n, c in zip(depths, names, codes)],
+                   kind=haystack, seed=seed)
+    order = rng.sample(range(facts), facts)
+    questions = [(f"What is the code of the {names[i]}? Answer with the code.", codes[i]) for i in order]
+    questions.append(("Repeat the code you gave in your first answer.", codes[order[0]]))
+    return Sample(length, seed, context, questions)
+
+
+def kind_of(spec: str) -> str:
+    """``first`` (compressed with the first question, reused), ``once`` (compressed before any question) or
+    ``per-question``."""
+    if spec.startswith("first:"):
+        return "first"
+    return "once" if spec.split(":")[0] in COMPRESS_ONCE else "per-question"
+
+
+def resolved(spec: str, tokens: int, fraction: float) -> Method:
+    """The method a spec names, with ``fraction`` of the context's tokens as its budget unless it sets one."""
+    method = method_from_spec(spec.removeprefix("first:"))
+    if "budget" in vars(method) and "budget=" not in spec and "ratio=" not in spec:
+        method = method_from_spec(f"{spec.removeprefix('first:')}:budget={max(16, round(tokens * fraction))}")
+    return method
+
+
+def ask_all(model: PreTrainedModel, tok: PreTrainedTokenizerBase, sample: Sample, spec: str, mode: str,
+            fraction: float, store: Result, max_new_tokens: int) -> list[str]:
+    """Every answer of ``sample``'s questions with ``spec`` in ``mode`` (the last question, which refers to an
+    earlier answer, only in a conversation)."""
+    questions = [q for q, _ in sample.questions][: None if mode == "multi-turn" else -1]
+    method = resolved(spec, int(store.attention_mask.sum()), fraction)
+    kind, answers = kind_of(spec), []
+    messages = [{"role": "user", "content": sample.context}]
+    if kind == "once":
+        base = compress(model, tok, messages, method=method)
+    elif kind == "first":
+        first = generate(model, tok, [{"role": "user", "content": sample.context + "\n\n" + questions[0]}],
+                         method=method, max_new_tokens=max_new_tokens)
+        answers.append(first.text)
+        base, questions = first, questions[1:]
+    turn = base if kind != "per-question" else store
+    for question in questions:
+        if kind == "per-question":
+            past = store if mode == "multi-request" else turn
+            turn = generate(model, tok, question, past=past, method=method, max_new_tokens=max_new_tokens)
+        else:
+            past = base.copy() if mode == "multi-request" else turn
+            turn = generate(model, tok, question, past=past, max_new_tokens=max_new_tokens)
+        answers.append(turn.text)
+    return answers
+
+
+def run_shared_context(model: PreTrainedModel, tok: PreTrainedTokenizerBase, specs: list[str], lengths: list[int],
+                       samples: int, facts: int, fraction: float, out_dir: str, max_new_tokens: int = 16,
+                       haystack: str = "essays", progress: Any = None) -> dict:
+    """The grid: per length and sample, the context stored once, then each method in each mode; rows appended to
+    ``results.jsonl`` as they come (a rerun skips what is there)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    journal = out / "results.jsonl"
+    done = {(r["length"], r["seed"], r["method"], r["mode"]) for r in _rows(journal)}
+    for length in lengths:
+        for seed in range(samples):
+            sample = make_sample(tok, length, seed, facts, haystack)
+            store = None
+            for spec in specs:
+                for mode in MODES:
+                    if (length, seed, spec, mode) in done:
+                        continue
+                    if store is None:
+                        store = compress(model, tok, [{"role": "user", "content": sample.context}], method=FullKV())
+                    answers = ask_all(model, tok, sample, spec, mode, fraction, store, max_new_tokens)
+                    row = {"length": length, "seed": seed, "method": spec, "mode": mode,
+                           "kind": kind_of(spec), "tokens": int(store.attention_mask.sum()),
+                           "scores": [int(expected in text) for text, (_, expected) in zip(answers, sample.questions)],
+                           "answers": answers}
+                    with journal.open("a") as fh:
+                        fh.write(json.dumps(row) + "\n")
+                    if progress is not None:
+                        progress(row)
+    summary = summarize(_rows(journal), specs)
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    plot(summary, out / "shared_context.png")
+    return summary
+
+
+def _rows(journal: Path) -> list[dict]:
+    return [json.loads(line) for line in journal.read_text().splitlines()] if journal.exists() else []
+
+
+def summarize(rows: list[dict], specs: list[str]) -> dict:
+    """Per mode, method and turn: the share of answers right, and its ratio to the full cache's at that turn."""
+    scores: dict[tuple[str, str], list[list[int]]] = defaultdict(list)
+    for row in rows:
+        scores[(row["mode"], row["method"])].append(row["scores"])
+    summary: dict[str, Any] = {}
+    for mode in MODES:
+        table = {}
+        for spec in specs:
+            runs = scores.get((mode, spec), [])
+            turns = max((len(r) for r in runs), default=0)
+            table[spec] = [sum(r[t] for r in runs if len(r) > t) / max(1, sum(len(r) > t for r in runs))
+                           for t in range(turns)]
+        full = table.get("full", [])
+        summary[mode] = {spec: {"score": by_turn, "of_full": [s / f if f else None for s, f in zip(by_turn, full)]}
+                         for spec, by_turn in table.items()}
+    return summary
+
+
+def plot(summary: dict, path: Path) -> None:
+    import matplotlib  # noqa: PLC0415 - only to draw
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    fig, axes = plt.subplots(1, len(MODES), figsize=(6 * len(MODES), 4), sharey=True)
+    for axis, mode in zip(axes, MODES):
+        for spec, row in summary[mode].items():
+            axis.plot(range(1, len(row["score"]) + 1), row["score"], marker="o", label=spec)
+        axis.set_title(mode)
+        axis.set_xlabel("question (turn)")
+        axis.set_ylim(-0.05, 1.05)
+    axes[0].set_ylabel("answers right")
+    axes[-1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

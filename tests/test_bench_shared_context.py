@@ -1,0 +1,61 @@
+"""``bench shared-context``: its generated tasks, the three kinds of method and what a run writes (a tiny model;
+the measured table is in docs/accuracy.md)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+import kvcompress as kvc
+from kvcompress.bench.shared_context import kind_of, make_sample, resolved, run_shared_context
+from kvcompress.cli import main
+from tests.fixtures import char_tokenizer, tiny_model
+
+
+def test_a_sample_places_every_fact_and_asks_each_then_refers_back():
+    tok = char_tokenizer()
+    sample = make_sample(tok, 600, seed=3, facts=4, haystack="prose")
+    facts = [q.split("code of the ")[1].split("?")[0] for q, _ in sample.questions[:-1]]
+    assert len(sample.questions) == 5 and len(set(facts)) == 4
+    for name, (_, code) in zip(facts, sample.questions):
+        assert f"The code of the {name} is {code}." in sample.context
+    positions = sorted(sample.context.index(f"The code of the {name}") for name in facts)
+    assert positions[0] < len(sample.context) / 4 and positions[-1] > 3 * len(sample.context) / 4  # spread
+    assert sample.questions[-1] == ("Repeat the code you gave in your first answer.", sample.questions[0][1])
+    assert make_sample(tok, 600, seed=3, facts=4, haystack="prose") == sample
+
+
+def test_methods_by_kind_with_a_fraction_of_the_context_as_budget():
+    assert [kind_of(s) for s in ("snapkv", "full", "kvzip:ratio=0.1", "expected", "first:snapkv")] == [
+        "per-question", "per-question", "once", "once", "first"]
+    assert resolved("snapkv", 4096, 1 / 16) == kvc.SnapKV(budget=256)
+    assert resolved("first:h2o:budget=100", 4096, 1 / 16) == kvc.H2O(budget=100)
+    assert resolved("full", 4096, 1 / 16) == kvc.FullKV()
+
+
+def test_a_run_scores_every_question_in_both_modes_and_resumes(tmp_path):
+    model, tok = tiny_model(), char_tokenizer()
+    specs = ["full", "snapkv:window=8:budget=48", "kvzip:budget=48", "first:snapkv:window=8:budget=48"]
+    summary = run_shared_context(model, tok, specs, [300], 1, 2, 1 / 16, str(tmp_path), max_new_tokens=4,
+                                 haystack="prose")
+    rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert len(rows) == 8 and {r["kind"] for r in rows} == {"per-question", "once", "first"}
+    for row in rows:  # a conversation asks the referring question too
+        assert len(row["scores"]) == len(row["answers"]) == (3 if row["mode"] == "multi-turn" else 2)
+    assert set(summary) == {"multi-request", "multi-turn"} and set(summary["multi-turn"]) == set(specs)
+    assert (tmp_path / "shared_context.png").stat().st_size > 1000
+    # a rerun finds every row done and asks nothing again
+    run_shared_context(model, tok, specs, [300], 1, 2, 1 / 16, str(tmp_path), max_new_tokens=4, haystack="prose")
+    assert len((tmp_path / "results.jsonl").read_text().splitlines()) == 8
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--fraction", "2"], r"--fraction 2.0 is invalid; give a number in \(0, 1\]"),
+    (["--methods", "full,snapkv:window=x"], r"window"),
+])
+def test_bad_settings_are_refused_before_any_work(flags, message, tmp_path, capsys):
+    assert main(["bench", "shared-context", "--out", str(tmp_path / "out"), *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and re.search(message, err) and not (tmp_path / "out").exists()
