@@ -37,18 +37,18 @@ def test_methods_by_kind_with_a_fraction_of_the_context_as_budget():
 
 def test_a_run_scores_every_question_in_both_modes_and_resumes(tmp_path):
     model, tok = tiny_model(), char_tokenizer()
-    specs = ["full", "snapkv:window=8:budget=48", "kvzip:budget=48", "first:snapkv:window=8:budget=48"]
+    specs = ["full", "snapkv:window=8:budget=48", "h2o:budget=48", "kvzip:budget=48", "first:snapkv:window=8:budget=48"]
     summary = run_shared_context(model, tok, specs, [300], 1, 2, 1 / 16, str(tmp_path), max_new_tokens=4,
                                  haystack="prose")
     rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
-    assert len(rows) == 8 and {r["kind"] for r in rows} == {"per-question", "once", "first"}
+    assert len(rows) == 10 and {r["kind"] for r in rows} == {"per-question", "once", "first"}
     for row in rows:  # a conversation asks the referring question too
         assert len(row["scores"]) == len(row["answers"]) == (3 if row["mode"] == "multi-turn" else 2)
     assert set(summary) == {"multi-request", "multi-turn"} and set(summary["multi-turn"]) == set(specs)
     assert (tmp_path / "shared_context.png").stat().st_size > 1000
     # a rerun finds every row done and asks nothing again
     run_shared_context(model, tok, specs, [300], 1, 2, 1 / 16, str(tmp_path), max_new_tokens=4, haystack="prose")
-    assert len((tmp_path / "results.jsonl").read_text().splitlines()) == 8
+    assert len((tmp_path / "results.jsonl").read_text().splitlines()) == 10
 
 
 @pytest.mark.parametrize(("flags", "message"), [

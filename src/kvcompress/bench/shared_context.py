@@ -133,8 +133,9 @@ def run_shared_context(model: PreTrainedModel, tok: PreTrainedTokenizerBase, spe
                 for mode in MODES:
                     if (length, seed, spec, mode) in done:
                         continue
-                    if store is None:
-                        store = compress(model, tok, [{"role": "user", "content": sample.context}], method=FullKV())
+                    if store is None:  # every prefill query kept: H2O and ExpectedAttention score with them all
+                        store = compress(model, tok, [{"role": "user", "content": sample.context}], method=FullKV(),
+                                         query_window=None)
                     answers = ask_all(model, tok, sample, spec, mode, fraction, store, max_new_tokens)
                     row = {"length": length, "seed": seed, "method": spec, "mode": mode,
                            "kind": kind_of(spec), "tokens": int(store.attention_mask.sum()),
