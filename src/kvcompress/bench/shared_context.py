@@ -61,7 +61,7 @@ def make_sample(tokenizer: PreTrainedTokenizerBase, length: int, seed: int, fact
                 haystack: str = "essays") -> Sample:
     """``facts`` codes of distinct animals at spread depths of about ``length`` tokens of ``haystack`` text
     (``bench.haystack``); a question per fact (in a shuffled order), then one that refers to the first answer."""
-    rng = random.Random(seed)
+    rng = random.Random(f"{length}-{seed}")  # each length's samples their own facts
     names = rng.sample([f"{c} {a}" for c in COLORS for a in ANIMALS], facts)
     codes = [str(rng.randrange(1000, 10000)) for _ in names]
     depths = [(i + 0.5) / facts for i in range(facts)]
