@@ -63,6 +63,19 @@ def test_compiled_decoding_gives_the_eager_tokens_in_a_batch(method):
         assert again.token_ids == eager.token_ids and graphs() == 1
 
 
+def test_a_sampled_answer_compiled_is_the_eager_one_for_a_seed():
+    """The host draws each step's noise and the temperature and top-p are tensors: one graph for every setting."""
+    model, tok = tiny_model(), char_tokenizer()
+    prompts = [random_text(n, seed=n) for n in LENGTHS]
+    method = kvc.SnapKV(budget=48, window=8)
+    for temperature, top_p in ((1.3, 1.0), (0.7, 0.9)):
+        eager = kvc.generate(model, tok, prompts, method=method, max_new_tokens=10, temperature=temperature,
+                             top_p=top_p, seed=7)
+        ours = compiled(model, tok, prompts, method=method, max_new_tokens=10, temperature=temperature, top_p=top_p,
+                        seed=7)
+        assert ours.token_ids == eager.token_ids and graphs() == 1
+
+
 @pytest.mark.parametrize(
     "method",
     [kvc.SnapKV(budget=64, heads="adaptive"),
