@@ -103,10 +103,10 @@ def chat(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, opened: Res
         if not line:
             continue
         if line.startswith("/"):
-            if _command(line, turn, out) == "quit":
+            done = _command(line, turn, out)
+            if done == "quit":
                 return 0
-            if line == "/reset":
-                turn = store
+            turn = store if done == "reset" else turn
             continue
         try:
             turn = generate(model, tokenizer, line, past=turn, method=method, max_new_tokens=max_new_tokens,
@@ -121,14 +121,16 @@ def chat(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, opened: Res
 
 
 def _command(line: str, turn: Result, out: TextIO) -> str | None:
-    """A ``/`` command: ``quit``, or None once it is done (or refused in one line)."""
+    """A ``/`` command: ``quit`` or ``reset`` for the session to act on, or None once it is done here (or
+    refused in one line)."""
     name, _, rest = line.partition(" ")
     if name in ("/quit", "/exit"):
         return "quit"
     target = rest.strip()
     if name == "/reset":
         out.write("(conversation reset; the document is kept)\n")
-    elif name == "/save" and not target:
+        return "reset"
+    if name == "/save" and not target:
         out.write("usage: /save FILE\n")
     elif name == "/save" and Path(target).exists():
         out.write(f"{target} exists; /save to another name (the chat never replaces a file)\n")
