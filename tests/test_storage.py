@@ -8,7 +8,7 @@ from transformers.cache_utils import DynamicLayer
 import kvcompress as kvc
 from kvcompress.cache.layer import KVLayer, WindowLayer
 from kvcompress.methods.h2o import H2OLayer
-from kvcompress.methods.prompt import HeadAdaptiveLayer
+from kvcompress.methods.prompt import BoundedLayer, HeadAdaptiveLayer
 from kvcompress.methods.sparse import SparseDecodeLayer
 from kvcompress.storage.packed import PackedSlots
 from kvcompress.storage.slots import CappedSlots, DenseSlots, RingSlots, Slots
@@ -33,7 +33,7 @@ def test_every_layout_implements_the_whole_interface():
 def test_layers_hold_their_storage_and_override_none_of_it():
     assert KVLayer.__mro__[1] is DynamicLayer  # one class, no roles mixed in (cache/layer.py)
     assert not STORAGE_OPERATIONS & set(vars(KVLayer)), "the layer drives its storage; it hands none of it on"
-    for layer in (WindowLayer, H2OLayer, HeadAdaptiveLayer, SparseDecodeLayer):
+    for layer in (WindowLayer, H2OLayer, HeadAdaptiveLayer, SparseDecodeLayer, BoundedLayer):
         for cls in layer.__mro__[: layer.__mro__.index(KVLayer)]:
             overrides = STORAGE_OPERATIONS & set(vars(cls))
             assert not overrides, f"{cls.__name__} overrides {sorted(overrides)}"

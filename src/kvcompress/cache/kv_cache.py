@@ -202,7 +202,14 @@ class KVCompressCache(Cache):
         shape (a compiled decoding step is one graph only while nothing is reallocated); with
         ``buckets``, capacities rounded to ``capacity_bucket``, so other requests reuse the graph."""
         for layer in self.layers:
+            layer.prepare_step(1)
             layer.slots.reserve(tokens, buckets)
+
+    def prepare_step(self, new: int) -> None:
+        """Every layer before a compiled step of ``new`` tokens, outside its graph (a layer under a decoding bound
+        re-selects here, so the graph never changes; the room was reserved)."""
+        for layer in self.layers:
+            layer.prepare_step(new)
 
     def advance(self, new: int) -> None:
         """The host mirrors after a compiled step of ``new`` tokens (an eager step's ``commit`` moves them)."""

@@ -132,7 +132,8 @@ class KVLayer(DynamicLayer):
                *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         _check_step(self, key_states)
         if self.phase in _STEPS:
-            if not torch.compiler.is_compiling():  # a compiled step's loop reserved the room before it
+            if not torch.compiler.is_compiling():  # a compiled step's loop made the room before it
+                self.prepare_step(key_states.shape[-2])
                 self.slots.make_room(key_states.shape[-2])
             self.slots.write(key_states, value_states)
             keys, values = self.slots.view()[:2]  # decoded once (a coded storage's keys and values)
@@ -228,13 +229,6 @@ class KVLayer(DynamicLayer):
         if self.record_window is False:
             self.spans = None  # read by compress only (a prefill record keeps them for the methods it makes)
 
-    def expect_prompt(self, total: int) -> bool:
-        """The prompt will come in blocks, ``total`` tokens in all (``longprompt.BlockedPrefill``); False: it won't."""
-        if self.phase is not Phase.EMPTY or not isinstance(self.intake, OneForward):
-            return False
-        self.intake = InBlocks(total)
-        return True
-
     def continue_prompt(self, source: KVLayer, rows: torch.Tensor, pads: list[int], spans: torch.Tensor | None) -> None:
         """This fresh layer's prompt continues ``source``'s (read, never written): rows ``rows`` of it, one per row of
         the new prompt, led by ``pads`` padding slots; ``spans``: the joined prompt's word spans ``[b, width]``."""
@@ -276,6 +270,10 @@ class KVLayer(DynamicLayer):
         if self.observation is not None:
             self.phase = moved(self.layer_idx, self.phase, Phase.DECODING, "the observation pass ended")
             self._compress(self.observation.record)
+
+    def prepare_step(self, new: int) -> None:
+        """Before a step of ``new`` tokens is written, or its room reserved (an eager step's ``update``, the
+        cache's ``reserve``, a compiled loop between steps): e.g. a decoding bound's re-selection. Default: nothing."""
 
     def advance(self, new: int) -> None:
         self.slots.advance(new)  # the host mirrors of the lengths after a step of ``new`` tokens
@@ -403,6 +401,15 @@ def _check_step(layer: KVLayer, key_states: torch.Tensor) -> None:
     if rows != key_states.shape[0]:
         raise CacheMisuseError(f"kvcompress: this cache holds a batch of {rows} rows but got {key_states.shape[0]}; "
                                "make a new cache for a new batch")
+
+
+def expect_prompt(layer: KVLayer, total: int) -> bool:
+    """``layer``'s prompt will come in blocks, ``total`` tokens in all (``longprompt.BlockedPrefill``); False: it
+    won't (it is not empty, or its prompt comes another way)."""
+    if layer.phase is not Phase.EMPTY or not isinstance(layer.intake, OneForward):
+        return False
+    layer.intake = InBlocks(total)
+    return True
 
 
 def batch_prompt_tokens(layer: KVLayer) -> torch.Tensor:

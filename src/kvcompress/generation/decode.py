@@ -172,6 +172,7 @@ class StepRunner:
         else:
             graphs, capturing = counters["stats"][
                 "unique_graphs"], self.cuda and self.options.cuda_graph and self.graph is None
+            self.cache.prepare_step(1)  # between graphs: a decoding bound's re-selection
             start = time.perf_counter()
             with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
                 self._compiled()

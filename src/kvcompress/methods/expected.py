@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -29,12 +29,12 @@ from ..cache.tokens import span_max
 from ..integrations.transformers.rope import apply_rope, invert_rope, rotary_for
 from ..storage.tensors import prompt_positions
 from .base import check_reserved, param, require_rope
-from .prompt import PromptMethod
+from .prompt import HeldTokens, PromptMethod
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-    from .prompt import EvictionLayer
+    from .prompt import BoundedLayer, EvictionLayer
 
 
 def query_statistics(query: torch.Tensor, real: torch.Tensor,
@@ -129,16 +129,10 @@ class ExpectedAttention(PromptMethod):
 
     def layer_scores(self, layer: EvictionLayer, query: torch.Tensor, scaling: float) -> torch.Tensor:
         valid = layer.slot_validity()
-        positions = prompt_positions(valid)
-        asked = positions[:, -query.shape[-2] :]
-        query = query.float()
-        cos, sin = layer.rotary.cos_sin(asked.clamp(min=0), query)
-        unrotated = invert_rope(query, cos[:, None], sin[:, None])
-        mean, cov = query_statistics(unrotated, (asked >= self.sinks) & valid[:, -query.shape[-2] :], self.covariance)
-        ahead = layer.prompt_tokens[:, None] + torch.arange(self.future, device=valid.device)[None, :]
-        mean, cov = future_statistics(mean, cov, *layer.rotary.cos_sin(ahead, mean))
-        scores = expected_attention_scores(layer.keys, layer.values, valid, mean, cov, scaling, self.sinks,
-                                           self.value_norm)
+        asked = prompt_positions(valid)[:, -query.shape[-2] :]
+        voting = (asked >= self.sinks) & valid[:, -query.shape[-2] :]
+        held = HeldTokens(layer.keys, layer.values, valid, asked)
+        scores = self._expected(layer.rotary, held, query, asked, voting, layer.prompt_tokens, scaling)
         if self.clustering == "none":
             return scores
         if layer.spans is None:
@@ -147,3 +141,22 @@ class ExpectedAttention(PromptMethod):
                 "embeddings only: use clustering='none'"
             )
         return span_max(scores, layer.spans)
+
+    def decode_scores(self, layer: BoundedLayer, held: HeldTokens, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """Under ``decode_budget``: the statistics of the last steps' queries (at their positions), moved ``future``
+        positions past the next token, score every held token (per token: answer tokens have no recorded spans)."""
+        asked = held.positions[:, 0, -query.shape[-2] :]
+        return self._expected(layer.rotary, held, query, asked, asked >= 0, layer.next_position, scaling)
+
+    def _expected(self, rotary: Any, held: HeldTokens, query: torch.Tensor, asked: torch.Tensor, voting: torch.Tensor,
+                  next_position: torch.Tensor, scaling: float) -> torch.Tensor:
+        """Scores of ``held``'s keys from ``query``'s statistics (queries at positions ``asked [b, n]``, those
+        ``voting`` counted), moved to the ``future`` positions from ``next_position [b]`` on."""
+        query = query.float()
+        cos, sin = rotary.cos_sin(asked.clamp(min=0), query)
+        unrotated = invert_rope(query, cos[:, None], sin[:, None])
+        mean, cov = query_statistics(unrotated, voting, self.covariance)
+        ahead = next_position[:, None] + torch.arange(self.future, device=query.device)[None, :]
+        mean, cov = future_statistics(mean, cov, *rotary.cos_sin(ahead, mean))
+        return expected_attention_scores(held.keys, held.values, held.valid, mean, cov, scaling, self.sinks,
+                                         self.value_norm)

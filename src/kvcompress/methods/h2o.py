@@ -25,11 +25,13 @@ from ..storage.attention import group_mask, grouped_logits, key_probabilities
 from ..storage.slots import CappedSlots
 from ..storage.tensors import gather_tokens
 from .base import check_reserved, param, require
-from .prompt import EvictionLayer, PromptMethod
-from .snapkv import average_over_groups
+from .prompt import EvictionLayer, HeldTokens, PromptMethod, note_step_positions, prompt_positions_held
+from .snapkv import average_over_groups, window_votes
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
+
+    from .prompt import BoundedLayer
 
 
 def accumulated_attention(query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scaling: float,
@@ -82,6 +84,9 @@ class H2O(PromptMethod):
         super().validate()
         require(not (self.evict_during_decoding and self.ratio is not None),
                 "H2O: evict_during_decoding needs a fixed budget, not ratio")
+        require(not (self.evict_during_decoding and self.decode_budget is not None),
+                f"H2O: evict_during_decoding keeps the cache at budget={self.budget_tokens} at every step; give it or "
+                f"decode_budget={self.decode_budget}, not both")
         require(
             not (self.evict_during_decoding and self.heads == "adaptive"),
             "H2O: evict_during_decoding keeps a uniform budget per head; it does not combine with heads='adaptive'")
@@ -101,6 +106,14 @@ class H2O(PromptMethod):
     def scores(self, query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scaling: float,
                spans: torch.Tensor | None = None) -> torch.Tensor:
         return h2o_scores(query, keys, valid, scaling, self.recent_tokens, self.block)
+
+    def decode_scores(self, layer: BoundedLayer, held: HeldTokens, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """Under ``decode_budget``: the attention the last steps' queries gave each held token, accumulated (the
+        heavy hitters of the recent steps; ``evict_during_decoding`` accumulates every step's), with the ``recent``
+        tokens kept."""
+        votes = average_over_groups(window_votes(query, held.keys, held.valid, scaling), held.keys.shape[1])
+        window = torch.full((*votes.shape[:2], query.shape[-2]), math.inf, device=votes.device)
+        return protect_recent(torch.cat([votes, window], dim=-1), self.recent_tokens)
 
     def attends_slots(self) -> bool:
         # evicting, a step runs its own attention (H2OLayer.attend)
@@ -168,11 +181,7 @@ class H2OLayer(EvictionLayer):
         """Record the new tokens' positions, then keep, per KV head, the ``budget`` best slots at the front."""
         slots, q_len = self.slots, query.shape[-2]
         scores, positions = slots.notes["slot_scores"], slots.notes["slot_positions"]
-        new = slots.new_slots(q_len)
-        real = slots.valid.index_select(1, new)
-        position = (self.next_position[:, None] + real.long().cumsum(-1) - 1).masked_fill(~real, -1)
-        self.next_position.add_(real.sum(-1))
-        positions.index_copy_(2, new, position[:, None].expand(-1, slots.keys.shape[1], -1))
+        note_step_positions(slots, self.next_position, positions, q_len)
         slot = torch.arange(slots.keys.shape[-2], device=slots.keys.device)
         end = slots.cursor + q_len  # past this step's tokens
         recent = (slot >= end - self.method.recent_tokens) & (slot < end)
@@ -190,6 +199,4 @@ class H2OLayer(EvictionLayer):
         """Prompt positions still held per head, ascending; -1 for slots holding padding or generated tokens."""
         if self.slots.notes["slot_positions"] is None:
             return super().kept_positions()
-        held = self.slots.notes["slot_positions"][..., : self.used]
-        prompt = held.masked_fill(held >= self.prompt_tokens[:, None, None], -1)
-        return prompt.sort(dim=-1).values
+        return prompt_positions_held(self.slots.notes["slot_positions"][..., : self.used], self.prompt_tokens)

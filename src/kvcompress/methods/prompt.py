@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, cast
+import time
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, cast
 
 import torch
 
@@ -30,7 +31,8 @@ from ..cache.held import hold
 from ..cache.layer import KVLayer, batch_prompt_tokens
 from ..storage.attention import scoring_sinks
 from ..storage.packed import PackedSlots
-from ..storage.slots import DenseSlots
+from ..storage.codec import restored
+from ..storage.slots import BoundedSlots, DenseSlots
 from .base import BudgetMethod, param, require
 
 if TYPE_CHECKING:
@@ -131,7 +133,8 @@ def allocate_heads(scores: torch.Tensor, valid: torch.Tensor, counts: torch.Tens
 class PromptMethod(BudgetMethod):
     """A method that keeps each KV head's best prompt positions: how many (``kept_tokens``) and which (``scores``)."""
 
-    quiet_fields: ClassVar[tuple[str, ...]] = ("heads", "head_floor", "layers", "pyramid_beta")
+    quiet_fields: ClassVar[tuple[str, ...]] = ("heads", "head_floor", "layers", "pyramid_beta", "every",
+                                               "decode_window")
     heads: str = param(
         "uniform", "how a layer's budget is shared by its KV heads: uniform, or adaptive (Ada-KV: by their scores)",
         choices=("uniform", "adaptive"))
@@ -147,6 +150,15 @@ class PromptMethod(BudgetMethod):
         choices=("uniform", "pyramid", "global")
     )
     pyramid_beta: float = param(20.0, "with layers=pyramid: the last layer keeps budget / pyramid_beta", above=1)
+    decode_budget: int | None = param(
+        None, "a bound while decoding: tokens per KV head each layer keeps of prompt and answer together, re-selected "
+        "by the method's scores once a row holds decode_budget + every (None: the answer's KV grows)", minimum=1,
+        kw_only=True)
+    every: int = param(64, "with decode_budget: tokens a row may add beyond it before the next re-selection",
+                       minimum=1, kw_only=True)
+    decode_window: int | None = param(
+        None, "with decode_budget: the last steps whose queries vote and whose tokens are always kept (default: "
+        "SnapKV's window, else 32)", minimum=1, kw_only=True)
 
     def validate(self) -> None:
         super().validate()
@@ -158,6 +170,23 @@ class PromptMethod(BudgetMethod):
             "prompt until they are all scored, which only a method with an observation pass does (KVzip); valid here: "
             "uniform, pyramid"
         )
+        if self.decode_budget is not None:
+            self._check_decode_bound()
+
+    def _check_decode_bound(self) -> None:
+        owner = type(self).__name__
+        require(type(self).decode_scores is not PromptMethod.decode_scores,
+                f"{owner}: decode_budget={self.decode_budget} needs scores of the answer's tokens, which {owner} does "
+                "not define (it scores from its observation pass); valid: SnapKV, H2O, StreamingLLM, "
+                "ExpectedAttention")
+        require(self.heads == "uniform" and self.layers != "global",
+                f"{owner}: decode_budget={self.decode_budget} re-selects a uniform count per head; it does not combine "
+                f"with heads={self.heads!r}, layers={self.layers!r} (valid: heads='uniform', layers 'uniform' or "
+                "'pyramid')")
+        pinned = self.decode_reserved()
+        require(self.decode_budget > pinned,
+                f"{owner}: decode_budget={self.decode_budget} must be greater than the {pinned} tokens every "
+                f"re-selection keeps whole (decode_window and the method's own: valid: decode_budget > {pinned})")
 
     def kept_tokens(self, lengths: torch.Tensor, share: float | torch.Tensor = 1.0) -> torch.Tensor:
         """The budget, in one place: prompt tokens each row of a layer keeps per KV head, for real prompt lengths
@@ -184,10 +213,30 @@ class PromptMethod(BudgetMethod):
     def attends_slots(self) -> bool:
         return self.heads == "uniform" and self.layers != "global"  # otherwise the heads' tokens are packed per head
 
+    def summarize(self, totals: dict[str, Any]) -> dict[str, Any]:
+        if self.decode_budget is None:
+            return {}
+        return {"reselections": totals.get("reselections", 0), "reselect_s": totals.get("reselect_s", 0.0)}
+
     def reserved_tokens(self) -> int:
         """Tokens every row keeps whatever the scores (a window, sinks, recent tokens): layer budgets
         share out only the rest, as PyramidKV does with SnapKV's window."""
         return 0
+
+    @property
+    def decode_window_tokens(self) -> int:
+        """The last steps whose queries score a re-selection under ``decode_budget``, their tokens kept whole."""
+        return self.decode_window if self.decode_window is not None else 32
+
+    def decode_reserved(self) -> int:
+        """Tokens every re-selection under ``decode_budget`` keeps whatever the scores."""
+        return max(self.decode_window_tokens, self.reserved_tokens())
+
+    def decode_scores(self, layer: BoundedLayer, held: HeldTokens, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """Scores ``[b, kv_heads, n]`` of the ``held`` tokens (prompt kept and answer, in order) when a layer under
+        ``decode_budget`` re-selects, from ``query [b, q_heads, decode_window, d]``, the last steps' queries (whose
+        tokens are the last held ones, kept whatever the scores). A method that scores while decoding defines it."""
+        raise NotImplementedError(f"{type(self).__name__} has no scores while decoding")
 
     def layer_scores(self, layer: EvictionLayer, query: torch.Tensor, scaling: float) -> torch.Tensor:
         """Scores of one layer's prompt: ``scores`` of its keys by default. A method that needs more of
@@ -209,6 +258,8 @@ class PromptMethod(BudgetMethod):
             free = self.budget_tokens - self.reserved_tokens()
             share = pyramid_budgets(free, layers, self.pyramid_beta)[layer_idx] / free
         packed = self.heads == "adaptive" or self.layers == "global"  # global budgets differ per head
+        if self.decode_budget is not None:
+            return BoundedLayer(self, layer_idx, share)
         return (HeadAdaptiveLayer if packed else EvictionLayer)(self, layer_idx, share)
 
     def before_compress(self, layers: list[KVLayer]) -> None:
@@ -305,3 +356,125 @@ class HeadAdaptiveLayer(EvictionLayer):
     def packed(self) -> PackedSlots | None:
         """The packing, once the layer compressed (None: the dense slots hold the prompt, under budget)."""
         return self.slots if isinstance(self.slots, PackedSlots) else None
+
+
+class HeldTokens(NamedTuple):
+    """What a layer under a decoding bound holds when it re-selects, in the model's basis: keys and values
+    ``[b, h, n, d]``, validity ``[b, n]`` and each slot's position ``[b, h, n]`` (-1: filler), oldest first."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    valid: torch.Tensor
+    positions: torch.Tensor
+
+
+def note_step_positions(slots: DenseSlots, next_position: torch.Tensor, positions: torch.Tensor, new: int) -> None:
+    """Write the positions of a step's ``new`` tokens (the real ones from ``next_position [b]`` on, -1 for padding)
+    into ``positions [b, h, slots]`` at their slots, and move ``next_position`` past them (on the device)."""
+    slot = slots.new_slots(new)
+    real = slots.valid.index_select(1, slot)
+    position = (next_position[:, None] + real.long().cumsum(-1) - 1).masked_fill(~real, -1)
+    next_position.add_(real.sum(-1))
+    positions.index_copy_(2, slot, position[:, None].expand(-1, positions.shape[1], -1))
+
+
+def prompt_positions_held(positions: torch.Tensor, prompt_tokens: torch.Tensor) -> torch.Tensor:
+    """Of the positions ``[b, h, n]`` a layer holds, its prompt's (below ``prompt_tokens [b]``), ascending per
+    head; -1 for the rest (answer tokens, filler)."""
+    return positions.masked_fill(positions >= prompt_tokens[:, None, None], -1).sort(dim=-1).values
+
+
+class BoundedLayer(EvictionLayer):
+    """A prompt method's layer under a decoding bound (``decode_budget``, ``every``): the prompt is compressed as
+    ``EvictionLayer`` does; then, before a step would make a row hold more than ``decode_budget + every`` tokens,
+    that row keeps ``decode_budget`` of its prompt and answer tokens by the method's ``decode_scores`` (the last
+    ``decode_window`` steps' queries vote, as SnapKV's observation window does at the prompt's end, and their own
+    tokens stay), compacted to the front of the same buffers (``BoundedSlots``), so the device never holds more than
+    the bound and a compiled step keeps its graph (the re-selection runs between steps, never inside one). Each row
+    re-selects on its own count, so a row of a batch does exactly as it would alone."""
+
+    slots: BoundedSlots
+    window_queries: torch.Tensor | None = hold(rows=True, counted=True)  # [b, q_heads, W, d]: the last W queries
+    next_position: torch.Tensor | None = hold(rows=True)  # [b]: the position of each row's next token
+    held_real: torch.Tensor | None = hold(rows=True)  # [b], host: real tokens each row holds (a finished row: fewer)
+    scaling: float | None = hold()
+    reselections: int = hold(join=max, default=0)
+    reselect_s: float = hold(join=max, default=0.0)
+
+    def __init__(self, method: PromptMethod, layer_idx: int, share: float = 1.0) -> None:
+        super().__init__(method, layer_idx, share)
+        pinned, bound = method.decode_reserved(), cast(int, method.decode_budget)
+        self.bound = pinned + math.ceil((bound - pinned) * share)  # a pyramid's share of what the scores choose
+        self.slots = BoundedSlots(self.bound + method.every)
+
+    def queries_needed(self) -> int | None:
+        needed = self.method.queries_needed()
+        return None if needed is None else max(needed, self.method.decode_window_tokens)
+
+    def compress(self, query: torch.Tensor, scaling: float) -> None:
+        super().compress(query, scaling)
+        window = self.method.decode_window_tokens
+        recent = query[..., -window:, :]
+        missing = window - recent.shape[-2]  # a prompt shorter than the window: zero queries vote evenly
+        self.window_queries = torch.nn.functional.pad(recent, (0, 0, missing, 0)).contiguous()
+        self.scaling = scaling
+        self.next_position = self.prompt_tokens.clone()
+        self.held_real = self.slot_validity().sum(dim=-1).cpu()
+
+    def prepare_step(self, new: int) -> None:
+        """Re-select the rows a step of ``new`` tokens would take past the bound (before the buffers are laid out,
+        too: a prompt kept over it)."""
+        if self.held_real is None:
+            return
+        if self.held_real.device.type != "cpu":  # loaded from a file or moved: the mirror lives in host memory
+            self.held_real = self.held_real.cpu()
+        over = self.held_real + new > self.slots.limit
+        if bool(over.any()):
+            self.reselect(over)
+
+    def reselect(self, over: torch.Tensor) -> None:
+        """Rows ``over [b]`` (host) keep ``bound`` of their tokens by the method's scores; the others keep all."""
+        start = time.perf_counter()
+        held = self.held_tokens()
+        with scoring_sinks(self.sinks):  # a model's learned sinks take their share of the scorer's softmax
+            scores = self.method.decode_scores(self, held, self.window_queries, self.scaling)
+        slot = torch.arange(scores.shape[-1], device=scores.device)
+        scores = scores.masked_fill(slot >= scores.shape[-1] - self.window_queries.shape[-2], math.inf)  # the window
+        wanted = torch.where(over, torch.full_like(self.held_real, self.bound), self.held_real)
+        counts = torch.minimum(wanted.to(held.valid.device), held.valid.sum(dim=-1))
+        self.slots.compact(*select_kept(scores, held.valid, counts))
+        self.held_real = counts.cpu()
+        self.reselections += 1
+        self.reselect_s += time.perf_counter() - start
+
+    def held_tokens(self) -> HeldTokens:
+        """The held slots as the scores read them (decoded, in the model's basis)."""
+        slots, used = self.slots, self.slots.used
+        keys, values = (restored(slots.codec, t[:, :, :used]) for t in (slots.keys, slots.values))
+        return HeldTokens(keys, values, slots.slot_validity()[:, :used], slots.held_positions())
+
+    def advance(self, new: int) -> None:
+        super().advance(new)
+        if self.held_real is not None:
+            self.held_real += new
+
+    def after_step(self, query: torch.Tensor, scaling: float) -> None:
+        """The step's positions noted, its queries the newest of the window."""
+        new = query.shape[-2]
+        note_step_positions(self.slots, self.next_position, self.slots.positions, new)
+        window = self.window_queries.shape[-2]
+        latest = query[..., -window:, :] if new >= window else torch.cat(
+            [self.window_queries[..., new:, :], query], dim=2)
+        self.window_queries.copy_(latest)
+
+    def kept_positions(self) -> torch.Tensor:
+        """Prompt positions still held per head, ascending; -1 for slots of answer tokens and filler."""
+        if self.slots.cursor is None:
+            return super().kept_positions()
+        return prompt_positions_held(self.slots.held_positions(), self.prompt_tokens)
+
+    def stats(self) -> dict[str, Any]:
+        return {**super().stats(), "reselections": self.reselections, "reselect_s": self.reselect_s}
+
+    def info(self) -> dict[str, Any]:
+        return {"decode_bound": self.slots.limit}

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -32,7 +32,10 @@ import torch.nn.functional as F
 from ..cache.tokens import span_max
 from ..storage.attention import grouped_logits, key_probabilities
 from .base import check_reserved, param, require
-from .prompt import PromptMethod
+from .prompt import HeldTokens, PromptMethod
+
+if TYPE_CHECKING:
+    from .prompt import BoundedLayer
 
 POOLINGS = ("max", "avg")
 CLUSTERINGS = ("spans", "pool")
@@ -144,3 +147,12 @@ class SnapKV(PromptMethod):
                 "use clustering='pool'"
             )
         return span_max(scores, spans)
+
+    @property
+    def decode_window_tokens(self) -> int:
+        return self.decode_window if self.decode_window is not None else self.window
+
+    def decode_scores(self, layer: BoundedLayer, held: HeldTokens, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """The paper's selection with the last steps as its observation window: their pooled votes on every held
+        token before them (answer tokens have no recorded word spans, so the pooling clusters them alone)."""
+        return snapkv_scores(query, held.keys, held.valid, scaling, query.shape[-2], self.kernel, self.pooling)

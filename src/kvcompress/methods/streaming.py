@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 from ..storage.tensors import prompt_positions
 from .base import check_reserved, param
-from .prompt import PromptMethod
+from .prompt import HeldTokens, PromptMethod
+
+if TYPE_CHECKING:
+    from .prompt import BoundedLayer
 
 
 def sink_and_recent_scores(valid: torch.Tensor, sinks: int, kv_heads: int) -> torch.Tensor:
@@ -45,3 +48,7 @@ class StreamingLLM(PromptMethod):
     def scores(self, query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scaling: float,
                spans: torch.Tensor | None = None) -> torch.Tensor:
         return sink_and_recent_scores(valid, self.sinks, keys.shape[1])
+
+    def decode_scores(self, layer: BoundedLayer, held: HeldTokens, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """While decoding as on the prompt: the sinks, then the most recent held tokens."""
+        return sink_and_recent_scores(held.valid, self.sinks, held.keys.shape[1])

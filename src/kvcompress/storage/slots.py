@@ -13,6 +13,8 @@ in ``advance``, eager or compiled alike (a compiled step reads none of them). Th
 * ``RingSlots``: a sliding window's ring (the token of logical index ``t`` in slot ``t % capacity``).
 * ``CappedSlots``: dense slots that hold at most ``limit`` tokens after each step (a layer that
   evicts while decoding keeps its best at the front), with per-slot annotations moved along.
+* ``BoundedSlots``: dense slots whose buffers never grow past ``limit`` while decoding; the layer
+  compacts what it re-selects to the front, in place (a decoding bound for every prompt method).
 * ``packed.PackedSlots``: one segment per (row, KV head), each with its own length.
 
 An offload store of chunks (``offload.ChunkStore``) is held beside a layer's slots, not instead.
@@ -500,3 +502,49 @@ class CappedSlots(DenseSlots):
         self.limit = state["budget"]
         self.notes = {name: on_device(state[name], device) for name in self.notes}
 
+
+
+class BoundedSlots(DenseSlots):
+    """Dense slots whose buffers hold at most ``limit`` slots while decoding (a longer turn than the room left grows
+    them for that turn): the layer re-selects before a step would pass the limit and ``compact`` moves what it keeps
+    to the front of the same buffers, in place, so a compiled step's graph (and a CUDA graph's addresses) stays
+    valid. ``positions`` covers every held slot once a step has run (prompt and answer tokens; -1: room)."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.limit = limit
+
+    def held_positions(self) -> torch.Tensor:
+        """The position of every held slot's token ``[b, h, used]`` (-1: filler)."""
+        if self.positions is not None:
+            return self.positions[..., : self.used]
+        return DenseSlots.kept_positions(self, self.used)
+
+    def make_room(self, new: int) -> None:
+        if self.cursor is None or self.keys.shape[-2] - self.used < new:
+            self.relayout(self.used + new + spare_slots(self.used + new), new)
+
+    def relayout(self, capacity: int, new: int = 1) -> None:
+        """The held slots into buffers of ``capacity`` slots, never more than ``limit`` unless the held slots and
+        a step of ``new`` tokens need more."""
+        held = self.held_positions()
+        super().relayout(max(min(capacity, self.limit), self.used + new))
+        self.positions = held.new_full((*held.shape[:2], self.keys.shape[-2]), -1)
+        self.positions[..., : self.used] = held
+
+    def compact(self, indices: torch.Tensor, slot_valid: torch.Tensor) -> None:
+        """Keep the slots ``indices [b, h, n]`` (ascending per head; ``slot_valid [b, n]`` marks filler) at the
+        front of the buffers, in place; the rest becomes room (before the first step: kept as ``keep`` does)."""
+        if self.cursor is None:
+            self.keep(indices, slot_valid)
+            return
+        n = indices.shape[-1]
+        for buffer in (self.keys, self.values):
+            buffer[:, :, :n].copy_(gather_tokens(buffer, indices))
+        kept = self.positions.gather(2, indices).masked_fill(~slot_valid[:, None, :], -1)
+        self.positions[..., :n].copy_(kept)
+        self.positions[..., n:] = -1
+        self.valid[:, :n].copy_(slot_valid)
+        self.valid[:, n:] = False
+        self.cursor.fill_(n)
+        self.used = n
