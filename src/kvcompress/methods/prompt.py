@@ -21,8 +21,8 @@ over the layers, up to rounding), so comparisons are at equal memory.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, cast
 
 import torch
@@ -30,8 +30,8 @@ import torch
 from ..cache.held import hold
 from ..cache.layer import KVLayer, batch_prompt_tokens
 from ..storage.attention import scoring_sinks
-from ..storage.packed import PackedSlots
 from ..storage.codec import restored
+from ..storage.packed import PackedSlots
 from ..storage.slots import BoundedSlots, DenseSlots
 from .base import BudgetMethod, param, require
 

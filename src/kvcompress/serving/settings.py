@@ -58,6 +58,11 @@ def check_servable(method: Method) -> Method:
         raise InvalidParameterError(
             f"{owner}: kv_bits={method.kv_bits} cannot be served per request (vLLM's cache pool has one dtype for "
             "every request, its --kv-cache-dtype); valid: 16")
+    if getattr(method, "decode_budget", None) is not None:
+        raise InvalidParameterError(
+            f"{owner}: decode_budget={method.decode_budget} cannot be served by vLLM: kvcompress's plugin selects a "
+            "request's blocks once, at the end of its prefill, and does not re-select them while it decodes; valid: "
+            "no decode_budget (docs/vllm.md)")
     if getattr(method, "evict_during_decoding", False):
         raise InvalidParameterError(
             f"{owner}: evict_during_decoding=True cannot be served by vLLM (it compresses at the end of a prefill)"
