@@ -18,6 +18,9 @@
 #   quantized            issue 51: compiled decoding at 32K, full and SnapKV 2048 at 16 / 8 / 4 bits and fp8 (seven
 #                        compiles of ~60 s); bytes held and read per step
 #   quantized-eager      the same eagerly at 16K and 32K
+#   long-answer          issue 52: a 32K-token answer after a 1K prompt on the 8B shape, compiled: SnapKV 2048 under
+#                        decode_budget=2048 (~7 minutes by the 12 ms/token of SnapKV 2048 at 32K), then the full cache
+#                        (cut by the slice's time limit where it runs out: its rows so far are in the log)
 #   tests                the whole suite on the GPU (GPU-only tests included)
 #   decode-compiled      issue 21: the compiled step (a CUDA graph per token), batch 1, 16K and 32K: full, SnapKV 2048,
 #                        SnapKV head-adaptive, ShadowKV at the paper's setting; the bandwidth bound beside each figure
@@ -54,11 +57,11 @@ DRY=${GPU_CHECK_DRY:-0}
 # Sizes: real (GPU) or toy (CPU dry run).
 if [ "$DRY" = 1 ]; then
   MODEL=smollm2-135m LONG_MODEL=smollm2-135m L_LAT=512,1024 L_TP=1024 L_AD=512,1024 L_LONG=1024,2048 L_1M=4096 L_896K=3072 L_BATCH=512 B_DEC=2
-  L_DEC=512 L_DEC_LONG=1024 L_ASK=512 L_FIRST=512
+  L_DEC=512 L_DEC_LONG=1024 L_ASK=512 L_FIRST=512 L_ANSWER=256 DEVICE=cpu
   STEPS="--steps 2 --warmup 1" MEM="--max-memory 1.5" STEP=512 BUDGET=128 MAXCTX_START=1024 BATCH_LIMIT=4
 else
   MODEL=llama-3.1-8b LONG_MODEL=llama-3.1-8b-1m L_LAT=16384,32768,65536,131000 L_TP=122880 L_AD=32768,131000 L_LONG=262144,524288,786432 L_1M=1048576 L_896K=917504
-  L_BATCH=16384,32768 B_DEC=8 L_DEC=16384,32768 L_DEC_LONG=65536,131000 L_ASK=32768,131000 L_FIRST=32768
+  L_BATCH=16384,32768 B_DEC=8 L_DEC=16384,32768 L_DEC_LONG=65536,131000 L_ASK=32768,131000 L_FIRST=32768 L_ANSWER=32768 DEVICE=cuda
   STEPS="--steps 16 --warmup 3" MEM="" STEP=65536 BUDGET=2048 MAXCTX_START=131072
   BATCH_LIMIT=64  # with --replicate each try of the batch search is one 122K prefill (~15-20 s on an H100)
 fi
@@ -97,6 +100,11 @@ run_slice() {
       speed quantized --model $MODEL --methods $CODED_METHODS --budget $BUDGET --lengths $L_FIRST --batches 1 $STEPS --compile ;;
     quantized-eager)
       speed quantized-eager --model $MODEL --methods $CODED_METHODS --budget $BUDGET --lengths $L_DEC --batches 1 $STEPS ;;
+    long-answer)
+      mkdir -p "$OUT/long-answer"
+      $PY scripts/long_answer_bench.py --model $MODEL --device $DEVICE --compile --prompt 1024 --tokens $L_ANSWER \
+        --every $((L_ANSWER / 16)) --methods "snapkv:budget=2048:decode_budget=2048,full" \
+        --out "$OUT/long-answer/long_answer.json" 2>&1 | tee "$OUT/long-answer/log.txt" ;;
     tests)
       mkdir -p "$OUT/tests"
       $PY -c "import torch, transformers, triton; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'transformers', transformers.__version__, 'triton', triton.__version__)" | tee "$OUT/tests/versions.txt"
@@ -136,7 +144,7 @@ run_slice() {
   esac
 }
 
-SLICES="first quantized quantized-eager tests decode-compiled decode-compiled-long decode-eager decode-batch ask headline latency throughput-full throughput-snapkv throughput-shadowkv throughput-rows adaptive longprompt-snapkv longprompt-full longprompt-896k longprompt-1m"
+SLICES="first quantized quantized-eager long-answer tests decode-compiled decode-compiled-long decode-eager decode-batch ask headline latency throughput-full throughput-snapkv throughput-shadowkv throughput-rows adaptive longprompt-snapkv longprompt-full longprompt-896k longprompt-1m"
 if [ "${1:-}" = all ]; then
   for s in $SLICES; do run_slice "$s" || exit $?; done
 else
