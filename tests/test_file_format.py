@@ -46,7 +46,8 @@ def test_this_version_has_a_fixture_of_every_storage_kind():
     assert written == set(CASES)
     classes = {layer["class"] for name in written for layer in header(DATA / f"v{VERSION}-{name}.kvc")["layers"]}
     assert classes >= {
-        "WindowLayer", "EvictionLayer", "H2OLayer", "HeadAdaptiveLayer", "ShadowKVLayer", "QuestLayer", "LokiLayer"
+        "WindowLayer", "EvictionLayer", "H2OLayer", "HeadAdaptiveLayer", "ShadowKVLayer", "QuestLayer", "LokiLayer",
+        "BoundedLayer"
     }
 
 

@@ -32,6 +32,7 @@ CASES = {
     "ring-int8": ("mistral-sliding", "full:kv_bits=8", 4),
     "packed-fp8": ("llama", "snapkv:budget=24:window=8:heads=adaptive:kv_bits=8:kv_format=fp8", 0),
     "chunks-int4": ("llama", "quest:budget=16:page_size=4:offload=true:kv_bits=4", 0),
+    "bounded": ("llama", "snapkv:budget=24:window=8:decode_budget=16:every=4:decode_window=8", 12),
 }
 
 
