@@ -101,13 +101,13 @@ def answer_tokens(tok, ids: list[int]) -> int | None:
     return None if end is None else next(n for n in range(1, len(ids) + 1) if len(tok.decode(ids[:n])) >= end)
 
 
-def summarize(full: dict, ours: dict, label: str, bound: int) -> list[dict]:
+def summarize(full: dict, ours: dict, label: str, bound: int, names: list[str]) -> list[dict]:
     rows = []
     for row in range(full["logp"].shape[0]):
         gap = (full["logp"][row] - ours["logp"][row]).double()
         disagree = (~ours["agree"][row]).nonzero()
         agreed = int(disagree[0, 0]) if len(disagree) else int(gap.shape[0])
-        rows.append({"method": label, "bound": bound, "prompt": PROMPTS[row],
+        rows.append({"method": label, "bound": bound, "prompt": names[row],
                      "ll_full": float(full["logp"][row].double().mean()),
                      "ll": float(ours["logp"][row].double().mean()),
                      "gap": float(gap.mean()), "agreed_tokens": agreed,
@@ -119,16 +119,19 @@ def table(data: dict, tok) -> str:
     """The markdown table of a run: per method and bound, the gap per prompt and its mean, the tokens agreed, and
     whether the arithmetic's final answer (the full cache's own: its first 'Final answer: N') lies inside the
     agreement (greedy decoding under the bound writes it exactly)."""
-    answer = answer_tokens(tok, data["full"]["token_ids"][PROMPTS.index("arithmetic")])
-    lines = ["| method | bound | gap summary / arithmetic / code (nats/token) | mean gap | tokens agreed | "
-             "answer kept |", "|---|---:|---|---:|---|---|"]
+    names = data.get("prompts", list(PROMPTS))
+    answer = answer_tokens(tok, data["full"]["token_ids"][names.index("arithmetic")]) if "arithmetic" in names else None
+    lines = [f"| method | bound | gap {' / '.join(names)} (nats/token) | mean gap | tokens agreed | answer kept |",
+             "|---|---:|---|---:|---|---|"]
     groups: dict[tuple, list[dict]] = {}
     for row in data["rows"]:
         groups.setdefault((row["method"], row["bound"]), []).append(row)
     for (method, bound), rows in groups.items():
-        rows.sort(key=lambda r: PROMPTS.index(r["prompt"]) if isinstance(r["prompt"], str) else r["prompt"])
-        arithmetic = rows[PROMPTS.index("arithmetic")]["agreed_tokens"]
-        kept = "-" if answer is None else ("yes" if arithmetic >= answer - 1 else f"no ({arithmetic} < {answer})")
+        rows.sort(key=lambda r: names.index(r["prompt"]) if isinstance(r["prompt"], str) else r["prompt"])
+        kept = "-"
+        if answer is not None:
+            arithmetic = rows[names.index("arithmetic")]["agreed_tokens"]
+            kept = "yes" if arithmetic >= answer - 1 else f"no ({arithmetic} < {answer})"
         lines.append(f"| {short(method)} | {bound} | " + " / ".join(f"{r['gap']:+.3f}" for r in rows) +
                      f" | {sum(r['gap'] for r in rows) / len(rows):+.3f} | " +
                      " / ".join(str(r["agreed_tokens"]) for r in rows) + f" | {kept} |")
@@ -167,6 +170,7 @@ def main() -> None:
     parser.add_argument("--bounds", default="256,1024,2048")
     parser.add_argument("--specs", default=",".join(SPECS), help="method specs with {b} for the bound")
     parser.add_argument("--out", type=Path, required=True, help="path without extension: .json and .png")
+    parser.add_argument("--prompts", default=",".join(PROMPTS), help=f"which of {', '.join(PROMPTS)}")
     parser.add_argument("--table", action="store_true", help="print --out's table and draw its PNG (no run)")
     args = parser.parse_args()
     if args.table:
@@ -178,7 +182,10 @@ def main() -> None:
     if out.exists():
         raise SystemExit(f"--out {out} exists; give a new path")
     model, tok = kvc.load_model()
-    rows = prompts(tok)
+    asked = [name for name in PROMPTS if name in args.prompts.split(",")]
+    if not asked or len(asked) != len(args.prompts.split(",")):
+        raise SystemExit(f"--prompts {args.prompts}: valid are {', '.join(PROMPTS)}")
+    rows = [row for name, row in zip(PROMPTS, prompts(tok)) if name in asked]
     full = read(model, tok, rows, kvc.FullKV(), None, args.tokens)
     print(f"full: {full['decode_s']:.0f} s", flush=True)
     results, texts = [], [tok.decode(ids) for ids in full["tokens"].tolist()]
@@ -187,7 +194,7 @@ def main() -> None:
         for spec in args.specs.split(","):
             method = kvc.method_from_spec(spec.format(b=bound))
             ours = read(model, tok, rows, method, full["tokens"], args.tokens)
-            entries = summarize(full, ours, method.describe(), bound)
+            entries = summarize(full, ours, method.describe(), bound, asked)
             for entry in entries:
                 entry.update(decode_s=ours["decode_s"], reselect_s=ours["stats"].get("reselect_s"),
                              device_bytes=ours["stats"]["device_bytes"])
@@ -195,7 +202,8 @@ def main() -> None:
             print(f"{method.describe()[:60]:60s} gap " + " ".join(f"{e['gap']:+.3f}" for e in entries) +
                   " agreed " + " ".join(str(e["agreed_tokens"]) for e in entries) + f" {ours['decode_s']:.0f} s",
                   flush=True)
-            out.write_text(json.dumps({"machine": machine(model.device), "tokens": args.tokens, "full": {
+            record = {"machine": machine(model.device), "tokens": args.tokens, "prompts": asked}
+            out.write_text(json.dumps({**record, "full": {
                 "texts": texts, "ll": [float(x) for x in full["logp"].double().mean(1)], "prompt_ids": prompt_ids,
                 "token_ids": full["tokens"].tolist()}, "rows": results}, indent=1))
     plot(results, args.out.with_suffix(".png"))

@@ -165,6 +165,8 @@ def test_follow_up_turns_a_saved_answer_and_a_stored_context(tmp_path):
     loaded = kvc.generate(model, tok, "and then?", past=again, max_new_tokens=60)
     assert loaded.token_ids == ours.token_ids and ours.stats["reselections"] > first.stats["reselections"]
     assert max(layer.slots.keys.shape[-2] for layer in ours.cache.layers) <= 48 + 16
+    longer = kvc.generate(model, tok, random_text(100, seed=6), past=ours, max_new_tokens=40)  # a turn past the room
+    assert max(layer.slots.keys.shape[-2] for layer in longer.cache.layers) <= 48 + 16  # re-selected back under it
 
     store = kvc.compress(model, tok, random_text(400, seed=3), kvc.FullKV())
     asked = kvc.generate(model, tok, "what?", past=store, method=method, max_new_tokens=70)

@@ -505,8 +505,8 @@ class CappedSlots(DenseSlots):
 
 
 class BoundedSlots(DenseSlots):
-    """Dense slots whose buffers hold at most ``limit`` slots while decoding (a longer turn than the room left grows
-    them for that turn): the layer re-selects before a step would pass the limit and ``compact`` moves what it keeps
+    """Dense slots whose buffers hold at most ``limit`` slots while decoding (a turn longer than the room left grows
+    them for that turn, the next re-selection shrinks them back): the layer re-selects before a step would pass the limit and ``compact`` moves what it keeps
     to the front of the same buffers, in place, so a compiled step's graph (and a CUDA graph's addresses) stays
     valid. ``positions`` covers every held slot once a step has run (prompt and answer tokens; -1: room)."""
 
@@ -548,3 +548,5 @@ class BoundedSlots(DenseSlots):
         self.valid[:, n:] = False
         self.cursor.fill_(n)
         self.used = n
+        if self.keys.shape[-2] > self.limit:  # a turn longer than the room grew the buffers: back to the limit
+            self.relayout(self.limit)
