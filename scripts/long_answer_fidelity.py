@@ -158,8 +158,8 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.axhline(0.05, color="grey", linestyle=":", linewidth=1)
         ax.set_title(f"bound {bound}")
         ax.set_xlabel("generated tokens")
-    axes[0][0].set_ylabel("log-likelihood gap to the full cache (nats/token, mean so far)")
-    axes[0][-1].legend(fontsize=8)
+    axes[0][0].set_ylabel("gap to the full cache (nats/token, mean so far)")
+    axes[0][0].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

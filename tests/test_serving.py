@@ -28,7 +28,8 @@ from .fixtures import FAMILIES, char_tokenizer, family_model
     ({"method": "snapkv", "heads": "adaptive"
       }, r"SnapKV: heads='adaptive' cannot be served by vLLM .*; valid: 'uniform'"),
     ({"method": "h2o", "evict_during_decoding": True}, r"H2O: evict_during_decoding=True cannot be served by vLLM"),
-    ({"method": "snapkv", "decode_budget": 512}, r"SnapKV: decode_budget=512 cannot be served by vLLM: kvcompress.s plugin selects "),
+    ({"method": "snapkv", "decode_budget": 512},
+     r"SnapKV: decode_budget=512 cannot be served by vLLM: kvcompress.s plugin selects "),
     ("snapkv", r"^kvcompress must be an object such as \{\"method\": \"snapkv\", \"budget\": 256\}; got 'snapkv'$"),
 ])
 def test_a_requests_bad_settings_are_refused_naming_the_field(settings, message):

@@ -506,9 +506,10 @@ class CappedSlots(DenseSlots):
 
 class BoundedSlots(DenseSlots):
     """Dense slots whose buffers hold at most ``limit`` slots while decoding (a turn longer than the room left grows
-    them for that turn, the next re-selection shrinks them back): the layer re-selects before a step would pass the limit and ``compact`` moves what it keeps
-    to the front of the same buffers, in place, so a compiled step's graph (and a CUDA graph's addresses) stays
-    valid. ``positions`` covers every held slot once a step has run (prompt and answer tokens; -1: room)."""
+    them for that turn, the next re-selection shrinks them back): the layer re-selects before a step would pass the
+    limit and ``compact`` moves what it keeps to the front of the same buffers, in place, so a compiled step's graph
+    (and a CUDA graph's addresses) stays valid. ``positions`` covers every held slot once a step has run (prompt and
+    answer tokens; -1: room)."""
 
     def __init__(self, limit: int) -> None:
         super().__init__()
