@@ -186,7 +186,8 @@ class PromptMethod(BudgetMethod):
         pinned = self.decode_reserved()
         require(self.decode_budget > pinned,
                 f"{owner}: decode_budget={self.decode_budget} must be greater than the {pinned} tokens every "
-                f"re-selection keeps whole (decode_window and the method's own: valid: decode_budget > {pinned})")
+                f"re-selection keeps whole (its decode_window and the method's reserved tokens); valid: decode_budget "
+                f"> {pinned}")
 
     def kept_tokens(self, lengths: torch.Tensor, share: float | torch.Tensor = 1.0) -> torch.Tensor:
         """The budget, in one place: prompt tokens each row of a layer keeps per KV head, for real prompt lengths
