@@ -131,7 +131,7 @@ class ExpectedAttention(PromptMethod):
         valid = layer.slot_validity()
         asked = prompt_positions(valid)[:, -query.shape[-2] :]
         voting = (asked >= self.sinks) & valid[:, -query.shape[-2] :]
-        held = HeldTokens(layer.keys, layer.values, valid, asked)
+        held = HeldTokens(layer.keys, layer.values, valid, layer.kept_positions())
         scores = self._expected(layer.rotary, held, query, asked, voting, layer.prompt_tokens, scaling)
         if self.clustering == "none":
             return scores
