@@ -46,10 +46,10 @@ $(VLLM_STAMP): pyproject.toml
 	touch $@
 
 vllm-test: model $(VLLM_STAMP)
-	$(VLLM_VENV)/bin/python -m pytest -q $(VLLM_TESTS)
+	$(VLLM_VENV)/bin/python -m pytest -q --timeout 1200 $(VLLM_TESTS)
 
 vllm: model $(VLLM_STAMP)
-	KVCOMPRESS_SOAK_REQUESTS=200 $(VLLM_VENV)/bin/python -m pytest -q $(VLLM_TESTS)
+	KVCOMPRESS_SOAK_REQUESTS=200 $(VLLM_VENV)/bin/python -m pytest -q --timeout 3600 $(VLLM_TESTS)
 	$(VLLM_VENV)/bin/python scripts/vllm_check.py --out runs/vllm_check.json
 	$(VLLM_VENV)/bin/python scripts/serve_bench.py --requests 4 --tokens 1000 --pool-prompts 2 --out runs/serve_bench_quick/serve_bench.json
 

@@ -9,13 +9,15 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import kvcompress as kvc
 from kvcompress.integrations.transformers.attach import layer_windows
 from kvcompress.methods.base import InvalidParameterError
+from kvcompress.methods.prompt import EvictionLayer
 from kvcompress.serving import settings as serving
 
-from .fixtures import FAMILIES, char_tokenizer, family_model
+from .fixtures import FAMILIES, char_tokenizer, family_model, prefilled_cache
 
 
 @pytest.mark.parametrize(("settings", "message"), [
@@ -220,3 +222,24 @@ def test_too_little_free_memory_is_refused_in_one_line():
             InvalidParameterError, match=r"^kvcompress serve needs about 2 GiB for the model and its KV cache "
             r"and 2.5 GiB of this machine's 16.0 GiB are free; pass --kv-cache-memory-bytes"):
         serving.memory_flags([], 16 * GIB, int(2.5 * GIB), {})
+
+
+@pytest.mark.parametrize("name", [name for name in serving.SERVABLE if name != "full"])
+def test_a_workers_prompt_is_scored_as_the_library_scores_its_layer(name, monkeypatch):
+    """The vLLM worker hands a method only ``PromptLayer`` (one request's keys, values, spans and rotary): each
+    servable method scores it as it scores the library's own layer holding the same prompt."""
+    method = kvc.method_from_name(name, budget=48)
+    seen = []
+    library_scores = EvictionLayer.prompt_scores
+
+    def recording(layer, query, scaling):
+        scores = library_scores(layer, query, scaling)
+        seen.append((layer.keys.clone(), layer.values.clone(), layer.spans, layer.rotary, query, scaling, scores))
+        return scores
+
+    monkeypatch.setattr(EvictionLayer, "prompt_scores", recording)
+    prefilled_cache(method, 90)
+    assert len(seen) == 2  # each layer of the tiny model
+    for keys, values, spans, rotary, query, scaling, scores in seen:
+        prompt = serving.PromptLayer(keys, values, spans, rotary)
+        torch.testing.assert_close(method.layer_scores(prompt, query, scaling), scores, rtol=0, atol=0)

@@ -175,7 +175,8 @@ def test_kvcompress_serve_answers_the_openai_client_as_the_library_does(library,
         ["--budget", "256", "--dtype", "float32", "--max-model-len", "2048", "--enforce-eager", "--block-size", "32"],
         tmp_path / "serve.log")
     try:
-        client = openai.OpenAI(base_url=f"{server.start(400).base}/v1", api_key="none")
+        base = server.start(400).base
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", timeout=300, max_retries=0)
         name = client.models.list().data[0].id
         messages = chat(tokenizer, 1200, 0.3)
         ours = kvc.generate(model, tokenizer, messages, method=kvc.SnapKV(budget=256), max_new_tokens=16).text

@@ -106,7 +106,7 @@ def served_answers(server: Server, plan: list[list[tuple]]) -> list[tuple]:
     returns (request, token ids) for each request."""
 
     async def run() -> list[tuple]:
-        client = openai.AsyncOpenAI(base_url=f"{server.base}/v1", api_key="none", timeout=1800)
+        client = openai.AsyncOpenAI(base_url=f"{server.base}/v1", api_key="none", timeout=1800, max_retries=0)
         model = (await client.models.list()).data[0].id
         answers = []
         for group in plan:

@@ -129,9 +129,10 @@ class ExpectedAttention(PromptMethod):
 
     def layer_scores(self, layer: EvictionLayer, query: torch.Tensor, scaling: float) -> torch.Tensor:
         valid = layer.slot_validity()
-        asked = prompt_positions(valid)[:, -query.shape[-2] :]
+        positions = prompt_positions(valid)  # the prompt's slots in order: every slot holds its own token
+        asked = positions[:, -query.shape[-2] :]
         voting = (asked >= self.sinks) & valid[:, -query.shape[-2] :]
-        held = HeldTokens(layer.keys, layer.values, valid, layer.kept_positions())
+        held = HeldTokens(layer.keys, layer.values, valid, positions[:, None].expand(-1, layer.keys.shape[1], -1))
         scores = self._expected(layer.rotary, held, query, asked, voting, layer.prompt_tokens, scaling)
         if self.clustering == "none":
             return scores

@@ -1,6 +1,7 @@
 """What serving compressed caches through vLLM needs apart from vLLM itself: which methods a vLLM
 engine can apply, a request's own settings, and the command line that starts vLLM's server with
-the plugin (``kvcompress serve``). Imports no vLLM, so bad settings are refused before vLLM starts
+the plugin (``kvcompress serve``), and what a method's scoring reads of one request's prompt in a worker
+(``PromptLayer``). Imports no vLLM, so bad settings are refused before vLLM starts
 and the API server checks a request's settings with the library's own validation.
 
 A request chooses its method in its body, beside OpenAI's fields (``extra_body`` in the ``openai``
@@ -10,15 +11,17 @@ the engine's method; ``{"method": "full"}``: its full cache).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
 import urllib.request
 from typing import Any
 
+import torch
 from transformers import AutoConfig
 
-from ..integrations.transformers.rope import check_rope_config
+from ..integrations.transformers.rope import Rotary, check_rope_config
 from ..methods import METHODS, method_from_name
 from ..methods.base import InvalidParameterError, Method
 from ..methods.prompt import PromptMethod
@@ -251,3 +254,21 @@ class QuietStop(logging.Filter):
     def install(self) -> None:
         for name in self.LOGGERS:
             logging.getLogger(name).addFilter(self)
+
+
+@dataclasses.dataclass
+class PromptLayer:
+    """What a method's scoring reads of a kvcompress layer (``PromptMethod.layer_scores``), for one request's
+    prompt in a worker: its keys and values ``[1, kv_heads, tokens, dim]``, its word spans, the layer's rotary."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    spans: torch.Tensor | None
+    rotary: Rotary | None
+
+    @property
+    def prompt_tokens(self) -> torch.Tensor:
+        return torch.tensor([self.keys.shape[2]])
+
+    def slot_validity(self) -> torch.Tensor:
+        return torch.ones(1, self.keys.shape[2], dtype=torch.bool)

@@ -59,7 +59,7 @@ from ..methods import SnapKV, method_from_name
 from ..methods.base import InvalidParameterError, Method
 from ..methods.prompt import PromptMethod, select_kept
 from ..storage.attention import scoring_sinks
-from .settings import ENGINE_ENV, FIELD, method_of, model_config, scorable
+from .settings import ENGINE_ENV, FIELD, PromptLayer, method_of, model_config, scorable
 
 
 def register() -> None:
@@ -284,24 +284,6 @@ class KVCompressCPUImpl(CPUAttentionBackendImpl):
             scheduler_metadata=schedule, s_aux=self.sinks, dynamic_causal=None, k_scale=layer._k_scale_float,
             v_scale=layer._v_scale_float, kv_cache_dtype=self.kv_cache_dtype
         )
-
-
-@dataclasses.dataclass
-class PromptLayer:
-    """What a method's scoring reads of a kvcompress layer (``PromptMethod.layer_scores``), for one request's
-    prompt in a worker: its keys and values ``[1, kv_heads, tokens, dim]``, its word spans, the layer's rotary."""
-
-    keys: torch.Tensor
-    values: torch.Tensor
-    spans: torch.Tensor | None
-    rotary: Rotary | None
-
-    @property
-    def prompt_tokens(self) -> torch.Tensor:
-        return torch.tensor([self.keys.shape[2]])
-
-    def slot_validity(self) -> torch.Tensor:
-        return torch.ones(1, self.keys.shape[2], dtype=torch.bool)
 
 
 class KVCompressCPUBackend(CPUAttentionBackend):
