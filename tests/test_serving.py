@@ -42,6 +42,7 @@ def test_a_requests_bad_settings_are_refused_naming_the_field(settings, message)
 def test_a_requests_settings_name_its_method_or_take_the_engines():
     engine = kvc.SnapKV(budget=512)
     assert serving.method_of(None, default=engine) is engine
+    assert serving.method_of({}, default=engine) is engine  # an empty object names nothing: not SnapKV's defaults
     # the engine's method, its own budget
     assert serving.method_of({"budget": 128}, default=engine) == kvc.SnapKV(budget=128)
     assert serving.method_of({"method": "streamingllm", "budget": 64}) == kvc.StreamingLLM(budget=64)
@@ -243,3 +244,28 @@ def test_a_workers_prompt_is_scored_as_the_library_scores_its_layer(name, monkey
     for keys, values, spans, rotary, query, scaling, scores in seen:
         prompt = serving.PromptLayer(keys, values, spans, rotary)
         torch.testing.assert_close(method.layer_scores(prompt, query, scaling), scores, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(("pool", "family", "message"), [
+    (None, "gemma2", None), ("auto", "gpt-oss", None), ("fp8", "llama", None), ("fp8_e4m3", "qwen3", None),
+    ("fp8", "gemma2", r"^--kv-cache-dtype fp8 cannot be served with kvcompress on model type 'gemma2': it has "
+                      r"sliding-window layers and soft-capped attention scores, which .*; valid: auto$"),
+    ("fp8", "gpt-oss", r"model type 'gpt_oss': it has sliding-window layers and learned attention sinks"),
+    ("fp8_e5m2", "llama", r"^--kv-cache-dtype fp8_e5m2 cannot be served with kvcompress: kvcompress's fp8 is e4m3 "
+                          r"\(vLLM's fp8\); valid: auto, fp8, fp8_e4m3$"),
+    ("int8", "llama", r"^--kv-cache-dtype int8 cannot be served with kvcompress: .*; valid: auto, fp8, fp8_e4m3$"),
+])
+def test_a_servers_cache_dtype_is_served_or_refused_in_one_line(pool, family, message):
+    config = family_model(family).config
+    if message is None:
+        serving.check_pool(pool, config)
+    else:
+        with pytest.raises(InvalidParameterError, match=message):
+            serving.check_pool(pool, config)
+
+
+def test_kvcompress_serve_refuses_a_cache_dtype_before_starting_anything():
+    done = cli("serve", "--budget", "256", "--kv-cache-dtype", "fp8_e5m2")
+    assert done.returncode == 2 and done.stderr.strip().splitlines()[-1] == (
+        "kvcompress: error: --kv-cache-dtype fp8_e5m2 cannot be served with kvcompress: kvcompress's fp8 is e4m3 "
+        "(vLLM's fp8); valid: auto, fp8, fp8_e4m3")

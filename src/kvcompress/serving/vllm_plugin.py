@@ -45,6 +45,7 @@ from vllm import envs
 from vllm.config import get_current_vllm_config
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
 from vllm.forward_context import get_forward_context
+from vllm.utils.torch_utils import is_quantized_kv_cache
 from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionBackend,
     CPUAttentionBackendImpl,
@@ -59,7 +60,8 @@ from ..methods import SnapKV, method_from_name
 from ..methods.base import InvalidParameterError, Method
 from ..methods.prompt import PromptMethod, select_kept
 from ..storage.attention import scoring_sinks
-from .settings import ENGINE_ENV, FIELD, PromptLayer, method_of, model_config, scorable
+from ..storage.codec import make_codec
+from .settings import ENGINE_ENV, FIELD, PromptLayer, check_pool, method_of, model_config, scorable
 
 
 def register() -> None:
@@ -79,6 +81,7 @@ def engine_method(vllm_config: Any = None) -> Method:
     for refused, what in refusals:
         if refused:
             raise ValueError(f"kvcompress in vLLM needs {what}")
+    check_pool(config.cache_config.cache_dtype, config.model_config.hf_config)
     settings = (config.additional_config or {}).get(FIELD)
     method = method_of(settings, default=SnapKV()) if settings is not None else SnapKV()
     return scorable(method, config.model_config.hf_config)
@@ -171,6 +174,14 @@ class KVCompressCPUImpl(CPUAttentionBackendImpl):
         super().__init__(*args, **kwargs)
         self.model = get_current_vllm_config().model_config  # its tokenizer's spans and its rotary read on first need
         self.rotary: Rotary | None = None
+        # An fp8 pool (``--kv-cache-dtype fp8``): vLLM's prefill would attend the prompt as rounded into the pool;
+        # the library codes a cache once its prompt is compressed, so a prompt attends itself as computed here too.
+        self.coded_pool = is_quantized_kv_cache(self.kv_cache_dtype)
+        plain = (self.sliding_window == -1 and not self.logits_soft_cap and self.sinks is None
+                 and self.alibi_slopes is None)
+        if self.coded_pool and not plain:  # what check_pool reads from the config, and ALiBi
+            raise ValueError(f"kvcompress: --kv-cache-dtype {self.kv_cache_dtype} cannot be served for a model whose "
+                             "attention has sliding windows, soft-capping, sinks or ALiBi; valid: auto")
 
     def layer_rotary(self, layer: Any) -> Rotary:
         """The rotary embedding of this layer, from the model's config."""
@@ -184,6 +195,16 @@ class KVCompressCPUImpl(CPUAttentionBackendImpl):
         metadata = metadata.get(layer.layer_name) if isinstance(metadata, dict) else None
         if metadata is not None:  # our builder's slots: compressed requests write after their kept tokens
             slot_mapping = metadata.slot_mapping[: slot_mapping.shape[0]]
+        self.write_pool(layer, key, value, kv_cache, slot_mapping)
+
+    def write_pool(self, layer: torch.nn.Module, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+        """vLLM's write into the pool; an fp8 pool gets each element rounded to its nearest e4m3 value first (the
+        CPU build's cast truncates toward zero; rounded here, the pool holds what the library's ``fp8`` codec and
+        vLLM's CUDA cast hold, and the cast of an e4m3 value is exact)."""
+        if self.coded_pool:
+            codec = make_codec("fp8", key.shape[-1], key.dtype)
+            key, value = (codec.decode(codec.encode(t)) for t in (key, value))
         super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
 
     def forward(
@@ -203,20 +224,25 @@ class KVCompressCPUImpl(CPUAttentionBackendImpl):
             if prompt is None or seen - length >= prompt or first in REMAPPED:  # decoding
                 continue
             method = REQUEST_METHODS[first]
-            if kept_count(method, prompt) >= prompt:
+            compressing = kept_count(method, prompt) < prompt
+            if not compressing and not self.coded_pool:
                 continue
             # The step's part of the prompt; after it, a preempted request's recomputed tokens (fed with the prompt).
             ends = min(length, prompt - (seen - length))
             rows, after = slice(starts[row], starts[row] + ends), slice(starts[row] + ends, starts[row + 1])
-            needed = method.queries_needed()
+            needed = method.queries_needed() if compressing else 0
             queries = query[rows] if needed is None else query[rows][ends - min(needed, ends) :]
             chunk = (key[rows], value[rows], queries)
             held = CHUNKS.pop((first, layer.layer_name), []) if length < seen else []  # a first chunk starts afresh
+            keys, values, queries = (torch.cat([part[i] for part in (*held, chunk)]) for i in range(3))
+            if self.coded_pool:  # the prompt attends itself as computed, as the library's prefill does
+                self.attend_prompt(query[rows], keys, values, output[rows])
             if seen < prompt:  # an earlier chunk of a prompt prefilled in chunks: held until the last, copied (the
                 # keys live in the step's whole projection)
                 CHUNKS[(first, layer.layer_name)] = [*held, tuple(part.clone() for part in chunk)]
                 continue
-            keys, values, queries = (torch.cat([part[i] for part in (*held, chunk)]) for i in range(3))
+            if not compressing:
+                continue
             kept = self.compress(layer, method, queries, keys, values, kv_cache, blocks, self.spans(method, first),
                                  key[after], value[after])
             if after.stop > after.start:  # a recomputed request's generated tokens see the cache its decoding saw
@@ -256,10 +282,21 @@ class KVCompressCPUImpl(CPUAttentionBackendImpl):
         slots = torch.arange(order.shape[0] + later_keys.shape[0])
         slot_mapping = blocks[slots // block_size].to(torch.long) * block_size + slots % block_size
         keys, values = (torch.cat([t[order, heads], later]) for t, later in ((key, later_keys), (value, later_values)))
-        super().do_kv_cache_update(layer, keys, values, kv_cache, slot_mapping)
+        self.write_pool(layer, keys, values, kv_cache, slot_mapping)
         COMPRESSED[int(blocks[0])] = (length, order.shape[0])
         KEPT_POSITIONS.setdefault(int(blocks[0]), {})[layer.layer_name] = kept[0]
         return order.shape[0]
+
+    def attend_prompt(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                      output: torch.Tensor) -> None:
+        """Causal attention of a prompt's last ``query`` tokens ``[n, heads * dim]`` over its keys and values as
+        computed (``[tokens, kv_heads, dim]``, those queries' own last), into ``output``."""
+        n, total = query.shape[0], keys.shape[0]
+        q = query.view(n, self.num_heads, self.head_size).transpose(0, 1)
+        k, v = (t.transpose(0, 1).repeat_interleave(self.num_heads // self.num_kv_heads, dim=0) for t in (keys, values))
+        causal = torch.ones(n, total, dtype=torch.bool, device=q.device).tril(total - n)
+        attended = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=causal, scale=self.scale)
+        output.view(n, self.num_heads, self.head_size).copy_(attended.transpose(0, 1))
 
     def attend_kept(
         self, layer: Any, query: torch.Tensor, kv_cache: torch.Tensor, blocks: torch.Tensor, kept: int,
