@@ -129,6 +129,7 @@ CHUNKS: dict[tuple[int, str], list[tuple[torch.Tensor, torch.Tensor, torch.Tenso
 # Per worker process: the first KV block of a compressed request -> (prompt tokens, kept tokens). A
 # request's first block is its own while it lives; a new request starting on it resets the entry.
 COMPRESSED: dict[int, tuple[int, int]] = {}
+ATTEND_BLOCK = 512  # prompt queries per call when an fp8 pool's prompt attends itself (``attend_prompt``)
 # This step's requests already compressed (their first KV blocks), as the metadata builder remapped them.
 REMAPPED: set[int] = set()
 # The same key as COMPRESSED -> layer name -> the prompt positions each KV head kept ``[kv_heads, kept]`` (as
@@ -290,13 +291,17 @@ class KVCompressCPUImpl(CPUAttentionBackendImpl):
     def attend_prompt(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                       output: torch.Tensor) -> None:
         """Causal attention of a prompt's last ``query`` tokens ``[n, heads * dim]`` over its keys and values as
-        computed (``[tokens, kv_heads, dim]``, those queries' own last), into ``output``."""
+        computed (``[tokens, kv_heads, dim]``, those queries' own last), into ``output``; ``ATTEND_BLOCK`` queries
+        at a time, so the masked scores stay small for long prompts."""
         n, total = query.shape[0], keys.shape[0]
         q = query.view(n, self.num_heads, self.head_size).transpose(0, 1)
         k, v = (t.transpose(0, 1).repeat_interleave(self.num_heads // self.num_kv_heads, dim=0) for t in (keys, values))
-        causal = torch.ones(n, total, dtype=torch.bool, device=q.device).tril(total - n)
-        attended = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=causal, scale=self.scale)
-        output.view(n, self.num_heads, self.head_size).copy_(attended.transpose(0, 1))
+        out = output.view(n, self.num_heads, self.head_size)
+        for start in range(0, n, ATTEND_BLOCK):
+            block = q[:, start : start + ATTEND_BLOCK]
+            causal = torch.ones(block.shape[1], total, dtype=torch.bool, device=q.device).tril(total - n + start)
+            attended = torch.nn.functional.scaled_dot_product_attention(block, k, v, attn_mask=causal, scale=self.scale)
+            out[start : start + block.shape[1]].copy_(attended.transpose(0, 1))
 
     def attend_kept(
         self, layer: Any, query: torch.Tensor, kv_cache: torch.Tensor, blocks: torch.Tensor, kept: int,
