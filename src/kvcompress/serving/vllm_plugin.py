@@ -235,7 +235,8 @@ class KVCompressCPUImpl(CPUAttentionBackendImpl):
             queries = query[rows] if needed is None else query[rows][ends - min(needed, ends) :]
             chunk = (key[rows], value[rows], queries)
             held = CHUNKS.pop((first, layer.layer_name), []) if length < seen else []  # a first chunk starts afresh
-            keys, values, queries = (torch.cat([part[i] for part in (*held, chunk)]) for i in range(3))
+            if self.coded_pool or seen >= prompt:  # (an earlier chunk of a 16-bit pool needs none of it)
+                keys, values, queries = (torch.cat([part[i] for part in (*held, chunk)]) for i in range(3))
             if self.coded_pool:  # the prompt attends itself as computed, as the library's prefill does
                 self.attend_prompt(query[rows], keys, values, output[rows])
             if seen < prompt:  # an earlier chunk of a prompt prefilled in chunks: held until the last, copied (the
