@@ -125,24 +125,24 @@ def check_pool(cache_dtype: str | None, config: Any) -> None:
     """Refuse, in one line, a vLLM ``--kv-cache-dtype`` the plugin cannot serve as the library computes it (None:
     vLLM's default). In an fp8 pool a prompt attends itself as computed (``KVCompressCPUImpl.attend_prompt``), which
     covers plain causal attention: models with sliding windows, soft-capped scores or learned sinks are refused."""
-    if cache_dtype in (None, *POOLS):
-        if cache_dtype in (None, "auto") or config is None:
-            return
-        text = config.get_text_config()
-        quirks = [what for what, present in (
-            ("sliding-window layers", bool(sliding_layers(config))),
-            ("soft-capped attention scores", bool(getattr(text, "attn_logit_softcapping", None))),
-            ("learned attention sinks", text.model_type in SINK_TYPES)) if present]
-        if quirks:
-            raise InvalidParameterError(
-                f"--kv-cache-dtype {cache_dtype} cannot be served with kvcompress on model type {text.model_type!r}: "
-                f"it has {' and '.join(quirks)}, which kvcompress's prefill over an fp8 pool does not apply; valid: "
-                "auto")
+    if cache_dtype in (None, "auto"):
         return
-    why = ("kvcompress's fp8 is e4m3 (vLLM's fp8)" if cache_dtype == "fp8_e5m2"
-           else "kvcompress serves vLLM's CPU pools of the model's dtype or fp8")
-    raise InvalidParameterError(f"--kv-cache-dtype {cache_dtype} cannot be served with kvcompress: {why}; valid: "
-                                f"{', '.join(POOLS)}")
+    if cache_dtype not in POOLS:
+        why = ("kvcompress's fp8 is e4m3 (vLLM's fp8)" if cache_dtype == "fp8_e5m2"
+               else "kvcompress serves vLLM's CPU pools of the model's dtype or fp8")
+        raise InvalidParameterError(f"--kv-cache-dtype {cache_dtype} cannot be served with kvcompress: {why}; valid: "
+                                    f"{', '.join(POOLS)}")
+    if config is None:
+        return
+    text = config.get_text_config()
+    quirks = [what for what, present in (
+        ("sliding-window layers", bool(sliding_layers(config))),
+        ("soft-capped attention scores", bool(getattr(text, "attn_logit_softcapping", None))),
+        ("learned attention sinks", text.model_type in SINK_TYPES)) if present]
+    if quirks:
+        raise InvalidParameterError(
+            f"--kv-cache-dtype {cache_dtype} cannot be served with kvcompress on model type {text.model_type!r}: it "
+            f"has {' and '.join(quirks)}, which kvcompress's prefill over an fp8 pool does not apply; valid: auto")
 
 
 def sliding_layers(config: Any) -> list[int]:
