@@ -9,7 +9,7 @@ import re
 import pytest
 
 import kvcompress as kvc
-from kvcompress.bench.shared_context import kind_of, make_sample, resolved, run_shared_context
+from kvcompress.bench.shared_context import answered, kind_of, make_sample, resolved, run_shared_context
 from kvcompress.cli import main
 from tests.fixtures import char_tokenizer, tiny_model
 
@@ -33,6 +33,13 @@ def test_methods_by_kind_with_a_fraction_of_the_context_as_budget():
     assert resolved("snapkv", 4096, 1 / 16) == kvc.SnapKV(budget=256)
     assert resolved("first:h2o:budget=100", 4096, 1 / 16) == kvc.H2O(budget=100)
     assert resolved("full", 4096, 1 / 16) == kvc.FullKV()
+
+
+@pytest.mark.parametrize(("text", "right"), [
+    ("The code of the red fox is 4817.", 1), ("4817", 1), ("codes 12 and 4817, then", 1),
+    ("The code of the red fox is 48172.", 0), ("The code is 14817.", 0), ("481 7", 0), ("", 0)])
+def test_an_answer_is_right_only_when_it_gives_the_code_as_a_whole_number(text, right):
+    assert answered(text, "4817") == right
 
 
 def test_a_run_scores_every_question_in_both_modes_and_resumes(tmp_path):

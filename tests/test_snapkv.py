@@ -56,14 +56,13 @@ def reference_keep(query: torch.Tensor, keys: torch.Tensor, budget: int, window:
 
 def reference_spans(texts: list[str]) -> list[int]:
     """Span number of each token, written from the definition: a token starts a new span when it
-    begins with a space or a word marker, is punctuation or special, except a '.' or ',' between
-    two digits; tokens are given as their strings."""
+    begins with a space or a word marker, is special, or is punctuation other than closing marks
+    written against the token before it; tokens are given as their strings."""
     spans, current = [], -1
     for i, text in enumerate(texts):
         core = text.lstrip("Ġ▁ ")
-        between_digits = core in (".", ",") and 0 < i < len(texts) - 1 and texts[i - 1].lstrip(
-            "Ġ▁ ").isdigit() and texts[i + 1].lstrip("Ġ▁ ").isdigit()
-        starts = i == 0 or text[:1] in ("Ġ", "▁", " ") or (not core[:1].isalnum() and not between_digits)
+        closing = core != "" and all(c in ".,;:!?)]}%'\"" for c in core)
+        starts = i == 0 or text[:1] in ("Ġ", "▁", " ") or (not core[:1].isalnum() and not closing)
         current += starts
         spans.append(current)
     return spans
@@ -71,7 +70,7 @@ def reference_spans(texts: list[str]) -> list[int]:
 
 def test_span_boundaries_keep_words_and_numbers_whole():
     tokenizer = char_tokenizer()
-    text = "the key is 4817. pi=3.14, 2,500 cats"
+    text = "the key is 4817. pi=3.14, 2,500 cats (one) ends?"
     ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
     from kvcompress.cache.tokens import spans_for
 
@@ -81,7 +80,8 @@ def test_span_boundaries_keep_words_and_numbers_whole():
     for token, span in zip(text, got):
         words.setdefault(span, "")
         words[span] += token
-    assert list(words.values()) == ["the", " key", " is", " 4817", ".", " pi", "=3.14", ",", " 2,500", " cats"]
+    assert list(words.values()) == ["the", " key", " is", " 4817.", " pi", "=3.14,", " 2,500", " cats", " ", "(one)",
+                                    " ends?"]
 
 
 def test_span_clustering_matches_a_reference():

@@ -19,6 +19,13 @@ once per press, as kvpress's evaluation does: the context alone is compressed, t
 kept tokens per KV head: ``compression_ratio = 1 - budget / context tokens``. ``score`` scores the
 answers with the track's own metric and appends them to the track's ``results.jsonl`` as rows
 labelled ``kvpress-<press>@<budget>``, which ``scripts/tables.py retained`` lists beside kvcompress's.
+
+``samples --shared-context`` writes ``kvcompress bench shared-context``'s contexts instead (the same seeds and
+lengths, each fact's question; the question that refers to an earlier answer needs a conversation, which
+kvpress's pipeline does not hold); ``run --fraction 0.0625`` gives each press 1/16 of each context's tokens as
+that benchmark does; ``score --shared-context DIR`` scores every answer as that benchmark does (the code as a
+whole number) into DIR's ``results.jsonl`` as multi-request rows ``kvpress-<press>`` and rewrites its summary and
+PNG, so its table shows kvpress's presses beside kvcompress's methods.
 """
 
 from __future__ import annotations
@@ -36,12 +43,32 @@ def _names(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
 
 
+def shared_context_samples(tokenizer, args: argparse.Namespace) -> list[dict]:
+    """``bench shared-context``'s contexts for these lengths and seeds, a question per fact."""
+    from kvcompress.bench.shared_context import make_sample
+
+    rows = []
+    for length in [int(n) for n in _names(args.lengths)]:
+        for seed in range(args.samples):
+            sample = make_sample(tokenizer, length, seed, args.facts, args.haystack)
+            rows.append({"id": f"shared-{length}-{seed}", "task": "shared-context", "length": length, "seed": seed,
+                         "depth": None, "metric": "code", "max_new_tokens": 16, "context": sample.context,
+                         "questions": [{"question": q, "answers": [code]} for q, code in sample.questions[:-1]]})
+    return rows
+
+
 def write_samples(args: argparse.Namespace) -> None:
     """kvcompress's venv: the track's samples for these flags, one JSON object per line."""
     import kvcompress as kvc
     from kvcompress.bench.accuracy import build_samples
 
     _, tokenizer = kvc.load_model()
+    if args.shared_context:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        rows = shared_context_samples(tokenizer, args)
+        Path(args.out).write_text("".join(json.dumps(row) + "\n" for row in rows))
+        print(f"wrote {len(rows)} shared-context samples to {args.out}")
+        return
     samples = build_samples(tokenizer, _names(args.tasks), [int(n) for n in _names(args.lengths)],
                             [float(d) for d in _names(args.depths)], args.samples, args.seed, args.haystack)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -91,7 +118,9 @@ def run_presses(args: argparse.Namespace) -> None:
     for sample in samples:
         context_tokens = len(tokenizer.encode(sample["context"], add_special_tokens=False))
         for name in _names(args.presses):
-            for budget in [int(b) for b in _names(args.budgets)]:
+            budgets = [max(16, round(context_tokens * args.fraction))] if args.fraction else [
+                int(b) for b in _names(args.budgets)]
+            for budget in budgets:
                 if (sample["id"], name, budget) in done:
                     continue
                 ratio = max(0.0, 1 - budget / context_tokens)
@@ -108,11 +137,40 @@ def run_presses(args: argparse.Namespace) -> None:
                 print(f"{sample['id']} {name}@{budget}: {row['seconds']:.1f} s", flush=True)
 
 
+def score_shared_context(samples: dict, args: argparse.Namespace) -> None:
+    """kvcompress's venv: kvpress's answers to the shared-context samples as multi-request rows of
+    ``bench shared-context``'s journal in ``args.shared_context``; its summary and PNG rewritten."""
+    from kvcompress.bench.shared_context import answered, write_summary
+
+    out = Path(args.shared_context)
+    journal = out / "results.jsonl"
+    done = {(r["length"], r["seed"], r["method"]) for r in map(json.loads, journal.read_text().splitlines())}
+    rows = []
+    for answer in map(json.loads, open(args.answers)):
+        sample, method = samples[answer["sample"]], f"kvpress-{answer['press']}"
+        if (sample["length"], sample["seed"], method) in done:
+            continue
+        rows.append({"length": sample["length"], "seed": sample["seed"], "method": method, "mode": "multi-request",
+                     "kind": "once", "tokens": answer["context_tokens"], "budget": answer["budget"],
+                     "scores": [answered(text, q["answers"][0]) for text, q in zip(answer["answers"],
+                                                                                    sample["questions"])],
+                     "answers": answer["answers"]})
+    with journal.open("a") as file:
+        file.writelines(json.dumps(row) + "\n" for row in rows)
+    write_summary(out)
+    print(f"appended {len(rows)} rows to {journal}; rewrote its summary.json and shared_context.png")
+
+
 def score_answers(args: argparse.Namespace) -> None:
     """kvcompress's venv: kvpress's answers scored as the track scores its own, appended to its results."""
     from kvcompress.bench.metrics import score
 
     samples = {s["id"]: s for s in map(json.loads, open(args.samples)) if s}
+    if args.shared_context:
+        score_shared_context(samples, args)
+        return
+    if not args.results:
+        raise SystemExit("score: give --results (the track's results.jsonl) or --shared-context (a bench folder)")
     results = Path(args.results)
     labelled = {(r["sample"], r["label"])
                 for r in map(json.loads,
@@ -147,12 +205,16 @@ def main() -> None:
     samples.add_argument("--samples", type=int, default=1)
     samples.add_argument("--seed", type=int, default=0)
     samples.add_argument("--haystack", default="essays")
+    samples.add_argument("--shared-context", action="store_true", help="bench shared-context's contexts instead")
+    samples.add_argument("--facts", type=int, default=5, help="with --shared-context: facts per context")
     samples.add_argument("--out", required=True)
     samples.set_defaults(run=write_samples)
     run = sub.add_parser("run", help="kvpress's venv: answer every question with each press")
     run.add_argument("--samples", required=True)
     run.add_argument("--presses", default=",".join(PRESSES), help=f"comma-separated: {', '.join(PRESSES)}")
     run.add_argument("--budgets", default="64,256", help="kept tokens per KV head")
+    run.add_argument("--fraction", type=float, default=None,
+                     help="instead of --budgets: this share of each context's tokens (bench shared-context's 1/16)")
     run.add_argument("--model", default="~/.cache/kvcompress/smollm2-135m-instruct",
                      help="the embedded model's folder (kvcompress fetch-model)")
     run.add_argument("--out", required=True)
@@ -160,7 +222,8 @@ def main() -> None:
     scored = sub.add_parser("score", help="kvcompress's venv: score kvpress's answers into the track's results")
     scored.add_argument("--samples", required=True)
     scored.add_argument("--answers", required=True)
-    scored.add_argument("--results", required=True)
+    scored.add_argument("--results", help="the track's results.jsonl (not with --shared-context)")
+    scored.add_argument("--shared-context", help="a bench shared-context folder: its journal gets the rows")
     scored.set_defaults(run=score_answers)
     args = parser.parse_args()
     args.run(args)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,6 +72,11 @@ def make_sample(tokenizer: PreTrainedTokenizerBase, length: int, seed: int, fact
     questions = [(f"What is the code of the {names[i]}? Answer with the code.", codes[i]) for i in order]
     questions.append(("Repeat the code you gave in your first answer.", codes[order[0]]))
     return Sample(length, seed, context, questions)
+
+
+def answered(text: str, code: str) -> int:
+    """1 when ``text`` gives ``code`` as a whole number ("98837" does not give 9883), else 0."""
+    return int(re.search(rf"(?<!\d){code}(?!\d)", text) is not None)
 
 
 def kind_of(spec: str) -> str:
@@ -139,13 +145,20 @@ def run_shared_context(model: PreTrainedModel, tok: PreTrainedTokenizerBase, spe
                     answers = ask_all(model, tok, sample, spec, mode, fraction, store, max_new_tokens)
                     row = {"length": length, "seed": seed, "method": spec, "mode": mode,
                            "kind": kind_of(spec), "tokens": int(store.attention_mask.sum()),
-                           "scores": [int(expected in text) for text, (_, expected) in zip(answers, sample.questions)],
+                           "scores": [answered(text, code) for text, (_, code) in zip(answers, sample.questions)],
                            "answers": answers}
                     with journal.open("a") as fh:
                         fh.write(json.dumps(row) + "\n")
                     if progress is not None:
                         progress(row)
-    summary = summarize(_rows(journal), specs)
+    return write_summary(out, specs)
+
+
+def write_summary(out: Path, specs: list[str] | None = None) -> dict:
+    """``summary.json`` and the PNG of ``out``'s journal, for ``specs`` (every method in it when None: rows of
+    kvpress's presses appended by ``scripts/peers/kvpress_agnostic.py score`` too)."""
+    rows = _rows(out / "results.jsonl")
+    summary = summarize(rows, specs if specs is not None else list(dict.fromkeys(r["method"] for r in rows)))
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     plot(summary, out / "shared_context.png")
     return summary
@@ -165,6 +178,8 @@ def summarize(rows: list[dict], specs: list[str]) -> dict:
         table = {}
         for spec in specs:
             runs = scores.get((mode, spec), [])
+            if not runs:  # e.g. kvpress's presses, run in the multi-request mode only
+                continue
             turns = max((len(r) for r in runs), default=0)
             table[spec] = [sum(r[t] for r in runs if len(r) > t) / max(1, sum(len(r) > t for r in runs))
                            for t in range(turns)]
@@ -183,12 +198,15 @@ def plot(summary: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, len(MODES), figsize=(6 * len(MODES), 4), sharey=True)
     for axis, mode in zip(axes, MODES):
         for spec, row in summary[mode].items():
-            axis.plot(range(1, len(row["score"]) + 1), row["score"], marker="o", label=spec)
+            peer = spec.startswith("kvpress-")  # dashed: the colour cycle repeats after ten lines
+            axis.plot(range(1, len(row["score"]) + 1), row["score"], marker="x" if peer else "o",
+                      linestyle="--" if peer else "-", label=spec)
         axis.set_title(mode)
         axis.set_xlabel("question (turn)")
+        axis.set_xticks(range(1, 1 + max((len(r["score"]) for r in summary[mode].values()), default=1)))
         axis.set_ylim(-0.05, 1.05)
+        axis.legend(fontsize=7)  # each mode its own: kvpress's presses run in the multi-request mode only
     axes[0].set_ylabel("answers right")
-    axes[-1].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -2,9 +2,12 @@
 
 Tokenizers split a value into several tokens: Qwen, Mistral, Llama 2 and SmolLM2 give every digit of
 a number its own token, and any tokenizer splits rare words. ``TokenSpans`` marks, once per
-vocabulary, which tokens start a new span (a leading space or word marker, punctuation, a special
-token), so a method can treat a number or a word as one unit: ``span_ids`` numbers the spans of a
-batch of token ids. A ``.`` or ``,`` between digits (``3.14``, ``2,500``) stays inside the number.
+vocabulary, which tokens start a new span (a leading space or word marker, opening punctuation, a
+special token), so a method can treat a number or a word as one unit: ``span_ids`` numbers the spans
+of a batch of token ids. Closing punctuation written against what precedes it (``.``, ``,``, ``)``,
+``?``...) never starts a span: it stays with its word or number, so ``3.14`` and ``2,500`` are one span
+and a kept ``4817.`` keeps its full stop. Without it a value's end is lost: the model copying a kept
+``4817`` has nothing telling it the number ends and runs on into the next kept digit ("48172").
 """
 
 from __future__ import annotations
@@ -13,43 +16,36 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 SPACE_MARKERS = ("Ġ", "▁", "Ċ", "ĉ", " ", "\n", "\t")  # byte-level BPE and SentencePiece word markers
-NUMBER_JOINERS = (".", ",")
+CLOSING = frozenset(".,;:!?)]}%'\"…»”’")  # punctuation that ends the word or number written before it
 
 
 class TokenSpans:
-    """Per-vocabulary tables: does a token start a span, is it all digits, can it join two digits."""
+    """A per-vocabulary table: does a token start a span."""
 
-    def __init__(self, starts: torch.Tensor, digits: torch.Tensor, joiners: torch.Tensor) -> None:
-        self.starts, self.digits, self.joiners = starts, digits, joiners
+    def __init__(self, starts: torch.Tensor) -> None:
+        self.starts = starts
 
     @classmethod
     def from_tokenizer(cls, tokenizer: PreTrainedTokenizerBase) -> TokenSpans:
         special = set(tokenizer.all_special_ids)
-        starts, digits, joiners = [], [], []
+        starts = []
         for index, text in enumerate(tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))):
             text = text or ""
             core = text.lstrip("".join(SPACE_MARKERS))
             spaced = text[:1] in SPACE_MARKERS
-            starts.append(index in special or spaced or
-                          (core[:1] != "" and not core[0].isalnum() and core not in NUMBER_JOINERS))
-            digits.append(core != "" and core.isdigit())
-            joiners.append(core in NUMBER_JOINERS and not spaced)
-        return cls(torch.tensor(starts), torch.tensor(digits), torch.tensor(joiners))
+            opening = core[:1] != "" and not core[0].isalnum() and not set(core) <= CLOSING
+            starts.append(index in special or spaced or opening)
+        return cls(torch.tensor(starts))
 
     @classmethod
     def every(cls, vocab_size: int, period: int = 4) -> TokenSpans:
         """Synthetic boundaries for random token ids (benchmarks): every ``period``-th id starts a span."""
-        starts = torch.arange(vocab_size) % period == 0
-        return cls(starts, torch.zeros_like(starts), torch.zeros_like(starts))
+        return cls(torch.arange(vocab_size) % period == 0)
 
     def span_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """``[batch, seq]`` span number of each token of ``ids [batch, seq]`` (ascending from 0 per row)."""
-        table = self.starts.to(ids.device), self.digits.to(ids.device), self.joiners.to(ids.device)
-        ids = ids.clamp(0, table[0].numel() - 1)
-        starts, digits, joiners = (t[ids] for t in table)
-        before = torch.nn.functional.pad(digits[:, :-1], (1, 0), value=False)
-        after = torch.nn.functional.pad(digits[:, 1:], (0, 1), value=False)
-        boundary = starts | (joiners & ~(before & after))
+        starts = self.starts.to(ids.device)
+        boundary = starts[ids.clamp(0, starts.numel() - 1)]
         boundary[:, 0] = True
         return boundary.long().cumsum(-1) - 1
 
