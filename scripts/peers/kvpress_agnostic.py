@@ -57,30 +57,28 @@ def shared_context_samples(tokenizer, args: argparse.Namespace) -> list[dict]:
     return rows
 
 
-def write_samples(args: argparse.Namespace) -> None:
-    """kvcompress's venv: the track's samples for these flags, one JSON object per line."""
-    import kvcompress as kvc
+def track_samples(tokenizer, args: argparse.Namespace) -> list[dict]:
+    """The question-agnostic track's samples for these flags."""
     from kvcompress.bench.accuracy import build_samples
 
-    _, tokenizer = kvc.load_model()
-    if args.shared_context:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        rows = shared_context_samples(tokenizer, args)
-        Path(args.out).write_text("".join(json.dumps(row) + "\n" for row in rows))
-        print(f"wrote {len(rows)} shared-context samples to {args.out}")
-        return
     samples = build_samples(tokenizer, _names(args.tasks), [int(n) for n in _names(args.lengths)],
                             [float(d) for d in _names(args.depths)], args.samples, args.seed, args.haystack)
+    return [{"id": sample.id, "task": sample.task, "length": sample.length, "depth": sample.depth,
+             "metric": sample.metric, "max_new_tokens": sample.max_new_tokens, "context": sample.context,
+             "questions": [{"question": t.question, "answers": t.answers} for t in sample.questions()]}
+            for sample in samples]
+
+
+def write_samples(args: argparse.Namespace) -> None:
+    """kvcompress's venv: the track's samples (or the shared-context benchmark's) for these flags, one JSON object
+    per line."""
+    import kvcompress as kvc
+
+    _, tokenizer = kvc.load_model()
+    rows = (shared_context_samples if args.shared_context else track_samples)(tokenizer, args)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    with open(args.out, "w") as out:
-        for sample in samples:
-            out.write(
-                json.dumps({
-                    "id": sample.id, "task": sample.task, "length": sample.length, "depth": sample.depth,
-                    "metric": sample.metric, "max_new_tokens": sample.max_new_tokens, "context": sample.context,
-                    "questions": [{"question": t.question, "answers": t.answers} for t in sample.questions()]
-                }) + "\n")
-    print(f"wrote {len(samples)} samples to {args.out}")
+    Path(args.out).write_text("".join(json.dumps(row) + "\n" for row in rows))
+    print(f"wrote {len(rows)} {'shared-context ' if args.shared_context else ''}samples to {args.out}")
 
 
 def _press(name: str, ratio: float):
@@ -140,11 +138,13 @@ def run_presses(args: argparse.Namespace) -> None:
 def score_shared_context(samples: dict, args: argparse.Namespace) -> None:
     """kvcompress's venv: kvpress's answers to the shared-context samples as multi-request rows of
     ``bench shared-context``'s journal in ``args.shared_context``; its summary and PNG rewritten."""
-    from kvcompress.bench.shared_context import answered, write_summary
+    from kvcompress.bench.shared_context import answered, journal_rows, write_summary
 
     out = Path(args.shared_context)
     journal = out / "results.jsonl"
-    done = {(r["length"], r["seed"], r["method"]) for r in map(json.loads, journal.read_text().splitlines())}
+    if not journal.exists():
+        raise SystemExit(f"score: {journal} does not exist; run kvcompress bench shared-context --out {out} first")
+    done = {(r["length"], r["seed"], r["method"]) for r in journal_rows(journal)}
     rows = []
     for answer in map(json.loads, open(args.answers)):
         sample, method = samples[answer["sample"]], f"kvpress-{answer['press']}"

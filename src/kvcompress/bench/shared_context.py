@@ -130,7 +130,7 @@ def run_shared_context(model: PreTrainedModel, tok: PreTrainedTokenizerBase, spe
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     journal = out / "results.jsonl"
-    done = {(r["length"], r["seed"], r["method"], r["mode"]) for r in _rows(journal)}
+    done = {(r["length"], r["seed"], r["method"], r["mode"]) for r in journal_rows(journal)}
     for length in lengths:
         for seed in range(samples):
             sample = make_sample(tok, length, seed, facts, haystack)
@@ -157,14 +157,15 @@ def run_shared_context(model: PreTrainedModel, tok: PreTrainedTokenizerBase, spe
 def write_summary(out: Path, specs: list[str] | None = None) -> dict:
     """``summary.json`` and the PNG of ``out``'s journal, for ``specs`` (every method in it when None: rows of
     kvpress's presses appended by ``scripts/peers/kvpress_agnostic.py score`` too)."""
-    rows = _rows(out / "results.jsonl")
+    rows = journal_rows(out / "results.jsonl")
     summary = summarize(rows, specs if specs is not None else list(dict.fromkeys(r["method"] for r in rows)))
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     plot(summary, out / "shared_context.png")
     return summary
 
 
-def _rows(journal: Path) -> list[dict]:
+def journal_rows(journal: Path) -> list[dict]:
+    """The rows of a ``results.jsonl`` journal (none when it does not exist yet)."""
     return [json.loads(line) for line in journal.read_text().splitlines()] if journal.exists() else []
 
 
