@@ -140,6 +140,52 @@ def test_a_coded_store_is_continued_by_each_question_decoded():
     assert torch.allclose(stored.keys, plain.cache.layers[0].stored_prompt().keys, atol=0.05)
 
 
+@pytest.mark.parametrize("layout", ["dense", "dense-full", "ring", "capped", "packed"])
+def test_keys_in_more_bits_than_values_cost_each_their_own_rows(layout):
+    model = tiny_model(head_dim=64, hidden_size=256).to(torch.bfloat16)
+    tok, prompt = char_tokenizer(), random_text(600, seed=3)
+    runs = {name: kvc.generate(model, tok, prompt, max_new_tokens=4,
+                               method=kvc.method_from_spec(f"{LAYOUT_SPECS[layout]}:{spec}"))
+            for name, spec in (("k8v4", "kv_bits=4:key_bits=8"), ("int8", "kv_bits=8"), ("16", "kv_bits=16"))}
+    stats = {name: run.stats for name, run in runs.items()}
+    # a 64-channel token: keys 64 + 4 bytes of scales (int8), values 32 + 4 (int4), against 68 + 68 in int8
+    assert stats["k8v4"]["kv_bytes_kept"] * 136 == stats["int8"]["kv_bytes_kept"] * 104
+    assert stats["k8v4"]["kv_bytes_kept"] <= 0.41 * stats["16"]["kv_bytes_kept"]
+    slots = runs["k8v4"].cache.layers[0].slots
+    assert (slots.keys.shape[-1], slots.values.shape[-1]) == (68, 36)
+    assert slots.codec.spec() == "int8/64/bfloat16/rotated+int4/64/bfloat16/rotated"
+
+
+def test_keys_and_values_are_each_their_own_codecs_rounding():
+    """Stored keys equal the int8 codec's round trip of the model's keys, values the int4 codec's, exactly; a
+    batch's rows answer as each alone; a saved file gives the same follow-up as memory."""
+    model, tok = tiny_model(), char_tokenizer()
+    document = random_text(500, seed=4)
+    plain = kvc.compress(model, tok, document, method=kvc.FullKV()).cache.layers[0].stored_prompt()
+    split = kvc.compress(model, tok, document, method=kvc.FullKV(kv_bits=4, key_bits=8)).cache.layers[0]
+    dim = plain.keys.shape[-1]
+    int8, int4 = (make_codec(name, dim, torch.float32, rotated=True) for name in ("int8", "int4"))
+    assert torch.equal(split.stored_prompt().keys, int8.restore(int8.encode(plain.keys)))
+    assert torch.equal(split.stored_prompt().values, int4.restore(int4.encode(plain.values)))
+    method = kvc.SnapKV(budget=64, kv_bits=4, key_bits=8)
+    prompts = [random_text(n, seed=n) for n in LENGTHS]
+    batch = kvc.generate(model, tok, prompts, method=method, max_new_tokens=6)
+    for row, prompt in enumerate(prompts):
+        assert batch.token_ids[row] == kvc.generate(model, tok, prompt, method=method, max_new_tokens=6).token_ids[0]
+
+
+def test_a_split_codec_conversation_saved_and_loaded_continues_as_in_memory(tmp_path):
+    model, tok = tiny_model(), char_tokenizer()
+    first = kvc.generate(model, tok, random_text(400, seed=2), method=kvc.SnapKV(budget=64, kv_bits=4, key_bits=8),
+                         max_new_tokens=6)
+    first.save(tmp_path / "a.kvc")
+    again = kvc.load(tmp_path / "a.kvc", model, tok)
+    assert again.cache.layers[0].slots.codec.spec() == "int8/16/float32/rotated+int4/16/float32/rotated"
+    follow = [kvc.generate(model, tok, "and then?", past=r, max_new_tokens=6).token_ids
+              for r in (first.copy(), again.copy())]
+    assert follow[0] == follow[1]
+
+
 def test_codec_settings_are_refused_in_one_line_naming_the_value():
     with pytest.raises(kvc.InvalidParameterError, match=r"^SnapKV: kv_bits=5 is unknown; valid: 16, 8, 4$"):
         kvc.SnapKV(kv_bits=5)
@@ -147,7 +193,16 @@ def test_codec_settings_are_refused_in_one_line_naming_the_value():
         kvc.FullKV(kv_bits=4, kv_format="fp8")
     with pytest.raises(kvc.InvalidParameterError, match=r"SnapKV: kv_bits=4 cannot be served per request"):
         method_of({"method": "snapkv", "kv_bits": 4})
+    with pytest.raises(kvc.InvalidParameterError, match=r"^SnapKV: key_bits=8 with kv_bits=16, kv_format='int'; "
+                                                        r"valid: key_bits >= kv_bits \(8 or 4\) with kv_format='int'$"):
+        kvc.SnapKV(key_bits=8)
+    with pytest.raises(kvc.InvalidParameterError, match=r"key_bits=4 with kv_bits=8"):
+        kvc.SnapKV(kv_bits=8, key_bits=4)
+    with pytest.raises(kvc.InvalidParameterError, match=r"^ShadowKV: key_bits=8 differs from kv_bits=4, which its "
+                                                        r"chunk store \(one codec for every stored row\) cannot hold"):
+        kvc.ShadowKV(kv_bits=4, key_bits=8)
     assert kvc.SnapKV(budget=64).describe() == kvc.SnapKV(budget=64, kv_bits=16).describe()  # quiet at its default
+    assert "key_bits=8" in kvc.SnapKV(budget=64, kv_bits=4, key_bits=8).describe()
     assert "kv_bits=4" in kvc.SnapKV(budget=64, kv_bits=4).describe()
 
 

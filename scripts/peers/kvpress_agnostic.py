@@ -36,7 +36,8 @@ import sys
 import time
 from pathlib import Path
 
-PRESSES = ("kvzip", "kvzip+", "expected", "snapkv")
+PRESSES = ("kvzip", "kvzip+", "expected", "snapkv", "none")
+CACHES = ("dynamic", "quanto:4", "quanto:2")
 
 
 def _names(text: str) -> list[str]:
@@ -82,8 +83,11 @@ def write_samples(args: argparse.Namespace) -> None:
 
 
 def _press(name: str, ratio: float):
+    """kvpress's press by name (``none``: no press, the whole context kept)."""
     from kvpress import ExpectedAttentionPress, KVzipPress, SnapKVPress
 
+    if name == "none":
+        return None
     return {
         "kvzip": lambda: KVzipPress(compression_ratio=ratio),
         "kvzip+": lambda: KVzipPress(compression_ratio=ratio, kvzip_plus_normalization=True),
@@ -92,8 +96,71 @@ def _press(name: str, ratio: float):
     }[name]()
 
 
+def _cache(spec: str, config):
+    """A fresh cache for one context: ``dynamic`` (None: kvpress's default) or transformers' own
+    ``QuantizedCache`` with its quanto backend at ``bits`` (``quanto:4``; its defaults otherwise: groups of 64,
+    the last 128 tokens kept at full precision until they are quantized together)."""
+    if spec == "dynamic":
+        return None
+    from transformers import QuantizedCache
+
+    backend, bits = spec.split(":")
+    return QuantizedCache(backend=backend, config=config, nbits=int(bits))
+
+
+def _nbytes(tensor) -> int:
+    """Bytes a tensor holds, a quantized tensor subclass (quanto's codes, scales and shifts) counted part by part."""
+    if not hasattr(tensor, "__tensor_flatten__") or type(tensor).__name__ == "Tensor":
+        return tensor.numel() * tensor.element_size()
+    return sum(_nbytes(getattr(tensor, name)) for name in tensor.__tensor_flatten__()[0])
+
+
+def cache_bytes(cache) -> int | None:
+    """Bytes a cache holds, codes and scales counted as stored (None: kvpress's own cache, not measured)."""
+    import torch
+
+    if cache is None:
+        return None
+    parts = ("keys", "values", "_quantized_keys", "_quantized_values")
+    return sum(_nbytes(getattr(layer, name)) for layer in cache.layers for name in parts
+               if isinstance(getattr(layer, name, None), torch.Tensor))
+
+
+def label(press: str, budget: int, cache: str) -> str:
+    """A kvpress answer's label in the track's results: ``kvpress-snapkv@256``, ``kvpress-snapkv+quanto4@256``;
+    no press over a quantized cache is transformers' own ``QuantizedCache``: ``transformers-quanto4``."""
+    coded = "" if cache == "dynamic" else cache.replace(":", "")
+    if press == "none":
+        return f"transformers-{coded}" if coded else "kvpress-none"
+    return f"kvpress-{press}{'+' + coded if coded else ''}@{budget}"
+
+
+def _answers(pipe, sample: dict, press: str, ratio: float, cache: str) -> tuple[list[str], int | None]:
+    """Every question of ``sample`` answered over its context compressed by ``press`` (kvpress's own evaluation:
+    the context compressed once, each question after it), and the bytes the cache held for the context.
+
+    Over a quantized cache each question gets its own pipeline call and a fresh cache: kvpress 0.5.5 trims the
+    cache after an answer by slicing quanto's codes, which turns them into dense tensors and makes the next
+    question's attention fail on a size mismatch (seen on the 4-question multikey samples). The bytes are read
+    after the first forward (the context, compressed and coded), before any trim."""
+    import torch
+
+    groups = [sample["questions"]] if cache == "dynamic" else [[q] for q in sample["questions"]]
+    answers, held = [], {}
+    for questions in groups:
+        stored = _cache(cache, pipe.model.config)
+        hook = pipe.model.register_forward_hook(lambda *_: None if held else held.update(bytes=cache_bytes(stored)))
+        with torch.inference_mode():
+            said = pipe(sample["context"], questions=["\n\n" + q["question"] for q in questions],
+                        press=_press(press, ratio), cache=stored, max_new_tokens=sample["max_new_tokens"])
+        answers += said["answers"]
+        hook.remove()
+    return answers, held.get("bytes")
+
+
 def run_presses(args: argparse.Namespace) -> None:
-    """kvpress's venv: every question of every sample, per press and budget; resumes from ``--out``."""
+    """kvpress's venv: every question of every sample, per press and budget (over ``--cache``); resumes from
+    ``--out``."""
     import kvpress  # noqa: F401 - registers the kv-press-text-generation pipeline
     import torch
     import transformers
@@ -106,7 +173,9 @@ def run_presses(args: argparse.Namespace) -> None:
     pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer, device="cpu")
     samples = [json.loads(line) for line in open(args.samples) if line.strip()]
     out = Path(args.out)
-    done = {(r["sample"], r["press"], r["budget"])
+    if args.cache not in CACHES:
+        raise SystemExit(f"run: --cache {args.cache!r} is not one of {', '.join(CACHES)}")
+    done = {(r["sample"], r["press"], r["budget"], r.get("cache", "dynamic"))
             for r in map(json.loads,
                          out.read_text().splitlines())} if out.exists() else set()
     print(
@@ -118,21 +187,21 @@ def run_presses(args: argparse.Namespace) -> None:
         for name in _names(args.presses):
             budgets = [max(16, round(context_tokens * args.fraction))] if args.fraction else [
                 int(b) for b in _names(args.budgets)]
-            for budget in budgets:
-                if (sample["id"], name, budget) in done:
+            for budget in [context_tokens] if name == "none" else budgets:
+                if (sample["id"], name, budget, args.cache) in done:
                     continue
                 ratio = max(0.0, 1 - budget / context_tokens)
                 start = time.perf_counter()
-                with torch.inference_mode():
-                    answers = pipe(sample["context"], questions=["\n\n" + q["question"] for q in sample["questions"]],
-                                   press=_press(name, ratio), max_new_tokens=sample["max_new_tokens"])["answers"]
+                answers, held = _answers(pipe, sample, name, ratio, args.cache)
                 row = {
-                    "sample": sample["id"], "press": name, "budget": budget, "compression_ratio": ratio,
-                    "context_tokens": context_tokens, "answers": answers, "seconds": time.perf_counter() - start
+                    "sample": sample["id"], "press": name, "budget": budget, "cache": args.cache,
+                    "compression_ratio": ratio,
+                    "context_tokens": context_tokens, "answers": answers, "seconds": time.perf_counter() - start,
+                    "cache_bytes": held
                 }
                 with open(out, "a") as file:
                     file.write(json.dumps(row) + "\n")
-                print(f"{sample['id']} {name}@{budget}: {row['seconds']:.1f} s", flush=True)
+                print(f"{sample['id']} {label(name, budget, args.cache)}: {row['seconds']:.1f} s", flush=True)
 
 
 def score_shared_context(samples: dict, args: argparse.Namespace) -> None:
@@ -177,18 +246,19 @@ def score_answers(args: argparse.Namespace) -> None:
                              results.read_text().splitlines())} if results.exists() else set()
     rows = []
     for answer in map(json.loads, open(args.answers)):
-        sample, label = samples[answer["sample"]], f"kvpress-{answer['press']}@{answer['budget']}"
-        if (sample["id"], label) in labelled:
+        sample = samples[answer["sample"]]
+        named = label(answer["press"], answer["budget"], answer.get("cache", "dynamic"))
+        if (sample["id"], named) in labelled:
             continue
         count = len(sample["questions"])
         for number, (question, prediction) in enumerate(zip(sample["questions"], answer["answers"]), start=1):
             rows.append({
                 "sample": sample["id"], "task": sample["task"], "length": sample["length"], "depth": sample["depth"],
-                "turn": number, "turns": count, "label": label, "method": f"kvpress-{answer['press']}",
+                "turn": number, "turns": count, "label": named, "method": named.split("@")[0],
                 "budget": answer["budget"], "score": score(prediction, question["answers"], sample["metric"]),
                 "prediction": prediction, "answers": question["answers"], "prompt_tokens": answer["context_tokens"],
                 "kv_kept_fraction": 1 - answer["compression_ratio"], "device_fraction": 1 - answer["compression_ratio"],
-                "track": "agnostic"
+                "track": "agnostic", **({"device_bytes": answer["cache_bytes"]} if answer.get("cache_bytes") else {})
             })
     with open(results, "a") as file:
         file.writelines(json.dumps(row) + "\n" for row in rows)
@@ -217,6 +287,8 @@ def main() -> None:
                      help="instead of --budgets: this share of each context's tokens (bench shared-context's 1/16)")
     run.add_argument("--model", default="~/.cache/kvcompress/smollm2-135m-instruct",
                      help="the embedded model's folder (kvcompress fetch-model)")
+    run.add_argument("--cache", default="dynamic",
+                     help=f"{', '.join(CACHES)}: transformers' QuantizedCache (optimum-quanto) under the presses")
     run.add_argument("--out", required=True)
     run.set_defaults(run=run_presses)
     scored = sub.add_parser("score", help="kvcompress's venv: score kvpress's answers into the track's results")

@@ -28,7 +28,7 @@ from typing import Any, ClassVar, NamedTuple, cast
 import torch
 from transformers.cache_utils import DynamicLayer
 
-from ..storage.codec import make_codec
+from ..storage.codec import make_kv_codec
 from ..storage.slots import DenseSlots, RingSlots, Slots
 from ..storage.tensors import prompt_positions
 from . import held
@@ -421,7 +421,7 @@ def batch_prompt_tokens(layer: KVLayer) -> torch.Tensor:
 def _encode(layer: KVLayer) -> None:
     """From compression on, the layer's storage writes its tokens with the layer's codec (if any)."""
     if layer.kv_codec is not None and layer.slots.codec is None:
-        layer.slots.encode_with(make_codec(layer.kv_codec, layer.keys.shape[-1], layer.dtype, layer.TURNS_CODES))
+        layer.slots.encode_with(make_kv_codec(layer.kv_codec, layer.keys.shape[-1], layer.dtype, layer.TURNS_CODES))
 
 
 def _sync(device: torch.device) -> float:

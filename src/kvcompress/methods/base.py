@@ -69,7 +69,7 @@ def default_of(cls: type, name: str, default: Any) -> Any:
     return field(default=default, metadata=declared[name].metadata)
 
 
-CODEC_FIELDS = ("kv_bits", "kv_format")  # every method's; shown by describe() only when not at their default
+CODEC_FIELDS = ("kv_bits", "kv_format", "key_bits")  # every method's; describe() shows them only off their default
 
 
 @dataclass(frozen=True)
@@ -176,6 +176,9 @@ class Method:
     kv_format: str = param(
         "int", "how 8 or 4 bits are written: int (per-token groups with scales) or fp8 (float8 e4m3, as vLLM's fp8 "
         "cache dtype; kv_bits=8 only)", choices=("int", "fp8"), kw_only=True)
+    key_bits: int | None = param(
+        None, "bits per stored key element where keys take more than values (None: kv_bits; e.g. key_bits=8 with "
+        "kv_bits=4: keys lose the most at 4 bits, docs/quantization.md)", choices=(8, 4), kw_only=True)
 
     def __post_init__(self) -> None:
         for spec in field_specs(type(self)):
@@ -183,13 +186,20 @@ class Method:
         require(self.kv_format == "int" or self.kv_bits == 8,
                 f"{type(self).__name__}: kv_format={self.kv_format!r} stores 8 bits, got kv_bits={self.kv_bits}; "
                 "valid: kv_bits=8 with kv_format='fp8', or kv_format='int'")
+        require(self.key_bits is None or (self.kv_format == "int" and self.kv_bits <= self.key_bits),
+                f"{type(self).__name__}: key_bits={self.key_bits} with kv_bits={self.kv_bits}, "
+                f"kv_format={self.kv_format!r}; valid: key_bits >= kv_bits (8 or 4) with kv_format='int'")
         self.validate()
 
     def kv_codec(self) -> str | None:
-        """The codec kept tokens are stored with (storage/codec.py's names; None: the model's precision)."""
+        """The codec kept tokens are stored with (storage/codec.py's names, ``keys+values`` where they differ;
+        None: the model's precision)."""
         if self.kv_bits == 16:
             return None
-        return "fp8" if self.kv_format == "fp8" else f"int{self.kv_bits}"
+        if self.kv_format == "fp8":
+            return "fp8"
+        keys = self.key_bits or self.kv_bits
+        return f"int{keys}" if keys == self.kv_bits else f"int{keys}+int{self.kv_bits}"
 
     def validate(self) -> None:
         """Checks across fields; raise ``InvalidParameterError`` naming the values and the valid range."""

@@ -30,7 +30,7 @@ import torch
 from ..cache.held import hold
 from ..cache.layer import KVLayer, batch_prompt_tokens
 from ..storage.attention import scoring_sinks
-from ..storage.codec import restored
+from ..storage.codec import restored_pair
 from ..storage.packed import PackedSlots
 from ..storage.slots import BoundedSlots, DenseSlots
 from .base import BudgetMethod, param, require
@@ -451,7 +451,7 @@ class BoundedLayer(EvictionLayer):
     def held_tokens(self) -> HeldTokens:
         """The held slots as the scores read them (decoded, in the model's basis)."""
         slots, used = self.slots, self.slots.used
-        keys, values = (restored(slots.codec, t[:, :, :used]) for t in (slots.keys, slots.values))
+        keys, values = restored_pair(slots.codec, slots.keys[:, :, :used], slots.values[:, :, :used])
         return HeldTokens(keys, values, slots.slot_validity()[:, :used], slots.held_positions())
 
     def advance(self, new: int) -> None:

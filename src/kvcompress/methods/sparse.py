@@ -44,6 +44,9 @@ class SparseMethod(BudgetMethod):
 
     def validate(self) -> None:
         super().validate()
+        require(self.key_bits in (None, self.kv_bits),
+                f"{type(self).__name__}: key_bits={self.key_bits} differs from kv_bits={self.kv_bits}, which its "
+                "chunk store (one codec for every stored row) cannot hold; valid: key_bits=None")
         if self.unit_setting is not None and self.ratio is None:
             field, word = self.unit_setting
             size = getattr(self, field)
@@ -275,7 +278,7 @@ class SparseDecodeLayer(KVLayer):
         stats["offloaded_bytes" if self.store.offloaded else "kv_bytes_kept"] += self.store.nbytes
         batch, heads = self.slots.keys.shape[:2]  # as stored: no decoding for a shape
         # the front slots: the step's chunks, copied from the store
-        copies = 2 * batch * heads * self.front * token_bytes(self.slots.codec, self.slots.keys)[0]
+        copies = batch * heads * self.front * token_bytes(self.slots.codec, self.slots.keys, self.slots.values)[0]
         stats["kv_bytes_kept"] -= copies
         stats["spare_bytes"] += copies
         per_chunk = self.store.chunk_bytes

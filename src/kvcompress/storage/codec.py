@@ -193,42 +193,80 @@ def from_spec(spec: str | None) -> Codec | None:
     return make_codec(name, int(dim), getattr(torch, dtype), rotated=turned == ["rotated"])
 
 
+@dataclass(frozen=True)
+class KVCodec:
+    """What a storage writes its keys and its values with: one codec each, the same one unless keys take more bits
+    than values (``key_bits``: a key's error moves every attention weight, a value's only its own share of the
+    output; docs/quantization.md measures it). Both turn alike where they turn (one Hadamard basis per group)."""
+
+    keys: Codec
+    values: Codec
+
+    @property
+    def dim(self) -> int:
+        return self.keys.dim
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.keys.dtype
+
+    def spec(self) -> str:
+        """``Codec.spec``, or the keys' and the values' joined by ``+`` where they differ."""
+        return self.keys.spec() if self.keys == self.values else f"{self.keys.spec()}+{self.values.spec()}"
+
+
+def make_kv_codec(name: str, dim: int, dtype: torch.dtype, rotated: bool = False) -> KVCodec:
+    """``name``: one codec for keys and values (``int4``), or the keys' and the values' (``int8+int4``)."""
+    keys, *values = (make_codec(part, dim, dtype, rotated) for part in name.split("+"))
+    return KVCodec(keys, values[0] if values else keys)
+
+
+def kv_from_spec(spec: str | None) -> KVCodec | None:
+    """The storage codec ``KVCodec.spec`` wrote (a single codec's spec, as files before ``key_bits`` hold, codes
+    keys and values alike; None: the model's own precision)."""
+    if spec is None:
+        return None
+    keys, *values = (from_spec(part) for part in spec.split("+"))
+    return KVCodec(keys, values[0] if values else keys)
+
+
 # What a storage does with its codec (None: tokens held as computed), in one place for every layout.
 
-def encoded(codec: Codec | None, vectors: torch.Tensor) -> torch.Tensor:
-    """``vectors`` as a storage with ``codec`` holds them."""
-    return vectors if codec is None else codec.encode(vectors)
-
-
-def encoded_pair(codec: Codec | None, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A step's keys and values as a storage with ``codec`` holds them, coded in one call (half the small ops)."""
+def encoded_pair(codec: KVCodec | None, keys: torch.Tensor,
+                 values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values as a storage with ``codec`` holds them (one codec: coded in one call, half the small ops)."""
     if codec is None:
         return keys, values
-    coded_keys, coded_values = codec.encode(torch.stack([keys, values])).unbind(0)
+    if codec.keys != codec.values:
+        return codec.keys.encode(keys), codec.values.encode(values)
+    coded_keys, coded_values = codec.keys.encode(torch.stack([keys, values])).unbind(0)
     return coded_keys, coded_values
 
 
-def decoded(codec: Codec | None, stored: torch.Tensor) -> torch.Tensor:
-    """Stored tokens as a step attends them (in the codec's basis: ``Codec.into_basis``)."""
-    return stored if codec is None else codec.decode(stored)
+def decoded_pair(codec: KVCodec | None, keys: torch.Tensor,
+                 values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stored keys and values as a step attends them (in the codec's basis: ``Codec.into_basis``)."""
+    return (keys, values) if codec is None else (codec.keys.decode(keys), codec.values.decode(values))
 
 
-def restored(codec: Codec | None, stored: torch.Tensor) -> torch.Tensor:
-    """Stored tokens as the model computed them (up to rounding: a later prompt continuing them)."""
-    return stored if codec is None else codec.restore(stored)
+def restored_pair(codec: KVCodec | None, keys: torch.Tensor,
+                  values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stored keys and values as the model computed them (up to rounding: a later prompt continuing them)."""
+    return (keys, values) if codec is None else (codec.keys.restore(keys), codec.values.restore(values))
 
 
-def into_basis(codec: Codec | None, query: torch.Tensor) -> torch.Tensor:
-    """A step's queries in the basis its storage's tokens are decoded in."""
-    return query if codec is None else codec.into_basis(query)
+def into_basis(codec: KVCodec | None, query: torch.Tensor) -> torch.Tensor:
+    """A step's queries in the basis its storage's keys are decoded in."""
+    return query if codec is None else codec.keys.into_basis(query)
 
 
-def out_of_basis(codec: Codec | None, out: torch.Tensor) -> torch.Tensor:
-    """A step's attention output back in the model's basis."""
-    return out if codec is None else codec.out_of_basis(out)
+def out_of_basis(codec: KVCodec | None, out: torch.Tensor) -> torch.Tensor:
+    """A step's attention output (a mix of decoded values) back in the model's basis."""
+    return out if codec is None else codec.values.out_of_basis(out)
 
 
-def token_bytes(codec: Codec | None, stored: torch.Tensor) -> tuple[int, int]:
-    """Bytes of one stored vector (``stored``: a buffer of them), and of the same vector as computed."""
-    held = stored.shape[-1] * stored.element_size()
-    return (held, held) if codec is None else (held, codec.dim * codec.dtype.itemsize)
+def token_bytes(codec: KVCodec | None, keys: torch.Tensor, values: torch.Tensor) -> tuple[int, int]:
+    """Bytes of one token's stored key and value vectors together (``keys``, ``values``: buffers of them), and of
+    the same two vectors as computed."""
+    held = keys.shape[-1] * keys.element_size() + values.shape[-1] * values.element_size()
+    return (held, held) if codec is None else (held, 2 * codec.dim * codec.dtype.itemsize)

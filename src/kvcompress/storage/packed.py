@@ -30,7 +30,7 @@ from typing import Any, cast
 import torch
 
 from .attention import causal_slot_mask, dense_attention
-from .codec import Codec, decoded, encoded, encoded_pair, from_spec, token_bytes
+from .codec import KVCodec, decoded_pair, encoded_pair, kv_from_spec, token_bytes
 from .slots import Slots, SlotView, inner, nested, spare_slots
 from .tensors import nbytes
 
@@ -41,7 +41,7 @@ class PackedSlots(Slots):
     NAME = "packed"
 
     def __init__(self, segments: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]], seen: int,
-                 codec: Codec | None = None) -> None:
+                 codec: KVCodec | None = None) -> None:
         """``segments[row][head]``: that head's keys ``[n, d]``, values ``[n, d]`` and prompt
         positions ``[n]`` (ascending), as this storage holds them (``codec``: coded rows); ``seen``: the layer's
         tokens fed so far."""
@@ -103,9 +103,9 @@ class PackedSlots(Slots):
     def view(self, decoded: bool = True) -> SlotView:
         return SlotView(self.none, self.none, None, None, None)
 
-    def encode_with(self, codec: Codec) -> None:
+    def encode_with(self, codec: KVCodec) -> None:
         self.codec = codec
-        self.keys, self.values = encoded(codec, self.keys), encoded(codec, self.values)
+        self.keys, self.values = encoded_pair(codec, self.keys, self.values)
         self.restored(self.keys.device)
 
     def state_dict(self) -> dict[str, Any]:
@@ -136,7 +136,7 @@ class PackedSlots(Slots):
         state = inner(layer_state, self.NAME)
         self.seen = layer_state["seen_tokens"]
         self.rows, self.heads, self.room_left = state["rows"], state["heads"], state["room_left"]
-        self.codec = from_spec(state.get("codec"))
+        self.codec = kv_from_spec(state.get("codec"))
         self.keys, self.values, self.valid = (state[name].to(device) for name in ("keys", "values", "valid"))
         self.starts_t, self.lengths_t, self.capacities_t = (
             state[name].to(device) for name in ("starts", "lengths", "capacities")
@@ -208,8 +208,8 @@ class PackedSlots(Slots):
         one query always sees its own token). ``keys``/``values``: the empty views, unused."""
         rows, q_heads, q_len, dim = query.shape
         index = self.gather_index()
-        keys, values = (decoded(self.codec, t.index_select(0, index)).view(rows, self.heads, -1, dim)
-                        for t in (self.keys, self.values))
+        keys, values = (t.view(rows, self.heads, -1, dim) for t in decoded_pair(
+            self.codec, self.keys.index_select(0, index), self.values.index_select(0, index)))
         seen = self.valid.index_select(0, index).view(rows, self.heads, 1, -1)
         if q_len > 1:  # the step's own tokens: each query sees those its mask allows
             step = causal_slot_mask(q_len, q_len, query.device) if new_mask is None else new_mask  # [rows | 1, 1, q, q]
@@ -240,11 +240,11 @@ class PackedSlots(Slots):
         return out
 
     def memory(self, full_tokens: int) -> dict[str, int]:
-        size, uncoded = token_bytes(self.codec, self.keys)
-        used = sum(map(sum, self.lengths)) * size * 2
+        size, uncoded = token_bytes(self.codec, self.keys, self.values)
+        used = sum(map(sum, self.lengths)) * size
         return {
             "kv_tokens": self.used,
-            "kv_bytes_full": 2 * self.rows * self.heads * full_tokens * uncoded,
+            "kv_bytes_full": self.rows * self.heads * full_tokens * uncoded,
             "kv_bytes_kept": used,
             "spare_bytes": nbytes(self.keys, self.values) - used,  # the sentinel slot counts as spare
             "index_bytes": nbytes(

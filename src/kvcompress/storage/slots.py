@@ -27,9 +27,8 @@ from typing import Any, ClassVar, NamedTuple, cast
 
 import torch
 
-from . import codec as codecs
 from .attention import causal_slot_mask, dense_attention
-from .codec import Codec, encoded, encoded_pair, from_spec, restored, token_bytes
+from .codec import KVCodec, decoded_pair, encoded_pair, kv_from_spec, restored_pair, token_bytes
 from .tensors import gather_rows, gather_tokens, nbytes, prompt_positions
 
 
@@ -83,14 +82,14 @@ class Slots:
 
     seen: int  # tokens fed, padding included
     used: int  # slots holding tokens (per row and KV head: the longest)
-    codec: Codec | None = None  # how tokens are stored from ``encode_with`` on (None: as the model computed them)
+    codec: KVCodec | None = None  # how tokens are stored from ``encode_with`` on (None: as the model computed them)
 
     def view(self, decoded: bool = True) -> SlotView:
         """The attend-ready views (``decoded=False``: keys and values as stored, coded rows where a codec writes
         them: for shapes and validity, without decoding every token)."""
         raise NotImplementedError
 
-    def encode_with(self, codec: Codec) -> None:
+    def encode_with(self, codec: KVCodec) -> None:
         """Store the held tokens, and every later one, with ``codec`` (codec.py)."""
         raise NotImplementedError
 
@@ -175,13 +174,12 @@ class DenseSlots(Slots):
 
     def view(self, decoded: bool = True) -> SlotView:
         if decoded and self.codec is not None:
-            return SlotView(codecs.decoded(self.codec, self.keys), codecs.decoded(self.codec, self.values), self.valid,
-                            self.positions, self.cursor)
+            return SlotView(*decoded_pair(self.codec, self.keys, self.values), self.valid, self.positions, self.cursor)
         return SlotView(self.keys, self.values, self.valid, self.positions, self.cursor)
 
-    def encode_with(self, codec: Codec) -> None:
+    def encode_with(self, codec: KVCodec) -> None:
         self.codec = codec
-        self.keys, self.values = encoded(codec, self.keys), encoded(codec, self.values)
+        self.keys, self.values = encoded_pair(codec, self.keys, self.values)
 
     # --- the prompt ---------------------------------------------------------------------------------
 
@@ -292,7 +290,7 @@ class DenseSlots(Slots):
 
     def stored(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None:
         valid = None if self.valid is None else self.valid[:, : self.used]
-        keys, values = (restored(self.codec, t[:, :, : self.used]) for t in (self.keys, self.values))
+        keys, values = restored_pair(self.codec, self.keys[:, :, : self.used], self.values[:, :, : self.used])
         return keys, values, valid, self.positions
 
     def index_tensors(self) -> list[torch.Tensor]:
@@ -301,12 +299,12 @@ class DenseSlots(Slots):
 
     def memory(self, full_tokens: int) -> dict[str, int]:
         batch, heads = self.keys.shape[:2]
-        stored, uncoded = token_bytes(self.codec, self.keys)
-        per_token = 2 * batch * heads * stored
+        stored, uncoded = token_bytes(self.codec, self.keys, self.values)
+        per_token = batch * heads * stored
         held = nbytes(self.keys, self.values)
         return {
             "kv_tokens": self.used,
-            "kv_bytes_full": 2 * batch * heads * uncoded * full_tokens,
+            "kv_bytes_full": batch * heads * uncoded * full_tokens,
             "kv_bytes_kept": per_token * self.used,
             "spare_bytes": held - per_token * self.used,
             "index_bytes": nbytes(*self.index_tensors()),
@@ -352,7 +350,7 @@ class DenseSlots(Slots):
             on_device(state[name], device) for name in ("keys", "values", "valid", "positions", "cursor")
         )
         self.seen, self.used = state["seen_tokens"], state["used"]
-        self.codec = from_spec(state.get("codec"))  # files before codecs: stored as computed
+        self.codec = kv_from_spec(state.get("codec"))  # files before codecs: stored as computed
 
 
 class RingSlots(DenseSlots):
