@@ -18,7 +18,7 @@
 #                        bound; the headline against transformers at 16K, batch 2
 #   quantized            issue 51: compiled decoding at 32K, full and SnapKV 2048 at 16 / 8 / 4 bits and fp8 (seven
 #                        compiles of ~60 s); bytes held and read per step
-#   quantized-eager      the same eagerly at 16K and 32K
+#   quantized-eager      the same eagerly at 16K and 32K, and SnapKV 2048 with keys in 8 bits, values in 4
 #   long-answer          issue 52: a 32K-token answer after a 1K prompt on the 8B shape, compiled: SnapKV 2048 under
 #                        decode_budget=2048 (~7 minutes by the 12 ms/token of SnapKV 2048 at 32K), then the full cache
 #                        (cut by the slice's time limit where it runs out: its rows so far are in the log)
@@ -76,6 +76,7 @@ speed() {  # speed SLICE ARGS...: one bench run, its report under $OUT/SLICE
 DECODE_METHODS=full,snapkv,snapkv:heads=adaptive,shadowkv:rank=160:outliers=48:ratio=0.0156
 FIRST_METHODS=snapkv,snapkv:kv_bits=4,shadowkv:rank=160:outliers=48:ratio=0.0156,full
 CODED_METHODS=full,full:kv_bits=8,full:kv_bits=4,full:kv_bits=8:kv_format=fp8,snapkv,snapkv:kv_bits=8,snapkv:kv_bits=4
+CODED_EAGER=$CODED_METHODS,snapkv:kv_bits=4:key_bits=8  # keys in 8 bits, values in 4 (no compile: eager only)
 
 run_slice() {
   case "$1" in
@@ -121,7 +122,7 @@ run_slice() {
     quantized)
       speed quantized --model $MODEL --methods $CODED_METHODS --budget $BUDGET --lengths $L_FIRST --batches 1 $STEPS --compile ;;
     quantized-eager)
-      speed quantized-eager --model $MODEL --methods $CODED_METHODS --budget $BUDGET --lengths $L_DEC --batches 1 $STEPS ;;
+      speed quantized-eager --model $MODEL --methods $CODED_EAGER --budget $BUDGET --lengths $L_DEC --batches 1 $STEPS ;;
     long-answer)
       mkdir -p "$OUT/long-answer"
       $PY scripts/long_answer_bench.py --model $MODEL --device $DEVICE --compile --prompt 1024 --tokens $L_ANSWER \
