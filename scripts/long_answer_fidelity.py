@@ -141,7 +141,9 @@ def table(data: dict, tok) -> str:
 def short(method: str) -> str:
     """A method's label for tables and plots: its name and what marks its variant."""
     name = method.split("(")[0]
-    return name + (" evicting" if "evict_during_decoding=True" in method else "")
+    window = re.search(r"decode_window=(\d+)", method)
+    return (name + (" evicting" if "evict_during_decoding=True" in method else "")
+            + (f" decode_window={window[1]}" if window else ""))
 
 
 def plot(rows: list[dict], path: Path) -> None:
