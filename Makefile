@@ -56,10 +56,10 @@ vllm: model $(VLLM_STAMP)
 # `make kvpress`: opt-in, never a dependency. kvpress (transformers < 5.3) in its own venv answers the
 # question-agnostic track's questions beside kvcompress, on the same samples and weights
 # (scripts/peers/kvpress_agnostic.py; docs/accuracy.md has the full commands). The quick setting: one
-# 1K-token needle, budget 64.
+# 1K-token needle, budget 64. optimum-quanto: transformers' QuantizedCache under the presses (run --cache quanto:4).
 kvpress: model
 	test -x $(KVPRESS_VENV)/bin/python || python3 -m venv $(KVPRESS_VENV)
-	$(KVPRESS_VENV)/bin/pip install -q torch==2.13.0 kvpress==0.5.5
+	$(KVPRESS_VENV)/bin/pip install -q torch==2.13.0 kvpress==0.5.5 optimum-quanto==0.2.7
 	$(PY) -m kvcompress.cli bench accuracy --question-agnostic --tasks niah --lengths 1000 --depths 0.5 --haystack essays \
 		--methods full,kvzip:layers=global --budgets 64 --out $(QUICK)
 	$(PY) scripts/peers/kvpress_agnostic.py samples --tasks niah --lengths 1000 --depths 0.5 --out $(QUICK)/samples.jsonl

@@ -218,11 +218,13 @@ def retained_by_bytes(paths: list[str], plot: str) -> str:
         points.append((label, device, sum(r["score"] for r in mine) / reference if reference else 0.0))
     figure, axis = plt.subplots(figsize=(7, 4.5))
     for label, device, retained in points:
-        axis.scatter(device, retained, color="tab:red" if "kv_bits=4" in label else
+        axis.scatter(device, retained, color="tab:purple" if "key_bits=8" in label else
+                     "tab:red" if "kv_bits=4" in label or "quanto4" in label else
                      "tab:orange" if "kv_bits=8" in label else "tab:blue")
         axis.annotate(label, (device, retained), fontsize=7, xytext=(3, 3), textcoords="offset points")
     axis.set(xscale="log", xlabel="device MiB while decoding (mean over questions)",
-             ylabel="score retained vs the full cache", title="answers at equal bytes (blue 16, orange 8, red 4 bits)")
+             ylabel="score retained vs the full cache",
+             title="answers at equal bytes (bits: blue 16, orange 8, red 4, purple k8 v4)")
     figure.tight_layout()
     figure.savefig(plot, dpi=120)
     return "\n".join(f"| {label} | {device:.1f} | {retained:.2f} |" for label, device, retained in points)

@@ -160,7 +160,7 @@ def test_method_flags_follow_the_chosen_method(folder, doc, tmp_path, capsys):
     code, _, err = run(capsys, "generate", "--method", "shadowkv", "--window", "3", "--prompt", "x")
     assert code == 2 and one_line(err) == (
         "kvcompress: error: method 'shadowkv' does not take --window; it takes: --budget, --ratio, --chunk, --rank, "
-        "--rank-error, --outliers, --local-chunks, --kv-bits, --kv-format")
+        "--rank-error, --outliers, --local-chunks, --kv-bits, --kv-format, --key-bits")
 
 
 def test_help_shows_the_chosen_methods_flags_and_defaults(capsys):

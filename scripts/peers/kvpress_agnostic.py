@@ -26,6 +26,11 @@ kvpress's pipeline does not hold); ``run --fraction 0.0625`` gives each press 1/
 that benchmark does; ``score --shared-context DIR`` scores every answer as that benchmark does (the code as a
 whole number) into DIR's ``results.jsonl`` as multi-request rows ``kvpress-<press>`` and rewrites its summary and
 PNG, so its table shows kvpress's presses beside kvcompress's methods.
+
+``run --cache quanto:4`` answers over transformers' own ``QuantizedCache`` (its quanto backend, 4 bits; optimum-quanto
+in kvpress's venv): with ``--presses none`` that is transformers' quantized full cache, labelled
+``transformers-quanto4``; with a press, ``kvpress-<press>+quanto4@<budget>``. The bytes the cache holds after the
+context's prefill are recorded and scored as the rows' ``device_bytes``.
 """
 
 from __future__ import annotations
