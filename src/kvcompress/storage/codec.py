@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, cast
 
 import torch
 
@@ -217,8 +217,8 @@ class KVCodec:
 
 def make_kv_codec(name: str, dim: int, dtype: torch.dtype, rotated: bool = False) -> KVCodec:
     """``name``: one codec for keys and values (``int4``), or the keys' and the values' (``int8+int4``)."""
-    keys, *values = (make_codec(part, dim, dtype, rotated) for part in name.split("+"))
-    return KVCodec(keys, values[0] if values else keys)
+    parts = [make_codec(part, dim, dtype, rotated) for part in name.split("+")]
+    return KVCodec(parts[0], parts[-1])
 
 
 def kv_from_spec(spec: str | None) -> KVCodec | None:
@@ -226,8 +226,8 @@ def kv_from_spec(spec: str | None) -> KVCodec | None:
     keys and values alike; None: the model's own precision)."""
     if spec is None:
         return None
-    keys, *values = (from_spec(part) for part in spec.split("+"))
-    return KVCodec(keys, values[0] if values else keys)
+    parts = [cast(Codec, from_spec(part)) for part in spec.split("+")]
+    return KVCodec(parts[0], parts[-1])
 
 
 # What a storage does with its codec (None: tokens held as computed), in one place for every layout.
