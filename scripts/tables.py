@@ -6,8 +6,10 @@
     python scripts/tables.py paired BASE OTHER[,OTHER...] RESULTS...
                                                    settings against a base setting on the same samples
                                                    (accuracy results.jsonl): scores, samples won / lost, KL, top-1
-    python scripts/tables.py retained RESULTS...   per setting: the mean score per task and the score retained
-                                                   against the full cache over every question (accuracy results.jsonl)
+    python scripts/tables.py retained [--columns length] RESULTS...
+                                                   per setting: the mean score per task (or prompt length) and the
+                                                   score retained against the full cache over every question
+                                                   (accuracy results.jsonl)
     python scripts/tables.py memory NAME=DIR... [--plot PNG]
                                                    peak memory vs prompt length of speed runs (e.g. before=...
                                                    after=...), each method's fitted slope in bytes per token
@@ -126,34 +128,37 @@ def paired_table(base: str, others: list[str], paths: list[str]) -> str:
     return "\n".join(lines)
 
 
-def retained_table(paths: list[str]) -> str:
-    """Per method setting: the mean score per task (over every question of every sample) and, over
+def retained_table(paths: list[str], column: str = "task") -> str:
+    """Per method setting: the mean score per ``column`` (task or length; over every question of every sample) and, over
     all of them together, the score retained against the full cache on the same questions (the sum
     of the setting's scores over the full cache's) and the part of the full cache's answers it keeps
     (its score capped at the full cache's, question by question: a lucky answer the full cache
-    missed does not make up for one it found)."""
+    missed does not make up for one it found), and its mean device bytes while decoding."""
     records = [json.loads(line) for path in paths for line in Path(path).read_text().splitlines() if line.strip()]
     full = {(r["sample"], r["turn"]): r["score"] for r in records if r["label"] == "full"}
-    tasks = list(dict.fromkeys(r["task"] for r in records))
+    tasks = list(dict.fromkeys(r[column] for r in records))
     labels = sorted({r["label"]
                      for r in records}, key=lambda label:
                     (label != "full", label.split("@")[0], int(label.split("@")[1]) if "@" in label else 0))
     lines = [
-        "| method | budget | " + " | ".join(tasks) + " | questions | retained (all) | full's answers kept |",
-        "| --- | ---: |" + " ---: |" * (len(tasks) + 3)
+        "| method | budget | " + " | ".join(map(str, tasks))
+        + " | questions | retained (all) | full's answers kept | device MiB |",
+        "| --- | ---: |" + " ---: |" * (len(tasks) + 4)
     ]
     for label in labels:
         mine = [r for r in records if r["label"] == label and (r["sample"], r["turn"]) in full]
         cells = []
         for task in tasks:
-            scores = [r["score"] for r in mine if r["task"] == task]
+            scores = [r["score"] for r in mine if r[column] == task]
             cells.append(f"{sum(scores) / len(scores):.2f}" if scores else "-")
         reference = sum(full[(r["sample"], r["turn"])] for r in mine)
         retained = f"{sum(r['score'] for r in mine) / reference:.2f}" if reference else "-"
         capped = sum(min(r["score"], full[(r["sample"], r["turn"])]) for r in mine)
         kept = f"{capped / reference:.2f}" if reference else "-"
+        held = [r["device_bytes"] for r in mine if "device_bytes" in r]  # kvpress's rows carry none
+        device = f"{sum(held) / len(held) / 2**20:.1f}" if held else "-"
         lines.append(f"| {label.split('@')[0]} | {mine[0]['budget'] or '-'} | " + " | ".join(cells)
-                     + f" | {len(mine)} | {retained} | {kept} |")
+                     + f" | {len(mine)} | {retained} | {kept} | {device} |")
     return "\n".join(lines)
 
 
@@ -201,9 +206,26 @@ def memory_curves(named: list[str], plot: str | None) -> str:
     return "Peak GiB per prompt length:\n\n" + "\n".join(lines)
 
 
+BITS_COLORS = {"model's precision": "tab:blue", "8 bits": "tab:orange", "fp8": "tab:green", "4 bits": "tab:red",
+               "keys 8, values 4 bits": "tab:purple"}
+MARKERS = {"full": "s", "snapkv": "o"}
+
+
+def bits_of(label: str) -> str:
+    """What a setting's label says its kept tokens cost per element."""
+    if "key_bits=8" in label:
+        return "keys 8, values 4 bits"
+    if "kv_bits=4" in label or "quanto4" in label:
+        return "4 bits"
+    if "kv_format=fp8" in label:
+        return "fp8"
+    return "8 bits" if "kv_bits=8" in label else "model's precision"
+
+
 def retained_by_bytes(paths: list[str], plot: str) -> str:
     """Each setting's score retained against the full cache (as ``retained_table``) against its mean device bytes
-    while decoding, as a PNG (score against bytes, one point per setting, labelled), and the points as rows."""
+    while decoding, as a PNG (score against bytes, one line per method and codec through its budgets), and the points
+    as rows."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -217,14 +239,21 @@ def retained_by_bytes(paths: list[str], plot: str) -> str:
         device = sum(r["device_bytes"] for r in mine) / len(mine) / 2**20
         points.append((label, device, sum(r["score"] for r in mine) / reference if reference else 0.0))
     figure, axis = plt.subplots(figsize=(7, 4.5))
+    series: dict[tuple[str, str], list[tuple[float, float, str]]] = {}  # (method, bits) -> points, budget
     for label, device, retained in points:
-        axis.scatter(device, retained, color="tab:purple" if "key_bits=8" in label else
-                     "tab:red" if "kv_bits=4" in label or "quanto4" in label else
-                     "tab:orange" if "kv_bits=8" in label else "tab:blue")
-        axis.annotate(label, (device, retained), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        method = label.split("@")[0].split("/")[0].split(":")[0]
+        series.setdefault((method, bits_of(label)), []).append((device, retained, label.partition("@")[2]))
+    for (method, bits), dots in series.items():
+        dots.sort()
+        axis.plot([d[0] for d in dots], [d[1] for d in dots], color=BITS_COLORS[bits],
+                  marker=MARKERS.get(method, "^"), label=f"{method}, {bits}")
+        for device, retained, budget in dots:
+            if budget:
+                axis.annotate(budget, (device, retained), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    axis.legend(fontsize=7)
     axis.set(xscale="log", xlabel="device MiB while decoding (mean over questions)",
              ylabel="score retained vs the full cache",
-             title="answers at equal bytes (bits: blue 16, orange 8, red 4, purple k8 v4)")
+             title="answers at equal bytes (each point labelled with its budget)")
     figure.tight_layout()
     figure.savefig(plot, dpi=120)
     return "\n".join(f"| {label} | {device:.1f} | {retained:.2f} |" for label, device, retained in points)
@@ -246,7 +275,10 @@ def main(argv: list[str]) -> None:
         print(accuracy_table(paths))
         return
     if kind == "retained":
-        print(retained_table(paths))
+        if paths[0] == "--columns":
+            print(retained_table(paths[2:], paths[1]))
+        else:
+            print(retained_table(paths))
         return
     if kind == "bytes":  # tables.py bytes PLOT.png RESULTS.jsonl...
         print(retained_by_bytes(paths[1:], paths[0]))

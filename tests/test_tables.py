@@ -34,8 +34,24 @@ def test_retained_table_sums_every_question_against_the_full_cache(tmp_path):
     rows = [record("a", "full", None, 1.0), record("b", "full", None, 1.0), record("c", "full", None, 0.0),
             record("a", "kvzip", 64, 1.0), record("b", "kvzip", 64, 0.0), record("c", "kvzip", 64, 1.0),
             {**record("d", "kvzip", 64, 1.0), "task": "qa_1"}]  # d: no full-cache answer, left out
+    for row, device in zip(rows[3:], (1, 2, 6, 100)):  # the full cache's rows carry no bytes (as kvpress's)
+        row["device_bytes"] = device * 2**20
+    for row in rows:
+        row["length"] = 4000 if row["sample"] == "c" else 2000
     path = tmp_path / "results.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     table = tables.retained_table([str(path)]).splitlines()
-    assert table[0] == "| method | budget | niah | qa_1 | questions | retained (all) | full's answers kept |"
-    assert table[2:] == ["| full | - | 0.67 | - | 3 | 1.00 | 1.00 |", "| kvzip | 64 | 0.67 | - | 3 | 1.00 | 0.50 |"]
+    assert table[0] == ("| method | budget | niah | qa_1 | questions | retained (all) | full's answers kept "
+                        "| device MiB |")
+    assert table[2:] == ["| full | - | 0.67 | - | 3 | 1.00 | 1.00 | - |",
+                         "| kvzip | 64 | 0.67 | - | 3 | 1.00 | 0.50 | 3.0 |"]
+    by_length = tables.retained_table([str(path)], "length").splitlines()
+    assert by_length[0].startswith("| method | budget | 2000 | 4000 | questions |")
+    assert by_length[3] == "| kvzip | 64 | 0.50 | 1.00 | 3 | 1.00 | 0.50 | 3.0 |"
+
+
+def test_bits_of_names_each_setting_s_codec():
+    assert [tables.bits_of(label) for label in ("full", "snapkv:kv_bits=8/full@64", "full:kv_bits=8:kv_format=fp8",
+                                                "snapkv:kv_bits=4/full@256", "full:kv_bits=4:key_bits=8",
+                                                "transformers-quanto4")] == [
+        "model's precision", "8 bits", "fp8", "4 bits", "keys 8, values 4 bits", "4 bits"]
