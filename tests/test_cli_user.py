@@ -297,6 +297,14 @@ def test_version_names_the_package_and_what_it_runs_on():
     assert re.fullmatch(r"kvcompress \S+ \(torch \S+, transformers \S+\)\n", done.stdout), done.stdout
 
 
+def test_a_range_against_another_setting_names_both_flags():
+    from kvcompress.cli import build_parser, flag_names, in_flag_words
+    with pytest.raises(ValueError) as refused:
+        kvc.SnapKV(budget=256, kv_bits=8, key_bits=4)
+    words = in_flag_words(refused.value, flag_names(build_parser(["generate", "--method", "snapkv"])))
+    assert words.endswith("valid: --key-bits >= --kv-bits (8 or 4) with --kv-format int"), words
+
+
 def test_a_method_setting_is_refused_in_the_flags_words_and_its_description_kept():
     err = subprocess.run([sys.executable, "-m", "kvcompress", "generate", "--method", "snapkv", "--budget", "16",
                           "--window", "32", "--prompt", "x"], capture_output=True, text=True, timeout=60).stderr

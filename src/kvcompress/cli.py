@@ -816,8 +816,14 @@ def in_flag_words(error: Exception, flags: dict[str, str]) -> str:
     parts = re.split(r"(\b[a-z0-9_-]+\([^()]*=[^()]*\))", str(error).removeprefix("kvcompress: "))
     words = [part if index % 2 else re.sub(r"\b([a-z][a-z_]*)=('[^']*'|[^\s,;:()]+)", flag, part)
              for index, part in enumerate(parts)]
-    bound = re.compile(r"\bvalid: ([a-z][a-z_]*) ([<>]=?)")  # a range: "valid: budget > 32"
-    words = [bound.sub(lambda m: f"valid: {flags.get(m.group(1), m.group(1))} {m.group(2)}", w) for w in words]
+    # a range: "valid: budget > 32", or against another setting: "valid: key_bits >= kv_bits"
+    bound = re.compile(r"\bvalid: ([a-z][a-z_]*) ([<>]=?)(?: ([a-z][a-z_]*)\b)?")
+
+    def in_range(match: re.Match) -> str:
+        low, than, high = match.groups()
+        return f"valid: {flags.get(low, low)} {than}" + (f" {flags.get(high, high)}" if high else "")
+
+    words = [bound.sub(in_range, w) for w in words]
     return "".join(words).replace("(or None for the default)", "(or leave it out for the default)")
 
 
