@@ -128,17 +128,34 @@ def paired_table(base: str, others: list[str], paths: list[str]) -> str:
     return "\n".join(lines)
 
 
+def against_full(paths: list[str]) -> tuple[list[dict], dict[tuple, float], dict[str, list[dict]]]:
+    """Accuracy results.jsonl rows, the full cache's score per question (sample, turn), and each setting's rows on
+    the questions the full cache answered (in the order settings first appear)."""
+    records = [json.loads(line) for path in paths for line in Path(path).read_text().splitlines() if line.strip()]
+    full = {(r["sample"], r["turn"]): r["score"] for r in records if r["label"] == "full"}
+    settings: dict[str, list[dict]] = {}
+    for r in records:
+        mine = settings.setdefault(r["label"], [])
+        if (r["sample"], r["turn"]) in full:
+            mine.append(r)
+    return records, full, settings
+
+
+def device_mib(rows: list[dict]) -> float | None:
+    """Mean device bytes while decoding, in MiB, over the rows that carry them (None: none do, as kvpress's)."""
+    held = [r["device_bytes"] for r in rows if "device_bytes" in r]
+    return sum(held) / len(held) / 2**20 if held else None
+
+
 def retained_table(paths: list[str], column: str = "task") -> str:
     """Per method setting: the mean score per ``column`` (task or length; over every question of every sample) and, over
     all of them together, the score retained against the full cache on the same questions (the sum
     of the setting's scores over the full cache's) and the part of the full cache's answers it keeps
     (its score capped at the full cache's, question by question: a lucky answer the full cache
     missed does not make up for one it found), and its mean device bytes while decoding."""
-    records = [json.loads(line) for path in paths for line in Path(path).read_text().splitlines() if line.strip()]
-    full = {(r["sample"], r["turn"]): r["score"] for r in records if r["label"] == "full"}
+    records, full, settings = against_full(paths)
     tasks = list(dict.fromkeys(r[column] for r in records))
-    labels = sorted({r["label"]
-                     for r in records}, key=lambda label:
+    labels = sorted(settings, key=lambda label:
                     (label != "full", label.split("@")[0], int(label.split("@")[1]) if "@" in label else 0))
     lines = [
         "| method | budget | " + " | ".join(map(str, tasks))
@@ -146,7 +163,7 @@ def retained_table(paths: list[str], column: str = "task") -> str:
         "| --- | ---: |" + " ---: |" * (len(tasks) + 4)
     ]
     for label in labels:
-        mine = [r for r in records if r["label"] == label and (r["sample"], r["turn"]) in full]
+        mine = settings[label]
         cells = []
         for task in tasks:
             scores = [r["score"] for r in mine if r[column] == task]
@@ -155,10 +172,9 @@ def retained_table(paths: list[str], column: str = "task") -> str:
         retained = f"{sum(r['score'] for r in mine) / reference:.2f}" if reference else "-"
         capped = sum(min(r["score"], full[(r["sample"], r["turn"])]) for r in mine)
         kept = f"{capped / reference:.2f}" if reference else "-"
-        held = [r["device_bytes"] for r in mine if "device_bytes" in r]  # kvpress's rows carry none
-        device = f"{sum(held) / len(held) / 2**20:.1f}" if held else "-"
+        device = device_mib(mine)
         lines.append(f"| {label.split('@')[0]} | {mine[0]['budget'] or '-'} | " + " | ".join(cells)
-                     + f" | {len(mine)} | {retained} | {kept} | {device} |")
+                     + f" | {len(mine)} | {retained} | {kept} | {'-' if device is None else f'{device:.1f}'} |")
     return "\n".join(lines)
 
 
@@ -230,13 +246,13 @@ def retained_by_bytes(paths: list[str], plot: str) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    records = [json.loads(line) for path in paths for line in Path(path).read_text().splitlines() if line.strip()]
-    full = {(r["sample"], r["turn"]): r["score"] for r in records if r["label"] == "full"}
+    _, full, settings = against_full(paths)
     points = []
-    for label in dict.fromkeys(r["label"] for r in records):
-        mine = [r for r in records if r["label"] == label and (r["sample"], r["turn"]) in full]
+    for label, mine in settings.items():
         reference = sum(full[(r["sample"], r["turn"])] for r in mine)
-        device = sum(r["device_bytes"] for r in mine) / len(mine) / 2**20
+        device = device_mib(mine)
+        if device is None:
+            raise SystemExit(f"bytes: {label} has no device_bytes to plot")
         points.append((label, device, sum(r["score"] for r in mine) / reference if reference else 0.0))
     figure, axis = plt.subplots(figsize=(7, 4.5))
     series: dict[tuple[str, str], list[tuple[float, float, str]]] = {}  # (method, bits) -> points, budget
