@@ -7,9 +7,10 @@
 #   GPU_CHECK_PACK=1 ...                            also packs $OUT/SLICE into $OUT/SLICE.tgz (the device tool returns
 #                                                   at most 8 files)
 #
-# Measured on an H100 (11-26, docs/gpu-runs/2026-11-26-h100 and -h100-b): `first`'s tests ~150 s, each compiled 32K
-# run 60-90 s in its own process (a compile of 34-62 s and the 15 GiB model's start included), the headline ~55 s:
-# ~8.5 minutes in all; each part has a cap and the slice stops starting parts at FIRST_DEADLINE (520 s).
+# Measured on an H100 (11-27, docs/gpu-runs/2026-11-27-h100): `first`'s tests 149 s, each compiled 32K run 63-100 s
+# in its own process (a compile of 38-72 s and the 15 GiB model's start included), the headline ~50 s: ~9 minutes
+# in all, so the parts run by priority (ShadowKV, whose row repeated within 1% three times, last); each part has a
+# cap and the slice stops starting parts at FIRST_DEADLINE (520 s).
 #
 # Slices, most important first:
 #   first                what matters most, in one slice (<= 9 minutes on an H100): the GPU-only tests and the coded
@@ -73,8 +74,9 @@ speed() {  # speed SLICE ARGS...: one bench run, its report under $OUT/SLICE
   $PY -m kvcompress.cli bench speed --out "$OUT/$slice" "$@" 2>&1 | tee "$OUT/$slice/log.txt"
 }
 
-DECODE_METHODS=full,snapkv,snapkv:heads=adaptive,shadowkv:rank=160:outliers=48:ratio=0.0156
-FIRST_METHODS=snapkv,snapkv:kv_bits=4,shadowkv:rank=160:outliers=48:ratio=0.0156,full
+SHADOWKV_PAPER=shadowkv:rank=160:outliers=48:ratio=0.0156
+DECODE_METHODS=full,snapkv,snapkv:heads=adaptive,$SHADOWKV_PAPER
+FIRST_METHODS=full,snapkv:kv_bits=4,snapkv
 CODED_METHODS=full,full:kv_bits=8,full:kv_bits=4,full:kv_bits=8:kv_format=fp8,snapkv,snapkv:kv_bits=8,snapkv:kv_bits=4
 CODED_EAGER=$CODED_METHODS,snapkv:kv_bits=4:key_bits=8  # keys in 8 bits, values in 4 (no compile: eager only)
 
@@ -106,7 +108,8 @@ run_slice() {
       $PY -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'transformers', transformers.__version__)" | tee "$OUT/first/versions.txt"
       nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/first/gpu.csv" 2>/dev/null || echo "no nvidia-smi" > "$OUT/first/gpu.csv"
       within 180 tests $PY -m pytest -q -p no:cacheprovider tests/test_offload.py tests/test_stored_context.py \
-        tests/test_codec.py "tests/test_compile.py::test_inductor_compiles_the_step_to_the_eager_tokens" \
+        tests/test_codec.py tests/test_decode_kernel.py \
+        "tests/test_compile.py::test_inductor_compiles_the_step_to_the_eager_tokens" \
         --junitxml="$OUT/first/junit.xml" 2>&1 | tee "$OUT/first/tests.txt"
       local i=0
       for method in ${FIRST_METHODS//,/ }; do  # in order of priority; rows in decode-1, decode-2, ...
@@ -118,7 +121,12 @@ run_slice() {
       done
       if [ "$DRY" = 1 ]; then HEADLINE="--model $MODEL --lengths 512"; else HEADLINE="--preset gpu --lengths 16384"; fi
       within 90 headline $PY -m kvcompress.cli bench headline $HEADLINE --batches 2 $STEPS --out "$OUT/first/headline" 2>&1 \
-        | tee "$OUT/first/headline.txt" ;;
+        | tee "$OUT/first/headline.txt"
+      # ShadowKV last: its row repeated within 1% in three runs (11.8 ms), so it is the part a slow slice gives up
+      mkdir -p "$OUT/first/decode-4"
+      within 110 "decode-4 $SHADOWKV_PAPER" $PY -m kvcompress.cli bench speed --out "$OUT/first/decode-4" --model $MODEL \
+        --methods "$SHADOWKV_PAPER" --budget $BUDGET --lengths $L_FIRST --batches 1 $STEPS --compile 2>&1 \
+        | tee "$OUT/first/decode-4/log.txt" ;;
     quantized)
       speed quantized --model $MODEL --methods $CODED_METHODS --budget $BUDGET --lengths $L_FIRST --batches 1 $STEPS --compile ;;
     quantized-eager)

@@ -10,7 +10,11 @@ new query per row), ``turn`` (several new queries over a cache) and ``prefill`` 
 keys, causal). The first call of a phase on a device and dtype times every kernel that accepts its
 inputs on a probe of the same shape (at most ``PROBE_TOKENS`` keys) and keeps them fastest first.
 cuDNN's kernel is never a candidate for ``decode`` or ``turn``: it builds a plan per shape, and a
-cache's length changes with every call (measured on an H100: 1.6 ms of host time per call).
+cache's length changes with every call (measured on an H100: 1.6 ms of host time per call). On CUDA
+with Triton, ``decode`` has one more candidate, ``triton``: ``decode_attention``, split along the slots
+(SDPA's fused kernels give each head's whole cache to one program), which also reads 8- and 4-bit
+coded slots without decoding them first. A decoding probe has as many keys as the cache (rounded up to
+a power of two, at most ``DECODE_PROBE_TOKENS``): which kernel wins depends on the length.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import functools
 import inspect
 import os
 import time
+import warnings
 from contextvars import ContextVar
 
 import torch
@@ -27,12 +32,17 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import CausalBias, causal_lower_right
 
+from .codec import make_codec
+from .ops import fused, runs_triton
+
 # keys of the probe a phase's kernels are timed on (a prefill's probe: a quarter, its cost is quadratic)
 PROBE_TOKENS = 4096
+DECODE_PROBE_TOKENS = 131072  # a decoding probe's keys at most (a GPU's; the cache's length, rounded up)
 BACKEND_NAMES = {
     "math": SDPBackend.MATH, "flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
     "cudnn": SDPBackend.CUDNN_ATTENTION
 }
+KERNEL_NAMES = (*BACKEND_NAMES, "triton")  # SDPA's kernels and decode_attention's
 # PyTorch's kernel numbers
 _NAMES = {int(backend): name for name, backend in BACKEND_NAMES.items()}  # type: ignore[call-overload]
 _default_picks: dict[tuple, str | None] = {}  # input shapes -> the kernel PyTorch picks for them
@@ -54,9 +64,21 @@ def phase_of(q_len: int, seq: int) -> str:
     return "decode" if q_len == 1 else "prefill" if q_len == seq else "turn"
 
 
-def candidates(phase: str) -> tuple[str, ...]:
-    """Kernels a phase may use: all but cuDNN's where the key length changes from call to call."""
-    return tuple(name for name in BACKEND_NAMES if not (name == "cudnn" and phase != "prefill"))
+def candidates(phase: str, device_type: str, head_dim: int) -> tuple[str, ...]:
+    """Kernels a phase may use: all but cuDNN's where the key length changes from call to call; for ``decode``
+    where the fused ops run Triton (CUDA), also ``decode_attention``'s kernel (heads of 16 to 256 channels, a
+    power of two)."""
+    sdpa_kernels = tuple(name for name in BACKEND_NAMES if not (name == "cudnn" and phase != "prefill"))
+    split = phase == "decode" and runs_triton(device_type) and head_dim in (16, 32, 64, 128, 256)
+    return (*sdpa_kernels, "triton") if split else sdpa_kernels
+
+
+def length_bucket(phase: str, device_type: str, seq: int) -> int | None:
+    """The key length a choice is made for: a CUDA decoding step's, rounded up to a power of two (the
+    split kernel's gain grows with it); one choice for every length otherwise."""
+    if phase != "decode" or device_type != "cuda":
+        return None
+    return min(DECODE_PROBE_TOKENS, 1 << max(0, seq - 1).bit_length())
 
 
 def forced_backends(phase: str) -> tuple[str, ...] | None:
@@ -72,11 +94,11 @@ def _parse_forced(text: str) -> dict[str, tuple[str, ...]]:
         name, _, kernels = part.partition("=")
         if kernels:
             chosen = tuple(k.strip() for k in kernels.split(","))
-            unknown = [k for k in chosen if k not in BACKEND_NAMES]
+            unknown = [k for k in chosen if k not in KERNEL_NAMES or (k == "triton" and name.strip() != "decode")]
             if unknown:
                 raise ValueError(
                     f"KVCOMPRESS_SDPA names unknown kernels {unknown} for {name.strip()}; "
-                    f"valid: {', '.join(BACKEND_NAMES)}"
+                    f"valid: {', '.join(BACKEND_NAMES)} (and triton for decode)"
                 )
             forced[name.strip()] = chosen
     return forced
@@ -88,31 +110,47 @@ def sdpa_choices() -> dict[str, tuple[str, ...]]:
 
 
 @torch.compiler.assume_constant_result
-def _compiled_backends(phase: str, device_type: str, dtype: str, head_dim: int, masked: bool) -> str:
-    """The chosen kernels as a string: a compiled step bakes the choice in without guarding on it."""
-    key = next(
-        (k for k in _chosen if k[:2] == (phase, device_type) and str(k[2]) == dtype and k[3:] == (head_dim, masked)),
-        None)
-    return ",".join(_chosen[key] if key is not None else forced_backends(phase) or candidates(phase))
+def _compiled_backends(phase: str, device_type: str, dtype: str, head_dim: int, masked: bool, bucket: int) -> str:
+    """The chosen kernels as a string: a compiled step bakes the choice in without guarding on it. ``bucket``:
+    ``length_bucket``'s (0: none, or a length the graph leaves symbolic: the longest one chosen for)."""
+    made = [k for k in _chosen if k[:2] == (phase, device_type) and str(k[2]) == dtype and k[3:5] == (head_dim, masked)]
+    exact = [k for k in made if (k[5] or 0) == bucket]
+    key = exact[0] if exact else max(made, key=lambda k: k[5] or 0, default=None)
+    if key is not None:
+        return ",".join(_chosen[key])
+    return ",".join(forced_backends(phase) or candidates(phase, device_type, head_dim))
 
 
 def _time_backend(name: str, probe: tuple, is_causal: bool, enable_gqa: bool) -> float | None:
     """Median seconds of three calls with only kernel ``name`` enabled, or None where it does not run."""
     query, keys, values, mask = probe
     cuda = query.is_cuda
+
+    def call() -> None:
+        if name == "triton":
+            decode_attention(stack_groups(query, keys.shape[1]), keys, values, mask, query.shape[-1] ** -0.5, 0, 0)
+        else:
+            F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, is_causal=is_causal,
+                                           enable_gqa=enable_gqa)
+
     try:
-        with sdpa_kernel([BACKEND_NAMES[name]]):
+        with contextlib.nullcontext() if name == "triton" else sdpa_kernel([BACKEND_NAMES[name]]):
             times = []
             for _ in range(4):
                 if cuda:
                     torch.cuda.synchronize(query.device)
                 start = time.perf_counter()
-                F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, is_causal=is_causal,
-                                               enable_gqa=enable_gqa)
+                call()
                 if cuda:
                     torch.cuda.synchronize(query.device)
                 times.append(time.perf_counter() - start)
-    except RuntimeError:
+    except RuntimeError:  # this kernel does not take these inputs
+        return None
+    except Exception as error:  # noqa: BLE001 -- Triton's own errors (a kernel that does not build here)
+        if name != "triton":
+            raise
+        warnings.warn(f"kvcompress: the split decoding kernel did not run here ({error}); SDPA's kernels are used",
+                      stacklevel=2)
         return None
     return sorted(times[1:])[1]
 
@@ -120,7 +158,8 @@ def _time_backend(name: str, probe: tuple, is_causal: bool, enable_gqa: bool) ->
 def _probe(query: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor | None, phase: str) -> tuple:
     """Random inputs shaped like these, with at most ``PROBE_TOKENS`` keys (a quarter, and as many
     queries, for a prefill) and at most 4 rows."""
-    seq = min(keys.shape[-2], PROBE_TOKENS // 4 if phase == "prefill" else PROBE_TOKENS)
+    bucket = length_bucket(phase, query.device.type, keys.shape[-2])
+    seq = bucket or min(keys.shape[-2], PROBE_TOKENS // 4 if phase == "prefill" else PROBE_TOKENS)
     q_len = seq if phase == "prefill" else min(query.shape[-2], seq)
     batch = min(query.shape[0], 4)
     probe_query = torch.randn(batch, query.shape[1], q_len, query.shape[-1], device=query.device, dtype=query.dtype)
@@ -138,16 +177,20 @@ def choose_backends(phase: str, query: torch.Tensor, keys: torch.Tensor, mask: t
                     enable_gqa: bool) -> tuple[str, ...]:
     """The phase's kernels, fastest first (timed once per phase, device, dtype, head size and masking)."""
     if torch.compiler.is_compiling():
+        seq = keys.shape[-2]
+        bucket = length_bucket(phase, query.device.type, seq) if isinstance(seq, int) else None
         return tuple(
-            _compiled_backends(phase, query.device.type, str(query.dtype), query.shape[-1], mask
-                               is not None).split(","))
-    key = (phase, query.device.type, query.dtype, query.shape[-1], mask is not None)
+            _compiled_backends(phase, query.device.type, str(query.dtype), query.shape[-1], mask is not None,
+                               bucket or 0).split(","))
+    bucket = length_bucket(phase, query.device.type, keys.shape[-2])
+    key = (phase, query.device.type, query.dtype, query.shape[-1], mask is not None, bucket)
     chosen = _chosen.get(key)
     if chosen is None:
         chosen = forced_backends(phase)
         if chosen is None:
             probe = _probe(query, keys, mask, phase)
-            times = ((_time_backend(name, probe, is_causal, enable_gqa), name) for name in candidates(phase))
+            times = ((_time_backend(name, probe, is_causal, enable_gqa), name)
+                     for name in candidates(phase, query.device.type, query.shape[-1]))
             timed = [(t, name) for t, name in times if t is not None]
             chosen = tuple(name for _, name in sorted(timed)) or ("math",)
         _chosen[key] = chosen
@@ -155,8 +198,9 @@ def choose_backends(phase: str, query: torch.Tensor, keys: torch.Tensor, mask: t
 
 
 def kernel_context(chosen: tuple[str, ...]):
-    """``sdpa_kernel`` enabling ``chosen`` in that order of priority (where this torch can order them)."""
-    backends = [BACKEND_NAMES[name] for name in chosen]
+    """``sdpa_kernel`` enabling ``chosen``'s SDPA kernels in that order of priority (where this torch can order
+    them)."""
+    backends = [BACKEND_NAMES[name] for name in chosen if name in BACKEND_NAMES] or [SDPBackend.MATH]
     return sdpa_kernel(backends, set_priority=True) if _PRIORITY else sdpa_kernel(backends)
 
 
@@ -173,6 +217,9 @@ def sdpa(phase: str, query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     """``F.scaled_dot_product_attention`` with the kernels chosen for ``phase`` (see ``phase_of``).
     Where PyTorch would pick the fastest one anyway, no context is entered (it costs ~20 us a call)."""
     chosen = choose_backends(phase, query, keys, mask, is_causal, enable_gqa)
+    if chosen[0] == "triton":  # a decoding step, its queries stacked per KV head (dense_attention)
+        return decode_attention(query, keys, values, mask, query.shape[-1] ** -0.5 if scaling is None else scaling,
+                                0, 0)
     compiling = torch.compiler.is_compiling()
     if not compiling and chosen[0] == default_backend(query, keys, values, mask, is_causal, scaling, enable_gqa):
         return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, is_causal=is_causal, scale=scaling,
@@ -210,6 +257,46 @@ def group_mask(mask: torch.Tensor, group: int) -> torch.Tensor:
         return mask
     batch, heads, q_len, seq = mask.shape
     return mask[:, :, None].expand(batch, heads, group, q_len, seq).reshape(batch, heads, group * q_len, seq)
+
+
+def _decoded_like(query: torch.Tensor, *args) -> torch.Tensor:
+    return query.new_empty(query.shape)
+
+
+@fused("decode_attention", mutates_args=(), fake=_decoded_like)
+def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor | None,
+                     scaling: float, key_bits: int, value_bits: int) -> torch.Tensor:
+    """A decoding step's attention ``[b, kv_heads, rows, d]``: ``query [b, kv_heads, rows, d]`` (a GQA group's
+    query heads stacked as rows) over ``keys``/``values [b, kv_heads, s, ...]`` as a storage holds them: at the
+    model's precision (bits 0) or as rows of an 8- or 4-bit ``codec.IntCodec`` (``key_bits``, ``value_bits``);
+    ``visible [b, 1 | kv_heads, 1, s]`` bool (None: every slot). On CUDA one Triton kernel, split along the slots,
+    reads the rows as they are (``kernels.decode_attention_triton``); here they are decoded first."""
+    dim = query.shape[-1]
+    keys, values = (rows if bits == 0 else make_codec(f"int{bits}", dim, query.dtype).decode(rows)
+                    for rows, bits in ((keys, key_bits), (values, value_bits)))
+    logits = (query.float() @ keys.float().transpose(-1, -2)) * scaling
+    if visible is not None:
+        logits = logits.masked_fill(~visible, float("-inf"))
+    return (logits.softmax(dim=-1) @ values.float()).to(query.dtype)
+
+
+def coded_decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                           coded: tuple[torch.Tensor, torch.Tensor, int, int], mask: torch.Tensor | None,
+                           scaling: float) -> torch.Tensor | None:
+    """A decoding step over coded slots read by ``decode_attention`` without decoding them (``coded``: the rows
+    and their key and value bits; ``keys``/``values``: the same slots decoded, what the choice of kernel is made
+    on), where that kernel is chosen for this step; None where another kernel is (decode, then attend)."""
+    batch, q_heads, q_len, dim = query.shape
+    kv_heads = keys.shape[1]
+    if q_len != 1 or not runs_triton(query.device.type):
+        return None
+    mask = None if mask is None else group_mask(mask, q_heads // kv_heads)
+    stacked = stack_groups(query, kv_heads)
+    if choose_backends("decode", stacked, keys, mask, False, False)[0] != "triton":
+        return None
+    rows_k, rows_v, key_bits, value_bits = coded
+    return decode_attention(stacked, rows_k, rows_v, mask, scaling, key_bits, value_bits).reshape(
+        batch, q_heads, q_len, dim)
 
 
 def dense_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,

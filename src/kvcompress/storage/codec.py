@@ -270,3 +270,12 @@ def token_bytes(codec: KVCodec | None, keys: torch.Tensor, values: torch.Tensor)
     the same two vectors as computed."""
     held = keys.shape[-1] * keys.element_size() + values.shape[-1] * values.element_size()
     return (held, held) if codec is None else (held, 2 * codec.dim * codec.dtype.itemsize)
+
+
+def integer_rows(codec: KVCodec | None, keys: torch.Tensor,
+                 values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int, int] | None:
+    """Stored keys and values with their bits, where both are integer-coded rows (a kernel may read them as they
+    are: ``attention.decode_attention``); None otherwise."""
+    if codec is None or not (isinstance(codec.keys, IntCodec) and isinstance(codec.values, IntCodec)):
+        return None
+    return keys, values, codec.keys.bits, codec.values.bits

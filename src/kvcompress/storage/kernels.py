@@ -11,6 +11,13 @@ tensors, which is how the tests check them on machines without a GPU.
   factors and rotated at their positions, one program per chunk: the two products (``B`` and its
   rotate-half) and RoPE in one pass, nothing written but the keys. The angle is the model's
   (``position * inv_freq`` in float32), reduced to one turn in float64 before its cosine.
+* ``decode_attention_triton``: one decoding query per head over a long cache, split along the slots
+  (flash-decoding: SDPA's fused kernels give a head's whole cache to one program, 8 programs for the 8B
+  shape's 8 KV heads at batch 1, a tenth of an H100's bandwidth at 32K: docs/gpu-runs/2026-11-27-h100).
+  Each program reads one KV head's slice of slots, its GQA group's queries stacked as rows, and keeps
+  an online softmax; a second pass weighs the slices by their log-normalisers. Slots coded in 8 or 4
+  bits (``codec.IntCodec``) are decoded in registers as they are read: the codes, not a decoded copy,
+  are what crosses memory.
 """
 
 from __future__ import annotations
@@ -142,3 +149,124 @@ def rotated_keys_triton(factor_a: torch.Tensor, factor_b: torch.Tensor, chunks: 
         BLOCK_D=max(16, triton.next_power_of_2(dim)),
     )
     return out
+
+
+@triton.jit
+def _stored_rows(rows, meta, offset, slots, inside, d, DIM: tl.constexpr, BITS: tl.constexpr,
+                 GROUP: tl.constexpr, DTYPE: tl.constexpr):
+    """``[BLOCK_N, DIM]`` vectors of ``slots`` from a row-per-slot buffer at ``offset`` (its elements): as
+    stored (``BITS`` 0), or ``codec.IntCodec`` rows decoded (codes, then each group's float16 scale and
+    minimum, read through ``meta``, the same bytes as float16)."""
+    if BITS == 0:
+        return tl.load(rows + offset + slots[:, None] + d[None, :], mask=inside[:, None], other=0.0)
+    if BITS == 8:
+        codes = tl.load(rows + offset + slots[:, None] + d[None, :], mask=inside[:, None], other=0)
+    else:  # two codes a byte: channel 2i in the low nibble
+        packed = tl.load(rows + offset + slots[:, None] + (d // 2)[None, :], mask=inside[:, None], other=0)
+        codes = (packed >> ((d % 2) * 4).to(tl.uint8)[None, :]) & 15
+    first = (offset + slots) // 2 + DIM * BITS // 16  # the row's scales, as float16 elements
+    scale = tl.load(meta + first[:, None] + (d // GROUP)[None, :], mask=inside[:, None], other=0.0)
+    low = tl.load(meta + first[:, None] + (DIM // GROUP + d // GROUP)[None, :], mask=inside[:, None], other=0.0)
+    return (codes.to(tl.float32) * scale.to(tl.float32) + low.to(tl.float32)).to(DTYPE)
+
+
+@triton.jit
+def _decode_attention_kernel(
+    query, keys, key_meta, values, value_meta, visible, out, lse, heads, seq, scaling,
+    q_batch, q_head, k_batch, k_head, k_slot, v_batch, v_head, v_slot, m_batch, m_head,
+    GROUP_ROWS: tl.constexpr, DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCKS: tl.constexpr, KEY_BITS: tl.constexpr, VALUE_BITS: tl.constexpr, QUANT_GROUP: tl.constexpr,
+    MASKED: tl.constexpr, PRECISE: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)  # b * kv_heads + h
+    split = tl.program_id(1).to(tl.int64)
+    splits = tl.num_programs(1).to(tl.int64)
+    batch, head = row // heads, row % heads
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, DIM)
+    q = tl.load(query + batch * q_batch + head * q_head + g[:, None] * DIM + d[None, :], mask=g[:, None] < GROUP_ROWS,
+                other=0.0)
+    dtype = q.dtype
+    best = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    total = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, DIM], tl.float32)
+    # the loop's bound is a compile-time constant (BLOCKS per slice): Triton's interpreter needs one
+    for block in range(BLOCKS):
+        n = (split * BLOCKS + block) * BLOCK_N + tl.arange(0, BLOCK_N)
+        inside = n < seq
+        if MASKED:
+            inside = inside & (tl.load(visible + batch * m_batch + head * m_head + n, mask=inside, other=0) != 0)
+        k = _stored_rows(keys, key_meta, batch * k_batch + head * k_head, n * k_slot, inside, d, DIM, KEY_BITS,
+                         QUANT_GROUP, dtype)
+        if PRECISE:  # float32 models: no TF32 rounding of the products
+            logits = tl.dot(q, tl.trans(k), input_precision="ieee") * scaling
+        else:
+            logits = tl.dot(q, tl.trans(k)) * scaling
+        logits = tl.where(inside[None, :], logits, float("-inf"))
+        newest = tl.maximum(best, tl.max(logits, axis=1))
+        shift = tl.where(newest == float("-inf"), 0.0, newest)  # no slot seen yet: nothing to rescale
+        weights = tl.exp(logits - shift[:, None])
+        rescale = tl.exp(best - shift)
+        total = total * rescale + tl.sum(weights, axis=1)
+        v = _stored_rows(values, value_meta, batch * v_batch + head * v_head, n * v_slot, inside, d, DIM,
+                         VALUE_BITS, QUANT_GROUP, dtype)
+        if PRECISE:
+            acc = acc * rescale[:, None] + tl.dot(weights.to(dtype), v, input_precision="ieee")
+        else:
+            acc = acc * rescale[:, None] + tl.dot(weights.to(dtype), v)
+        best = newest
+    seen = total > 0
+    part = (row * splits + split) * BLOCK_G + g
+    tl.store(out + part[:, None] * DIM + d[None, :], acc / tl.where(seen, total, 1.0)[:, None],
+             mask=g[:, None] < GROUP_ROWS)
+    tl.store(lse + part, tl.where(seen, best + tl.log(tl.where(seen, total, 1.0)), float("-inf")),
+             mask=g < GROUP_ROWS)
+
+
+TARGET_PROGRAMS = 264  # two per streaming multiprocessor of an H100 (132)
+
+
+def decode_split(rows: int, seq: int, block: int) -> tuple[int, int]:
+    """(slices, blocks per slice) for ``rows`` KV heads over ``seq`` slots: about ``TARGET_PROGRAMS``
+    programs in all; blocks per slice a power of two, so a cache growing token by token compiles the
+    kernel a few times (one per doubling), not once per length."""
+    blocks = triton.cdiv(seq, block)
+    per_slice = triton.next_power_of_2(max(1, triton.cdiv(blocks * rows, TARGET_PROGRAMS)))
+    return triton.cdiv(blocks, per_slice), per_slice
+
+
+def decode_attention_triton(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                            visible: torch.Tensor | None, scaling: float, key_bits: int,
+                            value_bits: int) -> torch.Tensor:
+    """Same result as ``attention.decode_attention`` (its docstring gives the shapes)."""
+    from .codec import group_size
+
+    batch, heads, group_rows, dim = query.shape
+    seq = keys.shape[-2]
+    block_n = 64
+    slices, per_slice = decode_split(batch * heads, seq, block_n)
+    block_g = max(16, triton.next_power_of_2(group_rows))
+    out = torch.empty(batch * heads, slices, block_g, dim, dtype=torch.float32, device=query.device)
+    lse = torch.empty(batch * heads, slices, block_g, dtype=torch.float32, device=query.device)
+    query = query.contiguous()
+    keys, values = (t if t.stride(-1) == 1 else t.contiguous() for t in (keys, values))
+    # a coded row's scales read as float16 (rows are even-sized); unused where the slots are not coded
+    key_meta, value_meta = (t.view(torch.float16) if bits else t
+                            for t, bits in ((keys, key_bits), (values, value_bits)))
+    mask, mask_strides = keys, (0, 0)  # no mask: any pointer, never read
+    if visible is not None:  # [b, 1 | kv_heads, 1, s]
+        mask = (visible if visible.stride(-1) == 1 else visible.contiguous()).view(torch.uint8)
+        mask_strides = (mask.stride(0), mask.stride(1) if mask.shape[1] > 1 else 0)
+    _decode_attention_kernel[(batch * heads, slices)](
+        query, keys, key_meta, values, value_meta, mask, out, lse, heads, seq, float(scaling),
+        query.stride(0), query.stride(1), *keys.stride()[:3], *values.stride()[:3], *mask_strides,
+        GROUP_ROWS=group_rows, DIM=dim, BLOCK_G=block_g, BLOCK_N=block_n, BLOCKS=per_slice, KEY_BITS=key_bits,
+        VALUE_BITS=value_bits, QUANT_GROUP=group_size(dim), MASKED=visible is not None,
+        PRECISE=query.dtype == torch.float32,
+    )
+    # the slices, weighed by their normalisers (a slice that saw no slot weighs nothing)
+    out, lse = out[:, :, :group_rows], lse[:, :, :group_rows]
+    top = lse.amax(dim=1, keepdim=True)
+    weights = torch.exp(lse - torch.where(top == float("-inf"), 0.0, top))
+    mixed = (out * weights[..., None]).sum(1) / weights.sum(1).clamp(min=torch.finfo(torch.float32).tiny)[..., None]
+    return mixed.view(batch, heads, group_rows, dim).to(query.dtype)

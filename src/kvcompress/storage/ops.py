@@ -32,6 +32,11 @@ def triton_everywhere() -> Iterator[None]:
         _everywhere = False
 
 
+def runs_triton(device_type: str) -> bool:
+    """Whether the fused ops run their Triton kernels for tensors on ``device_type``."""
+    return _everywhere or (device_type == "cuda" and importlib.util.find_spec("triton") is not None)
+
+
 def triton_kernel(name: str) -> Callable:
     from . import kernels  # imported on first use: it needs Triton
 

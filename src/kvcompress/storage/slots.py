@@ -27,8 +27,8 @@ from typing import Any, ClassVar, NamedTuple, cast
 
 import torch
 
-from .attention import causal_slot_mask, dense_attention
-from .codec import KVCodec, decoded_pair, encoded_pair, kv_from_spec, restored_pair, token_bytes
+from .attention import causal_slot_mask, coded_decode_attention, dense_attention
+from .codec import KVCodec, decoded_pair, encoded_pair, integer_rows, kv_from_spec, restored_pair, token_bytes
 from .tensors import gather_rows, gather_tokens, nbytes, prompt_positions
 
 
@@ -281,6 +281,11 @@ class DenseSlots(Slots):
         self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scaling: float,
         softcap: float | None = None,
     ) -> torch.Tensor:
+        coded = integer_rows(self.codec, self.keys, self.values)
+        if coded is not None and softcap is None:  # a decoding step may read the codes without decoding them
+            out = coded_decode_attention(query, keys, values, coded, mask, scaling)
+            if out is not None:
+                return out
         return dense_attention(query, keys, values, mask, scaling, softcap)
 
     def kept_positions(self, prefill_len: int) -> torch.Tensor:

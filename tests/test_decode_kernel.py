@@ -1,0 +1,138 @@
+"""The split decoding kernel (``attention.decode_attention``): one query per head over a long cache, split along
+the slots, reading 8- and 4-bit coded slots as they are stored. Here it runs through Triton's CPU interpreter
+(float32 and float16: the interpreter's bfloat16 products are wrong) against attention written out in float64
+from decoded slots; on a GPU, in bfloat16 at a 40K cache."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from kvcompress.storage import attention
+from kvcompress.storage.codec import make_codec
+
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def reference(query, keys, values, visible, scaling, key_bits, value_bits):
+    """Softmax attention in float64 over the decoded slots (the codec's own decode)."""
+    dim = query.shape[-1]
+    if key_bits:
+        keys = make_codec(f"int{key_bits}", dim, query.dtype).decode(keys)
+    if value_bits:
+        values = make_codec(f"int{value_bits}", dim, query.dtype).decode(values)
+    logits = torch.einsum("bhgd,bhsd->bhgs", query.double(), keys.double()) * scaling
+    if visible is not None:
+        logits = logits.masked_fill(~visible, float("-inf"))
+    return torch.einsum("bhgs,bhsd->bhgd", logits.softmax(-1), values.double())
+
+
+def case(batch, heads, rows, seq, dim, key_bits, value_bits, dtype, per_head, seed=0, device="cpu"):
+    """Random queries and stored slots (coded where bits > 0), a mask hiding ~30% of the slots and one whole
+    stretch of 200 (a slice of the split that sees nothing), the newest slot always visible."""
+    gen = torch.Generator().manual_seed(seed)
+    query = torch.randn(batch, heads, rows, dim, generator=gen).to(dtype)
+    stored = []
+    for bits in (key_bits, value_bits):
+        vectors = torch.randn(batch, heads, seq, dim, generator=gen) * 2
+        stored.append(make_codec(f"int{bits}", dim, dtype).encode(vectors) if bits else vectors.to(dtype))
+    visible = torch.rand(batch, heads if per_head else 1, 1, seq, generator=gen) < 0.7
+    visible[..., seq // 3 : seq // 3 + 200] = False
+    visible[..., -1] = True
+    return [t.to(device) for t in (query, *stored, visible)]
+
+
+def test_the_split_kernel_is_a_decoding_candidate_only_where_triton_runs():
+    assert "triton" not in attention.candidates("decode", "cpu", 64)
+    assert all("triton" not in attention.candidates(phase, "cuda", 64) for phase in ("prefill", "turn"))
+    assert "triton" not in attention.candidates("decode", "cuda", 80)  # a head the kernel does not tile
+    if importlib.util.find_spec("triton") is not None:
+        assert attention.candidates("decode", "cuda", 128)[-1] == "triton"
+    with pytest.raises(ValueError, match=r"unknown kernels \['triton'\] for prefill.*triton for decode"):
+        attention._parse_forced("prefill=triton")
+    assert attention._parse_forced("decode=triton,efficient") == {"decode": ("triton", "efficient")}
+
+
+def test_the_torch_implementation_matches_the_reference():
+    for key_bits, value_bits in ((0, 0), (8, 8), (4, 4), (8, 4)):
+        args = case(2, 3, 3, 333, 64, key_bits, value_bits, torch.float32, per_head=key_bits == 4)
+        out = attention.decode_attention(args[0], args[1], args[2], args[3], 0.125, key_bits, value_bits)
+        torch.testing.assert_close(out.double(), reference(*args[:4], 0.125, key_bits, value_bits), rtol=1e-5,
+                                   atol=1e-5)
+
+
+KERNEL_CHECK = textwrap.dedent(
+    """
+    import torch
+    from kvcompress.storage import attention, kernels, ops
+    from tests.test_decode_kernel import case, reference
+    shapes = [(2, 3, 3, 1100, 64, False), (1, 2, 4, 300, 128, True), (1, 1, 1, 5, 32, False), (1, 1, 8, 3000, 16, True)]
+    for dtype, tolerance in ((torch.float32, 1e-5), (torch.float16, 2e-3)):
+        for key_bits, value_bits in ((0, 0), (8, 8), (4, 4), (8, 4)):
+            for batch, heads, rows, seq, dim, per_head in shapes:
+                args = case(batch, heads, rows, seq, dim, key_bits, value_bits, dtype, per_head)
+                with ops.triton_everywhere():
+                    out = attention.decode_attention(*args[:4], dim ** -0.5, key_bits, value_bits)
+                expected = reference(*args[:4], dim ** -0.5, key_bits, value_bits)
+                error = (out.double() - expected).abs().max().item()
+                assert out.dtype == dtype and error < tolerance, (dtype, key_bits, value_bits, seq, dim, error)
+    assert kernels.decode_split(1, 3000, 64) == (47, 1)  # one block a slice: the slices are weighed together
+    assert kernels.decode_split(8, 131072, 64) == (32, 64)  # 256 programs of 4,096 slots
+
+    # Inside a model: a tiny float32 model's decoding steps with the split kernel forced for every decoding step
+    # (the full cache, and SnapKV's 4-bit slots read as codes) give the logits of SDPA's math kernel.
+    import os
+    import kvcompress as kvc
+    from tests.fixtures import CACHE, tiny_model
+    model = tiny_model()
+    gen = torch.Generator().manual_seed(1)
+    prompt, steps = torch.randint(3, 128, (2, 200), generator=gen), torch.randint(3, 128, (2, 6), generator=gen)
+    calls = []
+    plain_kernel = kernels.decode_attention_triton
+    def counted(*args):
+        calls.append(args[1].dtype)
+        return plain_kernel(*args)
+    kernels.decode_attention_triton = counted
+    def decode(method, kernel):
+        os.environ["KVCOMPRESS_SDPA"] = f"decode={kernel}"
+        attention._chosen.clear()
+        cache = method.make_cache(model)
+        with torch.no_grad():
+            model(prompt, **{CACHE: cache})
+            return torch.cat([model(steps[:, t : t + 1], **{CACHE: cache}).logits for t in range(steps.shape[1])], 1)
+    for method in (kvc.FullKV(), kvc.SnapKV(budget=48, window=8, kv_bits=4, clustering="pool"),
+                   kvc.SnapKV(budget=48, kv_bits=8, clustering="pool")):
+        plain = decode(method, "math")
+        with ops.triton_everywhere():
+            fused = decode(method, "triton")
+        torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-4)
+    # every decoding step of every layer: the full cache's float32 slots, then the two coded runs' codes
+    assert calls == [torch.float32] * 12 + [torch.uint8] * 24, calls
+    print("ok")
+    """
+)
+
+
+@needs_triton
+def test_the_split_kernel_matches_the_reference_in_the_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", KERNEL_CHECK], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
+@needs_gpu
+@needs_triton
+def test_the_split_kernel_matches_the_reference_on_the_gpu():
+    for key_bits, value_bits in ((0, 0), (8, 8), (4, 4), (8, 4)):
+        for batch, heads, rows, seq, dim in ((1, 8, 4, 40000, 128), (2, 3, 3, 1500, 64)):
+            args = case(batch, heads, rows, seq, dim, key_bits, value_bits, torch.bfloat16, True, device="cuda")
+            out = attention.decode_attention(*args[:4], dim ** -0.5, key_bits, value_bits)
+            expected = reference(*args[:4], dim ** -0.5, key_bits, value_bits)
+            torch.testing.assert_close(out.double(), expected, rtol=2e-2, atol=2e-2)
