@@ -82,7 +82,8 @@ def gather_chunks_triton(store: torch.Tensor, chunks: torch.Tensor, previous_chu
 @triton.jit
 def _rotated_keys_kernel(
     factor_a, factor_b, chunks, inv_freq, out, heads, region, k, scale, RANK: tl.constexpr, UNIT: tl.constexpr,
-    DIM: tl.constexpr, HALF_ROT: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr
+    DIM: tl.constexpr, HALF_ROT: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+    PRECISE: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)  # b * kv_heads + h
     j = tl.program_id(1).to(tl.int64)
@@ -108,8 +109,12 @@ def _rotated_keys_kernel(
         b = tl.load(b_row + d[None, :], mask=(r[:, None] < RANK) & (d[None, :] < DIM), other=0.0)
         b_turned = tl.load(b_row + partner[None, :], mask=(r[:, None] < RANK) & (d[None, :] < DIM),
                            other=0.0) * sign[None, :]
-        plain += tl.dot(a.to(tl.float32), b.to(tl.float32))
-        turned += tl.dot(a.to(tl.float32), b_turned.to(tl.float32))
+        if PRECISE:  # float32 factors: TF32's 10-bit products would move the keys by ~1e-3 (11-26/27 GPU runs)
+            plain += tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+            turned += tl.dot(a.to(tl.float32), b_turned.to(tl.float32), input_precision="ieee")
+        else:  # 16-bit factors are exact in TF32
+            plain += tl.dot(a.to(tl.float32), b.to(tl.float32))
+            turned += tl.dot(a.to(tl.float32), b_turned.to(tl.float32))
     freq = tl.load(inv_freq + d % HALF_ROT, mask=rotated, other=0.0)
     # the model's float32 angle, as its rotary computes it
     angle = (tokens[:, None].to(tl.float32) * freq[None, :]).to(tl.float64)
@@ -147,6 +152,7 @@ def rotated_keys_triton(factor_a: torch.Tensor, factor_b: torch.Tensor, chunks: 
         BLOCK_U=max(16, triton.next_power_of_2(unit)),
         BLOCK_R=16,
         BLOCK_D=max(16, triton.next_power_of_2(dim)),
+        PRECISE=factor_a.dtype == torch.float32,
     )
     return out
 
