@@ -108,9 +108,11 @@ def test_bad_settings_are_refused(tmp_path):
     with pytest.raises(ValueError, match="method='magic' is unknown"):
         run_speed(model, ["magic"], [128], [1], tmp_path, progress=False)
     with pytest.raises(ValueError,
-                       match=r"batch_limit=0 is not a valid search setting; valid: an integer of at least 1"):
+                       match=r"batch_limit=0 is not a valid setting; valid: an integer of at least 1"):
         run_speed(model, ["full"], [128], [1], tmp_path, find_max_batch=True, max_memory=2**40, batch_limit=0,
                   progress=False)
+    with pytest.raises(ValueError, match=r"repeats=0 is not a valid setting; valid: an integer of at least 1"):
+        run_speed(model, ["full"], [128], [1], tmp_path, repeats=0, progress=False)
 
 
 def test_batch_search_stops_at_its_limit(tmp_path):
@@ -119,6 +121,34 @@ def test_batch_search_stops_at_its_limit(tmp_path):
                        batch_limit=3, progress=False)
     (limit,) = report["limits"]
     assert limit["value"] == 3 and max(row["batch"] for row in limit["tried"]) == 3
+
+
+def test_repeats_interleave_the_methods_and_report_the_median(tmp_path, capsys):
+    from kvcompress.cli import main
+
+    config = tmp_path / "tiny"
+    tiny_model().config.save_pretrained(config)
+    out = tmp_path / "run"
+    argv = ["bench", "speed", "--model", str(config), "--methods", "full,snapkv:budget=48", "--lengths", "100",
+            "--batches", "1", "--steps", "2", "--warmup", "1", "--repeats", "3", "--out", str(out)]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "the median of 3 runs of the grid" in printed
+    lines = [json.loads(line) for line in (out / "rows.jsonl").read_text().splitlines()]
+    # every method once a repeat, the order reversed every other repeat
+    assert [(r["method"], r.get("repeat", 0)) for r in lines[1:]] == [
+        ("full", 0), ("snapkv:budget=48", 0), ("snapkv:budget=48", 1), ("full", 1), ("full", 2),
+        ("snapkv:budget=48", 2)]
+    report = json.loads((out / "speed.json").read_text())
+    assert len(report["rows"]) == 2 and report["settings"]["repeats"] == 3
+    for row in report["rows"]:
+        runs = [r["decode_ms_per_token"] for r in lines[1:] if r["method"] == row["method"]]
+        assert row["decode_ms_runs"] == runs and row["decode_ms_per_token"] == sorted(runs)[1]
+        assert row["tokens_per_s"] == pytest.approx(1000 / row["decode_ms_per_token"])
+    assert main(argv) == 0  # a rerun resumes: nothing measured again
+    assert len((out / "rows.jsonl").read_text().splitlines()) == 1 + 6
+    assert main([*argv[:-4], "--repeats", "0", "--out", str(tmp_path / "other")]) == 2
+    assert "--repeats 0 is not a valid setting; valid: an integer of at least 1" in capsys.readouterr().err
 
 
 def test_architecture_presets_have_the_documented_shapes():
@@ -177,7 +207,7 @@ def test_the_headline_sets_each_method_beside_transformers_generate_on_the_same_
 
     model = tiny_model()
     layers, kv_heads, head_dim = 2, model.config.num_key_value_heads, model.config.head_dim
-    report = run_headline(model, ["full", "snapkv:budget=32:window=8"], [150], [1, 2], tmp_path, steps=3, warmup=1,
+    report = run_headline(model, ["full", "snapkv:budget=48:window=8"], [150], [1, 2], tmp_path, steps=3, warmup=1,
                           progress=False)
     reference = {(r["method"], r["prompt_tokens"], r["batch"]): r for r in report["reference"]}
     assert set(reference) == {(CEILING, 1, 1), (CEILING, 1, 2), (REFERENCE, 150, 1), (REFERENCE, 150, 2)}
@@ -195,7 +225,7 @@ def test_the_headline_sets_each_method_beside_transformers_generate_on_the_same_
         assert row["peak_ratio"] == base["peak_bytes"] / grid[key]["peak_bytes"]
         assert row["ttft_s"] == grid[key]["prefill_s"] and row["ceiling_ms_per_token"] == reference[
             CEILING, 1, key[1]]["decode_ms_per_token"]
-    assert rows["snapkv:budget=32:window=8", 2]["memory_ratio"] > 2 * rows["full", 2]["memory_ratio"]
+    assert rows["snapkv:budget=48:window=8", 2]["memory_ratio"] > 2 * rows["full", 2]["memory_ratio"]
     assert (tmp_path / "headline.png").stat().st_size > 1000 and json.loads(
         (tmp_path / "headline.json").read_text())["paper"]["decode_speedup"] == 3.6
     # this model now has been

@@ -419,7 +419,8 @@ def _cmd_bench_speed(args: argparse.Namespace, console: Console) -> int:
         steps=settings["steps"], warmup=settings["warmup"], find_max_context=args.find_max_context,
         find_max_batch=args.find_max_batch, max_memory=int(args.max_memory * 2**30) if args.max_memory else None,
         model_name=settings["model"], search_step=args.search_step, batch_limit=args.batch_limit, compile=args.compile,
-        prefill_tokens=None if args.prefill_tokens == 0 else args.prefill_tokens, replicate=args.replicate
+        prefill_tokens=None if args.prefill_tokens == 0 else args.prefill_tokens, replicate=args.replicate,
+        repeats=args.repeats
     )
     for shown in report.speed(settings["model"], results, args.compile, args.out):
         console.print(shown, soft_wrap=isinstance(shown, str))
@@ -688,6 +689,10 @@ def _speed_command(bench: argparse._SubParsersAction) -> None:
         "--replicate", action="store_true",
         help="prefill one prompt and copy its compressed cache to every row of a batch "
         "(the batch's decoding and memory at the cost of one prefill: batch searches at long prompts)")
+    speed.add_argument(
+        "--repeats", type=int, default=1,
+        help="run the grid this many times, the methods' order reversed every other time, and report each run's "
+        "median step and spread (CPU timings move between runs)")
     speed.add_argument("--out", default="runs/speed")
     speed.set_defaults(run=_cmd_bench_speed, interrupted=_resumable)
 

@@ -118,7 +118,7 @@ def run_headline(model: PreTrainedModel, methods: list[str], lengths: list[int],
             if warmup > 0:  # an untimed first prefill of this shape, as the grid warms up each shape
                 warm_up(model, n, b)
             return measure_generate(model, name, n, b, steps, warmup)
-        reference.append(journal.measure((None, name, n, b), run))
+        reference.append(journal.measure((None, name, n, b, 0), run))
     grid = run_speed(model, methods, lengths, batches, out, steps=steps, warmup=warmup, model_name=model_name,
                      progress=progress, compile=compile)
     report = {"machine": machine(model.device), "model": model_name, "dtype": str(next(model.parameters()).dtype),

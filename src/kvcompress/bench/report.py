@@ -135,13 +135,19 @@ def speed(model: str, report: dict, compiled: bool, out: str) -> list[Any]:
         if r["status"] != "ok":
             table.add_row(r["method"], str(r["prompt_tokens"]), str(r["batch"]), r["status"], *["-"] * 10)
             continue
+        spread = f" ({min(r['decode_ms_runs']):.1f}-{max(r['decode_ms_runs']):.1f})" if "decode_ms_runs" in r else ""
         table.add_row(r["method"], str(r["prompt_tokens"]), str(r["batch"]), f"{r['prefill_s']:.2f}",
-                      f"{r['compress_share']:.1%}", f"{r['decode_ms_per_token']:.1f}", f"{r['bound_ms_per_token']:.1f}",
+                      f"{r['compress_share']:.1%}", f"{r['decode_ms_per_token']:.1f}{spread}",
+                      f"{r['bound_ms_per_token']:.1f}",
                       f"{r['tokens_per_s']:.1f}", f"{r['kv_device_bytes'] / 2**20:.1f}",
                       f"{r['offloaded_bytes'] / 2**20:.1f}", f"{r['peak_bytes'] / 2**20:.0f}",
                       f"{r['achieved_bandwidth'] / 1e9:.1f}", f"{r['bandwidth_fraction']:.0%}",
                       f"{r['ops_per_step']} ({r['ops_vs_transformers']:.2f}x)")
     shown.append(table)
+    repeats = report["settings"].get("repeats", 1)
+    if repeats > 1:
+        shown.append(f"ms/token: the median of {repeats} runs of the grid, the methods' order reversed every other run "
+                     "(in brackets: the fastest and slowest run)")
     for slope in report.get("peak_slopes", []):
         shown.append(f"{slope['method']} x {slope['batch']}: the peak grows {slope['bytes_per_token'] / 1024:.2f} KiB "
                      f"per prompt token ({slope['hidden_vectors_per_token']:.2f} hidden-sized vectors) from "

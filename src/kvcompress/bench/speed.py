@@ -447,12 +447,17 @@ class Journal:
 
     @staticmethod
     def key(row: dict) -> tuple:
-        return row.get("search"), row["method"], row["prompt_tokens"], row["batch"]
+        return row.get("search"), row["method"], row["prompt_tokens"], row["batch"], row.get("repeat", 0)
 
     def measure(self, key: tuple, run) -> dict:
-        """The row for ``key`` (search, method, prompt tokens, batch): from the journal, or ``run()`` and recorded."""
+        """The row for ``key`` (search, method, prompt tokens, batch, repeat): from the journal, or ``run()`` and
+        recorded."""
         if key not in self.rows:
-            row = {"search": key[0], **run()} if key[0] else run()
+            row = run()
+            if key[0]:
+                row = {"search": key[0], **row}
+            if key[4]:
+                row["repeat"] = key[4]
             self.rows[key] = row
             with self.path.open("a") as fh:
                 fh.write(json.dumps(row) + "\n")
@@ -460,15 +465,15 @@ class Journal:
 
 
 def _check_grid(model: PreTrainedModel, lengths: list[int], decode_steps: int, searching: bool, max_memory: int | None,
-                search_step: int, batch_limit: int, prefill_tokens: int | None) -> int:
+                search_step: int, batch_limit: int, prefill_tokens: int | None, repeats: int = 1) -> int:
     """Refuse, in one line, a grid this model or machine cannot run; return the model's context length."""
     if searching and model.device.type == "cpu" and max_memory is None:
         raise ValueError("on a CPU the limit searches need max_memory (bytes): running out of RAM kills the process "
                          "instead of raising")
     for name, value in (("search_step", search_step), ("batch_limit", batch_limit),
-                        ("prefill_tokens", prefill_tokens or 1)):
+                        ("prefill_tokens", prefill_tokens or 1), ("repeats", repeats)):
         if value < 1:
-            raise ValueError(f"{name}={value} is not a valid search setting; valid: an integer of at least 1")
+            raise ValueError(f"{name}={value} is not a valid setting; valid: an integer of at least 1")
     limit = model.config.get_text_config().max_position_embeddings
     too_long = [n for n in lengths if n + decode_steps + 1 > limit]
     if too_long:
@@ -500,7 +505,7 @@ def run_speed(
     budget: int | None = None, steps: int = 16, warmup: int = 3, find_max_context: bool = False,
     find_max_batch: bool = False, max_memory: int | None = None, model_name: str = "", progress: bool = True,
     search_step: int = 1024, batch_limit: int = 1024, compile: bool = False,
-    prefill_tokens: int | None = PREFILL_TOKENS, replicate: bool = False
+    prefill_tokens: int | None = PREFILL_TOKENS, replicate: bool = False, repeats: int = 1
 ) -> dict:
     """Run the grid (and the optional searches), write ``speed.json``, ``speed.csv`` and plots; return
     the report. ``methods`` are specs (``name[:field=value...]``); ``budget`` applies to every method
@@ -509,10 +514,13 @@ def run_speed(
     (``kvc.generate(compile=True)``); a batch is prefilled in groups of rows of at most ``prefill_tokens``
     tokens (None: all rows at once); ``replicate`` prefills one prompt and copies its compressed cache to
     every row of a batch (decoding and memory of the batch, at the cost of one prefill: batch searches
-    at long prompts). Rerunning with the same ``out_dir`` resumes."""
+    at long prompts); ``repeats`` runs the grid that many times, the methods' order reversed every other time, and
+    reports each run's median step over the repeats, with every repeat's (``decode_ms_runs``). Rerunning with the same
+    ``out_dir`` resumes."""
     device = model.device
     searching = find_max_context or find_max_batch
-    limit = _check_grid(model, lengths, steps + warmup, searching, max_memory, search_step, batch_limit, prefill_tokens)
+    limit = _check_grid(model, lengths, steps + warmup, searching, max_memory, search_step, batch_limit, prefill_tokens,
+                        repeats)
     built = {spec: method_from_spec(spec, budget=budget) for spec in methods}
     settings = {
         "model": model_name, "methods": methods, "lengths": lengths, "batches": batches, "budget": budget,
@@ -520,17 +528,22 @@ def run_speed(
         "find_max_batch": find_max_batch, "search_step": search_step, "batch_limit": batch_limit, "compile": compile,
         "prefill_tokens": prefill_tokens, "replicate": replicate
     }
+    if repeats > 1:
+        settings["repeats"] = repeats
     options = Compile() if compile else None
     journal = Journal(Path(out_dir) / "rows.jsonl", settings)
     bandwidth = copy_bandwidth(device)
-    rows = []
-    grid = [(spec, n, b) for b in batches for n in lengths for spec in methods]
-    for spec, n, b in tqdm(grid, desc="speed", disable=not progress, unit="run"):
-        def run(spec=spec, n=n, b=b) -> dict:
-            if spec == methods[0] and warmup > 0:  # warmup=0: no untimed prefill either (memory curves)
+    # a repeat runs the methods in the other order: a drift over the run (heat, other work) falls on both ends
+    grid = [(spec, n, b, r) for r in range(repeats) for b in batches for n in lengths
+            for spec in (methods if r % 2 == 0 else methods[::-1])]
+    runs: dict[tuple, list[dict]] = {}
+    for spec, n, b, r in tqdm(grid, desc="speed", disable=not progress, unit="run"):
+        def run(spec=spec, n=n, b=b, r=r) -> dict:
+            if r == 0 and spec == methods[0] and warmup > 0:  # warmup=0: no untimed prefill either (memory curves)
                 warm_up(model, built[spec], n, b, prefill_tokens)
             return measure(model, built[spec], spec, n, b, steps, warmup, bandwidth, options, prefill_tokens, replicate)
-        rows.append(journal.measure((None, spec, n, b), run))
+        runs.setdefault((spec, n, b), []).append(journal.measure((None, spec, n, b, r), run))
+    rows = [with_repeats(repeated, bandwidth) for repeated in runs.values()]
     report = {
         "machine": machine(device), "model": model_name, "dtype": str(next(model.parameters()).dtype),
         "weight_bytes": weight_bytes(model), "device_bandwidth": bandwidth, "settings": settings, "rows": rows,
@@ -545,13 +558,27 @@ def run_speed(
             def run() -> dict:
                 return measure(model, built[spec], spec, n, b, 2, 1, bandwidth, options, prefill_tokens, replicate)
 
-            row = journal.measure((kind, spec, n, b), run)
+            row = journal.measure((kind, spec, n, b, 0), run)
             return {**row, "fits": _fits(row, max_memory)}
 
         report["limits"] = search_limits(fits, methods, find_max_context, find_max_batch, lengths, batches, limit - 8,
                                          search_step, batch_limit)
     write_report(report, Path(out_dir))
     return report
+
+
+def with_repeats(rows: list[dict], bandwidth: float) -> dict:
+    """One run's row from its repeats: the first's figures, its step time the median of theirs (each repeat's in
+    ``decode_ms_runs``), and the speed figures that follow from it."""
+    row = dict(rows[0])
+    times = [r["decode_ms_per_token"] for r in rows if r["status"] == "ok"]
+    if len(rows) == 1 or len(times) < len(rows):
+        return row
+    decode_ms = statistics.median(times)
+    read = row["bytes_read_per_step"]
+    row.update(decode_ms_runs=times, decode_ms_per_token=decode_ms, tokens_per_s=row["batch"] * 1000 / decode_ms,
+               achieved_bandwidth=read / (decode_ms / 1000), bandwidth_fraction=read / (decode_ms / 1000) / bandwidth)
+    return row
 
 
 def hidden_vector_bytes(model: PreTrainedModel) -> int:
