@@ -38,6 +38,7 @@ from .ops import fused, runs_triton
 # keys of the probe a phase's kernels are timed on (a prefill's probe: a quarter, its cost is quadratic)
 PROBE_TOKENS = 4096
 DECODE_PROBE_TOKENS = 131072  # a decoding probe's keys at most (a GPU's; the cache's length, rounded up)
+PROBE_ELEMENTS = 1 << 25  # a probe's keys, summed over its rows, at most (unless one row has more)
 BACKEND_NAMES = {
     "math": SDPBackend.MATH, "flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
     "cudnn": SDPBackend.CUDNN_ATTENTION
@@ -157,11 +158,12 @@ def _time_backend(name: str, probe: tuple, is_causal: bool, enable_gqa: bool) ->
 
 def _probe(query: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor | None, phase: str) -> tuple:
     """Random inputs shaped like these, with at most ``PROBE_TOKENS`` keys (a quarter, and as many
-    queries, for a prefill) and at most 4 rows."""
+    queries, for a prefill; a CUDA decoding step's: its length bucket) and at most 4 rows (fewer where a
+    long probe's keys would pass ``PROBE_ELEMENTS``: a first step near a full device must not run out)."""
     bucket = length_bucket(phase, query.device.type, keys.shape[-2])
     seq = bucket or min(keys.shape[-2], PROBE_TOKENS // 4 if phase == "prefill" else PROBE_TOKENS)
     q_len = seq if phase == "prefill" else min(query.shape[-2], seq)
-    batch = min(query.shape[0], 4)
+    batch = max(1, min(query.shape[0], 4, PROBE_ELEMENTS // (keys.shape[1] * seq * keys.shape[-1])))
     probe_query = torch.randn(batch, query.shape[1], q_len, query.shape[-1], device=query.device, dtype=query.dtype)
     probe_keys = torch.randn(batch, keys.shape[1], seq, keys.shape[-1], device=query.device, dtype=query.dtype)
     probe_mask: torch.Tensor | CausalBias | None
