@@ -16,12 +16,13 @@ from .fixtures import CACHE, char_tokenizer, prefilled_cache, random_text, tiny_
 
 
 def reference_keep(query: torch.Tensor, keys: torch.Tensor, budget: int, window: int, kernel: int,
-                   pooling: str) -> list[list[int]]:
+                   pooling: str, vote: str = "sum") -> list[list[int]]:
     """Kept positions per KV head for one prompt. query [q_heads, L, D] post-RoPE, keys [kv_heads, L, D].
 
     Listing 1: the window's attention (softmax over all keys, causal inside the window) is summed
     over the window queries on the prefix, pooled (zero/ignored padding), averaged over each KV
     head's query heads, and the top ``budget - window`` prefix positions are kept with the window.
+    ``vote="max"``: a position's largest attention from any window query instead of their sum.
     Ties go to the earlier position."""
     q_heads, length, dim = query.shape
     kv_heads = keys.shape[0]
@@ -31,14 +32,14 @@ def reference_keep(query: torch.Tensor, keys: torch.Tensor, budget: int, window:
     prefix = length - window
     pooled_per_head = []
     for h in range(q_heads):
-        votes = [0.0] * prefix
+        votes = [0.0] * prefix  # attention weights are >= 0: 0 starts a maximum as well as a sum
         k = keys[h // group].float()
         for i in range(window):
             pos = prefix + i
             logits = (query[h, pos].float() @ k[: pos + 1].T) / math.sqrt(dim)
             weights = torch.softmax(logits, dim=-1)
             for j in range(prefix):
-                votes[j] += float(weights[j])
+                votes[j] = votes[j] + float(weights[j]) if vote == "sum" else max(votes[j], float(weights[j]))
         half = kernel // 2
         pooled = []
         for j in range(prefix):
@@ -112,13 +113,16 @@ def test_span_clustering_matches_a_reference():
 def test_reference_confirms_pure_functions_on_random_tensors():
     torch.manual_seed(1)
     query, keys = torch.randn(6, 90, 8), torch.randn(2, 90, 8)
-    for pooling, kernel in (("max", 7), ("avg", 5), ("max", 1)):
-        method = kvc.SnapKV(budget=40, window=12, kernel=kernel, pooling=pooling, clustering="pool")
+    for pooling, kernel, vote in (("max", 7, "sum"), ("avg", 5, "sum"), ("max", 1, "sum"), ("max", 7, "max"),
+                                  ("avg", 5, "max")):
+        method = kvc.SnapKV(budget=40, window=12, kernel=kernel, pooling=pooling, clustering="pool", votes=vote)
         valid = torch.ones(1, 90, dtype=torch.bool)
         scores = method.scores(query[None], keys[None], valid, 8**-0.5)
         indices, slot_valid = select_kept(scores, valid, method.kept_tokens(torch.tensor([90])))
         assert slot_valid.all()
-        assert indices[0].tolist() == reference_keep(query, keys, 40, 12, kernel, pooling)
+        assert indices[0].tolist() == reference_keep(query, keys, 40, 12, kernel, pooling, vote)
+    sums, maxima = (reference_keep(query, keys, 40, 12, 7, "max", vote) for vote in ("sum", "max"))
+    assert sums != maxima  # the two votes choose differently here
 
 
 def capture_queries(model: torch.nn.Module) -> tuple[dict[int, torch.Tensor], list]:
@@ -136,8 +140,8 @@ def capture_queries(model: torch.nn.Module) -> tuple[dict[int, torch.Tensor], li
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
-@pytest.mark.parametrize("pooling", ["max", "avg"])
-def test_selection_matches_reference_in_every_layer(arch, pooling):
+@pytest.mark.parametrize("pooling,vote", [("max", "sum"), ("avg", "sum"), ("max", "max")])
+def test_selection_matches_reference_in_every_layer(arch, pooling, vote):
     model = tiny_model(arch, num_hidden_layers=3)
     ids = torch.randint(3, 128, (1, 150), generator=torch.Generator().manual_seed(3))
     queries, handles = capture_queries(model)
@@ -146,12 +150,12 @@ def test_selection_matches_reference_in_every_layer(arch, pooling):
         model(ids, **{CACHE: full})
     for h in handles:
         h.remove()
-    method = kvc.SnapKV(budget=48, window=16, kernel=5, pooling=pooling, clustering="pool")
+    method = kvc.SnapKV(budget=48, window=16, kernel=5, pooling=pooling, clustering="pool", votes=vote)
     cache = method.make_cache(model)
     with torch.no_grad():
         model(ids, **{CACHE: cache})
     for layer in range(3):
-        expected = reference_keep(queries[layer][0], full.layers[layer].keys[0], 48, 16, 5, pooling)
+        expected = reference_keep(queries[layer][0], full.layers[layer].keys[0], 48, 16, 5, pooling, vote)
         assert cache.kept_positions(layer)[0].tolist() == expected, f"layer {layer}"
 
 

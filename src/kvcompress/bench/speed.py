@@ -533,17 +533,12 @@ def run_speed(
     options = Compile() if compile else None
     journal = Journal(Path(out_dir) / "rows.jsonl", settings)
     bandwidth = copy_bandwidth(device)
-    # a repeat runs the methods in the other order: a drift over the run (heat, other work) falls on both ends
-    grid = [(spec, n, b, r) for r in range(repeats) for b in batches for n in lengths
-            for spec in (methods if r % 2 == 0 else methods[::-1])]
-    runs: dict[tuple, list[dict]] = {}
-    for spec, n, b, r in tqdm(grid, desc="speed", disable=not progress, unit="run"):
-        def run(spec=spec, n=n, b=b, r=r) -> dict:
-            if r == 0 and spec == methods[0] and warmup > 0:  # warmup=0: no untimed prefill either (memory curves)
-                warm_up(model, built[spec], n, b, prefill_tokens)
-            return measure(model, built[spec], spec, n, b, steps, warmup, bandwidth, options, prefill_tokens, replicate)
-        runs.setdefault((spec, n, b), []).append(journal.measure((None, spec, n, b, r), run))
-    rows = [with_repeats(repeated, bandwidth) for repeated in runs.values()]
+    def run(spec: str, n: int, b: int, r: int) -> dict:
+        if r == 0 and spec == methods[0] and warmup > 0:  # warmup=0: no untimed prefill either (memory curves)
+            warm_up(model, built[spec], n, b, prefill_tokens)
+        return measure(model, built[spec], spec, n, b, steps, warmup, bandwidth, options, prefill_tokens, replicate)
+
+    rows = run_grid(run, journal, methods, lengths, batches, repeats, bandwidth, progress)
     report = {
         "machine": machine(device), "model": model_name, "dtype": str(next(model.parameters()).dtype),
         "weight_bytes": weight_bytes(model), "device_bandwidth": bandwidth, "settings": settings, "rows": rows,
@@ -565,6 +560,19 @@ def run_speed(
                                          search_step, batch_limit)
     write_report(report, Path(out_dir))
     return report
+
+
+def run_grid(run: Callable[[str, int, int, int], dict], journal: Journal, methods: list[str], lengths: list[int],
+             batches: list[int], repeats: int, bandwidth: float, progress: bool) -> list[dict]:
+    """Every (method, length, batch) run ``repeats`` times through the journal, one row each (``with_repeats``). A
+    repeat runs the methods in the other order: a drift over the run (heat, other work) falls on both ends."""
+    grid = [(spec, n, b, r) for r in range(repeats) for b in batches for n in lengths
+            for spec in (methods if r % 2 == 0 else methods[::-1])]
+    runs: dict[tuple, list[dict]] = {}
+    for spec, n, b, r in tqdm(grid, desc="speed", disable=not progress, unit="run"):
+        row = journal.measure((None, spec, n, b, r), lambda spec=spec, n=n, b=b, r=r: run(spec, n, b, r))
+        runs.setdefault((spec, n, b), []).append(row)
+    return [with_repeats(repeated, bandwidth) for repeated in runs.values()]
 
 
 def with_repeats(rows: list[dict], bandwidth: float) -> dict:
