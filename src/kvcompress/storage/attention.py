@@ -282,30 +282,15 @@ def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     return (logits.softmax(dim=-1) @ values.float()).to(query.dtype)
 
 
-def coded_decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                           coded: tuple[torch.Tensor, torch.Tensor, int, int], mask: torch.Tensor | None,
-                           scaling: float) -> torch.Tensor | None:
-    """A decoding step over coded slots read by ``decode_attention`` without decoding them (``coded``: the rows
-    and their key and value bits; ``keys``/``values``: the same slots decoded, what the choice of kernel is made
-    on), where that kernel is chosen for this step; None where another kernel is (decode, then attend)."""
-    batch, q_heads, q_len, dim = query.shape
-    kv_heads = keys.shape[1]
-    if q_len != 1 or not runs_triton(query.device.type):
-        return None
-    mask = None if mask is None else group_mask(mask, q_heads // kv_heads)
-    stacked = stack_groups(query, kv_heads)
-    if choose_backends("decode", stacked, keys, mask, False, False)[0] != "triton":
-        return None
-    rows_k, rows_v, key_bits, value_bits = coded
-    return decode_attention(stacked, rows_k, rows_v, mask, scaling, key_bits, value_bits).reshape(
-        batch, q_heads, q_len, dim)
-
-
 def dense_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
-                    scaling: float, softcap: float | None = None) -> torch.Tensor:
+                    scaling: float, softcap: float | None = None,
+                    coded: tuple[torch.Tensor, torch.Tensor, int, int] | None = None) -> torch.Tensor:
     """Exact attention ``[b, q_heads, q, d]``. ``mask`` is boolean, ``[b, 1 | kv_heads, q, s]``, or
     SDPA's lower-right causal bias; None means causal over the last ``q`` slots (or no mask for one
-    query). ``softcap`` (Gemma 2): logits become ``softcap * tanh(logits / softcap)`` before the softmax."""
+    query). ``softcap`` (Gemma 2): logits become ``softcap * tanh(logits / softcap)`` before the softmax.
+    ``coded``: the same slots as stored, integer-coded rows and their key and value bits
+    (``codec.integer_rows``), which a decoding step reads without decoding where ``decode_attention``'s kernel is
+    the one chosen (``keys``/``values``, decoded, are what the choice is made on)."""
     batch, q_heads, q_len, dim = query.shape
     kv_heads, seq = keys.shape[1], keys.shape[-2]
     if mask is None and 1 < q_len and (q_len != seq or softcap is not None):
@@ -330,7 +315,12 @@ def dense_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     # stacked: KV read once per KV head, a per-head mask as is
     if q_len == 1 or (mask is not None and mask.shape[1] > 1):
         mask = None if mask is None else group_mask(mask, q_heads // kv_heads)
-        out = sdpa(phase, stack_groups(query, kv_heads), keys, values, mask, scaling)
+        stacked = stack_groups(query, kv_heads)
+        if coded is not None and phase == "decode" and choose_backends(phase, stacked, keys, mask, False,
+                                                                        False)[0] == "triton":
+            out = decode_attention(stacked, *coded[:2], mask, scaling, *coded[2:])
+        else:
+            out = sdpa(phase, stacked, keys, values, mask, scaling)
         # a fused kernel's output may be laid out [b, group * q, kv_heads, d] (CUDA's efficient kernel): no view
         return out.reshape(batch, q_heads, q_len, dim)
     return sdpa(phase, query, keys, values, mask, scaling, is_causal=mask is None, enable_gqa=q_heads != kv_heads)

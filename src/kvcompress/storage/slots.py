@@ -27,7 +27,7 @@ from typing import Any, ClassVar, NamedTuple, cast
 
 import torch
 
-from .attention import causal_slot_mask, coded_decode_attention, dense_attention
+from .attention import causal_slot_mask, dense_attention
 from .codec import KVCodec, decoded_pair, encoded_pair, integer_rows, kv_from_spec, restored_pair, token_bytes
 from .tensors import gather_rows, gather_tokens, nbytes, prompt_positions
 
@@ -281,12 +281,9 @@ class DenseSlots(Slots):
         self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scaling: float,
         softcap: float | None = None,
     ) -> torch.Tensor:
-        coded = integer_rows(self.codec, self.keys, self.values)
-        if coded is not None and softcap is None:  # a decoding step may read the codes without decoding them
-            out = coded_decode_attention(query, keys, values, coded, mask, scaling)
-            if out is not None:
-                return out
-        return dense_attention(query, keys, values, mask, scaling, softcap)
+        # a decoding step may read integer codes as stored (attention.decode_attention)
+        return dense_attention(query, keys, values, mask, scaling, softcap,
+                               integer_rows(self.codec, self.keys, self.values))
 
     def kept_positions(self, prefill_len: int) -> torch.Tensor:
         if self.positions is not None:
