@@ -288,21 +288,24 @@ def decode_figures(model: PreTrainedModel, stats: dict, times: list[float], pref
     return dict(
         prefill_s=prefill_ms / 1000,
         compress_share=stats["compress_s"] / (prefill_ms / 1000),
-        decode_ms_per_token=decode_ms,
-        tokens_per_s=batch * 1000 / decode_ms,
+        **step_figures(decode_ms, batch, read, bandwidth),
         kv_device_bytes=stats["device_bytes"],
         kv_full_bytes=stats["kv_bytes_full"],
         offloaded_bytes=stats["offloaded_bytes"],
         peak_bytes=_peak_bytes(model.device),
         held_bytes=weight_bytes(model) + stats["device_bytes"],
         bytes_read_per_step=read,
-        achieved_bandwidth=read / (decode_ms / 1000),
-        bandwidth_fraction=read / (decode_ms / 1000) / bandwidth,
         bound_ms_per_token=read / bandwidth * 1000,
         ops_per_step=audit.total,
         host_reads_per_step=sum(audit.host_reads.values()),
         sdpa=attention.sdpa_choices(),
     )
+
+
+def step_figures(decode_ms: float, batch: int, read: int, bandwidth: float) -> dict:
+    """What follows from a decoding step's time: tokens per second, and the bandwidth its ``read`` bytes took."""
+    return dict(decode_ms_per_token=decode_ms, tokens_per_s=batch * 1000 / decode_ms,
+                achieved_bandwidth=read / (decode_ms / 1000), bandwidth_fraction=read / (decode_ms / 1000) / bandwidth)
 
 
 def timed_steps(runner: StepRunner, timer: Timer, run: int, wanted: int) -> list[float]:
@@ -582,10 +585,8 @@ def with_repeats(rows: list[dict], bandwidth: float) -> dict:
     times = [r["decode_ms_per_token"] for r in rows if r["status"] == "ok"]
     if len(rows) == 1 or len(times) < len(rows):
         return row
-    decode_ms = statistics.median(times)
-    read = row["bytes_read_per_step"]
-    row.update(decode_ms_runs=times, decode_ms_per_token=decode_ms, tokens_per_s=row["batch"] * 1000 / decode_ms,
-               achieved_bandwidth=read / (decode_ms / 1000), bandwidth_fraction=read / (decode_ms / 1000) / bandwidth)
+    row.update(decode_ms_runs=times,
+               **step_figures(statistics.median(times), row["batch"], row["bytes_read_per_step"], bandwidth))
     return row
 
 
