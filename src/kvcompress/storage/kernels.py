@@ -80,6 +80,16 @@ def gather_chunks_triton(store: torch.Tensor, chunks: torch.Tensor, previous_chu
 
 
 @triton.jit
+def _product(a, b, PRECISE: tl.constexpr):
+    """``tl.dot``; with ``PRECISE`` (float32 operands of a float32 model) in IEEE float32, not the TF32 NVIDIA GPUs
+    default to, whose 10-bit products moved ShadowKV's rebuilt keys by ~1e-3 against the CPU (11-26/27 GPU runs).
+    16-bit operands are exact in TF32."""
+    if PRECISE:
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
 def _rotated_keys_kernel(
     factor_a, factor_b, chunks, inv_freq, out, heads, region, k, scale, RANK: tl.constexpr, UNIT: tl.constexpr,
     DIM: tl.constexpr, HALF_ROT: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -109,12 +119,8 @@ def _rotated_keys_kernel(
         b = tl.load(b_row + d[None, :], mask=(r[:, None] < RANK) & (d[None, :] < DIM), other=0.0)
         b_turned = tl.load(b_row + partner[None, :], mask=(r[:, None] < RANK) & (d[None, :] < DIM),
                            other=0.0) * sign[None, :]
-        if PRECISE:  # float32 factors: TF32's 10-bit products would move the keys by ~1e-3 (11-26/27 GPU runs)
-            plain += tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-            turned += tl.dot(a.to(tl.float32), b_turned.to(tl.float32), input_precision="ieee")
-        else:  # 16-bit factors are exact in TF32
-            plain += tl.dot(a.to(tl.float32), b.to(tl.float32))
-            turned += tl.dot(a.to(tl.float32), b_turned.to(tl.float32))
+        plain += _product(a.to(tl.float32), b.to(tl.float32), PRECISE)
+        turned += _product(a.to(tl.float32), b_turned.to(tl.float32), PRECISE)
     freq = tl.load(inv_freq + d % HALF_ROT, mask=rotated, other=0.0)
     # the model's float32 angle, as its rotary computes it
     angle = (tokens[:, None].to(tl.float32) * freq[None, :]).to(tl.float64)
@@ -204,10 +210,7 @@ def _decode_attention_kernel(
             inside = inside & (tl.load(visible + batch * m_batch + head * m_head + n, mask=inside, other=0) != 0)
         k = _stored_rows(keys, key_meta, batch * k_batch + head * k_head, n * k_slot, inside, d, DIM, KEY_BITS,
                          QUANT_GROUP, dtype)
-        if PRECISE:  # float32 models: no TF32 rounding of the products
-            logits = tl.dot(q, tl.trans(k), input_precision="ieee") * scaling
-        else:
-            logits = tl.dot(q, tl.trans(k)) * scaling
+        logits = _product(q, tl.trans(k), PRECISE) * scaling
         logits = tl.where(inside[None, :], logits, float("-inf"))
         newest = tl.maximum(best, tl.max(logits, axis=1))
         shift = tl.where(newest == float("-inf"), 0.0, newest)  # no slot seen yet: nothing to rescale
@@ -216,10 +219,7 @@ def _decode_attention_kernel(
         total = total * rescale + tl.sum(weights, axis=1)
         v = _stored_rows(values, value_meta, batch * v_batch + head * v_head, n * v_slot, inside, d, DIM,
                          VALUE_BITS, QUANT_GROUP, dtype)
-        if PRECISE:
-            acc = acc * rescale[:, None] + tl.dot(weights.to(dtype), v, input_precision="ieee")
-        else:
-            acc = acc * rescale[:, None] + tl.dot(weights.to(dtype), v)
+        acc = acc * rescale[:, None] + _product(weights.to(dtype), v, PRECISE)
         best = newest
     seen = total > 0
     part = (row * splits + split) * BLOCK_G + g

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import importlib.util
 from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any, TypeVar
@@ -22,11 +21,10 @@ from typing import Any, TypeVar
 import torch
 
 from .codec import Codec, from_spec
-from .ops import fused
+from .ops import TRITON, fused  # with Triton, ops.fused runs the gather's kernel on CUDA
 from .tensors import chunk_tokens, gather_tokens, to_host
 
 T = TypeVar("T")
-TRITON = importlib.util.find_spec("triton") is not None  # ops.fused runs the Triton gather on CUDA
 
 
 def zero_copy_view(host: torch.Tensor, device: torch.device) -> torch.Tensor | None:

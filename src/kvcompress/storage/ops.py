@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 _everywhere = False  # the Triton kernels on every device (tests, through Triton's interpreter)
+TRITON = importlib.util.find_spec("triton") is not None  # installed: the fused ops run their kernels on CUDA
 
 
 @contextlib.contextmanager
@@ -34,7 +35,7 @@ def triton_everywhere() -> Iterator[None]:
 
 def runs_triton(device_type: str) -> bool:
     """Whether the fused ops run their Triton kernels for tensors on ``device_type``."""
-    return _everywhere or (device_type == "cuda" and importlib.util.find_spec("triton") is not None)
+    return _everywhere or (device_type == "cuda" and TRITON)
 
 
 def triton_kernel(name: str) -> Callable:
@@ -57,7 +58,7 @@ def fused(name: str, mutates_args: tuple[str, ...], fake: Callable) -> Callable[
         anywhere.__signature__ = inspect.signature(implementation, eval_str=True)  # type: ignore[attr-defined]
         op = torch.library.custom_op(f"kvcompress::{name}", anywhere, mutates_args=mutates_args)
         op.register_fake(fake)
-        if importlib.util.find_spec("triton") is not None:
+        if TRITON:
             op.register_kernel("cuda", lambda *args, **kwargs: triton_kernel(f"{name}_triton")(*args, **kwargs))
         return op
 
