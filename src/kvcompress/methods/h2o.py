@@ -136,6 +136,8 @@ class H2OLayer(EvictionLayer):
     slots, tokens of rows that finished) score lowest, and ties are broken by slot order, so every
     KV head of a row evicts the same padding slots and slot validity stays per row."""
 
+    READS_CODES = False  # a step computes its own attention weights (attend) from decoded keys
+
     method: H2O
     slots: CappedSlots
     next_position: torch.Tensor | None = hold(rows=True)  # [batch]: the position of each row's next token

@@ -76,6 +76,7 @@ class SparseDecodeLayer(KVLayer):
     method: SparseMethod
     slots: DenseSlots
     TURNS_CODES = False  # a step's front slots take keys gathered or rebuilt in the model's basis
+    READS_CODES = False  # and are written into the decoded view
     store: ChunkStore | None = hold(rows=True, kind=ChunkStore)  # region chunks [b, h, n, unit, d'] (stored_chunks)
     selectable: torch.Tensor | None = hold(rows=True, counted=True)  # [b, h, n]: chunk may be selected
     unselectable: torch.Tensor | None = hold(rows=True, counted=True)  # ~selectable, kept for the step

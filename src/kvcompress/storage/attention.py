@@ -33,6 +33,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from .codec import make_codec
+from .cpu_kernels import cpu_kernel, has_cpu_kernel
 from .ops import fused, runs_triton
 
 # keys of the probe a phase's kernels are timed on (a prefill's probe: a quarter, its cost is quadratic)
@@ -272,7 +273,11 @@ def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     query heads stacked as rows) over ``keys``/``values [b, kv_heads, s, ...]`` as a storage holds them: at the
     model's precision (bits 0) or as rows of an 8- or 4-bit ``codec.IntCodec`` (``key_bits``, ``value_bits``);
     ``visible [b, 1 | kv_heads, 1, s]`` bool (None: every slot). On CUDA one Triton kernel, split along the slots,
-    reads the rows as they are (``kernels.decode_attention_triton``); here they are decoded first."""
+    reads the rows as they are (``kernels.decode_attention_triton``); on a CPU, coded rows are read as they are by
+    ``cpu_kernels``' kernel where it is built; otherwise they are decoded first."""
+    kernel = cpu_kernel() if query.is_cpu and key_bits and value_bits else None
+    if kernel is not None:
+        return kernel.coded_decode_attention(query, keys, values, visible, scaling, key_bits, value_bits)
     dim = query.shape[-1]
     keys, values = (rows if bits == 0 else make_codec(f"int{bits}", dim, query.dtype).decode(rows)
                     for rows, bits in ((keys, key_bits), (values, value_bits)))
@@ -290,7 +295,8 @@ def dense_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     query). ``softcap`` (Gemma 2): logits become ``softcap * tanh(logits / softcap)`` before the softmax.
     ``coded``: the same slots as stored, integer-coded rows and their key and value bits
     (``codec.integer_rows``), which a decoding step reads without decoding where ``decode_attention``'s kernel is
-    the one chosen (``keys``/``values``, decoded, are what the choice is made on)."""
+    the one chosen, or on a CPU where its kernel is built (``keys``/``values``: what the choice is made on, decoded,
+    or the same rows where the caller did not decode them: ``reads_codes``)."""
     batch, q_heads, q_len, dim = query.shape
     kv_heads, seq = keys.shape[1], keys.shape[-2]
     if mask is None and 1 < q_len and (q_len != seq or softcap is not None):
@@ -316,14 +322,20 @@ def dense_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     if q_len == 1 or (mask is not None and mask.shape[1] > 1):
         mask = None if mask is None else group_mask(mask, q_heads // kv_heads)
         stacked = stack_groups(query, kv_heads)
-        if coded is not None and phase == "decode" and choose_backends(phase, stacked, keys, mask, False,
-                                                                        False)[0] == "triton":
+        if coded is not None and phase == "decode" and (
+                reads_codes(query) or choose_backends(phase, stacked, keys, mask, False, False)[0] == "triton"):
             out = decode_attention(stacked, *coded[:2], mask, scaling, *coded[2:])
         else:
             out = sdpa(phase, stacked, keys, values, mask, scaling)
         # a fused kernel's output may be laid out [b, group * q, kv_heads, d] (CUDA's efficient kernel): no view
         return out.reshape(batch, q_heads, q_len, dim)
     return sdpa(phase, query, keys, values, mask, scaling, is_causal=mask is None, enable_gqa=q_heads != kv_heads)
+
+
+def reads_codes(query: torch.Tensor) -> bool:
+    """Whether a decoding step on ``query``'s device reads integer-coded slots without decoding them whatever the
+    kernel choice: on a CPU where ``cpu_kernels``' kernel is built (decoding first is never faster there)."""
+    return query.is_cpu and has_cpu_kernel()
 
 
 def attention_with_lse(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,

@@ -249,6 +249,13 @@ def decoded_pair(codec: KVCodec | None, keys: torch.Tensor,
     return (keys, values) if codec is None else (codec.keys.decode(keys), codec.values.decode(values))
 
 
+def attended_pair(codec: KVCodec | None, keys: torch.Tensor,
+                  values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A step's keys and values for an attention that does not read codes: decoded where they are still coded rows
+    (``Slots.reads_codes``: a layer's update may hand its rows on undecoded), as they are otherwise."""
+    return decoded_pair(codec, keys, values) if keys.dtype == torch.uint8 and codec is not None else (keys, values)
+
+
 def restored_pair(codec: KVCodec | None, keys: torch.Tensor,
                   values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Stored keys and values as the model computed them (up to rounding: a later prompt continuing them)."""

@@ -27,8 +27,17 @@ from typing import Any, ClassVar, NamedTuple, cast
 
 import torch
 
-from .attention import causal_slot_mask, dense_attention
-from .codec import KVCodec, decoded_pair, encoded_pair, integer_rows, kv_from_spec, restored_pair, token_bytes
+from .attention import causal_slot_mask, dense_attention, reads_codes
+from .codec import (
+    KVCodec,
+    attended_pair,
+    decoded_pair,
+    encoded_pair,
+    integer_rows,
+    kv_from_spec,
+    restored_pair,
+    token_bytes,
+)
 from .tensors import gather_rows, gather_tokens, nbytes, prompt_positions
 
 
@@ -92,6 +101,11 @@ class Slots:
     def encode_with(self, codec: KVCodec) -> None:
         """Store the held tokens, and every later one, with ``codec`` (codec.py)."""
         raise NotImplementedError
+
+    def reads_codes(self, new_keys: torch.Tensor) -> bool:
+        """Whether ``attend`` reads this step's slots as stored, so a step of ``new_keys`` may hand the coded rows
+        on instead of decoding them (``view(decoded=False)``). Default: no."""
+        return False
 
     def make_room(self, new: int) -> None:
         """Room for a step of ``new`` tokens (the buffers move only when the room runs out)."""
@@ -180,6 +194,11 @@ class DenseSlots(Slots):
     def encode_with(self, codec: KVCodec) -> None:
         self.codec = codec
         self.keys, self.values = encoded_pair(codec, self.keys, self.values)
+
+    def reads_codes(self, new_keys: torch.Tensor) -> bool:
+        # a decoding step over integer codes on a CPU with its kernel (attention.reads_codes)
+        return (new_keys.shape[-2] == 1 and integer_rows(self.codec, self.keys, self.values) is not None
+                and reads_codes(new_keys))
 
     # --- the prompt ---------------------------------------------------------------------------------
 
@@ -282,6 +301,8 @@ class DenseSlots(Slots):
         softcap: float | None = None,
     ) -> torch.Tensor:
         # a decoding step may read integer codes as stored (attention.decode_attention)
+        if softcap is not None:  # soft-capped logits are spelled out from decoded keys
+            keys, values = attended_pair(self.codec, keys, values)
         return dense_attention(query, keys, values, mask, scaling, softcap,
                                integer_rows(self.codec, self.keys, self.values))
 

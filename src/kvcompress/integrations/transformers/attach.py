@@ -37,7 +37,7 @@ from ...cache.layer import KVLayer, WindowLayer, take_announced
 from ...cache.tokens import TokenSpans, spans_for
 from ...storage import attention
 from ...storage.attention import dense_attention
-from ...storage.codec import into_basis, out_of_basis
+from ...storage.codec import attended_pair, into_basis, out_of_basis
 from . import longprompt
 from .longprompt import LazyMask, block_prefills, chunk_mlps, lazy_sdpa_mask
 
@@ -405,6 +405,7 @@ def kvcompress_attention(
         turned = into_basis(layer.slots.codec, query)  # coded slots may be read in a turned basis (storage/codec.py)
         # the layer attends its slots (Method.attends_slots): the same attention, and its normaliser
         if sinks is not None:
+            key, value = attended_pair(layer.slots.codec, key, value)
             out = attention.with_sinks(*attention.spelled_out_with_lse(turned, key, value, mask, scaling, softcap),
                                        sinks)
         else:

@@ -1,0 +1,225 @@
+// A decoding step's attention over 8- or 4-bit coded slots on a CPU, reading the codes as they are
+// (cpu_kernels.py builds it; attention.decode_attention calls it). The same math as decoding every row
+// (codec.IntCodec) and attending: per group of channels, q.k = scale * q.codes + minimum * sum(q) and
+// sum_j p_j v_j = sum_j (p_j scale_j) codes_j + sum_j p_j minimum_j, so nothing decoded is written to memory.
+// Work is split along the slots (flash-decoding): each task keeps a softmax over its slice, and the slices
+// are weighed by their maxima and sums at the end. A row: codes (4 bits: channel 2i in byte i's low nibble,
+// 2i + 1 in its high one), then every group's float16 scale, then every group's float16 minimum.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kSliceSlots = 128;     // slots of one task
+constexpr int64_t kSlotsPerThread = 2048;  // fewer slots than this run on one thread (a parallel region costs)
+constexpr float kNone = -std::numeric_limits<float>::infinity();
+
+inline float half_at(const uint8_t* bytes) {
+  const uint16_t bits = static_cast<uint16_t>(bytes[0]) | static_cast<uint16_t>(bytes[1]) << 8;
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+}
+
+// A row's codes as floats; 4 bits: each group's even channels, then its odd ones (queries are laid out alike).
+template <int BITS>
+inline __attribute__((always_inline)) void unpack(float* out, const uint8_t* codes, int64_t dim, int64_t group) {
+  if (BITS == 8) {
+#pragma omp simd
+    for (int64_t c = 0; c < dim; ++c) out[c] = static_cast<float>(codes[c]);
+    return;
+  }
+  const int64_t half = group / 2;
+  for (int64_t start = 0; start < dim; start += group) {
+    const uint8_t* bytes = codes + start / 2;
+#pragma omp simd
+    for (int64_t i = 0; i < half; ++i) {
+      out[start + i] = static_cast<float>(bytes[i] & 15);
+      out[start + half + i] = static_cast<float>(bytes[i] >> 4);
+    }
+  }
+}
+
+inline __attribute__((always_inline)) float dot(const float* a, const float* b, int64_t n) {
+  float total = 0.f;
+#pragma omp simd reduction(+ : total)
+  for (int64_t i = 0; i < n; ++i) total += a[i] * b[i];
+  return total;
+}
+
+// Channel c of a group as unpack<BITS> places it.
+inline int64_t unpacked_at(int bits, int64_t c, int64_t group) {
+  return bits == 4 ? (c % 2 ? group / 2 + c / 2 : c / 2) : c;
+}
+
+struct Shape {
+  int64_t heads, rows, slots, dim, group, key_row, value_row, visible_heads;
+  float scaling;
+};
+
+// One slice of one (row of the batch, KV head): its softmax's maximum and sum per query row, and its unnormalised
+// output (in the model's channel order).
+template <int KB, int VB, int64_t G>
+void slice(const Shape& s, const float* query, const uint8_t* keys, const uint8_t* values, const bool* seen,
+           int64_t first, int64_t last, float* peak, float* total, float* out) {
+  const int64_t group = G > 0 ? G : s.group, groups = s.dim / group, rows = s.rows, dim = s.dim;
+  const int64_t key_codes = dim * KB / 8, value_codes = dim * VB / 8, span = last - first;
+  std::vector<float> q(rows * dim), q_sums(rows * groups), weights(rows * span), acc(rows * dim, 0.f),
+      base(rows * groups, 0.f), unpacked(dim), scales(groups), lows(groups);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t g = 0; g < groups; ++g) {
+      float sum = 0.f;
+      for (int64_t c = 0; c < group; ++c) {
+        const float value = query[r * dim + g * group + c] * s.scaling;
+        q[r * dim + g * group + unpacked_at(KB, c, group)] = value;
+        sum += value;
+      }
+      q_sums[r * groups + g] = sum;
+    }
+  std::fill(peak, peak + rows, kNone);
+  auto row_meta = [&](const uint8_t* row, int64_t codes) {
+    for (int64_t g = 0; g < groups; ++g) {
+      scales[g] = half_at(row + codes + 2 * g);
+      lows[g] = half_at(row + codes + 2 * (groups + g));
+    }
+  };
+  for (int64_t j = first; j < last; ++j) {
+    float* logit = weights.data() + (j - first);
+    if (seen && !seen[j]) {
+      for (int64_t r = 0; r < rows; ++r) logit[r * span] = kNone;
+      continue;
+    }
+    const uint8_t* row = keys + j * s.key_row;
+    unpack<KB>(unpacked.data(), row, dim, group);
+    row_meta(row, key_codes);
+    for (int64_t r = 0; r < rows; ++r) {
+      float value = 0.f;
+      for (int64_t g = 0; g < groups; ++g)
+        value += scales[g] * dot(q.data() + r * dim + g * group, unpacked.data() + g * group, group) +
+                 lows[g] * q_sums[r * groups + g];
+      logit[r * span] = value;
+      peak[r] = std::max(peak[r], value);
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    float* w = weights.data() + r * span;
+    const float top = peak[r] == kNone ? 0.f : peak[r];
+    float sum = 0.f;
+    for (int64_t j = 0; j < span; ++j) {
+      w[j] = std::exp(w[j] - top);
+      sum += w[j];
+    }
+    total[r] = sum;
+  }
+  for (int64_t j = first; j < last; ++j) {
+    if (seen && !seen[j]) continue;
+    const uint8_t* row = values + j * s.value_row;
+    unpack<VB>(unpacked.data(), row, dim, group);
+    row_meta(row, value_codes);
+    for (int64_t r = 0; r < rows; ++r) {
+      const float weight = weights[r * span + (j - first)];
+      for (int64_t g = 0; g < groups; ++g) {
+        const float scaled = weight * scales[g];
+        float* into = acc.data() + r * dim + g * group;
+        const float* from = unpacked.data() + g * group;
+#pragma omp simd
+        for (int64_t c = 0; c < group; ++c) into[c] += scaled * from[c];
+        base[r * groups + g] += weight * lows[g];
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t g = 0; g < groups; ++g)
+      for (int64_t c = 0; c < group; ++c)
+        out[r * dim + g * group + c] = acc[r * dim + g * group + unpacked_at(VB, c, group)] + base[r * groups + g];
+}
+
+template <int KB, int VB, int64_t G>
+void attend(const Shape& s, int64_t batch, const float* query, const uint8_t* keys, const uint8_t* values,
+            const bool* visible, float* out) {
+  const int64_t splits = (s.slots + kSliceSlots - 1) / kSliceSlots, tasks = batch * s.heads * splits;
+  const int64_t rows = s.rows, dim = s.dim;
+  std::vector<float> peaks(tasks * rows), totals(tasks * rows), parts(tasks * rows * dim);
+  const int64_t grain = std::max<int64_t>(1, kSlotsPerThread / kSliceSlots);
+  at::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t split = task % splits, bh = task / splits, b = bh / s.heads, h = bh % s.heads;
+      const bool* seen =
+          visible ? visible + (b * s.visible_heads + (s.visible_heads > 1 ? h : 0)) * s.slots : nullptr;
+      slice<KB, VB, G>(s, query + bh * rows * dim, keys + bh * s.slots * s.key_row, values + bh * s.slots * s.value_row,
+                       seen, split * kSliceSlots, std::min(s.slots, (split + 1) * kSliceSlots), &peaks[task * rows],
+                       &totals[task * rows], &parts[task * rows * dim]);
+    }
+  });
+  at::parallel_for(0, batch * s.heads * rows, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t bh = i / rows, r = i % rows;
+      float top = kNone, sum = 0.f;
+      for (int64_t k = 0; k < splits; ++k) top = std::max(top, peaks[(bh * splits + k) * rows + r]);
+      float* into = out + i * dim;
+      std::fill(into, into + dim, 0.f);
+      if (top == kNone) continue;  // no visible slot: zeros
+      for (int64_t k = 0; k < splits; ++k) {
+        const int64_t at = (bh * splits + k) * rows + r;
+        if (peaks[at] == kNone) continue;
+        const float weight = std::exp(peaks[at] - top);
+        sum += weight * totals[at];
+        for (int64_t c = 0; c < dim; ++c) into[c] += weight * parts[at * dim + c];
+      }
+      for (int64_t c = 0; c < dim; ++c) into[c] /= sum;
+    }
+  });
+}
+
+template <int KB, int VB>
+void dispatch_group(const Shape& s, int64_t batch, const float* q, const uint8_t* k, const uint8_t* v,
+                    const bool* visible, float* out) {
+  if (s.group == 64)
+    attend<KB, VB, 64>(s, batch, q, k, v, visible, out);
+  else
+    attend<KB, VB, 0>(s, batch, q, k, v, visible, out);
+}
+
+}  // namespace
+
+// query [b, kv_heads, rows, d] (a GQA group's queries stacked as rows); keys / values [b, kv_heads, slots, bytes]
+// uint8 rows; visible [b, 1 | kv_heads, 1, slots] bool or None. Returns [b, kv_heads, rows, d] in query's dtype.
+torch::Tensor coded_decode_attention(torch::Tensor query, torch::Tensor keys, torch::Tensor values,
+                                     c10::optional<torch::Tensor> visible, double scaling, int64_t key_bits,
+                                     int64_t value_bits) {
+  TORCH_CHECK(query.dim() == 4 && keys.dim() == 4 && values.dim() == 4, "query, keys and values must be 4-D");
+  TORCH_CHECK(keys.scalar_type() == torch::kUInt8 && values.scalar_type() == torch::kUInt8, "rows must be uint8");
+  TORCH_CHECK((key_bits == 4 || key_bits == 8) && (value_bits == 4 || value_bits == 8), "bits must be 4 or 8");
+  auto q = query.to(torch::kFloat32).contiguous();
+  auto k = keys.contiguous(), v = values.contiguous();
+  const int64_t batch = q.size(0), dim = q.size(3), slots = k.size(2);
+  const int64_t group = std::gcd<int64_t>(dim, 64);
+  Shape shape{q.size(1), q.size(2), slots, dim, group, k.size(3), v.size(3), 1, static_cast<float>(scaling)};
+  TORCH_CHECK(k.size(3) == dim * key_bits / 8 + 4 * (dim / group), "key rows do not match the head size");
+  TORCH_CHECK(v.size(3) == dim * value_bits / 8 + 4 * (dim / group), "value rows do not match the head size");
+  torch::Tensor seen;
+  const bool* seen_ptr = nullptr;
+  if (visible.has_value()) {
+    seen = visible->to(torch::kBool).expand({batch, visible->size(1), 1, slots}).contiguous();
+    seen_ptr = seen.data_ptr<bool>();
+    shape.visible_heads = seen.size(1);
+  }
+  auto out = torch::empty_like(q);
+  const float* qp = q.data_ptr<float>();
+  const uint8_t *kp = k.data_ptr<uint8_t>(), *vp = v.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  if (key_bits == 4 && value_bits == 4)
+    dispatch_group<4, 4>(shape, batch, qp, kp, vp, seen_ptr, op);
+  else if (key_bits == 8 && value_bits == 4)
+    dispatch_group<8, 4>(shape, batch, qp, kp, vp, seen_ptr, op);
+  else if (key_bits == 4 && value_bits == 8)
+    dispatch_group<4, 8>(shape, batch, qp, kp, vp, seen_ptr, op);
+  else
+    dispatch_group<8, 8>(shape, batch, qp, kp, vp, seen_ptr, op);
+  return out.to(query.scalar_type());
+}

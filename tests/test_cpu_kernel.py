@@ -1,0 +1,93 @@
+"""The CPU kernel of a decoding step over 8- and 4-bit coded slots (``storage/cpu_kernels.py``): against attention
+written out in float64 over the decoded slots, inside a model against the same steps decoding first, and the step
+handing its coded rows on without decoding them."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+import kvcompress as kvc
+from kvcompress.storage import attention, codec, cpu_kernels
+
+from .fixtures import CACHE, tiny_model
+from .test_decode_kernel import case, reference
+
+pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler to build the kernel with")
+
+
+@pytest.fixture
+def kernel_off(monkeypatch):
+    """Within the test: the kernel turned off (``KVCOMPRESS_CPU_KERNEL=0``), coded slots decoded first."""
+
+    def turn_off() -> None:
+        monkeypatch.setenv("KVCOMPRESS_CPU_KERNEL", "0")
+        cpu_kernels.cpu_kernel.cache_clear()
+
+    yield turn_off
+    monkeypatch.delenv("KVCOMPRESS_CPU_KERNEL", raising=False)
+    cpu_kernels.cpu_kernel.cache_clear()
+
+
+def test_the_kernel_builds_here():
+    assert cpu_kernels.cpu_kernel() is not None and attention.reads_codes(torch.zeros(1))
+
+
+@pytest.mark.parametrize(("key_bits", "value_bits"), [(8, 8), (4, 4), (8, 4), (4, 8)])
+@pytest.mark.parametrize(("dim", "seq"), [(64, 1100), (128, 129), (96, 3000), (16, 1), (80, 300)])
+def test_the_kernel_matches_attention_over_the_decoded_slots(key_bits, value_bits, dim, seq):
+    """Heads of one or several channel groups (16, 80: groups of 16; 96: of 32), slices of the split that see
+    nothing, one slot, per-head and shared masks, float32 and bfloat16 queries."""
+    kernel = cpu_kernels.cpu_kernel()
+    for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        for batch, heads, rows, per_head in ((2, 3, 3, False), (1, 2, 4, True)):
+            query, keys, values, visible = case(batch, heads, rows, seq, dim, key_bits, value_bits, dtype, per_head)
+            out = kernel.coded_decode_attention(query, keys, values, visible, dim**-0.5, key_bits, value_bits)
+            expected = reference(query, keys, values, visible, dim**-0.5, key_bits, value_bits)
+            assert out.dtype == dtype and out.shape == query.shape
+            torch.testing.assert_close(out.double(), expected, rtol=tolerance, atol=tolerance)
+    unmasked = case(1, 2, 2, 500, dim, key_bits, value_bits, torch.float32, False)[:3]
+    torch.testing.assert_close(
+        kernel.coded_decode_attention(*unmasked, None, 0.1, key_bits, value_bits).double(),
+        reference(*unmasked, None, 0.1, key_bits, value_bits), rtol=1e-5, atol=1e-5)
+
+
+def test_rows_that_do_not_match_the_head_are_refused():
+    query, keys, values, visible = case(1, 2, 2, 50, 64, 4, 4, torch.float32, False)
+    with pytest.raises(RuntimeError, match="key rows do not match the head size"):
+        cpu_kernels.cpu_kernel().coded_decode_attention(query, keys, values, visible, 0.1, 8, 4)
+
+
+def decode_logits(model, method, prompt, steps):
+    """The logits of each decoding step after ``prompt`` (one forward each), through ``method``'s cache."""
+    cache = method.make_cache(model)
+    with torch.no_grad():
+        model(prompt, **{CACHE: cache})
+        return torch.cat([model(steps[:, t : t + 1], **{CACHE: cache}).logits for t in range(steps.shape[1])], 1)
+
+
+def test_a_decoding_step_reads_the_codes_and_decodes_nothing(monkeypatch, kernel_off):
+    """A batch of two prompts decoded through SnapKV's coded slots: the logits of the same steps with
+    every slot decoded first (the kernel off), and not one row decoded while the kernel is on."""
+    model = tiny_model()
+    gen = torch.Generator().manual_seed(3)
+    prompt, steps = torch.randint(3, 128, (2, 300), generator=gen), torch.randint(3, 128, (2, 6), generator=gen)
+    decoded_rows = []
+    plain_decode = codec.IntCodec.decode
+
+    def counted(self, rows):
+        decoded_rows.append(rows.shape)
+        return plain_decode(self, rows)
+
+    monkeypatch.setattr(codec.IntCodec, "decode", counted)
+    methods = (kvc.SnapKV(budget=48, kv_bits=4, clustering="pool"),
+               kvc.SnapKV(budget=48, kv_bits=4, key_bits=8, clustering="pool"), kvc.FullKV(kv_bits=8),
+               kvc.StreamingLLM(budget=64, kv_bits=4))
+    read = [decode_logits(model, method, prompt, steps) for method in methods]
+    assert decoded_rows == []
+    kernel_off()
+    for method, logits in zip(methods, read):
+        torch.testing.assert_close(logits, decode_logits(model, method, prompt, steps), rtol=1e-4, atol=1e-4)
+    assert decoded_rows  # the same steps, decoding first
