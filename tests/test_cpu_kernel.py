@@ -91,3 +91,26 @@ def test_a_decoding_step_reads_the_codes_and_decodes_nothing(monkeypatch, kernel
     for method, logits in zip(methods, read):
         torch.testing.assert_close(logits, decode_logits(model, method, prompt, steps), rtol=1e-4, atol=1e-4)
     assert decoded_rows  # the same steps, decoding first
+
+
+def test_a_kernel_that_does_not_build_warns_in_one_line_and_rows_are_decoded_first(monkeypatch):
+    from torch.utils import cpp_extension
+
+    def no_ninja(*args, **kwargs):
+        raise RuntimeError("Ninja is required to load C++ extensions\n(a second line of detail)")
+
+    monkeypatch.setattr(cpp_extension, "load_inline", no_ninja)
+    cpu_kernels.cpu_kernel.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match=r"^kvcompress: the CPU decoding kernel did not build here \(Ninja is "
+                                             r"required to load C\+\+ extensions\); coded slots are decoded"):
+            assert cpu_kernels.cpu_kernel() is None
+        assert not attention.reads_codes(torch.zeros(1))
+        for key_bits, value_bits in ((4, 4), (8, 4)):
+            args = case(2, 3, 3, 333, 64, key_bits, value_bits, torch.float32, per_head=True)
+            out = attention.decode_attention(*args, 0.125, key_bits, value_bits)
+            torch.testing.assert_close(out.double(), reference(*args, 0.125, key_bits, value_bits), rtol=1e-5,
+                                       atol=1e-5)
+    finally:
+        monkeypatch.undo()
+        cpu_kernels.cpu_kernel.cache_clear()

@@ -94,8 +94,7 @@ class KVLayer(DynamicLayer):
     sinks: torch.Tensor | None = hold(saved=False)  # [q_heads]: learned sink logits (gpt-oss), set by make_cache
     LAYOUTS: ClassVar[tuple[type[Slots], ...]] = ()  # storage a subclass may swap its slots for (saved under NAME)
     TURNS_CODES: ClassVar[bool] = True  # integer codes of Hadamard-turned vectors (storage/codec.py)
-    # decoding steps attend through ``slots.attend``, which may read coded slots as stored (Slots.reads_codes)
-    READS_CODES: ClassVar[bool] = True
+    READS_CODES: ClassVar[bool] = True  # steps attend through slots.attend, which may read codes (Slots.reads_codes)
 
     # The storage as the layer's callers read it (SlotView: keys/values as attention gets them, validity, ...).
     keys = property(lambda self: self.slots.view().keys, _refuse_replacing("keys"))
@@ -138,7 +137,6 @@ class KVLayer(DynamicLayer):
                 self.prepare_step(key_states.shape[-2])
                 self.slots.make_room(key_states.shape[-2])
             self.slots.write(key_states, value_states)
-            # decoded once (a coded storage's keys and values), unless the attention reads the codes as stored
             keys, values = self.slots.view(decoded=not (self.READS_CODES and self.slots.reads_codes(key_states)))[:2]
         elif self.phase is Phase.OBSERVING:
             keys, values = self.observation.take((self.keys, self.values), key_states, value_states)

@@ -14,7 +14,8 @@ cache's length changes with every call (measured on an H100: 1.6 ms of host time
 with Triton, ``decode`` has one more candidate, ``triton``: ``decode_attention``, split along the slots
 (SDPA's fused kernels give each head's whole cache to one program), which also reads 8- and 4-bit
 coded slots without decoding them first. A decoding probe has as many keys as the cache (rounded up to
-a power of two, at most ``DECODE_PROBE_TOKENS``): which kernel wins depends on the length.
+a power of two, at most ``DECODE_PROBE_TOKENS``): which kernel wins depends on the length. On a CPU, 8- and
+4-bit coded slots are always read as stored by ``cpu_kernels``' kernel where it is built (``reads_codes``).
 """
 
 from __future__ import annotations

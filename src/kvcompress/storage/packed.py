@@ -100,6 +100,9 @@ class PackedSlots(Slots):
     def used(self) -> int:  # type: ignore[override]  # the longest segment: computed, never set
         return max(map(max, self.lengths))
 
+    def reads_codes(self, new_keys: torch.Tensor) -> bool:
+        return False  # a step attends segments rebuilt per head from decoded rows (attend)
+
     def view(self, decoded: bool = True) -> SlotView:
         return SlotView(self.none, self.none, None, None, None)
 

@@ -104,8 +104,8 @@ class Slots:
 
     def reads_codes(self, new_keys: torch.Tensor) -> bool:
         """Whether ``attend`` reads this step's slots as stored, so a step of ``new_keys`` may hand the coded rows
-        on instead of decoding them (``view(decoded=False)``). Default: no."""
-        return False
+        on instead of decoding them (``view(decoded=False)``)."""
+        raise NotImplementedError
 
     def make_room(self, new: int) -> None:
         """Room for a step of ``new`` tokens (the buffers move only when the room runs out)."""
