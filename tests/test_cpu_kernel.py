@@ -38,12 +38,14 @@ def test_the_kernel_builds_here():
 @pytest.mark.parametrize(("key_bits", "value_bits"), [(8, 8), (4, 4), (8, 4), (4, 8)])
 @pytest.mark.parametrize(("dim", "seq"), [(64, 1100), (128, 129), (96, 3000), (16, 1), (80, 300)])
 def test_the_kernel_matches_attention_over_the_decoded_slots(key_bits, value_bits, dim, seq):
-    """Heads of one or several channel groups (16, 80: groups of 16; 96: of 32), slices of the split that see
-    nothing, one slot, per-head and shared masks, float32 and bfloat16 queries."""
+    """Heads of one or several channel groups (16, 80: groups of 16; 96: of 32), stretches of slots that are hidden
+    (the first 300 of one row: blocks that see nothing before blocks that do), one slot, per-head and shared masks,
+    a batch large enough not to be split along the slots, float32 and bfloat16 queries."""
     kernel = cpu_kernels.cpu_kernel()
     for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
-        for batch, heads, rows, per_head in ((2, 3, 3, False), (1, 2, 4, True)):
+        for batch, heads, rows, per_head in ((2, 3, 3, False), (1, 2, 4, True), (8, 4, 2, True)):
             query, keys, values, visible = case(batch, heads, rows, seq, dim, key_bits, value_bits, dtype, per_head)
+            visible[0, ..., : min(300, seq - 1)] = False
             out = kernel.coded_decode_attention(query, keys, values, visible, dim**-0.5, key_bits, value_bits)
             expected = reference(query, keys, values, visible, dim**-0.5, key_bits, value_bits)
             assert out.dtype == dtype and out.shape == query.shape

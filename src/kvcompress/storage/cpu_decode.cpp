@@ -2,9 +2,10 @@
 // (cpu_kernels.py builds it; attention.decode_attention calls it). The same math as decoding every row
 // (codec.IntCodec) and attending: per group of channels, q.k = scale * q.codes + minimum * sum(q) and
 // sum_j p_j v_j = sum_j (p_j scale_j) codes_j + sum_j p_j minimum_j, so nothing decoded is written to memory.
-// Work is split along the slots (flash-decoding): each task keeps a softmax over its slice, and the slices
-// are weighed by their maxima and sums at the end. A row: codes (4 bits: channel 2i in byte i's low nibble,
-// 2i + 1 in its high one), then every group's float16 scale, then every group's float16 minimum.
+// Work is split along the slots (flash-decoding) into enough slices to keep the threads busy: each task keeps an
+// online softmax over its slice, read in blocks, and the slices are weighed by their maxima and sums at the end.
+// A row: codes (4 bits: channel 2i in byte i's low nibble, 2i + 1 in its high one), then every group's float16
+// scale, then every group's float16 minimum.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
@@ -17,8 +18,9 @@
 
 namespace {
 
-constexpr int64_t kSliceSlots = 128;     // slots of one task
-constexpr int64_t kSlotsPerThread = 2048;  // fewer slots than this run on one thread (a parallel region costs)
+constexpr int64_t kBlockSlots = 128;      // slots a task reads at a time (and the shortest slice a task takes)
+constexpr int64_t kTasksPerThread = 8;     // slices enough for this many tasks per thread, no more
+constexpr int64_t kSlotsPerThread = 2048;  // fewer slots (over every head) than this run on one thread
 constexpr float kNone = -std::numeric_limits<float>::infinity();
 
 inline float half_at(const uint8_t* bytes) {
@@ -62,15 +64,17 @@ struct Shape {
   float scaling;
 };
 
-// One slice of one (row of the batch, KV head): its softmax's maximum and sum per query row, and its unnormalised
-// output (in the model's channel order).
+// One slice of one (row of the batch, KV head), read in blocks of kBlockSlots (a block's codes and weights stay in
+// the core's cache) under an online softmax: its maximum and sum per query row, and its unnormalised output (in the
+// model's channel order).
 template <int KB, int VB, int64_t G>
 void slice(const Shape& s, const float* query, const uint8_t* keys, const uint8_t* values, const bool* seen,
            int64_t first, int64_t last, float* peak, float* total, float* out) {
   const int64_t group = G > 0 ? G : s.group, groups = s.dim / group, rows = s.rows, dim = s.dim;
-  const int64_t key_codes = dim * KB / 8, value_codes = dim * VB / 8, span = last - first;
-  std::vector<float> q(rows * dim), q_sums(rows * groups), weights(rows * span), acc(rows * dim, 0.f),
-      base(rows * groups, 0.f), unpacked(dim), scales(groups), lows(groups);
+  const int64_t key_codes = dim * KB / 8, value_codes = dim * VB / 8;
+  std::vector<float> q(rows * dim), q_sums(rows * groups), weights(rows * kBlockSlots), acc(rows * dim, 0.f),
+      base(rows * groups, 0.f), unpacked(dim), scales(groups), lows(groups), block_peak(rows), block_acc(rows * dim),
+      block_base(rows * groups);
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t g = 0; g < groups; ++g) {
       float sum = 0.f;
@@ -82,56 +86,77 @@ void slice(const Shape& s, const float* query, const uint8_t* keys, const uint8_
       q_sums[r * groups + g] = sum;
     }
   std::fill(peak, peak + rows, kNone);
+  std::fill(total, total + rows, 0.f);
   auto row_meta = [&](const uint8_t* row, int64_t codes) {
     for (int64_t g = 0; g < groups; ++g) {
       scales[g] = half_at(row + codes + 2 * g);
       lows[g] = half_at(row + codes + 2 * (groups + g));
     }
   };
-  for (int64_t j = first; j < last; ++j) {
-    float* logit = weights.data() + (j - first);
-    if (seen && !seen[j]) {
-      for (int64_t r = 0; r < rows; ++r) logit[r * span] = kNone;
-      continue;
-    }
-    const uint8_t* row = keys + j * s.key_row;
-    unpack<KB>(unpacked.data(), row, dim, group);
-    row_meta(row, key_codes);
-    for (int64_t r = 0; r < rows; ++r) {
-      float value = 0.f;
-      for (int64_t g = 0; g < groups; ++g)
-        value += scales[g] * dot(q.data() + r * dim + g * group, unpacked.data() + g * group, group) +
-                 lows[g] * q_sums[r * groups + g];
-      logit[r * span] = value;
-      peak[r] = std::max(peak[r], value);
-    }
-  }
-  for (int64_t r = 0; r < rows; ++r) {
-    float* w = weights.data() + r * span;
-    const float top = peak[r] == kNone ? 0.f : peak[r];
-    float sum = 0.f;
-    for (int64_t j = 0; j < span; ++j) {
-      w[j] = std::exp(w[j] - top);
-      sum += w[j];
-    }
-    total[r] = sum;
-  }
-  for (int64_t j = first; j < last; ++j) {
-    if (seen && !seen[j]) continue;
-    const uint8_t* row = values + j * s.value_row;
-    unpack<VB>(unpacked.data(), row, dim, group);
-    row_meta(row, value_codes);
-    for (int64_t r = 0; r < rows; ++r) {
-      const float weight = weights[r * span + (j - first)];
-      for (int64_t g = 0; g < groups; ++g) {
-        const float scaled = weight * scales[g];
-        float* into = acc.data() + r * dim + g * group;
-        const float* from = unpacked.data() + g * group;
-#pragma omp simd
-        for (int64_t c = 0; c < group; ++c) into[c] += scaled * from[c];
-        base[r * groups + g] += weight * lows[g];
+  for (int64_t start = first; start < last; start += kBlockSlots) {
+    const int64_t stop = std::min(last, start + kBlockSlots), span = stop - start;
+    std::fill(block_peak.begin(), block_peak.end(), kNone);
+    for (int64_t j = start; j < stop; ++j) {  // the block's logits
+      float* logit = weights.data() + (j - start);
+      if (seen && !seen[j]) {
+        for (int64_t r = 0; r < rows; ++r) logit[r * kBlockSlots] = kNone;
+        continue;
+      }
+      const uint8_t* row = keys + j * s.key_row;
+      unpack<KB>(unpacked.data(), row, dim, group);
+      row_meta(row, key_codes);
+      for (int64_t r = 0; r < rows; ++r) {
+        float value = 0.f;
+        for (int64_t g = 0; g < groups; ++g)
+          value += scales[g] * dot(q.data() + r * dim + g * group, unpacked.data() + g * group, group) +
+                   lows[g] * q_sums[r * groups + g];
+        logit[r * kBlockSlots] = value;
+        block_peak[r] = std::max(block_peak[r], value);
       }
     }
+    for (int64_t r = 0; r < rows; ++r) {  // weights against the running maximum; what came before rescaled to it
+      float* w = weights.data() + r * kBlockSlots;
+      const float top = std::max(peak[r], block_peak[r]);
+      if (top == kNone) {  // nothing visible yet
+        std::fill(w, w + span, 0.f);
+        continue;
+      }
+      if (peak[r] != kNone && peak[r] < top) {
+        const float shrink = std::exp(peak[r] - top);
+        total[r] *= shrink;
+        for (int64_t c = 0; c < dim; ++c) acc[r * dim + c] *= shrink;
+        for (int64_t g = 0; g < groups; ++g) base[r * groups + g] *= shrink;
+      }
+      peak[r] = top;
+      float sum = 0.f;
+      for (int64_t j = 0; j < span; ++j) {
+        w[j] = std::exp(w[j] - top);
+        sum += w[j];
+      }
+      total[r] += sum;
+    }
+    // the block's values, weighed, summed apart and then added (float32 sums of 128 terms, then of the blocks)
+    std::fill(block_acc.begin(), block_acc.end(), 0.f);
+    std::fill(block_base.begin(), block_base.end(), 0.f);
+    for (int64_t j = start; j < stop; ++j) {
+      if (seen && !seen[j]) continue;
+      const uint8_t* row = values + j * s.value_row;
+      unpack<VB>(unpacked.data(), row, dim, group);
+      row_meta(row, value_codes);
+      for (int64_t r = 0; r < rows; ++r) {
+        const float weight = weights[r * kBlockSlots + (j - start)];
+        for (int64_t g = 0; g < groups; ++g) {
+          const float scaled = weight * scales[g];
+          float* into = block_acc.data() + r * dim + g * group;
+          const float* from = unpacked.data() + g * group;
+#pragma omp simd
+          for (int64_t c = 0; c < group; ++c) into[c] += scaled * from[c];
+          block_base[r * groups + g] += weight * lows[g];
+        }
+      }
+    }
+    for (int64_t i = 0; i < rows * dim; ++i) acc[i] += block_acc[i];
+    for (int64_t i = 0; i < rows * groups; ++i) base[i] += block_base[i];
   }
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t g = 0; g < groups; ++g)
@@ -142,21 +167,26 @@ void slice(const Shape& s, const float* query, const uint8_t* keys, const uint8_
 template <int KB, int VB, int64_t G>
 void attend(const Shape& s, int64_t batch, const float* query, const uint8_t* keys, const uint8_t* values,
             const bool* visible, float* out) {
-  const int64_t splits = (s.slots + kSliceSlots - 1) / kSliceSlots, tasks = batch * s.heads * splits;
+  // each (row of the batch, KV head) split into as many slices as keep the threads busy (a slice's partial output
+  // is rows x dim floats: a large batch is not split at all)
+  const int64_t heads = batch * s.heads, threads = at::get_num_threads();
+  const int64_t wanted = (kTasksPerThread * threads + heads - 1) / heads;
+  const int64_t splits = std::max<int64_t>(1, std::min(wanted, (s.slots + kBlockSlots - 1) / kBlockSlots));
+  const int64_t span = (s.slots + splits - 1) / splits, tasks = heads * splits;
   const int64_t rows = s.rows, dim = s.dim;
   std::vector<float> peaks(tasks * rows), totals(tasks * rows), parts(tasks * rows * dim);
-  const int64_t grain = std::max<int64_t>(1, kSlotsPerThread / kSliceSlots);
+  const int64_t grain = heads * s.slots < kSlotsPerThread ? tasks : 1;
   at::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t split = task % splits, bh = task / splits, b = bh / s.heads, h = bh % s.heads;
       const bool* seen =
           visible ? visible + (b * s.visible_heads + (s.visible_heads > 1 ? h : 0)) * s.slots : nullptr;
+      const int64_t first = std::min(s.slots, split * span), last = std::min(s.slots, first + span);
       slice<KB, VB, G>(s, query + bh * rows * dim, keys + bh * s.slots * s.key_row, values + bh * s.slots * s.value_row,
-                       seen, split * kSliceSlots, std::min(s.slots, (split + 1) * kSliceSlots), &peaks[task * rows],
-                       &totals[task * rows], &parts[task * rows * dim]);
+                       seen, first, last, &peaks[task * rows], &totals[task * rows], &parts[task * rows * dim]);
     }
   });
-  at::parallel_for(0, batch * s.heads * rows, grain, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, heads * rows, grain, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t bh = i / rows, r = i % rows;
       float top = kNone, sum = 0.f;
