@@ -232,11 +232,20 @@ def kv_from_spec(spec: str | None) -> KVCodec | None:
 
 # What a storage does with its codec (None: tokens held as computed), in one place for every layout.
 
+ENCODE_TOKENS = 4096  # tokens (along dim -2) coded at a time: coding goes through float32 copies of what it codes
+
+
 def encoded_pair(codec: KVCodec | None, keys: torch.Tensor,
                  values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values as a storage with ``codec`` holds them (one codec: coded in one call, half the small ops)."""
+    """Keys and values as a storage with ``codec`` holds them (one codec: coded in one call, half the small ops).
+    A long cache is coded ``ENCODE_TOKENS`` tokens at a time (every vector is coded alone: the same rows, up to the
+    turn's float rounding), so the float32 copies coding makes stay a piece's size, not a few times the cache's."""
     if codec is None:
         return keys, values
+    if keys.shape[-2] > ENCODE_TOKENS:
+        pieces = [encoded_pair(codec, k, v) for k, v in zip(keys.split(ENCODE_TOKENS, -2),
+                                                            values.split(ENCODE_TOKENS, -2))]
+        return torch.cat([k for k, _ in pieces], -2), torch.cat([v for _, v in pieces], -2)
     if codec.keys != codec.values:
         return codec.keys.encode(keys), codec.values.encode(values)
     coded_keys, coded_values = codec.keys.encode(torch.stack([keys, values])).unbind(0)
