@@ -15,7 +15,8 @@ from kvcompress.storage import attention, codec, cpu_kernels
 from .fixtures import CACHE, tiny_model
 from .test_decode_kernel import case, reference
 
-pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler to build the kernel with")
+pytestmark = pytest.mark.skipif(shutil.which("c++") is None or shutil.which("ninja") is None,
+                                reason="no C++ compiler or ninja to build the kernel with")
 
 
 @pytest.fixture
