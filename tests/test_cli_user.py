@@ -302,7 +302,7 @@ def test_a_range_against_another_setting_names_both_flags():
     with pytest.raises(ValueError) as refused:
         kvc.SnapKV(budget=256, kv_bits=8, key_bits=4)
     words = in_flag_words(refused.value, flag_names(build_parser(["generate", "--method", "snapkv"])))
-    assert words.endswith("valid: --key-bits >= --kv-bits (8 or 4) with --kv-format int"), words
+    assert words.endswith("valid: --key-bits >= --kv-bits (8, 6 or 4) with --kv-format int"), words
 
 
 def test_a_method_setting_is_refused_in_the_flags_words_and_its_description_kept():

@@ -35,7 +35,7 @@ def reference_int(vectors: torch.Tensor, bits: int, group: int) -> torch.Tensor:
     return out
 
 
-@pytest.mark.parametrize(("name", "bits"), [("int8", 8), ("int4", 4)])
+@pytest.mark.parametrize(("name", "bits"), [("int8", 8), ("int6", 6), ("int4", 4)])
 @pytest.mark.parametrize("dim", [64, 128, 96])
 def test_integer_codes_decode_to_the_reference(name, bits, dim):
     vectors = torch.randn(2, 3, 17, dim) * torch.linspace(0.1, 8, dim)  # channels of very different ranges
@@ -46,6 +46,19 @@ def test_integer_codes_decode_to_the_reference(name, bits, dim):
     # equal but where a value sits on a code's half step: the codec multiplies by 1 / scale, the reference divides
     differ = (codec.decode(rows) - reference_int(vectors, bits, math.gcd(dim, 64))).abs() > 1e-4
     assert int(differ.sum()) <= vectors.numel() // 1000
+
+
+def test_six_bit_rows_are_int4s_nibbles_then_the_top_bits_four_a_byte():
+    """The layout docs/file-format.md gives, for one group of 64 channels: channel 2i's low 4 bits in byte i's low
+    nibble, 2i + 1's in its high one; then the top 2 bits, byte 32 + m holding at bits 2j, 2j + 1 those of place
+    m + 16j of the order nibbles unpack (channels 0, 2, ..., 62, then 1, 3, ..., 63); then the scale and minimum."""
+    codes = torch.randperm(64, generator=torch.Generator().manual_seed(0))  # every 6-bit code once: range 0..63
+    rows = make_codec("int6", 64, torch.float32).encode(codes.float())
+    nibbles = [(int(codes[2 * i]) & 15) | (int(codes[2 * i + 1]) & 15) << 4 for i in range(32)]
+    unpack_order = list(range(0, 64, 2)) + list(range(1, 64, 2))
+    tops = [sum((int(codes[unpack_order[m + 16 * j]]) >> 4) << (2 * j) for j in range(4)) for m in range(16)]
+    assert rows[:48].tolist() == nibbles + tops
+    assert rows[48:].view(torch.float16).tolist() == [1.0, 0.0]  # scale (63 - 0) / 63, minimum 0
 
 
 def test_fp8_is_vllms_float8_e4m3_with_scale_one_saturating():
@@ -111,7 +124,8 @@ def test_a_coded_step_compiles_to_the_eager_tokens_in_one_graph(spec):
 
 
 @pytest.mark.parametrize(("key_bits", "spec"), [(None, "int4/16/float32/rotated"),
-                                                (8, "int8/16/float32/rotated+int4/16/float32/rotated")])
+                                                (8, "int8/16/float32/rotated+int4/16/float32/rotated"),
+                                                (6, "int6/16/float32/rotated+int4/16/float32/rotated")])
 def test_a_coded_conversation_saved_loaded_and_continued_answers_as_in_memory(tmp_path, key_bits, spec):
     model, tok = tiny_model(), char_tokenizer()
     first = kvc.generate(model, tok, random_text(400, seed=2), method=kvc.SnapKV(budget=64, kv_bits=4,
@@ -150,14 +164,20 @@ def test_keys_in_more_bits_than_values_cost_each_their_own_rows(layout):
     tok, prompt = char_tokenizer(), random_text(600, seed=3)
     runs = {name: kvc.generate(model, tok, prompt, max_new_tokens=4,
                                method=kvc.method_from_spec(f"{LAYOUT_SPECS[layout]}:{spec}"))
-            for name, spec in (("k8v4", "kv_bits=4:key_bits=8"), ("int8", "kv_bits=8"), ("16", "kv_bits=16"))}
+            for name, spec in (("k8v4", "kv_bits=4:key_bits=8"), ("k6v4", "kv_bits=4:key_bits=6"),
+                               ("int8", "kv_bits=8"), ("16", "kv_bits=16"))}
     stats = {name: run.stats for name, run in runs.items()}
-    # a 64-channel token: keys 64 + 4 bytes of scales (int8), values 32 + 4 (int4), against 68 + 68 in int8
+    # a 64-channel token: keys 64 + 4 bytes of scales (int8) or 48 + 4 (int6), values 32 + 4 (int4), against
+    # 68 + 68 in int8
     assert stats["k8v4"]["kv_bytes_kept"] * 136 == stats["int8"]["kv_bytes_kept"] * 104
+    assert stats["k6v4"]["kv_bytes_kept"] * 136 == stats["int8"]["kv_bytes_kept"] * 88
     assert stats["k8v4"]["kv_bytes_kept"] <= 0.41 * stats["16"]["kv_bytes_kept"]
-    slots = runs["k8v4"].cache.layers[0].slots
-    assert (slots.keys.shape[-1], slots.values.shape[-1]) == (68, 36)
-    assert slots.codec.spec() == "int8/64/bfloat16/rotated+int4/64/bfloat16/rotated"
+    assert stats["k6v4"]["kv_bytes_kept"] <= 0.35 * stats["16"]["kv_bytes_kept"]
+    for name, widths, spec in (("k8v4", (68, 36), "int8/64/bfloat16/rotated+int4/64/bfloat16/rotated"),
+                               ("k6v4", (52, 36), "int6/64/bfloat16/rotated+int4/64/bfloat16/rotated")):
+        slots = runs[name].cache.layers[0].slots
+        assert (slots.keys.shape[-1], slots.values.shape[-1]) == widths
+        assert slots.codec.spec() == spec
 
 
 def test_keys_and_values_are_each_their_own_codecs_rounding():
@@ -185,11 +205,16 @@ def test_codec_settings_are_refused_in_one_line_naming_the_value():
         kvc.FullKV(kv_bits=4, kv_format="fp8")
     with pytest.raises(kvc.InvalidParameterError, match=r"SnapKV: kv_bits=4 cannot be served per request"):
         method_of({"method": "snapkv", "kv_bits": 4})
-    with pytest.raises(kvc.InvalidParameterError, match=r"^SnapKV: key_bits=8 with kv_bits=16, kv_format='int'; "
-                                                        r"valid: key_bits >= kv_bits \(8 or 4\) with kv_format='int'$"):
+    with pytest.raises(kvc.InvalidParameterError,
+                       match=r"^SnapKV: key_bits=8 with kv_bits=16, kv_format='int'; "
+                             r"valid: key_bits >= kv_bits \(8, 6 or 4\) with kv_format='int'$"):
         kvc.SnapKV(key_bits=8)
     with pytest.raises(kvc.InvalidParameterError, match=r"key_bits=4 with kv_bits=8"):
         kvc.SnapKV(kv_bits=8, key_bits=4)
+    with pytest.raises(kvc.InvalidParameterError, match=r"key_bits=6 with kv_bits=8"):
+        kvc.SnapKV(kv_bits=8, key_bits=6)
+    with pytest.raises(kvc.InvalidParameterError, match=r"^SnapKV: key_bits=5 is unknown; valid: 8, 6, 4$"):
+        kvc.SnapKV(kv_bits=4, key_bits=5)
     with pytest.raises(kvc.InvalidParameterError, match=r"^ShadowKV: key_bits=8 differs from kv_bits=4, which its "
                                                         r"chunk store \(one codec for every stored row\) cannot hold"):
         kvc.ShadowKV(kv_bits=4, key_bits=8)

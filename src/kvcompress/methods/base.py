@@ -177,8 +177,8 @@ class Method:
         "int", "how 8 or 4 bits are written: int (per-token groups with scales) or fp8 (float8 e4m3, as vLLM's fp8 "
         "cache dtype; kv_bits=8 only)", choices=("int", "fp8"), kw_only=True)
     key_bits: int | None = param(
-        None, "bits per stored key element where keys take more than values (None: kv_bits; e.g. key_bits=8 with "
-        "kv_bits=4: keys lose the most at 4 bits, docs/quantization.md)", choices=(8, 4), kw_only=True)
+        None, "bits per stored key element where keys take more than values (None: kv_bits; e.g. key_bits=8 or 6 "
+        "with kv_bits=4: keys lose the most at 4 bits, docs/quantization.md)", choices=(8, 6, 4), kw_only=True)
 
     def __post_init__(self) -> None:
         for spec in field_specs(type(self)):
@@ -188,7 +188,7 @@ class Method:
                 "valid: kv_bits=8 with kv_format='fp8', or kv_format='int'")
         require(self.key_bits is None or (self.kv_format == "int" and self.kv_bits <= self.key_bits),
                 f"{type(self).__name__}: key_bits={self.key_bits} with kv_bits={self.kv_bits}, "
-                f"kv_format={self.kv_format!r}; valid: key_bits >= kv_bits (8 or 4) with kv_format='int'")
+                f"kv_format={self.kv_format!r}; valid: key_bits >= kv_bits (8, 6 or 4) with kv_format='int'")
         self.validate()
 
     def kv_codec(self) -> str | None:

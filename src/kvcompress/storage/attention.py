@@ -267,12 +267,16 @@ def _decoded_like(query: torch.Tensor, *args) -> torch.Tensor:
     return query.new_empty(query.shape)
 
 
+TRITON_BITS = (4, 8)  # the key codes the Triton kernel reads (6-bit keys: decoded first on CUDA)
+
+
 @fused("decode_attention", mutates_args=(), fake=_decoded_like)
 def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor | None,
                      scaling: float, key_bits: int, value_bits: int) -> torch.Tensor:
     """A decoding step's attention ``[b, kv_heads, rows, d]``: ``query [b, kv_heads, rows, d]`` (a GQA group's
     query heads stacked as rows) over ``keys``/``values [b, kv_heads, s, ...]`` as a storage holds them: at the
-    model's precision (bits 0) or as rows of an 8- or 4-bit ``codec.IntCodec`` (``key_bits``, ``value_bits``);
+    model's precision (bits 0) or as rows of an 8-, 6- (keys) or 4-bit ``codec.IntCodec`` (``key_bits``,
+    ``value_bits``; the Triton kernel: ``TRITON_BITS``);
     ``visible [b, 1 | kv_heads, 1, s]`` bool (None: every slot). On CUDA one Triton kernel, split along the slots,
     reads the rows as they are (``kernels.decode_attention_triton``); on a CPU, coded rows are read as they are by
     ``cpu_kernels``' kernel where it is built; otherwise they are decoded first."""
@@ -323,8 +327,8 @@ def dense_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     if q_len == 1 or (mask is not None and mask.shape[1] > 1):
         mask = None if mask is None else group_mask(mask, q_heads // kv_heads)
         stacked = stack_groups(query, kv_heads)
-        if coded is not None and phase == "decode" and (
-                reads_codes(query) or choose_backends(phase, stacked, keys, mask, False, False)[0] == "triton"):
+        if coded is not None and phase == "decode" and (reads_codes(query) or (
+                coded[2] in TRITON_BITS and choose_backends(phase, stacked, keys, mask, False, False)[0] == "triton")):
             out = decode_attention(stacked, *coded[:2], mask, scaling, *coded[2:])
         else:
             out = sdpa(phase, stacked, keys, values, mask, scaling)

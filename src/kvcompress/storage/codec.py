@@ -1,4 +1,4 @@
-"""How a layer's stored tokens are written: at the model's precision, or in 8 or 4 bits.
+"""How a layer's stored tokens are written: at the model's precision, or in 8, 6 (keys only) or 4 bits.
 
 A codec turns each stored vector (one token's keys, or values, for one KV head: ``[..., head_dim]``) into one row of
 bytes ``[..., row_bytes]`` (uint8) and back. Because a token stays one row, every layout moves coded tokens exactly as
@@ -15,7 +15,9 @@ The codecs (docs/quantization.md says why these):
   key's few large channels over all of them before rounding; attention is unchanged by the turn (q.k = qH.kH) when
   the step's queries are turned the same way and its output turned back (``into_basis``, ``out_of_basis``: one
   small product per query, none per stored token). On SmolLM2's keys at 2K tokens it halves int4's error in the
-  attention output of the worst layer (0.35 -> 0.17 relative).
+  attention output of the worst layer (0.35 -> 0.17 relative). ``int6`` (keys with ``key_bits=6``, values in
+  int4) is the same scheme at 6 bits: 52/128 per key; on SmolLM2 its answers diverge from the uncoded cache's
+  twice as much as int8 keys' and a ninth as much as int4 keys' (docs/accuracy.md, "How many bits the keys need").
 * ``fp8``: each element cast to float8 e4m3 with a scale of 1 (saturating at +-448), as vLLM's ``fp8`` cache dtype
   stores tokens when the checkpoint carries no scales.
 
@@ -113,17 +115,21 @@ class IntCodec(Codec):
         scale = ((high - low) / self.levels).clamp(half.tiny, half.max).half()
         low = low.clamp(half.min, half.max).half()
         codes = ((grouped - low) / scale).round_().clamp_(0, self.levels).to(torch.uint8).reshape(*lead, self.dim)
-        if self.bits == 4:  # two codes a byte: channel 2i in the low nibble, 2i + 1 in the high one
-            codes = codes[..., 0::2] | (codes[..., 1::2] << 4)
         # every group's scale, then every group's minimum
         meta = torch.cat([scale, low], dim=-1).transpose(-1, -2).reshape(*lead, 2 * self.groups).view(torch.uint8)
-        return torch.cat([codes, meta], dim=-1)
+        return torch.cat([self.pack(codes), meta], dim=-1)
+
+    def pack(self, codes: torch.Tensor) -> torch.Tensor:
+        """Codes ``[..., dim]`` (one per byte) as the row's ``code_bytes`` (8 bits: as they are)."""
+        return codes
+
+    def unpack(self, packed: torch.Tensor) -> torch.Tensor:
+        """``pack``'s inverse, ``[..., dim]`` uint8."""
+        return packed
 
     def decode(self, rows: torch.Tensor) -> torch.Tensor:
         lead = rows.shape[:-1]
-        codes = rows[..., : self.code_bytes]
-        if self.bits == 4:
-            codes = torch.stack([codes & 15, codes >> 4], dim=-1)
+        codes = self.unpack(rows[..., : self.code_bytes])
         # rows are even-sized, so the float16 scales are read in place; converted, scaled and shifted in place (a
         # product mixing uint8 and float32 takes PyTorch's slow casting loop on a CPU: 4x slower)
         meta = rows[..., self.code_bytes :].view(torch.float16).float().view(*lead, 2, self.groups, 1)
@@ -137,8 +143,59 @@ class Int8Codec(IntCodec):
 
 
 class Int4Codec(IntCodec):
+    """Two codes a byte: channel 2i in byte i's low nibble, 2i + 1 in its high one."""
+
     name = "int4"
     bits = 4
+
+    def pack(self, codes: torch.Tensor) -> torch.Tensor:
+        return nibbles(codes)
+
+    def unpack(self, packed: torch.Tensor) -> torch.Tensor:
+        return from_nibbles(packed)
+
+
+class Int6Codec(IntCodec):
+    """Keys in 6 bits (``key_bits=6``): each code's low 4 bits laid out as int4's (``dim / 2`` bytes), then per
+    group of channels its codes' top 2 bits, a quarter of the group a byte, in the order a group unpacks from
+    nibbles (its even channels, then its odd ones): place ``m + j * group / 4`` at bits ``2j`` and ``2j + 1`` of the
+    group's byte ``m``. A reader takes int4's nibbles and adds 16 times the top bits, each top byte's four places
+    a quarter of the group apart (the CPU kernel's loads stay contiguous)."""
+
+    name = "int6"
+    bits = 6
+
+    def pack(self, codes: torch.Tensor) -> torch.Tensor:
+        group = group_size(self.dim)
+        top = (codes >> 4).unflatten(-1, (-1, group))
+        unpacked_order = torch.cat([top[..., 0::2], top[..., 1::2]], dim=-1)
+        # the four places of a byte as one weighted sum (each new token is coded eagerly: few small ops)
+        places = _PLACES.get(str(codes.device))
+        if places is None:
+            places = _PLACES[str(codes.device)] = torch.tensor([[1], [4], [16], [64]], dtype=torch.uint8,
+                                                               device=codes.device)
+        tops = (unpacked_order.unflatten(-1, (4, -1)) * places).sum(-2, dtype=torch.uint8).flatten(-2)
+        return torch.cat([nibbles(codes & 15), tops], dim=-1)
+
+    def unpack(self, packed: torch.Tensor) -> torch.Tensor:
+        group = group_size(self.dim)
+        tops = packed[..., self.dim // 2:].unflatten(-1, (-1, group // 4))
+        unpacked_order = torch.stack([(tops >> shift) & 3 for shift in (0, 2, 4, 6)], dim=-2).flatten(-2)
+        top = torch.stack([unpacked_order[..., : group // 2], unpacked_order[..., group // 2:]], dim=-1)
+        return from_nibbles(packed[..., : self.dim // 2]) | (top.flatten(-3) << 4)
+
+
+_PLACES: dict[str, torch.Tensor] = {}  # int6's top-bit weights, once per device (a compiled step reads them)
+
+
+def nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """4-bit codes ``[..., n]`` two a byte ``[..., n / 2]``: code 2i in byte i's low nibble, 2i + 1 in its high one."""
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def from_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """``nibbles``' inverse."""
+    return torch.stack([packed & 15, packed >> 4], dim=-1).flatten(-2)
 
 
 @dataclass(frozen=True)
@@ -158,7 +215,7 @@ class Fp8Codec(Codec):
         return rows.view(torch.float8_e4m3fn).to(self.dtype)
 
 
-_CLASSES: dict[str, type[Codec]] = {"int8": Int8Codec, "int4": Int4Codec, "fp8": Fp8Codec}
+_CLASSES: dict[str, type[Codec]] = {"int8": Int8Codec, "int6": Int6Codec, "int4": Int4Codec, "fp8": Fp8Codec}
 
 
 _TURNS: dict[tuple[int, str], torch.Tensor] = {}  # built once per size and device (a compiled step reads it)
@@ -176,8 +233,8 @@ def hadamard(size: int, device: torch.device) -> torch.Tensor:
 
 
 def make_codec(name: str, dim: int, dtype: torch.dtype, rotated: bool = False) -> Codec:
-    """The codec ``name`` (int8, int4 or fp8) for vectors of ``dim`` channels computed in ``dtype``; ``rotated``:
-    integer codes of Hadamard-turned vectors (float8 is never turned, as vLLM stores it)."""
+    """The codec ``name`` (int8, int6, int4 or fp8) for vectors of ``dim`` channels computed in ``dtype``;
+    ``rotated``: integer codes of Hadamard-turned vectors (float8 is never turned, as vLLM stores it)."""
     if name not in _CLASSES:
         raise ValueError(f"unknown KV codec {name!r}; valid: {', '.join(_CLASSES)}")
     if dim % 4:

@@ -4,8 +4,10 @@
 // sum_j p_j v_j = sum_j (p_j scale_j) codes_j + sum_j p_j minimum_j, so nothing decoded is written to memory.
 // Work is split along the slots (flash-decoding) into enough slices to keep the threads busy: each task keeps an
 // online softmax over its slice, read in blocks, and the slices are weighed by their maxima and sums at the end.
-// A row: codes (4 bits: channel 2i in byte i's low nibble, 2i + 1 in its high one), then every group's float16
-// scale, then every group's float16 minimum.
+// A row: codes (4 bits: channel 2i in byte i's low nibble, 2i + 1 in its high one; 6 bits: those nibbles for the
+// codes' low 4 bits, then per group of channels its top 2 bits, a quarter of the group a byte, in the order a
+// group unpacks: its even channels, then its odd ones, place m + j * group / 4 at bits 2j and 2j + 1 of byte m),
+// then every group's float16 scale, then every group's float16 minimum.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
@@ -28,7 +30,7 @@ inline float half_at(const uint8_t* bytes) {
   return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
 }
 
-// A row's codes as floats; 4 bits: each group's even channels, then its odd ones (queries are laid out alike).
+// A row's codes as floats; 4 and 6 bits: each group's even channels, then its odd ones (queries are laid out alike).
 template <int BITS>
 inline __attribute__((always_inline)) void unpack(float* out, const uint8_t* codes, int64_t dim, int64_t group) {
   if (BITS == 8) {
@@ -36,13 +38,28 @@ inline __attribute__((always_inline)) void unpack(float* out, const uint8_t* cod
     for (int64_t c = 0; c < dim; ++c) out[c] = static_cast<float>(codes[c]);
     return;
   }
-  const int64_t half = group / 2;
+  const int64_t half = group / 2, quarter = group / 4;
   for (int64_t start = 0; start < dim; start += group) {
     const uint8_t* bytes = codes + start / 2;
+    if (BITS == 4) {
 #pragma omp simd
-    for (int64_t i = 0; i < half; ++i) {
-      out[start + i] = static_cast<float>(bytes[i] & 15);
-      out[start + half + i] = static_cast<float>(bytes[i] >> 4);
+      for (int64_t i = 0; i < half; ++i) {
+        out[start + i] = static_cast<float>(bytes[i] & 15);
+        out[start + half + i] = static_cast<float>(bytes[i] >> 4);
+      }
+      continue;
+    }
+    // 6 bits: the nibbles plus 16 times the top bits, top byte m holding those of places m + j * quarter
+    const uint8_t* tops = codes + dim / 2 + start / 4;
+#pragma omp simd
+    for (int64_t i = 0; i < quarter; ++i) {
+      out[start + i] = static_cast<float>((bytes[i] & 15) | (tops[i] & 3) << 4);
+      out[start + half + i] = static_cast<float>((bytes[i] >> 4) | (tops[i] & 48));
+    }
+#pragma omp simd
+    for (int64_t i = quarter; i < half; ++i) {
+      out[start + i] = static_cast<float>((bytes[i] & 15) | (tops[i - quarter] & 12) << 2);
+      out[start + half + i] = static_cast<float>((bytes[i] >> 4) | (tops[i - quarter] & 192) >> 2);
     }
   }
 }
@@ -56,7 +73,7 @@ inline __attribute__((always_inline)) float dot(const float* a, const float* b, 
 
 // Channel c of a group as unpack<BITS> places it.
 inline int64_t unpacked_at(int bits, int64_t c, int64_t group) {
-  return bits == 4 ? (c % 2 ? group / 2 + c / 2 : c / 2) : c;
+  return bits != 8 ? (c % 2 ? group / 2 + c / 2 : c / 2) : c;
 }
 
 struct Shape {
@@ -224,7 +241,9 @@ torch::Tensor coded_decode_attention(torch::Tensor query, torch::Tensor keys, to
                                      int64_t value_bits) {
   TORCH_CHECK(query.dim() == 4 && keys.dim() == 4 && values.dim() == 4, "query, keys and values must be 4-D");
   TORCH_CHECK(keys.scalar_type() == torch::kUInt8 && values.scalar_type() == torch::kUInt8, "rows must be uint8");
-  TORCH_CHECK((key_bits == 4 || key_bits == 8) && (value_bits == 4 || value_bits == 8), "bits must be 4 or 8");
+  TORCH_CHECK(((key_bits == 4 || key_bits == 8) && (value_bits == 4 || value_bits == 8)) ||
+                  (key_bits == 6 && value_bits == 4),
+              "bits must be 4 or 8 each, or 6 for keys with 4 for values");
   auto q = query.to(torch::kFloat32).contiguous();
   auto k = keys.contiguous(), v = values.contiguous();
   const int64_t batch = q.size(0), dim = q.size(3), slots = k.size(2);
@@ -247,6 +266,8 @@ torch::Tensor coded_decode_attention(torch::Tensor query, torch::Tensor keys, to
     dispatch_group<4, 4>(shape, batch, qp, kp, vp, seen_ptr, op);
   else if (key_bits == 8 && value_bits == 4)
     dispatch_group<8, 4>(shape, batch, qp, kp, vp, seen_ptr, op);
+  else if (key_bits == 6)
+    dispatch_group<6, 4>(shape, batch, qp, kp, vp, seen_ptr, op);
   else if (key_bits == 4 && value_bits == 8)
     dispatch_group<4, 8>(shape, batch, qp, kp, vp, seen_ptr, op);
   else
