@@ -223,14 +223,15 @@ def memory_curves(named: list[str], plot: str | None) -> str:
 
 
 BITS_COLORS = {"model's precision": "tab:blue", "8 bits": "tab:orange", "fp8": "tab:green", "4 bits": "tab:red",
-               "keys 8, values 4 bits": "tab:purple"}
+               "keys 8, values 4 bits": "tab:purple", "keys 6, values 4 bits": "tab:brown"}
 MARKERS = {"full": "s", "snapkv": "o"}
 
 
 def bits_of(label: str) -> str:
     """What a setting's label says its kept tokens cost per element."""
-    if "key_bits=8" in label:
-        return "keys 8, values 4 bits"
+    for keys in (8, 6):
+        if f"key_bits={keys}" in label:
+            return f"keys {keys}, values 4 bits"
     if "kv_bits=4" in label or "quanto4" in label:
         return "4 bits"
     if "kv_format=fp8" in label:
