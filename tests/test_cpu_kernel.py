@@ -120,3 +120,24 @@ def test_a_kernel_that_does_not_build_warns_in_one_line_and_rows_are_decoded_fir
     finally:
         monkeypatch.undo()
         cpu_kernels.cpu_kernel.cache_clear()
+
+
+def test_six_bit_keys_are_never_handed_to_the_triton_kernel(monkeypatch):
+    """Where the Triton kernel is the decoding choice (CUDA) it reads 8- and 4-bit codes only: a step over 6-bit keys
+    attends the decoded slots (the kernel then gets them at the model's precision, bits 0), 4-bit ones their codes."""
+    handed = []
+
+    def recorded(query, keys, values, visible, scaling, key_bits, value_bits):
+        handed.append((key_bits, value_bits))
+        return torch.zeros_like(query)
+
+    monkeypatch.setattr(attention, "reads_codes", lambda query: False)
+    monkeypatch.setattr(attention, "choose_backends", lambda *args: ("triton",))
+    monkeypatch.setattr(attention, "decode_attention", recorded)
+    query = torch.randn(1, 6, 1, 64)
+    for key_bits in (6, 4):
+        keys, values = torch.randn(2, 1, 2, 40, 64).unbind(0)
+        coded = (codec.make_codec(f"int{key_bits}", 64, torch.float32).encode(keys),
+                 codec.make_codec("int4", 64, torch.float32).encode(values), key_bits, 4)
+        attention.dense_attention(query, keys, values, None, 0.125, coded=coded)
+    assert handed == [(0, 0), (4, 4)]
