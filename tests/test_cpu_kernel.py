@@ -1,6 +1,6 @@
-"""The CPU kernel of a decoding step over 8-, 6- (keys) and 4-bit coded slots (``storage/cpu_kernels.py``): against
-attention written out in float64 over the decoded slots, inside a model against the same steps decoding first, and
-the step handing its coded rows on without decoding them."""
+"""The CPU kernel of a decoding step over 8-, 6- (keys) and 4-bit and float8 coded slots (``storage/cpu_kernels.py``):
+against attention written out in float64 over the decoded slots, inside a model against the same steps decoding
+first, and the step handing its coded rows on without decoding them."""
 
 from __future__ import annotations
 
@@ -36,7 +36,8 @@ def test_the_kernel_builds_here():
     assert cpu_kernels.cpu_kernel() is not None and attention.reads_codes(torch.zeros(1))
 
 
-@pytest.mark.parametrize(("key_bits", "value_bits"), [(8, 8), (4, 4), (8, 4), (4, 8), (6, 4)])
+@pytest.mark.parametrize(("key_bits", "value_bits"), [(8, 8), (4, 4), (8, 4), (4, 8), (6, 4),
+                                                      (codec.FP8_CODE, codec.FP8_CODE)])
 @pytest.mark.parametrize(("dim", "seq"), [(64, 1100), (128, 129), (96, 3000), (16, 1), (80, 300)])
 def test_the_kernel_matches_attention_over_the_decoded_slots(key_bits, value_bits, dim, seq):
     """Heads of one or several channel groups (16, 80: groups of 16; 96: of 32), stretches of slots that are hidden
@@ -61,7 +62,7 @@ def test_rows_that_do_not_match_the_head_are_refused():
     query, keys, values, visible = case(1, 2, 2, 50, 64, 4, 4, torch.float32, False)
     with pytest.raises(RuntimeError, match="key rows do not match the head size"):
         cpu_kernels.cpu_kernel().coded_decode_attention(query, keys, values, visible, 0.1, 8, 4)
-    with pytest.raises(RuntimeError, match="bits must be 4 or 8 each, or 6 for keys with 4 for values"):
+    with pytest.raises(RuntimeError, match="bits must be 4 or 8 each, or 6 for keys with 4 for values, or float8"):
         cpu_kernels.cpu_kernel().coded_decode_attention(query, keys, values, visible, 0.1, 4, 6)
 
 
@@ -80,16 +81,16 @@ def test_a_decoding_step_reads_the_codes_and_decodes_nothing(monkeypatch, kernel
     gen = torch.Generator().manual_seed(3)
     prompt, steps = torch.randint(3, 128, (2, 300), generator=gen), torch.randint(3, 128, (2, 6), generator=gen)
     decoded_rows = []
-    plain_decode = codec.IntCodec.decode
+    for kind in (codec.IntCodec, codec.Fp8Codec):
+        def counted(self, rows, plain=kind.decode):
+            decoded_rows.append(rows.shape)
+            return plain(self, rows)
 
-    def counted(self, rows):
-        decoded_rows.append(rows.shape)
-        return plain_decode(self, rows)
-
-    monkeypatch.setattr(codec.IntCodec, "decode", counted)
+        monkeypatch.setattr(kind, "decode", counted)
     methods = (kvc.SnapKV(budget=48, kv_bits=4, clustering="pool"),
                kvc.SnapKV(budget=48, kv_bits=4, key_bits=8, clustering="pool"),
                kvc.SnapKV(budget=48, kv_bits=4, key_bits=6, clustering="pool"), kvc.FullKV(kv_bits=8),
+               kvc.SnapKV(budget=48, kv_bits=8, kv_format="fp8", clustering="pool"),
                kvc.StreamingLLM(budget=64, kv_bits=4))
     read = [decode_logits(model, method, prompt, steps) for method in methods]
     assert decoded_rows == []

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kvcompress.storage import attention
-from kvcompress.storage.codec import make_codec
+from kvcompress.storage.codec import codec_of_code
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -25,9 +25,9 @@ def reference(query, keys, values, visible, scaling, key_bits, value_bits):
     """Softmax attention in float64 over the decoded slots (the codec's own decode)."""
     dim = query.shape[-1]
     if key_bits:
-        keys = make_codec(f"int{key_bits}", dim, query.dtype).decode(keys)
+        keys = codec_of_code(key_bits, dim, query.dtype).decode(keys)
     if value_bits:
-        values = make_codec(f"int{value_bits}", dim, query.dtype).decode(values)
+        values = codec_of_code(value_bits, dim, query.dtype).decode(values)
     logits = torch.einsum("bhgd,bhsd->bhgs", query.double(), keys.double()) * scaling
     if visible is not None:
         logits = logits.masked_fill(~visible, float("-inf"))
@@ -42,7 +42,7 @@ def case(batch, heads, rows, seq, dim, key_bits, value_bits, dtype, per_head, se
     stored = []
     for bits in (key_bits, value_bits):
         vectors = torch.randn(batch, heads, seq, dim, generator=gen) * 2
-        stored.append(make_codec(f"int{bits}", dim, dtype).encode(vectors) if bits else vectors.to(dtype))
+        stored.append(codec_of_code(bits, dim, dtype).encode(vectors) if bits else vectors.to(dtype))
     visible = torch.rand(batch, heads if per_head else 1, 1, seq, generator=gen) < 0.7
     visible[..., seq // 3 : seq // 3 + 200] = False
     visible[..., -1] = True

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import CausalBias, causal_lower_right
 
-from .codec import make_codec
+from .codec import codec_of_code
 from .cpu_kernels import cpu_kernel, has_cpu_kernel
 from .ops import fused, runs_triton
 
@@ -275,8 +275,8 @@ def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
                      scaling: float, key_bits: int, value_bits: int) -> torch.Tensor:
     """A decoding step's attention ``[b, kv_heads, rows, d]``: ``query [b, kv_heads, rows, d]`` (a GQA group's
     query heads stacked as rows) over ``keys``/``values [b, kv_heads, s, ...]`` as a storage holds them: at the
-    model's precision (bits 0) or as rows of an 8-, 6- (keys) or 4-bit ``codec.IntCodec`` (``key_bits``,
-    ``value_bits``; the Triton kernel: ``TRITON_BITS``);
+    model's precision (bits 0) or as rows of an 8-, 6- (keys) or 4-bit ``codec.IntCodec`` or of float8
+    (``key_bits``, ``value_bits``: the codecs' ``kernel_code``; the Triton kernel reads ``TRITON_BITS``);
     ``visible [b, 1 | kv_heads, 1, s]`` bool (None: every slot). On CUDA one Triton kernel, split along the slots,
     reads the rows as they are (``kernels.decode_attention_triton``); on a CPU, coded rows are read as they are by
     ``cpu_kernels``' kernel where it is built; otherwise they are decoded first."""
@@ -284,7 +284,7 @@ def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     if kernel is not None:
         return kernel.coded_decode_attention(query, keys, values, visible, scaling, key_bits, value_bits)
     dim = query.shape[-1]
-    keys, values = (rows if bits == 0 else make_codec(f"int{bits}", dim, query.dtype).decode(rows)
+    keys, values = (rows if bits == 0 else codec_of_code(bits, dim, query.dtype).decode(rows)
                     for rows, bits in ((keys, key_bits), (values, value_bits)))
     logits = (query.float() @ keys.float().transpose(-1, -2)) * scaling
     if visible is not None:
@@ -299,7 +299,7 @@ def dense_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     SDPA's lower-right causal bias; None means causal over the last ``q`` slots (or no mask for one
     query). ``softcap`` (Gemma 2): logits become ``softcap * tanh(logits / softcap)`` before the softmax.
     ``coded``: the same slots as stored, integer-coded rows and their key and value bits
-    (``codec.integer_rows``), which a decoding step reads without decoding where ``decode_attention``'s kernel is
+    (``codec.coded_rows``), which a decoding step reads without decoding where ``decode_attention``'s kernel is
     the one chosen, or on a CPU where its kernel is built (``keys``/``values``: what the choice is made on, decoded,
     or the same rows where the caller did not decode them: ``reads_codes``)."""
     batch, q_heads, q_len, dim = query.shape

@@ -34,6 +34,7 @@ from typing import ClassVar, cast
 import torch
 
 FP8_MAX = 448.0  # the largest finite float8 e4m3 value
+FP8_CODE = -8  # what a kernel is told of float8 rows (of integer codes: their bits)
 
 
 def group_size(head_dim: int) -> int:
@@ -78,6 +79,11 @@ class Codec:
         """Vectors from ``decode``'s basis back to the model's (an orthonormal Hadamard turn is its own inverse)."""
         return self.into_basis(vectors)
 
+    @property
+    def kernel_code(self) -> int | None:
+        """How ``attention.decode_attention`` is told these rows are coded (None: no kernel reads them)."""
+        return None
+
     def spec(self) -> str:
         """What a saved file holds to make this codec again (``from_spec``)."""
         turned = "/rotated" if self.rotated else ""
@@ -93,6 +99,10 @@ class IntCodec(Codec):
     @property
     def groups(self) -> int:
         return self.dim // group_size(self.dim)
+
+    @property
+    def kernel_code(self) -> int:
+        return self.bits
 
     @property
     def levels(self) -> int:
@@ -207,6 +217,10 @@ class Fp8Codec(Codec):
     @property
     def row_bytes(self) -> int:
         return self.dim
+
+    @property
+    def kernel_code(self) -> int:
+        return FP8_CODE
 
     def encode(self, vectors: torch.Tensor) -> torch.Tensor:
         return vectors.float().clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
@@ -345,10 +359,15 @@ def token_bytes(codec: KVCodec | None, keys: torch.Tensor, values: torch.Tensor)
     return (held, held) if codec is None else (held, 2 * codec.dim * codec.dtype.itemsize)
 
 
-def integer_rows(codec: KVCodec | None, keys: torch.Tensor,
-                 values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int, int] | None:
-    """Stored keys and values with their bits, where both are integer-coded rows (a kernel may read them as they
-    are: ``attention.decode_attention``); None otherwise."""
-    if codec is None or not (isinstance(codec.keys, IntCodec) and isinstance(codec.values, IntCodec)):
+def coded_rows(codec: KVCodec | None, keys: torch.Tensor,
+               values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int, int] | None:
+    """Stored keys and values with their ``kernel_code``s, where a kernel may read both as they are
+    (``attention.decode_attention``); None otherwise."""
+    if codec is None or codec.keys.kernel_code is None or codec.values.kernel_code is None:
         return None
-    return keys, values, codec.keys.bits, codec.values.bits
+    return keys, values, codec.keys.kernel_code, codec.values.kernel_code
+
+
+def codec_of_code(code: int, dim: int, dtype: torch.dtype) -> Codec:
+    """The codec whose rows ``kernel_code`` names (turned or not alike: decoding does not turn back)."""
+    return make_codec("fp8" if code == FP8_CODE else f"int{code}", dim, dtype)

@@ -1,15 +1,17 @@
-// A decoding step's attention over 8- or 4-bit coded slots on a CPU, reading the codes as they are
-// (cpu_kernels.py builds it; attention.decode_attention calls it). The same math as decoding every row
+// A decoding step's attention over 8-, 6- or 4-bit coded slots, or float8 ones, on a CPU, reading the codes as they
+// are (cpu_kernels.py builds it; attention.decode_attention calls it). The same math as decoding every row
 // (codec.IntCodec) and attending: per group of channels, q.k = scale * q.codes + minimum * sum(q) and
-// sum_j p_j v_j = sum_j (p_j scale_j) codes_j + sum_j p_j minimum_j, so nothing decoded is written to memory.
+// sum_j p_j v_j = sum_j (p_j scale_j) codes_j + sum_j p_j minimum_j, so nothing decoded is written to memory
+// (float8 rows: each byte's value from a table, a scale of 1 and no minimum).
 // Work is split along the slots (flash-decoding) into enough slices to keep the threads busy: each task keeps an
 // online softmax over its slice, read in blocks, and the slices are weighed by their maxima and sums at the end.
 // A row: codes (4 bits: channel 2i in byte i's low nibble, 2i + 1 in its high one; 6 bits: those nibbles for the
 // codes' low 4 bits, then per group of channels its top 2 bits, a quarter of the group a byte, in the order a
 // group unpacks: its even channels, then its odd ones, place m + j * group / 4 at bits 2j and 2j + 1 of byte m),
-// then every group's float16 scale, then every group's float16 minimum.
+// then every group's float16 scale, then every group's float16 minimum (float8: a byte a channel, nothing after).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Half.h>
 
 #include <algorithm>
@@ -24,6 +26,21 @@ constexpr int64_t kBlockSlots = 128;      // slots a task reads at a time (and t
 constexpr int64_t kTasksPerThread = 8;     // slices enough for this many tasks per thread, no more
 constexpr int64_t kSlotsPerThread = 2048;  // fewer slots (over every head) than this run on one thread
 constexpr float kNone = -std::numeric_limits<float>::infinity();
+constexpr int kFp8 = -8;  // rows of float8 e4m3 with a scale of 1 (vLLM's fp8), not integer codes
+
+// Every float8 e4m3 byte's value, built once.
+const float* fp8_values() {
+  static const std::vector<float> table = [] {
+    std::vector<float> values(256);
+    for (int i = 0; i < 256; ++i)
+      values[i] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(i), c10::Float8_e4m3fn::from_bits()));
+    return values;
+  }();
+  return table.data();
+}
+
+// Code bytes of a row (float8: one a channel, and no scales after them).
+constexpr int64_t code_bytes(int bits, int64_t dim) { return bits == kFp8 ? dim : dim * bits / 8; }
 
 inline float half_at(const uint8_t* bytes) {
   const uint16_t bits = static_cast<uint16_t>(bytes[0]) | static_cast<uint16_t>(bytes[1]) << 8;
@@ -36,6 +53,11 @@ inline __attribute__((always_inline)) void unpack(float* out, const uint8_t* cod
   if (BITS == 8) {
 #pragma omp simd
     for (int64_t c = 0; c < dim; ++c) out[c] = static_cast<float>(codes[c]);
+    return;
+  }
+  if (BITS == kFp8) {
+    const float* values = fp8_values();
+    for (int64_t c = 0; c < dim; ++c) out[c] = values[codes[c]];
     return;
   }
   const int64_t half = group / 2, quarter = group / 4;
@@ -73,7 +95,7 @@ inline __attribute__((always_inline)) float dot(const float* a, const float* b, 
 
 // Channel c of a group as unpack<BITS> places it.
 inline int64_t unpacked_at(int bits, int64_t c, int64_t group) {
-  return bits != 8 ? (c % 2 ? group / 2 + c / 2 : c / 2) : c;
+  return bits == 4 || bits == 6 ? (c % 2 ? group / 2 + c / 2 : c / 2) : c;
 }
 
 struct Shape {
@@ -88,7 +110,7 @@ template <int KB, int VB, int64_t G>
 void slice(const Shape& s, const float* query, const uint8_t* keys, const uint8_t* values, const bool* seen,
            int64_t first, int64_t last, float* peak, float* total, float* out) {
   const int64_t group = G > 0 ? G : s.group, groups = s.dim / group, rows = s.rows, dim = s.dim;
-  const int64_t key_codes = dim * KB / 8, value_codes = dim * VB / 8;
+  const int64_t key_codes = code_bytes(KB, dim), value_codes = code_bytes(VB, dim);
   std::vector<float> q(rows * dim), q_sums(rows * groups), weights(rows * kBlockSlots), acc(rows * dim, 0.f),
       base(rows * groups, 0.f), unpacked(dim), scales(groups), lows(groups), block_peak(rows), block_acc(rows * dim),
       block_base(rows * groups);
@@ -104,7 +126,9 @@ void slice(const Shape& s, const float* query, const uint8_t* keys, const uint8_
     }
   std::fill(peak, peak + rows, kNone);
   std::fill(total, total + rows, 0.f);
+  std::fill(scales.begin(), scales.end(), 1.f);  // float8 rows: a scale of 1 and no minimum
   auto row_meta = [&](const uint8_t* row, int64_t codes) {
+    if (KB == kFp8) return;  // (float8 keys come with float8 values only)
     for (int64_t g = 0; g < groups; ++g) {
       scales[g] = half_at(row + codes + 2 * g);
       lows[g] = half_at(row + codes + 2 * (groups + g));
@@ -242,15 +266,16 @@ torch::Tensor coded_decode_attention(torch::Tensor query, torch::Tensor keys, to
   TORCH_CHECK(query.dim() == 4 && keys.dim() == 4 && values.dim() == 4, "query, keys and values must be 4-D");
   TORCH_CHECK(keys.scalar_type() == torch::kUInt8 && values.scalar_type() == torch::kUInt8, "rows must be uint8");
   TORCH_CHECK(((key_bits == 4 || key_bits == 8) && (value_bits == 4 || value_bits == 8)) ||
-                  (key_bits == 6 && value_bits == 4),
-              "bits must be 4 or 8 each, or 6 for keys with 4 for values");
+                  (key_bits == 6 && value_bits == 4) || (key_bits == kFp8 && value_bits == kFp8),
+              "bits must be 4 or 8 each, or 6 for keys with 4 for values, or float8 (-8) both");
   auto q = query.to(torch::kFloat32).contiguous();
   auto k = keys.contiguous(), v = values.contiguous();
   const int64_t batch = q.size(0), dim = q.size(3), slots = k.size(2);
   const int64_t group = std::gcd<int64_t>(dim, 64);
   Shape shape{q.size(1), q.size(2), slots, dim, group, k.size(3), v.size(3), 1, static_cast<float>(scaling)};
-  TORCH_CHECK(k.size(3) == dim * key_bits / 8 + 4 * (dim / group), "key rows do not match the head size");
-  TORCH_CHECK(v.size(3) == dim * value_bits / 8 + 4 * (dim / group), "value rows do not match the head size");
+  const int64_t scales = key_bits == kFp8 ? 0 : 4 * (dim / group);  // bytes of a row's scales and minimums
+  TORCH_CHECK(k.size(3) == code_bytes(key_bits, dim) + scales, "key rows do not match the head size");
+  TORCH_CHECK(v.size(3) == code_bytes(value_bits, dim) + scales, "value rows do not match the head size");
   torch::Tensor seen;
   const bool* seen_ptr = nullptr;
   if (visible.has_value()) {
@@ -270,6 +295,8 @@ torch::Tensor coded_decode_attention(torch::Tensor query, torch::Tensor keys, to
     dispatch_group<6, 4>(shape, batch, qp, kp, vp, seen_ptr, op);
   else if (key_bits == 4 && value_bits == 8)
     dispatch_group<4, 8>(shape, batch, qp, kp, vp, seen_ptr, op);
+  else if (key_bits == kFp8)
+    dispatch_group<kFp8, kFp8>(shape, batch, qp, kp, vp, seen_ptr, op);
   else
     dispatch_group<8, 8>(shape, batch, qp, kp, vp, seen_ptr, op);
   return out.to(query.scalar_type());

@@ -31,9 +31,9 @@ from .attention import causal_slot_mask, dense_attention, reads_codes
 from .codec import (
     KVCodec,
     attended_pair,
+    coded_rows,
     decoded_pair,
     encoded_pair,
-    integer_rows,
     kv_from_spec,
     restored_pair,
     token_bytes,
@@ -196,8 +196,8 @@ class DenseSlots(Slots):
         self.keys, self.values = encoded_pair(codec, self.keys, self.values)
 
     def reads_codes(self, new_keys: torch.Tensor) -> bool:
-        # a decoding step over integer codes on a CPU with its kernel (attention.reads_codes)
-        return (new_keys.shape[-2] == 1 and integer_rows(self.codec, self.keys, self.values) is not None
+        # a decoding step over integer or float8 codes on a CPU with its kernel (attention.reads_codes)
+        return (new_keys.shape[-2] == 1 and coded_rows(self.codec, self.keys, self.values) is not None
                 and reads_codes(new_keys))
 
     # --- the prompt ---------------------------------------------------------------------------------
@@ -300,11 +300,11 @@ class DenseSlots(Slots):
         self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scaling: float,
         softcap: float | None = None,
     ) -> torch.Tensor:
-        # a decoding step may read integer codes as stored (attention.decode_attention)
+        # a decoding step may read coded rows as stored (attention.decode_attention)
         if softcap is not None:  # soft-capped logits are spelled out from decoded keys
             keys, values = attended_pair(self.codec, keys, values)
         return dense_attention(query, keys, values, mask, scaling, softcap,
-                               integer_rows(self.codec, self.keys, self.values))
+                               coded_rows(self.codec, self.keys, self.values))
 
     def kept_positions(self, prefill_len: int) -> torch.Tensor:
         if self.positions is not None:
