@@ -114,6 +114,7 @@ def test_each_row_of_a_coded_batch_equals_the_row_alone(method):
 
 @pytest.mark.parametrize("spec", ["snapkv:budget=64:kv_bits=4", "full:kv_bits=8:kv_format=fp8",
                                   "snapkv:budget=64:heads=adaptive:kv_bits=4:key_bits=8",
+                                  "snapkv:budget=64:kv_bits=4:key_bits=6",
                                   "shadowkv:budget=32:kv_bits=8"])
 def test_a_coded_step_compiles_to_the_eager_tokens_in_one_graph(spec):
     model, tok, method = tiny_model(), char_tokenizer(), kvc.method_from_spec(spec)
