@@ -14,8 +14,9 @@ cache's length changes with every call (measured on an H100: 1.6 ms of host time
 with Triton, ``decode`` has one more candidate, ``triton``: ``decode_attention``, split along the slots
 (SDPA's fused kernels give each head's whole cache to one program), which also reads 8- and 4-bit
 coded slots without decoding them first. A decoding probe has as many keys as the cache (rounded up to
-a power of two, at most ``DECODE_PROBE_TOKENS``): which kernel wins depends on the length. On a CPU, 8- and
-4-bit coded slots are always read as stored by ``cpu_kernels``' kernel where it is built (``reads_codes``).
+a power of two, at most ``DECODE_PROBE_TOKENS``): which kernel wins depends on the length. On a CPU, 8-, 6-
+and 4-bit and float8 coded slots are always read as stored by ``cpu_kernels``' kernel where it is built
+(``reads_codes``).
 """
 
 from __future__ import annotations
@@ -267,7 +268,7 @@ def _decoded_like(query: torch.Tensor, *args) -> torch.Tensor:
     return query.new_empty(query.shape)
 
 
-TRITON_BITS = (4, 8)  # the key codes the Triton kernel reads (6-bit keys: decoded first on CUDA)
+TRITON_BITS = (4, 8)  # the codes the Triton kernel reads (6-bit keys and float8 rows: decoded first on CUDA)
 
 
 @fused("decode_attention", mutates_args=(), fake=_decoded_like)
@@ -327,8 +328,10 @@ def dense_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     if q_len == 1 or (mask is not None and mask.shape[1] > 1):
         mask = None if mask is None else group_mask(mask, q_heads // kv_heads)
         stacked = stack_groups(query, kv_heads)
-        if coded is not None and phase == "decode" and (reads_codes(query) or (
-                coded[2] in TRITON_BITS and choose_backends(phase, stacked, keys, mask, False, False)[0] == "triton")):
+        read_as_stored = coded is not None and phase == "decode" and (reads_codes(query) or (
+            set(coded[2:]) <= set(TRITON_BITS)
+            and choose_backends(phase, stacked, keys, mask, False, False)[0] == "triton"))
+        if read_as_stored:
             out = decode_attention(stacked, *coded[:2], mask, scaling, *coded[2:])
         else:
             out = sdpa(phase, stacked, keys, values, mask, scaling)

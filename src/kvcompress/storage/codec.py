@@ -80,9 +80,9 @@ class Codec:
         return self.into_basis(vectors)
 
     @property
-    def kernel_code(self) -> int | None:
-        """How ``attention.decode_attention`` is told these rows are coded (None: no kernel reads them)."""
-        return None
+    def kernel_code(self) -> int:
+        """How ``attention.decode_attention`` is told these rows are coded (integer codes: their bits)."""
+        raise NotImplementedError
 
     def spec(self) -> str:
         """What a saved file holds to make this codec again (``from_spec``)."""
@@ -361,9 +361,9 @@ def token_bytes(codec: KVCodec | None, keys: torch.Tensor, values: torch.Tensor)
 
 def coded_rows(codec: KVCodec | None, keys: torch.Tensor,
                values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int, int] | None:
-    """Stored keys and values with their ``kernel_code``s, where a kernel may read both as they are
-    (``attention.decode_attention``); None otherwise."""
-    if codec is None or codec.keys.kernel_code is None or codec.values.kernel_code is None:
+    """Stored keys and values with their ``kernel_code``s, which a kernel may read as they are
+    (``attention.decode_attention``); None where the storage holds them at the model's precision."""
+    if codec is None:
         return None
     return keys, values, codec.keys.kernel_code, codec.values.kernel_code
 
