@@ -173,10 +173,10 @@ def engine_settings(method: Method) -> dict[str, Any]:
 
 def engine_options(method: Method) -> dict[str, Any]:
     """What a vLLM engine (``vllm.LLM(model, **engine_options(method))``) needs to apply kvcompress:
-    the plugin's scheduler and connector, the engine's method; prefix caching off."""
+    the plugin's scheduler and connector, the engine's method (vLLM's prefix caching stays on)."""
     return {
         "scheduler_cls": SCHEDULER, "kv_transfer_config": CONNECTOR,
-        "additional_config": engine_settings(check_servable(method)), "enable_prefix_caching": False,
+        "additional_config": engine_settings(check_servable(method)),
     }
 
 
@@ -186,7 +186,7 @@ def serve_argv(model: str, method: Method, host: str, port: int, vllm_flags: lis
     return [
         "--model", model, "--host", host, "--port", str(port), "--scheduler-cls", SCHEDULER, "--middleware", MIDDLEWARE,
         "--kv-transfer-config", json.dumps(CONNECTOR), "--additional-config", json.dumps(engine_settings(method)),
-        "--no-enable-prefix-caching", "--shutdown-timeout", "30", *vllm_flags,  # SIGINT/SIGTERM: finish, then stop
+        "--shutdown-timeout", "30", *vllm_flags,  # SIGINT/SIGTERM: finish, then stop
     ]
 
 

@@ -34,8 +34,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import math
 import os
+import sys
 from typing import Any
 
 import torch
@@ -45,12 +45,9 @@ from vllm import envs
 from vllm.config import get_current_vllm_config
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
 from vllm.forward_context import get_forward_context
+from vllm.logger import init_logger
 from vllm.utils.torch_utils import is_quantized_kv_cache
-from vllm.v1.attention.backends.cpu_attn import (
-    CPUAttentionBackend,
-    CPUAttentionBackendImpl,
-    CPUAttentionMetadataBuilder,
-)
+from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 from vllm.v1.core.sched.scheduler import Scheduler
 
@@ -63,6 +60,8 @@ from ..storage.attention import scoring_sinks
 from ..storage.codec import make_codec
 from .settings import ENGINE_ENV, FIELD, PromptLayer, check_pool, method_of, model_config, scorable
 
+logger = init_logger(__name__)
+
 
 def register() -> None:
     """The ``vllm.general_plugins`` entry point: use kvcompress's backend where vLLM uses CPU_ATTN."""
@@ -73,14 +72,8 @@ def engine_method(vllm_config: Any = None) -> Method:
     """The method of this vLLM instance (a request may name its own); refuses the engine settings the
     plugin cannot serve, naming them."""
     config = vllm_config or get_current_vllm_config()
-    refusals = (
-        (config.cache_config.enable_prefix_caching,
-         "enable_prefix_caching=False (compressed blocks no longer hold what their hash says)"),
-        (config.speculative_config is not None, "no speculative decoding"),
-    )
-    for refused, what in refusals:
-        if refused:
-            raise ValueError(f"kvcompress in vLLM needs {what}")
+    if config.speculative_config is not None:
+        raise ValueError("kvcompress in vLLM needs no speculative decoding")
     check_pool(config.cache_config.cache_dtype, config.model_config.hf_config)
     settings = (config.additional_config or {}).get(FIELD)
     method = method_of(settings, default=SnapKV()) if settings is not None else SnapKV()
@@ -113,63 +106,117 @@ def kept_count(method: Method, prompt: int) -> int:
     return min(prompt, int(method.kept_tokens(torch.tensor([prompt]))[0]))
 
 
-# Per worker process: a scheduled request's first KV block -> its method and its prompt's length, as the
-# connector brought them for this step.
-REQUEST_METHODS: dict[int, Method] = {}
-REQUEST_PROMPTS: dict[int, int] = {}
-# This step's requests still in their prompt whose method reads the prompt's words: first KV block -> the
-# prompt's token ids, as the connector brought them (a model's input ids are read nowhere else: a hook on the
-# embedding does not run inside vLLM's compiled graph, which kept the first request's ids for every later one).
-REQUEST_TOKENS: dict[int, torch.Tensor] = {}
-STEP_SPANS: dict[int, torch.Tensor] = {}  # their word spans, read once a step rather than once a layer
-# A prompt prefilled in chunks, until its last: (first KV block, layer) -> each earlier chunk's keys, values and
-# the queries its method may read (the paged cache's layout is the kernel's own, so the keys are kept as
-# computed rather than read back).
-CHUNKS: dict[tuple[int, str], list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
-# Per worker process: the first KV block of a compressed request -> (prompt tokens, kept tokens). A
-# request's first block is its own while it lives; a new request starting on it resets the entry.
-COMPRESSED: dict[int, tuple[int, int]] = {}
+@dataclasses.dataclass
+class Scheduled:
+    """What a worker is told of one request scheduled in a step (by the connector, from the scheduler): its method's
+    settings, its prompt's length, the tokens computed before the step and scheduled in it, where this prefill began
+    (its prefix-cache hit: the prompt before it is read back from the paged cache), the prompt's token ids while it
+    is prefilled (where its method reads them), the block ids the worker's block table holds for it (how its row is
+    found), and the blocks its compressed cache lives in once the scheduler gave them."""
+
+    settings: dict[str, Any]
+    prompt: int
+    computed: int
+    query: int
+    start: int = 0
+    tokens: list[int] | None = None
+    row: list[int] | None = None
+    area: list[int] | None = None
+
+
+@dataclasses.dataclass
+class StepMethods(KVConnectorMetadata):
+    """A step's scheduled requests by request id, and the ids of every request holding blocks, scheduled or not."""
+
+    requests: dict[str, Scheduled]
+    live: set[str]
+
+
+# Per worker process, this step's: the scheduled requests (as the connector brought them), which request each row of
+# the batch is (the metadata builder finds them by their blocks), the compressed requests whose rows it remapped, and
+# the word spans of prompts whose method reads them (read once a step rather than once a layer).
+STEP: dict[str, Scheduled] = {}
+ROWS: list[str | None] = []
+REMAPPED: set[str] = set()
+STEP_SPANS: dict[str, torch.Tensor] = {}
+# A prompt prefilled in chunks, until its last: (request, layer) -> where its computing began and each computed
+# chunk's keys, values and the queries its method may read (a prompt before its computing began is read back from
+# the paged cache at its last chunk).
+CHUNKS: dict[tuple[str, str], tuple[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]] = {}
 ATTEND_BLOCK = 512  # prompt queries per call when an fp8 pool's prompt attends itself (``attend_prompt``)
-# This step's requests already compressed (their first KV blocks), as the metadata builder remapped them.
-REMAPPED: set[int] = set()
-# The same key as COMPRESSED -> layer name -> the prompt positions each KV head kept ``[kv_heads, kept]`` (as
+# request id -> layer name -> the prompt positions each KV head kept ``[kv_heads, kept]`` (as
 # ``KVCompressCache.kept_positions``), for checks against kvcompress's own cache.
-KEPT_POSITIONS: dict[int, dict[str, torch.Tensor]] = {}
+KEPT_POSITIONS: dict[str, dict[str, torch.Tensor]] = {}
 
 
-class KVCompressCPUMetadataBuilder(CPUAttentionMetadataBuilder):
-    """Maps compressed requests' tokens to their compressed slots before vLLM's metadata is built."""
+def rows_of(step: dict[str, Scheduled], table: torch.Tensor, query_lens: list[int], seq_lens: list[int]) -> list:
+    """Which scheduled request each row of a step's batch is (None: one the worker needs nothing of): the row whose
+    block table starts with the blocks the worker was sent for the request, with its scheduled and seen tokens. A
+    block id alone could mislead: a compressed request's freed prompt blocks stay in its row while other requests
+    reuse them; so every request's whole row is compared, and ties are settled by elimination or refused."""
+    rows: list[str | None] = [None] * len(query_lens)
+    candidates: dict[str, set[int]] = {}
+    for request, info in step.items():
+        if info.row is None or len(info.row) > table.shape[1]:
+            continue
+        same = (table[:, : len(info.row)] == torch.tensor(info.row, dtype=table.dtype)).all(dim=1).tolist()
+        candidates[request] = {r for r, hit in enumerate(same) if hit and query_lens[r] == info.query
+                               and seq_lens[r] == info.computed + info.query}
+    while candidates:
+        settled_now = {request: next(iter(found)) for request, found in candidates.items() if len(found) == 1}
+        if not settled_now:
+            raise RuntimeError(f"kvcompress: the batch rows of requests {sorted(candidates)} cannot be told apart")
+        for request, row in settled_now.items():
+            rows[row] = request
+            del candidates[request]
+        for found in candidates.values():
+            found.difference_update(settled_now.values())
+    return rows
 
-    def build(self, common_prefix_len: int, common_attn_metadata: Any, fast_build: bool = False) -> Any:
-        common = common_attn_metadata
-        starts = common.query_start_loc_cpu.tolist()
-        seq_lens = common.seq_lens.clone()
-        slots = common.slot_mapping.clone()
-        changed = False
-        REMAPPED.clear()
-        for row in range(common.num_reqs):
-            first = int(common.block_table_tensor[row, 0])
-            queries, seen = starts[row + 1] - starts[row], int(seq_lens[row])
-            if queries == seen:  # a fresh prefill: whatever was compressed on this block before is gone
-                COMPRESSED.pop(first, None)
-                KEPT_POSITIONS.pop(first, None)
-                continue
-            if first not in COMPRESSED:
-                continue
-            prompt, kept = COMPRESSED[first]
-            physical = kept + (seen - prompt) - queries + torch.arange(queries)  # where this row's new tokens go
-            blocks = common.block_table_tensor[row, physical // self.block_size].to(slots.dtype)
-            slots[starts[row] : starts[row + 1]] = blocks * self.block_size + physical % self.block_size
-            seq_lens[row] = kept + (seen - prompt)
-            changed = True
-            REMAPPED.add(first)
-        if changed:
-            common = dataclasses.replace(common, seq_lens=seq_lens, slot_mapping=slots, max_seq_len=int(seq_lens.max()))
-        return super().build(common_prefix_len, common, fast_build)
+
+def step_method(request: str) -> Method:
+    return settled(json.dumps(STEP[request].settings, sort_keys=True))
+
+
+@functools.lru_cache(maxsize=8)
+def paged_order(kv_heads: int, block_size: int, head_size: int, dtype: torch.dtype,
+                isa: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where vLLM's CPU kernels keep each token's key and value inside a block (their layout is the ISA's own: keys
+    transposed on some): for each of the keys' and the values' ``[kv_heads, block_size * head_size]`` elements in
+    token-major order, its offset in the stored block. Found by writing a block whose elements spell their own
+    index one bit at a time (0 and 1 are exact in every dtype) with the kernel's own write, so no layout is assumed."""
+    count = block_size * head_size
+    index = torch.arange(count).view(block_size, 1, head_size).expand(block_size, kv_heads, head_size)
+    stored = [torch.zeros(kv_heads, count, dtype=torch.long) for _ in range(2)]
+    for bit in range((count - 1).bit_length()):
+        plane = ((index >> bit) & 1).to(dtype).contiguous()
+        cache = torch.zeros(1, kv_heads, block_size * 2, head_size, dtype=dtype)
+        key_cache, value_cache = cache.chunk(2, dim=2)
+        ops.cpu_attn_reshape_and_cache(plane, plane.clone(), key_cache, value_cache, torch.arange(block_size), isa,
+                                       k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+        for found, part in zip(stored, (key_cache, value_cache)):
+            found |= (part[0].reshape(kv_heads, count) != 0).long() << bit
+    return tuple(found.argsort(dim=1) for found in stored)  # type: ignore[return-value]
+
+
+def read_prompt(kv_cache: torch.Tensor, blocks: torch.Tensor, tokens: int, isa: str) -> tuple[torch.Tensor, ...]:
+    """The keys and values ``[tokens, kv_heads, head_size]`` a request's first ``tokens`` positions hold in vLLM's
+    CPU paged cache (``kv_cache [blocks, kv_heads, block_size, 2 * head_size]`` in the model's dtype), through
+    ``blocks``, its block table row: the prompt a prefix-cache hit spared its prefill."""
+    _, kv_heads, block_size, width = kv_cache.shape
+    head_size, used = width // 2, -(-tokens // block_size)
+    parts = kv_cache[blocks[:used].long()].view(used, kv_heads, 2 * block_size, head_size).chunk(2, dim=2)
+    orders = paged_order(kv_heads, block_size, head_size, kv_cache.dtype, isa)
+    return tuple(
+        part.reshape(used, kv_heads, -1).gather(2, order[None].expand(used, -1, -1))
+        .view(used, kv_heads, block_size, head_size).transpose(1, 2).reshape(used * block_size, kv_heads, head_size)
+        [:tokens]
+        for part, order in zip(parts, orders))
 
 
 class KVCompressCPUImpl(CPUAttentionBackendImpl):
-    """CPU attention that compresses each fresh prefill at the end of its attention, with its request's method."""
+    """CPU attention that compresses each prompt at the end of its prefill, with its request's method, into the
+    blocks the scheduler gave it."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -190,11 +237,44 @@ class KVCompressCPUImpl(CPUAttentionBackendImpl):
             self.rotary = rotary_from_config(self.model.hf_config, layer_index(layer.layer_name))
         return self.rotary
 
+    def prepare(self, layer: Any, metadata: Any, block_size: int) -> None:
+        """Once a step, at its first layer (the connector's metadata reaches a worker after vLLM built the step's
+        attention metadata): find each scheduled request's row, then point compressed requests' rows at their own
+        blocks: their new tokens' slots right after their kept tokens, their lengths kept + generated, the
+        scheduling recomputed. New tensors replace the metadata's (its own are vLLM's persistent buffers)."""
+        if getattr(metadata, "kvcompress_step", False):
+            return
+        metadata.kvcompress_step = True
+        starts = metadata.query_start_loc.tolist()
+        query_lens = [starts[r + 1] - starts[r] for r in range(len(starts) - 1)]
+        table = metadata.block_table[: len(query_lens)]
+        ROWS[:] = rows_of(STEP, table, query_lens, metadata.seq_lens[: len(query_lens)].tolist())
+        REMAPPED.clear()
+        remapped = [(row, request) for row, request in enumerate(ROWS) if request is not None
+                    and STEP[request].area is not None and STEP[request].computed >= STEP[request].prompt]
+        if not remapped:
+            return
+        seq_lens, slots, table = metadata.seq_lens.clone(), metadata.slot_mapping.clone(), metadata.block_table.clone()
+        for row, request in remapped:
+            info = STEP[request]
+            kept, area = kept_count(step_method(request), info.prompt), torch.tensor(info.area, dtype=table.dtype)
+            physical = kept + (info.computed - info.prompt) + torch.arange(info.query)  # where its new tokens go
+            slots[starts[row] : starts[row + 1]] = (area[physical // block_size].to(slots.dtype) * block_size
+                                                    + physical % block_size)
+            seq_lens[row] = kept + (info.computed + info.query - info.prompt)
+            table[row, : len(info.area)] = area
+            REMAPPED.add(request)
+        metadata.seq_lens, metadata.slot_mapping, metadata.block_table = seq_lens, slots, table
+        metadata.max_seq_len = int(seq_lens[: len(query_lens)].max())
+        metadata.scheduler_metadata = self.scheduling(layer, metadata.query_start_loc, seq_lens[: len(query_lens)],
+                                                      metadata.causal)
+
     def do_kv_cache_update(self, layer: torch.nn.Module, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                            slot_mapping: torch.Tensor) -> None:
         metadata = get_forward_context().attn_metadata
         metadata = metadata.get(layer.layer_name) if isinstance(metadata, dict) else None
-        if metadata is not None:  # our builder's slots: compressed requests write after their kept tokens
+        if metadata is not None:  # compressed requests write after their kept tokens
+            self.prepare(layer, metadata, kv_cache.shape[2])
             slot_mapping = metadata.slot_mapping[: slot_mapping.shape[0]]
         self.write_pool(layer, key, value, kv_cache, slot_mapping)
 
@@ -218,56 +298,58 @@ class KVCompressCPUImpl(CPUAttentionBackendImpl):
         if attn_metadata is None or kv_cache.numel() == 0:
             return output
         starts = attn_metadata.query_start_loc.tolist()
-        for row in range(len(starts) - 1):
-            blocks = attn_metadata.block_table[row]
-            first, prompt = int(blocks[0]), REQUEST_PROMPTS.get(int(blocks[0]))
-            length, seen = starts[row + 1] - starts[row], int(attn_metadata.seq_lens[row])
-            if prompt is None or seen - length >= prompt or first in REMAPPED:  # decoding
+        for row, request in enumerate(ROWS[: len(starts) - 1]):
+            if request is None or request in REMAPPED or STEP[request].computed >= STEP[request].prompt:  # decoding
                 continue
-            method = REQUEST_METHODS[first]
-            compressing = kept_count(method, prompt) < prompt
-            if not compressing and not self.coded_pool:
-                continue
+            info, method = STEP[request], step_method(request)
+            compressing = kept_count(method, info.prompt) < info.prompt
             # The step's part of the prompt; after it, a preempted request's recomputed tokens (fed with the prompt).
-            ends = min(length, prompt - (seen - length))
+            ends = min(info.query, info.prompt - info.computed)
             rows, after = slice(starts[row], starts[row] + ends), slice(starts[row] + ends, starts[row + 1])
             needed = method.queries_needed() if compressing else 0
             queries = query[rows] if needed is None else query[rows][ends - min(needed, ends) :]
             chunk = (key[rows], value[rows], queries)
-            held = CHUNKS.pop((first, layer.layer_name), []) if length < seen else []  # a first chunk starts afresh
-            if self.coded_pool or seen >= prompt:  # (an earlier chunk of a 16-bit pool needs none of it)
+            began, held = (CHUNKS.pop((request, layer.layer_name), (info.computed, []))
+                           if info.computed > info.start else (info.start, []))  # a first chunk starts afresh
+            done = info.computed + ends >= info.prompt
+            if self.coded_pool or done:  # (an earlier chunk of a 16-bit pool needs none of it)
                 keys, values, queries = (torch.cat([part[i] for part in (*held, chunk)]) for i in range(3))
             if self.coded_pool:  # the prompt attends itself as computed, as the library's prefill does
                 self.attend_prompt(query[rows], keys, values, output[rows])
-            if seen < prompt:  # an earlier chunk of a prompt prefilled in chunks: held until the last, copied (the
-                # keys live in the step's whole projection)
-                CHUNKS[(first, layer.layer_name)] = [*held, tuple(part.clone() for part in chunk)]
+            if not done:  # an earlier chunk of a prompt prefilled in chunks: held until the last, copied (the keys
+                # live in the step's whole projection)
+                CHUNKS[(request, layer.layer_name)] = (began, [*held, tuple(part.clone() for part in chunk)])
                 continue
-            if not compressing:
+            if not compressing or info.area is None:  # (no area: the scheduler found no room, docs/vllm.md)
                 continue
-            kept = self.compress(layer, method, queries, keys, values, kv_cache, blocks, self.spans(method, first),
-                                 key[after], value[after])
+            if began > 0:  # the prompt before this prefill began, a prefix-cache hit: read back from the pool
+                cached = read_prompt(kv_cache, attn_metadata.block_table[row], began, layer.isa)
+                keys, values = torch.cat([cached[0], keys]), torch.cat([cached[1], values])
+            area = torch.tensor(info.area)
+            kept = self.compress(layer, request, method, queries, keys, values, kv_cache, area,
+                                 self.spans(method, request), key[after], value[after])
             if after.stop > after.start:  # a recomputed request's generated tokens see the cache its decoding saw
-                self.attend_kept(layer, query[after], kv_cache, blocks, kept, output[after])
+                self.attend_kept(layer, query[after], kv_cache, area, kept, output[after])
         return output
 
-    def spans(self, method: Method, first: int) -> torch.Tensor | None:
-        """The word spans of the prompt of the request whose first KV block is ``first``, if its method reads
-        them (``[1, prompt]``)."""
+    def spans(self, method: Method, request: str) -> torch.Tensor | None:
+        """The word spans of ``request``'s prompt, if its method reads them (``[1, prompt]``)."""
         if not method.needs_tokens():
             return None
-        if first not in STEP_SPANS:
-            STEP_SPANS[first] = tokenizer_spans(self.model.tokenizer).span_ids(REQUEST_TOKENS[first][None])
-        return STEP_SPANS[first]
+        if request not in STEP_SPANS:
+            tokens = torch.tensor(STEP[request].tokens)[None]
+            STEP_SPANS[request] = tokenizer_spans(self.model.tokenizer).span_ids(tokens)
+        return STEP_SPANS[request]
 
     def compress(
-        self, layer: Any, method: Method, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+        self, layer: Any, request: str, method: Method, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         kv_cache: torch.Tensor, blocks: torch.Tensor, spans: torch.Tensor | None, later_keys: torch.Tensor,
         later_values: torch.Tensor
     ) -> int:
         """One request's prompt (keys and values ``[tokens, heads, dim]``, the last queries its method reads):
-        keep each KV head's tokens in its first slots, then ``later_keys``/``later_values`` (the tokens a
-        recomputed request had generated) right after them; returns how many tokens each head kept."""
+        keep each KV head's tokens in the first slots of ``blocks`` (its own, never a block the prefix cache holds),
+        then ``later_keys``/``later_values`` (the tokens a recomputed request had generated) right after them;
+        returns how many tokens each head kept."""
         length = key.shape[0]
         if spans is not None and spans.shape[-1] != length:  # never score one prompt with another's words
             raise RuntimeError(f"kvcompress: a prompt of {length} tokens came with {spans.shape[-1]} token ids")
@@ -285,8 +367,7 @@ class KVCompressCPUImpl(CPUAttentionBackendImpl):
         slot_mapping = blocks[slots // block_size].to(torch.long) * block_size + slots % block_size
         keys, values = (torch.cat([t[order, heads], later]) for t, later in ((key, later_keys), (value, later_values)))
         self.write_pool(layer, keys, values, kv_cache, slot_mapping)
-        COMPRESSED[int(blocks[0])] = (length, order.shape[0])
-        KEPT_POSITIONS.setdefault(int(blocks[0]), {})[layer.layer_name] = kept[0]
+        KEPT_POSITIONS.setdefault(request, {})[layer.layer_name] = kept[0]
         return order.shape[0]
 
     def attend_prompt(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -314,12 +395,7 @@ class KVCompressCPUImpl(CPUAttentionBackendImpl):
         n = query.shape[0]
         starts, lengths = torch.tensor([0, n], dtype=torch.int32), torch.tensor([kept + n], dtype=torch.int32)
         key_cache, value_cache = kv_cache.view(*kv_cache.shape[:2], kv_cache.shape[2] * 2, -1).chunk(2, dim=2)
-        schedule = ops.cpu_attn_get_scheduler_metadata(
-            num_reqs=1, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_size,
-            seq_lens=lengths, dtype=query.dtype, query_start_loc=starts, causal=True,
-            sliding_window_size=self.sliding_window, isa=layer.isa, enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
-            dynamic_causal=None, kv_cache_dtype=self.kv_cache_dtype
-        )
+        schedule = self.scheduling(layer, starts, lengths, True)
         ops.cpu_attention_with_kv_cache(
             query=query, key_cache=key_cache, value_cache=value_cache, output=output, query_start_loc=starts,
             seq_lens=lengths, scale=self.scale, causal=True, alibi_slopes=self.alibi_slopes,
@@ -329,34 +405,29 @@ class KVCompressCPUImpl(CPUAttentionBackendImpl):
         )
 
 
+    def scheduling(self, layer: Any, starts: torch.Tensor, lengths: torch.Tensor, causal: bool) -> torch.Tensor:
+        """vLLM's CPU kernel's work split for requests of ``lengths`` tokens whose queries start at ``starts``."""
+        return ops.cpu_attn_get_scheduler_metadata(
+            num_reqs=lengths.shape[0], num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_size, seq_lens=lengths, dtype=self.model.dtype, query_start_loc=starts, causal=causal,
+            sliding_window_size=self.sliding_window, isa=layer.isa, enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
+            dynamic_causal=None, kv_cache_dtype=self.kv_cache_dtype)
+
+
 class KVCompressCPUBackend(CPUAttentionBackend):
     @staticmethod
     def get_impl_cls() -> type[KVCompressCPUImpl]:
         return KVCompressCPUImpl
 
-    @staticmethod
-    def get_builder_cls() -> type[KVCompressCPUMetadataBuilder]:
-        return KVCompressCPUMetadataBuilder
-
-
-@dataclasses.dataclass
-class StepMethods(KVConnectorMetadata):
-    """A step's scheduled requests, by first KV block: the settings of the request's method, its prompt's length,
-    the prompt's token ids while it is prefilled (where its method reads them); and the first KV blocks of every
-    request holding blocks, scheduled this step or not."""
-
-    methods: dict[int, dict[str, Any]]
-    prompts: dict[int, int]
-    live: set[int]
-    tokens: dict[int, list[int]] = dataclasses.field(default_factory=dict)
 
 
 class KVCompressConnector(KVConnectorBase_V1):
-    """Carries each request's method from the scheduler to the workers; it moves no KV."""
+    """Carries each request's method and blocks from the scheduler to the workers; it moves no KV."""
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         self.default = engine_method(vllm_config)
+        self.coded_pool = is_quantized_kv_cache(vllm_config.cache_config.cache_dtype)
         self.methods: dict[str, Method] = {}  # scheduler side: request id -> its method
         self.requests: dict[str, Any] = {}  # and vLLM's request (its prompt, its progress)
 
@@ -366,6 +437,10 @@ class KVCompressConnector(KVConnectorBase_V1):
         self.methods[request.request_id] = request_method(request, self.default)
         self.requests[request.request_id] = request
 
+    def compresses(self, request: Any) -> bool:
+        """Whether ``request``'s method keeps fewer tokens than its prompt has."""
+        return kept_count(self.methods[request.request_id], request.num_prompt_tokens) < request.num_prompt_tokens
+
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         return 0, False  # nothing to load from elsewhere
 
@@ -373,18 +448,18 @@ class KVCompressConnector(KVConnectorBase_V1):
         pass
 
     def build_connector_meta(self, scheduler_output: Any) -> StepMethods:
-        manager = self._kv_cache_manager.coordinator.single_type_managers[0]
-        methods, prompts, tokens = {}, {}, {}
-        for request_id in scheduler_output.num_scheduled_tokens:  # (called before the step advances requests)
-            blocks, method = manager.req_to_blocks.get(request_id), self.methods.get(request_id)
-            if blocks and method is not None:
-                first, request = blocks[0].block_id, self.requests[request_id]
-                methods[first] = {"method": method.name, **method.settings()}
-                prompts[first] = request.num_prompt_tokens
-                if method.needs_tokens() and request.num_computed_tokens < request.num_prompt_tokens:
-                    tokens[first] = list(request.prompt_token_ids)
-        live = {blocks[0].block_id for request_id in self.methods if (blocks := manager.req_to_blocks.get(request_id))}
-        return StepMethods(methods, prompts, live, tokens)
+        """Each scheduled request's method, prompt and progress (called before the step advances requests); the
+        scheduler adds their blocks (``KVCompressScheduler.schedule``)."""
+        requests = {}
+        for request_id, query in scheduler_output.num_scheduled_tokens.items():
+            method, request = self.methods.get(request_id), self.requests.get(request_id)
+            if method is None:
+                continue
+            prefilling = request.num_computed_tokens < request.num_prompt_tokens
+            requests[request_id] = Scheduled(
+                {"method": method.name, **method.settings()}, request.num_prompt_tokens, request.num_computed_tokens,
+                query, tokens=list(request.prompt_token_ids) if method.needs_tokens() and prefilling else None)
+        return StepMethods(requests, set())
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self.methods.pop(request.request_id, None)
@@ -396,12 +471,9 @@ class KVCompressConnector(KVConnectorBase_V1):
     def bind_connector_metadata(self, connector_metadata: StepMethods) -> None:
         """Before the step's forward (``start_load_kv`` comes after it where no load is synchronous)."""
         super().bind_connector_metadata(connector_metadata)
-        for block, settings in connector_metadata.methods.items():
-            REQUEST_METHODS[block] = settled(json.dumps(settings, sort_keys=True))
-        REQUEST_PROMPTS.update(connector_metadata.prompts)
-        REQUEST_TOKENS.clear()  # this step's only: they are sent with every step of a prompt
+        STEP.clear()  # this step's only: every scheduled request comes with every step
+        STEP.update(connector_metadata.requests)
         STEP_SPANS.clear()
-        REQUEST_TOKENS.update({block: torch.tensor(ids) for block, ids in connector_metadata.tokens.items()})
         for held in [key for key in CHUNKS if key[0] not in connector_metadata.live]:  # ended, or preempted
             del CHUNKS[held]  # (a request that skips a step keeps its chunks)
 
@@ -425,8 +497,29 @@ def settled(settings: str) -> Method:
     return method_from_name(fields.pop("method"), **fields)
 
 
+@dataclasses.dataclass
+class Area:
+    """Where a compressed request's cache lives: blocks of its own, taken from the pool when its prompt's last step
+    is scheduled, the first appended to its block table at index ``anchor`` (how its worker finds its row), the rest
+    known to the worker through the connector; ``row`` is the block ids the worker's block table holds for it, which
+    stay when its prompt's blocks are freed."""
+
+    blocks: list[Any]
+    anchor: int
+    row: list[int]
+    prompt_blocks: int
+    freed: bool = False
+
+
 class KVCompressScheduler(Scheduler):
-    """vLLM's scheduler, freeing the KV blocks a request no longer needs once its prompt is compressed."""
+    """vLLM's scheduler with prefix caching kept on: a compressing request's prompt is prefilled over what the
+    prefix cache holds (less the queries its method reads), its kept tokens go to blocks of its own, and once its
+    prompt is compressed its prompt's blocks are let go (those the prefix cache holds stay cached for the next
+    request), so more requests fit and a shared document is prefilled once.
+
+    vLLM's private state touched here, and only here: the KV cache managers' ``req_to_blocks``,
+    ``num_cached_block`` and ``_remove_blocks_in_range``, the block pool's ``get_new_blocks``, the step output's
+    block ids, and ``_get_local_prefix_cache_hit`` (docs/vllm.md, "Upstream proposal")."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -434,6 +527,15 @@ class KVCompressScheduler(Scheduler):
             raise ValueError("kvcompress in vLLM needs its KV connector (serving.engine_options: kv_transfer_config)")
         self.blocks_before_after: dict[str, tuple[int, int]] = {}  # request -> KV blocks in use before / after
         self.peak_running = 0  # the most requests running at once
+        self.areas: dict[str, Area] = {}  # compressed requests' own blocks
+        self.hits: dict[str, int] = {}  # where each request's prefill began (its prefix-cache hit)
+        self.uncompressed = 0  # prompts served with their whole cache for want of free blocks (logged)
+        self.coded_pool = self.connector.coded_pool
+        self.width = -(-self.vllm_config.model_config.max_model_len // self.block_size)  # a worker's block table row
+
+    @property
+    def manager(self) -> Any:
+        return self.kv_cache_manager.coordinator.single_type_managers[0]
 
     def add_request(self, request: Any) -> None:  # bad settings refused by name before vLLM holds the request
         method = scorable(request_method(request, self.connector.default), self.vllm_config.model_config.hf_config)
@@ -442,31 +544,92 @@ class KVCompressScheduler(Scheduler):
                                         "this prompt came as embeddings; use the setting clustering='pool'")
         super().add_request(request)
 
+    def _get_local_prefix_cache_hit(self, request: Any) -> tuple[Any, int, int, bool]:
+        """vLLM's prefix-cache hit, cut so that a compressing request computes the last prompt queries its method
+        reads (SnapKV's window; none of a prompt for a method that reads every query, H2O's and ExpectedAttention's)
+        and ends on a block; an fp8 pool's requests take none (their prompts attend themselves as computed)."""
+        blocks, hit, boundary, diverged = super()._get_local_prefix_cache_hit(request)
+        allowed = hit
+        if self.coded_pool:
+            allowed = 0
+        elif request.request_id in self.connector.methods and self.connector.compresses(request):
+            needed = self.connector.methods[request.request_id].queries_needed()
+            allowed = 0 if needed is None else max(request.num_prompt_tokens - needed, 0)
+            allowed -= allowed % self.block_size
+        if hit > allowed:
+            blocks, hit = self.kv_cache_manager.truncate_computed_blocks(blocks, allowed), allowed
+        self.hits[request.request_id] = hit
+        return blocks, hit, boundary, diverged
+
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().schedule(*args, **kwargs)
+        step: StepMethods = output.kv_connector_metadata
+        for request_id in [r for r in self.areas if not self.holds_area(r)]:  # ended or preempted: freed by vLLM
+            del self.areas[request_id]
+        for request_id, info in step.requests.items():
+            request = self.requests[request_id]
+            if (request_id not in self.areas and self.connector.compresses(request)
+                    and info.computed < request.num_prompt_tokens <= info.computed + info.query):
+                self.allocate_area(request, output)
+            area = self.areas.get(request_id)
+            info.start = self.hits.get(request_id, 0)
+            info.area = None if area is None else [block.block_id for block in area.blocks]
+            needs_row = self.connector.compresses(request) or (self.coded_pool and info.computed < info.prompt)
+            blocks = self.manager.req_to_blocks.get(request_id, [])
+            info.row = (area.row if area is not None else [b.block_id for b in blocks]) if needs_row else None
+        step.live = {request_id for request_id in self.connector.methods if self.manager.req_to_blocks.get(request_id)}
+        return output
+
+    def holds_area(self, request_id: str) -> bool:
+        """Whether a request still holds the blocks given for its compressed cache (vLLM frees them all when it
+        ends or is preempted)."""
+        area, blocks = self.areas[request_id], self.manager.req_to_blocks.get(request_id, [])
+        return len(blocks) > area.anchor and blocks[area.anchor] is area.blocks[0]
+
+    def allocate_area(self, request: Any, output: Any) -> None:
+        """Blocks of its own for a request whose prompt's last step is scheduled: room for what its method keeps
+        and every token it may generate, never offered to the prefix cache. The first is appended to its block
+        table (in this step's output) so its worker can find its row; with no room, it keeps its whole cache."""
+        request_id, manager = request.request_id, self.manager
+        kept = kept_count(self.connector.methods[request_id], request.num_prompt_tokens)
+        needed = -(-(kept + request.max_tokens) // manager.block_size)
+        blocks = manager.req_to_blocks[request_id]
+        if manager.block_pool.get_num_free_blocks() < needed or len(blocks) + 1 > self.width:
+            self.uncompressed += 1
+            logger.warning("kvcompress: no room for request %s's compressed cache (%d blocks); it keeps its whole "
+                           "cache", request_id, needed)
+            return
+        own = manager.block_pool.get_new_blocks(needed)
+        anchor, row = len(blocks), [block.block_id for block in blocks]
+        blocks.extend(own)  # freed with the request, as vLLM frees its blocks
+        manager.num_cached_block[request_id] = sys.maxsize  # nothing of it cached from now on
+        self.areas[request_id] = Area(own, anchor, [*row, own[0].block_id], anchor)
+        appended = next((new.block_ids for new in output.scheduled_new_reqs if new.req_id == request_id), None)
+        if appended is None:
+            cached = output.scheduled_cached_reqs
+            i = cached.req_ids.index(request_id)
+            if cached.new_block_ids[i] is None:
+                cached.new_block_ids[i] = ([],)
+            appended = cached.new_block_ids[i]
+        appended[0].append(own[0].block_id)
+
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
         self.peak_running = max(self.peak_running, len(self.running))
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         for request in self.running:
-            if request.num_computed_tokens >= request.num_prompt_tokens:
-                self.shrink(request)
+            area = self.areas.get(request.request_id)
+            if area is not None and not area.freed and request.num_computed_tokens >= request.num_prompt_tokens:
+                self.release_prompt(request.request_id, area)
         return outputs
 
-    def shrink(self, request: Any) -> None:
-        """Free the blocks past the compressed prompt plus room for every token the request may
-        generate. Called after every step: it also frees the blocks vLLM adds for the request's later
-        logical positions (its tokens go right after the kept ones instead), and it compresses again
-        after a preempted request is recomputed."""
-        kept = kept_count(self.connector.methods[request.request_id], request.num_prompt_tokens)
-        if kept >= request.num_prompt_tokens:
-            return
-        before = after = 0
-        for manager in self.kv_cache_manager.coordinator.single_type_managers:
-            blocks = manager.req_to_blocks.get(request.request_id, [])
-            in_use = lambda: sum(block is not manager._null_block for block in blocks)  # noqa: E731
-            before += in_use()
-            keep = math.ceil((kept + request.max_tokens) / manager.block_size)
-            manager._remove_blocks_in_range(request.request_id, keep, len(blocks))
-            after += in_use()
-        self.blocks_before_after.setdefault(request.request_id, (before, after))  # the first compression
+    def release_prompt(self, request_id: str, area: Area) -> None:
+        """Once a prompt is compressed into its request's own blocks, let its prompt's blocks go (vLLM's null block
+        in their place, as vLLM frees a sliding window's): those the prefix cache holds stay cached."""
+        manager = self.manager
+        before = sum(block is not manager._null_block for block in manager.req_to_blocks[request_id][: area.anchor])
+        manager._remove_blocks_in_range(request_id, 0, area.prompt_blocks)
+        area.freed = True
+        self.blocks_before_after.setdefault(request_id, (before, len(area.blocks)))  # the first compression
 
 
 class RequestSettings:
