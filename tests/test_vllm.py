@@ -19,6 +19,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 import torch  # noqa: E402
 
 import kvcompress as kvc  # noqa: E402
+from kvcompress import demo  # noqa: E402
 from kvcompress.integrations.transformers.models import default_model_dir  # noqa: E402
 from kvcompress.serving import settings as serving  # noqa: E402
 from kvcompress.serving import vllm_plugin  # noqa: E402
@@ -67,6 +68,57 @@ def test_each_request_of_a_batch_gets_its_own_method_and_its_alone_answer(engine
              (1200, 0.3, {"method": "snapkv", "budget": 128, "window": 16}),
              (800, 0.4, {"method": "expected", "budget": 128})]
     assert len(served_alike(engine, library, cases)) == 5  # every request compressed but the one keeping its full cache
+
+
+QUESTIONS = [(demo.QUESTION, None), ("What colour is the door of the east wing?", {"method": "snapkv", "budget": 128}),
+             ("Summarise the document in one sentence.", {"method": "streamingllm", "budget": 96}),
+             (demo.QUESTION, {"method": "snapkv", "budget": 192, "window": 16}),
+             ("Which room is in the east wing?", {"method": "h2o", "budget": 160})]
+
+
+def test_questions_over_one_document_prefill_their_own_tokens_and_keep_what_the_library_keeps(engine, library):
+    """vLLM's prefix caching on: questions over one document, one after another, each with its own method. Each
+    later one prefills only the tokens after the cached document less what its method reads (SnapKV's window, none of
+    it for H2O, which reads every query), keeps exactly the positions the library keeps asking the same question of
+    the stored document (``generate(question, past=context, method=M)``), and answers with its tokens; the document's
+    blocks stay cached for the next question while each request's compressed blocks are its own."""
+    model, tokenizer = library
+    opening = f"Read this document.\n\n{demo.build_document(tokenizer, 1200, 0.4)}"
+    context = kvc.compress(model, tokenizer, [{"role": "user", "content": opening}])
+    scheduler = engine.llm_engine.engine_core.engine_core.scheduler
+    for i, (question, settings) in enumerate(QUESTIONS):
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": f"{opening}\n\n{question}"}],
+                                               tokenize=False, add_generation_prompt=True)
+        vllm_plugin.KEPT_POSITIONS.clear()
+        served = engine.generate([prompt], sampling([(settings,)]), use_tqdm=False)[0]
+        method = serving.method_of(settings, default=METHOD)
+        ours = kvc.generate(model, tokenizer, question, past=context, method=method, max_new_tokens=12)
+        assert served.outputs[0].text == ours.text, settings
+        assert same_positions(next(iter(vllm_plugin.KEPT_POSITIONS.values())), ours.cache), settings
+        hit = next(v for k, v in scheduler.hits.items() if k.split("-")[0] == served.request_id)
+        prompt_tokens, needed = len(served.prompt_token_ids), method.queries_needed()
+        if i == 0 or needed is None:
+            assert hit == 0, settings  # the document's first request; H2O scores with every prompt query
+        else:  # the cached document, up to the last whole block before the method's window
+            assert hit == (prompt_tokens - needed) // 32 * 32, settings
+
+
+def test_a_prompt_is_read_back_from_vllms_paged_cache_whatever_its_layout():
+    """The kernel's own write of random keys and values into scattered blocks, read back by the plugin: exact."""
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    for dtype, heads, size in ((torch.float32, 3, 64), (torch.bfloat16, 2, 128)):
+        isa = _get_attn_isa(dtype, 32, size)
+        cache = torch.zeros(9, heads, 32, 2 * size, dtype=dtype)
+        key_cache, value_cache = cache.view(9, heads, 64, size).chunk(2, dim=2)
+        keys, values = torch.randn(2, 70, heads, size).to(dtype)
+        blocks = torch.tensor([7, 2, 5], dtype=torch.int32)
+        slots = blocks[torch.arange(70) // 32].long() * 32 + torch.arange(70) % 32
+        ops.cpu_attn_reshape_and_cache(keys, values, key_cache, value_cache, slots, isa, k_scale=1.0, v_scale=1.0,
+                                       kv_cache_dtype="auto")
+        read = vllm_plugin.read_prompt(cache, blocks, 70, isa)
+        assert torch.equal(read[0], keys) and torch.equal(read[1], values), (dtype, isa)
 
 
 def served_alike(llm, library, cases: list[tuple]) -> list[dict[str, torch.Tensor]]:
@@ -154,6 +206,12 @@ def test_prompts_prefilled_in_chunks_are_compressed_after_their_last_chunk(libra
              (200, 0.5, {"method": "snapkv", "budget": 64, "window": 8}),
              (1100, 0.7, {"method": "expected", "budget": 200})]
     assert len(served_alike(chunked, library, cases)) == len(cases) and not vllm_plugin.CHUNKS  # none held after
+    # again: each prompt now finds its blocks in the prefix cache, read back at its last chunk (H2O and
+    # ExpectedAttention, which score with every query, take no hit)
+    hits = chunked.llm_engine.engine_core.engine_core.scheduler.hits
+    before = set(hits)
+    assert len(served_alike(chunked, library, cases)) == len(cases) and not vllm_plugin.CHUNKS
+    assert sorted(hits[request] > 0 for request in set(hits) - before) == [False] * 2 + [True] * 3
 
 
 @pytest.mark.parametrize("chunked", [False, True])
@@ -191,13 +249,25 @@ def test_a_prompt_prefilled_in_chunks_keeps_them_while_it_holds_blocks(engine):
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
     worker = vllm_plugin.KVCompressConnector(engine.llm_engine.vllm_config, KVConnectorRole.WORKER)
-    held = (torch.zeros(4, 3, 64), torch.zeros(4, 3, 64), torch.zeros(4, 9, 64), None)
-    vllm_plugin.CHUNKS.update({(7, "layers.0"): [held], (9, "layers.0"): [held]})
+    held = (0, [(torch.zeros(4, 3, 64), torch.zeros(4, 3, 64), torch.zeros(4, 9, 64))])
+    vllm_plugin.CHUNKS.update({("a", "layers.0"): held, ("b", "layers.0"): held})
     try:
-        worker.bind_connector_metadata(vllm_plugin.StepMethods(methods={}, prompts={}, live={7}))
-        assert set(vllm_plugin.CHUNKS) == {(7, "layers.0")}  # 7 skipped this step, 9 ended
+        worker.bind_connector_metadata(vllm_plugin.StepMethods(requests={}, live={"a"}))
+        assert set(vllm_plugin.CHUNKS) == {("a", "layers.0")}  # a skipped this step, b ended
     finally:
         vllm_plugin.CHUNKS.clear()
+
+
+def test_rows_are_found_by_their_whole_block_rows_and_ties_refused():
+    """A compressed request's freed prompt blocks stay in its worker row while others reuse them: a request is the
+    row whose blocks, scheduled tokens and length are all its own; a tie left after elimination is refused."""
+    info = functools.partial(vllm_plugin.Scheduled, {"method": "snapkv"}, 64, 63, 1)
+    table = torch.tensor([[5, 6, 7, 0], [5, 9, 0, 0], [5, 6, 7, 8]])
+    step = {"x": info(row=[5, 9]), "y": info(row=[5, 6, 7, 8]), "z": info(row=[5, 6])}
+    assert vllm_plugin.rows_of(step, table, [1, 1, 1], [64, 64, 64]) == ["z", "x", "y"]  # z: the row left to it
+    assert vllm_plugin.rows_of({"x": info(row=[5, 9])}, table, [1, 1, 1], [64, 64, 64]) == [None, "x", None]
+    with pytest.raises(RuntimeError, match="cannot be told apart"):
+        vllm_plugin.rows_of({"z": info(row=[5, 6])}, table, [1, 1, 1], [64, 64, 64])
 
 
 def test_a_request_with_invalid_settings_is_refused_by_name(engine):

@@ -17,6 +17,7 @@ vllm = pytest.importorskip("vllm")
 openai = pytest.importorskip("openai")
 
 import kvcompress as kvc  # noqa: E402
+from kvcompress import demo  # noqa: E402
 from kvcompress.generation.generate import _eos_ids  # noqa: E402
 from kvcompress.integrations.transformers.models import default_model_dir  # noqa: E402
 from kvcompress.serving import settings as serving  # noqa: E402
@@ -161,6 +162,7 @@ def soak_plan(tokenizer, requests: int, seed: int = 0) -> list[list[tuple]]:
         else:
             messages = chat(tokenizer, tokens - 100, rng.random())
         cases.append(Case(messages, SETTINGS[i % len(SETTINGS)]))
+    cases += shared_cases(tokenizer, rng)
     rng.shuffle(cases)
 
     def request() -> tuple:
@@ -172,6 +174,52 @@ def soak_plan(tokenizer, requests: int, seed: int = 0) -> list[list[tuple]]:
     while (sent := sum(map(len, plan))) < requests:
         plan.append([request() for _ in range(min(rng.randint(2, 16), requests - sent))])
     return plan
+
+
+FOLLOW_UPS = ["What colour is the door of the east wing?", "Repeat the access code, digits only.",
+              "Which wing holds the archive room?", "Summarise the document in one sentence.",
+              "What did you say the access code was?"]
+
+
+def shared_cases(tokenizer, rng: random.Random) -> list[Case]:
+    """Questions over one shared document (each its own request, some with their own settings) and later turns of a
+    chat over it: what prefix caching serves from the blocks the document's first request left cached."""
+    document = chat(tokenizer, 2400, 0.35)[0]["content"].rsplit("\n\n", 1)[0]
+    questions = [demo.QUESTION, *FOLLOW_UPS[:3]]
+    cases = [Case([{"role": "user", "content": f"{document}\n\n{q}"}], rng.choice(SETTINGS)) for q in questions]
+    turns = [{"role": "user", "content": f"{document}\n\n{demo.QUESTION}"},
+             {"role": "assistant", "content": "The access code for the archive room in the east wing is 4817."}]
+    for follow_up in FOLLOW_UPS[3:]:
+        turns += [{"role": "user", "content": follow_up}]
+        cases.append(Case(list(turns), rng.choice(SETTINGS)))
+        turns += [{"role": "assistant", "content": "I can answer that from the document."}]
+    return cases
+
+
+def test_a_conversation_finds_its_earlier_turns_in_the_prefix_cache(server, library):
+    """Six turns of one chat through the OpenAI API, each re-sending the conversation: every later turn finds the
+    earlier turn's prompt in vLLM's prefix cache (vLLM's own counter of prefix-cache hits grows by all its whole
+    blocks) and is compressed with its own question over everything before it: each answer the library's tokens for
+    the same messages (``kvc.generate(messages, method=SnapKV(budget=256))``, as a conversation over a stored
+    document compresses each turn)."""
+    model, tokenizer = library
+    reference = Library(library)
+    client = openai.OpenAI(base_url=f"{server.base}/v1", api_key="none", timeout=600, max_retries=0)
+    name = client.models.list().data[0].id
+    messages, previous = chat(tokenizer, 1300, 0.5), 0
+    for turn, follow_up in enumerate([*FOLLOW_UPS, None]):
+        before = serving.gauge(server.base, "vllm:prefix_cache_hits_total")
+        reply = client.chat.completions.create(model=name, messages=messages, max_tokens=24, temperature=0,
+                                               extra_body={"return_token_ids": True})
+        hits = serving.gauge(server.base, "vllm:prefix_cache_hits_total") - before
+        expected = kvc.generate(model, tokenizer, messages, method=ENGINE, max_new_tokens=24).token_ids[0]
+        assert reference.strip(reply.choices[0].model_extra["token_ids"]) == reference.strip(expected), turn
+        if turn:
+            assert hits >= previous // 32 * 32, (turn, hits, previous)
+        previous = reply.usage.prompt_tokens
+        if follow_up is not None:
+            messages = [*messages, {"role": "assistant", "content": reply.choices[0].message.content},
+                        {"role": "user", "content": follow_up}]
 
 
 def test_a_soak_of_one_server_answers_every_request_as_the_library_does(server, library):
@@ -187,5 +235,6 @@ def test_a_soak_of_one_server_answers_every_request_as_the_library_does(server, 
     assert len(answers) == SOAK
     assert differences(reference, answers) == []
     assert server.idle(), "requests still running or KV blocks still held after the soak"
+    assert serving.gauge(server.base, "vllm:prefix_cache_hits_total") > 0  # shared documents and turns were hits
     errors = [line for line in server.output().splitlines() if " ERROR " in line or "Traceback" in line]
     assert errors == [], errors[:20]

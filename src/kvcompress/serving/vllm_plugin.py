@@ -499,16 +499,33 @@ def settled(settings: str) -> Method:
 
 @dataclasses.dataclass
 class Area:
-    """Where a compressed request's cache lives: blocks of its own, taken from the pool when its prompt's last step
-    is scheduled, the first appended to its block table at index ``anchor`` (how its worker finds its row), the rest
-    known to the worker through the connector; ``row`` is the block ids the worker's block table holds for it, which
-    stay when its prompt's blocks are freed."""
+    """Where a compressed request's cache lives: ``own``, blocks of its own, then the blocks its table gets after its
+    prompt's ``prompt`` (the block ids its worker's row starts with, which stay there when the prompt's blocks are
+    let go). Either taken from the pool when its prompt's last step is scheduled (appended to its table after the
+    prompt, the first of them also to its worker's row, which is how the worker finds it), or, where the pool had no
+    room, the prompt's own last blocks that no other request holds, dropped from the prefix cache (``first``: their
+    index, the blocks vLLM appends later following them, as they do for any request)."""
 
-    blocks: list[Any]
-    anchor: int
-    row: list[int]
-    prompt_blocks: int
+    own: list[Any]
+    prompt: list[int]
+    first: int | None = None
     freed: bool = False
+
+    def blocks(self, table: list[Any]) -> list[int]:
+        """The area's block ids, given the request's block table."""
+        later = table[len(self.prompt) :]
+        return [block.block_id for block in later] if self.first is None else [
+            block.block_id for block in (*self.own, *later)]
+
+    def row(self, table: list[Any]) -> list[int]:
+        """The block ids its worker's block table row holds."""
+        later = table[len(self.prompt) :]
+        return [*self.prompt, *[block.block_id for block in (later[:1] if self.first is None else later)]]
+
+    def held(self, table: list[Any]) -> bool:
+        """Whether the request still holds its area (vLLM frees a request's blocks when it ends or is preempted)."""
+        index = len(self.prompt) if self.first is None else self.first
+        return len(table) > index and table[index] is self.own[0]
 
 
 class KVCompressScheduler(Scheduler):
@@ -564,54 +581,49 @@ class KVCompressScheduler(Scheduler):
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         output = super().schedule(*args, **kwargs)
         step: StepMethods = output.kv_connector_metadata
-        for request_id in [r for r in self.areas if not self.holds_area(r)]:  # ended or preempted: freed by vLLM
-            del self.areas[request_id]
+        tables = self.manager.req_to_blocks
+        for request_id in [r for r, area in self.areas.items() if not area.held(tables.get(r, []))]:
+            del self.areas[request_id]  # ended or preempted: vLLM freed its blocks
         for request_id, info in step.requests.items():
             request = self.requests[request_id]
             if (request_id not in self.areas and self.connector.compresses(request)
                     and info.computed < request.num_prompt_tokens <= info.computed + info.query):
-                self.allocate_area(request, output)
-            area = self.areas.get(request_id)
+                self.take_area(request, output)
+            area, table = self.areas.get(request_id), tables.get(request_id, [])
             info.start = self.hits.get(request_id, 0)
-            info.area = None if area is None else [block.block_id for block in area.blocks]
-            needs_row = self.connector.compresses(request) or (self.coded_pool and info.computed < info.prompt)
-            blocks = self.manager.req_to_blocks.get(request_id, [])
-            info.row = (area.row if area is not None else [b.block_id for b in blocks]) if needs_row else None
-        step.live = {request_id for request_id in self.connector.methods if self.manager.req_to_blocks.get(request_id)}
+            info.area = None if area is None else area.blocks(table)
+            if self.connector.compresses(request) or (self.coded_pool and info.computed < info.prompt):
+                info.row = area.row(table) if area is not None else [block.block_id for block in table]
+        step.live = {request_id for request_id in self.connector.methods if tables.get(request_id)}
         return output
 
-    def holds_area(self, request_id: str) -> bool:
-        """Whether a request still holds the blocks given for its compressed cache (vLLM frees them all when it
-        ends or is preempted)."""
-        area, blocks = self.areas[request_id], self.manager.req_to_blocks.get(request_id, [])
-        return len(blocks) > area.anchor and blocks[area.anchor] is area.blocks[0]
-
-    def allocate_area(self, request: Any, output: Any) -> None:
-        """Blocks of its own for a request whose prompt's last step is scheduled: room for what its method keeps
-        and every token it may generate, never offered to the prefix cache. The first is appended to its block
-        table (in this step's output) so its worker can find its row; with no room, it keeps its whole cache."""
-        request_id, manager = request.request_id, self.manager
+    def take_area(self, request: Any, output: Any) -> None:
+        """Blocks for the compressed cache of a request whose prompt's last step is scheduled: room for what its
+        method keeps and every token it may generate, from the pool, the first appended to its worker's row (in this
+        step's output); where the pool has no room, its prompt's own last blocks no other request holds (dropped
+        from the prefix cache), if they hold what it keeps; else it keeps its whole cache (logged)."""
+        request_id, manager, block_size = request.request_id, self.manager, self.block_size
         kept = kept_count(self.connector.methods[request_id], request.num_prompt_tokens)
-        needed = -(-(kept + request.max_tokens) // manager.block_size)
-        blocks = manager.req_to_blocks[request_id]
-        if manager.block_pool.get_num_free_blocks() < needed or len(blocks) + 1 > self.width:
+        needed = -(-(kept + request.max_tokens) // block_size)
+        table = manager.req_to_blocks[request_id]
+        prompt = [block.block_id for block in table]
+        mine = [i for i, block in enumerate(table) if block.ref_cnt == 1 and not block.is_null]
+        if manager.block_pool.get_num_free_blocks() >= needed and len(table) < self.width:
+            own = manager.block_pool.get_new_blocks(needed)
+            table.extend(own)  # freed with the request, as vLLM frees its blocks
+            self.areas[request_id] = Area(own, prompt)
+            worker_row(output, request_id).append(own[0].block_id)
+        elif mine and mine == list(range(mine[0], len(table))) and len(mine) * block_size >= (
+                kept + len(table) * block_size - request.num_prompt_tokens):  # the rest grows as vLLM's table does
+            own = table[mine[0] : mine[0] + needed]
+            self.kv_cache_manager.evict_blocks({block.block_id for block in own})
+            self.areas[request_id] = Area(own, prompt, mine[0])
+        else:
             self.uncompressed += 1
             logger.warning("kvcompress: no room for request %s's compressed cache (%d blocks); it keeps its whole "
                            "cache", request_id, needed)
             return
-        own = manager.block_pool.get_new_blocks(needed)
-        anchor, row = len(blocks), [block.block_id for block in blocks]
-        blocks.extend(own)  # freed with the request, as vLLM frees its blocks
-        manager.num_cached_block[request_id] = sys.maxsize  # nothing of it cached from now on
-        self.areas[request_id] = Area(own, anchor, [*row, own[0].block_id], anchor)
-        appended = next((new.block_ids for new in output.scheduled_new_reqs if new.req_id == request_id), None)
-        if appended is None:
-            cached = output.scheduled_cached_reqs
-            i = cached.req_ids.index(request_id)
-            if cached.new_block_ids[i] is None:
-                cached.new_block_ids[i] = ([],)
-            appended = cached.new_block_ids[i]
-        appended[0].append(own[0].block_id)
+        manager.num_cached_block[request_id] = sys.maxsize  # nothing of it offered to the prefix cache from now on
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
         self.peak_running = max(self.peak_running, len(self.running))
@@ -623,13 +635,28 @@ class KVCompressScheduler(Scheduler):
         return outputs
 
     def release_prompt(self, request_id: str, area: Area) -> None:
-        """Once a prompt is compressed into its request's own blocks, let its prompt's blocks go (vLLM's null block
-        in their place, as vLLM frees a sliding window's): those the prefix cache holds stay cached."""
-        manager = self.manager
-        before = sum(block is not manager._null_block for block in manager.req_to_blocks[request_id][: area.anchor])
-        manager._remove_blocks_in_range(request_id, 0, area.prompt_blocks)
+        """Once a prompt is compressed, let its prompt's blocks go but its area's (vLLM's null block in their place,
+        as vLLM frees a sliding window's): those the prefix cache holds stay cached for the next request."""
+        manager, count = self.manager, len(area.prompt)
+        table = manager.req_to_blocks[request_id]
+        before = sum(block is not manager._null_block for block in table[:count])
+        if area.first is not None:  # in place: what follows its own blocks, then what precedes them
+            manager._remove_blocks_in_range(request_id, area.first + len(area.own), count)
+        manager._remove_blocks_in_range(request_id, 0, count if area.first is None else area.first)
         area.freed = True
-        self.blocks_before_after.setdefault(request_id, (before, len(area.blocks)))  # the first compression
+        self.blocks_before_after.setdefault(request_id, (before, len(area.blocks(table))))  # the first compression
+
+
+def worker_row(output: Any, request_id: str) -> list[int]:
+    """The block ids a step's output appends to a scheduled request's worker row (its first KV cache group's)."""
+    for new in output.scheduled_new_reqs:
+        if new.req_id == request_id:
+            return new.block_ids[0]
+    cached = output.scheduled_cached_reqs
+    i = cached.req_ids.index(request_id)
+    if cached.new_block_ids[i] is None:
+        cached.new_block_ids[i] = ([],)
+    return cached.new_block_ids[i][0]
 
 
 class RequestSettings:
