@@ -1,5 +1,5 @@
 """kvcompress inside vLLM (its CPU build): prefill-time eviction whose freed KV blocks go back to
-vLLM's block pool, a method per request. Design and measurements: docs/vllm.md.
+vLLM's block pool, a method per request, with vLLM's prefix caching on. Design and measurements: docs/vllm.md.
 
 Each piece goes through an extension point vLLM offers (nothing of vLLM is patched or forked):
 
@@ -9,24 +9,26 @@ Each piece goes through an extension point vLLM offers (nothing of vLLM is patch
   ``kvcompress`` settings are validated by the library (an HTTP 400 naming the field otherwise) and
   handed to the engine in the request's ``vllm_xargs``.
 * ``KVCompressConnector`` (a KV connector, ``kv_transfer_config``; it moves no KV): learns each
-  request's method when the request arrives and sends the workers, with every step, the method of
-  each scheduled request by its first KV block (workers are other processes), and while a request's
-  prompt is being prefilled its token ids, so SnapKV keeps words and numbers whole as kvcompress does
-  (``clustering="spans"``).
-* ``KVCompressScheduler`` (``scheduler_cls``): once a request's prefill is done, frees its KV blocks
-  beyond what the compressed request needs (replaced by vLLM's null block, as vLLM does for sliding
-  windows), so more requests fit.
-* ``KVCompressCPUBackend`` (the attention backend): right after a request's prefill attention, each
-  layer scores the prompt with the request's method (kvcompress's own functions) and rewrites, per
-  KV head, the kept tokens into the request's first cache slots. From then on its metadata builder
-  maps the request's new tokens to the slots right after them, and its attention reads only those
-  slots: RoPE positions stay the logical ones, slots become the compressed ones.
+  request's method when the request arrives and sends the workers (other processes), with every step,
+  each scheduled request's method, prompt, progress and, while its prompt is prefilled, its token ids
+  (so SnapKV keeps words and numbers whole as kvcompress does, ``clustering="spans"``).
+* ``KVCompressScheduler`` (``scheduler_cls``): cuts a compressing request's prefix-cache hit so that it
+  computes the queries its method reads; gives it blocks of its own for its compressed cache when its
+  prompt's last step is scheduled (never blocks the prefix cache holds); adds, to what the connector
+  sends, each request's blocks; once the prompt is compressed, lets its prompt's blocks go (the cached
+  ones stay cached for the next request), so more requests fit and a shared document is prefilled once.
+* ``KVCompressCPUBackend`` (the attention backend): finds each scheduled request's row of the batch by
+  its blocks; right after a prompt's last prefill attention, each layer scores the whole prompt with the
+  request's method (kvcompress's own functions; the part a prefix-cache hit spared read back from the
+  paged cache) and writes, per KV head, the kept tokens into the request's own blocks. From then on the
+  request's rows read those blocks: new tokens go right after the kept ones, RoPE positions stay the
+  logical ones.
 
 The engine's method comes from ``additional_config={"kvcompress": {"method": "snapkv", "budget":
 256, ...}}`` (any field of a servable method, ``settings.SERVABLE``); a request may name its own
 (``settings.method_of``). ``settings.engine_options`` gives all of it for ``vllm.LLM``. Requirements:
-no prefix caching, no speculative decoding, full-attention models (chunked prefill is fine: a
-prompt's earlier chunks are held until its last, which compresses the whole prompt).
+no speculative decoding, full-attention models (chunked prefill is fine: a prompt's earlier chunks are
+held until its last, which compresses the whole prompt).
 """
 
 from __future__ import annotations
@@ -292,6 +294,8 @@ class KVCompressCPUImpl(CPUAttentionBackendImpl):
         self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
         attn_metadata: Any, output: torch.Tensor, output_scale: Any = None, output_block_scale: Any = None,
     ) -> torch.Tensor:
+        if attn_metadata is not None and kv_cache.numel():  # (done at the step's first cache write, unless none)
+            self.prepare(layer, attn_metadata, kv_cache.shape[2])
         output = super().forward(
             layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale
         )
@@ -325,7 +329,7 @@ class KVCompressCPUImpl(CPUAttentionBackendImpl):
             if began > 0:  # the prompt before this prefill began, a prefix-cache hit: read back from the pool
                 cached = read_prompt(kv_cache, attn_metadata.block_table[row], began, layer.isa)
                 keys, values = torch.cat([cached[0], keys]), torch.cat([cached[1], values])
-            area = torch.tensor(info.area)
+            area = torch.tensor(info.area, dtype=torch.int32)
             kept = self.compress(layer, request, method, queries, keys, values, kv_cache, area,
                                  self.spans(method, request), key[after], value[after])
             if after.stop > after.start:  # a recomputed request's generated tokens see the cache its decoding saw
