@@ -43,7 +43,7 @@ import openai
 import torch
 import transformers
 import vllm
-from serve_bench import BLOCK, free_port, quantile
+from serve_bench import BLOCK, free_port, launched, quantile
 
 from kvcompress import demo
 from kvcompress.integrations.transformers.models import default_model_dir
@@ -66,7 +66,10 @@ SERVERS = ("vllm", "kvcompress")
 
 
 def document(tokenizer: transformers.PreTrainedTokenizerBase, tokens: int, code: str, depth: float) -> str:
-    return "Read this document.\n\n" + demo.build_document(tokenizer, tokens, depth).replace(demo.ANSWER, code)
+    """The demo's prose with its own access code at ``depth``, opened by a line naming the code, so that no two
+    documents share a prefix past the chat template's first tokens."""
+    prose = demo.build_document(tokenizer, tokens, depth).replace(demo.ANSWER, code)
+    return f"Read document {code}.\n\n{prose}"
 
 
 def start(kind: str, port: int, pool_blocks: int, max_len: int, max_seqs: int, method: list[str],
@@ -82,13 +85,7 @@ def start(kind: str, port: int, pool_blocks: int, max_len: int, max_seqs: int, m
         env["VLLM_PLUGINS"] = ""  # kvcompress's plugin is installed in this venv: load none
     else:
         command = [sys.executable, "-m", "kvcompress", "serve", *method, *flags]
-    server = subprocess.Popen(command, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env)
-    deadline = time.monotonic() + 600
-    while not serving.ready(f"http://127.0.0.1:{port}"):
-        if server.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"the {kind} server did not start; its log: {log}")
-        time.sleep(2)
-    return server
+    return launched(command, env, port, log)
 
 
 class Client:
@@ -127,8 +124,8 @@ class Client:
 
 
 async def measured(client: Client, work) -> tuple[list, dict]:
-    """Run ``work`` (a coroutine giving a list of answers) while polling the gauge; the answers and the scenario's
-    wall time, output tokens/s, peak running and prefix-cache hit rate."""
+    """Run ``work`` (a coroutine giving a list of answers, or of lists of them) while polling the gauge; the answers
+    and the scenario's wall time, output tokens/s, peak running and prefix-cache hit rate."""
     client.peak, errors = 0.0, client.errors
     hits, queries = client.counters()
     done = asyncio.Event()
@@ -139,7 +136,7 @@ async def measured(client: Client, work) -> tuple[list, dict]:
     done.set()
     await watcher
     hits2, queries2 = client.counters()
-    tokens = sum(a["tokens"] for a in answers)
+    tokens = sum(a["tokens"] for item in answers for a in (item if isinstance(item, list) else [item]))
     return answers, {"wall_s": wall, "output_tokens": tokens, "output_tokens_per_s": tokens / wall,
                      "peak_running": int(client.peak), "errors": client.errors - errors,
                      "prefix_hit_rate": (hits2 - hits) / max(queries2 - queries, 1)}
@@ -195,8 +192,6 @@ async def conversations(client: Client, tokenizer, args: argparse.Namespace) -> 
 
     answered, row = await measured(client, every())
     firsts, later = [turns[0] for turns in answered], [a for turns in answered for a in turns[1:]]
-    row["output_tokens"] = sum(a["tokens"] for turns in answered for a in turns)
-    row["output_tokens_per_s"] = row["output_tokens"] / row["wall_s"]
     return {"scenario": "chat", "doc_tokens": args.chat_tokens, "conversations": args.conversations,
             "turns": args.turns, **row, **ttfts(firsts, "first_"), **ttfts(later, "later_"),
             "facts": sum(code in turns[0]["text"] for code, turns in zip(codes, answered))}
@@ -265,17 +260,8 @@ def main() -> None:
         server = start(kind, port, pool, max_len, 32, ["--method", "snapkv", "--budget", str(args.budget)],
                        out.with_name(f"{out.stem}.{kind}.log"))
         try:
-            client = Client(f"http://127.0.0.1:{port}")
-            runs = [shared(client, tokenizer, tokens, args, args.seed + 10 * i) for i, tokens in enumerate(sizes)
-                    ] if "shared" in scenarios else []
-            runs += [conversations(client, tokenizer, args)] if "chat" in scenarios else []
-            runs += [distinct(client, tokenizer, args)] if "distinct" in scenarios else []
-            for run in runs:
-                row = {"server": kind, **asyncio.run(run)}
-                if row["scenario"] == "shared" and row["doc_tokens"] in library:
-                    row["same_as_library"] = sum(a == b for a, b in zip(row["answers"], library[row["doc_tokens"]]))
-                rows.append(row)
-                print(summary(row), flush=True)
+            rows += asyncio.run(every_scenario(kind, f"http://127.0.0.1:{port}", tokenizer, sizes, scenarios, args,
+                                               library))
         finally:
             server.send_signal(signal.SIGINT)
             server.wait(timeout=120)
@@ -291,6 +277,24 @@ def main() -> None:
     plot(rows, out.with_suffix(".png"))
     print(table(rows))
     print(f"\nwritten: {out}, {out.with_suffix('.png')}")
+
+
+async def every_scenario(kind: str, base: str, tokenizer, sizes: list[int], scenarios: list[str],
+                         args: argparse.Namespace, library: dict[int, list[str]]) -> list[dict]:
+    """The scenarios on one server, one after another (one event loop: the client's connections live in it)."""
+    client, rows = Client(base), []
+    runs = [shared(client, tokenizer, tokens, args, args.seed + 10 * i) for i, tokens in enumerate(sizes)
+            ] if "shared" in scenarios else []
+    runs += [conversations(client, tokenizer, args)] if "chat" in scenarios else []
+    runs += [distinct(client, tokenizer, args)] if "distinct" in scenarios else []
+    for run in runs:
+        row = {"server": kind, **await run}
+        if row["scenario"] == "shared" and row["doc_tokens"] in library:
+            row["same_as_library"] = sum(a == b for a, b in zip(row["answers"], library[row["doc_tokens"]]))
+        rows.append(row)
+        print(summary(row), flush=True)
+    await client.client.close()
+    return rows
 
 
 def summary(row: dict) -> str:

@@ -67,6 +67,12 @@ def start_server(port: int, pool_blocks: int, max_len: int, requests: int, log: 
                "--block-size", str(BLOCK), "--max-model-len", str(max_len),
                "--num-gpu-blocks-override", str(pool_blocks), "--max-num-seqs", str(requests)]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
+    return launched(command, env, port, log)
+
+
+def launched(command: list[str], env: dict[str, str], port: int, log: Path) -> subprocess.Popen:
+    """A server process started with ``command``, once it answers its health check on ``port`` (its output in
+    ``log``)."""
     server = subprocess.Popen(command, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env)
     deadline = time.monotonic() + 600
     while not serving.ready(f"http://127.0.0.1:{port}"):

@@ -27,7 +27,9 @@ from .served import Server, chat  # noqa: E402
 pytestmark = pytest.mark.skipif(not (default_model_dir() / "model.safetensors").exists(), reason="no embedded model")
 SOAK = int(os.environ.get("KVCOMPRESS_SOAK_REQUESTS", "60"))
 ENGINE = kvc.SnapKV(budget=256)  # the server's own method; both sides run float32
-FLAGS = ["--budget", "256", "--dtype", "float32", "--max-model-len", "4608", "--max-num-seqs", "16"]
+# a pool of 320 blocks (10,240 tokens): bursts of long prompts make vLLM preempt and recompute requests
+FLAGS = ["--budget", "256", "--dtype", "float32", "--max-model-len", "4608", "--max-num-seqs", "16",
+         "--num-gpu-blocks-override", "320"]
 SETTINGS = [None, {"method": "full"}, {"method": "snapkv", "budget": 64},
             {"method": "snapkv", "budget": 512, "window": 16},
             {"method": "snapkv", "budget": 128, "clustering": "pool"}, {"method": "streamingllm", "budget": 128},
@@ -171,6 +173,8 @@ def soak_plan(tokenizer, requests: int, seed: int = 0) -> list[list[tuple]]:
         return rng.choice(cases), max_tokens, stream, abort
 
     plan = [[request()] for _ in range(requests // 3)]
+    longest = sorted(cases, key=lambda case: -len(case.messages[0]["content"]))[:6]
+    plan.append([(case, LONGEST, False, None) for case in longest])  # more than the pool holds: preemption
     while (sent := sum(map(len, plan))) < requests:
         plan.append([request() for _ in range(min(rng.randint(2, 16), requests - sent))])
     return plan
@@ -224,8 +228,10 @@ def test_a_conversation_finds_its_earlier_turns_in_the_prefix_cache(server, libr
 
 def test_a_soak_of_one_server_answers_every_request_as_the_library_does(server, library):
     """``SOAK`` requests on one server, sequential and in bursts of up to 16, every servable method and ``full``,
-    prompts of 20 to 4,000 tokens, max_tokens 1 to 128, streamed or not, some aborted mid-answer: every greedy answer
-    the library's (float32 both), then no request running, no KV block held, nothing logged at ERROR."""
+    prompts of 20 to 4,000 tokens, questions over one shared document and later turns of a chat over it (prefix-cache
+    hits), a burst of the longest prompts beyond what the pool holds (vLLM preempts and recomputes requests),
+    max_tokens 1 to 128, streamed or not, some aborted mid-answer: every greedy answer the library's (float32 both),
+    then no request running, no KV block held (vLLM's gauges), nothing logged at ERROR."""
     reference = Library(library)
     plan = soak_plan(reference.tokenizer, SOAK)
     for group in plan:  # the library's answers first, so they do not share the 2 cores with the server's
@@ -236,5 +242,6 @@ def test_a_soak_of_one_server_answers_every_request_as_the_library_does(server, 
     assert differences(reference, answers) == []
     assert server.idle(), "requests still running or KV blocks still held after the soak"
     assert serving.gauge(server.base, "vllm:prefix_cache_hits_total") > 0  # shared documents and turns were hits
+    assert serving.gauge(server.base, "vllm:num_preemptions_total") > 0
     errors = [line for line in server.output().splitlines() if " ERROR " in line or "Traceback" in line]
     assert errors == [], errors[:20]

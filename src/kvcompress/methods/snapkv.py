@@ -57,9 +57,11 @@ def window_attention(query_window: torch.Tensor, keys: torch.Tensor, valid: torc
     takes its share of each row (``attention.key_probabilities``; ``heads``: which query heads these are)."""
     window, seq = query_window.shape[-2], keys.shape[-2]
     logits = grouped_logits(query_window, keys, scaling)
-    query_pos = torch.arange(seq - window, seq, device=keys.device)[:, None]
-    visible = (torch.arange(seq, device=keys.device)[None, :] <= query_pos)[None, None] & valid[:, None, None, :]
-    return key_probabilities(logits.masked_fill(~visible, torch.finfo(torch.float32).min), heads)
+    lowest = torch.finfo(torch.float32).min
+    logits.masked_fill_(~valid[:, None, None, :], lowest)
+    later = torch.ones(window, window, dtype=torch.bool, device=keys.device).triu(1)  # keys after each query
+    logits[..., seq - window :].masked_fill_(later, lowest)  # (every key before the window precedes every query)
+    return key_probabilities(logits, heads)
 
 
 def prefix_votes(attention: torch.Tensor, votes: str = "sum") -> torch.Tensor:

@@ -38,6 +38,7 @@ import functools
 import json
 import os
 import sys
+import time
 from typing import Any
 
 import torch
@@ -181,24 +182,22 @@ def step_method(request: str) -> Method:
 
 
 @functools.lru_cache(maxsize=8)
-def paged_order(kv_heads: int, block_size: int, head_size: int, dtype: torch.dtype,
-                isa: str) -> tuple[torch.Tensor, torch.Tensor]:
+def paged_order(kv_heads: int, block_size: int, head_size: int, dtype: torch.dtype, isa: str) -> torch.Tensor:
     """Where vLLM's CPU kernels keep each token's key and value inside a block (their layout is the ISA's own: keys
-    transposed on some): for each of the keys' and the values' ``[kv_heads, block_size * head_size]`` elements in
-    token-major order, its offset in the stored block. Found by writing a block whose elements spell their own
-    index one bit at a time (0 and 1 are exact in every dtype) with the kernel's own write, so no layout is assumed."""
+    transposed on some): for each element of a KV head's ``[block_size, head_size]`` keys then values, token-major,
+    its offset in the head's stored ``2 * block_size * head_size`` elements, ``[kv_heads, 2 * block_size *
+    head_size]``. Found by writing a block whose elements spell their own index one bit at a time (0 and 1 are exact
+    in every dtype) with the kernel's own write, so no layout is assumed."""
     count = block_size * head_size
     index = torch.arange(count).view(block_size, 1, head_size).expand(block_size, kv_heads, head_size)
-    stored = [torch.zeros(kv_heads, count, dtype=torch.long) for _ in range(2)]
-    for bit in range((count - 1).bit_length()):
-        plane = ((index >> bit) & 1).to(dtype).contiguous()
+    stored = torch.zeros(kv_heads, 2 * count, dtype=torch.long)
+    for bit in range((2 * count - 1).bit_length()):
+        keys, values = (((part >> bit) & 1).to(dtype).contiguous() for part in (index, index + count))
         cache = torch.zeros(1, kv_heads, block_size * 2, head_size, dtype=dtype)
-        key_cache, value_cache = cache.chunk(2, dim=2)
-        ops.cpu_attn_reshape_and_cache(plane, plane.clone(), key_cache, value_cache, torch.arange(block_size), isa,
+        ops.cpu_attn_reshape_and_cache(keys, values, *cache.chunk(2, dim=2), torch.arange(block_size), isa,
                                        k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
-        for found, part in zip(stored, (key_cache, value_cache)):
-            found |= (part[0].reshape(kv_heads, count) != 0).long() << bit
-    return tuple(found.argsort(dim=1) for found in stored)  # type: ignore[return-value]
+        stored |= (cache[0].reshape(kv_heads, 2 * count) != 0).long() << bit
+    return stored.argsort(dim=1)
 
 
 def read_prompt(kv_cache: torch.Tensor, blocks: torch.Tensor, tokens: int, isa: str) -> tuple[torch.Tensor, ...]:
@@ -206,14 +205,12 @@ def read_prompt(kv_cache: torch.Tensor, blocks: torch.Tensor, tokens: int, isa: 
     CPU paged cache (``kv_cache [blocks, kv_heads, block_size, 2 * head_size]`` in the model's dtype), through
     ``blocks``, its block table row: the prompt a prefix-cache hit spared its prefill."""
     _, kv_heads, block_size, width = kv_cache.shape
-    head_size, used = width // 2, -(-tokens // block_size)
-    parts = kv_cache[blocks[:used].long()].view(used, kv_heads, 2 * block_size, head_size).chunk(2, dim=2)
-    orders = paged_order(kv_heads, block_size, head_size, kv_cache.dtype, isa)
-    return tuple(
-        part.reshape(used, kv_heads, -1).gather(2, order[None].expand(used, -1, -1))
-        .view(used, kv_heads, block_size, head_size).transpose(1, 2).reshape(used * block_size, kv_heads, head_size)
-        [:tokens]
-        for part, order in zip(parts, orders))
+    used = -(-tokens // block_size)
+    order = paged_order(kv_heads, block_size, width // 2, kv_cache.dtype, isa)
+    stored = kv_cache.view(kv_cache.shape[0], kv_heads, -1)[blocks[:used].long()]  # [used, kv_heads, 2 * bs * d]
+    ordered = stored.gather(2, order[None].expand(used, -1, -1)).view(used, kv_heads, 2, block_size, width // 2)
+    return tuple(ordered[:, :, i].transpose(1, 2).reshape(used * block_size, kv_heads, width // 2)[:tokens]
+                 for i in range(2))
 
 
 class KVCompressCPUImpl(CPUAttentionBackendImpl):
@@ -540,7 +537,8 @@ class KVCompressScheduler(Scheduler):
 
     vLLM's private state touched here, and only here: the KV cache managers' ``req_to_blocks``,
     ``num_cached_block`` and ``_remove_blocks_in_range``, the block pool's ``get_new_blocks``, the step output's
-    block ids, and ``_get_local_prefix_cache_hit`` (docs/vllm.md, "Upstream proposal")."""
+    block ids, ``running``, ``_preempt_request`` and ``_get_local_prefix_cache_hit`` (docs/vllm.md, "Upstream
+    proposal")."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -550,7 +548,8 @@ class KVCompressScheduler(Scheduler):
         self.peak_running = 0  # the most requests running at once
         self.areas: dict[str, Area] = {}  # compressed requests' own blocks
         self.hits: dict[str, int] = {}  # where each request's prefill began (its prefix-cache hit)
-        self.uncompressed = 0  # prompts served with their whole cache for want of free blocks (logged)
+        self.waiting_room: set[str] = set()  # requests whose compressed cache found no room this step
+        self.preempted = 0  # requests preempted for want of room for their compressed cache
         self.coded_pool = self.connector.coded_pool
         self.width = -(-self.vllm_config.model_config.max_model_len // self.block_size)  # a worker's block table row
 
@@ -605,7 +604,9 @@ class KVCompressScheduler(Scheduler):
         """Blocks for the compressed cache of a request whose prompt's last step is scheduled: room for what its
         method keeps and every token it may generate, from the pool, the first appended to its worker's row (in this
         step's output); where the pool has no room, its prompt's own last blocks no other request holds (dropped
-        from the prefix cache), if they hold what it keeps; else it keeps its whole cache (logged)."""
+        from the prefix cache), if they hold what it keeps; else, once this step gives its first token (from the
+        whole prompt, as the library's), it is preempted, as vLLM preempts a request it has no blocks for, and
+        recomputed (its prompt from the prefix cache) when there is room."""
         request_id, manager, block_size = request.request_id, self.manager, self.block_size
         kept = kept_count(self.connector.methods[request_id], request.num_prompt_tokens)
         needed = -(-(kept + request.max_tokens) // block_size)
@@ -622,16 +623,22 @@ class KVCompressScheduler(Scheduler):
             own = table[mine[0] : mine[0] + needed]
             self.kv_cache_manager.evict_blocks({block.block_id for block in own})
             self.areas[request_id] = Area(own, prompt, mine[0])
-        else:
-            self.uncompressed += 1
-            logger.warning("kvcompress: no room for request %s's compressed cache (%d blocks); it keeps its whole "
-                           "cache", request_id, needed)
+        else:  # after this step (its first token, from the whole prompt), recomputed once there is room
+            self.waiting_room.add(request_id)
             return
         manager.num_cached_block[request_id] = sys.maxsize  # nothing of it offered to the prefix cache from now on
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
         self.peak_running = max(self.peak_running, len(self.running))
         outputs = super().update_from_output(scheduler_output, model_runner_output)
+        for request in [r for r in self.running if r.request_id in self.waiting_room]:
+            self.waiting_room.discard(request.request_id)
+            self.running.remove(request)  # as vLLM preempts a request it has no blocks for (no async scheduling on
+            self._preempt_request(request, time.monotonic())  # a CPU: this step's output is in)
+            self.preempted += 1
+            logger.info("kvcompress: request %s preempted, to be recomputed: no room for its compressed cache",
+                        request.request_id)
+        self.waiting_room.clear()  # (ended this step)
         for request in self.running:
             area = self.areas.get(request.request_id)
             if area is not None and not area.freed and request.num_computed_tokens >= request.num_prompt_tokens:
