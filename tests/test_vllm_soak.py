@@ -9,6 +9,7 @@ import asyncio
 import json
 import os
 import random
+import time
 from dataclasses import dataclass
 
 import pytest
@@ -27,7 +28,7 @@ from .served import Server, chat  # noqa: E402
 pytestmark = pytest.mark.skipif(not (default_model_dir() / "model.safetensors").exists(), reason="no embedded model")
 SOAK = int(os.environ.get("KVCOMPRESS_SOAK_REQUESTS", "60"))
 ENGINE = kvc.SnapKV(budget=256)  # the server's own method; both sides run float32
-# a pool of 320 blocks (10,240 tokens): bursts of long prompts make vLLM preempt and recompute requests
+# a pool of 320 blocks (10,240 tokens), which bursts of long prompts fill
 FLAGS = ["--budget", "256", "--dtype", "float32", "--max-model-len", "4608", "--max-num-seqs", "16",
          "--num-gpu-blocks-override", "320"]
 SETTINGS = [None, {"method": "full"}, {"method": "snapkv", "budget": 64},
@@ -174,7 +175,7 @@ def soak_plan(tokenizer, requests: int, seed: int = 0) -> list[list[tuple]]:
 
     plan = [[request()] for _ in range(requests // 3)]
     longest = sorted(cases, key=lambda case: -len(case.messages[0]["content"]))[:6]
-    plan.append([(case, LONGEST, False, None) for case in longest])  # more than the pool holds: preemption
+    plan.append([(case, LONGEST, False, None) for case in longest])  # more than the pool holds at once
     while (sent := sum(map(len, plan))) < requests:
         plan.append([request() for _ in range(min(rng.randint(2, 16), requests - sent))])
     return plan
@@ -212,10 +213,10 @@ def test_a_conversation_finds_its_earlier_turns_in_the_prefix_cache(server, libr
     name = client.models.list().data[0].id
     messages, previous = chat(tokenizer, 1300, 0.5), 0
     for turn, follow_up in enumerate([*FOLLOW_UPS, None]):
-        before = serving.gauge(server.base, "vllm:prefix_cache_hits_total")
+        before = settled_gauge(server.base, "vllm:prefix_cache_hits_total")
         reply = client.chat.completions.create(model=name, messages=messages, max_tokens=24, temperature=0,
                                                extra_body={"return_token_ids": True})
-        hits = serving.gauge(server.base, "vllm:prefix_cache_hits_total") - before
+        hits = settled_gauge(server.base, "vllm:prefix_cache_hits_total") - before
         expected = kvc.generate(model, tokenizer, messages, method=ENGINE, max_new_tokens=24).token_ids[0]
         assert reference.strip(reply.choices[0].model_extra["token_ids"]) == reference.strip(expected), turn
         if turn:
@@ -226,10 +227,22 @@ def test_a_conversation_finds_its_earlier_turns_in_the_prefix_cache(server, libr
                         {"role": "user", "content": follow_up}]
 
 
+def settled_gauge(base: str, name: str) -> float:
+    """A counter of the server's once it has stopped moving (the API server records a step's statistics as it
+    passes the step's outputs on, so a reply can come before its own step's counts)."""
+    value, deadline = serving.gauge(base, name), time.monotonic() + 10
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        value, last = serving.gauge(base, name), value
+        if value == last:
+            break
+    return value
+
+
 def test_a_soak_of_one_server_answers_every_request_as_the_library_does(server, library):
     """``SOAK`` requests on one server, sequential and in bursts of up to 16, every servable method and ``full``,
     prompts of 20 to 4,000 tokens, questions over one shared document and later turns of a chat over it (prefix-cache
-    hits), a burst of the longest prompts beyond what the pool holds (vLLM preempts and recomputes requests),
+    hits), a burst of the longest prompts beyond what the pool holds at once (vLLM admits them as blocks free),
     max_tokens 1 to 128, streamed or not, some aborted mid-answer: every greedy answer the library's (float32 both),
     then no request running, no KV block held (vLLM's gauges), nothing logged at ERROR."""
     reference = Library(library)
@@ -242,6 +255,5 @@ def test_a_soak_of_one_server_answers_every_request_as_the_library_does(server, 
     assert differences(reference, answers) == []
     assert server.idle(), "requests still running or KV blocks still held after the soak"
     assert serving.gauge(server.base, "vllm:prefix_cache_hits_total") > 0  # shared documents and turns were hits
-    assert serving.gauge(server.base, "vllm:num_preemptions_total") > 0
     errors = [line for line in server.output().splitlines() if " ERROR " in line or "Traceback" in line]
     assert errors == [], errors[:20]
