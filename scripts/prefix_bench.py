@@ -63,6 +63,7 @@ TURNS = ["What colour is the door of the east wing?", "Repeat the access code, d
          "Which wing holds the archive room?", "Summarise the document in one sentence.",
          "What did you say the access code was?", "Thank you. Anything else worth knowing?"]
 SERVERS = ("vllm", "kvcompress")
+MAX_LEN = 8192  # the embedded model's max_position_embeddings
 
 
 def document(tokenizer: transformers.PreTrainedTokenizerBase, tokens: int, code: str, depth: float) -> str:
@@ -250,9 +251,18 @@ def main() -> None:
     scenarios = args.scenarios.split(",")
     largest = max([*sizes, args.chat_tokens, args.distinct_tokens])
     pool = args.pool_blocks or 2 * -(-largest // BLOCK) + 256
-    max_len = largest + 1024 + args.turns * 2 * args.answer_tokens
+    max_len = min(largest + 1024 + args.turns * 2 * args.answer_tokens, MAX_LEN)
     tokenizer = transformers.AutoTokenizer.from_pretrained(default_model_dir())
-    library = library_answers(sizes, args) if args.library and "shared" in scenarios else {}
+    library = {}
+    if args.library and "shared" in scenarios:  # computed once for these settings, kept beside the results
+        kept = out.with_name(f"{out.stem}.library.json")
+        key = {"sizes": sizes, "questions": args.questions, "answer_tokens": args.answer_tokens,
+               "budget": args.budget, "seed": args.seed}
+        saved = json.loads(kept.read_text()) if kept.exists() else {}
+        if saved.get("key") != key:
+            saved = {"key": key, "answers": library_answers(sizes, args)}
+            kept.write_text(json.dumps(saved, indent=1))
+        library = {int(tokens): answers for tokens, answers in saved["answers"].items()}
     rows = []
     for kind in args.servers.split(","):
         port = free_port()
@@ -341,7 +351,8 @@ def plot(rows: list[dict], path: Path) -> None:
         axes[0].bar(positions, later, width, label=kind, color=colour)
         axes[1].bar(positions, speed, width, label=kind, color=colour)
     labels = [f"{scenario}\n{tokens}" for scenario, tokens in groups]
-    for ax, title in zip(axes, ("time to first token of later questions / turns, p50 (s)",
+    axes[0].set_yscale("log")  # (requests each with their own document wait minutes, later questions a second)
+    for ax, title in zip(axes, ("time to first token of later questions / turns, p50 (s, log)",
                                 "output tokens/s (shared: 8 at once)")):
         ax.set_xticks(range(len(groups)), labels, fontsize=8)
         ax.set_title(title, fontsize=10)
