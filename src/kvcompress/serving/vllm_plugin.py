@@ -33,6 +33,7 @@ held until its last, which compresses the whole prompt).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import json
@@ -136,8 +137,8 @@ class StepMethods(KVConnectorMetadata):
 
 
 # Per worker process, this step's: the scheduled requests (as the connector brought them), which request each row of
-# the batch is (the metadata builder finds them by their blocks), the compressed requests whose rows it remapped, and
-# the word spans of prompts whose method reads them (read once a step rather than once a layer).
+# the batch is (found by their blocks at the step's first layer, ``prepare``), the compressed requests whose rows it
+# remapped, and the word spans of prompts whose method reads them (read once a step rather than once a layer).
 STEP: dict[str, Scheduled] = {}
 ROWS: list[str | None] = []
 REMAPPED: set[str] = set()
@@ -148,8 +149,10 @@ STEP_SPANS: dict[str, torch.Tensor] = {}
 CHUNKS: dict[tuple[str, str], tuple[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]] = {}
 ATTEND_BLOCK = 512  # prompt queries per call when an fp8 pool's prompt attends itself (``attend_prompt``)
 # request id -> layer name -> the prompt positions each KV head kept ``[kv_heads, kept]`` (as
-# ``KVCompressCache.kept_positions``), for checks against kvcompress's own cache.
-KEPT_POSITIONS: dict[str, dict[str, torch.Tensor]] = {}
+# ``KVCompressCache.kept_positions``), for checks against kvcompress's own cache: the last ``KEPT_RECORDS`` requests'
+# (keyed by request id since the first block is shared with prefix caching, it is bounded rather than overwritten).
+KEPT_POSITIONS: collections.OrderedDict[str, dict[str, torch.Tensor]] = collections.OrderedDict()
+KEPT_RECORDS = 64
 
 
 def rows_of(step: dict[str, Scheduled], table: torch.Tensor, query_lens: list[int], seq_lens: list[int]) -> list:
@@ -369,6 +372,8 @@ class KVCompressCPUImpl(CPUAttentionBackendImpl):
         keys, values = (torch.cat([t[order, heads], later]) for t, later in ((key, later_keys), (value, later_values)))
         self.write_pool(layer, keys, values, kv_cache, slot_mapping)
         KEPT_POSITIONS.setdefault(request, {})[layer.layer_name] = kept[0]
+        while len(KEPT_POSITIONS) > KEPT_RECORDS:
+            KEPT_POSITIONS.popitem(last=False)
         return order.shape[0]
 
     def attend_prompt(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
