@@ -157,3 +157,62 @@ def test_generate_streams_and_samples_on_the_command_line(files, capsys):
     assert code == 2 and err.count("\n") == 1 and "--stream prints the answer as it comes" in err
     code, _, err = run("--top-p", "1.5")
     assert code == 2 and "--top-p 1.5 is invalid; give a number in (0, 1]" in err
+
+
+@pytest.fixture(scope="module")
+def saved_chat(files):
+    """A chat saved after one turn of SnapKV 48 (what ``/save`` writes), and the turn itself."""
+    model, tok = tiny_model(), char_tokenizer()
+    store = kvc.compress(model, tok, [{"role": "user", "content": DOCUMENT}], method=kvc.FullKV())
+    turn = kvc.generate(model, tok, QUESTIONS[0], past=store, method=kvc.SnapKV(budget=48, window=8),
+                        max_new_tokens=6)
+    turn.save(files / "saved-chat.kvc")
+    return files / "saved-chat.kvc", turn, model, tok
+
+
+@pytest.mark.parametrize("method", [kvc.SnapKV(budget=48, window=8), kvc.StreamingLLM(budget=48)],
+                         ids=lambda method: method.name)
+def test_a_saved_chat_asked_with_a_method_is_compressed_over_its_document(files, saved_chat, capsys, method):
+    """Issue 68.1: a stored conversation asked with a method (its own or another) compresses the new question
+    over the stored document and the conversation, on every way in; never decodes over the last turn's selection."""
+    path, turn, model, tok = saved_chat
+    expected = kvc.generate(model, tok, QUESTIONS[1], past=turn, method=method, max_new_tokens=6)
+    assert expected.stats["prompt_tokens"] > int(turn.store.attention_mask.sum())  # the document, prefilled over
+    flags = [f"--{key.replace('_', '-')}={value}" for key, value in method.settings().items()
+             if value is not None and value != type(method)().settings()[key]]
+    assert main(["generate", "--model", str(files / "model"), "--past", str(path), "--method", method.name, *flags,
+                 "--prompt", QUESTIONS[1], "--max-new-tokens", "6", "--json"]) == 0
+    asked = json.loads(capsys.readouterr().out)
+    assert asked["text"] == expected.text and asked["prompt_tokens"] == expected.stats["prompt_tokens"]
+    loaded = kvc.load(path, model, tok)
+    assert kvc.generate(model, tok, QUESTIONS[1], past=loaded, method=method, max_new_tokens=6).text == expected.text
+    if method.name == "snapkv":  # without --method: the chat's own method, as chat goes on with it
+        assert main(["generate", "--model", str(files / "model"), "--past", str(path), "--prompt", QUESTIONS[1],
+                     "--max-new-tokens", "6", "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["text"] == expected.text
+        again = Terminal("chat", "--model", str(files / "model"), "--past", str(path), "--max-new-tokens", "6")
+        assert "Asking snapkv(budget=48" in again.expect("> ")  # issue 68.8: the saved method kept
+        again.send(QUESTIONS[1] + "\n")
+        assert expected.text.strip() in again.expect("prompt tokens]")
+        again.send("/quit\n")
+        assert again.wait() == 0
+
+
+def test_raw_over_a_chat_format_file_and_chats_that_cannot_start_are_refused_at_once(files, saved_chat, capsys):
+    """Issues 68.2 and 68.8: --raw over a file in the chat template, a method that cannot be asked per question,
+    a file that keeps only its method's selection: each one line, before any question."""
+    path = saved_chat[0]
+    model = ["--model", str(files / "model")]
+    for command in (["generate", "--prompt", "q?"], ["chat"]):
+        assert main([*command, *model, "--past", str(path), "--raw"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "--raw asks in raw text, and" in err and "leave --raw out" in err
+    assert main(["chat", *model, "--prompt-file", str(files / "doc.txt"), "--method", "kvzip"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "kvzip(" in err and "observation pass before its question" in err
+    assert main(["compress", *model, "--prompt-file", str(files / "doc.txt"), "--budget", "48", "--out",
+                 str(files / "kvzip.kvc")]) == 0
+    capsys.readouterr()
+    assert main(["chat", *model, "--past", str(files / "kvzip.kvc")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "compressed with kvzip(budget=48" in err and "compress --method full" in err

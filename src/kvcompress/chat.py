@@ -75,10 +75,14 @@ def cost_line(stats: dict[str, Any]) -> str:
 
 def stored_document(loaded: Result) -> Result:
     """The stored context a loaded file's conversation is asked over (a stored document, or a saved chat's)."""
-    if loaded.store is not None:
-        return loaded.store
-    if all(row.open_turn for row in loaded.rows) and loaded.cache.storable():
-        return loaded
+    store = loaded.question_store()
+    if store is not None:
+        return store
+    if all(row.open_turn for row in loaded.rows):
+        raise ValueError(f"this file holds a document compressed with {loaded.cache.method.describe()}, which keeps "
+                         "only what it selected, and chat compresses each question over the whole document: store it "
+                         "with `kvcompress compress --method full --prompt-file DOC --out FILE`, or ask this file "
+                         "with `kvcompress generate --past`")
     raise ValueError("this file holds a conversation without a stored document to ask per question; store one with "
                      "`kvcompress compress --method full --prompt-file DOC --out FILE`, or continue this one with "
                      "`kvcompress generate --past`")

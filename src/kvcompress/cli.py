@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import importlib.metadata
 import importlib.util
 import json
@@ -40,8 +41,8 @@ from .bench.speed import PRESETS as SPEED_PRESETS
 from .bench.speed import run_speed
 from .bench.tasks import TASKS, load_dataset
 from .cache.errors import CacheMisuseError, UnsupportedModelError
-from .generation.generate import PREFILL_TOKENS, PromptTooLongError, compress, generate
-from .generation.result import load, saved_method
+from .generation.generate import PREFILL_TOKENS, PromptTooLongError, check_per_question, compress, generate
+from .generation.result import Result, load, saved_method
 from .integrations.transformers.models import ARCHITECTURES, fetch_default_model, load_model, random_model
 from .io.saved import CacheFileError
 from .io.wheels import NotFetchedError
@@ -203,13 +204,12 @@ def _past_question(args: argparse.Namespace) -> str:
 
 
 def _past_method(args: argparse.Namespace) -> Method | None:
-    """``--past FILE`` continues with the method FILE was compressed with (None), unless ``--method`` names
-    another (or other settings): each question is then compressed over the stored context with it. Method
-    flags without ``--method`` that differ from the file's are refused."""
-    saved = saved_method(args.past)
+    """``--past FILE`` with ``--method``: that method (each question compressed over the stored context with it);
+    without, None (settled once the file is loaded: ``_asked_with``). Method flags without ``--method`` that differ
+    from the file's are refused before any work."""
     if args.method is not None:
-        method = method_from_args(args.method, args)
-        return None if method == saved else method
+        return method_from_args(args.method, args)
+    saved = saved_method(args.past)
     differ = {key: value for key, value in given_settings(args).items() if getattr(saved, key, None) != value}
     if differ:
         flags = " ".join(f"--{key.replace('_', '-')} {value}" for key, value in differ.items())
@@ -217,6 +217,32 @@ def _past_method(args: argparse.Namespace) -> Method | None:
             f"{args.past} was compressed with {saved.describe()}, and --past keeps it: {flags} would not apply (leave "
             "them out, or name --method to compress each question over the context with its own method)")
     return None
+
+
+def _check_raw(args: argparse.Namespace, past: Result) -> None:
+    """``--raw`` over a ``--past`` file in the chat template is refused (a question takes the file's format)."""
+    if args.raw and any(row.chat for row in past.rows):
+        raise InvalidParameterError(
+            f"--raw asks in raw text, and {args.past} holds a document in the chat template: leave --raw out (a "
+            "question over a file takes the file's format)")
+
+
+def _asked_with(args: argparse.Namespace, past: Result, method: Method | None) -> Method | None:
+    """The method a question over a loaded ``--past`` file is asked with: a file that holds its document whole
+    (a stored document, or a saved chat with its document) compresses every question over it, with ``--method`` or
+    else the method the file was saved with; a file that keeps only its method's selection is continued (``--method``
+    naming the file's own settings agrees with it)."""
+    _check_raw(args, past)
+    if past.question_store() is None:
+        return None if method == past.cache.method else method
+    return past.cache.method if method is None and past.store is not None else method
+
+
+def _method_with_flags(method: Method, args: argparse.Namespace) -> Method:
+    """``method`` with the method flags given on the command line in place of its settings (one it does not take
+    refused by name)."""
+    method_from_args(method.name, args)
+    return dataclasses.replace(method, **given_settings(args))
 
 
 def _cmd_generate(args: argparse.Namespace, console: Console) -> int:
@@ -233,6 +259,7 @@ def _cmd_generate(args: argparse.Namespace, console: Console) -> int:
         method = _past_method(args)
         model, tokenizer = load_model(args.model)
         past = load(args.past, model, tokenizer)
+        method = _asked_with(args, past, method)
         with contextlib.nullcontext() if quiet else console.status(f"answering over {args.past}"):
             result = generate(model, tokenizer, question, past=past, method=method, streamer=_streamer(args, tokenizer),
                               **options)
@@ -548,14 +575,23 @@ def _chat_command(sub: argparse._SubParsersAction, chosen: str | None) -> None:
 
 
 def _cmd_chat(args: argparse.Namespace, console: Console) -> int:
-    from .chat import chat  # noqa: PLC0415 - the interactive front, loaded when asked for
+    from .chat import chat, stored_document  # noqa: PLC0415 - the interactive front, loaded when asked for
 
     if (args.prompt_file is None) == (args.past is None):
         raise InvalidParameterError("give the document as --prompt-file or a stored one as --past (one of them)")
-    method = method_from_args(args.method or DEFAULT_METHODS["generate"], args)
+    method = None if args.method is None and args.past is not None else method_from_args(
+        args.method or DEFAULT_METHODS["generate"], args)
+    if method is not None:
+        check_per_question(method)  # (before any work)
     model, tokenizer = load_model(args.model)
     if args.past is not None:
         opened = load(args.past, model, tokenizer)
+        stored_document(opened)  # (a file that cannot be asked per question: refused before the first question)
+        _check_raw(args, opened)
+        if method is None:  # a saved chat goes on with its method, a stored document with the default
+            saved = opened.cache.method if opened.store is not None else method_class(DEFAULT_METHODS["generate"])()
+            method = _method_with_flags(saved, args)
+            check_per_question(method)
     else:
         document = _read_prompt(args.prompt_file)
         if not document.strip():

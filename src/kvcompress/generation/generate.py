@@ -292,16 +292,22 @@ def _resolve_method(method: Method | str | None) -> Method:
     return method
 
 
-def _over_context(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompt: str | list[str], method: Method,
-                  past: Result) -> _Start:
-    """Questions over a stored context, each prefilled over the context's tokens (read, never written)
-    and compressed with them by ``method``: one question per row of ``past``, or a list of questions over
-    its one row (a batch, each row its own selection)."""
+def check_per_question(method: Method) -> None:
+    """Refuse, in one line, a method that cannot compress a question over a stored context (it scores a prompt by
+    an observation pass of its own before any question)."""
     if method.observation() is not None:
         raise InvalidParameterError(
             f"{method.describe()} scores a prompt by an observation pass before its question, which a question over a "
             "stored context does not need: compress per question with a question-aware method (snapkv, h2o, "
             "streamingllm, expected)")
+
+
+def _over_context(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompt: str | list[str], method: Method,
+                  past: Result) -> _Start:
+    """Questions over a stored context, each prefilled over the context's tokens (read, never written)
+    and compressed with them by ``method``: one question per row of ``past``, or a list of questions over
+    its one row (a batch, each row its own selection)."""
+    check_per_question(method)
     if not all(row.open_turn for row in past.rows):
         raise InvalidParameterError(
             "method= compresses a question over a stored context (kvc.compress(...)), and this conversation is not one "

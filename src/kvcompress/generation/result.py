@@ -76,6 +76,16 @@ class Result:
     # method is compressed with the whole conversation over it
     store: Result | None = None
 
+    def question_store(self) -> Result | None:
+        """The stored context a new question over this result is compressed with: its conversation's ``store``, or
+        the result itself when it is a stored context waiting for its question that keeps its prompt's tokens
+        (``cache.storable()``); None when a question can only continue its cache."""
+        if self.store is not None:
+            return self.store
+        if all(row.open_turn for row in self.rows) and self.cache.storable():
+            return self
+        return None
+
     def save(self, path: str | Path) -> None:
         """Write this conversation and its cache to ``path`` (see the module docstring); the model is
         the one the cache was made for. An existing file is replaced whole (never left half
