@@ -311,3 +311,31 @@ def test_a_method_setting_is_refused_in_the_flags_words_and_its_description_kept
     assert err == ("kvcompress: error: SnapKV: --budget 16 must be greater than --window 32 (budget counts the "
                    "observation window; valid: --budget > 32)\n")
     assert "budget=" not in err and "window=" not in err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--every", "32"], "--every 32 applies only with --decode-budget; give that, or leave --every out"),
+    (["--decode-window", "8"], "--decode-window 8 applies only with --decode-budget"),
+    (["--head-floor", "0.5"], "--head-floor 0.5 applies only with --heads adaptive or --layers global"),
+    (["--pyramid-beta", "4"], "--pyramid-beta 4.0 applies only with --layers pyramid"),
+    (["--seed", "3"], "--seed 3 applies only when sampling: give --temperature above 0"),
+    (["--top-p", "0.9", "--seed", "1"], "--top-p 0.9 --seed 1 applies only when sampling"),
+])
+def test_a_flag_that_would_do_nothing_is_refused_naming_the_flag_it_needs(folder, capsys, flags, message):
+    """Issue 68.7: a setting that needs another is refused in one line (never accepted and shown in the method)."""
+    code, out, err = run(capsys, "generate", "--model", folder, "--prompt", "x", "--max-new-tokens", "1", *flags)
+    assert code == 2 and out == "" and message in one_line(err)
+
+
+def test_the_settings_that_need_another_are_refused_in_python_and_taken_with_it():
+    with pytest.raises(kvc.InvalidParameterError,
+                       match=r"^SnapKV: head_floor=0.5 applies only with heads='adaptive' or layers='global'"):
+        kvc.SnapKV(head_floor=0.5)
+    with pytest.raises(kvc.InvalidParameterError, match=r"every=16 applies only with decode_budget"):
+        kvc.H2O(every=16)
+    assert kvc.SnapKV(heads="adaptive", head_floor=0.5).head_floor == 0.5
+    assert kvc.SnapKV(layers="pyramid", pyramid_beta=4.0).pyramid_beta == 4.0
+    assert kvc.SnapKV(decode_budget=256, every=16, decode_window=8).every == 16
+    model, tok = tiny_model(), bpe_tokenizer()
+    with pytest.raises(kvc.InvalidParameterError, match=r"^seed=2 applies only when sampling: give temperature > 0"):
+        kvc.generate(model, tok, "x", seed=2, max_new_tokens=1)

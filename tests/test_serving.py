@@ -24,7 +24,7 @@ from .fixtures import FAMILIES, char_tokenizer, family_model, prefilled_cache
     ({"method": "snapkv", "budget": -3}, r"^kvcompress: SnapKV: budget=-3 is invalid; it must be an integer >= 1"),
     ({"method": "nope"}, r"^kvcompress.method='nope' is unknown; valid: full, snapkv, streamingllm, h2o, expected$"),
     ({"method": 7}, r"^kvcompress.method=7 is invalid; valid: full, snapkv, streamingllm, h2o, expected$"),
-    ({"method": "snapkv", "windows": 8}, r"^kvcompress: method 'snapkv' does not take windows; it takes: .*window"),
+    ({"method": "snapkv", "windows": 8}, r"^kvcompress: method 'snapkv' does not take windows; served: .*window"),
     ({"method": "kvzip"
       }, r"method='kvzip' cannot be served by vLLM: it scores from an observation pass .*; servable: full, snapkv"),
     ({"method": "snapkv", "heads": "adaptive"
@@ -37,6 +37,28 @@ from .fixtures import FAMILIES, char_tokenizer, family_model, prefilled_cache
 def test_a_requests_bad_settings_are_refused_naming_the_field(settings, message):
     with pytest.raises(InvalidParameterError, match=message):
         serving.method_of(settings, default=kvc.SnapKV())
+
+
+def test_an_unknown_field_lists_only_the_fields_a_request_can_set():
+    """Issue 68.9: the 400 for an unknown field never offers a field the server refuses."""
+    with pytest.raises(InvalidParameterError) as refused:
+        serving.method_of({"method": "snapkv", "budgte": 64})
+    assert "budget" in str(refused.value) and "decode_budget" not in str(refused.value)
+    assert not any(field in str(refused.value) for field in serving.NOT_SERVED)
+
+
+def test_an_fp8_pool_takes_the_settings_that_say_what_it_stores():
+    """Issue 68.9: on a server started with --kv-cache-dtype fp8, kv_bits=8 with kv_format='fp8' is what the pool
+    stores (taken, the pool writing the codes); other bits are refused naming both valid forms; elsewhere fp8 is
+    refused naming the flag that gives it."""
+    fp8 = {"kv_bits": 8, "kv_format": "fp8"}
+    assert serving.method_of(fp8, kvc.SnapKV(budget=64), "fp8") == kvc.SnapKV()  # (its fields, not the engine's)
+    assert serving.method_of({"method": "h2o", **fp8}, None, "fp8_e4m3") == kvc.H2O()
+    with pytest.raises(InvalidParameterError, match=r"pool is fp8: .*valid: 16, or kv_bits=8 with kv_format='fp8'"):
+        serving.method_of({"kv_bits": 4}, kvc.SnapKV(), "fp8")
+    with pytest.raises(InvalidParameterError,
+                       match=r"kv_bits=8 \(kv_format='fp8'\) .*--kv-cache-dtype fp8.*valid: 16\)$"):
+        serving.method_of(fp8, kvc.SnapKV())
 
 
 def test_a_requests_settings_name_its_method_or_take_the_engines():

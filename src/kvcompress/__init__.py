@@ -13,6 +13,10 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from .io.version import package_version
+
+__version__ = package_version()
+
 _WHERE = {  # public name -> the module that defines it
     **dict.fromkeys(("CacheMisuseError", "UnsupportedModelError"), "cache.errors"),
     "KVCompressCache": "cache.kv_cache",

@@ -142,8 +142,8 @@ def _command(line: str, turn: Result, out: TextIO) -> str | None:
         try:
             turn.save(target)
             out.write(f"(saved to {target}: kvcompress chat --past {target} continues it)\n")
-        except OSError as error:
-            out.write(f"cannot save to {target}: {error.strerror or error}\n")
+        except OSError as error:  # (the library's own refusal names the file already)
+            out.write(f"cannot save to {target}: {error.strerror}\n" if error.strerror else f"{error}\n")
     else:
         out.write(f"unknown command {name}; commands: {COMMANDS}\n")
     return None

@@ -138,6 +138,8 @@ def method_from_args(name: str, args: argparse.Namespace) -> Method:
         flags = ", ".join("--" + f.replace("_", "-") for f in refused)
         accepted = ", ".join(spec.flag for spec in taken.values()) or "no settings"
         raise InvalidParameterError(f"method {name!r} does not take {flags}; it takes: {accepted}")
+    if given.get("kv_format") == "fp8" and "kv_bits" not in given:  # fp8 is 8 bits: --kv-format fp8 says it alone
+        given["kv_bits"] = 8
     return cls(**given)
 
 
@@ -285,7 +287,8 @@ def _cmd_generate(args: argparse.Namespace, console: Console) -> int:
 def _streamer(args: argparse.Namespace, tokenizer: Any) -> Any:
     from .chat import Printer  # noqa: PLC0415 - the interactive front, loaded when asked for
 
-    return Printer(tokenizer, sys.stdout) if args.stream else None
+    args.printer = Printer(tokenizer, sys.stdout) if args.stream else None  # (an interrupt ends its line)
+    return args.printer
 
 
 def _cmd_compress(args: argparse.Namespace, console: Console) -> int:
@@ -455,11 +458,12 @@ def _cmd_bench_speed(args: argparse.Namespace, console: Console) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace, console: Console) -> int:
-    method = check_servable(method_from_args(args.method or DEFAULT_METHODS["serve"], args))
+    pool = flag_value(args.vllm_flags, ("--kv-cache-dtype",))
+    method = check_servable(method_from_args(args.method or DEFAULT_METHODS["serve"], args), pool)
     model = args.model or str(fetch_default_model())
     config = model_config(model)
     scorable(method, config)  # the model's family, refused before vLLM loads
-    check_pool(flag_value(args.vllm_flags, ("--kv-cache-dtype",)), config)
+    check_pool(pool, config)
     if importlib.util.find_spec("vllm") is None:
         raise NotFetchedError(
             "kvcompress serve runs vLLM's server, and vLLM is not installed here: `make vllm` builds .venv-vllm with "
@@ -475,7 +479,8 @@ def _cmd_serve(args: argparse.Namespace, console: Console) -> int:
         node = get_memory_node_info(get_allowed_cpu_list()[0].numa_node)
         flags = [*memory_flags(flags, node.total_memory, node.available_memory, dict(os.environ), human_readable_int),
                  *flags]
-    os.environ[ENGINE_ENV] = json.dumps({**engine_settings(method), "model": model})  # for the API server's checks
+    # for the API server's checks
+    os.environ[ENGINE_ENV] = json.dumps({**engine_settings(method), "model": model, "kv_cache_dtype": pool})
     sys.argv = ["kvcompress serve", *serve_argv(model, method, args.host, args.port, flags)]
     QuietStop().install()
     vllm_main()
@@ -563,6 +568,9 @@ def _chat_command(sub: argparse._SubParsersAction, chosen: str | None) -> None:
     """``chat``: a conversation over a document, every turn compressed per question."""
     names = ", ".join(METHODS)
     chat = _command(sub, "chat", "talk about a document: every message compressed with the conversation so far")
+    chat.epilog = ("In the session: /save FILE writes the conversation (with its document; --past FILE continues "
+                   "it), /reset forgets the conversation and keeps the document, /quit or Ctrl-D ends; Ctrl-C stops "
+                   "an answer, not the session.")
     chat.add_argument("--method", help=f"one of: {names} (default {DEFAULT_METHODS['generate']})")
     chat.add_argument("--model", help="model folder or name (default: the embedded SmolLM2-135M-Instruct)")
     chat.add_argument("--prompt-file", help="the document (UTF-8), stored once")
@@ -896,6 +904,10 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["serve"] and len(argv) > 1 and not argv[1].startswith("-"):
         argv = ["serve", "--model", *argv[1:]]
     parser = build_parser(argv)
+    chosen = given_method(argv)
+    if chosen is not None and chosen not in METHODS and {"-h", "--help"} & set(argv):  # help for no method
+        print(f"kvcompress: error: --method {chosen} is unknown; valid: {', '.join(METHODS)}", file=sys.stderr)
+        return 2
     args, rest = parser.parse_known_args(argv)
     if rest and args.command != "serve":
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
@@ -907,6 +919,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvcompress: error: {in_flag_words(err, flag_names(parser))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
+        if getattr(args, "printer", None) is not None and args.printer.shown:  # a streamed answer's line ended first
+            print(flush=True)
         said = getattr(args, "interrupted", None)
         print(f"kvcompress: interrupted{said(args) if said else ''}", file=sys.stderr)
         return 130

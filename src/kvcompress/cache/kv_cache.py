@@ -234,6 +234,9 @@ class KVCompressCache(Cache):
             "prompt_tokens": prompt[0] if len(prompt) == 1 else prompt,
             "new_tokens": first.seen_tokens - first.prefill_len,
             "kv_tokens_per_layer": [s["kv_tokens"] for s in per_layer],
+            # the precision kv_bits=16 keeps and kv_bytes_full counts: the model's own (float32 on a CPU)
+            "kv_dtype": str(first.dtype).removeprefix("torch."),
+            "kv_stored_as": self.method.kv_codec() or str(first.dtype).removeprefix("torch."),
             "kv_bytes_full": full,
             "kv_bytes_kept": kept,
             "kv_kept_fraction": kept / full if full else 1.0,  # bytes: a codec's tokens cost less

@@ -442,6 +442,13 @@ def _sampling(temperature: float, top_p: float, seed: int | None) -> Sampling | 
         raise InvalidParameterError(f"top_p={top_p!r} is invalid; give a number in (0, 1]")
     if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):
         raise InvalidParameterError(f"seed={seed!r} is invalid; give an integer >= 0, or None")
+    unused = [f"{name}={value}" for name, value, default in (("top_p", top_p, 1.0), ("seed", seed, None))
+              if value != default]
+    if temperature == 0 and unused:
+        flags = " ".join(f"--{each.replace('_', '-').replace('=', ' ')}" for each in unused)
+        raise InvalidParameterError(
+            f"{', '.join(unused)} applies only when sampling: give temperature > 0, or leave it out (greedy)",
+            cli=f"{flags} applies only when sampling: give --temperature above 0, or leave it out (greedy)")
     return Sampling(float(temperature), float(top_p), seed) if temperature > 0 else None
 
 

@@ -19,7 +19,6 @@ import json
 import os
 import warnings
 from dataclasses import asdict, dataclass, field
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +30,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from ..cache.kv_cache import KVCompressCache
 from ..cache.tokens import TokenSpans
 from ..io.saved import CacheFileError, cache_state, model_fingerprint, restore_cache, to_json
+from ..io.version import package_version
 from ..methods import METHODS, Method, field_specs
 
 FORMAT, VERSION = "kvcompress-cache", 3  # the version changes only when docs/file-format.md does
@@ -188,6 +188,8 @@ def _umask() -> int:
 def read_header(path: str | Path) -> dict[str, Any]:
     """The metadata of a saved conversation (format, model fingerprint, method, conversation), read
     without its tensors; ``CacheFileError`` when ``path`` is not a kvcompress cache file of this version."""
+    if Path(path).is_dir():
+        raise IsADirectoryError(f"{path} is a folder; give a kvcompress cache file (.kvc)")
     try:
         with safe_open(str(path), framework="pt") as file:
             meta = json.loads((file.metadata() or {})[FORMAT])
@@ -238,14 +240,6 @@ def check_digest(path: str | Path, meta: dict[str, Any], tensors: dict[str, torc
 def saved_method(path: str | Path) -> Method:
     """The method (with its settings) that compressed the conversation saved at ``path``."""
     return _method(read_header(path))
-
-
-def package_version() -> str:
-    """This kvcompress's version, as installed (``unknown`` when it runs from a source tree only)."""
-    try:
-        return metadata.version("kvcompress")
-    except metadata.PackageNotFoundError:
-        return "unknown"
 
 
 def _method(meta: dict[str, Any]) -> Method:

@@ -63,6 +63,17 @@ def param(default: Any, help: str, *, minimum: float | None = None, choices: tup
                  metadata={"help": help, "minimum": minimum, "above": above, "at_most": at_most, "choices": choices})
 
 
+def require_with(method: Method, name: str, applies: bool, needs: str, needs_flag: str) -> None:
+    """Refuse field ``name`` set off its default where it would do nothing (``applies`` False): the library's words
+    name ``needs``, the command line's ``needs_flag``."""
+    value, default = getattr(method, name), {spec.name: spec.default for spec in field_specs(type(method))}[name]
+    if value != default and not applies:
+        flag = "--" + name.replace("_", "-")
+        raise InvalidParameterError(
+            f"{type(method).__name__}: {name}={value!r} applies only with {needs}; give that, or leave {name} out",
+            cli=f"{flag} {value} applies only with {needs_flag}; give that, or leave {flag} out")
+
+
 def default_of(cls: type, name: str, default: Any) -> Any:
     """Field ``name`` of the dataclass ``cls`` (its help, range and choices) with a subclass's own default."""
     declared = {each.name: each for each in fields(cls)}
@@ -186,6 +197,9 @@ class Method:
         require(self.kv_format == "int" or self.kv_bits == 8,
                 f"{type(self).__name__}: kv_format={self.kv_format!r} stores 8 bits, got kv_bits={self.kv_bits}; "
                 "valid: kv_bits=8 with kv_format='fp8', or kv_format='int'")
+        require(self.key_bits is None or self.kv_bits < 16,
+                f"{type(self).__name__}: key_bits={self.key_bits} sets the keys' bits where kept tokens are stored in "
+                f"codes, and kv_bits={self.kv_bits} keeps the model's precision; valid: key_bits with kv_bits=8 or 4")
         require(self.key_bits is None or (self.kv_format == "int" and self.kv_bits <= self.key_bits),
                 f"{type(self).__name__}: key_bits={self.key_bits} with kv_bits={self.kv_bits}, "
                 f"kv_format={self.kv_format!r}; valid: key_bits >= kv_bits (8, 6 or 4) with kv_format='int'")

@@ -33,7 +33,7 @@ from ..storage.attention import scoring_sinks
 from ..storage.codec import restored_pair
 from ..storage.packed import PackedSlots
 from ..storage.slots import BoundedSlots, DenseSlots
-from .base import BudgetMethod, param, require
+from .base import BudgetMethod, param, require, require_with
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -170,6 +170,11 @@ class PromptMethod(BudgetMethod):
             "prompt until they are all scored, which only a method with an observation pass does (KVzip); valid here: "
             "uniform, pyramid"
         )
+        require_with(self, "head_floor", self.heads == "adaptive" or self.layers == "global",  # (both pack per head)
+                     "heads='adaptive' or layers='global'", "--heads adaptive or --layers global")
+        require_with(self, "pyramid_beta", self.layers == "pyramid", "layers='pyramid'", "--layers pyramid")
+        for name in ("every", "decode_window"):
+            require_with(self, name, self.decode_budget is not None, "decode_budget", "--decode-budget")
         if self.decode_budget is not None:
             self._check_decode_bound()
 
@@ -217,7 +222,10 @@ class PromptMethod(BudgetMethod):
     def summarize(self, totals: dict[str, Any]) -> dict[str, Any]:
         if self.decode_budget is None:
             return {}
-        return {"reselections": totals.get("reselections", 0), "reselect_s": totals.get("reselect_s", 0.0)}
+        layers = totals.get("bounded_layers", 0)
+        per_layer = totals.get("reselections", 0) / max(1, layers)  # (pyramid budgets: layers re-select apart)
+        return {"reselections": int(per_layer) if per_layer.is_integer() else round(per_layer, 2),
+                "reselect_s": totals.get("reselect_s", 0.0)}  # (reselections: per layer, the mean; seconds: summed)
 
     def reserved_tokens(self) -> int:
         """Tokens every row keeps whatever the scores (a window, sinks, recent tokens): layer budgets
@@ -475,7 +483,7 @@ class BoundedLayer(EvictionLayer):
         return prompt_positions_held(self.slots.held_positions(), self.prompt_tokens)
 
     def stats(self) -> dict[str, Any]:
-        return {**super().stats(), "reselections": self.reselections, "reselect_s": self.reselect_s}
+        return {**super().stats(), "reselections": self.reselections, "reselect_s": self.reselect_s, "bounded_layers": 1}
 
     def info(self) -> dict[str, Any]:
         return {"decode_bound": self.slots.limit}

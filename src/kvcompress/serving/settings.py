@@ -23,7 +23,7 @@ from transformers import AutoConfig
 
 from ..integrations.transformers.rope import Rotary, check_rope_config
 from ..methods import METHODS, method_from_name
-from ..methods.base import InvalidParameterError, Method
+from ..methods.base import InvalidParameterError, Method, field_specs
 from ..methods.prompt import PromptMethod
 
 FIELD = "kvcompress"  # the request body's field, and the key of the engine's settings in vLLM's additional_config
@@ -43,8 +43,21 @@ WHY_NOT = {
 }
 
 
-def check_servable(method: Method) -> Method:
-    """``method`` if a vLLM engine can apply it, else ``InvalidParameterError`` naming what is refused and why."""
+# The fields a served request cannot set (each refused with its reason by ``check_servable``), left out of the fields
+# an unknown one's refusal lists
+NOT_SERVED = ("decode_budget", "every", "decode_window", "head_floor", "pyramid_beta", "key_bits",
+              "evict_during_decoding")
+
+
+def fp8_pool(cache_dtype: str | None) -> bool:
+    """Whether a vLLM ``--kv-cache-dtype`` stores e4m3 codes (what the library's ``kv_format='fp8'`` writes)."""
+    return cache_dtype in ("fp8", "fp8_e4m3")
+
+
+def check_servable(method: Method, cache_dtype: str | None = None) -> Method:
+    """``method`` if a vLLM engine whose pool is ``cache_dtype`` (None: the model's dtype) can apply it, else
+    ``InvalidParameterError`` naming what is refused and why. In an fp8 pool, ``kv_bits=8, kv_format='fp8'`` says
+    what the pool stores: taken, and returned as the pool's own precision (the pool writes the codes)."""
     name = method.name
     if name not in SERVABLE:
         why = WHY_NOT.get(name, "it is not one of the methods scored from the prefill")
@@ -57,11 +70,15 @@ def check_servable(method: Method) -> Method:
                     f"{owner}: {field}={uniform!r} cannot be served by vLLM (a paged cache holds the same count per KV "
                     "head and layer); valid: 'uniform'"
                 )
+    if fp8_pool(cache_dtype) and (method.kv_bits, method.kv_format, method.key_bits) == (8, "fp8", None):
+        method = dataclasses.replace(method, kv_bits=16, kv_format="int")
     if method.kv_bits != 16:
-        raise InvalidParameterError(
-            f"{owner}: kv_bits={method.kv_bits} cannot be served per request (vLLM's cache pool has one dtype for "
-            "every request: `kvcompress serve --kv-cache-dtype fp8` stores each as kv_bits=8, kv_format='fp8' would); "
-            "valid: 16")
+        pool = (f"this server's pool is {cache_dtype}: every request is stored as kv_bits=8, kv_format='fp8'; valid: "
+                "16, or kv_bits=8 with kv_format='fp8'" if fp8_pool(cache_dtype) else
+                "vLLM's cache pool has one dtype for every request: `kvcompress serve --kv-cache-dtype fp8` stores "
+                "each as kv_bits=8, kv_format='fp8' would; valid: 16")
+        raise InvalidParameterError(f"{owner}: kv_bits={method.kv_bits} (kv_format={method.kv_format!r}) cannot be "
+                                    f"served per request ({pool})")
     if getattr(method, "decode_budget", None) is not None:
         raise InvalidParameterError(
             f"{owner}: decode_budget={method.decode_budget} cannot be served by vLLM: kvcompress's plugin selects a "
@@ -74,9 +91,10 @@ def check_servable(method: Method) -> Method:
     return method
 
 
-def method_of(settings: Any, default: Method | None = None) -> Method:
+def method_of(settings: Any, default: Method | None = None, cache_dtype: str | None = None) -> Method:
     """The method a request's ``kvcompress`` settings name (``{"method": NAME, FIELD: VALUE, ...}``;
-    None or ``{}``: ``default``), validated as the library validates it, its errors naming the field."""
+    None or ``{}``: ``default``), validated as the library validates it for a pool of ``cache_dtype``
+    (``check_servable``), its errors naming the field."""
     if (settings is None or settings == {}) and default is not None:
         return default
     if not isinstance(settings, dict):
@@ -88,8 +106,13 @@ def method_of(settings: Any, default: Method | None = None) -> Method:
         raise InvalidParameterError(f"{FIELD}.method={name!r} is invalid; valid: {', '.join(SERVABLE)}")
     if name not in METHODS:
         raise InvalidParameterError(f"{FIELD}.method={name!r} is unknown; valid: {', '.join(SERVABLE)}")
+    known = {spec.name for spec in field_specs(METHODS[name])}
+    unknown = sorted(key for key in fields if key not in known)
+    if unknown:
+        served = ", ".join(sorted(known - set(NOT_SERVED)))
+        raise InvalidParameterError(f"{FIELD}: method {name!r} does not take {', '.join(unknown)}; served: {served}")
     try:
-        return check_servable(method_from_name(name, **fields))
+        return check_servable(method_from_name(name, **fields), cache_dtype)
     except InvalidParameterError as err:
         raise InvalidParameterError(f"{FIELD}: {err}") from None
 

@@ -683,7 +683,8 @@ class RequestSettings:
     def __init__(self, app: Any) -> None:
         self.app = app
         engine = json.loads(os.environ.get(ENGINE_ENV) or "{}")  # where ``kvcompress serve`` started the server:
-        self.default = method_of(engine[FIELD]) if FIELD in engine else None  # the engine's method
+        self.pool = engine.get("kv_cache_dtype")  # its cache pool's dtype (None: the model's)
+        self.default = method_of(engine[FIELD], cache_dtype=self.pool) if FIELD in engine else None  # its method
         self.config = model_config(engine["model"]) if "model" in engine else None  # and its model's
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
@@ -699,7 +700,7 @@ class RequestSettings:
             payload = None  # not JSON: vLLM answers it
         if isinstance(payload, dict) and FIELD in payload:
             try:
-                method = scorable(method_of(payload.pop(FIELD), default=self.default), self.config)
+                method = scorable(method_of(payload.pop(FIELD), self.default, self.pool), self.config)
             except InvalidParameterError as err:
                 return await bad_request(send, str(err))
             xargs = payload.get("vllm_xargs") or {}

@@ -92,6 +92,9 @@ def load_model(
     if not local.exists() and (local.is_absolute() or path.startswith((".", "~"))):
         raise ModelNotAvailableError(
             f"model={name!r}: no such directory (give a local model folder, or a name from_pretrained can load)")
+    if local.is_dir() and not (local / "config.json").is_file():
+        raise ModelNotAvailableError(
+            f"model={name!r}: the folder holds no model (no config.json); give a folder save_pretrained wrote")
     bars_were_on = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:
