@@ -339,3 +339,37 @@ def test_the_settings_that_need_another_are_refused_in_python_and_taken_with_it(
     model, tok = tiny_model(), bpe_tokenizer()
     with pytest.raises(kvc.InvalidParameterError, match=r"^seed=2 applies only when sampling: give temperature > 0"):
         kvc.generate(model, tok, "x", seed=2, max_new_tokens=1)
+
+
+def test_the_smaller_refusals_a_newcomer_met_are_one_true_line(folder, doc, tmp_path, capsys):
+    """Issue 68.8 and 68.10, each as the user met it."""
+    code, _, err = run(capsys, "generate", "--model", folder, "--past", tmp_path, "--prompt", "q")
+    assert code == 2 and one_line(err) == f"kvcompress: error: {tmp_path} is a folder; give a kvcompress cache file (.kvc)"
+    (tmp_path / "empty").mkdir()
+    code, _, err = run(capsys, "generate", "--model", tmp_path / "empty", "--prompt", "q")
+    assert code == 2 and "the folder holds no model (no config.json)" in one_line(err)
+    # --kv-format fp8 alone is 8 bits (the only width it has); --key-bits alone names what it needs
+    code, out, _ = run(capsys, "generate", "--model", folder, "--prompt", "q", "--kv-format", "fp8",
+                       "--max-new-tokens", "1", "--json")
+    assert code == 0 and json.loads(out)["kv_stored_as"] == "fp8"
+    code, _, err = run(capsys, "generate", "--model", folder, "--prompt", "q", "--key-bits", "6")
+    assert code == 2 and "valid: --kv-bits 8 or --kv-bits 4 with --key-bits 6" in one_line(err)
+    # help for a method that does not exist is refused, not shown
+    done = cli("generate", "--method", "bogus", "--help")
+    assert done.returncode == 2 and done.stdout == ""
+    assert one_line(done.stderr) == f"kvcompress: error: --method bogus is unknown; valid: {', '.join(kvc.METHODS)}"
+    assert "/save FILE" in cli("chat", "--help").stdout and "/reset" in cli("chat", "--help").stdout
+    assert re.fullmatch(r"\d+\.\d+\S*|unknown", kvc.__version__)
+
+
+def test_an_interrupted_stream_ends_the_answers_line_first(folder, doc, tmp_path):
+    """Issue 68.10: Ctrl-C in ``generate --stream`` leaves the answer on its own line, the notice on the next."""
+    process = subprocess.Popen([sys.executable, "-m", "kvcompress", "generate", "--model", str(folder), "--prompt-file",
+                                str(doc), "--stream", "--max-new-tokens", "1500"], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    first = process.stdout.read(1)  # the answer has begun
+    time.sleep(0.5)
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=120)
+    assert first and process.returncode == 130 and (first + out).endswith("\n"), err
+    assert err == "kvcompress: interrupted\n"

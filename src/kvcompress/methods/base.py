@@ -199,7 +199,8 @@ class Method:
                 "valid: kv_bits=8 with kv_format='fp8', or kv_format='int'")
         require(self.key_bits is None or self.kv_bits < 16,
                 f"{type(self).__name__}: key_bits={self.key_bits} sets the keys' bits where kept tokens are stored in "
-                f"codes, and kv_bits={self.kv_bits} keeps the model's precision; valid: key_bits with kv_bits=8 or 4")
+                f"codes, and kv_bits={self.kv_bits} keeps the model's precision; valid: kv_bits=8 or kv_bits=4 with "
+                f"key_bits={self.key_bits}")
         require(self.key_bits is None or (self.kv_format == "int" and self.kv_bits <= self.key_bits),
                 f"{type(self).__name__}: key_bits={self.key_bits} with kv_bits={self.kv_bits}, "
                 f"kv_format={self.kv_format!r}; valid: key_bits >= kv_bits (8, 6 or 4) with kv_format='int'")
