@@ -344,7 +344,8 @@ def test_the_settings_that_need_another_are_refused_in_python_and_taken_with_it(
 def test_the_smaller_refusals_a_newcomer_met_are_one_true_line(folder, doc, tmp_path, capsys):
     """Issue 68.8 and 68.10, each as the user met it."""
     code, _, err = run(capsys, "generate", "--model", folder, "--past", tmp_path, "--prompt", "q")
-    assert code == 2 and one_line(err) == f"kvcompress: error: {tmp_path} is a folder; give a kvcompress cache file (.kvc)"
+    assert code == 2 and one_line(err) == f"kvcompress: error: {tmp_path} is a folder; give a kvcompress cache file " \
+        "(.kvc)"
     (tmp_path / "empty").mkdir()
     code, _, err = run(capsys, "generate", "--model", tmp_path / "empty", "--prompt", "q")
     assert code == 2 and "the folder holds no model (no config.json)" in one_line(err)

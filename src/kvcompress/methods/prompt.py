@@ -483,7 +483,8 @@ class BoundedLayer(EvictionLayer):
         return prompt_positions_held(self.slots.held_positions(), self.prompt_tokens)
 
     def stats(self) -> dict[str, Any]:
-        return {**super().stats(), "reselections": self.reselections, "reselect_s": self.reselect_s, "bounded_layers": 1}
+        return {**super().stats(), "reselections": self.reselections, "reselect_s": self.reselect_s,
+                "bounded_layers": 1}
 
     def info(self) -> dict[str, Any]:
         return {"decode_bound": self.slots.limit}
