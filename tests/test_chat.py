@@ -52,6 +52,14 @@ class Terminal:
     def send(self, text: str) -> None:
         os.write(self.fd, text.encode())
 
+    def paste(self, text: str, piece: int = 1024) -> None:
+        """``text`` written a piece at a time, what the terminal echoes read between pieces (a long paste would
+        otherwise fill the echo's buffer and stop both sides)."""
+        for start in range(0, len(text), piece):
+            os.write(self.fd, text[start:start + piece].encode())
+            while select.select([self.fd], [], [], 0.05)[0]:
+                self.seen += os.read(self.fd, 65536).decode(errors="replace").replace("\r\n", "\n")
+
     def wait(self) -> int:
         _, status = os.waitpid(self.pid, 0)
         return os.waitstatus_to_exitcode(status)
@@ -216,3 +224,30 @@ def test_raw_over_a_chat_format_file_and_chats_that_cannot_start_are_refused_at_
     assert main(["chat", *model, "--past", str(files / "kvzip.kvc")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "compressed with kvzip(budget=48" in err and "compress --method full" in err
+
+
+def test_the_chat_reads_its_input_as_a_repl_does(files):
+    """Issue 68.3, through a pseudo-terminal: arrow keys edit the line (no escape codes in it), the up arrow recalls
+    the last one, a 46,000-character paste arrives whole (the terminal's line buffer holds 4,095 bytes), and a
+    message between lines of \"\"\" keeps its line breaks."""
+    chat = Terminal("chat", "--model", str(files / "model"), "--prompt-file", str(files / "doc.txt"), "--method",
+                    "snapkv", "--budget", "48", "--window", "8", "--max-new-tokens", "2")
+    chat.expect("> ")
+    chat.send(f"/save {files / 'edted.kvc'}" + "\x1b[D" * len("ted.kvc") + "i\n")  # typed, then mended with arrows
+    assert f"saved to {files / 'edited.kvc'}" in chat.expect("> ") and (files / "edited.kvc").exists()
+    chat.send("\x1b[A\n")  # the last line again, from the history
+    assert f"{files / 'edited.kvc'} exists" in chat.expect("> ")
+    chat.paste("x" * 46_000 + "\n")
+    refused = chat.expect("> ")
+    told = int(refused.split("kvcompress: error: prompt 0 has ")[1].split()[0])
+    assert 46_000 < told < 46_000 + 600  # the whole paste, the document and the template's tokens
+    chat.send('"""\nline one\nline two\n"""\n')
+    shown = chat.expect("prompt tokens]")
+    model, tok = tiny_model(), char_tokenizer()
+    store = kvc.compress(model, tok, [{"role": "user", "content": DOCUMENT}], method=kvc.FullKV())
+    expected = kvc.generate(model, tok, "line one\nline two", past=store, method=kvc.SnapKV(budget=48, window=8),
+                            max_new_tokens=2)
+    assert f"{expected.stats['prompt_tokens']} prompt tokens]" in shown + "prompt tokens]"
+    chat.expect("> ")
+    chat.send("/quit\n")
+    assert chat.wait() == 0

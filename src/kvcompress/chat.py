@@ -3,14 +3,13 @@
 The document is stored once (its whole KV in host memory on a GPU) or read from a ``.kvc`` file;
 each message is then prefilled over the store with the conversation so far and compressed by the
 chosen method (``generate(past=..., method=...)``), its answer printed as it comes, then one line of
-what the turn cost. Ctrl-C stops the answer in progress (the conversation goes on from the last
+what the turn cost. Input is read as a shell reads it (``read_line``: GNU readline on a terminal; ``read_message``:
+a message of several lines between lines of ``\"\"\"``). Ctrl-C stops the answer in progress (the conversation goes on from the last
 whole answer); Ctrl-D (end of input) or ``/quit`` ends the session.
 """
 
 from __future__ import annotations
 
-import os
-import select
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -22,7 +21,9 @@ from .generation.generate import generate
 from .generation.result import Result
 from .methods import Method
 
-COMMANDS = "/save FILE (write the conversation), /reset (forget it, keep the document), /quit (or Ctrl-D)"
+COMMANDS = ('/save FILE (write the conversation), /reset (forget it, keep the document), /quit (or Ctrl-D); """ '
+            'alone on a line opens and closes a message of several lines')
+MULTILINE = '"""'  # a line of it alone opens, and closes, a message of several lines
 
 
 class Printer:
@@ -51,18 +52,25 @@ class Printer:
 
 
 def read_line(prompt: str) -> str:
-    """``input()`` that Ctrl-C interrupts at once: the wait for a line is cut in short slices, so Python's handler
-    runs on the main thread even where the kernel gave the signal to another thread (torch's workers), which would
-    leave a blocking read waiting for Enter. End of input raises ``EOFError``."""
-    sys.stdout.write(prompt)
-    sys.stdout.flush()
-    if os.name == "posix":
-        while not select.select([sys.stdin], [], [], 0.1)[0]:
-            pass
-    line = sys.stdin.readline()
-    if not line:
-        raise EOFError
-    return line.rstrip("\n")
+    """One line as a REPL reads it: on a terminal through GNU readline (``input`` once the ``readline`` module is
+    loaded: line editing, arrow keys, history on up and down, and a paste of any length whole, since readline reads
+    the terminal a key at a time rather than through the kernel's 4,095-byte line buffer); from a pipe, a plain line.
+    End of input raises ``EOFError``; Ctrl-C, ``KeyboardInterrupt``."""
+    if sys.stdin.isatty():
+        import readline  # noqa: F401, PLC0415 - loading it gives input() its line editing and history
+    return input(prompt)
+
+
+def read_message(read: Callable[[str], str]) -> str:
+    """A message: one line, or, after a line of ``\"\"\"`` alone, every line up to the next such line (a message
+    typed or pasted over several lines, its line breaks kept)."""
+    line = read("> ")
+    if line.strip() != MULTILINE:
+        return line
+    lines = []
+    while (line := read("... ")).strip() != MULTILINE:
+        lines.append(line)
+    return "\n".join(lines)
 
 
 def cost_line(stats: dict[str, Any]) -> str:
@@ -97,7 +105,7 @@ def chat(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, opened: Res
               f"{int(store.attention_mask.sum())} tokens. Commands: {COMMANDS}\n")
     while True:
         try:
-            line = read("> ").strip()
+            line = read_message(read).strip()
         except EOFError:
             out.write("\n")
             return 0

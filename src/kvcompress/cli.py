@@ -570,7 +570,8 @@ def _chat_command(sub: argparse._SubParsersAction, chosen: str | None) -> None:
     chat = _command(sub, "chat", "talk about a document: every message compressed with the conversation so far")
     chat.epilog = ("In the session: /save FILE writes the conversation (with its document; --past FILE continues "
                    "it), /reset forgets the conversation and keeps the document, /quit or Ctrl-D ends; Ctrl-C stops "
-                   "an answer, not the session.")
+                   'an answer, not the session. A line of """ alone opens a message of several lines, another closes '
+                   "it; lines are edited and recalled as in a shell (readline).")
     chat.add_argument("--method", help=f"one of: {names} (default {DEFAULT_METHODS['generate']})")
     chat.add_argument("--model", help="model folder or name (default: the embedded SmolLM2-135M-Instruct)")
     chat.add_argument("--prompt-file", help="the document (UTF-8), stored once")
