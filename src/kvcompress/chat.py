@@ -4,8 +4,8 @@ The document is stored once (its whole KV in host memory on a GPU) or read from 
 each message is then prefilled over the store with the conversation so far and compressed by the
 chosen method (``generate(past=..., method=...)``), its answer printed as it comes, then one line of
 what the turn cost. Input is read as a shell reads it (``read_line``: GNU readline on a terminal; ``read_message``:
-a message of several lines between lines of ``\"\"\"``). Ctrl-C stops the answer in progress (the conversation goes on from the last
-whole answer); Ctrl-D (end of input) or ``/quit`` ends the session.
+a message of several lines between lines of ``\"\"\"``). Ctrl-C stops the answer in progress (the conversation
+goes on from the last whole answer); Ctrl-D (end of input) or ``/quit`` ends the session.
 """
 
 from __future__ import annotations
