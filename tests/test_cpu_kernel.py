@@ -5,6 +5,7 @@ first, and the step handing its coded rows on without decoding them."""
 from __future__ import annotations
 
 import shutil
+import time
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ import torch
 import kvcompress as kvc
 from kvcompress.storage import attention, codec, cpu_kernels
 
-from .fixtures import CACHE, tiny_model
+from .fixtures import CACHE, char_tokenizer, tiny_model
 from .test_decode_kernel import case, reference
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None or shutil.which("ninja") is None,
@@ -142,3 +143,27 @@ def test_six_bit_keys_are_never_handed_to_the_triton_kernel(monkeypatch):
                  codec.make_codec("int4", 64, torch.float32).encode(values), key_bits, 4)
         attention.dense_attention(query, keys, values, None, 0.125, coded=coded)
     assert handed == [(0, 0), (4, 4)]
+
+
+def test_the_kernels_build_is_kept_out_of_every_timing(monkeypatch):
+    """Issue 68.4: a generation that stores codes on a CPU builds the kernel before its clock starts and reports the
+    build apart (``kernel_build_s``); one that stores none never builds it."""
+    from kvcompress.generation import generate as generation  # noqa: PLC0415
+
+    built = []
+
+    def slow_build() -> float:
+        time.sleep(1.0)
+        built.append(1)
+        return 1.0
+
+    monkeypatch.setattr(generation, "ready_cpu_kernel", slow_build)
+    model, tok = tiny_model(), char_tokenizer()
+    coded = kvc.generate(model, tok, "some prompt words", method=kvc.SnapKV(budget=8, window=4, kv_bits=4),
+                         max_new_tokens=2)
+    assert coded.stats["kernel_build_s"] == 1.0 and coded.stats["prefill_s"] < 1.0 and built == [1]
+    assert coded.stats["decode_ms_per_token"] < 500
+    plain = kvc.generate(model, tok, "some prompt words", method=kvc.SnapKV(budget=8, window=4), max_new_tokens=2)
+    assert "kernel_build_s" not in plain.stats and built == [1]
+    cpu_kernels.cpu_kernel()
+    assert cpu_kernels.ready_cpu_kernel() == 0.0  # built (or found unbuildable) once a process
