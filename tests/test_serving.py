@@ -57,7 +57,8 @@ def test_an_fp8_pool_takes_the_settings_that_say_what_it_stores():
     with pytest.raises(InvalidParameterError, match=r"pool is fp8: .*valid: 16, or kv_bits=8 with kv_format='fp8'"):
         serving.method_of({"kv_bits": 4}, kvc.SnapKV(), "fp8")
     with pytest.raises(InvalidParameterError,
-                       match=r"kv_bits=8 \(kv_format='fp8'\) .*--kv-cache-dtype fp8.*valid: 16\)$"):
+                       match=r"kv_bits=8 cannot be served per request \(with kv_format='fp8': .*--kv-cache-dtype fp8"
+                             r".*valid: 16\)$"):
         serving.method_of(fp8, kvc.SnapKV())
 
 

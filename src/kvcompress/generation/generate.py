@@ -454,8 +454,9 @@ def _sampling(temperature: float, top_p: float, seed: int | None) -> Sampling | 
 
 
 def _result(begin: _Start, feeder: _Feeder, decoded: Decoded, tokenizer: PreTrainedTokenizerBase, eos: set[int],
-            prefill_s: float, decode_s: float, compiled: bool) -> Result:
-    """The conversation after a decode: each row's tokens and text, the cache's stats and the run's timings."""
+            prefill_s: float, decode_s: float, compiled: bool, build_s: float = 0.0) -> Result:
+    """The conversation after a decode: each row's tokens and text, the cache's stats and the run's timings (a CPU
+    kernel's build, ``build_s``, apart from them)."""
     cache = feeder.cache
     feeder.mask, feeder.position = torch.cat([feeder.mask, decoded.fed_real.long()], dim=-1), decoded.position
     generated, finished, steps = decoded.tokens, decoded.finished, decoded.steps
@@ -470,7 +471,7 @@ def _result(begin: _Start, feeder: _Feeder, decoded: Decoded, tokenizer: PreTrai
     cache.timings = {
         "prefill_s": prefill_s, "ttft_s": prefill_s,
         "decode_ms_per_token": 1000 * (decode_s - decoded.compile_s) / timed if timed else None,
-        "compile_s": decoded.compile_s if compiled else None
+        "compile_s": decoded.compile_s if compiled else None, **({"kernel_build_s": build_s} if build_s else {})
     }
     stats = cache.stats()
     stats["new_tokens"] = [len(g) for g in generated] if begin.is_batch else len(generated[0])
@@ -512,23 +513,20 @@ def generate(
 ) -> Result:
     """Greedy generation with ``method`` (a method, or its name) applied to the prompt's KV cache.
 
-    ``prompt``: a string (raw text), chat messages (the chat template is applied), or a list of
-    either for a batch (left-padded; each row compressed as if alone). ``question``: compress the
-    prompt without it first (question-agnostic), then append it. ``past``: a previous Result whose
-    conversation (and cache) this call continues with ``prompt`` as the next user message; the
-    method is the one that built that cache and is not applied again. ``prefill``: a ``Prefill``
-    of the prompt to start from instead of prefilling again (``prompt`` is then not given).
-    ``compile``: decode with one compiled graph per step (``torch.compile(fullgraph=True)``; on a GPU
-    replayed as a CUDA graph), or a ``Compile`` with other options; the prompt runs eagerly.
-    ``prefill_tokens``: the most padded prompt tokens one prefill forward takes; a larger batch is
-    prefilled in groups of rows, each compressed before the next (``prefill_groups``; None: all rows
-    at once). ``temperature`` > 0 samples instead of the greedy choice (``top_p``: nucleus sampling;
-    ``seed``: the same seed repeats an answer). ``streamer``: given the prompt's tokens, then each new
-    token as it comes (transformers' ``TextStreamer`` works: ``put``, ``end``)."""
+    ``prompt``: a string (raw text), chat messages (the chat template is applied), or a list of either for a batch
+    (left-padded; each row compressed as if alone). ``question``: compress the prompt without it first
+    (question-agnostic), then append it. ``past``: a previous Result whose conversation (and cache) this call
+    continues with ``prompt`` as the next user message; the method is the one that built that cache and is not
+    applied again. ``prefill``: a ``Prefill`` of the prompt to start from instead of prefilling again (``prompt`` is
+    then not given). ``compile``: decode with one compiled graph per step (``torch.compile(fullgraph=True)``; on a
+    GPU replayed as a CUDA graph), or a ``Compile`` with other options; the prompt runs eagerly. ``prefill_tokens``:
+    the most padded prompt tokens one prefill forward takes; a larger batch is prefilled in groups of rows, each
+    compressed before the next (``prefill_groups``; None: all rows at once). ``temperature`` > 0 samples instead of
+    the greedy choice (``top_p``: nucleus sampling; ``seed``: the same seed repeats an answer). ``streamer``: given
+    the prompt's tokens, then each new token as it comes (transformers' ``TextStreamer`` works: ``put``, ``end``)."""
     _check_settings(max_new_tokens, compile, prefill_tokens)
     sampling = _sampling(temperature, top_p, seed)
-    asked = past.cache.method if past is not None and method is None else _resolve_method(method)
-    build_s = _ready_kernel(model, asked)  # (before the clock)
+    build_s = _ready_kernel(model, method, past)  # (before the clock)
     clock = time.perf_counter()
     begin = _start(model, tokenizer, prompt, method, question, past, prefill)
     fed = [int(p) + sum(len(c) for c in chunks) for p, chunks in zip(begin.position.tolist(), begin.chunk_lists)
@@ -554,16 +552,15 @@ def generate(
     decoded = greedy_decode(model, cache, logits, feeder.position, max_new_tokens, eos, options, sampling, streamer)
     _sync(model.device)
     decode_s = time.perf_counter() - decode_start
-    result = _result(begin, feeder, decoded, tokenizer, eos, prefill_s, decode_s, options is not None)
-    if build_s:
-        result.stats["kernel_build_s"] = build_s
-    return result
+    return _result(begin, feeder, decoded, tokenizer, eos, prefill_s, decode_s, options is not None, build_s)
 
 
-def _ready_kernel(model: PreTrainedModel, method: Method) -> float:
-    """The CPU decoding kernel built before any clock starts, where ``method`` stores codes on a CPU: the seconds
-    its build took this time, reported apart from every timing (``kernel_build_s``; 0.0 once built)."""
-    return ready_cpu_kernel() if model.device.type == "cpu" and method.kv_codec() is not None else 0.0
+def _ready_kernel(model: PreTrainedModel, method: Method | str | None, past: Result | None) -> float:
+    """The CPU decoding kernel built before any clock starts, where the generation's method (``method``, or else the
+    continued ``past``'s) stores codes on a CPU: the seconds its build took this time, reported apart from every
+    timing (``kernel_build_s``; 0.0 once built)."""
+    asked = past.cache.method if past is not None and method is None else _resolve_method(method)
+    return ready_cpu_kernel() if model.device.type == "cpu" and asked.kv_codec() is not None else 0.0
 
 
 # a stored context's last prefill queries kept per layer, for the question-aware methods asked over it

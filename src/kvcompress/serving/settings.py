@@ -77,8 +77,8 @@ def check_servable(method: Method, cache_dtype: str | None = None) -> Method:
                 "16, or kv_bits=8 with kv_format='fp8'" if fp8_pool(cache_dtype) else
                 "vLLM's cache pool has one dtype for every request: `kvcompress serve --kv-cache-dtype fp8` stores "
                 "each as kv_bits=8, kv_format='fp8' would; valid: 16")
-        raise InvalidParameterError(f"{owner}: kv_bits={method.kv_bits} (kv_format={method.kv_format!r}) cannot be "
-                                    f"served per request ({pool})")
+        raise InvalidParameterError(f"{owner}: kv_bits={method.kv_bits} cannot be served per request (with "
+                                    f"kv_format={method.kv_format!r}: {pool})")
     if getattr(method, "decode_budget", None) is not None:
         raise InvalidParameterError(
             f"{owner}: decode_budget={method.decode_budget} cannot be served by vLLM: kvcompress's plugin selects a "
