@@ -80,7 +80,7 @@ def test_force_replaces_and_the_folder_is_checked_before_any_work(folder, doc, t
                "--force")[0] == 0
     assert kvc.load(out, *kvc.load_model(str(folder))).cache.method.name == "kvzip"
 
-    monkeypatch.setattr("kvcompress.cli.load_model",
+    monkeypatch.setattr("kvcompress.cli.ask.load_model",
                         lambda *a, **k: pytest.fail("the model was loaded before the output was checked"))
     code, _, err = run(capsys, "compress", "--prompt-file", doc, "--out", tmp_path / "nodir" / "sub" / "x.kvc")
     assert code == 2 and one_line(
@@ -121,7 +121,7 @@ def test_an_interrupt_says_only_what_is_true(folder, doc, tmp_path, capsys, monk
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("kvcompress.cli.compress", interrupted)
+    monkeypatch.setattr("kvcompress.cli.ask.compress", interrupted)
     code, _, err = run(capsys, "compress", "--model", folder, "--prompt-file", doc, "--out", tmp_path / "fresh.kvc")
     assert code == 130 and err == f"kvcompress: interrupted; nothing was written to {tmp_path / 'fresh.kvc'}\n"
     (tmp_path / "old.kvc").write_text("kept")

@@ -1,5 +1,5 @@
 """What the command line prints of each command's results: tables and lines built from what the library returns
-(a result's stats, the methods' fields, a benchmark's rows), so cli.py only parses, checks and calls.
+(a result's stats, the methods' fields, a benchmark's rows), so the command line (cli/) only parses, checks and calls.
 
 Each function returns the renderables in order (``rich`` tables and strings); the caller prints them.
 """

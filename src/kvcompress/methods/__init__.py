@@ -46,13 +46,15 @@ def method_class(name: str) -> type[Method]:
 def method_from_name(name: str, **params: Any) -> Method:
     """Build a method from its name; ``params`` set to None are left at their defaults."""
     cls = method_class(name)
-    accepted = {spec.name for spec in field_specs(cls)}
+    specs = field_specs(cls)
+    accepted = {spec.name for spec in specs}
     unknown = sorted(k for k, v in params.items() if v is not None and k not in accepted)
-    if unknown:
+    if unknown:  # (the command line's words: its flags, in the order --help shows them)
+        flags = ", ".join("--" + field.replace("_", "-") for field in unknown)
         raise InvalidParameterError(
             f"method {name!r} does not take {', '.join(unknown)}; "
-            f"it takes: {', '.join(sorted(accepted)) or 'no parameters'}"
-        )
+            f"it takes: {', '.join(sorted(accepted)) or 'no parameters'}",
+            cli=f"method {name!r} does not take {flags}; it takes: {', '.join(s.flag for s in specs) or 'no settings'}")
     return cls(**{k: v for k, v in params.items() if v is not None})
 
 

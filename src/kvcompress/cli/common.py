@@ -1,0 +1,100 @@
+"""What every command shares: the one-line-error parser, help with defaults, outputs checked before any work,
+prompts read from flags or files, the sampling flags."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from ..methods import InvalidParameterError
+
+
+class Parser(argparse.ArgumentParser):
+    """A parser whose errors are one line (the usage is one ``--help`` away)."""
+
+    def error(self, message: str) -> None:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Help texts with each option's default, where it has one."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.option_strings and "%(default)" not in text and "(default" not in text and action.default not in (
+                None, False, argparse.SUPPRESS):
+            text += " (default: %(default)s)"
+        return text
+
+
+def command(sub: argparse._SubParsersAction, name: str, text: str) -> argparse.ArgumentParser:
+    return sub.add_parser(name, help=text, description=text, formatter_class=HelpFormatter, allow_abbrev=False)
+
+
+def resumable(args: argparse.Namespace) -> str:
+    return f"; results so far are in {args.out} and rerunning the same command resumes"
+
+
+def check_output(flag: str, path: str, force: bool, inputs: dict[str, str | None]) -> None:
+    """Before any work: ``path`` can be written, is none of the ``inputs`` (flag -> file) and, unless
+    ``force``, does not exist yet."""
+    target = Path(path)
+    for name, given in inputs.items():
+        if given is not None and Path(given).resolve() == target.resolve():
+            raise InvalidParameterError(f"{flag} {path} is the input file ({name}); write to another file")
+    if target.is_dir():
+        raise InvalidParameterError(f"{flag} {path} is a folder; give a file name")
+    folder = target.parent
+    if not folder.is_dir():
+        raise InvalidParameterError(f"{flag} {path}: the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise InvalidParameterError(f"{flag} {path}: the folder {folder} is not writable")
+    if target.exists() and not force:
+        raise InvalidParameterError(f"{flag} {path} exists; add --force to replace it")
+
+
+def unwritten(path: str | None) -> str:
+    """What an interrupted command left of the file it was to write (``Result.save`` replaces a file whole)."""
+    if path is None:
+        return ""
+    return f"; {path} is unchanged" if Path(path).exists() else f"; nothing was written to {path}"
+
+
+def read_prompt(path: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise InvalidParameterError(
+            f"--prompt-file {path}: not UTF-8 text ({error.reason} at byte {error.start})") from None
+    except OSError as error:
+        raise InvalidParameterError(f"--prompt-file {path}: {error.strerror or error}") from None
+
+
+def prompt_of(args: argparse.Namespace) -> str:
+    if (args.prompt is None) == (args.prompt_file is None):
+        raise InvalidParameterError("give exactly one of --prompt TEXT or --prompt-file FILE")
+    if args.prompt is not None:
+        text, source = args.prompt, "--prompt"
+    else:
+        text, source = read_prompt(args.prompt_file), f"--prompt-file {args.prompt_file}"
+    if not text.strip():
+        raise InvalidParameterError(
+            f"{source} is empty; give the text to {'compress' if args.command == 'compress' else 'answer'}")
+    return text
+
+
+def prompt_flags(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument("--model", help="model folder or name (default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--prompt", help=f"the {what} text (sent as a user chat message)")
+    parser.add_argument("--prompt-file", help=f"read the {what} from this file (UTF-8)")
+    parser.add_argument("--raw", action="store_true", help=f"feed the {what} as raw text, without the chat template")
+
+
+def sampling_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="sample at this temperature instead of the greedy choice (0: greedy)")
+    parser.add_argument("--top-p", type=float, default=1.0,
+                        help="sample from the most probable tokens until their probability reaches this")
+    parser.add_argument("--seed", type=int, help="the sampling seed (the same seed repeats an answer)")
+
