@@ -48,8 +48,8 @@ def file_bytes(context: kvc.Result) -> int:
 
 def byte_tokenizer():
     """One token per byte (ids 3-258; 0-2 pad, BOS, EOS) and a plain chat template: text for a random-weight model."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers  # noqa: PLC0415 - only for --preset
-    from transformers import PreTrainedTokenizerFast  # noqa: PLC0415
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers  # only for --preset
+    from transformers import PreTrainedTokenizerFast
 
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     vocab = {token: index for index, token in enumerate(["<pad>", "<s>", "</s>", *sorted(alphabet)])}
@@ -136,10 +136,10 @@ def main() -> None:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib  # noqa: PLC0415 - only to draw
+    import matplotlib  # only to draw
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
+    import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
     lengths = [row["length"] for row in rows]

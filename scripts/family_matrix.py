@@ -29,9 +29,9 @@ REASONS = (("rotary", "RoPE it cannot invert"), ("sinks", "learned sinks"))
 
 
 def run_cells() -> dict[str, dict[str, str]]:
-    import kvcompress as kvc  # noqa: PLC0415 - the cells only
-    from tests import test_models  # noqa: PLC0415
-    from tests.fixtures import FAMILIES, char_tokenizer, family_model  # noqa: PLC0415
+    import kvcompress as kvc  # the cells only
+    from tests import test_models
+    from tests.fixtures import FAMILIES, char_tokenizer, family_model
 
     COVERING, LOGPROB_TOLERANCE, PROMPT, SMALL = (test_models.COVERING, test_models.LOGPROB_TOLERANCE,
                                                   test_models.PROMPT, test_models.SMALL)

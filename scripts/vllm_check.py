@@ -24,15 +24,15 @@ from pathlib import Path
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
-import torch  # noqa: E402
-import transformers  # noqa: E402
-import vllm  # noqa: E402
-from vllm import LLM, SamplingParams  # noqa: E402
+import torch
+import transformers
+import vllm
+from vllm import LLM, SamplingParams
 
-import kvcompress as kvc  # noqa: E402
-from kvcompress import demo  # noqa: E402
-from kvcompress.integrations.transformers.models import default_model_dir  # noqa: E402
-from kvcompress.serving import settings as serving  # noqa: E402
+import kvcompress as kvc
+from kvcompress import demo
+from kvcompress.integrations.transformers.models import default_model_dir
+from kvcompress.serving import settings as serving
 from kvcompress.serving import vllm_plugin
 
 

@@ -37,7 +37,7 @@ PROMPT_TOKENS, NEW_TOKENS = 600, 8
 
 
 def methods() -> dict[str, object]:
-    import kvcompress as kvc  # noqa: PLC0415
+    import kvcompress as kvc
 
     return {
         "full": kvc.FullKV(), "snapkv": kvc.SnapKV(budget=64, window=8,
@@ -48,12 +48,12 @@ def methods() -> dict[str, object]:
 
 def run_family(family: str, folder: Path) -> dict[str, str]:
     """One family's row: its model saved to ``folder``, one engine, a request per method."""
-    import torch  # noqa: PLC0415
-    import vllm  # noqa: PLC0415
+    import torch
+    import vllm
 
-    import kvcompress as kvc  # noqa: PLC0415
-    from kvcompress.serving import settings as serving  # noqa: PLC0415
-    from tests.fixtures import char_tokenizer, family_model  # noqa: PLC0415
+    import kvcompress as kvc
+    from kvcompress.serving import settings as serving
+    from tests.fixtures import char_tokenizer, family_model
 
     model = family_model(family, **WIDE)
     model.save_pretrained(folder)
@@ -133,7 +133,7 @@ def main() -> None:
             Path(args.into).write_text(json.dumps(run_family(args.one, Path(scratch) / args.one)))
         return
     if not args.table:
-        from tests.fixtures import FAMILIES  # noqa: PLC0415
+        from tests.fixtures import FAMILIES
 
         table = json.loads(RESULTS.read_text()) if args.families and RESULTS.exists() else {}
         with tempfile.TemporaryDirectory() as scratch:

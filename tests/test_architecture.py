@@ -200,7 +200,7 @@ def test_every_public_name_resolves_from_the_package():
     for name in kvc.__all__:
         assert getattr(kvc, name) is not None, name
     assert issubclass(kvc.CacheMisuseError, ValueError) and issubclass(kvc.UnsupportedModelError, ValueError)
-    from kvcompress import serving  # noqa: PLC0415 (docs/vllm.md's offline API, without vLLM)
+    from kvcompress import serving  # docs/vllm.md's offline API, without vLLM
 
     assert "enable_prefix_caching" not in serving.engine_options(kvc.SnapKV(budget=256))  # vLLM's default: on
     assert {"method_of", "scorable", "check_servable", "SERVABLE"} <= set(vars(serving))

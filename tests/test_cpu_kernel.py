@@ -148,7 +148,7 @@ def test_six_bit_keys_are_never_handed_to_the_triton_kernel(monkeypatch):
 def test_the_kernels_build_is_kept_out_of_every_timing(monkeypatch):
     """Issue 68.4: a generation that stores codes on a CPU builds the kernel before its clock starts and reports the
     build apart (``kernel_build_s``); one that stores none never builds it."""
-    from kvcompress.generation import generate as generation  # noqa: PLC0415
+    from kvcompress.generation import generate as generation
 
     built = []
 

@@ -172,9 +172,9 @@ def test_beam_search_through_model_generate(method, options):
 def test_the_usage_support_table_is_the_matrix():
     """docs/usage.md's family x method table is scripts/family_matrix.py's rendering of docs/img/family_matrix.json,
     whose refusals are exactly the ones this file expects (and no cell fails)."""
-    import importlib.util  # noqa: PLC0415
-    import json  # noqa: PLC0415
-    from pathlib import Path  # noqa: PLC0415
+    import importlib.util
+    import json
+    from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
     spec = importlib.util.spec_from_file_location("family_matrix", root / "scripts/family_matrix.py")
@@ -191,7 +191,7 @@ def test_the_usage_support_table_is_the_matrix():
 
 def test_a_learned_sink_is_one_more_logit_in_each_softmax():
     """gpt-oss's sink: softmax over [q.k * scale, sink] with no value for the sink, as the model's eager attention."""
-    from kvcompress.storage.attention import spelled_out_with_lse, with_sinks  # noqa: PLC0415
+    from kvcompress.storage.attention import spelled_out_with_lse, with_sinks
 
     torch.manual_seed(0)
     query, keys, values, sinks = torch.randn(2, 4, 3, 16), torch.randn(2, 2, 7, 16), torch.randn(2, 2, 7,
@@ -208,7 +208,7 @@ def test_a_learned_sink_is_one_more_logit_in_each_softmax():
 
 def test_a_scorers_softmax_gives_the_learned_sink_its_share():
     """SnapKV's and H2O's votes are the model's attention probabilities: with a sink, each row sums to less than 1."""
-    from kvcompress.storage.attention import key_probabilities, scoring_sinks  # noqa: PLC0415
+    from kvcompress.storage.attention import key_probabilities, scoring_sinks
 
     torch.manual_seed(0)
     logits, sinks = torch.randn(2, 4, 3, 7), torch.randn(6)

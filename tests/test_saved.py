@@ -126,7 +126,7 @@ def test_compress_then_ask_on_the_command_line(tmp_path, capsys):
 
 @functools.lru_cache(maxsize=1)
 def family_fingerprints() -> dict[str, str]:
-    from kvcompress.io.saved import model_fingerprint  # noqa: PLC0415
+    from kvcompress.io.saved import model_fingerprint
 
     return {family: model_fingerprint(family_model(family)) for family in FAMILIES}
 
@@ -134,7 +134,7 @@ def family_fingerprints() -> dict[str, str]:
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_a_saved_context_of_every_family_loads_and_answers_alike(family, tmp_path):
     """Each family's compressed context, saved and loaded, answers as the live one; its fingerprint is its own."""
-    from kvcompress.io.saved import model_fingerprint  # noqa: PLC0415
+    from kvcompress.io.saved import model_fingerprint
 
     model, tok = family_model(family), char_tokenizer()
     method = kvc.KVzip(budget=40, layers="uniform")  # a thinned context on every family (learned sinks included)

@@ -180,8 +180,8 @@ def test_the_vllm_family_table_is_the_servers_decisions():
     """docs/vllm.md's family table is scripts/vllm_families.py's rendering of docs/img/vllm_families.json; each
     refusal in it is the one `serving.scorable` makes from the family's config; every other cell served vLLM the
     library's tokens (or is vLLM's own refusal, never a difference)."""
-    import importlib.util  # noqa: PLC0415
-    from pathlib import Path  # noqa: PLC0415
+    import importlib.util
+    from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
     spec = importlib.util.spec_from_file_location("vllm_families", root / "scripts/vllm_families.py")

@@ -166,7 +166,7 @@ def _answers(pipe, sample: dict, press: str, ratio: float, cache: str) -> tuple[
 def run_presses(args: argparse.Namespace) -> None:
     """kvpress's venv: every question of every sample, per press and budget (over ``--cache``); resumes from
     ``--out``."""
-    import kvpress  # noqa: F401 - registers the kv-press-text-generation pipeline
+    import kvpress  # registers the kv-press-text-generation pipeline
     import torch
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline

@@ -18,7 +18,7 @@ def _stop_while_starting(signum: int, frame: object) -> None:
 def main(argv: list[str] | None = None) -> int:
     previous = signal.signal(signal.SIGINT, _stop_while_starting)
     try:
-        from .cli import main as run
+        from .cli import main as run  # noqa: PLC0415 - after the handler: Ctrl-C during the heavy imports is one line
     finally:
         signal.signal(signal.SIGINT, previous)
     return run(argv)

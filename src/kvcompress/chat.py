@@ -10,6 +10,7 @@ goes on from the last whole answer); Ctrl-D (end of input) or ``/quit`` ends the
 
 from __future__ import annotations
 
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -51,14 +52,27 @@ class Printer:
         self.out.flush()
 
 
+TICK_S = 0.1  # while a line is read on a terminal: how often a pending Ctrl-C is looked at
+
+
 def read_line(prompt: str) -> str:
     """One line as a REPL reads it: on a terminal through GNU readline (``input`` once the ``readline`` module is
     loaded: line editing, arrow keys, history on up and down, and a paste of any length whole, since readline reads
     the terminal a key at a time rather than through the kernel's 4,095-byte line buffer); from a pipe, a plain line.
-    End of input raises ``EOFError``; Ctrl-C, ``KeyboardInterrupt``."""
-    if sys.stdin.isatty():
-        import readline  # noqa: F401, PLC0415 - loading it gives input() its line editing and history
-    return input(prompt)
+    End of input raises ``EOFError``; Ctrl-C, ``KeyboardInterrupt``, at once: readline looks at Python's signals
+    only when its wait for a key is interrupted, so a Ctrl-C that lands just before that wait, or on another thread
+    (torch's workers), would wait for the next key; a timer interrupts the wait every ``TICK_S`` while it lasts."""
+    if not sys.stdin.isatty() or not hasattr(signal, "setitimer"):
+        return input(prompt)
+    import readline  # noqa: F401, PLC0415 - loading it gives input() its line editing and history
+
+    previous = signal.signal(signal.SIGALRM, lambda signum, frame: None)
+    signal.setitimer(signal.ITIMER_REAL, TICK_S, TICK_S)
+    try:
+        return input(prompt)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def read_message(read: Callable[[str], str]) -> str:

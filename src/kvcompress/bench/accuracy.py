@@ -334,7 +334,7 @@ def run_accuracy(
     write_summary(rows, Path(out_dir) / "summary.csv")
     written = ["results.jsonl", "summary.csv"]
     if plots:
-        from .plots import needle_heatmaps, score_vs_budget
+        from .plots import needle_heatmaps, score_vs_budget  # noqa: PLC0415 - matplotlib, only to draw
 
         if needle_heatmaps(records, Path(out_dir) / "niah_heatmaps.png"):
             written.append("niah_heatmaps.png")

@@ -21,7 +21,7 @@ FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. Th
 @lru_cache(maxsize=1)
 def prose_sentences() -> tuple[str, ...]:
     """Sentences of the standard library's docstrings, cleaned of code and markup, in a fixed order."""
-    import importlib
+    import importlib  # noqa: PLC0415 - the standard library's modules, read only for this haystack
 
     sentences: list[str] = []
     for module_name in PROSE_MODULES:

@@ -161,10 +161,10 @@ def compare(reference: list[dict], rows: list[dict]) -> list[dict]:
 def plot_headline(report: dict, path: Path) -> None:
     """Two panels per batch: decoding speedup over transformers' generate (the paper's 3.6x and the weights-only
     ceiling drawn) and time to the first token as a ratio to transformers', against the prompt length."""
-    import matplotlib
+    import matplotlib  # noqa: PLC0415 - only to draw
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # noqa: PLC0415 - after its backend is chosen
 
     ok = [r for r in report["rows"] if r["status"] == "ok"]
     batches = sorted({r["batch"] for r in ok}) or [1]

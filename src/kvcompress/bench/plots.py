@@ -8,7 +8,7 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
+import matplotlib.pyplot as plt  # (the backend must be chosen first)
 
 
 def needle_heatmaps(records: list[dict], path: str | Path, task: str = "niah") -> bool:

@@ -626,10 +626,10 @@ def plot_speed(report: dict, out: Path) -> None:
     """decode_latency.png: ms/token vs prompt length per method, a panel per batch (SnapKV Fig. 7);
     throughput.png: tokens/s vs batch per method, a panel per length (ShadowKV Table 4's axis);
     peak_memory.png: peak memory vs prompt length per method, a panel per batch."""
-    import matplotlib
+    import matplotlib  # noqa: PLC0415 - only to draw
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # noqa: PLC0415 - after its backend is chosen
 
     ok = [{**r, "peak_gib": r["peak_bytes"] / 2**30} for r in report["rows"] if r["status"] == "ok"]
     methods = list(dict.fromkeys(r["method"] for r in report["rows"]))

@@ -120,7 +120,7 @@ def _cmd_bench_accuracy(args: argparse.Namespace, console: Console) -> int:
 
 def _bench_model(name: str, dtype: str | None, console: Console) -> Any:
     """A speed benchmark's model: an architecture preset or config (random weights), 'embedded', or a model path."""
-    import torch
+    import torch  # noqa: PLC0415 - the command line starts without torch
 
     dtype = getattr(torch, dtype) if dtype else None
     with console.status(f"building {name}"):

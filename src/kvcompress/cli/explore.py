@@ -41,7 +41,7 @@ def _demo_command(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_demo(args: argparse.Namespace, console: Console) -> int:
-    from .. import demo
+    from .. import demo  # noqa: PLC0415 - loaded when asked for
 
     with console.status("loading the model"):
         model, tokenizer = load_model(args.model)
@@ -83,7 +83,7 @@ def _observe_command(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_observe(args: argparse.Namespace, console: Console) -> int:
-    from ..bench import observe
+    from ..bench import observe  # noqa: PLC0415 - loaded when asked for
 
     if args.tokens is not None and args.tokens < 64:
         raise InvalidParameterError(f"--tokens {args.tokens} is invalid; give a document of 64 tokens or more")

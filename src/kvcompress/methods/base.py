@@ -181,6 +181,9 @@ class Method:
 
     name: ClassVar[str] = "method"
     quiet_fields: ClassVar[tuple[str, ...]] = ()  # shown by describe() only when not at their default
+    # why vLLM cannot serve it (serving/settings.py's refusal), None where it can: vLLM's plugin compresses a prompt
+    # at the end of its prefill, by scores of each position and KV head computed from the prefill itself
+    not_served: ClassVar[str | None] = "it is not one of the methods scored from the prefill"
     kv_bits: int = param(
         16, "bits per stored key and value element once the prompt is compressed: 16 (the model's own precision), "
         "8 or 4 (codes with scales, docs/quantization.md)", choices=(16, 8, 4), kw_only=True)

@@ -94,6 +94,7 @@ class ExpectedAttention(PromptMethod):
     prompt's, are expected to attend to most (plus the first ``sinks``)."""
 
     name: ClassVar[str] = "expected"
+    not_served: ClassVar[str | None] = None  # vLLM serves it (docs/vllm.md)
     future: int = param(512, "future positions whose average rotation moves the query statistics", minimum=1)
     sinks: int = param(4, "first prompt tokens always kept, and left out of the statistics", minimum=0)
     covariance: bool = param(True, "use the queries' covariance as well as their mean")

@@ -17,6 +17,7 @@ class FullKV(Method):
     """Keep the whole KV cache (the reference every method is compared against)."""
 
     name: ClassVar[str] = "full"
+    not_served: ClassVar[str | None] = None  # vLLM serves it (docs/vllm.md)
 
     def make_layer(self, layer_idx: int, model: PreTrainedModel) -> KVLayer:
         return KVLayer(layer_idx)

@@ -76,6 +76,7 @@ class H2O(PromptMethod):
     """Keep heavy hitters (top accumulated attention) plus recent tokens; optionally evict while decoding."""
 
     name: ClassVar[str] = "h2o"
+    not_served: ClassVar[str | None] = None  # vLLM serves it (docs/vllm.md)
     recent: int | None = param(None, "recent tokens always kept (default budget // 2)", minimum=0)
     evict_during_decoding: bool = param(False, "keep evicting while generating, so the cache stays at the budget")
     block: int = param(256, "prompt queries whose attention is accumulated at once (memory vs speed)", minimum=1)

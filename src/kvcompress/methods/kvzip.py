@@ -84,6 +84,8 @@ class KVzip(PromptMethod):
     """Keep each KV head's ``budget`` prompt positions the model attends to most while repeating the prompt."""
 
     name: ClassVar[str] = "kvzip"
+    not_served: ClassVar[str | None] = (
+        "it scores from an observation pass (the model repeating the prompt) that vLLM does not run")
     # the paper's selection: every layer's and head's pairs ranked together
     layers: str = default_of(PromptMethod, "layers", "global")
     chunk: int = param(2000,

@@ -70,6 +70,8 @@ class Loki(SparseMethod):
     """Low-rank approximate scores pick the tokens; attention over them is exact."""
 
     name: ClassVar[str] = "loki"
+    not_served: ClassVar[str | None] = (
+        "it changes every decoding step's attention (low-rank scores), not which tokens a request keeps")
     dim: int | None = param(None, "principal components used for scoring (default half the head dimension)", minimum=1)
     recent: int = param(32, "recent tokens kept dense, never selected", minimum=0)
     calibration: str | None = param(

@@ -53,6 +53,8 @@ class Quest(SparseMethod):
     """Query-aware page selection at every decoding step over the whole prompt."""
 
     name: ClassVar[str] = "quest"
+    not_served: ClassVar[str | None] = (
+        "it changes every decoding step's attention (page selection), not which tokens a request keeps")
     unit_setting: ClassVar[tuple[str, str]] = ("page_size", "page")
     page_size: int = param(16, "tokens per page: the unit of selection", minimum=1)
     offload: bool = param(False, "keep the paged keys and values in host memory and fetch the selected pages")

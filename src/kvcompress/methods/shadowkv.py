@@ -227,6 +227,8 @@ class ShadowKV(SparseMethod):
     tokens come on top); ``ratio``: a fraction of the prompt instead (the paper's 1.56% is 0.0156)."""
 
     name: ClassVar[str] = "shadowkv"
+    not_served: ClassVar[str | None] = (
+        "it changes every decoding step's attention (chunk selection), not which tokens a request keeps")
     unit_setting: ClassVar[tuple[str, str]] = ("chunk", "chunk")
     default_budget: ClassVar[int] = 2048
     chunk: int = param(8, "tokens per chunk: the unit of selection", minimum=1)

@@ -122,6 +122,7 @@ class SnapKV(PromptMethod):
     (at least the window). A prompt no longer than its budget is left untouched."""
 
     name: ClassVar[str] = "snapkv"
+    not_served: ClassVar[str | None] = None  # vLLM serves it (docs/vllm.md)
     window: int = param(32, "observation window: the last prompt tokens that vote (always kept)", minimum=1)
     kernel: int = param(7, "pooling kernel over positions, odd (1 = no pooling)", minimum=1)
     pooling: str = param("max", "pooling of the votes", choices=POOLINGS)

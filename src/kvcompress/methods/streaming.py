@@ -35,6 +35,7 @@ class StreamingLLM(PromptMethod):
     """Keep ``sinks`` initial tokens plus the most recent ``budget - sinks`` prompt tokens."""
 
     name: ClassVar[str] = "streamingllm"
+    not_served: ClassVar[str | None] = None  # vLLM serves it (docs/vllm.md)
     sinks: int = param(4, "attention-sink tokens kept at the start of the prompt", minimum=0)
 
     def validate(self) -> None:

@@ -32,15 +32,14 @@ SCHEDULER = "kvcompress.serving.vllm_plugin.KVCompressScheduler"
 CONNECTOR = {"kv_connector": "KVCompressConnector", "kv_connector_module_path": "kvcompress.serving.vllm_plugin",
              "kv_role": "kv_both"}
 MIDDLEWARE = "kvcompress.serving.vllm_plugin.RequestSettings"
-# Scored from the prefill alone, one score per prompt position and KV head, the same count per head: what
-# a paged cache can hold after the prefill step (the rest is refused by name, with the reason).
-SERVABLE = ("full", "snapkv", "streamingllm", "h2o", "expected")
-WHY_NOT = {
-    "kvzip": "it scores from an observation pass (the model repeating the prompt) that vLLM does not run",
-    "shadowkv": "it changes every decoding step's attention (chunk selection), not which tokens a request keeps",
-    "quest": "it changes every decoding step's attention (page selection), not which tokens a request keeps",
-    "loki": "it changes every decoding step's attention (low-rank scores), not which tokens a request keeps"
-}
+def servable_names() -> tuple[str, ...]:
+    """The methods vLLM can serve (each declares it: ``Method.not_served`` None), in the registry's order: those
+    scored from the prefill alone, one score per prompt position and KV head, the same count per head (what a paged
+    cache can hold after the prefill step; the rest are refused by name, with their reason)."""
+    return tuple(name for name, cls in METHODS.items() if cls.not_served is None)
+
+
+SERVABLE = servable_names()  # the built-in ones (``servable_names()`` also counts methods registered later)
 
 
 # The fields a served request cannot set (each refused with its reason by ``check_servable``), left out of the fields
@@ -59,9 +58,9 @@ def check_servable(method: Method, cache_dtype: str | None = None) -> Method:
     ``InvalidParameterError`` naming what is refused and why. In an fp8 pool, ``kv_bits=8, kv_format='fp8'`` says
     what the pool stores: taken, and returned as the pool's own precision (the pool writes the codes)."""
     name = method.name
-    if name not in SERVABLE:
-        why = WHY_NOT.get(name, "it is not one of the methods scored from the prefill")
-        raise InvalidParameterError(f"method={name!r} cannot be served by vLLM: {why}; servable: {', '.join(SERVABLE)}")
+    if method.not_served is not None:
+        raise InvalidParameterError(f"method={name!r} cannot be served by vLLM: {method.not_served}; servable: "
+                                    f"{', '.join(servable_names())}")
     owner = type(method).__name__
     if isinstance(method, PromptMethod):
         for field, uniform in (("heads", method.heads), ("layers", method.layers)):
@@ -103,9 +102,9 @@ def method_of(settings: Any, default: Method | None = None, cache_dtype: str | N
     fields = dict(settings)
     name = fields.pop("method", None if default is None else default.name)
     if not isinstance(name, str):
-        raise InvalidParameterError(f"{FIELD}.method={name!r} is invalid; valid: {', '.join(SERVABLE)}")
+        raise InvalidParameterError(f"{FIELD}.method={name!r} is invalid; valid: {', '.join(servable_names())}")
     if name not in METHODS:
-        raise InvalidParameterError(f"{FIELD}.method={name!r} is unknown; valid: {', '.join(SERVABLE)}")
+        raise InvalidParameterError(f"{FIELD}.method={name!r} is unknown; valid: {', '.join(servable_names())}")
     known = {spec.name for spec in field_specs(METHODS[name])}
     unknown = sorted(key for key in fields if key not in known)
     if unknown:

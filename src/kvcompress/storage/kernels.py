@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .codec import group_size
+
 
 @triton.jit
 def _gather_chunks_kernel(store, chunks, previous_chunks, previous, hits, out, n_chunks, k, REUSE: tl.constexpr,
@@ -245,7 +247,6 @@ def decode_attention_triton(query: torch.Tensor, keys: torch.Tensor, values: tor
                             visible: torch.Tensor | None, scaling: float, key_bits: int,
                             value_bits: int) -> torch.Tensor:
     """Same result as ``attention.decode_attention`` (its docstring gives the shapes)."""
-    from .codec import group_size
 
     batch, heads, group_rows, dim = query.shape
     seq = keys.shape[-2]

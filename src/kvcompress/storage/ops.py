@@ -39,7 +39,7 @@ def runs_triton(device_type: str) -> bool:
 
 
 def triton_kernel(name: str) -> Callable:
-    from . import kernels  # imported on first use: it needs Triton
+    from . import kernels  # noqa: PLC0415 - imported on first use: it needs Triton
 
     return getattr(kernels, name)
 
