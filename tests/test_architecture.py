@@ -173,6 +173,10 @@ def test_a_new_method_is_one_class_and_a_registry_line(toy_method, saved_tiny_mo
     ]) == 0
     labels = {json.loads(line)["label"] for line in (out / "results.jsonl").read_text().splitlines()}
     assert labels == {"full", "every-other:stride=2@64"}
+    assert main(["bench", "speed", "--model", str(saved_tiny_model), "--methods", "every-other:stride=2",
+                 "--budget", "32", "--lengths", "200", "--batches", "1", "--steps", "2", "--warmup", "1", "--out",
+                 str(tmp_path / "speed")]) == 0
+    assert "every-other" in (tmp_path / "speed" / "speed.json").read_text()
     assert main(["generate", "--model", str(saved_tiny_model), "--method", "every-other", "--window", "4",
                  "--prompt", "z"]) == 2
     assert ("method 'every-other' does not take --window; it takes: --budget, --ratio, --heads, --head-floor, "

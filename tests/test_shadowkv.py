@@ -16,13 +16,22 @@ from kvcompress.methods.shadowkv import (
     key_spectrum,
     landmark_bias,
     landmark_scores,
-    low_rank_factors,
     rank_for_error,
     rebuild_keys,
 )
 from kvcompress.storage.offload import fetch_chunks
 
 from .fixtures import CACHE, char_tokenizer, random_text, tiny_model
+
+
+def low_rank_factors(pre_rope_keys: torch.Tensor, valid: torch.Tensor,
+                     ranks: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Truncated SVD of each row's keys ``[b, kv_heads, s, d]`` viewed as ``[s, kv_heads*d]``, from the library's
+    spectrum: ``A [b, s, r]`` (left singular vectors times singular values) and ``B [b, r, kv_heads, d]``."""
+    basis = key_spectrum([(pre_rope_keys, valid)]).basis(ranks)
+    factor_b = basis.mT.reshape(basis.shape[0], basis.shape[-1], pre_rope_keys.shape[1], -1)
+    return key_rows(pre_rope_keys, valid) @ basis, factor_b
+
 
 EXACT = dict(rank=32, outliers=0, budget=4096)  # tiny model: 2 KV heads x 16 dims = 32
 

@@ -38,6 +38,7 @@ from ..generation.decode import Compile, DecodeState, StepRunner, greedy_step
 from ..generation.generate import PREFILL_TOKENS, prefill_groups
 from ..methods import Method, method_from_spec
 from ..storage import attention
+from ..storage.tensors import synced_clock
 
 # ops that hand a tensor's value to the host
 HOST_READS = {"_local_scalar_dense", "item", "nonzero", "is_nonzero", "equal"}
@@ -75,17 +76,12 @@ def copy_bandwidth(device: torch.device, megabytes: int = 256) -> float:
     target = torch.empty_like(source)
     best = float("inf")
     for _ in range(5):
-        _sync(device)
-        start = time.perf_counter()
+        start = synced_clock(device)
         target.copy_(source)
-        _sync(device)
-        best = min(best, time.perf_counter() - start)
+        best = min(best, synced_clock(device) - start)
     return 2 * source.numel() * 4 / best
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _reset_peak(device: torch.device) -> None:

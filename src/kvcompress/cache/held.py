@@ -164,12 +164,6 @@ def counted_bytes(layer: Any, index_only: bool = False) -> int:
     return nbytes(*(getattr(layer, name) for name, spec in specs if (spec.index if index_only else spec.counted)))
 
 
-def undeclared(layer: Any) -> list[str]:
-    """Tensor attributes of ``layer`` its class does not declare (none may be: a test asks every method's layers)."""
-    names = declared(type(layer))
-    return sorted(name for name, value in vars(layer).items() if isinstance(value, torch.Tensor) and name not in names)
-
-
 def concat_rows(tensors: list[torch.Tensor], ragged: int | None = None) -> torch.Tensor:
     """Tensors with the batch first, joined along it; with ``ragged``, each padded with zeros at the
     end of that dimension to the largest first."""

@@ -21,7 +21,6 @@ step's graph (``KVCompressCache.advance``).
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 from typing import Any, ClassVar, NamedTuple, cast
 
@@ -30,7 +29,7 @@ from transformers.cache_utils import DynamicLayer
 
 from ..storage.codec import make_kv_codec
 from ..storage.slots import DenseSlots, RingSlots, Slots
-from ..storage.tensors import prompt_positions
+from ..storage.tensors import prompt_positions, synced_clock
 from . import held
 from .errors import CacheMisuseError, UnsupportedModelError
 from .held import hold
@@ -222,10 +221,10 @@ class KVLayer(DynamicLayer):
 
     def _compress(self, record: PromptRecord) -> None:
         """The method's ``compress``, then the storage's codec, timed (on a GPU, between synchronizations)."""
-        start = _sync(self.device)
+        start = synced_clock(self.device)
         self.compress(record.query, record.scaling)
         _encode(self)
-        self.compress_s += _sync(self.device) - start
+        self.compress_s += synced_clock(self.device) - start
         self.observation = None
         if self.record_window is False:
             self.spans = None  # read by compress only (a prefill record keeps them for the methods it makes)
@@ -425,8 +424,3 @@ def _encode(layer: KVLayer) -> None:
         layer.slots.encode_with(make_kv_codec(layer.kv_codec, layer.keys.shape[-1], layer.dtype, layer.TURNS_CODES))
 
 
-def _sync(device: torch.device) -> float:
-    """The clock once ``device`` has done its queued work."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()

@@ -21,6 +21,7 @@ from ..cache.errors import CacheMisuseError
 from ..cache.kv_cache import KVCompressCache
 from ..methods import FullKV, InvalidParameterError, Method, method_from_name
 from ..storage.cpu_kernels import ready_cpu_kernel
+from ..storage.tensors import synced_clock
 from .conversation import (
     ChatLeads,
     Lead,
@@ -134,8 +135,7 @@ def observe_prompts(feeder: _Feeder, prompts: list[list[int]], lead: Lead | None
             pieces.append(
                 lead.introduce(first + row, text, before) + ids[start:start + size] if start < len(ids) else [])
         feeder.peek(pieces)
-    _sync(feeder.device)
-    feeder.cache.end_observation(time.perf_counter() - clock)
+    feeder.cache.end_observation(synced_clock(feeder.device) - clock)
 
 
 def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[int]:
@@ -143,11 +143,6 @@ def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[
     configured = getattr(model.generation_config, "eos_token_id", None)
     ids.update(configured if isinstance(configured, list) else [configured])
     return {i for i in ids if i is not None}
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 @dataclass
@@ -233,9 +228,8 @@ def prefill(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompt: 
     feeder = _Feeder(model, cache, *_empty_state(model, len(rows)), _pad_id(tokenizer))
     start = time.perf_counter()
     logits = _feed_chunks(feeder, chunk_lists)
-    _sync(model.device)
     return Prefill(rows, is_batch, cache, logits, feeder.mask, feeder.position,
-                   time.perf_counter() - start, tokenizer, [chunks[0] for chunks in chunk_lists])
+                   synced_clock(model.device) - start, tokenizer, [chunks[0] for chunks in chunk_lists])
 
 
 def _from_prefill(model: PreTrainedModel, method: Method, record: Prefill) -> KVCompressCache:
@@ -540,8 +534,7 @@ def generate(
         feeder = _Feeder(model, begin.cache, begin.mask, begin.position, _pad_id(tokenizer))
         logits = _feed_chunks(feeder, begin.chunk_lists) if begin.chunk_lists else begin.logits
     cache = feeder.cache
-    _sync(model.device)
-    prefill_s = begin.prefill_s + time.perf_counter() - clock
+    prefill_s = begin.prefill_s + synced_clock(model.device) - clock
 
     eos = _eos_ids(model, tokenizer)
     decode_start = time.perf_counter()
@@ -550,8 +543,7 @@ def generate(
         streamer.put(torch.tensor([[t for chunk in begin.chunk_lists[0] for t in chunk] if begin.chunk_lists else []],
                                   dtype=torch.long))
     decoded = greedy_decode(model, cache, logits, feeder.position, max_new_tokens, eos, options, sampling, streamer)
-    _sync(model.device)
-    decode_s = time.perf_counter() - decode_start
+    decode_s = synced_clock(model.device) - decode_start
     return _result(begin, feeder, decoded, tokenizer, eos, prefill_s, decode_s, options is not None, build_s)
 
 
@@ -601,9 +593,8 @@ def compress(
         model, lambda: _recording(resolved.make_cache(model, tokenizer), QUERY_WINDOW if auto else query_window),
         [context for _, context in turns], _pad_id(tokenizer), prefill_tokens, ChatLeads(tokenizer, rows)
     )
-    _sync(model.device)
     feeder.cache.timings = {
-        "prefill_s": time.perf_counter() - clock, "ttft_s": None, "decode_ms_per_token": None, "compile_s": None
+        "prefill_s": synced_clock(model.device) - clock, "ttft_s": None, "decode_ms_per_token": None, "compile_s": None
     }
     whole = feeder.cache.hold_in_host()  # a stored context: in host memory on a GPU
     if auto and not whole:

@@ -139,15 +139,6 @@ def rank_for_error(energy: torch.Tensor, target: float, cap: int) -> torch.Tenso
     return ((error > target).sum(-1) + 1).clamp(1, cap)
 
 
-def low_rank_factors(pre_rope_keys: torch.Tensor, valid: torch.Tensor,
-                     ranks: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Truncated SVD of each row's keys ``[b, kv_heads, s, d]`` viewed as ``[s, kv_heads*d]``: ``A [b,
-    s, r]`` (left singular vectors times singular values) and ``B [b, r, kv_heads, d]``."""
-    basis = key_spectrum([(pre_rope_keys, valid)]).basis(ranks)
-    factor_b = basis.mT.reshape(basis.shape[0], basis.shape[-1], pre_rope_keys.shape[1], -1)
-    return key_rows(pre_rope_keys, valid) @ basis, factor_b
-
-
 def rebuild_keys(a_rows: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Pre-RoPE keys ``[b, kv_heads, n, d]`` from per-head gathered rows of A ``[b, kv_heads, n, r]``."""
     return torch.einsum("bhnr,brhd->bhnd", a_rows, b)

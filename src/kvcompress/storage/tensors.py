@@ -1,10 +1,12 @@
-"""Small shape helpers shared by the cache, the offload store and the methods.
+"""Small shape helpers shared by the cache, the offload store and the methods, and the clock every timing reads.
 
 Shapes: keys/values ``[batch, kv_heads, slots, head_dim]``, queries ``[batch, q_heads, seq, head_dim]``,
 per-token validity ``[batch, seq]`` (False = padding), per-head token indices ``[batch, kv_heads, n]``.
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -55,3 +57,10 @@ def right_aligned(context: torch.Tensor, new: torch.Tensor, pads: list[int], dim
             joined[row].narrow(dim - 1, pad, width).copy_(context[row])
             joined[row].narrow(dim - 1, 0, pad).fill_(fill)
     return joined
+
+
+def synced_clock(device: torch.device) -> float:
+    """The clock once ``device`` has done its queued work (a GPU's kernels run after the host returns)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
