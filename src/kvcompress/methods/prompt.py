@@ -203,11 +203,7 @@ class PromptMethod(BudgetMethod):
         (``layers="global"``: ``global_shares``). Never more than a row has, never fewer than one. How a layer's
         count is then shared by its KV heads is by their scores (``heads="adaptive"``: ``allocate_heads``)."""
         reserved = self.reserved_tokens()
-        if self.ratio is not None:
-            counts = torch.clamp(torch.ceil(lengths.double() * self.ratio).long(), min=max(1, reserved))
-        else:
-            counts = torch.full_like(lengths, self.budget_tokens)
-        counts = torch.minimum(counts, lengths)
+        counts = self.token_budgets(lengths, floor=max(1, reserved))  # (the one budget rule every method shares)
         if isinstance(share, float) and share == 1.0:
             return counts
         # pyramid: a share of the budget itself, then capped by each prompt (a prompt under its layer's budget stays
@@ -300,11 +296,12 @@ class EvictionLayer(KVLayer):
         """Tokens each row keeps per KV head in this layer and the slots the batch needs for them (its
         largest count; a group of a batch prefilled in groups takes the whole batch's), or None when no
         row of the batch is over its count."""
-        lengths = batch_prompt_tokens(self)
-        everyone = self.method.kept_tokens(lengths, self.share)
+        lengths = batch_prompt_tokens(self)  # (a float share here: a layer of per-row shares packs, below)
+        kept = self.method.kept_tokens(torch.cat([lengths, self.prompt_tokens.to(lengths.device)]), self.share)
+        everyone, own = kept[: len(lengths)], kept[len(lengths) :]
         if bool((everyone >= lengths).all()):
             return None
-        return self.method.kept_tokens(self.prompt_tokens, self.share), int(everyone.max())
+        return own, int(everyone.max())
 
     def queries_needed(self) -> int | None:
         return self.method.queries_needed()
