@@ -22,7 +22,7 @@ import kvcompress as kvc
 from kvcompress.bench.speed import machine
 from kvcompress.cache.tokens import TokenSpans
 from kvcompress.generation.decode import DecodeState, StepRunner
-from kvcompress.generation.generate import prefill_groups
+from kvcompress.generation.feed import prefill_groups
 from kvcompress.integrations.transformers.models import random_model
 
 DEFAULT_SPECS = ("full,snapkv:budget=1024:decode_budget=1024,h2o:budget=1024:decode_budget=1024,"

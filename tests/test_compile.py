@@ -19,7 +19,7 @@ from kvcompress.bench.speed import audit_step, stand_in_lead, transformers_step_
 from kvcompress.cache.layer import KVLayer
 from kvcompress.cache.tokens import TokenSpans
 from kvcompress.generation.decode import DecodeState, greedy_step
-from kvcompress.generation.generate import prefill_groups
+from kvcompress.generation.feed import prefill_groups
 from kvcompress.integrations.transformers.models import random_model
 
 from .fixtures import CACHE, FAMILIES, char_tokenizer, family_model, random_text, tiny_model

@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import kvcompress as kvc
-from kvcompress.generation.generate import prefill_groups
+from kvcompress.generation.feed import prefill_groups
 from kvcompress.storage.offload import ChunkStore
 
 from .fixtures import char_tokenizer, random_text, tiny_model

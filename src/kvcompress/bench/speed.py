@@ -35,7 +35,7 @@ from ..cache.layer import KVLayer
 from ..cache.tokens import TokenSpans
 from ..generation.conversation import Lead
 from ..generation.decode import Compile, DecodeState, StepRunner, greedy_step
-from ..generation.generate import PREFILL_TOKENS, prefill_groups
+from ..generation.feed import PREFILL_TOKENS, prefill_groups
 from ..methods import Method, method_from_spec
 from ..storage import attention
 from ..storage.tensors import synced_clock

@@ -13,8 +13,9 @@ from typing import Any
 from rich.console import Console
 
 from ..bench import report
-from ..generation.generate import check_per_question, compress, generate
+from ..generation.generate import compress, generate
 from ..generation.result import Result, load, saved_method
+from ..generation.ways_in import check_per_question
 from ..integrations.transformers.models import load_model
 from ..methods import METHODS, FullKV, InvalidParameterError, Method, method_class
 from .common import check_output, command, prompt_flags, prompt_of, read_prompt, sampling_flags, unwritten

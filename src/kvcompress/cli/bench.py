@@ -20,7 +20,7 @@ from ..bench.shared_context import run_shared_context
 from ..bench.speed import PRESETS as SPEED_PRESETS
 from ..bench.speed import run_speed
 from ..bench.tasks import TASKS, load_dataset
-from ..generation.generate import PREFILL_TOKENS
+from ..generation.feed import PREFILL_TOKENS
 from ..integrations.transformers.models import ARCHITECTURES, load_model, random_model
 from ..methods import METHODS, InvalidParameterError, method_from_spec
 from .common import command, resumable

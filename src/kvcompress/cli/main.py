@@ -11,7 +11,7 @@ import sys
 from rich.console import Console
 
 from ..cache.errors import CacheMisuseError, UnsupportedModelError
-from ..generation.generate import PromptTooLongError
+from ..generation.feed import PromptTooLongError
 from ..io.saved import CacheFileError
 from ..io.wheels import NotFetchedError
 from ..methods import METHODS, InvalidParameterError
