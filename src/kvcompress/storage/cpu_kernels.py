@@ -47,7 +47,7 @@ def cpu_kernel() -> ModuleType | None:
     if os.environ.get("KVCOMPRESS_CPU_KERNEL", "1") == "0":
         return None
     try:
-        from torch.utils.cpp_extension import load_inline  # noqa: PLC0415 - the extension builder, only when the kernel is built
+        from torch.utils.cpp_extension import load_inline  # noqa: PLC0415 - only when the kernel is built
 
         return load_inline(
             f"kvcompress_cpu_decode_{_build_tag()}", SOURCE.read_text(), functions=["coded_decode_attention"],
