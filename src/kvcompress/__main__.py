@@ -8,6 +8,8 @@ import os
 import signal
 import sys
 
+from .io.version import versions_line  # (metadata only: light)
+
 
 def _stop_while_starting(signum: int, frame: object) -> None:
     sys.stderr.write("kvcompress: interrupted while starting; nothing was done\n")
@@ -16,6 +18,9 @@ def _stop_while_starting(signum: int, frame: object) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if (sys.argv[1:] if argv is None else argv) == ["--version"]:  # read from metadata: no need to load torch
+        print(versions_line())
+        return 0
     previous = signal.signal(signal.SIGINT, _stop_while_starting)
     try:
         from .cli import main as run  # noqa: PLC0415 - after the handler: Ctrl-C during the heavy imports is one line

@@ -4,7 +4,6 @@ in the flags' words; an interrupt said truthfully."""
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import re
 import sys
 
@@ -13,6 +12,7 @@ from rich.console import Console
 from ..cache.errors import CacheMisuseError, UnsupportedModelError
 from ..generation.feed import PromptTooLongError
 from ..io.saved import CacheFileError
+from ..io.version import versions_line
 from ..io.wheels import NotFetchedError
 from ..methods import METHODS, InvalidParameterError
 from . import ask, bench, explore, serve
@@ -21,17 +21,6 @@ from .method_flags import given_method
 
 USER_ERRORS = (InvalidParameterError, PromptTooLongError, UnsupportedModelError, CacheMisuseError, CacheFileError,
                NotFetchedError, OSError, ValueError)
-
-
-def _version() -> str:
-    """kvcompress's version, and torch's and transformers' as installed (read without importing them)."""
-    versions = {}
-    for name in ("kvcompress", "torch", "transformers"):
-        try:
-            versions[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            versions[name] = "not installed"
-    return f"kvcompress {versions['kvcompress']} (torch {versions['torch']}, transformers {versions['transformers']})"
 
 
 def flag_names(parser: argparse.ArgumentParser) -> dict[str, str]:
@@ -77,7 +66,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     """The command line; ``generate`` and ``compress`` show the flags of the method ``argv`` names."""
     chosen = given_method(sys.argv[1:] if argv is None else argv)
     parser = Parser(prog="kvcompress", description="KV-cache compression for transformers models", allow_abbrev=False)
-    parser.add_argument("--version", action="version", version=_version())
+    parser.add_argument("--version", action="version", version=versions_line())
     sub = parser.add_subparsers(dest="command", required=True)
     ask.add_commands(sub, chosen)  # generate, chat, compress
     explore.add_commands(sub)  # methods, demo, observe
