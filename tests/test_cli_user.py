@@ -377,3 +377,13 @@ def test_an_interrupted_stream_ends_the_answers_line_first(folder, doc, tmp_path
     out, err = process.communicate(timeout=120)
     assert first and process.returncode == 130 and (first + out).endswith("\n"), err
     assert err == "kvcompress: interrupted\n"
+
+
+def test_fp8_alone_is_eight_bits_whether_a_method_is_named_or_a_saved_one_is_kept():
+    """``--kv-format fp8`` means 8 bits on every way a method is built from flags (a saved chat's kept method too)."""
+    from kvcompress.cli import build_parser
+    from kvcompress.cli.method_flags import method_from_args, method_with_flags
+
+    args = build_parser(["chat"]).parse_args(["chat", "--past", "x.kvc", "--kv-format", "fp8"])
+    assert method_from_args("snapkv", args) == kvc.SnapKV(kv_bits=8, kv_format="fp8")
+    assert method_with_flags(kvc.SnapKV(budget=48), args) == kvc.SnapKV(budget=48, kv_bits=8, kv_format="fp8")

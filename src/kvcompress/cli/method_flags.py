@@ -65,18 +65,23 @@ def given_settings(args: argparse.Namespace) -> dict[str, object]:
     return {field: getattr(args, field) for field in method_flag_owners() if getattr(args, field, None) is not None}
 
 
-def method_from_args(name: str, args: argparse.Namespace) -> Method:
-    """The method ``name`` with the flags given on the command line (the library's ``method_from_name`` refuses a
-    flag it does not take, in the flags' words); ``--kv-format fp8`` alone is 8 bits, the only width it has."""
+def flag_settings(args: argparse.Namespace) -> dict[str, object]:
+    """The method settings the flags give (``given_settings``), ``--kv-format fp8`` alone meaning 8 bits, the only
+    width it has."""
     given = given_settings(args)
     if given.get("kv_format") == "fp8" and "kv_bits" not in given:
         given["kv_bits"] = 8
-    return method_from_name(name, **given)
+    return given
+
+
+def method_from_args(name: str, args: argparse.Namespace) -> Method:
+    """The method ``name`` with the flags given on the command line (the library's ``method_from_name`` refuses a
+    flag it does not take, in the flags' words)."""
+    return method_from_name(name, **flag_settings(args))
 
 
 def method_with_flags(method: Method, args: argparse.Namespace) -> Method:
     """``method`` with the method flags given on the command line in place of its settings (one it does not take
     refused by name)."""
     method_from_args(method.name, args)
-    return dataclasses.replace(method, **given_settings(args))
-
+    return dataclasses.replace(method, **flag_settings(args))
