@@ -178,9 +178,10 @@ def generate(
     the prompt's tokens, then each new token as it comes (transformers' ``TextStreamer`` works: ``put``, ``end``)."""
     _check_settings(max_new_tokens, compile, prefill_tokens)
     sampling = _sampling(temperature, top_p, seed)
-    build_s = _ready_kernel(model, method, past)  # (before the clock)
+    way = way_in(model, prompt, method, question, past, prefill)  # (checks only)
+    build_s = _ready_kernel(model, way.method)  # (before the clock)
     clock = time.perf_counter()
-    begin = way_in(model, prompt, method, question, past, prefill).start(model, tokenizer)
+    begin = way.start(model, tokenizer)
     fed = [int(p) + sum(len(c) for c in chunks) for p, chunks in zip(begin.position.tolist(), begin.chunk_lists)
            ] if begin.chunk_lists else begin.position.tolist()
     check_lengths(model, fed, max_new_tokens)
@@ -205,12 +206,11 @@ def generate(
     return _result(begin, feeder, decoded, tokenizer, eos, prefill_s, decode_s, options is not None, build_s)
 
 
-def _ready_kernel(model: PreTrainedModel, method: Method | str | None, past: Result | None) -> float:
-    """The CPU decoding kernel built before any clock starts, where the generation's method (``method``, or else the
-    continued ``past``'s) stores codes on a CPU: the seconds its build took this time, reported apart from every
-    timing (``kernel_build_s``; 0.0 once built)."""
-    asked = past.cache.method if past is not None and method is None else resolve_method(method)
-    return ready_cpu_kernel() if model.device.type == "cpu" and asked.kv_codec() is not None else 0.0
+def _ready_kernel(model: PreTrainedModel, method: Method) -> float:
+    """The CPU decoding kernel built before any clock starts, where the generation's ``method`` stores codes on a
+    CPU: the seconds its build took this time, reported apart from every timing (``kernel_build_s``; 0.0 once
+    built)."""
+    return ready_cpu_kernel() if model.device.type == "cpu" and method.kv_codec() is not None else 0.0
 
 
 # a stored context's last prefill queries kept per layer, for the question-aware methods asked over it

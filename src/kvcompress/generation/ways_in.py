@@ -156,7 +156,10 @@ def from_prefill(model: PreTrainedModel, method: Method, record: Prefill) -> KVC
 
 
 class WayIn:
-    """A way into a generation: where it starts, once the model and tokenizer are known."""
+    """A way into a generation: where it starts, once the model and tokenizer are known, and the method whose cache
+    it decodes with (``method``)."""
+
+    method: Method
 
     def start(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> Start:
         raise NotImplementedError
@@ -182,6 +185,10 @@ class FollowUp(WayIn):
 
     past: Result
     prompt: str | list[str]
+
+    @property
+    def method(self) -> Method:  # (the cache's own)
+        return self.past.cache.method
 
     def start(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> Start:
         past = self.past
