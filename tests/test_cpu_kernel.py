@@ -88,7 +88,7 @@ def test_a_decoding_step_reads_the_codes_and_decodes_nothing(monkeypatch, kernel
             return plain(self, rows)
 
         monkeypatch.setattr(kind, "decode", counted)
-    methods = (kvc.SnapKV(budget=48, kv_bits=4, clustering="pool"),
+    methods = (kvc.SnapKV(budget=48, kv_bits=4, key_bits=4, clustering="pool"),
                kvc.SnapKV(budget=48, kv_bits=4, key_bits=8, clustering="pool"),
                kvc.SnapKV(budget=48, kv_bits=4, key_bits=6, clustering="pool"), kvc.FullKV(kv_bits=8),
                kvc.SnapKV(budget=48, kv_bits=8, kv_format="fp8", clustering="pool"),

@@ -61,7 +61,7 @@ def test_the_split_kernel_is_a_decoding_candidate_only_where_triton_runs():
 
 
 def test_the_torch_implementation_matches_the_reference():
-    for key_bits, value_bits in ((0, 0), (8, 8), (4, 4), (8, 4)):
+    for key_bits, value_bits in ((0, 0), (8, 8), (4, 4), (8, 4), (6, 4)):
         args = case(2, 3, 3, 333, 64, key_bits, value_bits, torch.float32, per_head=key_bits == 4)
         out = attention.decode_attention(args[0], args[1], args[2], args[3], 0.125, key_bits, value_bits)
         torch.testing.assert_close(out.double(), reference(*args[:4], 0.125, key_bits, value_bits), rtol=1e-5,
@@ -75,7 +75,7 @@ KERNEL_CHECK = textwrap.dedent(
     from tests.test_decode_kernel import case, reference
     shapes = [(2, 3, 3, 1100, 64, False), (1, 2, 4, 300, 128, True), (1, 1, 1, 5, 32, False), (1, 1, 8, 3000, 16, True)]
     for dtype, tolerance in ((torch.float32, 1e-5), (torch.float16, 2e-3)):
-        for key_bits, value_bits in ((0, 0), (8, 8), (4, 4), (8, 4)):
+        for key_bits, value_bits in ((0, 0), (8, 8), (4, 4), (8, 4), (6, 4)):
             for batch, heads, rows, seq, dim, per_head in shapes:
                 args = case(batch, heads, rows, seq, dim, key_bits, value_bits, dtype, per_head)
                 with ops.triton_everywhere():
@@ -107,14 +107,16 @@ KERNEL_CHECK = textwrap.dedent(
         with torch.no_grad():
             model(prompt, **{CACHE: cache})
             return torch.cat([model(steps[:, t : t + 1], **{CACHE: cache}).logits for t in range(steps.shape[1])], 1)
-    for method in (kvc.FullKV(), kvc.SnapKV(budget=48, window=8, kv_bits=4, clustering="pool"),
-                   kvc.SnapKV(budget=48, kv_bits=8, clustering="pool")):
+    for method in (kvc.FullKV(), kvc.SnapKV(budget=48, window=8, kv_bits=4, key_bits=4, clustering="pool"),
+                   kvc.SnapKV(budget=48, kv_bits=8, clustering="pool"),
+                   kvc.SnapKV(budget=48, kv_bits=4, clustering="pool")):
         plain = decode(method, "math")
         with ops.triton_everywhere():
             fused = decode(method, "triton")
         torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-4)
-    # every decoding step of every layer: the full cache's float32 slots, then the two coded runs' codes
-    assert calls == [torch.float32] * 12 + [torch.uint8] * 24, calls
+    # every decoding step of every layer: the full cache's float32 slots, then the three coded runs' codes (the last
+    # kv_bits=4 as typed: keys in 6 bits)
+    assert calls == [torch.float32] * 12 + [torch.uint8] * 36, calls
     print("ok")
     """
 )

@@ -28,7 +28,7 @@ CASES = {
     "chunks": ("llama", "shadowkv:budget=16:chunk=4:rank=4:local_chunks=1:outliers=1", 0),
     "chunks-offloaded": ("llama", "quest:budget=16:page_size=4:offload=true", 0),
     "projected": ("llama", "loki:budget=16", 0),
-    "dense-int4": ("llama", "snapkv:budget=24:window=8:kv_bits=4", 3),
+    "dense-int4": ("llama", "snapkv:budget=24:window=8:kv_bits=4:key_bits=4", 3),
     "ring-int8": ("mistral-sliding", "full:kv_bits=8", 4),
     "packed-fp8": ("llama", "snapkv:budget=24:window=8:heads=adaptive:kv_bits=8:kv_format=fp8", 0),
     "chunks-int4": ("llama", "quest:budget=16:page_size=4:offload=true:kv_bits=4", 0),

@@ -80,6 +80,9 @@ def default_of(cls: type, name: str, default: Any) -> Any:
     return field(default=default, metadata=declared[name].metadata)
 
 
+# The keys' bits where ``key_bits`` is left unset, by ``kv_bits``: keys in 4 bits move the answers' next-token
+# distributions ~15x as much as in 8, in 6 about twice as much (docs/quantization.md, "What kv_bits=4 means")
+KEY_BITS_AT = {4: 6}
 CODEC_FIELDS = ("kv_bits", "kv_format", "key_bits")  # every method's; describe() shows them only off their default
 
 
@@ -184,15 +187,18 @@ class Method:
     # why vLLM cannot serve it (serving/settings.py's refusal), None where it can: vLLM's plugin compresses a prompt
     # at the end of its prefill, by scores of each position and KV head computed from the prefill itself
     not_served: ClassVar[str | None] = "it is not one of the methods scored from the prefill"
+    keys_apart: ClassVar[bool] = True  # its storage may code keys with another codec than values (key_bits)
     kv_bits: int = param(
         16, "bits per stored key and value element once the prompt is compressed: 16 (the model's own precision), "
-        "8 or 4 (codes with scales, docs/quantization.md)", choices=(16, 8, 4), kw_only=True)
+        "8 or 4 (codes with scales; at 4 the keys take 6 unless key_bits says otherwise, docs/quantization.md)",
+        choices=(16, 8, 4), kw_only=True)
     kv_format: str = param(
         "int", "how 8 or 4 bits are written: int (per-token groups with scales) or fp8 (float8 e4m3, as vLLM's fp8 "
         "cache dtype; kv_bits=8 only)", choices=("int", "fp8"), kw_only=True)
     key_bits: int | None = param(
-        None, "bits per stored key element where keys take more than values (None: kv_bits; e.g. key_bits=8 or 6 "
-        "with kv_bits=4: keys lose the most at 4 bits, docs/quantization.md)", choices=(8, 6, 4), kw_only=True)
+        None, "bits per stored key element where keys take more than values (None: 6 with kv_bits=4 where the "
+        "method stores keys apart from values, else kv_bits; key_bits=4 with kv_bits=4: keys in 4 bits too, "
+        "docs/quantization.md)", choices=(8, 6, 4), kw_only=True)
 
     def __post_init__(self) -> None:
         for spec in field_specs(type(self)):
@@ -216,7 +222,7 @@ class Method:
             return None
         if self.kv_format == "fp8":
             return "fp8"
-        keys = self.key_bits or self.kv_bits
+        keys = self.key_bits or (KEY_BITS_AT.get(self.kv_bits, self.kv_bits) if self.keys_apart else self.kv_bits)
         return f"int{keys}" if keys == self.kv_bits else f"int{keys}+int{self.kv_bits}"
 
     def validate(self) -> None:

@@ -37,6 +37,7 @@ class SparseMethod(BudgetMethod):
     """A method that attends to ``budget`` selected prompt tokens per KV head at every step."""
 
     default_budget = 2048
+    keys_apart = False  # a chunk store codes every stored row, keys and values, with one codec
     unit_setting: ClassVar[tuple[str, str] | None] = None  # (field, word) of the selection unit, when it is a setting
 
     def attends_slots(self) -> bool:

@@ -268,7 +268,7 @@ def _decoded_like(query: torch.Tensor, *args) -> torch.Tensor:
     return query.new_empty(query.shape)
 
 
-TRITON_BITS = (4, 8)  # the codes the Triton kernel reads (6-bit keys and float8 rows: decoded first on CUDA)
+TRITON_BITS = (4, 6, 8)  # the codes the Triton kernel reads (float8 rows: decoded first on CUDA)
 
 
 @fused("decode_attention", mutates_args=(), fake=_decoded_like)

@@ -175,9 +175,15 @@ def _stored_rows(rows, meta, offset, slots, inside, d, DIM: tl.constexpr, BITS: 
         return tl.load(rows + offset + slots[:, None] + d[None, :], mask=inside[:, None], other=0.0)
     if BITS == 8:
         codes = tl.load(rows + offset + slots[:, None] + d[None, :], mask=inside[:, None], other=0)
-    else:  # two codes a byte: channel 2i in the low nibble
+    else:  # 4 bits, or 6 bits' low 4: two a byte, channel 2i in the low nibble
         packed = tl.load(rows + offset + slots[:, None] + (d // 2)[None, :], mask=inside[:, None], other=0)
         codes = (packed >> ((d % 2) * 4).to(tl.uint8)[None, :]) & 15
+    if BITS == 6:  # then each code's top 2 bits, as codec.Int6Codec places them: a group's even channels, then its
+        # odd ones, each byte holding four places a quarter of the group apart
+        place = (d % GROUP % 2) * (GROUP // 2) + d % GROUP // 2
+        top = DIM // 2 + (d // GROUP) * (GROUP // 4) + place % (GROUP // 4)
+        tops = tl.load(rows + offset + slots[:, None] + top[None, :], mask=inside[:, None], other=0)
+        codes = codes | (((tops >> (2 * (place // (GROUP // 4))).to(tl.uint8)[None, :]) & 3) << 4)
     first = (offset + slots) // 2 + DIM * BITS // 16  # the row's scales, as float16 elements
     scale = tl.load(meta + first[:, None] + (d // GROUP)[None, :], mask=inside[:, None], other=0.0)
     low = tl.load(meta + first[:, None] + (DIM // GROUP + d // GROUP)[None, :], mask=inside[:, None], other=0.0)
