@@ -124,9 +124,10 @@ def test_a_kernel_that_does_not_build_warns_in_one_line_and_rows_are_decoded_fir
         cpu_kernels.cpu_kernel.cache_clear()
 
 
-def test_six_bit_keys_are_never_handed_to_the_triton_kernel(monkeypatch):
-    """Where the Triton kernel is the decoding choice (CUDA) it reads 8- and 4-bit codes only: a step over 6-bit keys
-    attends the decoded slots (the kernel then gets them at the model's precision, bits 0), 4-bit ones their codes."""
+def test_the_triton_kernel_is_handed_the_codes_it_reads_and_fp8_rows_decoded(monkeypatch):
+    """Where the Triton kernel is the decoding choice (CUDA) it reads 8-, 6- and 4-bit integer codes: a step over
+    6-bit keys (``kv_bits=4`` as typed) or 4-bit ones hands it their codes; float8 rows are attended decoded (the
+    kernel then gets them at the model's precision, bits 0)."""
     handed = []
 
     def recorded(query, keys, values, visible, scaling, key_bits, value_bits):
@@ -137,12 +138,12 @@ def test_six_bit_keys_are_never_handed_to_the_triton_kernel(monkeypatch):
     monkeypatch.setattr(attention, "choose_backends", lambda *args: ("triton",))
     monkeypatch.setattr(attention, "decode_attention", recorded)
     query = torch.randn(1, 6, 1, 64)
-    for key_bits in (6, 4):
+    for keys_codec, values_codec in (("int6", "int4"), ("int4", "int4"), ("fp8", "fp8")):
         keys, values = torch.randn(2, 1, 2, 40, 64).unbind(0)
-        coded = (codec.make_codec(f"int{key_bits}", 64, torch.float32).encode(keys),
-                 codec.make_codec("int4", 64, torch.float32).encode(values), key_bits, 4)
+        pair = [codec.make_codec(name, 64, torch.float32) for name in (keys_codec, values_codec)]
+        coded = (pair[0].encode(keys), pair[1].encode(values), pair[0].kernel_code, pair[1].kernel_code)
         attention.dense_attention(query, keys, values, None, 0.125, coded=coded)
-    assert handed == [(0, 0), (4, 4)]
+    assert handed == [(6, 4), (4, 4), (0, 0)]
 
 
 def test_the_kernels_build_is_kept_out_of_every_timing(monkeypatch):
