@@ -53,6 +53,18 @@ def test_a_run_scores_every_question_in_both_modes_and_resumes(tmp_path):
         assert len(row["scores"]) == len(row["answers"]) == (3 if row["mode"] == "multi-turn" else 2)
     assert set(summary) == {"multi-request", "multi-turn"} and set(summary["multi-turn"]) == set(specs)
     assert (tmp_path / "shared_context.png").stat().st_size > 1000
+    # per-question methods are measured against the full cache's answers, turn by turn: the full cache follows
+    # itself exactly; the others lie in [0, 1] with an interval around their mean
+    for row in rows:
+        assert ("agreement" in row) == (row["kind"] == "per-question")
+        if row["kind"] == "per-question":
+            assert len(row["agreement"]) == len(row["kl"]) == len(row["scores"])
+            assert all(0 <= a <= 1 for a in row["agreement"]) and all(k >= 0 for k in row["kl"])
+        if row["method"] == "full":
+            assert row["agreement"] == [1.0] * len(row["scores"]) and max(row["kl"]) < 1e-6
+    snap = summary["multi-turn"]["snapkv:window=8:budget=48"]
+    assert snap["contexts"] == 1 and all(low <= a <= high for a, (low, high) in zip(snap["agreement"],
+                                                                                    snap["agreement_95"]))
     # a rerun finds every row done and asks nothing again
     run_shared_context(model, tok, specs, [300], 1, 2, 1 / 16, str(tmp_path), max_new_tokens=4, haystack="prose")
     assert len((tmp_path / "results.jsonl").read_text().splitlines()) == 10

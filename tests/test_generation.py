@@ -198,6 +198,23 @@ def test_teacher_forced_logprobs_follow_the_full_cache(tok):
     torch.testing.assert_close(snap, full)  # budget covers the prompt: identical
 
 
+def test_forced_logprobs_follow_generate_over_a_stored_context_and_a_conversation(tok):
+    """Teacher-forced over the cache ``generate`` with the same arguments decodes from: fed that call's own greedy
+    answer, each row's top token is the answer's next one; over a stored context with a method, and as a later turn
+    continuing a conversation; a batch is refused by name."""
+    model = tiny_model()
+    store = kvc.compress(model, tok, random_text(300, seed=5), method=kvc.FullKV())
+    method = kvc.SnapKV(budget=64, window=8)
+    first = kvc.generate(model, tok, "a question", past=store, method=method, max_new_tokens=6)
+    forced = kvc.forced_logprobs(model, tok, first.token_ids[0], prompt="a question", past=store, method=method)
+    assert forced.shape == (len(first.token_ids[0]), 128) and forced.argmax(-1).tolist() == first.token_ids[0]
+    later = kvc.generate(model, tok, "and then", past=first.copy(), max_new_tokens=5)  # (a turn appends to its past)
+    assert kvc.forced_logprobs(model, tok, later.token_ids[0], prompt="and then", past=first.copy()).argmax(
+        -1).tolist() == later.token_ids[0]
+    with pytest.raises(kvc.InvalidParameterError, match="forced_logprobs takes one prompt, not a batch"):
+        kvc.forced_logprobs(model, tok, [3, 4], prompt=["one", "two"])
+
+
 def test_too_small_query_window_is_refused(tok):
     model = tiny_model()
     record = kvc.prefill(model, tok, random_text(200), query_window=8)

@@ -182,6 +182,15 @@ def shared_context(summary: dict, out: str) -> list[Any]:
             table.add_row(spec, *(f"{s:.2f}" + ("" if f is None else f" ({f:.2f})")
                                   for s, f in zip(row["score"], row["of_full"])))
         shown.append(table)
+        measured = {spec: row for spec, row in methods.items() if "agreement" in row}
+        if measured:
+            agreed = Table("method", *(f"turn {t + 1}" for t in range(turns)),
+                           title=f"{mode}: the full cache's answer teacher-forced, top-1 agreement [95% interval]")
+            for spec, row in measured.items():
+                agreed.add_row(f"{spec} ({row['contexts']} contexts)",
+                               *(f"{a:.3f} [{low:.3f}, {high:.3f}]" for a, (low, high) in
+                                 zip(row["agreement"], row["agreement_95"])))
+            shown.append(agreed)
     return [*shown, f"wrote {out}/results.jsonl, summary.json, shared_context.png"]
 
 

@@ -20,8 +20,12 @@ Methods are specs (``name[:field=value...]``) in three kinds, by how they meet a
   appended to that selection: the reuse SCBench shows failing.
 
 A method's budget, unless its spec sets one, is ``--fraction`` of each context's tokens (1/16 by
-default). Outputs: ``results.jsonl`` (one line per answer; rerunning resumes), ``summary.json`` (score
-per method, mode and turn, and against the full cache's), ``shared_context.png``.
+default). Beside right answers, a per-question method is measured against the full cache itself, token by token
+(issue 67): at each turn the full cache's own answer is teacher-forced under the method (``forced_logprobs``), the
+conversation so far being the full cache's (so a turn's figure is not moved by an earlier turn's divergence):
+top-1 agreement and mean KL per turn, with 95% bootstrap intervals over contexts. Outputs: ``results.jsonl`` (one
+line per method and mode; rerunning resumes), ``summary.json`` (score per method, mode and turn, against the full
+cache's, and agreement), ``shared_context.png``.
 """
 
 from __future__ import annotations
@@ -36,10 +40,11 @@ from typing import Any
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from ..generation.generate import compress, generate
+from ..generation.generate import compress, forced_logprobs, generate
 from ..generation.result import Result
 from ..methods import FullKV, Method, method_from_spec
 from .haystack import fill
+from .metrics import fidelity
 
 COLORS = ("red", "blue", "green", "yellow", "white", "black", "grey", "brown")
 ANIMALS = ("fox", "owl", "horse", "otter", "crane", "lynx", "heron", "badger")
@@ -122,6 +127,43 @@ def ask_all(model: PreTrainedModel, tok: PreTrainedTokenizerBase, sample: Sample
     return answers
 
 
+class FullAnswers:
+    """The full cache's answers to a sample's questions over its stored context, in each mode (a conversation's
+    turns each asked over the full cache's conversation so far), with their teacher-forced log-probabilities:
+    the reference a per-question method's agreement is measured against. Computed on first need, once a sample."""
+
+    def __init__(self, model: PreTrainedModel, tok: PreTrainedTokenizerBase, store: Result, questions: list[str],
+                 max_new_tokens: int) -> None:
+        self.model, self.tok, self.store = model, tok, store
+        self.questions, self.max_new_tokens = questions, max_new_tokens
+        self.turns: dict[str, list[tuple[Result, Result, list[int], Any]]] = {}
+
+    def of(self, mode: str) -> list[tuple[Result, Result, list[int], Any]]:
+        """Per turn: the conversation it is asked over, the full cache's answer, its tokens and their log-probs."""
+        if mode not in self.turns:
+            turns, past = [], self.store
+            for question in self.questions[: None if mode == "multi-turn" else -1]:
+                answer = generate(self.model, self.tok, question, past=past, method=FullKV(),
+                                  max_new_tokens=self.max_new_tokens)
+                tokens = answer.token_ids[0] or [self.tok.eos_token_id]
+                reference = forced_logprobs(self.model, self.tok, tokens, prompt=question, past=past, method=FullKV())
+                turns.append((past, answer, tokens, reference))
+                past = answer if mode == "multi-turn" else self.store
+            self.turns[mode] = turns
+        return self.turns[mode]
+
+
+def agreement(model: PreTrainedModel, tok: PreTrainedTokenizerBase, full: FullAnswers, method: Method,
+              mode: str) -> list[dict[str, float]]:
+    """Per turn, the full cache's answer teacher-forced under ``method`` (asked over the same conversation): top-1
+    agreement and mean KL from the full cache's next-token distributions."""
+    found = []
+    for (past, _, tokens, reference), question in zip(full.of(mode), full.questions):
+        forced = forced_logprobs(model, tok, tokens, prompt=question, past=past, method=method)
+        found.append(fidelity(reference, forced))
+    return found
+
+
 def run_shared_context(model: PreTrainedModel, tok: PreTrainedTokenizerBase, specs: list[str], lengths: list[int],
                        samples: int, facts: int, fraction: float, out_dir: str, max_new_tokens: int = 16,
                        haystack: str = "essays", progress: Any = None) -> dict:
@@ -134,7 +176,7 @@ def run_shared_context(model: PreTrainedModel, tok: PreTrainedTokenizerBase, spe
     for length in lengths:
         for seed in range(samples):
             sample = make_sample(tok, length, seed, facts, haystack)
-            store = None
+            store, full = None, None
             for spec in specs:
                 for mode in MODES:
                     if (length, seed, spec, mode) in done:
@@ -147,6 +189,12 @@ def run_shared_context(model: PreTrainedModel, tok: PreTrainedTokenizerBase, spe
                            "kind": kind_of(spec), "tokens": int(store.attention_mask.sum()),
                            "scores": [answered(text, code) for text, (_, code) in zip(answers, sample.questions)],
                            "answers": answers}
+                    if kind_of(spec) == "per-question":
+                        full = full or FullAnswers(model, tok, store, [q for q, _ in sample.questions],
+                                                   max_new_tokens)
+                        fidelities = agreement(model, tok, full, resolved(spec, row["tokens"], fraction), mode)
+                        row.update(agreement=[f["top1_agreement"] for f in fidelities],
+                                   kl=[f["kl"] for f in fidelities])
                     with journal.open("a") as fh:
                         fh.write(json.dumps(row) + "\n")
                     if progress is not None:
@@ -185,9 +233,30 @@ def summarize(rows: list[dict], specs: list[str]) -> dict:
             table[spec] = [sum(r[t] for r in runs if len(r) > t) / max(1, sum(len(r) > t for r in runs))
                            for t in range(turns)]
         full = table.get("full", [])
-        summary[mode] = {spec: {"score": by_turn, "of_full": [s / f if f else None for s, f in zip(by_turn, full)]}
+        summary[mode] = {spec: {"score": by_turn, "of_full": [s / f if f else None for s, f in zip(by_turn, full)],
+                                **turn_agreement([r for r in rows if r["mode"] == mode and r["method"] == spec])}
                          for spec, by_turn in table.items()}
     return summary
+
+
+def turn_agreement(rows: list[dict]) -> dict[str, list]:
+    """Per turn over ``rows`` (one method and mode) that measured it: mean top-1 agreement with the full cache,
+    its 95% bootstrap interval over contexts, and mean KL; nothing where no row did."""
+    measured = [r for r in rows if "agreement" in r]
+    if not measured:
+        return {}
+    turns = max(len(r["agreement"]) for r in measured)
+    by_turn = [[r["agreement"][t] for r in measured if len(r["agreement"]) > t] for t in range(turns)]
+    kls = [[r["kl"][t] for r in measured if len(r["kl"]) > t] for t in range(turns)]
+    return {"agreement": [sum(v) / len(v) for v in by_turn], "agreement_95": [bootstrap_interval(v) for v in by_turn],
+            "kl": [sum(v) / len(v) for v in kls], "contexts": len(measured)}
+
+
+def bootstrap_interval(values: list[float], draws: int = 2000, seed: int = 0) -> list[float]:
+    """The 2.5th and 97.5th percentiles of the mean of ``values`` resampled with replacement ``draws`` times."""
+    rng = random.Random(seed)
+    means = sorted(sum(rng.choice(values) for _ in values) / len(values) for _ in range(draws))
+    return [means[int(0.025 * draws)], means[int(0.975 * draws) - 1]]
 
 
 def plot(summary: dict, path: Path) -> None:

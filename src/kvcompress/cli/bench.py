@@ -257,7 +257,9 @@ def _cmd_bench_shared_context(args: argparse.Namespace, console: Console) -> int
     console.print(f"shared context: methods={specs} lengths={lengths} samples={args.samples} facts={args.facts} "
                   f"budget={args.fraction:.4g} of each context -> {args.out}")
     def progress(row: dict) -> None:
-        console.print(f"{row['length']} tokens, sample {row['seed']}, {row['method']}, {row['mode']}: {row['scores']}")
+        agreed = "" if "agreement" not in row else f", agreement {[round(a, 3) for a in row['agreement']]}"
+        console.print(f"{row['length']} tokens, sample {row['seed']}, {row['method']}, {row['mode']}: {row['scores']}"
+                      f"{agreed}")
 
     summary = run_shared_context(model, tokenizer, specs, lengths, args.samples, args.facts, args.fraction, args.out,
                                  args.max_new_tokens, args.haystack, progress=progress)

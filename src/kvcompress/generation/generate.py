@@ -32,7 +32,7 @@ from .feed import (
     recording,
 )
 from .result import Result
-from .ways_in import Start, from_prefill, resolve_method, way_in
+from .ways_in import Start, WayIn, resolve_method, way_in
 
 
 def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[int]:
@@ -62,17 +62,50 @@ def prefill(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompt: 
 @torch.inference_mode()
 def teacher_forced_logprobs(model: PreTrainedModel, record: Prefill, method: Method, tokens: list[int]) -> torch.Tensor:
     """Log-probabilities ``[len(tokens), vocab]`` of the next token before each of ``tokens`` is fed,
-    with ``method``'s cache built from ``record`` (a single prompt); the first row is the prefill's.
+    with ``method``'s cache built from ``record`` (a single prompt): ``forced_logprobs(..., prefill=record)``."""
+    return forced_logprobs(model, record.tokenizer, tokens, method=method, prefill=record)
+
+
+@torch.inference_mode()
+def forced_logprobs(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, tokens: list[int],
+                    prompt: Prompt | None = None, method: Method | str | None = None, question: str | None = None,
+                    past: Result | None = None, prefill: Prefill | None = None) -> torch.Tensor:
+    """Log-probabilities ``[len(tokens), vocab]`` of the next token before each of ``tokens`` is fed, over the cache
+    ``generate`` with the same arguments (one prompt) would decode from; the first row is the prompt's. Fed with
+    another cache's answer, it says how closely this one follows it, token by token (teacher-forced agreement).
 
     The continuation is fed as one block: exact for methods that only compress the prompt; for
     sparse decoding methods the block's queries select their chunks together (Algorithm 2 of
-    ShadowKV with several queries)."""
-    logits = record.logits[0][None]
+    ShadowKV with several queries); a decoding bound re-selects once, after the block. As with ``generate``, a later
+    turn appends to ``past``'s cache (pass a copy to ask it again); a question over a stored context reads it only."""
+    way = way_in(model, prompt, method, question, past, prefill)
+    begin, feeder, logits, _ = _begun(model, tokenizer, way, max(len(tokens), 1), PREFILL_TOKENS)
+    if begin.is_batch:
+        raise InvalidParameterError("forced_logprobs takes one prompt, not a batch")
+    rows = [logits[:1]]
     if len(tokens) > 1:
-        feeder = Feeder(model, from_prefill(model, method, record), record.attention_mask, record.next_position, 0)
         block = torch.tensor([tokens[:-1]], device=model.device)
-        logits = torch.cat([logits, feeder.forward(block, torch.ones_like(block), every_position=True)[0]])
-    return logits.float().log_softmax(dim=-1)
+        rows.append(feeder.forward(block, torch.ones_like(block), every_position=True)[0])
+    return torch.cat(rows).float().log_softmax(dim=-1)
+
+
+def _begun(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, way: WayIn, max_new_tokens: int,
+           prefill_tokens: int | None) -> tuple[Start, Feeder, torch.Tensor, float]:
+    """The way in taken: its start, the feeder holding the prompt's cache (compressed), the logits after the prompt
+    and the seconds the prompt took."""
+    clock = time.perf_counter()
+    begin = way.start(model, tokenizer)
+    fed = [int(p) + sum(len(c) for c in chunks) for p, chunks in zip(begin.position.tolist(), begin.chunk_lists)
+           ] if begin.chunk_lists else begin.position.tolist()
+    check_lengths(model, fed, max_new_tokens)
+    if begin.cache is None:  # a new prompt: prefilled in groups of rows when the batch is large
+        feeder, first = prefill_groups(model, begin.make_cache, [chunks[0] for chunks in begin.chunk_lists],
+                                       pad_id(tokenizer), prefill_tokens, begin.lead)
+        logits = feed_chunks(feeder, [chunks[1:] for chunks in begin.chunk_lists], first)
+    else:
+        feeder = Feeder(model, begin.cache, begin.mask, begin.position, pad_id(tokenizer))
+        logits = feed_chunks(feeder, begin.chunk_lists) if begin.chunk_lists else begin.logits
+    return begin, feeder, logits, begin.prefill_s + synced_clock(model.device) - clock
 
 
 def _check_settings(max_new_tokens: int, compile: bool | Compile, prefill_tokens: int | None) -> None:
@@ -180,20 +213,8 @@ def generate(
     sampling = _sampling(temperature, top_p, seed)
     way = way_in(model, prompt, method, question, past, prefill)  # (checks only)
     build_s = _ready_kernel(model, way.method)  # (before the clock)
-    clock = time.perf_counter()
-    begin = way.start(model, tokenizer)
-    fed = [int(p) + sum(len(c) for c in chunks) for p, chunks in zip(begin.position.tolist(), begin.chunk_lists)
-           ] if begin.chunk_lists else begin.position.tolist()
-    check_lengths(model, fed, max_new_tokens)
-    if begin.cache is None:  # a new prompt: prefilled in groups of rows when the batch is large
-        feeder, first = prefill_groups(model, begin.make_cache, [chunks[0] for chunks in begin.chunk_lists],
-                                       pad_id(tokenizer), prefill_tokens, begin.lead)
-        logits = feed_chunks(feeder, [chunks[1:] for chunks in begin.chunk_lists], first)
-    else:
-        feeder = Feeder(model, begin.cache, begin.mask, begin.position, pad_id(tokenizer))
-        logits = feed_chunks(feeder, begin.chunk_lists) if begin.chunk_lists else begin.logits
+    begin, feeder, logits, prefill_s = _begun(model, tokenizer, way, max_new_tokens, prefill_tokens)
     cache = feeder.cache
-    prefill_s = begin.prefill_s + synced_clock(model.device) - clock
 
     eos = _eos_ids(model, tokenizer)
     decode_start = time.perf_counter()
