@@ -9,7 +9,15 @@ import re
 import pytest
 
 import kvcompress as kvc
-from kvcompress.bench.shared_context import answered, kind_of, make_sample, resolved, run_shared_context
+from kvcompress.bench.shared_context import (
+    MODES,
+    answered,
+    kind_of,
+    make_sample,
+    resolved,
+    run_shared_context,
+    summarize,
+)
 from kvcompress.cli import main
 from tests.fixtures import char_tokenizer, tiny_model
 
@@ -68,6 +76,14 @@ def test_a_run_scores_every_question_in_both_modes_and_resumes(tmp_path):
     # a rerun finds every row done and asks nothing again
     run_shared_context(model, tok, specs, [300], 1, 2, 1 / 16, str(tmp_path), max_new_tokens=4, haystack="prose")
     assert len((tmp_path / "results.jsonl").read_text().splitlines()) == 10
+
+
+def test_a_summary_without_the_full_cache_scores_turns_and_leaves_the_ratio_empty():
+    rows = [{"mode": mode, "method": "snapkv", "scores": [1, 0, 1], "agreement": [1.0, 0.5, 0.75], "kl": [0, 1, 2]}
+            for mode in MODES]
+    row = summarize(rows, ["snapkv"])["multi-turn"]["snapkv"]
+    assert row["score"] == [1.0, 0.0, 1.0] and row["of_full"] == [None, None, None]
+    assert row["agreement"] == [1.0, 0.5, 0.75] and row["agreement_95"] == [[1.0, 1.0], [0.5, 0.5], [0.75, 0.75]]
 
 
 @pytest.mark.parametrize(("flags", "message"), [

@@ -233,7 +233,8 @@ def summarize(rows: list[dict], specs: list[str]) -> dict:
             table[spec] = [sum(r[t] for r in runs if len(r) > t) / max(1, sum(len(r) > t for r in runs))
                            for t in range(turns)]
         full = table.get("full", [])
-        summary[mode] = {spec: {"score": by_turn, "of_full": [s / f if f else None for s, f in zip(by_turn, full)],
+        summary[mode] = {spec: {"score": by_turn, "of_full": [s / f if f else None for s, f in zip(by_turn, full)]
+                                if full else [None] * len(by_turn),
                                 **turn_agreement([r for r in rows if r["mode"] == mode and r["method"] == spec])}
                          for spec, by_turn in table.items()}
     return summary
