@@ -261,23 +261,39 @@ def bootstrap_interval(values: list[float], draws: int = 2000, seed: int = 0) ->
 
 
 def plot(summary: dict, path: Path) -> None:
+    """Answers right by turn, per mode; below them, where it was measured, agreement with the full cache by turn
+    (its 95% interval shaded)."""
     import matplotlib  # noqa: PLC0415 - only to draw
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
-    fig, axes = plt.subplots(1, len(MODES), figsize=(6 * len(MODES), 4), sharey=True)
-    for axis, mode in zip(axes, MODES):
+    agreed = any("agreement" in row for mode in MODES for row in summary[mode].values())
+    fig, axes = plt.subplots(2 if agreed else 1, len(MODES), figsize=(6 * len(MODES), 8 if agreed else 4),
+                             sharey="row", squeeze=False)
+    for column, mode in enumerate(MODES):
+        axis = axes[0][column]
         for spec, row in summary[mode].items():
             peer = spec.startswith("kvpress-")  # dashed: the colour cycle repeats after ten lines
             axis.plot(range(1, len(row["score"]) + 1), row["score"], marker="x" if peer else "o",
                       linestyle="--" if peer else "-", label=spec)
         axis.set_title(mode)
-        axis.set_xlabel("question (turn)")
         axis.set_xticks(range(1, 1 + max((len(r["score"]) for r in summary[mode].values()), default=1)))
         axis.set_ylim(-0.05, 1.05)
         axis.legend(fontsize=7)  # each mode its own: kvpress's presses run in the multi-request mode only
-    axes[0].set_ylabel("answers right")
+        if agreed:
+            below = axes[1][column]
+            for spec, row in summary[mode].items():
+                if "agreement" in row:
+                    turns = range(1, len(row["agreement"]) + 1)
+                    below.plot(turns, row["agreement"], marker="o", label=f"{spec} ({row['contexts']} contexts)")
+                    below.fill_between(turns, *zip(*row["agreement_95"]), alpha=0.2)
+            below.set_xticks(axis.get_xticks())
+            below.legend(fontsize=7)
+        axes[-1][column].set_xlabel("question (turn)")
+    axes[0][0].set_ylabel("answers right")
+    if agreed:
+        axes[1][0].set_ylabel("top-1 agreement with the full cache")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
