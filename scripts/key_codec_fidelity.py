@@ -2,6 +2,7 @@
 (issue 51: the full cache in 4 bits keeps 0.83 of the uncoded cache's answers, keys in 8 bits 1.01).
 
     PYTHONPATH=src python scripts/key_codec_fidelity.py --out docs/img/key_codec_fidelity.json
+    PYTHONPATH=src python scripts/key_codec_fidelity.py --per-layer --contexts 8 --out docs/img/key_layers_int4.json
 
 The question-agnostic track's 45 questions (niah, multikey, multivalue, qa_1, qa_2 over essays at 1K-4K tokens, five
 depths): each context with its question is one user turn; the uncoded cache writes its greedy answer; the context's
@@ -29,7 +30,7 @@ import argparse
 import json
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -160,14 +161,11 @@ def answer_logprobs(model, ids: torch.Tensor, context: int, answer: torch.Tensor
     return model(rest, past_key_values=cache).logits[0, -(len(answer) + 1):-1].float().log_softmax(-1)
 
 
-def measure(model, tokenizer, schemes: list[str], contexts: int) -> dict[str, list[tuple[float, float, float]]]:
-    """Per scheme, (KL, nats lost per token, greedy agreement) for every question of the track's first
-    ``contexts`` contexts."""
-    values = make_codec("int4", model.config.head_dim, model.dtype, rotated=True)
+def answered_questions(model, tokenizer, contexts: int) -> Iterator[tuple[torch.Tensor, int, torch.Tensor, list]]:
+    """For each question of the track's first ``contexts`` contexts: its prompt's ids, the context's length in
+    them, the uncoded cache's greedy answer, and the context's keys and values per layer as the model computed them."""
     samples = build_samples(tokenizer, list(TASKS), [1000, 2000, 4000], [0.1, 0.3, 0.5, 0.7, 0.9], 1, 0, "essays")
-    samples = samples[:contexts]
-    found: dict[str, list[tuple[float, float, float]]] = {name: [] for name in schemes}
-    for number, sample in enumerate(samples, start=1):
+    for number, sample in enumerate(samples[:contexts], start=1):
         alone = tokenizer.apply_chat_template([{"role": "user", "content": sample.context}], return_dict=True)
         context = len(alone["input_ids"]) - 8  # the context's tokens, not the turn's closing ones
         for turn in sample.questions():
@@ -177,17 +175,43 @@ def measure(model, tokenizer, schemes: list[str], contexts: int) -> dict[str, li
             answer = model.generate(ids, max_new_tokens=sample.max_new_tokens, do_sample=False)[0, ids.shape[1]:]
             cache = DynamicCache(config=model.config)
             model(ids[:, :context], past_key_values=cache)
-            held = [(layer.keys, layer.values) for layer in cache.layers]
-            reference = answer_logprobs(model, ids, context, answer, held)
-            for name in schemes:
-                coded = [(SCHEMES[name][2](k).to(k.dtype), values.restore(values.encode(v))) for k, v in held]
-                got = answer_logprobs(model, ids, context, answer, coded)
-                kl = (reference.exp() * (reference - got)).sum(-1).clamp_min(0).mean()
-                lost = (reference - got).gather(-1, answer[:, None]).mean()
-                agreed = (got.argmax(-1) == answer).float().mean()
-                found[name].append((float(kl), float(lost), float(agreed)))
-        print(f"context {number}/{len(samples)}", flush=True)
+            yield ids, context, answer, [(layer.keys, layer.values) for layer in cache.layers]
+        print(f"context {number}/{min(contexts, len(samples))}", flush=True)
+
+
+def measure(model, tokenizer, schemes: list[str], contexts: int) -> dict[str, list[tuple[float, float, float]]]:
+    """Per scheme, (KL, nats lost per token, greedy agreement) for every question of the track's first
+    ``contexts`` contexts."""
+    values = make_codec("int4", model.config.head_dim, model.dtype, rotated=True)
+    found: dict[str, list[tuple[float, float, float]]] = {name: [] for name in schemes}
+    for ids, context, answer, held in answered_questions(model, tokenizer, contexts):
+        reference = answer_logprobs(model, ids, context, answer, held)
+        for name in schemes:
+            coded = [(SCHEMES[name][2](k).to(k.dtype), values.restore(values.encode(v))) for k, v in held]
+            got = answer_logprobs(model, ids, context, answer, coded)
+            kl = (reference.exp() * (reference - got)).sum(-1).clamp_min(0).mean()
+            lost = (reference - got).gather(-1, answer[:, None]).mean()
+            agreed = (got.argmax(-1) == answer).float().mean()
+            found[name].append((float(kl), float(lost), float(agreed)))
     return found
+
+
+def per_layer(model, tokenizer, contexts: int) -> dict[str, float | list[float]]:
+    """Which layers' 4-bit keys cost the most: the mean KL over the answers when only one layer's keys are the
+    library's int4 (the others uncoded; values int4 everywhere), per layer, and with every layer's in int4."""
+    values = make_codec("int4", model.config.head_dim, model.dtype, rotated=True)
+    int4, layers = library("int4"), model.config.num_hidden_layers
+    totals, count = [0.0] * (layers + 1), 0
+    for ids, context, answer, held in answered_questions(model, tokenizer, contexts):
+        held = [(k, values.restore(values.encode(v))) for k, v in held]
+        reference = answer_logprobs(model, ids, context, answer, held)
+        for coded_layer in range(layers + 1):  # the last: every layer
+            coded = [(int4(k).to(k.dtype) if i == coded_layer or coded_layer == layers else k, v)
+                     for i, (k, v) in enumerate(held)]
+            got = answer_logprobs(model, ids, context, answer, coded)
+            totals[coded_layer] += float((reference.exp() * (reference - got)).sum(-1).clamp_min(0).mean())
+        count += 1
+    return {"per_layer_kl": [t / count for t in totals[:layers]], "every_layer_kl": totals[layers] / count}
 
 
 def main() -> None:
@@ -195,6 +219,8 @@ def main() -> None:
     parser.add_argument("--out", default="runs/key_codec_fidelity.json")
     parser.add_argument("--contexts", type=int, default=27, help="the track's first N contexts (27: all)")
     parser.add_argument("--schemes", default=",".join(SCHEMES), help="comma-separated names from SCHEMES")
+    parser.add_argument("--per-layer", action="store_true",
+                        help="instead: the KL of each layer's keys alone in int4 (docs/quantization.md)")
     args = parser.parse_args()
     schemes = args.schemes.split(",")
     unknown = [s for s in schemes if s not in SCHEMES]
@@ -203,6 +229,15 @@ def main() -> None:
     torch.set_grad_enabled(False)
     model, tokenizer = kvc.load_model()
     started = time.time()
+    if args.per_layer:
+        found = per_layer(model, tokenizer, args.contexts)
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({"machine": machine(model.device), "contexts": args.contexts, **found},
+                                             indent=1) + "\n")
+        ranked = sorted(range(len(found["per_layer_kl"])), key=lambda i: -found["per_layer_kl"][i])
+        print(f"every layer in int4: KL {found['every_layer_kl']:.4f}; the costliest layers alone: "
+              + ", ".join(f"{i} ({found['per_layer_kl'][i]:.5f})" for i in ranked[:5]))
+        return
     found = measure(model, tokenizer, schemes, args.contexts)
     rows = [{"scheme": name, "keys": SCHEMES[name][0], "key_bytes": SCHEMES[name][1], "questions": len(found[name]),
              **{field: sum(r[i] for r in found[name]) / len(found[name])
