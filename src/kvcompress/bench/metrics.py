@@ -3,6 +3,7 @@ the full cache (top-1 agreement and KL divergence over a teacher-forced continua
 
 from __future__ import annotations
 
+import random
 import re
 import string
 from collections import Counter
@@ -53,3 +54,10 @@ def fidelity(reference_logprobs: torch.Tensor, logprobs: torch.Tensor) -> dict[s
     top1 = (reference_logprobs.argmax(-1) == logprobs.argmax(-1)).float().mean()
     kl = (reference_logprobs.exp() * (reference_logprobs - logprobs)).sum(-1).clamp(min=0).mean()
     return {"top1_agreement": float(top1), "kl": float(kl)}
+
+
+def bootstrap_interval(values: list[float], draws: int = 2000, seed: int = 0) -> list[float]:
+    """The 2.5th and 97.5th percentiles of the mean of ``values`` resampled with replacement ``draws`` times."""
+    rng = random.Random(seed)
+    means = sorted(sum(rng.choice(values) for _ in values) / len(values) for _ in range(draws))
+    return [means[int(0.025 * draws)], means[int(0.975 * draws) - 1]]

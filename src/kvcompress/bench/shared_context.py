@@ -44,7 +44,7 @@ from ..generation.generate import compress, forced_logprobs, generate
 from ..generation.result import Result
 from ..methods import FullKV, Method, method_from_spec
 from .haystack import fill
-from .metrics import fidelity
+from .metrics import bootstrap_interval, fidelity
 
 COLORS = ("red", "blue", "green", "yellow", "white", "black", "grey", "brown")
 ANIMALS = ("fox", "owl", "horse", "otter", "crane", "lynx", "heron", "badger")
@@ -136,10 +136,10 @@ class FullAnswers:
                  max_new_tokens: int) -> None:
         self.model, self.tok, self.store = model, tok, store
         self.questions, self.max_new_tokens = questions, max_new_tokens
-        self.turns: dict[str, list[tuple[Result, Result, list[int], Any]]] = {}
+        self.turns: dict[str, list[tuple[Result, list[int], Any]]] = {}
 
-    def of(self, mode: str) -> list[tuple[Result, Result, list[int], Any]]:
-        """Per turn: the conversation it is asked over, the full cache's answer, its tokens and their log-probs."""
+    def of(self, mode: str) -> list[tuple[Result, list[int], Any]]:
+        """Per turn: the conversation it is asked over, the full cache's answer's tokens and their log-probs."""
         if mode not in self.turns:
             turns, past = [], self.store
             for question in self.questions[: None if mode == "multi-turn" else -1]:
@@ -147,7 +147,7 @@ class FullAnswers:
                                   max_new_tokens=self.max_new_tokens)
                 tokens = answer.token_ids[0] or [self.tok.eos_token_id]
                 reference = forced_logprobs(self.model, self.tok, tokens, prompt=question, past=past, method=FullKV())
-                turns.append((past, answer, tokens, reference))
+                turns.append((past, tokens, reference))
                 past = answer if mode == "multi-turn" else self.store
             self.turns[mode] = turns
         return self.turns[mode]
@@ -158,7 +158,7 @@ def agreement(model: PreTrainedModel, tok: PreTrainedTokenizerBase, full: FullAn
     """Per turn, the full cache's answer teacher-forced under ``method`` (asked over the same conversation): top-1
     agreement and mean KL from the full cache's next-token distributions."""
     found = []
-    for (past, _, tokens, reference), question in zip(full.of(mode), full.questions):
+    for (past, tokens, reference), question in zip(full.of(mode), full.questions):
         forced = forced_logprobs(model, tok, tokens, prompt=question, past=past, method=method)
         found.append(fidelity(reference, forced))
     return found
@@ -251,13 +251,6 @@ def turn_agreement(rows: list[dict]) -> dict[str, list]:
     kls = [[r["kl"][t] for r in measured if len(r["kl"]) > t] for t in range(turns)]
     return {"agreement": [sum(v) / len(v) for v in by_turn], "agreement_95": [bootstrap_interval(v) for v in by_turn],
             "kl": [sum(v) / len(v) for v in kls], "contexts": len(measured)}
-
-
-def bootstrap_interval(values: list[float], draws: int = 2000, seed: int = 0) -> list[float]:
-    """The 2.5th and 97.5th percentiles of the mean of ``values`` resampled with replacement ``draws`` times."""
-    rng = random.Random(seed)
-    means = sorted(sum(rng.choice(values) for _ in values) / len(values) for _ in range(draws))
-    return [means[int(0.025 * draws)], means[int(0.975 * draws) - 1]]
 
 
 def plot(summary: dict, path: Path) -> None:
