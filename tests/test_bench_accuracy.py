@@ -190,6 +190,14 @@ def test_question_agnostic_track_asks_every_question_of_one_compressed_context(t
                      max_new_tokens=sample.max_new_tokens)
     asked = next(r for r in records if (r["sample"], r["label"], r["turn"]) == (sample.id, "full", number))
     assert asked["track"] == "agnostic" and asked["prediction"] == alone.text  # as if asked first and alone
+    # every answer measured against the full cache's own, teacher-forced: the full cache follows itself exactly
+    for record in records:
+        assert 0 <= record["top1_agreement"] <= 1 and record["kl"] >= 0
+        if record["label"] == "full":
+            assert record["top1_agreement"] == 1.0 and record["kl"] < 1e-6
+    for row in summarize(records):
+        low, high = row["top1_agreement_95"]
+        assert low <= row["top1_agreement"] <= high
     # independent questions, summed per task
     assert {r["task"] for r in summarize(records)} == {"niah_multikey", "qa_1"}
     with pytest.raises(

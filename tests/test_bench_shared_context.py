@@ -12,10 +12,12 @@ import kvcompress as kvc
 from kvcompress.bench.shared_context import (
     MODES,
     answered,
+    asked,
     kind_of,
     make_sample,
     resolved,
     run_shared_context,
+    said,
     summarize,
 )
 from kvcompress.cli import main
@@ -94,3 +96,18 @@ def test_bad_settings_are_refused_before_any_work(flags, message, tmp_path, caps
     assert main(["bench", "shared-context", "--out", str(tmp_path / "out"), *flags]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and re.search(message, err) and not (tmp_path / "out").exists()
+
+
+def test_a_model_without_a_chat_template_is_asked_in_plain_text(tmp_path):
+    """A base model (Gemma 3 270M) has no chat template: the context is plain text, each question cued
+    ("Question: ... Answer:"), and an answer, which runs on, is scored on its first line."""
+    tok = char_tokenizer()
+    tok.chat_template = None
+    sample = make_sample(tok, 300, seed=1, facts=2, haystack="prose")
+    assert all(q.startswith("\nQuestion: What is the code") and q.endswith("\nAnswer:") for q in asked(tok, sample)[:2])
+    assert said(tok, " 4817.\nQuestion: What is 1234") == "4817." and answered(said(tok, " 12.\n4817"), "4817") == 0
+    model = tiny_model(max_position_embeddings=2048)
+    run_shared_context(model, tok, ["full", "snapkv:window=8:budget=48"], [300], 1, 2, 1 / 16, str(tmp_path),
+                       max_new_tokens=4, haystack="prose")
+    rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert len(rows) == 4 and all(r["agreement"] == [1.0] * len(r["scores"]) for r in rows if r["method"] == "full")

@@ -28,9 +28,11 @@ from pathlib import Path
 from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from ..generation.conversation import as_asked, user_prompt
 from ..generation.generate import QUERY_WINDOW, Result, compress, generate, prefill, teacher_forced_logprobs
 from ..methods import BudgetMethod, FullKV, Method, method_class, method_from_spec
-from .metrics import fidelity, score, string_match_any
+from .agreement import FullAnswers, agreement
+from .metrics import bootstrap_interval, fidelity, score, string_match_any
 from .tasks import DEPTH_GRID_TASKS, HAYSTACK_TASKS, TASKS, Sample, Turn
 
 PRESETS: dict[str, dict] = {
@@ -146,7 +148,7 @@ def _resume(path: Path, track: str) -> set[tuple[str, str]]:
 def _turns(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, sample: Sample, first: Result) -> list[Result]:
     results = [first]
     for turn in sample.turns[1:]:
-        results.append(generate(model, tokenizer, turn.question, past=results[-1],
+        results.append(generate(model, tokenizer, as_asked(tokenizer, turn.question), past=results[-1],
                                 max_new_tokens=sample.max_new_tokens))
     return results
 
@@ -168,7 +170,7 @@ def _aware_records(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, s
                    window: int | None) -> Iterator[list[dict]]:
     """Question-aware: one prefill of context and question; each config's cache derived from it,
     teacher-forced along the full cache's answer (fidelity), then the follow-up turns."""
-    record = prefill(model, tokenizer, sample.messages(), query_window=window)
+    record = prefill(model, tokenizer, sample.prompt(tokenizer), query_window=window)
     reference = generate(model, tokenizer, method=FullKV(), prefill=record, max_new_tokens=sample.max_new_tokens)
     answer_tokens = reference.token_ids[0] or [tokenizer.eos_token_id]
     reference_logprobs = teacher_forced_logprobs(model, record, FullKV(), answer_tokens)
@@ -192,7 +194,8 @@ def _agnostic_records(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase
     each question compressed over it with the config's method (each answer's own stats recorded)."""
     questions = sample.questions()
     stores: dict[str, Result] = {}  # by the store's description
-    document = [{"role": "user", "content": sample.context}]
+    document = user_prompt(tokenizer, sample.context)
+    full: FullAnswers | None = None  # the full cache's answers, over the context stored whole
     for config in configs:
         if config.store is not None:
             needs_all = any(c.store == config.store and c.method.queries_needed() is None for c in configs)
@@ -202,7 +205,7 @@ def _agnostic_records(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase
                                        query_window=None if needs_all else QUERY_WINDOW)
             context = stores[key]
             results = [
-                generate(model, tokenizer, turn.question, past=context, method=config.method,
+                generate(model, tokenizer, as_asked(tokenizer, turn.question), past=context, method=config.method,
                          max_new_tokens=sample.max_new_tokens) for turn in questions
             ]
             lines = [
@@ -212,18 +215,25 @@ def _agnostic_records(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase
             for line, result in zip(lines, results):
                 line.update(store=config.store.describe(), context_bytes=result.stats["context_bytes"],
                             prefill_s=result.stats["prefill_s"])
+            method = config.method
         else:
             context = compress(model, tokenizer, document, method=config.method)
             results = [
-                generate(model, tokenizer, turn.question, past=context.copy(), max_new_tokens=sample.max_new_tokens)
+                generate(model, tokenizer, as_asked(tokenizer, turn.question), past=context.copy(),
+                         max_new_tokens=sample.max_new_tokens)
                 for turn in questions
             ]
             lines = [
                 _record(sample, config, i, len(questions), turn, result, context)
                 for i, (turn, result) in enumerate(zip(questions, results), start=1)
             ]
-        for line in lines:
-            line["track"] = "agnostic"
+            method = None
+        if full is None:
+            whole = stores.get(FullKV().describe()) or compress(model, tokenizer, document, method=FullKV())
+            full = FullAnswers(model, tokenizer, whole, [as_asked(tokenizer, turn.question) for turn in questions],
+                               sample.max_new_tokens)
+        for line, fidelity_of in zip(lines, agreement(full, method, context=context)):
+            line.update(fidelity_of, track="agnostic")
         yield lines
 
 
@@ -291,6 +301,8 @@ def summarize(records: list[dict]) -> list[dict]:
             "samples": len(group), "score": sum(r["score"] for r in group) / len(group),
             "retained": mine / full_score if full_score else None,
             "top1_agreement": sum(r["top1_agreement"] for r in with_fidelity) / len(with_fidelity)
+            if with_fidelity else None,
+            "top1_agreement_95": bootstrap_interval([r["top1_agreement"] for r in with_fidelity])
             if with_fidelity else None,
             "kl": sum(r["kl"] for r in with_fidelity) / len(with_fidelity) if with_fidelity else None,
             "kv_kept_fraction": mean("kv_kept_fraction"), "device_fraction": mean("device_fraction"),

@@ -303,7 +303,7 @@ def needle_accuracy_by_rank(model: PreTrainedModel, tokenizer: PreTrainedTokeniz
     for rank in ranks:
         scores = [
             score(
-                generate(model, tokenizer, sample.messages(), method=ShadowKV(budget=settings.budget, rank=rank),
+                generate(model, tokenizer, sample.prompt(tokenizer), method=ShadowKV(budget=settings.budget, rank=rank),
                          max_new_tokens=sample.max_new_tokens).text, sample.turns[0].answers, sample.metric)
             for sample in samples
         ]

@@ -40,15 +40,16 @@ from typing import Any
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from ..generation.generate import compress, forced_logprobs, generate
+from ..generation.conversation import as_asked, user_prompt
+from ..generation.generate import compress, generate
 from ..generation.result import Result
 from ..methods import FullKV, Method, method_from_spec
+from .agreement import MODES, FullAnswers, agreement
 from .haystack import fill
-from .metrics import bootstrap_interval, fidelity
+from .metrics import bootstrap_interval
 
 COLORS = ("red", "blue", "green", "yellow", "white", "black", "grey", "brown")
 ANIMALS = ("fox", "owl", "horse", "otter", "crane", "lynx", "heron", "badger")
-MODES = ("multi-request", "multi-turn")
 COMPRESS_ONCE = ("kvzip", "expected")
 DEFAULT_SPECS = "full,snapkv,h2o,snapkv:heads=adaptive,streamingllm,kvzip,expected,first:snapkv"
 
@@ -79,6 +80,17 @@ def make_sample(tokenizer: PreTrainedTokenizerBase, length: int, seed: int, fact
     return Sample(length, seed, context, questions)
 
 
+def asked(tok: PreTrainedTokenizerBase, sample: Sample) -> list[str]:
+    """``sample``'s questions as the model is asked them (``as_asked``: a base model's cued in plain text)."""
+    return [as_asked(tok, question) for question, _ in sample.questions]
+
+
+def said(tok: PreTrainedTokenizerBase, text: str) -> str:
+    """What an answer says: a chat model's whole turn; a base model's first line (it has no end of turn, and runs
+    on into questions of its own)."""
+    return text if tok.chat_template else text.strip().split("\n")[0]
+
+
 def answered(text: str, code: str) -> int:
     """1 when ``text`` gives ``code`` as a whole number ("98837" does not give 9883), else 0."""
     return int(re.search(rf"(?<!\d){code}(?!\d)", text) is not None)
@@ -104,14 +116,13 @@ def ask_all(model: PreTrainedModel, tok: PreTrainedTokenizerBase, sample: Sample
             fraction: float, store: Result, max_new_tokens: int) -> list[str]:
     """Every answer of ``sample``'s questions with ``spec`` in ``mode`` (the last question, which refers to an
     earlier answer, only in a conversation)."""
-    questions = [q for q, _ in sample.questions][: None if mode == "multi-turn" else -1]
+    questions = asked(tok, sample)[: None if mode == "multi-turn" else -1]
     method = resolved(spec, int(store.attention_mask.sum()), fraction)
     kind, answers = kind_of(spec), []
-    messages = [{"role": "user", "content": sample.context}]
     if kind == "once":
-        base = compress(model, tok, messages, method=method)
+        base = compress(model, tok, user_prompt(tok, sample.context), method=method)
     elif kind == "first":
-        first = generate(model, tok, [{"role": "user", "content": sample.context + "\n\n" + questions[0]}],
+        first = generate(model, tok, user_prompt(tok, sample.context + "\n\n" + questions[0]),
                          method=method, max_new_tokens=max_new_tokens)
         answers.append(first.text)
         base, questions = first, questions[1:]
@@ -125,43 +136,6 @@ def ask_all(model: PreTrainedModel, tok: PreTrainedTokenizerBase, sample: Sample
             turn = generate(model, tok, question, past=past, max_new_tokens=max_new_tokens)
         answers.append(turn.text)
     return answers
-
-
-class FullAnswers:
-    """The full cache's answers to a sample's questions over its stored context, in each mode (a conversation's
-    turns each asked over the full cache's conversation so far), with their teacher-forced log-probabilities:
-    the reference a per-question method's agreement is measured against. Computed on first need, once a sample."""
-
-    def __init__(self, model: PreTrainedModel, tok: PreTrainedTokenizerBase, store: Result, questions: list[str],
-                 max_new_tokens: int) -> None:
-        self.model, self.tok, self.store = model, tok, store
-        self.questions, self.max_new_tokens = questions, max_new_tokens
-        self.turns: dict[str, list[tuple[Result, list[int], Any]]] = {}
-
-    def of(self, mode: str) -> list[tuple[Result, list[int], Any]]:
-        """Per turn: the conversation it is asked over, the full cache's answer's tokens and their log-probs."""
-        if mode not in self.turns:
-            turns, past = [], self.store
-            for question in self.questions[: None if mode == "multi-turn" else -1]:
-                answer = generate(self.model, self.tok, question, past=past, method=FullKV(),
-                                  max_new_tokens=self.max_new_tokens)
-                tokens = answer.token_ids[0] or [self.tok.eos_token_id]
-                reference = forced_logprobs(self.model, self.tok, tokens, prompt=question, past=past, method=FullKV())
-                turns.append((past, tokens, reference))
-                past = answer if mode == "multi-turn" else self.store
-            self.turns[mode] = turns
-        return self.turns[mode]
-
-
-def agreement(model: PreTrainedModel, tok: PreTrainedTokenizerBase, full: FullAnswers, method: Method,
-              mode: str) -> list[dict[str, float]]:
-    """Per turn, the full cache's answer teacher-forced under ``method`` (asked over the same conversation): top-1
-    agreement and mean KL from the full cache's next-token distributions."""
-    found = []
-    for (past, tokens, reference), question in zip(full.of(mode), full.questions):
-        forced = forced_logprobs(model, tok, tokens, prompt=question, past=past, method=method)
-        found.append(fidelity(reference, forced))
-    return found
 
 
 def run_shared_context(model: PreTrainedModel, tok: PreTrainedTokenizerBase, specs: list[str], lengths: list[int],
@@ -182,17 +156,18 @@ def run_shared_context(model: PreTrainedModel, tok: PreTrainedTokenizerBase, spe
                     if (length, seed, spec, mode) in done:
                         continue
                     if store is None:  # every prefill query kept: H2O and ExpectedAttention score with them all
-                        store = compress(model, tok, [{"role": "user", "content": sample.context}], method=FullKV(),
+                        store = compress(model, tok, user_prompt(tok, sample.context), method=FullKV(),
                                          query_window=None)
                     answers = ask_all(model, tok, sample, spec, mode, fraction, store, max_new_tokens)
                     row = {"length": length, "seed": seed, "method": spec, "mode": mode,
                            "kind": kind_of(spec), "tokens": int(store.attention_mask.sum()),
-                           "scores": [answered(text, code) for text, (_, code) in zip(answers, sample.questions)],
+                           "scores": [answered(said(tok, text), code)
+                                      for text, (_, code) in zip(answers, sample.questions)],
                            "answers": answers}
                     if kind_of(spec) == "per-question":
-                        full = full or FullAnswers(model, tok, store, [q for q, _ in sample.questions],
-                                                   max_new_tokens)
-                        fidelities = agreement(model, tok, full, resolved(spec, row["tokens"], fraction), mode)
+                        full = full or FullAnswers(model, tok, store, asked(tok, sample), max_new_tokens,
+                                                   requests=len(sample.questions) - 1)
+                        fidelities = agreement(full, resolved(spec, row["tokens"], fraction), mode)
                         row.update(agreement=[f["top1_agreement"] for f in fidelities],
                                    kl=[f["kl"] for f in fidelities])
                     with journal.open("a") as fh:

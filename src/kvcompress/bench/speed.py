@@ -38,6 +38,7 @@ from ..generation.decode import Compile, DecodeState, StepRunner, greedy_step
 from ..generation.feed import PREFILL_TOKENS, prefill_groups
 from ..methods import Method, method_from_spec
 from ..storage import attention
+from ..storage.offload import OverlapTimed
 from ..storage.tensors import synced_clock
 
 # ops that hand a tensor's value to the host
@@ -175,12 +176,12 @@ class Timer:
 
 
 def fetch_overlap_times(layer: KVLayer, timer: Timer, repeats: int = 10) -> dict | None:
-    """For a layer that reads an offload store while decoding (``KVLayer.fetch_overlap``): median ms
+    """For a layer that reads an offload store while decoding (``storage.offload.OverlapTimed``): median ms
     of the store read alone (every selected chunk, no reuse), the work overlapped with it alone
     (ShadowKV: the key rebuild), and both as a decoding step runs them. ``fetch_hidden`` is the share
     of the read's time that overlapping removes from the step, (fetch + work - both) / fetch,
     between 0 and 1; None without a side stream (on a CPU both run in order: any difference is noise)."""
-    probe = layer.fetch_overlap()
+    probe = layer.fetch_overlap() if isinstance(layer, OverlapTimed) else None
     if probe is None:
         return None
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Any, ClassVar, NamedTuple, cast
+from typing import Any, ClassVar, cast
 
 import torch
 from transformers.cache_utils import DynamicLayer
@@ -67,16 +67,6 @@ def _refuse_replacing(name: str) -> Callable[[Any, Any], None]:
         if value is not None:  # transformers' base class starts every layer with None
             raise CacheMisuseError(f"kvcompress: a layer's {name} are views of its storage (layer.slots)")
     return refuse
-
-
-class OverlapProbe(NamedTuple):
-    """Parts of a decoding step the speed benchmark times: a read from an offload store alone, the
-    work the step overlaps with it alone, and both as the step runs them (``concurrent``: on a side stream)."""
-
-    fetch: Callable[[], Any]
-    work: Callable[[], Any]
-    both: Callable[[], Any]
-    concurrent: bool
 
 
 class KVLayer(DynamicLayer):
@@ -321,10 +311,6 @@ class KVLayer(DynamicLayer):
 
     def uncapturable(self) -> str | None:
         return None  # why this layer's decoding step cannot be one compiled graph (None: it can)
-
-    def fetch_overlap(self) -> OverlapProbe | None:
-        """For layers that read an offload store while decoding: the parts to time. Default: None."""
-        return None
 
     def full_tokens(self) -> int:
         return self.seen_tokens  # tokens per KV head an uncompressed cache would hold for this layer

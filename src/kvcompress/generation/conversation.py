@@ -63,6 +63,18 @@ def render(tokenizer: PreTrainedTokenizerBase, messages: Messages) -> str:
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
+def user_prompt(tokenizer: PreTrainedTokenizerBase, text: str) -> Prompt:
+    """``text`` as a user's message where the tokenizer has a chat template; as plain text where it has none (a base
+    model, e.g. Gemma 3 270M, whose questions ``as_asked`` cues)."""
+    return [{"role": "user", "content": text}] if tokenizer.chat_template else text
+
+
+def as_asked(tokenizer: PreTrainedTokenizerBase, question: str) -> str:
+    """A question as a user asks it: itself in a chat; in plain text ``Question: ...`` and an ``Answer:`` cue on a
+    line of its own (a base model continues text: the cue is what makes its next tokens the answer)."""
+    return question if tokenizer.chat_template else f"\nQuestion: {question}\nAnswer:"
+
+
 CHAT_SEPARATOR, RAW_SEPARATOR = "\n\n", "\n"  # what joins a context and its question (chat message / raw text)
 
 

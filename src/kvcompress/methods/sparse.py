@@ -23,10 +23,10 @@ import torch
 
 from ..cache.held import counted_bytes, hold
 from ..cache.intake import StoredPrompt
-from ..cache.layer import KVLayer, OverlapProbe, batch_prompt_tokens
+from ..cache.layer import KVLayer, batch_prompt_tokens
 from ..storage.attention import dense_attention
 from ..storage.codec import make_codec, token_bytes
-from ..storage.offload import ChunkStore
+from ..storage.offload import ChunkStore, OverlapProbe
 from ..storage.slots import DenseSlots
 from ..storage.tensors import chunk_tokens, gather_tokens, prompt_positions
 from .base import BudgetMethod, require

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
 
+from ...generation.conversation import Prompt, as_asked, render, user_prompt
 from ..haystack import fill, token_len
 
 ADJECTIVES = (
@@ -50,14 +51,23 @@ class Sample:
         (RULER's multi-query: one compressed context, several questions)."""
         return self.turns + self.probes
 
-    def messages(self) -> list[dict[str, str]]:
-        return [{"role": "user", "content": f"{self.context}\n\n{self.turns[0].question}"}]
+    def prompt(self, tokenizer: PreTrainedTokenizerBase) -> Prompt:
+        """The context and first question as one prompt: the user's message, or plain text for a base model."""
+        return asked_prompt(tokenizer, self.context, self.turns[0].question)
+
+
+def asked_prompt(tokenizer: PreTrainedTokenizerBase, context: str, question: str) -> Prompt:
+    """``context`` then ``question`` as one prompt: one user message (chat), or plain text with the question cued
+    (``conversation.as_asked``: a base model)."""
+    return user_prompt(tokenizer, f"{context}\n\n{as_asked(tokenizer, question)}")
 
 
 def prompt_tokens(tokenizer: PreTrainedTokenizerBase, context: str, question: str) -> int:
-    """Tokens of the whole rendered prompt (chat template included)."""
-    messages = [{"role": "user", "content": f"{context}\n\n{question}"}]
-    return token_len(tokenizer, tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+    """Tokens of the whole prompt (chat template included, where the tokenizer has one)."""
+    prompt = asked_prompt(tokenizer, context, question)
+    if isinstance(prompt, str):
+        return token_len(tokenizer, prompt)
+    return token_len(tokenizer, render(tokenizer, prompt))
 
 
 def fit_haystack(tokenizer: PreTrainedTokenizerBase, length: int, question: str, inserts: list[tuple[float, str]],

