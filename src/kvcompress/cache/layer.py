@@ -27,7 +27,7 @@ from typing import Any, ClassVar, cast
 import torch
 from transformers.cache_utils import DynamicLayer
 
-from ..storage.codec import make_kv_codec
+from ..storage.codec import KVCodec, make_kv_codec
 from ..storage.slots import DenseSlots, RingSlots, Slots
 from ..storage.tensors import prompt_positions, synced_clock
 from . import held
@@ -109,7 +109,7 @@ class KVLayer(DynamicLayer):
         self.device: torch.device | None = None
         self.record_window: int | None | bool = False  # the last prefill queries to record (False: none; None: all)
         self.observes = False  # compression waits for an observation pass (KVCompressCache.observe_first)
-        self.kv_codec: str | None = None  # how tokens are stored once compressed (storage/codec.py; None: as computed)
+        self.kv_codec: KVCodec | None = None  # how tokens are stored once compressed (codec.py; None: as computed)
         held.reset(self)  # every attribute the class declares (hold) at its default
 
     # --- transformers' layer contract -----------------------------------------------------------------------
@@ -291,6 +291,11 @@ class KVLayer(DynamicLayer):
         """Attention of ``query`` over this layer (``keys``/``values`` as ``update`` returned them)."""
         return self.slots.attend(query, keys, values, mask, scaling, softcap)
 
+    def attend_step(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, block: torch.Tensor | None,
+                    scaling: float, softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """A later step's attention: this layer's ``attend`` over its slots (``Slots.step_attention``)."""
+        return self.slots.step_attention(self.attend, query, keys, values, block, scaling, softcap, sinks)
+
     def after_step(self, query: torch.Tensor, scaling: float) -> None:
         """After a later step's tokens are stored (e.g. evict while decoding). Default: nothing."""
 
@@ -389,6 +394,12 @@ def _check_step(layer: KVLayer, key_states: torch.Tensor) -> None:
                                "make a new cache for a new batch")
 
 
+def give_codec(layer: KVLayer, spec: str | None, head_dim: int, dtype: torch.dtype) -> None:
+    """The codec ``spec`` names (``int6+int4``; None: none), built once for ``layer``: its keys coded in the turned
+    basis unless the layer's steps write rows in the model's own (``TURNS_CODES``)."""
+    layer.kv_codec = None if spec is None else make_kv_codec(spec, head_dim, dtype, layer.TURNS_CODES)
+
+
 def expect_prompt(layer: KVLayer, total: int) -> bool:
     """``layer``'s prompt will come in blocks, ``total`` tokens in all (``longprompt.BlockedPrefill``); False: it
     won't (it is not empty, or its prompt comes another way)."""
@@ -407,6 +418,6 @@ def batch_prompt_tokens(layer: KVLayer) -> torch.Tensor:
 def _encode(layer: KVLayer) -> None:
     """From compression on, the layer's storage writes its tokens with the layer's codec (if any)."""
     if layer.kv_codec is not None and layer.slots.codec is None:
-        layer.slots.encode_with(make_kv_codec(layer.kv_codec, layer.keys.shape[-1], layer.dtype, layer.TURNS_CODES))
+        layer.slots.encode_with(layer.kv_codec)
 
 

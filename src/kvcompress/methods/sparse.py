@@ -25,7 +25,7 @@ from ..cache.held import counted_bytes, hold
 from ..cache.intake import StoredPrompt
 from ..cache.layer import KVLayer, batch_prompt_tokens
 from ..storage.attention import dense_attention
-from ..storage.codec import make_codec, token_bytes
+from ..storage.codec import token_bytes
 from ..storage.offload import ChunkStore, OverlapProbe
 from ..storage.slots import DenseSlots
 from ..storage.tensors import chunk_tokens, gather_tokens, prompt_positions
@@ -176,7 +176,7 @@ class SparseDecodeLayer(KVLayer):
                 values, tokens), token_valid, tokens.masked_fill(~token_valid[:, None, :], -1)))
         dense_keys, dense_values, valid, positions = (
             torch.cat(column, dim=-2 if i < 2 else -1) for i, column in enumerate(zip(*parts)))
-        codec = None if self.kv_codec is None else make_codec(self.kv_codec, keys.shape[-1], keys.dtype)
+        codec = None if self.kv_codec is None else self.kv_codec.keys  # (one codec for keys and values: validate)
         self.store = ChunkStore(self.stored_chunks(keys, values), self.offloads, codec)
         per_step = torch.div(self.method.step_tokens(lengths), self.unit, rounding_mode="floor").clamp(min=1)
         self.step_chunks = torch.minimum(per_step, counts)

@@ -33,11 +33,10 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from ...cache.errors import CacheMisuseError, UnsupportedModelError
 from ...cache.kv_cache import KVCompressCache, LayerFactory, cache_argument
-from ...cache.layer import KVLayer, WindowLayer, take_announced
+from ...cache.layer import KVLayer, WindowLayer, give_codec, take_announced
 from ...cache.tokens import TokenSpans, spans_for
 from ...storage import attention
 from ...storage.attention import dense_attention
-from ...storage.codec import attended_pair, into_basis, out_of_basis
 from . import longprompt
 from .longprompt import LazyMask, block_prefills, chunk_mlps, lazy_sdpa_mask
 
@@ -111,7 +110,7 @@ def make_cache(method: LayerFactory, model: PreTrainedModel,
     for index, (module, window) in enumerate(zip(attention_modules(model), layer_windows(model))):
         layer = WindowLayer(index, window) if window is not None else method.make_layer(index, model)
         layer.module_id, layer.sinks = id(module), getattr(module, "sinks", None)
-        layer.kv_codec = method.kv_codec()
+        give_codec(layer, method.kv_codec(), module.head_dim, model.dtype)
         layers.append(layer)
     return KVCompressCache(method, layers, model, spans=spans_for(tokenizer) if tokenizer is not None else None)
 
@@ -399,17 +398,8 @@ def kvcompress_attention(
                 *blocks_with_lse(query, key, value, attention_mask, sliding_window, scaling, softcap), sinks)
         else:
             out = attend_prompt(layer, query, key, value, attention_mask, sliding_window, scaling, softcap)
-    else:
+    else:  # a later step over the layer's slots
         block = new_block(attention_mask, q_len, sliding_window) if q_len > 1 else None  # one query sees itself
-        mask = layer.slots.visibility(block, q_len)
-        turned = into_basis(layer.slots.codec, query)  # coded slots may be read in a turned basis (storage/codec.py)
-        # the layer attends its slots (Method.attends_slots): the same attention, and its normaliser
-        if sinks is not None:
-            key, value = attended_pair(layer.slots.codec, key, value)
-            out = attention.with_sinks(*attention.spelled_out_with_lse(turned, key, value, mask, scaling, softcap),
-                                       sinks)
-        else:
-            out = layer.attend(turned, key, value, mask, scaling, softcap)
-        out = out_of_basis(layer.slots.codec, out)
+        out = layer.attend_step(query, key, value, block, scaling, softcap, sinks)
     layer.commit(query, new_valid, scaling, lse)
     return out.transpose(1, 2).contiguous(), None
