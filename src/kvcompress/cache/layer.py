@@ -28,7 +28,7 @@ import torch
 from transformers.cache_utils import DynamicLayer
 
 from ..storage.codec import KVCodec, make_kv_codec
-from ..storage.slots import DenseSlots, RingSlots, Slots
+from ..storage.slots import DenseSlots, RingSlots, Slots, step_attention
 from ..storage.tensors import prompt_positions, synced_clock
 from . import held
 from .errors import CacheMisuseError, UnsupportedModelError
@@ -83,7 +83,6 @@ class KVLayer(DynamicLayer):
     sinks: torch.Tensor | None = hold(saved=False)  # [q_heads]: learned sink logits (gpt-oss), set by make_cache
     LAYOUTS: ClassVar[tuple[type[Slots], ...]] = ()  # storage a subclass may swap its slots for (saved under NAME)
     TURNS_CODES: ClassVar[bool] = True  # integer codes of Hadamard-turned vectors (storage/codec.py)
-    READS_CODES: ClassVar[bool] = True  # steps attend through slots.attend, which may read codes (Slots.reads_codes)
 
     # The storage as the layer's callers read it (SlotView: keys/values as attention gets them, validity, ...).
     keys = property(lambda self: self.slots.view().keys, _refuse_replacing("keys"))
@@ -126,7 +125,7 @@ class KVLayer(DynamicLayer):
                 self.prepare_step(key_states.shape[-2])
                 self.slots.make_room(key_states.shape[-2])
             self.slots.write(key_states, value_states)
-            keys, values = self.slots.view(decoded=not (self.READS_CODES and self.slots.reads_codes(key_states)))[:2]
+            keys, values = self.slots.view(decoded=not self.slots.reads_codes(key_states))[:2]  # (attend decodes)
         elif self.phase is Phase.OBSERVING:
             keys, values = self.observation.take((self.keys, self.values), key_states, value_states)
         elif self.phase is Phase.AWAITING_PASS:
@@ -288,13 +287,14 @@ class KVLayer(DynamicLayer):
 
     def attend(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
                scaling: float, softcap: float | None = None) -> torch.Tensor:
-        """Attention of ``query`` over this layer (``keys``/``values`` as ``update`` returned them)."""
+        """Attention of ``query`` over this layer (``keys``/``values`` as ``update`` returned them, coded where the
+        storage reads codes: an override decodes them first, ``codec.attended_pair``)."""
         return self.slots.attend(query, keys, values, mask, scaling, softcap)
 
     def attend_step(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, block: torch.Tensor | None,
                     scaling: float, softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
-        """A later step's attention: this layer's ``attend`` over its slots (``Slots.step_attention``)."""
-        return self.slots.step_attention(self.attend, query, keys, values, block, scaling, softcap, sinks)
+        """A later step's attention: this layer's ``attend`` over its slots (``slots.step_attention``)."""
+        return step_attention(self.slots, self.attend, query, keys, values, block, scaling, softcap, sinks)
 
     def after_step(self, query: torch.Tensor, scaling: float) -> None:
         """After a later step's tokens are stored (e.g. evict while decoding). Default: nothing."""

@@ -22,6 +22,7 @@ import torch
 
 from ..cache.held import hold
 from ..storage.attention import group_mask, grouped_logits, key_probabilities
+from ..storage.codec import attended_pair
 from ..storage.slots import CappedSlots
 from ..storage.tensors import gather_tokens
 from .base import check_reserved, param, require
@@ -137,8 +138,6 @@ class H2OLayer(EvictionLayer):
     slots, tokens of rows that finished) score lowest, and ties are broken by slot order, so every
     KV head of a row evicts the same padding slots and slot validity stays per row."""
 
-    READS_CODES = False  # a step computes its own attention weights (attend) from decoded keys
-
     method: H2O
     slots: CappedSlots
     next_position: torch.Tensor | None = hold(rows=True)  # [batch]: the position of each row's next token
@@ -169,6 +168,7 @@ class H2OLayer(EvictionLayer):
                scaling: float, softcap: float | None = None) -> torch.Tensor:
         if self.is_prefill:
             return super().attend(query, keys, values, mask, scaling, softcap)
+        keys, values = attended_pair(self.slots.codec, keys, values)  # its own weights, from decoded keys
         batch, q_heads, q_len, dim = query.shape
         kv_heads, slots = keys.shape[1], keys.shape[-2]
         logits = grouped_logits(query, keys, scaling).view(batch, kv_heads, -1, slots)

@@ -25,7 +25,7 @@ from ..cache.held import counted_bytes, hold
 from ..cache.intake import StoredPrompt
 from ..cache.layer import KVLayer, batch_prompt_tokens
 from ..storage.attention import dense_attention
-from ..storage.codec import token_bytes
+from ..storage.codec import attended_pair, token_bytes
 from ..storage.offload import ChunkStore, OverlapProbe
 from ..storage.slots import DenseSlots
 from ..storage.tensors import chunk_tokens, gather_tokens, prompt_positions
@@ -77,7 +77,6 @@ class SparseDecodeLayer(KVLayer):
     method: SparseMethod
     slots: DenseSlots
     TURNS_CODES = False  # a step's front slots take keys gathered or rebuilt in the model's basis
-    READS_CODES = False  # and are written into the decoded view
     store: ChunkStore | None = hold(rows=True, kind=ChunkStore)  # region chunks [b, h, n, unit, d'] (stored_chunks)
     selectable: torch.Tensor | None = hold(rows=True, counted=True)  # [b, h, n]: chunk may be selected
     unselectable: torch.Tensor | None = hold(rows=True, counted=True)  # ~selectable, kept for the step
@@ -210,6 +209,7 @@ class SparseDecodeLayer(KVLayer):
             return super().attend(query, keys, values, mask, scaling, softcap)
         chosen, counted = self.select(query, scaling)
         selected_keys, selected_values = self.selected_kv(chosen)
+        keys, values = attended_pair(self.slots.codec, keys, values)  # the front slots take rows decoded
         keys.index_copy_(2, self.front_slots, selected_keys)
         values.index_copy_(2, self.front_slots, selected_values)
         if counted is not None:  # some gathered chunks do not count: the front slots get a mask per head

@@ -302,7 +302,6 @@ class KVCompressCPUImpl(CPUAttentionBackendImpl):
         if attn_metadata is None or kv_cache.numel() == 0:
             return output
         starts = attn_metadata.query_start_loc.tolist()
-        read_back: dict[tuple[int, ...], tuple[torch.Tensor, ...]] = {}  # a cached prompt read once a step (by blocks)
         for row, request in enumerate(ROWS[: len(starts) - 1]):
             if request is None or request in REMAPPED or STEP[request].computed >= STEP[request].prompt:  # decoding
                 continue
@@ -328,11 +327,7 @@ class KVCompressCPUImpl(CPUAttentionBackendImpl):
             if not compressing or info.area is None:  # (no area: the scheduler found no room, docs/vllm.md)
                 continue
             if began > 0:  # the prompt before this prefill began, a prefix-cache hit: read back from the pool
-                blocks = attn_metadata.block_table[row, : -(-began // kv_cache.shape[2])]
-                shared = (began, *blocks.tolist())  # questions over one document: its blocks read back once
-                if shared not in read_back:
-                    read_back[shared] = read_prompt(kv_cache, blocks, began, layer.isa)
-                cached = read_back[shared]
+                cached = read_prompt(kv_cache, attn_metadata.block_table[row], began, layer.isa)
                 keys, values = torch.cat([cached[0], keys]), torch.cat([cached[1], values])
             area = torch.tensor(info.area, dtype=torch.int32)
             kept = self.compress(layer, request, method, queries, keys, values, kv_cache, area,

@@ -144,19 +144,6 @@ class Slots:
         """Attention of ``query`` over the slots (``keys``/``values``: the view, as ``update`` returned it)."""
         raise NotImplementedError
 
-    def step_attention(self, attend: Callable[..., torch.Tensor], query: torch.Tensor, keys: torch.Tensor,
-                       values: torch.Tensor, new_block: torch.Tensor | None, scaling: float,
-                       softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
-        """A later step's attention over the slots by ``attend`` (the layer's: ``Slots.attend``, or a method's own):
-        what each query sees (``visibility``), in the basis the codec decodes keys in, the output turned back
-        (codec.py); with learned sinks (gpt-oss) the same attention spelled out, each sink taking its share."""
-        mask, codec = self.visibility(new_block, query.shape[-2]), self.codec
-        turned = into_basis(codec, query)
-        if sinks is None:
-            return out_of_basis(codec, attend(turned, keys, values, mask, scaling, softcap))
-        out, lse = spelled_out_with_lse(turned, *attended_pair(codec, keys, values), mask, scaling, softcap)
-        return out_of_basis(codec, with_sinks(out, lse, sinks))
-
     def kept_positions(self, prefill_len: int) -> torch.Tensor:
         """Prompt positions held ``[b, h, n]`` ascending per head (-1: filler); the prompt is ``prefill_len`` slots."""
         raise NotImplementedError
@@ -187,6 +174,20 @@ class Slots:
     def load_state_dict(self, state: dict[str, Any], device: torch.device) -> None:
         """Put ``state`` (``state_dict``'s entries in host memory) into this fresh storage on ``device``."""
         raise NotImplementedError
+
+
+def step_attention(slots: Slots, attend: Callable[..., torch.Tensor], query: torch.Tensor, keys: torch.Tensor,
+                   values: torch.Tensor, new_block: torch.Tensor | None, scaling: float, softcap: float | None = None,
+                   sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """A later step's attention over ``slots`` by ``attend`` (the layer's: ``Slots.attend``, or a method's own): what
+    each query sees (``visibility``), in the basis the codec decodes keys in, the output turned back (codec.py);
+    with learned sinks (gpt-oss) the same attention spelled out, each sink taking its share."""
+    mask, codec = slots.visibility(new_block, query.shape[-2]), slots.codec
+    turned = into_basis(codec, query)
+    if sinks is None:
+        return out_of_basis(codec, attend(turned, keys, values, mask, scaling, softcap))
+    out, lse = spelled_out_with_lse(turned, *attended_pair(codec, keys, values), mask, scaling, softcap)
+    return out_of_basis(codec, with_sinks(out, lse, sinks))
 
 
 class DenseSlots(Slots):
