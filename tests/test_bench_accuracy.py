@@ -247,6 +247,18 @@ def test_summarize_pairs_samples_for_retained_accuracy():
     assert rows["full"]["score"] == pytest.approx(0.75)
 
 
+def test_the_agnostic_track_pairs_each_question_with_the_full_caches_answer_to_it():
+    """Several questions of one sample (the question-agnostic track): each method's answer is paired with the full
+    cache's answer to the same question, so the full cache retains exactly 1."""
+    def record(label: str, turn: int, score: float) -> dict:
+        return {"sample": "a", "task": "t", "turn": turn, "turns": 2, "track": "agnostic", "label": label,
+                "method": label, "budget": None, "score": score, "kv_kept_fraction": 1.0}
+
+    records = [record("full", 1, 1.0), record("full", 2, 0.0), record("x", 1, 1.0), record("x", 2, 1.0)]
+    rows = {r["label"]: r for r in summarize(records)}
+    assert rows["full"]["retained"] == 1.0 and rows["x"]["retained"] == pytest.approx(2.0)
+
+
 def test_bring_your_own_dataset(tmp_path, tok):
     path = tmp_path / "mine.jsonl"
     path.write_text(

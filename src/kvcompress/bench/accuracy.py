@@ -286,9 +286,9 @@ def summarize(records: list[dict]) -> list[dict]:
         groups[task_key(record), record["label"]].append(record)
     rows = []
     for (task, label), group in sorted(groups.items()):
-        full = {r["sample"]: r["score"] for r in groups.get((task, "full"), [])}
-        paired = [r for r in group if r["sample"] in full]
-        full_score = sum(full[r["sample"]] for r in paired) / len(paired) if paired else None
+        full = {(r["sample"], r["turn"]): r["score"] for r in groups.get((task, "full"), [])}  # each question's
+        paired = [r for r in group if (r["sample"], r["turn"]) in full]
+        full_score = sum(full[r["sample"], r["turn"]] for r in paired) / len(paired) if paired else None
         mine = sum(r["score"] for r in paired) / len(paired) if paired else None
         with_fidelity = [r for r in group if "kl" in r]
 
