@@ -387,3 +387,22 @@ def test_fp8_alone_is_eight_bits_whether_a_method_is_named_or_a_saved_one_is_kep
     args = build_parser(["chat"]).parse_args(["chat", "--past", "x.kvc", "--kv-format", "fp8"])
     assert method_from_args("snapkv", args) == kvc.SnapKV(kv_bits=8, kv_format="fp8")
     assert method_with_flags(kvc.SnapKV(budget=48), args) == kvc.SnapKV(budget=48, kv_bits=8, kv_format="fp8")
+
+
+def test_a_model_without_a_chat_template_is_fed_plain_text(tmp_path, capsys):
+    """A base model (gemma3-270m) has no chat template: the commands feed it the text as it is, as ``--raw`` does,
+    instead of failing in the template."""
+    base = tmp_path / "base"
+    tiny_model(max_position_embeddings=2048).save_pretrained(base)
+    tokenizer = bpe_tokenizer()
+    tokenizer.chat_template = None
+    tokenizer.save_pretrained(base)
+    prompt = random_text(200, seed=5)
+    code, plain, err = run(capsys, "generate", "--model", base, "--prompt", prompt, "--max-new-tokens", "4", "--json")
+    assert code == 0, err
+    code, raw, _ = run(capsys, "generate", "--model", base, "--prompt", prompt, "--max-new-tokens", "4", "--json",
+                       "--raw")
+    assert code == 0 and json.loads(plain)["text"] == json.loads(raw)["text"]
+    code, _, err = run(capsys, "compress", "--model", base, "--prompt", prompt, "--budget", "16", "--out",
+                       tmp_path / "base.kvc")
+    assert code == 0 and (tmp_path / "base.kvc").is_file(), err

@@ -11,8 +11,10 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from transformers import PreTrainedTokenizerBase
 
 from ..bench import report
+from ..generation.conversation import Prompt, user_prompt
 from ..generation.generate import compress, generate
 from ..generation.result import Result, load, saved_method
 from ..generation.ways_in import check_per_question
@@ -78,6 +80,12 @@ def _past_method(args: argparse.Namespace) -> Method | None:
     return None
 
 
+def _fed(args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase, text: str) -> Prompt:
+    """The text as the model is fed it: raw with ``--raw`` or where the tokenizer has no chat template (a base model,
+    e.g. gemma3-270m), else the user's message in the template."""
+    return text if args.raw else user_prompt(tokenizer, text)
+
+
 def _check_raw(args: argparse.Namespace, past: Result) -> None:
     """``--raw`` over a ``--past`` file in the chat template is refused (a question takes the file's format)."""
     if args.raw and any(row.chat for row in past.rows):
@@ -119,7 +127,7 @@ def _cmd_generate(args: argparse.Namespace, console: Console) -> int:
         prompt, question = prompt_of(args), _question_of(args)
         method = method_from_args(args.method or DEFAULT_METHODS["generate"], args)
         model, tokenizer = load_model(args.model)
-        messages = prompt if args.raw else [{"role": "user", "content": prompt}]
+        messages = _fed(args, tokenizer, prompt)
         with contextlib.nullcontext() if quiet else console.status(f"generating with {method.describe()}"):
             result = generate(model, tokenizer, messages, method=method, question=question,
                               streamer=_streamer(args, tokenizer), **options)
@@ -183,8 +191,7 @@ def _cmd_chat(args: argparse.Namespace, console: Console) -> int:
         if not document.strip():
             raise InvalidParameterError(f"--prompt-file {args.prompt_file} is empty; give the document to talk about")
         with console.status("storing the document"):
-            opened = compress(model, tokenizer, document if args.raw else [{"role": "user", "content": document}],
-                              method=FullKV())
+            opened = compress(model, tokenizer, _fed(args, tokenizer, document), method=FullKV())
     sampling = {"temperature": args.temperature, "top_p": args.top_p, "seed": args.seed}
     return chat(model, tokenizer, opened, method, args.max_new_tokens, sampling)
 
@@ -210,8 +217,7 @@ def _cmd_compress(args: argparse.Namespace, console: Console) -> int:
     method = method_from_args(args.method or DEFAULT_METHODS["compress"], args)
     model, tokenizer = load_model(args.model)
     with console.status(f"compressing with {method.describe()}"):
-        result = compress(model, tokenizer, prompt if args.raw else [{"role": "user", "content": prompt}],
-                          method=method)
+        result = compress(model, tokenizer, _fed(args, tokenizer, prompt), method=method)
         result.save(args.out)
     console.print(report.compressed(args.out, Path(args.out).stat().st_size, result.stats), soft_wrap=True)
     return 0
