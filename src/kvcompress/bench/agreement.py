@@ -53,7 +53,9 @@ def agreement(full: FullAnswers, method: Method | None, mode: str = "multi-reque
     next-token distributions."""
     found = []
     for (past, tokens, reference), question in zip(full.of(mode), full.questions):
-        over = past if context is None else context if method is not None else context.copy()
+        over = past if context is None else context
+        if method is None:  # appended: a follow-up writes to the cache it continues
+            over = over.copy()
         forced = forced_logprobs(full.model, full.tok, tokens, prompt=question, method=method, past=over)
         found.append(fidelity(reference, forced))
     return found

@@ -11,7 +11,7 @@ import sys
 
 from rich.console import Console
 
-from ..integrations.transformers.models import DEFAULT_MODEL, EMBEDDED, fetch_model
+from ..integrations.transformers.models import model_path
 from ..io.wheels import NotFetchedError
 from ..serving.settings import (
     ENGINE_ENV,
@@ -50,7 +50,7 @@ def add_command(sub: argparse._SubParsersAction, chosen: str | None) -> None:
 def _cmd_serve(args: argparse.Namespace, console: Console) -> int:
     pool = flag_value(args.vllm_flags, ("--kv-cache-dtype",))
     method = check_servable(method_from_args(args.method or DEFAULT_METHODS["serve"], args), pool)
-    model = str(fetch_model(args.model or DEFAULT_MODEL)) if args.model in (None, *EMBEDDED) else args.model
+    model = model_path(args.model)
     config = model_config(model)
     scorable(method, config)  # the model's family, refused before vLLM loads
     check_pool(pool, config)

@@ -131,6 +131,12 @@ def fetch_model(name: str = DEFAULT_MODEL) -> Path:
     return target
 
 
+def model_path(name: str | None) -> str:
+    """Where ``name`` loads from: an embedded model's folder (None: the default), fetched once; else ``name`` as
+    given (a folder, or anything ``from_pretrained`` accepts)."""
+    return str(fetch_model(name or DEFAULT_MODEL)) if name is None or name in EMBEDDED else name
+
+
 def load_model(
     name: str | None = None,
     *,
@@ -147,7 +153,7 @@ def load_model(
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    path = str(fetch_model(name or DEFAULT_MODEL)) if name is None or name in EMBEDDED else name
+    path = model_path(name)
     local = Path(path).expanduser()
     if not local.exists() and path in ARCHITECTURES:
         raise ModelNotAvailableError(
