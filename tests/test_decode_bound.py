@@ -37,10 +37,10 @@ def endless_model():
     return model, tok
 
 
-def snapkv_reference(keys, queries, valid, scaling, budget, kernel):
+def snapkv_reference(keys, queries, valid, scaling, budget, kernel, votes):
     """SnapKV's selection (Sec. 4, Listing 1) with the last ``W`` steps as its observation window, written apart from
     the library for one row: the window's softmax attention over the held keys (causal inside the window), summed
-    over the window on the tokens before it, max-pooled over ``kernel`` neighbours, averaged over each KV head's
+    over the window on the tokens before it (``votes="max"``: its largest there), max-pooled over ``kernel`` neighbours, averaged over each KV head's
     query heads; each head keeps its ``budget - W`` best tokens before the window (ties: the earlier) and the
     window. Returns the kept slot indices per head (sets)."""
     kv_heads, n, _ = keys.shape
@@ -50,8 +50,9 @@ def snapkv_reference(keys, queries, valid, scaling, budget, kernel):
     n = keys.shape[1]
     logits = torch.einsum("hwd,hnd->hwn", queries.double(), keys.repeat_interleave(group, dim=0)) * scaling
     future = torch.arange(n)[None, :] > torch.arange(n - window, n)[:, None]
-    votes = logits.masked_fill(future, -math.inf).softmax(dim=-1)[..., : n - window].sum(dim=1)
-    pooled = F.max_pool1d(votes[:, None], kernel, stride=1, padding=kernel // 2)[:, 0]
+    attention = logits.masked_fill(future, -math.inf).softmax(dim=-1)[..., : n - window]
+    voted = attention.sum(dim=1) if votes == "sum" else attention.amax(dim=1)
+    pooled = F.max_pool1d(voted[:, None], kernel, stride=1, padding=kernel // 2)[:, 0]
     per_head = pooled.view(kv_heads, group, -1).mean(dim=1)
     real = valid.nonzero()[:, 0]
     kept = []
@@ -62,10 +63,11 @@ def snapkv_reference(keys, queries, valid, scaling, budget, kernel):
     return kept
 
 
-def test_a_reselection_keeps_what_snapkv_with_the_last_steps_as_its_window_keeps(monkeypatch):
+@pytest.mark.parametrize("votes", ["sum", "max"])
+def test_a_reselection_keeps_what_snapkv_with_the_last_steps_as_its_window_keeps(monkeypatch, votes):
     """Every re-selection of every layer, checked against the paper's selection computed apart from the library."""
     model, tok = tiny_model(), char_tokenizer()
-    method = kvc.SnapKV(budget=64, window=8, kernel=5, clustering="pool", decode_budget=40, every=12)
+    method = kvc.SnapKV(budget=64, window=8, kernel=5, clustering="pool", decode_budget=40, every=12, votes=votes)
     checked = []
     reselect = BoundedLayer.reselect
 
@@ -73,7 +75,7 @@ def test_a_reselection_keeps_what_snapkv_with_the_last_steps_as_its_window_keeps
         held = layer.held_tokens()
         before = held.positions[0].clone()
         expected = snapkv_reference(held.keys[0], layer.window_queries[0], held.valid[0], layer.scaling,
-                                    layer.bound, method.kernel)
+                                    layer.bound, method.kernel, votes)
         reselect(layer, over)
         after = layer.slots.held_positions()[0]
         for head in range(after.shape[0]):

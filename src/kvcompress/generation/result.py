@@ -243,8 +243,9 @@ def saved_method(path: str | Path) -> Method:
 
 
 def _method(meta: dict[str, Any]) -> Method:
-    """The method a file's metadata names, with its settings."""
-    return METHODS[meta["method"]["name"]](**meta["method"]["fields"])
+    """The method a file's metadata names, with its settings (a setting the file predates: what it meant then)."""
+    cls = METHODS[meta["method"]["name"]]
+    return cls(**{**cls.unrecorded_meant, **meta["method"]["fields"]})
 
 
 def load(path: str | Path, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None = None) -> Result:

@@ -188,6 +188,9 @@ class Method:
     # at the end of its prefill, by scores of each position and KV head computed from the prefill itself
     not_served: ClassVar[str | None] = "it is not one of the methods scored from the prefill"
     keys_apart: ClassVar[bool] = True  # its storage may code keys with another codec than values (key_bits)
+    # a field whose default changed: the value it had in a saved file written before the field existed (which
+    # does not record it), so the file decodes as it did when written (generation/result.py)
+    unrecorded_meant: ClassVar[dict[str, Any]] = {}
     kv_bits: int = param(
         16, "bits per stored key and value element once the prompt is compressed: 16 (the model's own precision), "
         "8 or 4 (codes with scales; at 4 the keys take 6 unless key_bits says otherwise, docs/quantization.md)",
