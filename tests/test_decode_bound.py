@@ -40,9 +40,9 @@ def endless_model():
 def snapkv_reference(keys, queries, valid, scaling, budget, kernel, votes):
     """SnapKV's selection (Sec. 4, Listing 1) with the last ``W`` steps as its observation window, written apart from
     the library for one row: the window's softmax attention over the held keys (causal inside the window), summed
-    over the window on the tokens before it (``votes="max"``: its largest there), max-pooled over ``kernel`` neighbours, averaged over each KV head's
-    query heads; each head keeps its ``budget - W`` best tokens before the window (ties: the earlier) and the
-    window. Returns the kept slot indices per head (sets)."""
+    over the window on the tokens before it (``votes="max"``: its largest there), max-pooled over ``kernel``
+    neighbours, averaged over each KV head's query heads; each head keeps its ``budget - W`` best tokens before the
+    window (ties: the earlier) and the window. Returns the kept slot indices per head (sets)."""
     kv_heads, n, _ = keys.shape
     q_heads, window, _ = queries.shape
     group = q_heads // kv_heads
