@@ -66,7 +66,7 @@ def test_every_tensor_a_methods_layer_holds_is_declared(spec):
                           method=method_from_spec(spec), max_new_tokens=4)
     for layer in result.cache.layers:
         assert undeclared(layer) == [], f"{type(layer).__name__} holds undeclared tensors"
-        assert layer.phase is Phase.DECODING and not layer.step_open
+        assert layer.phase is Phase.DECODING and layer.open_step is None
 
 
 class _Toy(KVLayer):

@@ -74,7 +74,7 @@ def save(layer: Any) -> dict[str, Any]:
     """The layer's saved entries: its storage's, an empty marker for each layout it may swap to and does not hold,
     then every saved attribute (a held object's entries nested under its name). Only a layer at rest (its prompt
     compressed, no step half done) is saved."""
-    if layer.phase is not Phase.DECODING or layer.step_open:
+    if layer.phase is not Phase.DECODING or layer.open_step is not None:
         raise CacheMisuseError(
             "kvcompress: a cache can be saved once its prompt is prefilled and compressed, not during a step (layer "
             f"{layer.layer_idx} is {layer.phase.value})")

@@ -7,8 +7,9 @@ uncompressed layer's defaults here, as transformers' cache layers are a few abst
 its storage is declared once, in the class body (``hold``, held.py), and saving, loading, batch operations, joining
 groups and moving derive from that declaration.
 
-transformers calls ``update`` (a step's keys and values) and the attention function then calls ``commit``; both
-dispatch once on the phase. ``get_seq_length`` is the *logical* length (prompt + appended tokens, padding included),
+transformers calls ``update`` (a step's keys and values), which looks up the step its phase calls for once
+(steps.py: the prompt's, the observation pass's, a later step's); the attention function then calls that step's
+``attend`` and the layer's ``commit``, which closes the step and commits it. ``get_seq_length`` is the *logical* length (prompt + appended tokens, padding included),
 so transformers keeps assigning RoPE positions and slicing generate inputs from the true length.
 
 The prompt is held as the prefill computed it; from the first later step on, the slots live in buffers of a fixed
@@ -28,7 +29,7 @@ import torch
 from transformers.cache_utils import DynamicLayer
 
 from ..storage.codec import KVCodec, make_kv_codec
-from ..storage.slots import DenseSlots, RingSlots, Slots, step_attention
+from ..storage.slots import DenseSlots, RingSlots, Slots
 from ..storage.tensors import prompt_positions, synced_clock
 from . import held
 from .errors import CacheMisuseError, UnsupportedModelError
@@ -42,14 +43,13 @@ from .intake import (
     PromptRecord,
     StoredPrompt,
     left_padded,
-    queries_to_keep,
     recorded_prompt,
 )
 from .phase import Phase, moved
+from .steps import STEP_OF, Step
 
 _announced = threading.local()
 _PROMPT = (Phase.EMPTY, Phase.PROMPT)
-_STEPS = (Phase.DECODING, Phase.CONTINUING)
 
 
 def take_announced() -> tuple[KVLayer | None, torch.Tensor | None]:
@@ -93,7 +93,6 @@ class KVLayer(DynamicLayer):
     used = property(lambda self: self.slots.used)
     seen_tokens = property(lambda self: self.slots.seen)  # the logical length: every token fed, padding included
     is_prefill = property(lambda self: self.phase in _PROMPT, doc="The prompt is coming in (not compressed yet).")
-    observing = property(lambda self: self.phase is Phase.OBSERVING, doc="The observation pass is running.")
 
     def __init__(self, layer_idx: int, slots: Slots | None = None) -> None:
         self.slots: Slots = DenseSlots() if slots is None else slots  # before the base class sets keys and values
@@ -102,7 +101,7 @@ class KVLayer(DynamicLayer):
         self.phase = Phase.EMPTY
         self.intake: Intake = OneForward()  # how the prompt comes in (intake.py)
         self.observation: ObservationPass | None = None  # the pass compression waits for (AWAITING_PASS, OBSERVING)
-        self.step_open = False  # update ran, its attention has not committed yet
+        self.open_step: Step | None = None  # the step update took, until its attention commits (steps.py)
         self.module_id: int | None = None  # id() of the attention module this layer serves (make_cache sets it)
         self.dtype: torch.dtype | None = None
         self.device: torch.device | None = None
@@ -119,23 +118,11 @@ class KVLayer(DynamicLayer):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor,
                *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step its phase calls for (steps.py) takes the new keys and values; it stays open until ``commit``."""
         _check_step(self, key_states)
-        if self.phase in _STEPS:
-            if not torch.compiler.is_compiling():  # a compiled step's loop made the room before it
-                self.prepare_step(key_states.shape[-2])
-                self.slots.make_room(key_states.shape[-2])
-            self.slots.write(key_states, value_states)
-            keys, values = self.slots.view(decoded=not self.slots.reads_codes(key_states))[:2]  # (attend decodes)
-        elif self.phase is Phase.OBSERVING:
-            keys, values = self.observation.take((self.keys, self.values), key_states, value_states)
-        elif self.phase is Phase.AWAITING_PASS:
-            raise CacheMisuseError(_PASS_NOT_RUN)
-        else:
-            if self.phase is Phase.EMPTY:
-                self.lazy_initialization(key_states, value_states)
-                self.phase = moved(self.layer_idx, self.phase, Phase.PROMPT, "a prompt's first tokens")
-            keys, values = self.intake.take(cast(DenseSlots, self.slots), key_states, value_states)
-        self.step_open = True
+        step = STEP_OF[self.phase]
+        keys, values = step.take(self, key_states, value_states)
+        self.open_step = step
         _announced.layer, _announced.keys = self, keys
         return keys, values
 
@@ -163,31 +150,12 @@ class KVLayer(DynamicLayer):
 
     def commit(self, query: torch.Tensor, new_valid: torch.Tensor | None, scaling: float,
                lse: torch.Tensor | None = None) -> None:
-        """After a step's attention: which new tokens are real (``new_valid [b, q]``; None: all); once the whole
-        prompt has come, compress it. ``lse``: an observation step's log-normalisers (``observe``)."""
-        self.step_open = False
-        if self.phase is Phase.OBSERVING:
-            keys, valid = self.observation.step(query, new_valid, self.slot_validity())
-            self.observe(query, keys, valid, scaling, lse, self.observation.context)
-            return
-        if not torch.compiler.is_compiling():  # a compiled step's loop moves them after the step (cache.advance)
-            self.advance(query.shape[-2])
-        if self.phase is Phase.PROMPT:
-            keep = queries_to_keep(self.queries_needed(), self.record_window)
-            record = self.intake.commit(cast(DenseSlots, self.slots), query, new_valid, scaling, keep)
-            if record is not None:
-                self._end_prompt(record)
-            return
-        if new_valid is not None:  # written without asking the device whether all are real: that would synchronize
-            self.slots.mark_padding(new_valid)
-        if self.phase is Phase.CONTINUING:  # a window continuing a stored context: this step ends its prompt
-            self.prefill_len += query.shape[-2]
-            self.prompt_tokens = self.prompt_tokens + (query.shape[-2] if new_valid is None else new_valid.sum(-1))
-            self.phase = moved(self.layer_idx, self.phase, Phase.DECODING, "the stored window's prompt ended")
-        self.after_step(query, scaling)
-        self.slots.close_step(query.shape[-2])
+        """After the open step's attention (``new_valid [b, q]``: which new tokens are real; None: all; ``lse``: an
+        observation step's log-normalisers): the step is closed and commits (steps.py)."""
+        step, self.open_step = self.open_step, None
+        step.commit(self, query, new_valid, scaling, lse)
 
-    def _end_prompt(self, record: PromptRecord) -> None:
+    def end_prompt(self, record: PromptRecord) -> None:
         """The whole prompt is held: its validity, lengths and recorded queries; then compress, or wait for a pass."""
         slots = cast(DenseSlots, self.slots)  # a prompt comes into dense slots
         if record.valid is not None and not bool(record.valid.all()):
@@ -238,7 +206,7 @@ class KVLayer(DynamicLayer):
         record = recorded_prompt(source, cast(DenseSlots, self.slots))
         self.spans = source.spans
         self.phase = moved(self.layer_idx, self.phase, Phase.PROMPT, "a prefill record")
-        self._end_prompt(record)
+        self.end_prompt(record)
 
     def stored_prompt(self) -> StoredPrompt | None:
         """This layer's prompt as a later prompt continues it (a question over a stored context); None where its
@@ -290,11 +258,6 @@ class KVLayer(DynamicLayer):
         """Attention of ``query`` over this layer (``keys``/``values`` as ``update`` returned them, coded where the
         storage reads codes: an override decodes them first, ``codec.attended_pair``)."""
         return self.slots.attend(query, keys, values, mask, scaling, softcap)
-
-    def attend_step(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, block: torch.Tensor | None,
-                    scaling: float, softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
-        """A later step's attention: this layer's ``attend`` over its slots (``slots.step_attention``)."""
-        return step_attention(self.slots, self.attend, query, keys, values, block, scaling, softcap, sinks)
 
     def after_step(self, query: torch.Tensor, scaling: float) -> None:
         """After a later step's tokens are stored (e.g. evict while decoding). Default: nothing."""
@@ -370,11 +333,6 @@ class WindowLayer(KVLayer):
             _encode(self)
 
 
-_PASS_NOT_RUN = (
-    "kvcompress: this cache's method compresses the prompt after an observation pass (KVzip: the model repeating the "
-    "prompt), and the model was called again before that pass ran; kvcompress.generate and kvcompress.compress run it "
-    "(model.generate() cannot): use them to prefill"
-)
 _STORE_WHOLE = ("compress the context with a method that keeps its tokens (kvc.FullKV(), or a prompt method with "
                 "heads='uniform' and layers='uniform')")
 
@@ -382,7 +340,7 @@ _STORE_WHOLE = ("compress the context with a method that keeps its tokens (kvc.F
 def _check_step(layer: KVLayer, key_states: torch.Tensor) -> None:
     """Refuse a step the layer cannot take: a second update before its attention committed (the model's attention
     does not go through kvcompress), or another batch size than the one it holds."""
-    if layer.step_open:
+    if layer.open_step is not None:
         raise UnsupportedModelError(
             f"kvcompress: layer {layer.layer_idx} was updated twice without its attention running through the "
             "'kvcompress' attention implementation; the model's attention layout is not supported (was "

@@ -22,11 +22,9 @@ the ones that layer returned, and that the module is the one the cache was made 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.nn.attention.bias import causal_lower_right
 from transformers import AttentionInterface, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface
@@ -39,6 +37,7 @@ from ...storage import attention
 from ...storage.attention import dense_attention
 from . import longprompt
 from .longprompt import LazyMask, block_prefills, chunk_mlps, lazy_sdpa_mask
+from .masks import Mask, ModelMasks
 
 IMPLEMENTATION = "kvcompress"
 
@@ -228,130 +227,11 @@ def _layer_for(module: torch.nn.Module, key: torch.Tensor) -> KVLayer | None:
             f"kvcompress: {type(module).__name__} passed attention keys that are not the ones its cache layer "
             "returned; this attention layout is not supported")
     if layer.module_id is not None and layer.module_id != id(module):
-        layer.step_open = False
+        layer.open_step = None
         raise CacheMisuseError(
             f"kvcompress: this cache was made for another model (layer {layer.layer_idx} belongs to a different "
             "attention module); make a cache for this model with method.make_cache(model)")
     return layer
-
-
-def new_token_validity(attention_mask: torch.Tensor | LazyMask | None, q_len: int) -> torch.Tensor | None:
-    """``[batch, q_len]`` bool: which new tokens are real. A token sees itself unless it is padding,
-    so this is the diagonal of the newest block of the boolean 4-D mask."""
-    if attention_mask is None:
-        return None
-    if isinstance(attention_mask, LazyMask):
-        return attention_mask.diagonal(q_len)
-    if q_len == 1:  # [b, 1, 1, kv]: the last element
-        real = attention_mask.view(-1, 1) if attention_mask.shape[-1] == 1 else attention_mask.flatten(1)[:, -1:]
-    else:
-        real = attention_mask[:, 0, -q_len:, -q_len:].diagonal(dim1=-2, dim2=-1)
-    return real if real.dtype == torch.bool else real.bool()
-
-
-def mask_block(attention_mask: torch.Tensor | LazyMask | None, q_len: int, kv_len: int, sliding_window: int | None,
-               rows: tuple[int, int], columns: tuple[int, int]) -> torch.Tensor:
-    """Boolean mask ``[batch | 1, 1, rows, columns]``: rows ``rows`` of the ``q_len`` new queries,
-    which are the newest of ``kv_len`` keys, against keys ``columns`` (padding, causality, a sliding
-    window), from transformers' mask (its newest rows and columns). Every query sees itself, so
-    padding never gives NaNs."""
-    (first, last), (start, end) = rows, columns
-    device = attention_mask.device if attention_mask is not None else None
-    query_index = torch.arange(first, last, device=device)[:, None] + (kv_len - q_len)
-    key_index = torch.arange(start, end, device=device)[None, :]
-    if isinstance(attention_mask, LazyMask):
-        top, left = attention_mask.q_length - q_len, attention_mask.kv_length - kv_len
-        block = attention_mask.block(top + first, top + last, left + start, left + end)
-    elif attention_mask is not None:
-        top, left = attention_mask.shape[2] - q_len, attention_mask.shape[3] - kv_len
-        block = attention_mask[:, :, top + first : top + last, left + start : left + end].bool()
-    else:
-        block = (key_index <= query_index)[None, None]
-        if sliding_window is not None:
-            block = block & (key_index > query_index - sliding_window)[None, None]
-    return block | (key_index == query_index).to(block.device)[None, None]
-
-
-def new_block(attention_mask: torch.Tensor | LazyMask | None, q_len: int,
-              sliding_window: int | None) -> torch.Tensor | None:
-    """Boolean mask ``[batch, 1, q_len, q_len]`` of the new queries against the new tokens, from the
-    newest block of transformers' mask; None when that is plain causal."""
-    if attention_mask is None and (sliding_window is None or q_len <= sliding_window):
-        return None
-    return mask_block(attention_mask, q_len, q_len, sliding_window, (0, q_len), (0, q_len))
-
-
-def attend_prompt(
-    layer: KVLayer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-    attention_mask: torch.Tensor | LazyMask | None, sliding_window: int | None, scaling: float, softcap: float | None
-) -> torch.Tensor:
-    """A prefill's attention: the new queries are the newest of the prompt's keys so far (the whole
-    prompt, or a block of it: ``longprompt.BlockedPrefill``). Plain causal attention is one call
-    (SDPA's causal kernel, or its lower-right causal bias for a block on a GPU; on a CPU, which would
-    build that bias as a mask, two flash calls merged: ``attention.after_prompt_with_lse``); otherwise
-    blocks of queries, each with its block of the mask over the keys it can see: no ``prompt x prompt``
-    tensor is built."""
-    q_len, kv_len = query.shape[-2], key.shape[-2]
-    if attention_mask is None and (sliding_window is None or kv_len <= sliding_window) and softcap is None:
-        if q_len == kv_len:
-            return layer.attend(query, key, value, None, scaling, softcap)
-        if query.is_cuda:
-            return layer.attend(query, key, value, causal_lower_right(q_len, kv_len), scaling, softcap)
-        # a CPU kernel would build that bias as a q x kv mask, and a masked call is slower:
-        if query.device.type == "cpu":
-            # the older keys unmasked, the block causal
-            return attention.after_prompt_with_lse(query, key, value, scaling)[0]
-    out = torch.empty_like(query)
-    blocks = mask_blocks(attention_mask, q_len, kv_len, key.shape[0], sliding_window, longprompt.BLOCK_ELEMENTS)
-    for (first, last), (start, end), mask in blocks:
-        out[:, :, first:last] = layer.attend(query[:, :, first:last], key[:, :, start:end], value[:, :, start:end],
-                                             mask, scaling, softcap)
-    return out
-
-
-def attend_observed(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | LazyMask | None,
-    scaling: float, softcap: float | None, padded: bool, sliding_window: int | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """An observation pass's attention (its tokens just after the prompt's, attended, never stored) and
-    each query's log-normaliser ``[b, q_heads, q]``, which the method scores with. Without padding or a window that cuts
-    the keys, on a CPU, two unmasked flash calls; otherwise blocks of queries, each with its mask as a float bias (a
-    quarter of the booleans a prefill's block may build)."""
-    uncut = sliding_window is None or key.shape[-2] <= sliding_window
-    if not padded and softcap is None and query.device.type == "cpu" and uncut:
-        return attention.after_prompt_with_lse(query, key, value, scaling)
-    return blocks_with_lse(query, key, value, attention_mask, sliding_window, scaling, softcap)
-
-
-def blocks_with_lse(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | LazyMask | None,
-    sliding_window: int | None, scaling: float, softcap: float | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The new queries' attention (the newest of the keys) and each query's log-normaliser, a block of
-    queries at a time, each with its mask as a float bias (a quarter of the booleans a prefill's block may build)."""
-    q_len, kv_len = query.shape[-2], key.shape[-2]
-    out, lse = torch.empty_like(query), query.new_empty(query.shape[:-1], dtype=torch.float32)
-    blocks = mask_blocks(attention_mask, q_len, kv_len, key.shape[0], sliding_window, longprompt.BLOCK_ELEMENTS // 4)
-    for (first, last), (start, end), mask in blocks:
-        out[:, :, first:last], lse[:, :, first:last] = attention.attention_with_lse(
-            query[:, :, first:last], key[:, :, start:end], value[:, :, start:end], mask, scaling, softcap
-        )
-    return out, lse
-
-
-def mask_blocks(attention_mask: torch.Tensor | LazyMask | None, q_len: int, kv_len: int, batch: int,
-                sliding_window: int | None,
-                elements: int) -> Iterator[tuple[tuple[int, int], tuple[int, int], torch.Tensor]]:
-    """Blocks of the ``q_len`` new queries (the newest of ``kv_len`` keys), each with at most ``elements``
-    mask elements: its rows, the keys its queries can see, and its boolean mask over them."""
-    rows = max(1, elements // (batch * kv_len))
-    for first in range(0, q_len, rows):
-        last = min(q_len, first + rows)
-        end = kv_len - q_len + last  # the keys up to the block's last query
-        # older keys are out of every window
-        start = max(0, kv_len - q_len + first - sliding_window + 1) if sliding_window is not None else 0
-        yield (first, last), (start, end), mask_block(attention_mask, q_len, kv_len, sliding_window, (first, last),
-                                                      (start, end))
 
 
 def kvcompress_attention(
@@ -359,47 +239,46 @@ def kvcompress_attention(
     attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
     sliding_window: int | None = None, softcap: float | None = None, **kwargs
 ) -> tuple[torch.Tensor, None]:
-    """Attention over a kvcompress cache layer (then commit the step), or plain SDPA otherwise."""
+    """Attention over a kvcompress cache layer by the step its ``update`` took (cache/steps.py), which then commits,
+    or plain SDPA otherwise."""
     layer = _layer_for(module, key)
     sinks = kwargs.pop("s_aux", None)  # learned sink logits (gpt-oss): one more term in each softmax's denominator
-    if layer is None and isinstance(attention_mask, LazyMask):
-        attention_mask = attention_mask.materialize()  # another cache: SDPA as usual
-    if layer is None and sinks is not None:  # the same math as the model's own eager attention
-        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        out, lse = blocks_with_lse(query, key, value, attention_mask, sliding_window, scale, softcap)
-        return attention.with_sinks(out, lse, sinks).transpose(1, 2).contiguous(), None
     if layer is None:
-        if softcap is not None:  # SDPA has no soft-capping: the same math, spelled out
-            scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-            mask = None if attention_mask is None else attention_mask.bool()
-            return dense_attention(query, key, value, mask, scale, softcap).transpose(1, 2).contiguous(), None
-        with attention.chosen_kernels(query, key, attention_mask):
-            return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                          sliding_window=sliding_window, **kwargs)
+        return _other_cache(module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap,
+                            sinks, **kwargs)
     expected = layer.window if isinstance(layer, WindowLayer) else None
     if sliding_window != expected:
         raise UnsupportedModelError(
             f"kvcompress: layer {layer.layer_idx} attends with sliding_window={sliding_window} but its cache layer was "
             f"built for {expected}; this model's per-layer attention pattern is not supported")
-    q_len = query.shape[-2]
-    scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
-    lse, new_valid = None, new_token_validity(attention_mask, q_len)
-    if layer.observing:
-        padded = new_valid is not None and not bool(new_valid.all()) or not bool(layer.slot_validity().all())
-        out, lse = attend_observed(query, key, value, attention_mask, scaling, softcap, padded, sliding_window)
-        if sinks is not None:
-            out, lse = attention.with_sinks(out, lse, sinks), attention.sink_normaliser(lse, sinks)
-    elif layer.is_prefill:  # the new tokens are the newest of the prompt's
-        joined = layer.intake.joined_valid  # over a stored context: its slots, rows aligned, not transformers' columns
-        if joined is not None:
-            attention_mask = longprompt.continued_mask(joined, q_len)
-        if sinks is not None:  # the same attention with each query's normaliser, for the sink's share
-            out = attention.with_sinks(
-                *blocks_with_lse(query, key, value, attention_mask, sliding_window, scaling, softcap), sinks)
-        else:
-            out = attend_prompt(layer, query, key, value, attention_mask, sliding_window, scaling, softcap)
-    else:  # a later step over the layer's slots
-        block = new_block(attention_mask, q_len, sliding_window) if q_len > 1 else None  # one query sees itself
-        out = layer.attend_step(query, key, value, block, scaling, softcap, sinks)
-    layer.commit(query, new_valid, scaling, lse)
+    new, scaling = ModelMasks.of(attention_mask, query.shape[-2], sliding_window), _scale(scaling, query)
+    out, lse = layer.open_step.attend(layer, query, key, value, new, scaling, softcap, sinks)
+    layer.commit(query, new.valid, scaling, lse)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _other_cache(
+    module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Mask,
+    dropout: float, scaling: float | None, sliding_window: int | None, softcap: float | None,
+    sinks: torch.Tensor | None, **kwargs
+) -> tuple[torch.Tensor, None]:
+    """Attention for any other cache: SDPA as the model's own, with the same math where SDPA has no term for a
+    learned sink or soft-capping."""
+    if isinstance(attention_mask, LazyMask):
+        attention_mask = attention_mask.materialize()
+    if sinks is not None:  # the same math as the model's own eager attention
+        out, lse = ModelMasks(attention_mask, query.shape[-2], sliding_window).causal_with_lse(
+            query, key, value, _scale(scaling, query), softcap)
+        return attention.with_sinks(out, lse, sinks).transpose(1, 2).contiguous(), None
+    if softcap is not None:  # SDPA has no soft-capping: the same math, spelled out
+        mask = None if attention_mask is None else attention_mask.bool()
+        out = dense_attention(query, key, value, mask, _scale(scaling, query), softcap)
+        return out.transpose(1, 2).contiguous(), None
+    with attention.chosen_kernels(query, key, attention_mask):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      sliding_window=sliding_window, **kwargs)
+
+
+def _scale(scaling: float | None, query: torch.Tensor) -> float:
+    """The attention's scale: the module's, or SDPA's default ``1 / sqrt(head_dim)``."""
+    return scaling if scaling is not None else query.shape[-1] ** -0.5
