@@ -9,8 +9,9 @@ groups and moving derive from that declaration.
 
 transformers calls ``update`` (a step's keys and values), which looks up the step its phase calls for once
 (steps.py: the prompt's, the observation pass's, a later step's); the attention function then calls that step's
-``attend`` and the layer's ``commit``, which closes the step and commits it. ``get_seq_length`` is the *logical* length (prompt + appended tokens, padding included),
-so transformers keeps assigning RoPE positions and slicing generate inputs from the true length.
+``attend`` and the layer's ``commit``, which closes the step and commits it. ``get_seq_length`` is the *logical*
+length (prompt + appended tokens, padding included), so transformers keeps assigning RoPE positions and slicing
+generate inputs from the true length.
 
 The prompt is held as the prefill computed it; from the first later step on, the slots live in buffers of a fixed
 capacity and a step writes at the storage's device-side position, so it reads no host value and keeps every shape: a
