@@ -13,7 +13,7 @@ from kvcompress import FullKV, generate
 from kvcompress.bench.accuracy import build_samples, method_configs, run_accuracy, run_matrix, summarize
 from kvcompress.bench.haystack import fill, haystack_sentences
 from kvcompress.bench.metrics import f1, fidelity, score, string_match_all, string_match_any
-from kvcompress.bench.plots import budget_curves
+from kvcompress.bench.plots import agreement_points, agreement_vs_device, budget_curves
 from kvcompress.bench.ruler import essay_sentences, questions
 from kvcompress.bench.tasks import TASKS, load_dataset
 from kvcompress.bench.tasks.base import prompt_tokens
@@ -211,8 +211,8 @@ def test_summary_retained_accuracy_and_outputs(tmp_path, tok):
     rows, _ = run_accuracy(model, tok, ["niah", "passkey"], ["full", "snapkv"], [64, 128], [300], tmp_path,
                            depths=[0.2, 0.8], progress=False)
     assert (tmp_path / "summary.csv").read_text().startswith("task,method,budget,label,samples,score,retained")
-    assert (tmp_path / "niah_heatmaps.png").stat().st_size > 1000 and (
-        tmp_path / "score_vs_budget.png").stat().st_size > 1000
+    assert all((tmp_path / name).stat().st_size > 1000
+               for name in ("niah_heatmaps.png", "score_vs_budget.png", "agreement_vs_device.png"))
     full = [r for r in rows if r["label"] == "full"]
     assert all(r["top1_agreement"] == 1.0 and r["kl"] == pytest.approx(0.0, abs=1e-6) for r in full)
     assert {r["label"] for r in rows} == {"full", "snapkv@64", "snapkv@128"}
@@ -225,6 +225,19 @@ def test_score_vs_budget_draws_a_curve_per_method_setting():
     rows.append({"task": "t", "label": "full", "method": "full", "budget": None, "score": 1.0})
     assert budget_curves(
         rows, "t") == {"snapkv": [(128, 0.5), (256, 1.0)], "snapkv:heads=adaptive": [(128, 0.25), (256, 0.75)]}
+
+
+def test_agreement_is_drawn_against_the_device_bytes_each_setting_holds(tmp_path):
+    rows = [{"task": "t", "label": f"snapkv@{b}", "budget": b, "device_fraction": b / 1024, "top1_agreement": a,
+             "top1_agreement_95": [a - 0.05, a + 0.01]} for b, a in ((256, 0.9), (128, 0.8))]
+    rows += [{"task": "t", "label": "full", "budget": None, "device_fraction": 1.1, "top1_agreement": 1.0,
+              "top1_agreement_95": [1.0, 1.0]},
+             {"task": "u", "label": "snapkv@128", "budget": 128, "device_fraction": 0.1, "top1_agreement": None}]
+    assert agreement_points(rows, "t") == {"snapkv": [(0.125, 0.8, 0.75, 0.81), (0.25, 0.9, 0.85, 0.91)],
+                                           "full": [(1.1, 1.0, 1.0, 1.0)]}
+    assert agreement_points(rows, "u") == {}  # agreement not measured: no point
+    assert agreement_vs_device(rows, tmp_path / "a.png") and (tmp_path / "a.png").stat().st_size > 1000
+    assert not agreement_vs_device(rows[-1:], tmp_path / "b.png") and not (tmp_path / "b.png").exists()
 
 
 def test_summarize_pairs_samples_for_retained_accuracy():

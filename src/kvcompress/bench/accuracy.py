@@ -346,11 +346,13 @@ def run_accuracy(
     write_summary(rows, Path(out_dir) / "summary.csv")
     written = ["results.jsonl", "summary.csv"]
     if plots:
-        from .plots import needle_heatmaps, score_vs_budget  # noqa: PLC0415 - matplotlib, only to draw
+        from .plots import agreement_vs_device, needle_heatmaps, score_vs_budget  # noqa: PLC0415 - only to draw
 
         if needle_heatmaps(records, Path(out_dir) / "niah_heatmaps.png"):
             written.append("niah_heatmaps.png")
         if rows:
             score_vs_budget(rows, Path(out_dir) / "score_vs_budget.png")
             written.append("score_vs_budget.png")
+        if agreement_vs_device(rows, Path(out_dir) / "agreement_vs_device.png"):
+            written.append("agreement_vs_device.png")
     return rows, written

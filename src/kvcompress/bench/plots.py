@@ -1,4 +1,5 @@
-"""PNG plots of accuracy results: needle heatmaps (depth x length, as in the papers) and score vs budget."""
+"""PNG plots of accuracy results: needle heatmaps (depth x length, as in the papers), score vs budget, and agreement
+with the full cache vs the device bytes held."""
 
 from __future__ import annotations
 
@@ -60,9 +61,7 @@ def budget_curves(rows: list[dict], task: str) -> dict[str, list[tuple[int, floa
 def score_vs_budget(rows: list[dict], path: str | Path) -> None:
     """One panel per task: mean score against budget per method setting, the full cache as a dashed line."""
     tasks = list(dict.fromkeys(r["task"] for r in rows))
-    cols = min(4, len(tasks))
-    nrows = -(-len(tasks) // cols)
-    fig, axes = plt.subplots(nrows, cols, figsize=(3.4 * cols, 2.8 * nrows), squeeze=False)
+    fig, axes = _task_panels(len(tasks))
     for ax, task in zip(axes.flat, tasks):
         mine = [r for r in rows if r["task"] == task]
         for setting, points in budget_curves(rows, task).items():
@@ -76,11 +75,60 @@ def score_vs_budget(rows: list[dict], path: str | Path) -> None:
             ax.set_xticks(budgets, [str(b) for b in budgets])
             ax.minorticks_off()
         ax.set_ylim(-0.05, 1.05)
-        ax.set_title(task, fontsize=10)
-        ax.set_xlabel("budget (tokens)")
-        ax.set_ylabel("score")
-        ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(tasks) :]:
+        _label(ax, task, "budget (tokens)", "score")
+    _save(fig, axes, len(tasks), path)
+
+
+def agreement_points(rows: list[dict], task: str) -> dict[str, list[tuple[float, float, float, float]]]:
+    """``task``'s points per method setting (the label without its ``@budget``): the device bytes as a share of
+    the full cache's, top-1 agreement with the full cache's answers, and that agreement's 95% interval; rows that
+    did not measure agreement are left out."""
+    points: dict[str, list[tuple[float, float, float, float]]] = {}
+    for r in rows:
+        if r["task"] == task and r.get("top1_agreement") is not None and r.get("device_fraction") is not None:
+            low, high = r.get("top1_agreement_95") or (r["top1_agreement"], r["top1_agreement"])
+            points.setdefault(r["label"].rsplit("@", 1)[0], []).append(
+                (r["device_fraction"], r["top1_agreement"], low, high))
+    return {setting: sorted(found) for setting, found in points.items()}
+
+
+def agreement_vs_device(rows: list[dict], path: str | Path) -> bool:
+    """One panel per task: top-1 agreement with the full cache (95% interval as bars) against the device bytes a
+    setting holds, as a share of the full cache's (log scale), a curve per method setting over its budgets. False
+    where no row measured agreement."""
+    tasks = [task for task in dict.fromkeys(r["task"] for r in rows) if agreement_points(rows, task)]
+    if not tasks:
+        return False
+    fig, axes = _task_panels(len(tasks))
+    for ax, task in zip(axes.flat, tasks):
+        for setting, points in agreement_points(rows, task).items():
+            device, agreed, low, high = zip(*points)
+            ax.errorbar(device, agreed, yerr=[[a - lo for a, lo in zip(agreed, low)],
+                                              [hi - a for a, hi in zip(agreed, high)]],
+                        marker="o", capsize=2, label=setting)
+        ax.set_xscale("log")
+        ax.set_ylim(-0.05, 1.05)
+        _label(ax, task, "device bytes (share of the full cache's)", "top-1 agreement")
+    _save(fig, axes, len(tasks), path)
+    return True
+
+
+def _task_panels(count: int) -> tuple[plt.Figure, object]:
+    """A figure of ``count`` panels, four to a row."""
+    cols = min(4, count)
+    return plt.subplots(-(-count // cols), cols, figsize=(3.4 * cols, 2.8 * -(-count // cols)), squeeze=False)
+
+
+def _label(ax: plt.Axes, title: str, x: str, y: str) -> None:
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel(x)
+    ax.set_ylabel(y)
+    ax.grid(alpha=0.3)
+
+
+def _save(fig: plt.Figure, axes: object, used: int, path: str | Path) -> None:
+    """The unused panels blanked, the first panel's legend, then the figure written to ``path``."""
+    for ax in list(axes.flat)[used:]:
         ax.axis("off")
     axes.flat[0].legend(fontsize=7)
     fig.tight_layout()
