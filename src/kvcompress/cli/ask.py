@@ -111,7 +111,7 @@ def _cmd_generate(args: argparse.Namespace, console: Console) -> int:
     if args.stream and args.json:
         raise InvalidParameterError("--stream prints the answer as it comes and --json prints it once: give one")
     options = {"max_new_tokens": args.max_new_tokens, "compile": args.compile, "temperature": args.temperature,
-               "top_p": args.top_p, "seed": args.seed}
+               "top_p": args.top_p, "seed": args.seed, "stop": args.stop}
     quiet = args.json or args.stream
     # a saved context: continued with its method, or each question compressed over it with --method
     if args.past is not None:
@@ -192,7 +192,7 @@ def _cmd_chat(args: argparse.Namespace, console: Console) -> int:
             raise InvalidParameterError(f"--prompt-file {args.prompt_file} is empty; give the document to talk about")
         with console.status("storing the document"):
             opened = compress(model, tokenizer, _fed(args, tokenizer, document), method=FullKV())
-    sampling = {"temperature": args.temperature, "top_p": args.top_p, "seed": args.seed}
+    sampling = {"temperature": args.temperature, "top_p": args.top_p, "seed": args.seed, "stop": args.stop}
     return chat(model, tokenizer, opened, method, args.max_new_tokens, sampling)
 
 

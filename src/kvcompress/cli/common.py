@@ -97,4 +97,6 @@ def sampling_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=float, default=1.0,
                         help="sample from the most probable tokens until their probability reaches this")
     parser.add_argument("--seed", type=int, help="the sampling seed (the same seed repeats an answer)")
+    parser.add_argument("--stop", action="append",
+                        help="end the answer before this string (repeat for several; e.g. a newline for a base model)")
 

@@ -33,6 +33,7 @@ from transformers import PreTrainedModel
 
 from ..cache.kv_cache import KVCompressCache
 from ..storage.slots import capacity_bucket
+from .stops import Stops
 
 RECOMPILE_LIMIT = 64  # distinct cache layouts (methods, models, batch sizes) one process may compile
 
@@ -257,12 +258,13 @@ class Decoded:
 
 def greedy_decode(model: PreTrainedModel, cache: KVCompressCache, logits: torch.Tensor, position: torch.Tensor,
                   max_new_tokens: int, eos: set[int], compile: Compile | None, sampling: Sampling | None = None,
-                  streamer: Any = None) -> Decoded:
+                  streamer: Any = None, stops: Stops | None = None) -> Decoded:
     """Decoding after the prompt (``logits [b, vocab]``, next positions ``position [b]``), greedy or with
     ``sampling``, until every row produced an end token or ``max_new_tokens`` are produced. Compiled, every
     shape the request sets is rounded to a bucket, so later requests in it reuse the graph. ``streamer``
     (transformers' ``TextStreamer`` contract: ``put(tokens)``, ``end()``) is given each step's tokens as they
-    come, up to each row's end token (a read from the device per step)."""
+    come, up to each row's end token (a read from the device per step). ``stops``: stop strings, which end a row as
+    ``max_new_tokens`` would, at the token that completed one (stops.py; a read from the device per step)."""
     buckets = compile is not None
     generator = None
     if sampling is not None:
@@ -274,20 +276,26 @@ def greedy_decode(model: PreTrainedModel, cache: KVCompressCache, logits: torch.
     cache.reserve(max_new_tokens - 1, buckets)
     runner = StepRunner(model, cache, state, compile)
     steps = 0
-    done = bool(state.finished.all())
     streamed = _stream(streamer, state, 0, torch.zeros_like(state.finished))
+    if stops is not None:
+        stops.watch(state.finished, state.produced, 0)
+    done = bool(state.finished.all())
     while steps < max_new_tokens - 1 and not done:
         state.draw(generator)
         runner.step()
         steps += 1
         streamed = _stream(streamer, state, steps, streamed)
+        if stops is not None:
+            stops.watch(state.finished, state.produced, steps)
         done = runner.all_finished()
     if streamer is not None:
         streamer.end()
     produced, finished = state.produced[:, : steps + 1].tolist(), state.finished.tolist()
     tokens = []
-    for row in produced:
-        end = next((i for i, t in enumerate(row) if t in eos), len(row) - 1)
+    stopped = {} if stops is None else stops.hit
+    for index, row in enumerate(produced):
+        end = stopped.get(index, next((i for i, t in enumerate(row) if t in eos), len(row) - 1))
         tokens.append(row[: end + 1])
+        finished[index] = finished[index] and index not in stopped  # a stopped row's last token is unfed
     return Decoded(tokens, finished, steps, runner.compile_s, runner.compile_steps, state.fed_real[:, :steps],
                    state.position)

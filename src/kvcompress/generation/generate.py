@@ -32,6 +32,7 @@ from .feed import (
     recording,
 )
 from .result import Result
+from .stops import Stops
 from .ways_in import Start, WayIn, resolve_method, way_in
 
 
@@ -139,9 +140,10 @@ def _sampling(temperature: float, top_p: float, seed: int | None) -> Sampling | 
 
 
 def _result(begin: Start, feeder: Feeder, decoded: Decoded, tokenizer: PreTrainedTokenizerBase, eos: set[int],
-            prefill_s: float, decode_s: float, compiled: bool, build_s: float = 0.0) -> Result:
-    """The conversation after a decode: each row's tokens and text, the cache's stats and the run's timings (a CPU
-    kernel's build, ``build_s``, apart from them)."""
+            prefill_s: float, decode_s: float, compiled: bool, build_s: float = 0.0,
+            stops: Stops | None = None) -> Result:
+    """The conversation after a decode: each row's tokens and text (before a stop string), the cache's stats and the
+    run's timings (a CPU kernel's build, ``build_s``, apart from them)."""
     cache = feeder.cache
     feeder.mask, feeder.position = torch.cat([feeder.mask, decoded.fed_real.long()], dim=-1), decoded.position
     generated, finished, steps = decoded.tokens, decoded.finished, decoded.steps
@@ -150,6 +152,7 @@ def _result(begin: Start, feeder: Feeder, decoded: Decoded, tokenizer: PreTraine
         row.generated = [t for t in tokens if t not in eos]
         row.pending = None if done else tokens[-1]
     texts = [tokenizer.decode(row.generated, skip_special_tokens=True) for row in begin.rows]
+    texts = texts if stops is None else [stops.ended(text) for text in texts]
     timed = steps - decoded.compile_steps  # the steps that compiled are timed as compile_s, never as decoding
     # ttft_s: what a user waits for the first token: the prompt fed, any observation pass and the compression, the first
     # token's logits (it is their argmax); decoding's own time is decode_ms_per_token, a first compilation compile_s
@@ -195,6 +198,7 @@ def generate(
     top_p: float = 1.0,
     seed: int | None = None,
     streamer: Any = None,
+    stop: str | list[str] | None = None,
 ) -> Result:
     """Greedy generation with ``method`` (a method, or its name) applied to the prompt's KV cache.
 
@@ -208,9 +212,11 @@ def generate(
     the most padded prompt tokens one prefill forward takes; a larger batch is prefilled in groups of rows, each
     compressed before the next (``prefill_groups``; None: all rows at once). ``temperature`` > 0 samples instead of
     the greedy choice (``top_p``: nucleus sampling; ``seed``: the same seed repeats an answer). ``streamer``: given
-    the prompt's tokens, then each new token as it comes (transformers' ``TextStreamer`` works: ``put``, ``end``)."""
+    the prompt's tokens, then each new token as it comes (transformers' ``TextStreamer`` works: ``put``, ``end``).
+    ``stop``: a string, or strings, that end an answer where its text first holds one (not part of ``text``; what a
+    base model needs, e.g. ``"\n"``: stops.py)."""
     _check_settings(max_new_tokens, compile, prefill_tokens)
-    sampling = _sampling(temperature, top_p, seed)
+    sampling, stops = _sampling(temperature, top_p, seed), Stops.of(stop, tokenizer)
     way = way_in(model, prompt, method, question, past, prefill)  # (checks only)
     build_s = _ready_kernel(model, way.method)  # (before the clock)
     begin, feeder, logits, prefill_s = _begun(model, tokenizer, way, max_new_tokens, prefill_tokens)
@@ -222,9 +228,10 @@ def generate(
     if streamer is not None:  # as transformers' generate does: the prompt first (a TextStreamer may skip it)
         streamer.put(torch.tensor([[t for chunk in begin.chunk_lists[0] for t in chunk] if begin.chunk_lists else []],
                                   dtype=torch.long))
-    decoded = greedy_decode(model, cache, logits, feeder.position, max_new_tokens, eos, options, sampling, streamer)
+    decoded = greedy_decode(model, cache, logits, feeder.position, max_new_tokens, eos, options, sampling, streamer,
+                            stops)
     decode_s = synced_clock(model.device) - decode_start
-    return _result(begin, feeder, decoded, tokenizer, eos, prefill_s, decode_s, options is not None, build_s)
+    return _result(begin, feeder, decoded, tokenizer, eos, prefill_s, decode_s, options is not None, build_s, stops)
 
 
 def _ready_kernel(model: PreTrainedModel, method: Method) -> float:
