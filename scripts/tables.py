@@ -10,6 +10,9 @@
                                                    per setting: the mean score per task (or prompt length) and the
                                                    score retained against the full cache over every question
                                                    (accuracy results.jsonl)
+    python scripts/tables.py agreement PNG RESULTS...
+                                                   per task and setting: top-1 agreement with the full cache against
+                                                   the device bytes held (accuracy results.jsonl), table and PNG
     python scripts/tables.py memory NAME=DIR... [--plot PNG]
                                                    peak memory vs prompt length of speed runs (e.g. before=...
                                                    after=...), each method's fitted slope in bytes per token
@@ -276,6 +279,28 @@ def retained_by_bytes(paths: list[str], plot: str) -> str:
     return "\n".join(f"| {label} | {device:.1f} | {retained:.2f} |" for label, device, retained in points)
 
 
+def agreement_by_bytes(paths: list[str], plot: str) -> str:
+    """Per task and setting of accuracy results.jsonl: top-1 agreement with the full cache's answers (95% interval)
+    against the device bytes held as a share of the full cache's, as rows and as the PNG ``bench accuracy`` draws
+    (``plots.agreement_vs_device``), so earlier runs' raw rows can be drawn too."""
+    from kvcompress.bench.accuracy import summarize
+    from kvcompress.bench.plots import agreement_vs_device
+
+    rows = summarize([json.loads(line) for path in paths for line in Path(path).read_text().splitlines()
+                      if line.strip()])
+    if not agreement_vs_device(rows, plot):
+        raise SystemExit("agreement: no row of these results measured agreement with the full cache")
+    lines = ["| task | method | budget | device share | top-1 agreement | KL |",
+             "| --- | --- | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        if r.get("top1_agreement") is not None:
+            low, high = r["top1_agreement_95"]
+            lines.append(f"| {r['task']} | {r['label'].split('@')[0]} | {r['budget'] or '-'} | "
+                         f"{r['device_fraction']:.3f} | {r['top1_agreement']:.3f} [{low:.3f}, {high:.3f}] | "
+                         f"{r['kl']:.3f} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str]) -> None:
     kind, paths = argv[0], argv[1:]
     if kind == "junit":
@@ -296,6 +321,9 @@ def main(argv: list[str]) -> None:
             print(retained_table(paths[2:], paths[1]))
         else:
             print(retained_table(paths))
+        return
+    if kind == "agreement":  # tables.py agreement PLOT.png RESULTS.jsonl...
+        print(agreement_by_bytes(paths[1:], paths[0]))
         return
     if kind == "bytes":  # tables.py bytes PLOT.png RESULTS.jsonl...
         print(retained_by_bytes(paths[1:], paths[0]))

@@ -55,3 +55,17 @@ def test_bits_of_names_each_setting_s_codec():
                                                 "snapkv:kv_bits=4/full@256", "full:kv_bits=4:key_bits=8",
                                                 "transformers-quanto4")] == [
         "model's precision", "8 bits", "fp8", "4 bits", "keys 8, values 4 bits", "4 bits"]
+
+
+def test_agreement_table_and_plot_from_raw_results(tmp_path):
+    rows = [record(sample, "full", None, 1.0) for sample in "ab"]
+    rows += [record(sample, "snapkv", 128, 1.0, kl) for sample, kl in (("a", 0.2), ("b", 0.4))]
+    for row in rows:
+        row.update(kv_kept_fraction=1.0 if row["budget"] is None else 0.1, turns=1,
+                   method=row["label"].split("@")[0], device_fraction=1.0 if row["budget"] is None else 0.1)
+    path = tmp_path / "results.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    table = tables.agreement_by_bytes([str(path)], str(tmp_path / "a.png")).splitlines()
+    assert table[2] == "| niah | full | - | 1.000 | 1.000 [1.000, 1.000] | 0.000 |"
+    assert table[3].startswith("| niah | snapkv | 128 | 0.100 | 0.700 [0.600, 0.800] | 0.300 |")
+    assert (tmp_path / "a.png").stat().st_size > 1000
