@@ -173,16 +173,40 @@ def test_global_shares_rank_every_layer_together():
                 ] == [winners.count(layer) * 4 / len(winners) for layer in range(4)]
 
 
-def test_a_global_budget_keeps_the_uniform_total_spread_over_the_layers():
+@pytest.mark.parametrize("method", [
+    kvc.KVzip(budget=40, layers="global", head_floor=0.0),  # after its observation pass
+    kvc.SnapKV(budget=40, window=8, layers="global", head_floor=0.0),  # from the prefill, at the end of its call
+    kvc.ExpectedAttention(budget=40, layers="global", head_floor=0.0),
+], ids=lambda m: m.name)
+def test_a_global_budget_keeps_the_uniform_total_spread_over_the_layers(method):
     model, tok = tiny_model(num_hidden_layers=4), char_tokenizer()
     text = random_text(300, seed=9)
-    cache = kvc.compress(model, tok, text, method=kvc.KVzip(budget=40, layers="global", head_floor=0.0)).cache
+    cache = kvc.compress(model, tok, text, method=method).cache
     kept = [int((cache.kept_positions(layer)[0] >= 0).sum()) for layer in range(4)]
     assert len(set(kept)) > 1  # layers keep different numbers of tokens
     assert 4 * 2 * 40 <= sum(kept) <= 4 * 2 * 40 + 4 * 2  # the uniform total, up to rounding each layer's share up
-    with pytest.raises(kvc.InvalidParameterError,
-                       match="ExpectedAttention: layers='global' ranks every layer's scores together"):
-        kvc.ExpectedAttention(layers="global")
+
+
+def test_a_prefill_scored_method_ranks_every_layer_of_the_prompt_together():
+    """SnapKV with layers='global': each layer's share of the budget is where the highest of all layers' SnapKV scores
+    fall (global_shares over each layer's scores of the whole prompt, from a full prefill's record), for a prompt, a
+    question over a stored context and a prefill record alike; and its answer decodes as the record's does."""
+    model, tok = tiny_model(num_hidden_layers=4), char_tokenizer()
+    text, method = random_text(300, seed=9), kvc.SnapKV(budget=40, window=8, layers="global", head_floor=0.0)
+    record = kvc.prefill(model, tok, text, query_window=8)
+    layers = record.cache.layers
+    scores = [method.layer_scores(layer, layer.queries, layer.query_scaling) for layer in layers]
+    free = method.kept_tokens(layers[0].prompt_tokens) - method.reserved_tokens()
+    expected = [float(share[0]) for share in global_shares(scores, layers[0].slot_validity(), free)]
+    fresh = kvc.generate(model, tok, text, method=method, max_new_tokens=6)
+    recorded = kvc.generate(model, tok, prefill=record, method=method, max_new_tokens=6)
+    for result in (fresh, recorded):
+        assert [float(layer.share[0]) for layer in result.cache.layers] == pytest.approx(expected)
+    assert fresh.token_ids == recorded.token_ids
+    store = kvc.compress(model, tok, text, method=kvc.FullKV())
+    asked = kvc.generate(model, tok, "What is it?", past=store, method=method, max_new_tokens=6)
+    assert all(layer.phase.name == "DECODING" for layer in asked.cache.layers)
+    assert len(set(float(layer.share[0]) for layer in asked.cache.layers)) > 1
 
 
 @pytest.mark.parametrize("family", ["gemma2", "gemma3"])

@@ -20,6 +20,7 @@ from ..storage.tensors import to_host
 from . import held
 from .errors import CacheMisuseError
 from .layer import KVLayer
+from .phase import Phase
 from .tokens import TokenSpans
 
 
@@ -39,6 +40,8 @@ class LayerFactory(Protocol):
     def summarize(self, totals: dict[str, Any]) -> dict[str, Any]: ...
 
     def observation(self) -> Any: ...
+
+    def compresses_together(self) -> bool: ...
 
     def before_compress(self, layers: list[KVLayer]) -> None: ...
 
@@ -76,7 +79,7 @@ class KVCompressCache(Cache):
         # the model embedded this cache's prompt itself (no one else holds its hidden states)
         self.embeds_itself = False
         # layers compress after an observation pass (end_observation)
-        self.observe_first = method.observation() is not None
+        self.observe_first = method.compresses_together()  # every layer waits (end_observation, compress_waiting)
         self.observe_s = 0.0  # time the observation pass took (part of compressing)
         self.checked_call: int | None = None  # the model whose call the input check let through (attach.check_inputs)
         for layer in layers:
@@ -196,6 +199,17 @@ class KVCompressCache(Cache):
         self.observe_s += seconds + time.perf_counter() - start
         for layer in self.layers:
             layer.end_observation()
+
+    def compress_waiting(self) -> None:
+        """Compress the layers that wait for every layer to be scored, once all hold their prompts, where the method
+        runs no observation pass (``layers="global"`` for a method that scores from the prefill): the end of the
+        model's call that fed the prompt (attach.end_call), or of a prefill record's loading."""
+        waiting = [layer.phase is Phase.AWAITING_PASS for layer in self.layers]
+        if any(waiting) and self.method.observation() is None:
+            if not all(waiting):
+                raise CacheMisuseError("kvcompress: a call ended with only some layers holding their whole prompt; "
+                                       "every layer must be fed the same prompt in one call")
+            self.end_observation(0.0)
 
     def reserve(self, tokens: int, buckets: bool = False) -> None:
         """Room in every layer for ``tokens`` more tokens, so the steps that append them keep every

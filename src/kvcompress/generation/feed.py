@@ -93,6 +93,7 @@ def observe_prompts(feeder: Feeder, prompts: list[list[int]], lead: Lead | None,
     the cache compress. ``lead`` addresses the rows (``first``: the batch row of ``prompts[0]``)."""
     observation = feeder.cache.method.observation() if feeder.cache.observe_first else None
     if observation is None:
+        feeder.cache.compress_waiting()  # a prefill record's layers, ranked together without a pass
         return
     if lead is None:
         raise ValueError(

@@ -268,9 +268,14 @@ class Method:
         the prefill itself)."""
         return None
 
+    def compresses_together(self) -> bool:
+        """Whether every layer holds its whole prompt until all of them are scored (then ``before_compress`` sees
+        them all): after an observation pass, or to rank every layer's scores together."""
+        return self.observation() is not None
+
     def before_compress(self, layers: list[KVLayer]) -> None:
-        """After an observation pass, before any of ``layers`` (each holding its whole prompt)
-        compresses. Default: nothing."""
+        """Once every layer holds its whole prompt (``compresses_together``), before any of ``layers`` compresses.
+        Default: nothing."""
 
     def scores(self, query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scaling: float,
                spans: torch.Tensor | None = None) -> torch.Tensor:

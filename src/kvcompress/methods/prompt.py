@@ -10,9 +10,11 @@ head, the prompt positions its method scores highest; decoding then appends to t
   all its heads together fall, mixed with the uniform share by ``head_floor`` (Ada-KV's safeguard).
   Heads then hold different numbers of tokens, stored packed (``packed.PackedSlots``), so the short
   heads really free their memory.
-* ``layers="global"`` (KVzip's selection, for methods with an observation pass, after which every
-  layer still holds its prompt): each row's budget over all layers and heads goes where the highest
-  scores of all of them together fall; each layer's part is then shared by its heads as above.
+* ``layers="global"`` (KVzip's selection): each row's budget over all layers and heads goes where the
+  highest scores of all of them together fall; each layer's part is then shared by its heads as above.
+  Every layer then holds its whole prompt until the last is scored (after KVzip's observation pass; for a
+  method scoring from the prefill, to the end of the model's call that fed the prompt), so the prefill's
+  peak is the full cache's.
 
 The total kept per layer always equals the uniform budget's (with ``layers="global"``, the total
 over the layers, up to rounding), so comparisons are at equal memory.
@@ -146,7 +148,7 @@ class PromptMethod(BudgetMethod):
     layers: str = param(
         "uniform",
         "how the budget is shared by the layers: uniform; pyramid (PyramidKV: more in lower layers); global (all "
-        "layers' scores " "ranked together, per head: methods with an observation pass, e.g. KVzip)",
+        "layers' scores ranked together, per head; every layer holds its prompt until all are scored)",
         choices=("uniform", "pyramid", "global")
     )
     pyramid_beta: float = param(20.0, "with layers=pyramid: the last layer keeps budget / pyramid_beta", above=1)
@@ -164,12 +166,6 @@ class PromptMethod(BudgetMethod):
         super().validate()
         require(self.layers != "pyramid" or self.ratio is None,
                 f"{type(self).__name__}: layers='pyramid' needs a fixed budget, not ratio")
-        require(
-            self.layers != "global" or self.observation() is not None,
-            f"{type(self).__name__}: layers='global' ranks every layer's scores together, so every layer must hold its "
-            "prompt until they are all scored, which only a method with an observation pass does (KVzip); valid here: "
-            "uniform, pyramid"
-        )
         require_with(self, "head_floor", self.heads == "adaptive" or self.layers == "global",  # (both pack per head)
                      "heads='adaptive' or layers='global'", "--heads adaptive or --layers global")
         require_with(self, "pyramid_beta", self.layers == "pyramid", "layers='pyramid'", "--layers pyramid")
@@ -266,6 +262,9 @@ class PromptMethod(BudgetMethod):
         if self.decode_budget is not None:
             return BoundedLayer(self, layer_idx, share)
         return (HeadAdaptiveLayer if packed else EvictionLayer)(self, layer_idx, share)
+
+    def compresses_together(self) -> bool:
+        return super().compresses_together() or self.layers == "global"
 
     def before_compress(self, layers: list[KVLayer]) -> None:
         """``layers="global"``: each layer's share of every row's budget (``global_shares``) from the

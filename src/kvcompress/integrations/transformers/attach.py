@@ -156,10 +156,12 @@ def _cache_of(args: tuple, kwargs: dict) -> KVCompressCache | None:
 
 
 def end_call(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-    """The model's call is over: its cache takes no more steps until the next call is checked (``check_inputs``)."""
+    """The model's call is over: its cache takes no more steps until the next call is checked (``check_inputs``),
+    and layers that held their prompts only for every layer to be scored together compress."""
     cache = _cache_of(args, kwargs)
     if cache is not None and not torch.compiler.is_compiling():
         cache.checked_call = None
+        cache.compress_waiting()
 
 
 def check_inputs(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
