@@ -24,6 +24,7 @@ METHODS = [
     kvc.Loki(budget=64),
     kvc.KVzip(budget=64, chunk=100),
     kvc.KVzip(budget=64, layers="global"),
+    kvc.SnapKV(budget=64, layers="global"),  # ranked over the layers at the end of the prefill's call
     kvc.ExpectedAttention(budget=64),
 ]
 # 12 tokens: under every budget, one Quest page and ShadowKV's local chunks; 150 and 420: compressed.

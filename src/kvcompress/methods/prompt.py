@@ -273,6 +273,8 @@ class PromptMethod(BudgetMethod):
             return
         own = cast(list[EvictionLayer], layers)  # a prompt method's layers
         counts = self.kept_tokens(own[0].prompt_tokens)
+        if not bool((own[0].prompt_tokens.to(counts.device) > counts).any()):
+            return  # every row is kept whole: nothing to rank (a prompt shorter than SnapKV's window is not scored)
         records = [layer.observation.record for layer in own]
         scores = [layer.prompt_scores(record.query, record.scaling) for layer, record in zip(own, records)]
         for layer, share in zip(own, global_shares(scores, own[0].slot_validity(), counts - self.reserved_tokens())):
