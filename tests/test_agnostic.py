@@ -222,6 +222,12 @@ def test_a_global_budget_goes_to_the_global_layers_of_a_model_with_sliding_windo
     kept = [int((context.cache.kept_positions(i)[0] >= 0).sum()) for i, local in enumerate(sliding) if not local]
     assert 2 * 40 * len(kept) <= sum(kept) <= 2 * 40 * len(kept) + 2 * len(kept)  # the uniform total of the global ones
     assert isinstance(kvc.generate(model, tok, "What?", past=context, max_new_tokens=3).text, str)
+    # SnapKV's global budgets over a stored context: the windows continue as later steps, the global layers rank
+    store = kvc.compress(model, tok, random_text(300, seed=9), method=kvc.FullKV())
+    asked = kvc.generate(model, tok, "What?", past=store, method=kvc.SnapKV(budget=40, window=8, layers="global"),
+                         max_new_tokens=3)
+    held = asked.stats["kv_tokens_per_layer"]
+    assert [n for n, local in zip(held, sliding) if local] == [model.config.sliding_window - 1] * sliding.count(True)
 
 
 def test_a_model_called_directly_cannot_skip_the_observation_pass():

@@ -204,12 +204,13 @@ class KVCompressCache(Cache):
         """Compress the layers that wait for every layer to be scored, once all hold their prompts, where the method
         runs no observation pass (``layers="global"`` for a method that scores from the prefill): the end of the
         model's call that fed the prompt (attach.end_call), or of a prefill record's loading."""
-        waiting = [layer.phase is Phase.AWAITING_PASS for layer in self.layers]
-        if any(waiting) and self.method.observation() is None:
-            if not all(waiting):
-                raise CacheMisuseError("kvcompress: a call ended with only some layers holding their whole prompt; "
-                                       "every layer must be fed the same prompt in one call")
-            self.end_observation(0.0)
+        if self.method.observation() is not None or not any(
+                layer.phase is Phase.AWAITING_PASS for layer in self.layers):
+            return
+        if any(layer.phase in (Phase.EMPTY, Phase.PROMPT) for layer in self.layers):  # (a stored window continues)
+            raise CacheMisuseError("kvcompress: a call ended with only some layers holding their whole prompt; "
+                                   "every layer must be fed the same prompt in one call")
+        self.end_observation(0.0)
 
     def reserve(self, tokens: int, buckets: bool = False) -> None:
         """Room in every layer for ``tokens`` more tokens, so the steps that append them keep every
