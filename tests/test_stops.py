@@ -85,3 +85,14 @@ def test_the_command_line_takes_stop_strings(tmp_path, capsys):
                  "48", "--window", "8", "--max-new-tokens", "40", "--stop", stop, "--stop", "never said", "--json"])
     assert code == 0
     assert json.loads(capsys.readouterr().out.splitlines()[0])["text"] == full.text[: full.text.index(stop)]
+
+
+def test_the_command_line_refuses_an_empty_stop_in_its_own_words(tmp_path, capsys):
+    model, tok = endless_model()
+    model.save_pretrained(tmp_path / "model")
+    tok.save_pretrained(tmp_path / "model")
+    code = main(["generate", "--model", str(tmp_path / "model"), "--prompt", "hi", "--stop", "", "--max-new-tokens",
+                 "2"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.strip().splitlines()[-1] == (
+        "kvcompress: error: --stop '' is invalid; give a non-empty string (repeat --stop for several)")
