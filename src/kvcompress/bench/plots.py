@@ -96,12 +96,13 @@ def agreement_vs_device(rows: list[dict], path: str | Path) -> bool:
     """One panel per task: top-1 agreement with the full cache (95% interval as bars) against the device bytes a
     setting holds, as a share of the full cache's (log scale), a curve per method setting over its budgets. False
     where no row measured agreement."""
-    tasks = [task for task in dict.fromkeys(r["task"] for r in rows) if agreement_points(rows, task)]
+    by_task = {task: agreement_points(rows, task) for task in dict.fromkeys(r["task"] for r in rows)}
+    tasks = [task for task, found in by_task.items() if found]
     if not tasks:
         return False
     fig, axes = _task_panels(len(tasks))
     for ax, task in zip(axes.flat, tasks):
-        for setting, points in agreement_points(rows, task).items():
+        for setting, points in by_task[task].items():
             device, agreed, low, high = zip(*points)
             ax.errorbar(device, agreed, yerr=[[a - lo for a, lo in zip(agreed, low)],
                                               [hi - a for a, hi in zip(agreed, high)]],

@@ -204,9 +204,9 @@ class KVCompressCache(Cache):
         """Compress the layers that wait for every layer to be scored, once all hold their prompts, where the method
         runs no observation pass (``layers="global"`` for a method that scores from the prefill): the end of the
         model's call that fed the prompt (attach.end_call), or of a prefill record's loading."""
-        if self.method.observation() is not None or not any(
+        if not self.observe_first or self.method.observation() is not None or not any(
                 layer.phase is Phase.AWAITING_PASS for layer in self.layers):
-            return
+            return  # (first: every eager step's call ends here, and most methods never wait)
         if any(layer.phase in (Phase.EMPTY, Phase.PROMPT) for layer in self.layers):  # (a stored window continues)
             raise CacheMisuseError("kvcompress: a call ended with only some layers holding their whole prompt; "
                                    "every layer must be fed the same prompt in one call")
