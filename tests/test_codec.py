@@ -228,6 +228,17 @@ def test_codec_settings_are_refused_in_one_line_naming_the_value():
     assert "kv_bits=4" in kvc.SnapKV(budget=64, kv_bits=4).describe()
 
 
+def test_each_layer_is_given_a_codec_object_turned_unless_its_steps_write_the_models_basis():
+    """A sparse method's layers write gathered (or rebuilt) keys in the model's basis: codes of unturned rows; a
+    prompt method's layers and every sliding-window layer write through their storage: turned rows."""
+    model = family_model("gemma3")
+    for method, own_turned in ((kvc.SnapKV(budget=64, kv_bits=4), True), (kvc.Quest(kv_bits=8), False)):
+        cache = method.make_cache(model, char_tokenizer())
+        turned = {layer.is_sliding: layer.kv_codec.keys.rotated for layer in cache.layers}
+        assert turned == {True: True, False: own_turned}, method.describe()
+    assert kvc.SnapKV(budget=64).storage_codec(16, torch.float32) is None
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_model_family_decodes_a_coded_cache(family):
     """Sliding-window rings, soft-capping, partial rotary, learned sinks, no RoPE: each codes what it keeps."""

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 import torch
 from transformers.cache_utils import Cache
 
+from ..storage.codec import KVCodec
 from ..storage.tensors import to_host
 from . import held
 from .errors import CacheMisuseError
@@ -34,6 +35,8 @@ class LayerFactory(Protocol):
     def describe(self) -> str: ...
 
     def kv_codec(self) -> str | None: ...
+
+    def storage_codec(self, head_dim: int, dtype: torch.dtype, turned: bool | None = None) -> KVCodec | None: ...
 
     def needs_tokens(self) -> bool: ...
 

@@ -29,8 +29,8 @@ from typing import Any, ClassVar, cast
 import torch
 from transformers.cache_utils import DynamicLayer
 
-from ..storage.codec import KVCodec, make_kv_codec
-from ..storage.slots import DenseSlots, RingSlots, Slots
+from ..storage.codec import KVCodec
+from ..storage.slots import DenseSlots, RingSlots, Slots, store_coded
 from ..storage.tensors import prompt_positions, synced_clock
 from . import held
 from .errors import CacheMisuseError, UnsupportedModelError
@@ -83,7 +83,6 @@ class KVLayer(DynamicLayer):
     batch_lengths: torch.Tensor | None = hold(saved=False, join=lambda v: None)  # a batch group: all rows' lengths
     sinks: torch.Tensor | None = hold(saved=False)  # [q_heads]: learned sink logits (gpt-oss), set by make_cache
     LAYOUTS: ClassVar[tuple[type[Slots], ...]] = ()  # storage a subclass may swap its slots for (saved under NAME)
-    TURNS_CODES: ClassVar[bool] = True  # integer codes of Hadamard-turned vectors (storage/codec.py)
 
     # The storage as the layer's callers read it (SlotView: keys/values as attention gets them, validity, ...).
     keys = property(lambda self: self.slots.view().keys, _refuse_replacing("keys"))
@@ -108,7 +107,7 @@ class KVLayer(DynamicLayer):
         self.device: torch.device | None = None
         self.record_window: int | None | bool = False  # the last prefill queries to record (False: none; None: all)
         self.observes = False  # compression waits for an observation pass (KVCompressCache.observe_first)
-        self.kv_codec: KVCodec | None = None  # how tokens are stored once compressed (codec.py; None: as computed)
+        self.kv_codec: KVCodec | None = None  # how tokens are stored once compressed (make_cache gives it)
         held.reset(self)  # every attribute the class declares (hold) at its default
 
     # --- transformers' layer contract -----------------------------------------------------------------------
@@ -181,7 +180,7 @@ class KVLayer(DynamicLayer):
         """The method's ``compress``, then the storage's codec, timed (on a GPU, between synchronizations)."""
         start = synced_clock(self.device)
         self.compress(record.query, record.scaling)
-        _encode(self)
+        store_coded(self.slots, self.kv_codec)
         self.compress_s += synced_clock(self.device) - start
         self.observation = None
         if self.record_window is False:
@@ -331,7 +330,7 @@ class WindowLayer(KVLayer):
             self.phase = moved(self.layer_idx, self.phase, Phase.AWAITING_PASS, "a recorded window")
         else:
             self.phase = moved(self.layer_idx, self.phase, Phase.DECODING, "a recorded window")
-            _encode(self)
+            store_coded(self.slots, self.kv_codec)
 
 
 _STORE_WHOLE = ("compress the context with a method that keeps its tokens (kvc.FullKV(), or a prompt method with "
@@ -353,12 +352,6 @@ def _check_step(layer: KVLayer, key_states: torch.Tensor) -> None:
                                "make a new cache for a new batch")
 
 
-def give_codec(layer: KVLayer, spec: str | None, head_dim: int, dtype: torch.dtype) -> None:
-    """The codec ``spec`` names (``int6+int4``; None: none), built once for ``layer``: its keys coded in the turned
-    basis unless the layer's steps write rows in the model's own (``TURNS_CODES``)."""
-    layer.kv_codec = None if spec is None else make_kv_codec(spec, head_dim, dtype, layer.TURNS_CODES)
-
-
 def expect_prompt(layer: KVLayer, total: int) -> bool:
     """``layer``'s prompt will come in blocks, ``total`` tokens in all (``longprompt.BlockedPrefill``); False: it
     won't (it is not empty, or its prompt comes another way)."""
@@ -372,11 +365,5 @@ def batch_prompt_tokens(layer: KVLayer) -> torch.Tensor:
     """Real prompt tokens of every row of the batch: a cache prefilled for a group of a batch's rows compresses
     them into the shapes the whole batch would take, so the groups can be joined."""
     return layer.prompt_tokens if layer.batch_lengths is None else layer.batch_lengths
-
-
-def _encode(layer: KVLayer) -> None:
-    """From compression on, the layer's storage writes its tokens with the layer's codec (if any)."""
-    if layer.kv_codec is not None and layer.slots.codec is None:
-        layer.slots.encode_with(layer.kv_codec)
 
 

@@ -33,6 +33,7 @@ from ..cache.layer import KVLayer
 from ..cache.tokens import TokenSpans
 from ..integrations.transformers.attach import layer_windows, make_cache
 from ..integrations.transformers.rope import check_rope
+from ..storage.codec import KVCodec, make_kv_codec
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -188,6 +189,7 @@ class Method:
     # at the end of its prefill, by scores of each position and KV head computed from the prefill itself
     not_served: ClassVar[str | None] = "it is not one of the methods scored from the prefill"
     keys_apart: ClassVar[bool] = True  # its storage may code keys with another codec than values (key_bits)
+    codes_turned: ClassVar[bool] = True  # its layers' steps write rows through the storage, which may turn them
     # a field whose default changed: the value it had in a saved file written before the field existed (which
     # does not record it), so the file decodes as it did when written (generation/result.py)
     unrecorded_meant: ClassVar[dict[str, Any]] = {}
@@ -227,6 +229,14 @@ class Method:
             return "fp8"
         keys = self.key_bits or (KEY_BITS_AT.get(self.kv_bits, self.kv_bits) if self.keys_apart else self.kv_bits)
         return f"int{keys}" if keys == self.kv_bits else f"int{keys}+int{self.kv_bits}"
+
+    def storage_codec(self, head_dim: int, dtype: torch.dtype, turned: bool | None = None) -> KVCodec | None:
+        """The codec object a layer of ``head_dim`` stores its kept tokens with (None: the model's precision):
+        ``kv_codec``'s, its keys coded in the Hadamard-turned basis unless the method's layers write rows in the
+        model's own (``codes_turned``; ``turned``: a window layer's, which writes only through its storage)."""
+        spec = self.kv_codec()
+        turned = self.codes_turned if turned is None else turned
+        return None if spec is None else make_kv_codec(spec, head_dim, dtype, turned)
 
     def validate(self) -> None:
         """Checks across fields; raise ``InvalidParameterError`` naming the values and the valid range."""

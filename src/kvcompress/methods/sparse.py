@@ -38,6 +38,7 @@ class SparseMethod(BudgetMethod):
 
     default_budget = 2048
     keys_apart = False  # a chunk store codes every stored row, keys and values, with one codec
+    codes_turned = False  # a step's front slots take keys gathered or rebuilt in the model's basis
     unit_setting: ClassVar[tuple[str, str] | None] = None  # (field, word) of the selection unit, when it is a setting
 
     def attends_slots(self) -> bool:
@@ -76,7 +77,6 @@ class SparseDecodeLayer(KVLayer):
 
     method: SparseMethod
     slots: DenseSlots
-    TURNS_CODES = False  # a step's front slots take keys gathered or rebuilt in the model's basis
     store: ChunkStore | None = hold(rows=True, kind=ChunkStore)  # region chunks [b, h, n, unit, d'] (stored_chunks)
     selectable: torch.Tensor | None = hold(rows=True, counted=True)  # [b, h, n]: chunk may be selected
     unselectable: torch.Tensor | None = hold(rows=True, counted=True)  # ~selectable, kept for the step

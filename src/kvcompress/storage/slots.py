@@ -176,6 +176,13 @@ class Slots:
         raise NotImplementedError
 
 
+def store_coded(slots: Slots, codec: KVCodec | None) -> None:
+    """From compression on, the held tokens and every later one stored with ``codec`` (None: as computed); a storage
+    already coded (loaded, or continued) keeps its codes."""
+    if codec is not None and slots.codec is None:
+        slots.encode_with(codec)
+
+
 def step_attention(slots: Slots, attend: Callable[..., torch.Tensor], query: torch.Tensor, keys: torch.Tensor,
                    values: torch.Tensor, new_block: torch.Tensor | None, scaling: float, softcap: float | None = None,
                    sinks: torch.Tensor | None = None) -> torch.Tensor:

@@ -31,7 +31,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from ...cache.errors import CacheMisuseError, UnsupportedModelError
 from ...cache.kv_cache import KVCompressCache, LayerFactory, cache_argument
-from ...cache.layer import KVLayer, WindowLayer, give_codec, take_announced
+from ...cache.layer import KVLayer, WindowLayer, take_announced
 from ...cache.tokens import TokenSpans, spans_for
 from ...storage import attention
 from ...storage.attention import dense_attention
@@ -109,7 +109,7 @@ def make_cache(method: LayerFactory, model: PreTrainedModel,
     for index, (module, window) in enumerate(zip(attention_modules(model), layer_windows(model))):
         layer = WindowLayer(index, window) if window is not None else method.make_layer(index, model)
         layer.module_id, layer.sinks = id(module), getattr(module, "sinks", None)
-        give_codec(layer, method.kv_codec(), module.head_dim, model.dtype)
+        layer.kv_codec = method.storage_codec(module.head_dim, model.dtype, turned=True if window is not None else None)
         layers.append(layer)
     return KVCompressCache(method, layers, model, spans=spans_for(tokenizer) if tokenizer is not None else None)
 
