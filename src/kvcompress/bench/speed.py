@@ -22,7 +22,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import transformers
@@ -38,7 +38,7 @@ from ..generation.decode import Compile, DecodeState, StepRunner, greedy_step
 from ..generation.feed import PREFILL_TOKENS, prefill_groups
 from ..methods import Method, method_from_spec
 from ..storage import attention
-from ..storage.offload import OverlapTimed
+from ..storage.offload import ChunkStore
 from ..storage.tensors import synced_clock
 
 # ops that hand a tensor's value to the host
@@ -175,13 +175,37 @@ class Timer:
         return 1000 * (end - start)
 
 
+class OverlapProbe(NamedTuple):
+    """Parts of a decoding step timed apart: a read from an offload store alone, the work the step overlaps with it
+    alone, and both as the step runs them (``concurrent``: on a side stream)."""
+
+    fetch: Callable[[], Any]
+    work: Callable[[], Any]
+    both: Callable[[], Any]
+    concurrent: bool
+
+
+def overlap_probe(layer: Any) -> OverlapProbe | None:
+    """For a layer that reads an offload store while decoding (a sparse method's: its ``store``, the chunks its last
+    step ``selected`` and the keys it ``rebuild_keys`` meanwhile), the parts of its last step; None before a step."""
+    store = getattr(layer, "store", None)
+    if not isinstance(store, ChunkStore) or not store.offloaded or not layer.steps:
+        return None
+    chosen = layer.selected
+    return OverlapProbe(
+        fetch=lambda: store.fetch(chosen, None, None, None, overlap=lambda: None),
+        work=lambda: layer.rebuild_keys(chosen),
+        both=lambda: store.fetch(chosen, None, None, None, overlap=lambda: layer.rebuild_keys(chosen)),
+        concurrent=store.stream is not None)
+
+
 def fetch_overlap_times(layer: KVLayer, timer: Timer, repeats: int = 10) -> dict | None:
-    """For a layer that reads an offload store while decoding (``storage.offload.OverlapTimed``): median ms
+    """For a layer that reads an offload store while decoding (``overlap_probe``): median ms
     of the store read alone (every selected chunk, no reuse), the work overlapped with it alone
     (ShadowKV: the key rebuild), and both as a decoding step runs them. ``fetch_hidden`` is the share
     of the read's time that overlapping removes from the step, (fetch + work - both) / fetch,
     between 0 and 1; None without a side stream (on a CPU both run in order: any difference is noise)."""
-    probe = layer.fetch_overlap() if isinstance(layer, OverlapTimed) else None
+    probe = overlap_probe(layer)
     if probe is None:
         return None
 

@@ -26,7 +26,7 @@ from ..cache.intake import StoredPrompt
 from ..cache.layer import KVLayer, batch_prompt_tokens
 from ..storage.attention import dense_attention
 from ..storage.codec import attended_pair, token_bytes
-from ..storage.offload import ChunkStore, OverlapProbe
+from ..storage.offload import ChunkStore
 from ..storage.slots import DenseSlots
 from ..storage.tensors import chunk_tokens, gather_tokens, prompt_positions
 from .base import BudgetMethod, require
@@ -247,19 +247,6 @@ class SparseDecodeLayer(KVLayer):
         if self.store is not None:
             self.steps += 1
             self.lookups += self.selected.numel() if self.store.offloaded else 0
-
-    def fetch_overlap(self) -> OverlapProbe | None:
-        """Last step's chunks read from the offload store alone, the keys rebuilt alone, and both as
-        a step runs them (for the speed benchmark)."""
-        if self.store is None or not self.store.offloaded or not self.steps:
-            return None
-        chosen = self.selected
-        return OverlapProbe(
-            fetch=lambda: self.store.fetch(chosen, None, None, None, overlap=lambda: None),
-            work=lambda: self.rebuild_keys(chosen),
-            both=lambda: self.store.fetch(chosen, None, None, None, overlap=lambda: self.rebuild_keys(chosen)),
-            concurrent=self.store.stream is not None
-        )
 
     def kept_positions(self) -> torch.Tensor:
         """Every prompt position: nothing is dropped (padding of shorter rows reported as -1)."""

@@ -16,7 +16,7 @@ import copy
 import functools
 from collections.abc import Callable
 from types import SimpleNamespace
-from typing import Any, NamedTuple, Protocol, TypeVar, runtime_checkable
+from typing import Any, TypeVar
 
 import torch
 
@@ -25,23 +25,6 @@ from .ops import TRITON, fused  # with Triton, ops.fused runs the gather's kerne
 from .tensors import chunk_tokens, gather_tokens, to_host
 
 T = TypeVar("T")
-
-
-class OverlapProbe(NamedTuple):
-    """Parts of a decoding step the speed benchmark times: a read from an offload store alone, the
-    work the step overlaps with it alone, and both as the step runs them (``concurrent``: on a side stream)."""
-
-    fetch: Callable[[], Any]
-    work: Callable[[], Any]
-    both: Callable[[], Any]
-    concurrent: bool
-
-
-@runtime_checkable
-class OverlapTimed(Protocol):
-    """A cache layer that reads an offload store while decoding and can say what to time (None: nothing yet)."""
-
-    def fetch_overlap(self) -> OverlapProbe | None: ...
 
 
 def zero_copy_view(host: torch.Tensor, device: torch.device) -> torch.Tensor | None:
