@@ -164,7 +164,7 @@ def test_generate_streams_and_samples_on_the_command_line(files, capsys):
     code, _, err = run("--stream", "--json")
     assert code == 2 and err.count("\n") == 1 and "--stream prints the answer as it comes" in err
     code, _, err = run("--top-p", "1.5")
-    assert code == 2 and "--top-p 1.5 is invalid; give a number in (0, 1]" in err
+    assert code == 2 and "--top-p 1.5 is outside the valid range (0, 1]" in err
 
 
 @pytest.fixture(scope="module")

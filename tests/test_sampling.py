@@ -77,9 +77,9 @@ def test_a_streamer_sees_the_prompt_then_each_token():
 
 
 @pytest.mark.parametrize(("option", "value", "message"), [
-    ("temperature", -1, r"temperature=-1 is invalid; give a number in \[0, 100\]"),
-    ("top_p", 0, r"top_p=0 is invalid; give a number in \(0, 1\]"),
-    ("seed", -3, r"seed=-3 is invalid; give an integer >= 0, or None"),
+    ("temperature", -1, r"^kvcompress: temperature=-1 is outside the valid range \[0, 100\]$"),
+    ("top_p", 0, r"^kvcompress: top_p=0 is outside the valid range \(0, 1\]$"),
+    ("seed", -3, r"^kvcompress: seed=-3 is invalid; it must be an integer >= 0 \(or None for an unseeded draw\)$"),
 ])
 def test_bad_sampling_settings_are_refused_in_one_line(option, value, message):
     with pytest.raises(kvc.InvalidParameterError, match=message):

@@ -10,12 +10,14 @@ compressed over it (a stored context): ways_in.py says which way in the argument
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ..methods import FullKV, InvalidParameterError, Method
+from ..methods.base import field_specs, param
 from ..storage.cpu_kernels import ready_cpu_kernel
 from ..storage.tensors import synced_clock
 from .conversation import ChatLeads, Prompt, context_turn, new_rows, prompt_rows
@@ -34,6 +36,9 @@ from .feed import (
 from .result import Result
 from .stops import Stops
 from .ways_in import Start, WayIn, resolve_method, way_in
+
+# a stored context's last prefill queries kept per layer, for the question-aware methods asked over it
+QUERY_WINDOW = 64
 
 
 def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[int]:
@@ -109,26 +114,40 @@ def _begun(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, way: WayI
     return begin, feeder, logits, begin.prefill_s + synced_clock(model.device) - clock
 
 
+@dataclass(frozen=True)
+class Settings:
+    """``generate``'s and ``compress``'s own settings, declared as a method's fields are (``methods.base.param``), so
+    each is checked by its declaration and refused in one line naming its value and range, in the methods' words."""
+
+    max_new_tokens: int = param(64, "tokens to generate per row at most", minimum=1)
+    prefill_tokens: int | None = param(PREFILL_TOKENS, "padded prompt tokens one prefill forward takes at most",
+                                       minimum=1, none="one prefill of all rows")
+    temperature: float = param(0.0, "sample at this temperature instead of the greedy choice (0: greedy)", minimum=0,
+                               at_most=100)
+    top_p: float = param(1.0, "nucleus sampling's probability mass", above=0, at_most=1)
+    seed: int | None = param(None, "the sampling seed (the same seed repeats an answer)", minimum=0,
+                             none="an unseeded draw")
+    query_window: int | None = param(QUERY_WINDOW, "a stored context's last prefill queries kept per layer (or "
+                                     "'auto')", minimum=0, none="every query, or 'auto'")
+
+
+def _check(**values: Any) -> None:
+    """Each of ``values`` against its declaration in ``Settings``."""
+    for spec in field_specs(Settings):
+        if spec.name in values:
+            spec.check("kvcompress", values[spec.name])
+
+
 def _check_settings(max_new_tokens: int, compile: bool | Compile, prefill_tokens: int | None) -> None:
     """``generate``'s own settings, each refused in one line naming its value and what it takes."""
-    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
-        raise InvalidParameterError(f"max_new_tokens={max_new_tokens!r} is invalid; it must be an integer >= 1")
+    _check(max_new_tokens=max_new_tokens, prefill_tokens=prefill_tokens)
     if not isinstance(compile, (bool, Compile)):
         raise InvalidParameterError(f"compile={compile!r} is invalid; give True, False or a kvcompress.Compile")
-    if prefill_tokens is not None and (not isinstance(prefill_tokens, int) or isinstance(prefill_tokens, bool) or
-                                       prefill_tokens < 1):
-        raise InvalidParameterError(
-            f"prefill_tokens={prefill_tokens!r} is invalid; give an integer >= 1, or None for one prefill of all rows")
 
 
 def _sampling(temperature: float, top_p: float, seed: int | None) -> Sampling | None:
     """The sampling settings (None: greedy), each refused in one line naming its value and range."""
-    if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or not 0 <= temperature <= 100:
-        raise InvalidParameterError(f"temperature={temperature!r} is invalid; give a number in [0, 100] (0: greedy)")
-    if not isinstance(top_p, (int, float)) or isinstance(top_p, bool) or not 0 < top_p <= 1:
-        raise InvalidParameterError(f"top_p={top_p!r} is invalid; give a number in (0, 1]")
-    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):
-        raise InvalidParameterError(f"seed={seed!r} is invalid; give an integer >= 0, or None")
+    _check(temperature=temperature, top_p=top_p, seed=seed)
     unused = [f"{name}={value}" for name, value, default in (("top_p", top_p, 1.0), ("seed", seed, None))
               if value != default]
     if temperature == 0 and unused:
@@ -241,10 +260,6 @@ def _ready_kernel(model: PreTrainedModel, method: Method) -> float:
     return ready_cpu_kernel() if model.device.type == "cpu" and method.kv_codec() is not None else 0.0
 
 
-# a stored context's last prefill queries kept per layer, for the question-aware methods asked over it
-QUERY_WINDOW = 64
-
-
 @torch.inference_mode()
 def compress(
     model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompt: Prompt | list[Prompt],
@@ -265,10 +280,7 @@ def compress(
     where it is thinned (they would add to what a compressed context holds). On an accelerator, a
     context that keeps every token is held in host memory."""
     auto = query_window == "auto"
-    if not auto and query_window is not None and (not isinstance(query_window, int) or isinstance(query_window, bool) or
-                                                  query_window < 0):
-        raise InvalidParameterError(
-            f"query_window={query_window!r} is invalid; give an integer >= 0, None to keep every query, or 'auto'")
+    _check(prefill_tokens=prefill_tokens, **({} if auto else {"query_window": query_window}))
     clock = time.perf_counter()
     prompts, is_batch = prompt_rows(prompt)
     turns = [context_turn(tokenizer, p) for p in prompts]

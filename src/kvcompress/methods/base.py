@@ -56,12 +56,13 @@ def require(ok: bool, message: str) -> None:
 
 
 def param(default: Any, help: str, *, minimum: float | None = None, choices: tuple[Any, ...] | None = None,
-          above: float | None = None, at_most: float | None = None, kw_only: bool = False) -> Any:
+          above: float | None = None, at_most: float | None = None, kw_only: bool = False,
+          none: str = "the default") -> Any:
     """A method field: its default, its help text (shown by the CLI) and its valid range:
     ``minimum`` (inclusive), ``above`` (exclusive), ``at_most`` (inclusive), or ``choices``; ``kw_only``: never
-    given by position (the fields every method shares)."""
-    return field(default=default, kw_only=kw_only,
-                 metadata={"help": help, "minimum": minimum, "above": above, "at_most": at_most, "choices": choices})
+    given by position (the fields every method shares); ``none``: what None means, where the type allows it."""
+    return field(default=default, kw_only=kw_only, metadata={
+        "help": help, "minimum": minimum, "above": above, "at_most": at_most, "choices": choices, "none": none})
 
 
 def require_with(method: Method, name: str, applies: bool, needs: str, needs_flag: str) -> None:
@@ -100,6 +101,7 @@ class FieldSpec:
     above: float | None
     at_most: float | None
     choices: tuple[Any, ...] | None  # strings, or numbers (kv_bits)
+    none: str = "the default"  # what None means (where ``optional``)
 
     @property
     def flag(self) -> str:
@@ -113,14 +115,15 @@ class FieldSpec:
         valid_type = isinstance(value, bool) if self.kind is bool else (
             isinstance(value, (int, float) if self.kind is float else self.kind) and not isinstance(value, bool)
         )
+        ranged = self.above is not None or self.at_most is not None
         require(valid_type and (self.kind is not float or math.isfinite(value)),
-                f"{owner}: {self.name}={value!r} is invalid; it must be {self._what()}")
+                f"{owner}: {self.name}={value!r} is invalid; it must be {self.valid() if ranged else self._what()}")
         if self.choices is not None:
             require(value in self.choices,
                     f"{owner}: {self.name}={value!r} is unknown; valid: {', '.join(map(str, self.choices))}")
         in_range = ((self.minimum is None or value >= self.minimum) and (self.above is None or value > self.above)
                     and (self.at_most is None or value <= self.at_most))
-        if self.above is not None or self.at_most is not None:
+        if ranged:
             require(in_range, f"{owner}: {self.name}={value!r} is outside the valid range {self._interval()}")
         require(in_range, f"{owner}: {self.name}={value!r} is invalid; it must be {self._what()}")
 
@@ -143,7 +146,7 @@ class FieldSpec:
             return f"one of {', '.join(map(str, self.choices))}"
         kind = {int: "an integer", float: "a number", bool: "True or False", str: "a string"}[self.kind]
         text = f"{kind} >= {self.minimum:g}" if self.minimum is not None else kind
-        return text + (" (or None for the default)" if self.optional and optional_note else "")
+        return text + (f" (or None for {self.none})" if self.optional and optional_note else "")
 
 
 def field_specs(cls: type) -> list[FieldSpec]:
@@ -161,7 +164,8 @@ def field_specs(cls: type) -> list[FieldSpec]:
         specs.append(
             FieldSpec(f.name, kinds[0],
                       type(None) in args, None if f.default is MISSING else f.default, meta.get("help", ""),
-                      meta.get("minimum"), meta.get("above"), meta.get("at_most"), meta.get("choices")))
+                      meta.get("minimum"), meta.get("above"), meta.get("at_most"), meta.get("choices"),
+                      meta.get("none", "the default")))
     return sorted(specs, key=lambda spec: spec.name in CODEC_FIELDS)  # the method's own first, storage's last
 
 
