@@ -118,7 +118,7 @@ def test_adaptive_heads_hold_different_counts_in_the_same_memory():
                             max_new_tokens=6)
     packed = adaptive.cache.layers[0].packed
     lengths = packed.lengths[0]
-    assert len(set(lengths)) > 1 and sum(lengths) == sum(uniform.cache.layers[0].used for _ in lengths)
+    assert len(set(lengths)) > 1 and sum(lengths) == sum(uniform.cache.layers[0].slots.used for _ in lengths)
     held = sum(t.numel() * t.element_size() for t in (packed.keys, packed.values))  # measured from the tensors
     assert adaptive.cache.stats()["kv_bytes_kept"] + adaptive.cache.stats()["spare_bytes"] == sum(
         lyr.packed.keys.numel() * lyr.packed.keys.element_size() * 2 for lyr in adaptive.cache.layers)

@@ -55,7 +55,7 @@ def test_h2o_evicting_while_decoding_stays_at_budget():
     result = kvc.generate(model, tok, random_text(150), method=kvc.H2O(budget=48, evict_during_decoding=True),
                           max_new_tokens=20)
     for layer in result.cache.layers:  # 48 slots held; the buffers keep only the room a step needs
-        assert layer.used == 48 and not layer.valid[:,
+        assert layer.slots.used == 48 and not layer.slots.valid[:,
                                                     48:].any() and layer.keys.shape[-2] <= 48 + 1 + spare_slots(48 + 1)
     small = kvc.generate(model, tok, random_text(30), method=kvc.H2O(budget=200, evict_during_decoding=True),
                          max_new_tokens=8)
@@ -240,7 +240,7 @@ def test_shadowkv_outliers_are_the_chunks_least_like_their_landmark():
             mean = block.mean(0)
             lowest.append(min(float(torch.nn.functional.cosine_similarity(k, mean, dim=0)) for k in block))
         expected = sorted(sorted(range(chunks), key=lambda c: lowest[c])[:3])
-        outlier_positions = cache.layers[0].positions[0, g, : 3 * 8].view(3, 8)
+        outlier_positions = cache.layers[0].slots.positions[0, g, : 3 * 8].view(3, 8)
         assert (outlier_positions[:, 0] // 8).tolist() == expected
         assert not cache.layers[0].selectable[0, g, expected].any()
 

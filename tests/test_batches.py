@@ -69,6 +69,6 @@ def test_shadowkv_outliers_never_come_from_padding():
     for row, prompt in enumerate(prompts):
         assert batch.token_ids[row] == kvc.generate(model, tok, prompt, method=method, max_new_tokens=10).token_ids[0]
     layer = batch.cache.layers[0]
-    outlier_slots = layer.positions[1, :, : 2 * 8]  # the dense slots after the front slots of the selected chunks
+    outlier_slots = layer.slots.positions[1, :, : 2 * 8]  # the dense slots after the front slots of the selected chunks
     # the short row has no chunk to spare
-    assert (outlier_slots == -1).all() and not layer.valid[1, layer.front : layer.front + 2 * 8].any()
+    assert (outlier_slots == -1).all() and not layer.slots.valid[1, layer.front : layer.front + 2 * 8].any()

@@ -98,7 +98,7 @@ def test_the_device_never_holds_more_than_the_bound(method):
 
     def measure(module, args, kwargs):
         cache = kwargs.get(CACHE)
-        if cache is not None and cache.layers[0].cursor is not None:
+        if cache is not None and cache.layers[0].slots.cursor is not None:
             over.append(max(layer.slots.keys.shape[-2] - layer.slots.limit for layer in cache.layers))
 
     hook = model.register_forward_pre_hook(measure, with_kwargs=True)

@@ -68,7 +68,7 @@ def test_padding_is_never_kept(tok):
     result = kvc.generate(model, tok, prompts, method=kvc.SnapKV(budget=80, window=8), max_new_tokens=2)
     layer = result.cache.layers[0]
     # Row 0 (101 real tokens) and row 1 (301) both keep 80: no filler slots, no padding.
-    assert layer.valid is None or layer.valid[:, :80].all()
+    assert layer.slots.valid is None or layer.slots.valid[:, :80].all()
     assert (result.cache.kept_positions(0) >= 0).all()
     assert result.cache.kept_positions(0)[0].max() <= 100
 
@@ -242,12 +242,12 @@ def test_decoding_appends_into_spare_slots_and_counts_them():
             copies += layer.keys.data_ptr() != storage
             storage = layer.keys.data_ptr()
     torch.testing.assert_close(torch.stack(got), torch.stack(expected))
-    assert layer.used == 360 and layer.valid[0, :360].all() and not layer.valid[0, 360:].any()
+    assert layer.slots.used == 360 and layer.slots.valid[0, :360].all() and not layer.slots.valid[0, 360:].any()
     # the first step moves the prompt into 301 + 18 slots; it grows at 320 (+20) and 341 (+21) slots:
     # three copies in 60 steps, not 60
     assert copies == 3 and layer.keys.shape[-2] == 341 + 21
     held = sum(t.numel() * t.element_size() for lyr in ours.layers
-               for t in (lyr.keys, lyr.values, lyr.valid, lyr.positions, lyr.cursor) if t is not None)
+               for t in (lyr.keys, lyr.values, lyr.slots.valid, lyr.slots.positions, lyr.slots.cursor) if t is not None)
     stats = ours.stats()
     assert stats["device_bytes"] == held  # spare slots count as memory
     # but not as kept tokens

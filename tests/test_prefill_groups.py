@@ -105,6 +105,6 @@ def test_eight_rows_peak_at_one_row_plus_the_kept_caches(method, monkeypatch):
 
 def test_bad_prefill_tokens_are_refused():
     model, tok = tiny_model(), char_tokenizer()
-    with pytest.raises(kvc.InvalidParameterError,
-                       match=r"prefill_tokens=0 is invalid; it must be an integer >= 1 \(or None for one prefill of all rows\)"):
+    refusal = r"prefill_tokens=0 is invalid; it must be an integer >= 1 \(or None for one prefill of all rows\)"
+    with pytest.raises(kvc.InvalidParameterError, match=refusal):
         kvc.generate(model, tok, [random_text(50)] * 2, prefill_tokens=0)

@@ -56,7 +56,7 @@ def test_full_rank_no_outliers_full_budget_matches_full_cache(arch):
     torch.testing.assert_close(shadow, full, rtol=1e-4, atol=1e-4)
     layer = cache.layers[0]
     # only local chunks, the tail and the continuation stay dense (after the front slots)
-    assert layer.used - layer.front == 4 * 8 + 300 % 8 + 24
+    assert layer.slots.used - layer.front == 4 * 8 + 300 % 8 + 24
     # every chunk is selected at every step: the first step reads all from the store, the 23 after reuse all
     assert cache.stats()["chunk_hit_rate"] == pytest.approx(23 / 24)
 
@@ -181,18 +181,19 @@ def test_memory_split_between_device_and_offload_store():
     assert layer.factor_a.shape == (1, n_chunks * 8, 4) and layer.factor_b.shape == (1, 4, 2, 16)
     assert layer.landmarks.shape == (1, 2, n_chunks, 16)
     # selected chunks, then outliers + local + tail + one generated token
-    assert layer.front == 32 and layer.used - layer.front == 2 * 8 + 16 + 3 + 1
+    assert layer.front == 32 and layer.slots.used - layer.front == 2 * 8 + 16 + 3 + 1
     assert layer.store.host.shape == (1, 2, n_chunks, 8, 16) and layer.store.host.device.type == "cpu"
     assert stats["offloaded_bytes"] == 2 * n_chunks * 8 * 2 * 16 * 4
     def held(lyr) -> int:  # every tensor the layer keeps on the device between steps
-        names = ("keys", "values", "valid", "positions", "cursor", "factor_a", "factor_b", "landmarks", "bias",
-                 "inv_freq", "selectable", "unselectable", "step_chunks", "selected", "hits", "front_slots")
-        tensors = [getattr(lyr, n) for n in names]
+        names = ("factor_a", "factor_b", "landmarks", "bias", "inv_freq", "selectable", "unselectable", "step_chunks",
+                 "selected", "hits", "front_slots")
+        storage = [getattr(lyr.slots, n) for n in ("keys", "values", "valid", "positions", "cursor")]
+        tensors = storage + [getattr(lyr, n) for n in names]
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     assert stats["device_bytes"] == sum(held(lyr) for lyr in cache.layers)
     assert stats["selected_tokens_per_step"] == 32 and stats["rank"] == 4 and stats["chunk"] == 8
-    assert not layer.selectable.gather(2, layer.positions[:, :, :16:8] // 8).any()  # outliers never selectable
+    assert not layer.selectable.gather(2, layer.slots.positions[:, :, :16:8] // 8).any()  # outliers never selectable
 
 
 def test_batch_of_prompts_with_different_lengths():
@@ -208,11 +209,11 @@ def test_follow_up_turn_and_long_generation():
     model, tok = tiny_model(), char_tokenizer()
     chat = [{"role": "user", "content": random_text(300, seed=4)}]
     first = kvc.generate(model, tok, chat, method=kvc.ShadowKV(budget=32, rank=8), max_new_tokens=40)
-    dense_before = first.cache.layers[0].used
+    dense_before = first.cache.layers[0].slots.used
     second = kvc.generate(model, tok, "and the second word?", past=first, max_new_tokens=40)
     follow_up = second.attention_mask.shape[-1] - first.attention_mask.shape[-1] - len(second.token_ids[0]) + 1
     # appended, not compressed
-    assert second.cache.layers[0].used == dense_before + follow_up + len(second.token_ids[0]) - 1
+    assert second.cache.layers[0].slots.used == dense_before + follow_up + len(second.token_ids[0]) - 1
     full_first = kvc.generate(model, tok, chat, method=kvc.ShadowKV(**EXACT), max_new_tokens=40)
     full_second = kvc.generate(model, tok, "and the second word?", past=full_first, max_new_tokens=40)
     reference = kvc.generate(model, tok, chat, method=kvc.FullKV(), max_new_tokens=40)

@@ -205,9 +205,9 @@ def test_compressed_tensors_hold_exactly_kv_heads_times_budget():
     stats = cache.stats()
     for layer in cache.layers:
         assert layer.keys.shape == (1, 2, 64, 16) and layer.values.shape == (1, 2, 64, 16)
-        assert layer.valid is None
+        assert layer.slots.valid is None
     kv_bytes = sum(layer.keys.numel() * 4 * 2 for layer in cache.layers)
-    positions_bytes = sum(layer.positions.numel() * 8 for layer in cache.layers)
+    positions_bytes = sum(layer.slots.positions.numel() * 8 for layer in cache.layers)
     assert stats["kv_bytes_kept"] == kv_bytes  # the kept tokens' keys and values
     assert stats["device_bytes"] == kv_bytes + positions_bytes  # everything the cache holds
     assert stats["kv_bytes_full"] == 2 * 2 * 2 * 300 * 16 * 4
@@ -233,6 +233,6 @@ def test_question_agnostic_mode_compresses_the_context_alone():
     context_only = kvc.generate(model, tok, context, method=method, max_new_tokens=1)
     assert torch.equal(agnostic.cache.kept_positions(0), context_only.cache.kept_positions(0))
     appended = len(tok("\n" + question, add_special_tokens=False)["input_ids"])
-    assert agnostic.cache.layers[0].used == 64 + appended + len(agnostic.token_ids[0]) - 1
+    assert agnostic.cache.layers[0].slots.used == 64 + appended + len(agnostic.token_ids[0]) - 1
     aware = kvc.generate(model, tok, context + "\n" + question, method=method, max_new_tokens=1)
     assert not torch.equal(aware.cache.kept_positions(0), agnostic.cache.kept_positions(0))

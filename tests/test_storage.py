@@ -55,7 +55,8 @@ def test_a_head_adaptive_layer_swaps_its_storage_and_keeps_its_length():
     for adaptive, dense in zip(result.cache.layers, uniform.cache.layers):
         assert isinstance(adaptive.slots, PackedSlots) and isinstance(dense.slots, DenseSlots)
         assert adaptive.get_seq_length() == dense.get_seq_length() == dense.prefill_len + 4  # the last token is not fed
-        assert adaptive.keys.shape[-2] == 0 and adaptive.valid is None  # no slots for attention: the packing attends
+        # no slots for attention: the packing attends
+        assert adaptive.keys.shape[-2] == 0 and adaptive.slots.view(decoded=False).valid is None
 
 
 def test_a_ring_keeps_the_window_and_a_cap_its_limit_while_decoding():
@@ -96,7 +97,7 @@ def test_a_turn_fed_at_once_after_an_evicting_cache_is_full_stays_causal():
             model(prompt, **{CACHE: cache})
             for t in range(steps.shape[1]):
                 model(steps[:, t : t + 1], **{CACHE: cache})
-            assert cache.layers[0].used == 24
+            assert cache.layers[0].slots.used == 24
             return model(tokens, **{CACHE: cache}).logits[0]
 
     whole = turn_logits(turn)

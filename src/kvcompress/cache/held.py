@@ -141,7 +141,8 @@ def join(layer: Any, others: list[Any]) -> None:
     """The rows of ``others`` (the same layer in caches of other groups of one batch, each compressed with the
     batch's shapes, none decoded yet) appended to ``layer``'s: the storage's, then every attribute whose batch is
     first (each freed from ``others`` as the join goes) and every plain value with a ``join`` rule."""
-    if any(each.cursor is not None or each.phase is not Phase.DECODING for each in (layer, *others)):
+    stepped = (each.slots.view(decoded=False).cursor is not None for each in (layer, *others))
+    if any(stepped) or any(each.phase is not Phase.DECODING for each in (layer, *others)):
         raise CacheMisuseError("kvcompress: only caches holding a compressed prompt, not yet decoded, can be joined")
     layer.slots = layer.slots.joined([other.slots for other in others])
     for name, spec in declared(type(layer)).items():

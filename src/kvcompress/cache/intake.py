@@ -209,7 +209,8 @@ def recorded_prompt(source: Any, slots: DenseSlots) -> PromptRecord:
     prompt = slice(0, source.prefill_len)
     slots.set(source.keys[:, :, prompt], source.values[:, :, prompt])
     slots.seen = source.prefill_len
-    valid = None if source.valid is None else source.valid[:, prompt]
+    held = source.slots.view(decoded=False).valid
+    valid = None if held is None else held[:, prompt]
     return PromptRecord(source.queries, valid, source.query_scaling)
 
 

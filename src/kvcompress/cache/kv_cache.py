@@ -237,7 +237,7 @@ class KVCompressCache(Cache):
     def stats(self) -> dict[str, Any]:
         """What is held versus what a full cache would hold, measured from the tensors, plus the
         method's own fields (from its layers' counters) and the last run's timings."""
-        layers = [layer for layer in self.layers if layer.is_initialized and not layer.is_prefill]
+        layers = [layer for layer in self.layers if layer.is_initialized and not layer.phase.taking_prompt]
         if not layers:
             return {"method": self.method.describe(), "prompt_tokens": 0, "new_tokens": 0}
         per_layer = [layer.stats() for layer in layers]
@@ -250,7 +250,7 @@ class KVCompressCache(Cache):
         return {
             "method": self.method.describe(),
             "prompt_tokens": prompt[0] if len(prompt) == 1 else prompt,
-            "new_tokens": first.seen_tokens - first.prefill_len,
+            "new_tokens": first.slots.seen - first.prefill_len,
             "kv_tokens_per_layer": [s["kv_tokens"] for s in per_layer],
             # the precision kv_bits=16 keeps and kv_bytes_full counts: the model's own (float32 on a CPU)
             "kv_dtype": str(first.dtype).removeprefix("torch."),

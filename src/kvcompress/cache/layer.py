@@ -50,7 +50,6 @@ from .phase import Phase, moved
 from .steps import STEP_OF, Step
 
 _announced = threading.local()
-_PROMPT = (Phase.EMPTY, Phase.PROMPT)
 
 
 def take_announced() -> tuple[KVLayer | None, torch.Tensor | None]:
@@ -84,15 +83,10 @@ class KVLayer(DynamicLayer):
     sinks: torch.Tensor | None = hold(saved=False)  # [q_heads]: learned sink logits (gpt-oss), set by make_cache
     LAYOUTS: ClassVar[tuple[type[Slots], ...]] = ()  # storage a subclass may swap its slots for (saved under NAME)
 
-    # The storage as the layer's callers read it (SlotView: keys/values as attention gets them, validity, ...).
+    # transformers' layer attributes, as attention gets them: views of the storage (its lengths, validity and
+    # positions are read from it: ``slots.seen``, ``slots.used``, ``slots.view(decoded=False)``)
     keys = property(lambda self: self.slots.view().keys, _refuse_replacing("keys"))
     values = property(lambda self: self.slots.view().values, _refuse_replacing("values"))
-    valid = property(lambda self: self.slots.view(decoded=False).valid)
-    positions = property(lambda self: self.slots.view(decoded=False).positions)
-    cursor = property(lambda self: self.slots.view(decoded=False).cursor)
-    used = property(lambda self: self.slots.used)
-    seen_tokens = property(lambda self: self.slots.seen)  # the logical length: every token fed, padding included
-    is_prefill = property(lambda self: self.phase in _PROMPT, doc="The prompt is coming in (not compressed yet).")
 
     def __init__(self, layer_idx: int, slots: Slots | None = None) -> None:
         self.slots: Slots = DenseSlots() if slots is None else slots  # before the base class sets keys and values
@@ -118,8 +112,19 @@ class KVLayer(DynamicLayer):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor,
                *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """The step its phase calls for (steps.py) takes the new keys and values; it stays open until ``commit``."""
-        _check_step(self, key_states)
+        """The step its phase calls for (steps.py) takes the new keys and values; it stays open until ``commit``.
+        Refused: a second update before its attention committed (the model's attention does not go through
+        kvcompress), or another batch size than the one the layer holds."""
+        if self.open_step is not None:
+            raise UnsupportedModelError(
+                f"kvcompress: layer {self.layer_idx} was updated twice without its attention running through the "
+                "'kvcompress' attention implementation; the model's attention layout is not supported (was "
+                "attn_implementation changed after make_cache?)")
+        new_rows = key_states.shape[0]
+        rows = self.slots.view(decoded=False).keys.shape[0] if self.phase is not Phase.EMPTY else new_rows
+        if rows != new_rows:
+            raise CacheMisuseError(f"kvcompress: this cache holds a batch of {rows} rows but got {new_rows}; make a "
+                                   "new cache for a new batch")
         step = STEP_OF[self.phase]
         keys, values = step.take(self, key_states, value_states)
         self.open_step = step
@@ -127,11 +132,10 @@ class KVLayer(DynamicLayer):
         return keys, values
 
     def get_seq_length(self) -> int:
-        return self.seen_tokens
+        return self.slots.seen  # the logical length: every token fed, padding included
 
-    def get_mask_sizes(self, query_length: int, *args) -> tuple[int, int]:
-        # transformers' mask covers logical positions; attach.py keeps only its newest columns.
-        return self.seen_tokens + query_length, 0
+    # get_mask_sizes: the base class's, from get_seq_length (transformers' mask covers logical positions; attach.py
+    # keeps only its newest columns)
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("kvcompress caches cannot be cropped (assisted/speculative decoding is unsupported)")
@@ -169,22 +173,19 @@ class KVLayer(DynamicLayer):
         if self.record_window is not False:
             kept = record.query if self.record_window is None else record.query[..., -self.record_window :, :]
             self.queries, self.query_scaling = kept, record.scaling
+        self.observation = ObservationPass(record, self.prefill_len)
         if self.observes:
-            self.observation = ObservationPass(record, self.prefill_len)
             self.phase = moved(self.layer_idx, self.phase, Phase.AWAITING_PASS, "the prompt waits for its pass")
-            return
-        self.phase = moved(self.layer_idx, self.phase, Phase.DECODING, "the prompt is compressed")
-        self._compress(record)
+        else:
+            self.end_observation()  # none to wait for: compressed now
 
-    def _compress(self, record: PromptRecord) -> None:
-        """The method's ``compress``, then the storage's codec, timed (on a GPU, between synchronizations)."""
-        start = synced_clock(self.device)
-        self.compress(record.query, record.scaling)
-        store_coded(self.slots, self.kv_codec)
-        self.compress_s += synced_clock(self.device) - start
-        self.observation = None
-        if self.record_window is False:
-            self.spans = None  # read by compress only (a prefill record keeps them for the methods it makes)
+    def expect_blocks(self, total: int) -> bool:
+        """The prompt will come in blocks, ``total`` tokens in all (``longprompt.BlockedPrefill``); False: it won't
+        (the layer is not empty, or its prompt comes another way)."""
+        if self.phase is not Phase.EMPTY or not isinstance(self.intake, OneForward):
+            return False
+        self.intake = InBlocks(total)
+        return True
 
     def continue_prompt(self, source: KVLayer, rows: torch.Tensor, pads: list[int], spans: torch.Tensor | None) -> None:
         """This fresh layer's prompt continues ``source``'s (read, never written): rows ``rows`` of it, one per row of
@@ -197,7 +198,7 @@ class KVLayer(DynamicLayer):
         picked = StoredPrompt(*(t.index_select(0, rows.to(t.device)) if isinstance(t, torch.Tensor) else t
                                 for t in stored))  # type: ignore[arg-type]
         self.intake = OverStored(picked, pads, spans)
-        self.slots.seen, self.slots.used = source.seen_tokens, stored.keys.shape[-2]  # the logical length continued
+        self.slots.seen, self.slots.used = source.slots.seen, stored.keys.shape[-2]  # the logical length continued
         self.spans = spans
 
     def load_prefill(self, source: KVLayer) -> None:
@@ -211,7 +212,8 @@ class KVLayer(DynamicLayer):
     def stored_prompt(self) -> StoredPrompt | None:
         """This layer's prompt as a later prompt continues it (a question over a stored context); None where its
         storage cannot be read as one (chunks in a store, packed segments)."""
-        stored = self.slots.stored() if self.phase is Phase.DECODING and self.cursor is None else None
+        at_rest = self.phase is Phase.DECODING and self.slots.view(decoded=False).cursor is None
+        stored = self.slots.stored() if at_rest else None
         if stored is None:
             return None
         return StoredPrompt(*stored, self.prompt_tokens, self.queries, self.query_scaling)
@@ -223,10 +225,19 @@ class KVLayer(DynamicLayer):
             self.observation.context = prompt_positions(self.slot_validity()) >= openings[:, None]
 
     def end_observation(self) -> None:
-        """The observation pass is over (or never began: the method then says what it lacks): compress."""
-        if self.observation is not None:
-            self.phase = moved(self.layer_idx, self.phase, Phase.DECODING, "the observation pass ended")
-            self._compress(self.observation.record)
+        """The prompt's observation pass is over, or none was waited for (or it never began: the method then says
+        what it lacks): the method's ``compress``, then the storage's codec, timed (on a GPU, between
+        synchronizations)."""
+        if self.observation is None:
+            return
+        self.phase = moved(self.layer_idx, self.phase, Phase.DECODING, "the prompt is compressed")
+        record, start = self.observation.record, synced_clock(self.device)
+        self.compress(record.query, record.scaling)
+        store_coded(self.slots, self.kv_codec)
+        self.compress_s += synced_clock(self.device) - start
+        self.observation = None
+        if self.record_window is False:
+            self.spans = None  # read by compress only (a prefill record keeps them for the methods it makes)
 
     def prepare_step(self, new: int) -> None:
         """Before a step of ``new`` tokens is written, or its room reserved (an eager step's ``update``, the
@@ -281,7 +292,7 @@ class KVLayer(DynamicLayer):
         return None  # why this layer's decoding step cannot be one compiled graph (None: it can)
 
     def full_tokens(self) -> int:
-        return self.seen_tokens  # tokens per KV head an uncompressed cache would hold for this layer
+        return self.slots.seen  # tokens per KV head an uncompressed cache would hold for this layer
 
 
 class WindowLayer(KVLayer):
@@ -297,14 +308,23 @@ class WindowLayer(KVLayer):
         self.window = window
 
     def compress(self, query: torch.Tensor, scaling: float) -> None:
-        keep = min(self.used, self.window - 1)  # copied, so the prompt's KV is freed
-        positions = self.kept_positions()[..., self.used - keep :].clone()
-        valid = None if self.valid is None else self.valid[:, self.used - keep :].clone()
-        window = slice(self.used - keep, self.used)
+        used = self.slots.used
+        keep = min(used, self.window - 1)  # copied, so the prompt's KV is freed
+        positions = self.kept_positions()[..., used - keep :].clone()
+        valid = None if self.slots.valid is None else self.slots.valid[:, used - keep :].clone()
+        window = slice(used - keep, used)
         self.slots.set(self.keys[:, :, window].clone(), self.values[:, :, window].clone(), valid, positions)
 
     def full_tokens(self) -> int:
-        return min(self.seen_tokens, self.window - 1)
+        return min(self.slots.seen, self.window - 1)
+
+    def expect_blocks(self, total: int) -> bool:
+        """The prompt will come in blocks, ``total`` tokens in all (``longprompt.BlockedPrefill``); False: it won't
+        (the layer is not empty, or its prompt comes another way)."""
+        if self.phase is not Phase.EMPTY or not isinstance(self.intake, OneForward):
+            return False
+        self.intake = InBlocks(total)
+        return True
 
     def continue_prompt(self, source: KVLayer, rows: torch.Tensor, pads: list[int], spans: torch.Tensor | None) -> None:
         """A window is what this layer keeps whatever the method: a copy of the stored one (rows ``rows``),
@@ -322,8 +342,9 @@ class WindowLayer(KVLayer):
         """The recorded window is already what this layer keeps (an observation pass then attends to it and
         stores none of its own tokens, as after a prefill: ``compress`` waits for the pass)."""
         self.lazy_initialization(source.keys, source.values)
-        self.slots.set(source.keys, source.values, source.valid, source.positions)
-        self.slots.seen, self.prefill_len = source.seen_tokens, source.prefill_len
+        stored = source.slots.view(decoded=False)
+        self.slots.set(source.keys, source.values, stored.valid, stored.positions)
+        self.slots.seen, self.prefill_len = source.slots.seen, source.prefill_len
         self.prompt_tokens = source.prompt_tokens
         if self.observes:  # compress (the window kept) reads no query
             self.observation = ObservationPass(PromptRecord(source.keys.new_zeros(0), None, 1.0), self.prefill_len)
@@ -335,35 +356,3 @@ class WindowLayer(KVLayer):
 
 _STORE_WHOLE = ("compress the context with a method that keeps its tokens (kvc.FullKV(), or a prompt method with "
                 "heads='uniform' and layers='uniform')")
-
-
-def _check_step(layer: KVLayer, key_states: torch.Tensor) -> None:
-    """Refuse a step the layer cannot take: a second update before its attention committed (the model's attention
-    does not go through kvcompress), or another batch size than the one it holds."""
-    if layer.open_step is not None:
-        raise UnsupportedModelError(
-            f"kvcompress: layer {layer.layer_idx} was updated twice without its attention running through the "
-            "'kvcompress' attention implementation; the model's attention layout is not supported (was "
-            "attn_implementation changed after make_cache?)"
-        )
-    rows = layer.slots.view(decoded=False).keys.shape[0] if layer.phase is not Phase.EMPTY else key_states.shape[0]
-    if rows != key_states.shape[0]:
-        raise CacheMisuseError(f"kvcompress: this cache holds a batch of {rows} rows but got {key_states.shape[0]}; "
-                               "make a new cache for a new batch")
-
-
-def expect_prompt(layer: KVLayer, total: int) -> bool:
-    """``layer``'s prompt will come in blocks, ``total`` tokens in all (``longprompt.BlockedPrefill``); False: it
-    won't (it is not empty, or its prompt comes another way)."""
-    if layer.phase is not Phase.EMPTY or not isinstance(layer.intake, OneForward):
-        return False
-    layer.intake = InBlocks(total)
-    return True
-
-
-def batch_prompt_tokens(layer: KVLayer) -> torch.Tensor:
-    """Real prompt tokens of every row of the batch: a cache prefilled for a group of a batch's rows compresses
-    them into the shapes the whole batch would take, so the groups can be joined."""
-    return layer.prompt_tokens if layer.batch_lengths is None else layer.batch_lengths
-
-

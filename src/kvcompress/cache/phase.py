@@ -23,6 +23,11 @@ class Phase(enum.Enum):
     CONTINUING = "continuing a stored window (the next step ends its prompt)"
     DECODING = "decoding (compressed; each step appends)"
 
+    @property
+    def taking_prompt(self) -> bool:
+        """The prompt is coming in (not compressed yet): ``EMPTY`` or ``PROMPT``."""
+        return self in (Phase.EMPTY, Phase.PROMPT)
+
 
 TRANSITIONS: dict[Phase, frozenset[Phase]] = {
     Phase.EMPTY: frozenset({Phase.PROMPT, Phase.AWAITING_PASS, Phase.CONTINUING, Phase.DECODING}),

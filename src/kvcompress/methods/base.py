@@ -361,6 +361,13 @@ class BudgetMethod(Method):
         return values
 
 
+def batch_prompt_tokens(layer: KVLayer) -> torch.Tensor:
+    """Real prompt tokens of every row of the batch ``layer`` is compressed for: a cache prefilled for a group of a
+    batch's rows (``KVCompressCache.note_batch``) compresses them into the shapes the whole batch would take, so
+    the groups can be joined."""
+    return layer.prompt_tokens if layer.batch_lengths is None else layer.batch_lengths
+
+
 def model_head_dim(model: PreTrainedModel) -> int:
     """The size of one attention head of ``model`` (its config's, or the hidden size over the heads)."""
     config = model.config.get_text_config()

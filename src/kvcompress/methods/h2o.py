@@ -166,7 +166,7 @@ class H2OLayer(EvictionLayer):
 
     def attend(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
                scaling: float, softcap: float | None = None) -> torch.Tensor:
-        if self.is_prefill:
+        if self.phase.taking_prompt:
             return super().attend(query, keys, values, mask, scaling, softcap)
         keys, values = attended_pair(self.slots.codec, keys, values)  # its own weights, from decoded keys
         batch, q_heads, q_len, dim = query.shape
@@ -202,4 +202,4 @@ class H2OLayer(EvictionLayer):
         """Prompt positions still held per head, ascending; -1 for slots holding padding or generated tokens."""
         if self.slots.notes["slot_positions"] is None:
             return super().kept_positions()
-        return prompt_positions_held(self.slots.notes["slot_positions"][..., : self.used], self.prompt_tokens)
+        return prompt_positions_held(self.slots.notes["slot_positions"][..., : self.slots.used], self.prompt_tokens)

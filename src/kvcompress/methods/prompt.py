@@ -30,12 +30,12 @@ from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, cast
 import torch
 
 from ..cache.held import hold
-from ..cache.layer import KVLayer, batch_prompt_tokens
+from ..cache.layer import KVLayer
 from ..storage.attention import scoring_sinks
 from ..storage.codec import restored_pair
 from ..storage.packed import PackedSlots
 from ..storage.slots import BoundedSlots, DenseSlots
-from .base import BudgetMethod, param, require, require_with
+from .base import BudgetMethod, batch_prompt_tokens, param, require, require_with
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -357,7 +357,7 @@ class HeadAdaptiveLayer(EvictionLayer):
                 slots = keep[row, head].nonzero()[:, 0]
                 segments[row].append(
                     (self.keys[row, head, slots], self.values[row, head, slots], positions[row, head, slots]))
-        self.slots = PackedSlots(segments, self.seen_tokens)  # the dense slots (the prompt's KV) are freed
+        self.slots = PackedSlots(segments, self.slots.seen)  # the dense slots (the prompt's KV) are freed
 
     @property
     def packed(self) -> PackedSlots | None:

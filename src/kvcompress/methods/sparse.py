@@ -23,13 +23,13 @@ import torch
 
 from ..cache.held import counted_bytes, hold
 from ..cache.intake import StoredPrompt
-from ..cache.layer import KVLayer, batch_prompt_tokens
+from ..cache.layer import KVLayer
 from ..storage.attention import dense_attention
 from ..storage.codec import attended_pair, token_bytes
 from ..storage.offload import ChunkStore
 from ..storage.slots import DenseSlots
 from ..storage.tensors import chunk_tokens, gather_tokens, prompt_positions
-from .base import BudgetMethod, require
+from .base import BudgetMethod, batch_prompt_tokens, require
 
 
 @dataclass

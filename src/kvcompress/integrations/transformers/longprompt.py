@@ -27,7 +27,6 @@ from transformers.masking_utils import (
 )
 
 from ...cache.kv_cache import KVCompressCache, cache_argument
-from ...cache.layer import expect_prompt
 
 PREFILL_BLOCK = 8192  # prompt positions a decoder layer processes at once during a long prefill (BlockedPrefill)
 MLP_CHUNK = 8192  # tokens an MLP processes at once during a long prefill
@@ -72,7 +71,7 @@ class BlockedPrefill(Wrapper):
     written over its own input (no later block reads an earlier position's hidden state): the prompt
     is held as one hidden-sized tensor, and the queries, rotated queries, attention output and MLP
     activations of one block only. The cache layer is told the prompt's length first
-    (``cache.layer.expect_prompt``), so it writes each block's keys and values into one buffer and compresses
+    (``KVLayer.expect_blocks``), so it writes each block's keys and values into one buffer and compresses
     after the last block. Only where no one else can see the hidden states: the model embedded the
     prompt itself, nothing is recorded (no hooks), no gradient. Anything else (a short input, another
     cache, decoding) passes through unchanged."""
@@ -90,7 +89,7 @@ class BlockedPrefill(Wrapper):
         unseen = cache is not None and getattr(cache, "embeds_itself",
                                                False) and not self.observed() and not torch.is_grad_enabled()
         length = hidden.shape[1] if hidden.dim() == 3 else 0
-        if layer is None or length <= self.tokens or not unseen or not expect_prompt(layer, length):
+        if layer is None or length <= self.tokens or not unseen or not layer.expect_blocks(length):
             return self.inner(*args, **kwargs)
         for start in range(0, length, self.tokens):
             end = min(length, start + self.tokens)
