@@ -4,13 +4,16 @@ strings are refused in one line; the command line takes them as --stop."""
 
 from __future__ import annotations
 
+import io
 import json
 
 import pytest
 import torch
 
 import kvcompress as kvc
+from kvcompress.chat import Printer
 from kvcompress.cli.main import main
+from kvcompress.generation.stops import Stops
 
 from .fixtures import char_tokenizer, random_text, tiny_model
 
@@ -96,3 +99,31 @@ def test_the_command_line_refuses_an_empty_stop_in_its_own_words(tmp_path, capsy
     err = capsys.readouterr().err
     assert code == 2 and err.strip().splitlines()[-1] == (
         "kvcompress: error: --stop '' is invalid; give a non-empty string (repeat --stop for several)")
+
+
+def streamed(model, tok, stop) -> str:
+    """What a stream of the first prompt's answer prints with stop strings ``stop``."""
+    out = io.StringIO()
+    endless(model, tok, PROMPTS[0], stop=stop, streamer=Printer(tok, out, Stops.of(stop, tok)))
+    return out.getvalue()
+
+
+def test_a_stream_shows_the_answer_and_never_a_stop_strings_first_characters():
+    model, tok = endless_model()
+    full = endless(model, tok, PROMPTS[0]).text
+    stop = first_repeat(full)
+    assert streamed(model, tok, stop) == full[: full.index(stop)] + "\n"  # not the string, nor its first tokens
+    # the answer's end begins a string that never comes: held back while it might, shown when the answer ends
+    unfinished = full[-2:] + "\u2603"
+    assert streamed(model, tok, unfinished) == full + "\n"
+
+
+def test_the_command_line_streams_an_answer_cut_before_its_stop_string(tmp_path, capsys):
+    model, tok = endless_model()
+    model.save_pretrained(tmp_path / "model")
+    tok.save_pretrained(tmp_path / "model")
+    full = endless(model, tok, PROMPTS[0])
+    stop = first_repeat(full.text)
+    code = main(["generate", "--model", str(tmp_path / "model"), "--prompt", PROMPTS[0][0]["content"], "--method",
+                 "snapkv", "--budget", "48", "--window", "8", "--max-new-tokens", "40", "--stop", stop, "--stream"])
+    assert code == 0 and capsys.readouterr().out.startswith(full.text[: full.text.index(stop)] + "\n")

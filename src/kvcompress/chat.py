@@ -20,6 +20,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .generation.generate import generate
 from .generation.result import Result
+from .generation.stops import Stops
 from .methods import Method
 
 COMMANDS = ('/save FILE (write the conversation), /reset (forget it, keep the document), /quit (or Ctrl-D); """ '
@@ -29,10 +30,11 @@ MULTILINE = '"""'  # a line of it alone opens, and closes, a message of several 
 
 class Printer:
     """A streamer (transformers' ``TextStreamer`` contract) that prints an answer's text as its tokens come:
-    the prompt's tokens, put first, are skipped; a token that does not end a character waits for the next."""
+    the prompt's tokens, put first, are skipped; a token that does not end a character waits for the next, and with
+    stop strings (``stops``) the text that may begin one waits until it does not (``Stops.showable``)."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, out: TextIO) -> None:
-        self.tokenizer, self.out = tokenizer, out
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, out: TextIO, stops: Stops | None = None) -> None:
+        self.tokenizer, self.out, self.stops = tokenizer, out, stops
         self.ids: list[int] | None = None  # None until the prompt has been put
         self.shown = ""
 
@@ -43,11 +45,18 @@ class Printer:
         self.ids.extend(int(t) for t in value.reshape(-1).tolist())
         text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
         if not text.endswith("\ufffd"):  # a character cut between tokens
+            self.show(text if self.stops is None else self.stops.showable(text))
+
+    def show(self, text: str) -> None:
+        """The answer's text up to here, of which the part not shown yet is written."""
+        if len(text) > len(self.shown):
             self.out.write(text[len(self.shown):])
             self.out.flush()
             self.shown = text
 
     def end(self) -> None:
+        if self.stops is not None and self.ids:  # what waited on a stop string that never came
+            self.show(self.stops.ended(self.tokenizer.decode(self.ids, skip_special_tokens=True)))
         self.out.write("\n")
         self.out.flush()
 
@@ -136,7 +145,7 @@ def chat(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, opened: Res
             continue
         try:
             turn = generate(model, tokenizer, line, past=turn, method=method, max_new_tokens=max_new_tokens,
-                            streamer=Printer(tokenizer, out), **sampling)
+                            streamer=Printer(tokenizer, out, Stops.of(sampling.get("stop"), tokenizer)), **sampling)
         except KeyboardInterrupt:
             out.write("\n(answer stopped; the conversation goes on from the last whole answer)\n")
             continue

@@ -17,6 +17,7 @@ from ..bench import report
 from ..generation.conversation import Prompt, user_prompt
 from ..generation.generate import compress, generate
 from ..generation.result import Result, load, saved_method
+from ..generation.stops import Stops
 from ..generation.ways_in import check_per_question
 from ..integrations.transformers.models import load_model
 from ..methods import METHODS, FullKV, InvalidParameterError, Method, method_class
@@ -145,7 +146,8 @@ def _cmd_generate(args: argparse.Namespace, console: Console) -> int:
 def _streamer(args: argparse.Namespace, tokenizer: Any) -> Any:
     from ..chat import Printer  # noqa: PLC0415 - the interactive front, loaded when asked for
 
-    args.printer = Printer(tokenizer, sys.stdout) if args.stream else None  # (an interrupt ends its line)
+    stops = Stops.of(args.stop, tokenizer)
+    args.printer = Printer(tokenizer, sys.stdout, stops) if args.stream else None  # (an interrupt ends its line)
     return args.printer
 
 

@@ -5,8 +5,8 @@ document it imagines; it rarely says its end token. A stop string ends the answe
 transformers' ``stop_strings`` do. Each row's text is decoded whole on the host after every step (one read from the
 device per step, only when stop strings are given), so a string that spans tokens is found. A stopped row ends as
 an answer cut by ``max_new_tokens`` does: its tokens run to the one that completed the string, that token unfed
-(``pending``: a follow-up feeds it first), and its text ends before the string. A streamed answer has shown the
-string's first tokens by then.
+(``pending``: a follow-up feeds it first), and its text ends before the string. A stream shows an answer only as
+far as no stop string could begin (``showable``), so it never shows a string's first tokens.
 """
 
 from __future__ import annotations
@@ -54,6 +54,15 @@ class Stops:
         """``text`` before the first stop string in it; None where it holds none."""
         found = [text.index(s) for s in self.strings if s in text]
         return text[: min(found)] if found else None
+
+    def showable(self, text: str) -> str:
+        """As much of an answer's ``text`` so far as a stream may show: before its first stop string, or, where it
+        holds none yet, before its longest end that a stop string begins with (the next tokens may complete it)."""
+        cut = self.cut(text)
+        if cut is not None:
+            return cut
+        undecided = max((size for s in self.strings for size in range(1, len(s)) if text.endswith(s[:size])), default=0)
+        return text[: len(text) - undecided]
 
     def ended(self, text: str) -> str:
         """An answer's text as returned: before its first stop string."""
