@@ -92,7 +92,7 @@ def test_equal_head_counts_in_the_packed_layout_give_the_uniform_cache(method):
                                           continuation, follow_up)
     torch.testing.assert_close(packed, uniform, rtol=1e-5, atol=1e-5)
     for layer in range(2):
-        assert packed_cache.layers[layer].packed is not None
+        assert packed_cache.layers[layer].policy.packed is not None
         assert torch.equal(packed_cache.kept_positions(layer), uniform_cache.kept_positions(layer))
     assert packed_cache.stats()["kv_bytes_kept"] == uniform_cache.stats()["kv_bytes_kept"]
 
@@ -106,7 +106,7 @@ def test_packed_layout_with_soft_capped_logits():
     uniform, _ = teacher_forced(model, method, prompt, continuation, follow_up)
     packed, cache = teacher_forced(model, kvc.SnapKV(budget=24, window=4, heads="adaptive", head_floor=1.0), prompt,
                                    continuation, follow_up)
-    assert any(getattr(layer, "packed", None) is not None for layer in cache.layers)
+    assert any(getattr(layer.policy, "packed", None) is not None for layer in cache.layers)
     torch.testing.assert_close(packed, uniform, rtol=1e-5, atol=1e-5)
 
 
@@ -116,12 +116,13 @@ def test_adaptive_heads_hold_different_counts_in_the_same_memory():
     uniform = kvc.generate(model, tok, prompt, method=kvc.SnapKV(budget=64, window=8), max_new_tokens=6)
     adaptive = kvc.generate(model, tok, prompt, method=kvc.SnapKV(budget=64, window=8, heads="adaptive"),
                             max_new_tokens=6)
-    packed = adaptive.cache.layers[0].packed
+    packed = adaptive.cache.layers[0].policy.packed
     lengths = packed.lengths[0]
     assert len(set(lengths)) > 1 and sum(lengths) == sum(uniform.cache.layers[0].slots.used for _ in lengths)
     held = sum(t.numel() * t.element_size() for t in (packed.keys, packed.values))  # measured from the tensors
     assert adaptive.cache.stats()["kv_bytes_kept"] + adaptive.cache.stats()["spare_bytes"] == sum(
-        lyr.packed.keys.numel() * lyr.packed.keys.element_size() * 2 for lyr in adaptive.cache.layers)
+        lyr.policy.packed.keys.numel() * lyr.policy.packed.keys.element_size() * 2
+        for lyr in adaptive.cache.layers)
     # same spare room
     assert held <= 1.02 * sum(
         t.numel() * t.element_size() for t in (uniform.cache.layers[0].keys, uniform.cache.layers[0].values))

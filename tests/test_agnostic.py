@@ -201,12 +201,12 @@ def test_a_prefill_scored_method_ranks_every_layer_of_the_prompt_together():
     fresh = kvc.generate(model, tok, text, method=method, max_new_tokens=6)
     recorded = kvc.generate(model, tok, prefill=record, method=method, max_new_tokens=6)
     for result in (fresh, recorded):
-        assert [float(layer.share[0]) for layer in result.cache.layers] == pytest.approx(expected)
+        assert [float(layer.policy.share[0]) for layer in result.cache.layers] == pytest.approx(expected)
     assert fresh.token_ids == recorded.token_ids
     store = kvc.compress(model, tok, text, method=kvc.FullKV())
     asked = kvc.generate(model, tok, "What is it?", past=store, method=method, max_new_tokens=6)
     assert all(layer.phase.name == "DECODING" for layer in asked.cache.layers)
-    assert len(set(float(layer.share[0]) for layer in asked.cache.layers)) > 1
+    assert len(set(float(layer.policy.share[0]) for layer in asked.cache.layers)) > 1
 
 
 @pytest.mark.parametrize("family", ["gemma2", "gemma3"])

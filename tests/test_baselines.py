@@ -85,7 +85,7 @@ def test_budget_covering_everything_equals_the_full_cache(method):
     full, _ = teacher_forced_logits(model, kvc.FullKV(), prompt, continuation)
     sparse, cache = teacher_forced_logits(model, method, prompt, continuation)
     torch.testing.assert_close(sparse, full, rtol=1e-4, atol=1e-4)
-    assert cache.layers[0].store is not None  # the sparse path ran
+    assert cache.layers[0].policy.store is not None  # the sparse path ran
 
 
 @pytest.mark.parametrize("method", [kvc.Quest(budget=64), kvc.Loki(budget=64, dim=8)], ids=["quest", "loki"])
@@ -119,7 +119,7 @@ def test_loki_with_a_calibration_file(tmp_path):
     torch.save(torch.eye(16).expand(2, 2, 16, 16).clone(), path)
     _, cache = teacher_forced_logits(model, kvc.Loki(budget=64, dim=4, calibration=str(path)),
                                      torch.randint(3, 128, (1, 200)), torch.randint(3, 128, (1, 2)))
-    assert torch.equal(cache.layers[0].components[0, 0], torch.eye(16)[:, :4])
+    assert torch.equal(cache.layers[0].policy.components[0, 0], torch.eye(16)[:, :4])
 
 
 @pytest.mark.parametrize(
@@ -205,7 +205,7 @@ def test_quest_bounds_and_pages_match_a_loop_reference():
     layer = cache.layers[1]
     keys = full.layers[1].keys[0]  # [2, 200, 16]
     query = torch.randn(1, 4, 1, 16, generator=torch.Generator().manual_seed(6))
-    chosen, counted = layer.select(query, 0.25)
+    chosen, counted = layer.policy.select(query, 0.25)
     pages = 200 // 16
     for g in range(2):
         bounds = []
@@ -221,7 +221,8 @@ def test_quest_bounds_and_pages_match_a_loop_reference():
             for p in range(pages)
         ]
         assert all(b >= e - 1e-4 for b, e in zip(bounds, exact))
-        torch.testing.assert_close(layer.chunk_scores(query, 0.25)[0, g], torch.tensor(bounds), rtol=1e-5, atol=1e-5)
+        scores = layer.policy.chunk_scores(query, 0.25)[0, g]
+        torch.testing.assert_close(scores, torch.tensor(bounds), rtol=1e-5, atol=1e-5)
         # every chunk counts
         assert sorted(chosen[0, g].tolist()) == sorted(sorted(range(pages),
                                                               key=lambda p: -bounds[p])[:3]) and counted is None
@@ -242,7 +243,7 @@ def test_shadowkv_outliers_are_the_chunks_least_like_their_landmark():
         expected = sorted(sorted(range(chunks), key=lambda c: lowest[c])[:3])
         outlier_positions = cache.layers[0].slots.positions[0, g, : 3 * 8].view(3, 8)
         assert (outlier_positions[:, 0] // 8).tolist() == expected
-        assert not cache.layers[0].selectable[0, g, expected].any()
+        assert not cache.layers[0].policy.selectable[0, g, expected].any()
 
 
 def test_loki_components_and_selection_match_a_reference():
@@ -251,12 +252,13 @@ def test_loki_components_and_selection_match_a_reference():
     full, cache = prefilled_pair(kvc.Loki(budget=40, dim=6, recent=10), 150, seed=8)
     layer, keys = cache.layers[1], full.layers[1].keys[0].double()  # [2, 150, 16]
     query = torch.randn(1, 4, 1, 16, generator=torch.Generator().manual_seed(9))
-    chosen, counted = layer.select(query, 0.25)
+    chosen, counted = layer.policy.select(query, 0.25)
     for g in range(2):
         region = keys[g, :140]
         values, vectors = torch.linalg.eigh(region.T @ region)
         reference = vectors[:, values.argsort(descending=True)[:6]]
-        torch.testing.assert_close(layer.components[0, g].double().abs(), reference.abs(), rtol=1e-3, atol=1e-3)
+        components = layer.policy.components[0, g].double().abs()
+        torch.testing.assert_close(components, reference.abs(), rtol=1e-3, atol=1e-3)
         projected = region @ reference
         score = [
             max(float((query[0, h, 0].double() @ reference) @ projected[t]) for h in (2 * g, 2 * g + 1))

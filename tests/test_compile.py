@@ -173,7 +173,7 @@ class HostBound(kvc.FullKV):
 
     def make_layer(self, layer_idx, model) -> KVLayer:
         layer = KVLayer(layer_idx)
-        layer.uncapturable = lambda: "its layers read chunk ids on the host"
+        layer.policy.uncapturable = lambda: "its layers read chunk ids on the host"
         return layer
 
 

@@ -14,7 +14,7 @@ from torch._dynamo.utils import counters
 
 import kvcompress as kvc
 from kvcompress.cache.errors import UnsupportedModelError
-from kvcompress.methods.prompt import BoundedLayer
+from kvcompress.methods.prompt import BoundedPolicy
 
 from .fixtures import CACHE, char_tokenizer, family_model, random_text, tiny_model
 
@@ -69,21 +69,22 @@ def test_a_reselection_keeps_what_snapkv_with_the_last_steps_as_its_window_keeps
     model, tok = tiny_model(), char_tokenizer()
     method = kvc.SnapKV(budget=64, window=8, kernel=5, clustering="pool", decode_budget=40, every=12, votes=votes)
     checked = []
-    reselect = BoundedLayer.reselect
+    reselect = BoundedPolicy.reselect
 
-    def checking(layer, over):
-        held = layer.held_tokens()
+    def checking(policy, over):
+        held = policy.held_tokens()
         before = held.positions[0].clone()
-        expected = snapkv_reference(held.keys[0], layer.window_queries[0], held.valid[0], layer.scaling,
-                                    layer.bound, method.kernel, votes)
-        reselect(layer, over)
-        after = layer.slots.held_positions()[0]
+        expected = snapkv_reference(held.keys[0], policy.window_queries[0], held.valid[0], policy.scaling,
+                                    policy.bound, method.kernel, votes)
+        reselect(policy, over)
+        after = policy.slots.held_positions()[0]
+        layer = policy.layer.layer_idx
         for head in range(after.shape[0]):
             kept = {int(p) for p in after[head] if p >= 0}
-            assert kept == {int(before[head, slot]) for slot in expected[head]}, f"layer {layer.layer_idx} h{head}"
-        checked.append(layer.layer_idx)
+            assert kept == {int(before[head, slot]) for slot in expected[head]}, f"layer {layer} h{head}"
+        checked.append(layer)
 
-    monkeypatch.setattr(BoundedLayer, "reselect", checking)
+    monkeypatch.setattr(BoundedPolicy, "reselect", checking)
     result = kvc.generate(model, tok, random_text(300, seed=5), method=method, max_new_tokens=60)
     layers = model.config.num_hidden_layers  # (reselections: per layer, every layer re-selecting at the same steps)
     assert len(checked) >= 2 * 4 and result.stats["reselections"] * layers == len(checked)
@@ -231,7 +232,8 @@ def test_every_model_family_decodes_under_the_bound(family):
         pass
     for method in methods:
         batch = kvc.generate(model, tok, prompts, method=method, max_new_tokens=40)
-        bounded = any(isinstance(layer, BoundedLayer) for layer in batch.cache.layers)  # none: every layer slides
+        # none: every layer slides
+        bounded = any(isinstance(layer.policy, BoundedPolicy) for layer in batch.cache.layers)
         assert (batch.stats.get("reselections", 0) > 0) == bounded
         for row, prompt in enumerate(prompts):
             assert batch.token_ids[row] == kvc.generate(model, tok, prompt, method=method,

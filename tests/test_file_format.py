@@ -68,20 +68,21 @@ def documented_entries() -> dict[str, set[str]]:
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_a_files_layer_entries_are_the_documented_ones(name, tmp_path):
     """Each layer's plain values and tensors in a file this code writes, against the entries documented
-    for its class and every class above it (a holder's absent object is its prefix as a null value)."""
+    for its kind and every kind above it (a holder's absent object is its prefix as a null value)."""
     write_case(name, tmp_path / "case.kvc")
     saved = header(tmp_path / "case.kvc")
     documented = documented_entries()
     model = fixture_model(CASES[name][0])
-    classes = {
-        type(layer).__name__: type(layer)
-        for layer in kvc.method_from_spec(CASES[name][1]).make_cache(model, char_tokenizer()).layers
+    kinds = {  # each kind of layer the file names, and every kind above it (the layer's classes, its policy's names)
+        made.kind: {cls.__name__ for cls in type(made).__mro__} | {
+            vars(cls)["SAVED_AS"] for cls in type(made.policy).__mro__ if vars(cls).get("SAVED_AS")}
+        for made in kvc.method_from_spec(CASES[name][1]).make_cache(model, char_tokenizer()).layers
     }
     for index, layer in enumerate(saved["layers"]):
         prefix = f"layers.{index}."
         names = set(layer["values"]) | {key[len(prefix) :] for key in saved["tensors"] if key.startswith(prefix)}
         names = {re.sub(r"^packed\.positions\.\d+\.\d+$", "packed.positions.<r>.<h>", n) for n in names}
-        allowed = set().union(*(documented.get(cls.__name__, set()) for cls in classes[layer["class"]].__mro__))
+        allowed = set().union(*(documented.get(kind, set()) for kind in kinds[layer["class"]]))
         assert names <= allowed, f"layer {index} ({layer['class']}) holds undocumented {sorted(names - allowed)}"
         held_objects = {n.split(".")[0] for n in allowed if "." in n}
         required = {n for n in allowed if "." not in n and n not in held_objects}

@@ -143,7 +143,7 @@ def test_shadowkv_reports_its_value_fetches():
     assert stats["value_fetch"] == "cpu"
     # every selected chunk (4 per KV head, 2 heads) is read from the store at each of 5 steps
     assert stats["fetched_bytes_per_step"] == layers * 2 * 4 * 8 * 16 * 4
-    assert isinstance(cache.layers[0].hits, torch.Tensor)  # counted on the device
+    assert isinstance(cache.layers[0].policy.hits, torch.Tensor)  # counted on the device
 
 
 @needs_gpu
@@ -188,7 +188,7 @@ def test_gpu_decode_step_never_synchronizes_and_matches_cpu():
                 model(steps[:, t : t + 1].to(device), **{CACHE: cache})
         layer, step_query = cache.layers[0], query.to(device)
         if device == "cuda":
-            assert layer.store.mode.startswith("zero-copy") and layer.store.host.is_pinned()
+            assert layer.policy.store.mode.startswith("zero-copy") and layer.policy.store.host.is_pinned()
             torch.cuda.synchronize()
             torch.cuda.set_sync_debug_mode("error")  # any host synchronisation raises
         try:

@@ -18,9 +18,10 @@ from .fixtures import CACHE, char_tokenizer, random_text, tiny_model
 
 
 def undeclared(layer: KVLayer) -> list[str]:
-    """Tensor attributes of ``layer`` its class does not declare (none may be: a test asks every method's layers)."""
-    names = held.declared(type(layer))
-    return sorted(name for name, value in vars(layer).items() if isinstance(value, torch.Tensor) and name not in names)
+    """Tensor attributes of ``layer`` and its policy their classes do not declare (none may be: a test asks every
+    method's layers)."""
+    return sorted(name for holder in (layer, layer.policy) for name, value in vars(holder).items()
+                  if isinstance(value, torch.Tensor) and name not in held.declared(type(holder)))
 
 
 SPECS = [

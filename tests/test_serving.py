@@ -14,7 +14,7 @@ import torch
 import kvcompress as kvc
 from kvcompress.integrations.transformers.attach import layer_windows
 from kvcompress.methods.base import InvalidParameterError
-from kvcompress.methods.prompt import EvictionLayer
+from kvcompress.methods.prompt import EvictionPolicy
 from kvcompress.serving import settings as serving
 
 from .fixtures import FAMILIES, char_tokenizer, family_model, prefilled_cache
@@ -254,14 +254,14 @@ def test_a_workers_prompt_is_scored_as_the_library_scores_its_layer(name, monkey
     servable method scores it as it scores the library's own layer holding the same prompt."""
     method = kvc.method_from_name(name, budget=48)
     seen = []
-    library_scores = EvictionLayer.prompt_scores
+    library_scores = EvictionPolicy.prompt_scores
 
-    def recording(layer, query, scaling):
-        scores = library_scores(layer, query, scaling)
+    def recording(policy, query, scaling):
+        scores, layer = library_scores(policy, query, scaling), policy.layer
         seen.append((layer.keys.clone(), layer.values.clone(), layer.spans, layer.rotary, query, scaling, scores))
         return scores
 
-    monkeypatch.setattr(EvictionLayer, "prompt_scores", recording)
+    monkeypatch.setattr(EvictionPolicy, "prompt_scores", recording)
     prefilled_cache(method, 90)
     assert len(seen) == 2  # each layer of the tiny model
     for keys, values, spans, rotary, query, scaling, scores in seen:

@@ -56,7 +56,7 @@ def test_full_rank_no_outliers_full_budget_matches_full_cache(arch):
     torch.testing.assert_close(shadow, full, rtol=1e-4, atol=1e-4)
     layer = cache.layers[0]
     # only local chunks, the tail and the continuation stay dense (after the front slots)
-    assert layer.slots.used - layer.front == 4 * 8 + 300 % 8 + 24
+    assert layer.slots.used - layer.policy.front == 4 * 8 + 300 % 8 + 24
     # every chunk is selected at every step: the first step reads all from the store, the 23 after reuse all
     assert cache.stats()["chunk_hit_rate"] == pytest.approx(23 / 24)
 
@@ -163,7 +163,7 @@ def test_rebuilt_keys_carry_rope_at_their_original_positions():
         model(prompt, **{CACHE: cache})
     layer = cache.layers[1]
     chunks = torch.tensor([[[0, 5, 11], [2, 3, 17]]])
-    keys, values = layer.rebuild_keys(chunks), fetch_chunks(layer.store.host, chunks)
+    keys, values = layer.policy.rebuild_keys(chunks), fetch_chunks(layer.policy.store.host, chunks)
     tokens = (chunks[..., None] * 8 + torch.arange(8)).flatten(-2)
     expected = full.layers[1].keys.gather(2, tokens[..., None].expand(-1, -1, -1, 16))
     torch.testing.assert_close(keys, expected, rtol=1e-4, atol=1e-4)
@@ -178,22 +178,25 @@ def test_memory_split_between_device_and_offload_store():
         model(torch.randint(3, 128, (1, 1)), **{CACHE: cache})
     layer, stats = cache.layers[0], cache.stats()
     n_chunks = (403 - 16) // 8  # 48 chunks; 3 tail tokens + 2 local chunks stay dense
-    assert layer.factor_a.shape == (1, n_chunks * 8, 4) and layer.factor_b.shape == (1, 4, 2, 16)
-    assert layer.landmarks.shape == (1, 2, n_chunks, 16)
+    shadow = layer.policy
+    assert shadow.factor_a.shape == (1, n_chunks * 8, 4) and shadow.factor_b.shape == (1, 4, 2, 16)
+    assert layer.policy.landmarks.shape == (1, 2, n_chunks, 16)
     # selected chunks, then outliers + local + tail + one generated token
-    assert layer.front == 32 and layer.slots.used - layer.front == 2 * 8 + 16 + 3 + 1
-    assert layer.store.host.shape == (1, 2, n_chunks, 8, 16) and layer.store.host.device.type == "cpu"
+    assert layer.policy.front == 32 and layer.slots.used - layer.policy.front == 2 * 8 + 16 + 3 + 1
+    host = layer.policy.store.host
+    assert host.shape == (1, 2, n_chunks, 8, 16) and host.device.type == "cpu"
     assert stats["offloaded_bytes"] == 2 * n_chunks * 8 * 2 * 16 * 4
     def held(lyr) -> int:  # every tensor the layer keeps on the device between steps
         names = ("factor_a", "factor_b", "landmarks", "bias", "inv_freq", "selectable", "unselectable", "step_chunks",
                  "selected", "hits", "front_slots")
         storage = [getattr(lyr.slots, n) for n in ("keys", "values", "valid", "positions", "cursor")]
-        tensors = storage + [getattr(lyr, n) for n in names]
+        tensors = storage + [getattr(lyr.policy, n) for n in names]
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     assert stats["device_bytes"] == sum(held(lyr) for lyr in cache.layers)
     assert stats["selected_tokens_per_step"] == 32 and stats["rank"] == 4 and stats["chunk"] == 8
-    assert not layer.selectable.gather(2, layer.slots.positions[:, :, :16:8] // 8).any()  # outliers never selectable
+    # outliers never selectable
+    assert not layer.policy.selectable.gather(2, layer.slots.positions[:, :, :16:8] // 8).any()
 
 
 def test_batch_of_prompts_with_different_lengths():

@@ -6,10 +6,11 @@ import torch
 from transformers.cache_utils import DynamicLayer
 
 import kvcompress as kvc
-from kvcompress.cache.layer import KVLayer, WindowLayer
-from kvcompress.methods.h2o import H2OLayer
-from kvcompress.methods.prompt import BoundedLayer, HeadAdaptiveLayer
-from kvcompress.methods.sparse import SparseDecodeLayer
+from kvcompress.cache.layer import KVLayer, WindowLayer, WindowPolicy
+from kvcompress.cache.policy import LayerPolicy
+from kvcompress.methods.h2o import H2OPolicy
+from kvcompress.methods.prompt import BoundedPolicy, HeadAdaptivePolicy
+from kvcompress.methods.sparse import SparseDecodePolicy
 from kvcompress.storage.packed import PackedSlots
 from kvcompress.storage.slots import CappedSlots, DenseSlots, RingSlots, Slots
 
@@ -33,8 +34,9 @@ def test_every_layout_implements_the_whole_interface():
 def test_layers_hold_their_storage_and_override_none_of_it():
     assert KVLayer.__mro__[1] is DynamicLayer  # one class, no roles mixed in (cache/layer.py)
     assert not STORAGE_OPERATIONS & set(vars(KVLayer)), "the layer drives its storage; it hands none of it on"
-    for layer in (WindowLayer, H2OLayer, HeadAdaptiveLayer, SparseDecodeLayer, BoundedLayer):
-        for cls in layer.__mro__[: layer.__mro__.index(KVLayer)]:
+    for kind, base in ((WindowLayer, KVLayer), *((policy, LayerPolicy) for policy in (
+            WindowPolicy, H2OPolicy, HeadAdaptivePolicy, SparseDecodePolicy, BoundedPolicy))):
+        for cls in kind.__mro__[: kind.__mro__.index(base) + 1]:
             overrides = STORAGE_OPERATIONS & set(vars(cls))
             assert not overrides, f"{cls.__name__} overrides {sorted(overrides)}"
 

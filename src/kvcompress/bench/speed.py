@@ -185,17 +185,19 @@ class OverlapProbe(NamedTuple):
     concurrent: bool
 
 
-def overlap_probe(layer: Any) -> OverlapProbe | None:
-    """For a layer that reads an offload store while decoding (a sparse method's: its ``store``, the chunks its last
-    step ``selected`` and the keys it ``rebuild_keys`` meanwhile), the parts of its last step; None before a step."""
-    store = getattr(layer, "store", None)
-    if not isinstance(store, ChunkStore) or not store.offloaded or not layer.steps:
+def overlap_probe(layer: KVLayer) -> OverlapProbe | None:
+    """For a layer that reads an offload store while decoding (a sparse method's policy: its ``store``, the chunks
+    its last step ``selected`` and the keys it ``rebuild_keys`` meanwhile), the parts of its last step; None before
+    a step."""
+    policy = layer.policy
+    store = getattr(policy, "store", None)
+    if not isinstance(store, ChunkStore) or not store.offloaded or not policy.steps:
         return None
-    chosen = layer.selected
+    chosen = policy.selected
     return OverlapProbe(
         fetch=lambda: store.fetch(chosen, None, None, None, overlap=lambda: None),
-        work=lambda: layer.rebuild_keys(chosen),
-        both=lambda: store.fetch(chosen, None, None, None, overlap=lambda: layer.rebuild_keys(chosen)),
+        work=lambda: policy.rebuild_keys(chosen),
+        both=lambda: store.fetch(chosen, None, None, None, overlap=lambda: policy.rebuild_keys(chosen)),
         concurrent=store.stream is not None)
 
 

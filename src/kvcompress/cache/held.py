@@ -64,10 +64,16 @@ def declared(cls: type) -> dict[str, Held]:
     return _DECLARED[cls]
 
 
-def reset(layer: Any) -> None:
-    """Every declared attribute of ``layer`` at its default (a fresh layer)."""
-    for name, spec in declared(type(layer)).items():
-        setattr(layer, name, spec.default)
+def reset(holder: Any) -> None:
+    """Every attribute ``holder`` (a fresh layer, or a fresh policy) declares, at its default."""
+    for name, spec in declared(type(holder)).items():
+        setattr(holder, name, spec.default)
+
+
+def holding(layer: Any) -> list[tuple[Any, str, Held]]:
+    """Every attribute ``layer`` and its method's policy (``layer.policy``) declare, each with the object holding it:
+    the layer's first, then the policy's (one flat set of names, as a saved file holds them)."""
+    return [(owner, name, spec) for owner in (layer, layer.policy) for name, spec in declared(type(owner)).items()]
 
 
 def save(layer: Any) -> dict[str, Any]:
@@ -78,11 +84,11 @@ def save(layer: Any) -> dict[str, Any]:
         raise CacheMisuseError(
             "kvcompress: a cache can be saved once its prompt is prefilled and compressed, not during a step (layer "
             f"{layer.layer_idx} is {layer.phase.value})")
-    layouts = type(layer).LAYOUTS
+    layouts = type(layer.policy).LAYOUTS
     state = {**layer.slots.state_dict(), **{kind.NAME: None for kind in layouts if not isinstance(layer.slots, kind)}}
-    for name, spec in declared(type(layer)).items():
+    for owner, name, spec in holding(layer):
         if spec.saved:
-            value = getattr(layer, name)
+            value = getattr(owner, name)
             state.update(nested(name, held_state(value)) if spec.kind is not None else {name: value})
     return state
 
@@ -96,19 +102,19 @@ def load(layer: Any, state: dict[str, Any], device: torch.device) -> None:
 
 def put(layer: Any, state: dict[str, Any], device: torch.device) -> None:
     """``save``'s entries put into ``layer`` on ``device``, its phase left to the caller."""
-    swapped = [kind for kind in type(layer).LAYOUTS if inner(state, kind.NAME) is not None]
+    swapped = [kind for kind in type(layer.policy).LAYOUTS if inner(state, kind.NAME) is not None]
     if swapped:
         layer.slots = swapped[0].from_state(state, device)
     else:
         layer.slots.load_state_dict(state, device)
-    for name, spec in declared(type(layer)).items():
+    for owner, name, spec in holding(layer):
         if not spec.saved:
             continue
         if spec.kind is not None:
             entries = inner(state, name)
-            setattr(layer, name, None if entries is None else spec.kind.from_state(entries, device))
+            setattr(owner, name, None if entries is None else spec.kind.from_state(entries, device))
         else:
-            setattr(layer, name, on_device(state.get(name), device))
+            setattr(owner, name, on_device(state.get(name), device))
     layer.is_initialized = True
     layer.dtype, layer.device = layer.keys.dtype, layer.keys.device
 
@@ -116,12 +122,12 @@ def put(layer: Any, state: dict[str, Any], device: torch.device) -> None:
 def apply_rows(layer: Any, apply: Callable[[torch.Tensor], torch.Tensor]) -> None:
     """A batch operation (select, repeat, reorder rows) on the storage and every attribute whose batch is first."""
     layer.slots.batch_apply(apply)
-    for name, spec in declared(type(layer)).items():
-        value = getattr(layer, name)
+    for owner, name, spec in holding(layer):
+        value = getattr(owner, name)
         if not spec.rows or value is None:
             continue
         if isinstance(value, torch.Tensor):
-            setattr(layer, name, apply(value))
+            setattr(owner, name, apply(value))
         else:
             value.batch_apply(apply)
 
@@ -129,10 +135,10 @@ def apply_rows(layer: Any, apply: Callable[[torch.Tensor], torch.Tensor]) -> Non
 def move(layer: Any, place: Callable[[torch.Tensor], torch.Tensor]) -> None:
     """Every tensor of the layer through ``place`` (onto another device): the storage's and each declared one."""
     layer.slots.batch_apply(place)
-    for name in declared(type(layer)):
-        value = getattr(layer, name)
+    for owner, name, _ in holding(layer):
+        value = getattr(owner, name)
         if isinstance(value, torch.Tensor):
-            setattr(layer, name, place(value))
+            setattr(owner, name, place(value))
         elif value is not None and hasattr(value, "batch_apply"):
             value.batch_apply(place)
 
@@ -145,24 +151,25 @@ def join(layer: Any, others: list[Any]) -> None:
     if any(stepped) or any(each.phase is not Phase.DECODING for each in (layer, *others)):
         raise CacheMisuseError("kvcompress: only caches holding a compressed prompt, not yet decoded, can be joined")
     layer.slots = layer.slots.joined([other.slots for other in others])
-    for name, spec in declared(type(layer)).items():
-        values = [getattr(each, name) for each in (layer, *others)]
+    for owner, name, spec in holding(layer):
+        holders = [owner, *(other if owner is layer else other.policy for other in others)]
+        values = [getattr(each, name) for each in holders]
         if spec.join is not None:
-            setattr(layer, name, spec.join(values))
+            setattr(owner, name, spec.join(values))
         if not spec.rows or any(value is None for value in values):
             continue
         if isinstance(values[0], torch.Tensor):
-            setattr(layer, name, concat_rows(values, spec.ragged))
+            setattr(owner, name, concat_rows(values, spec.ragged))
         else:
-            setattr(layer, name, type(values[0]).concat(values))
-        for other in others:
+            setattr(owner, name, type(values[0]).concat(values))
+        for other in holders[1:]:
             setattr(other, name, None)
 
 
 def counted_bytes(layer: Any, index_only: bool = False) -> int:
     """Bytes of the attributes the stats count as index bytes (``index_only``: the selection index alone)."""
-    specs = declared(type(layer)).items()
-    return nbytes(*(getattr(layer, name) for name, spec in specs if (spec.index if index_only else spec.counted)))
+    return nbytes(*(getattr(owner, name) for owner, name, spec in holding(layer)
+                    if (spec.index if index_only else spec.counted)))
 
 
 def concat_rows(tensors: list[torch.Tensor], ragged: int | None = None) -> torch.Tensor:

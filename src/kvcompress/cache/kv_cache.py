@@ -166,7 +166,7 @@ class KVCompressCache(Cache):
         place = to_host if device.type == "cpu" else (lambda t: t.to(device))
         for layer in self.layers:
             if not layer.is_sliding and layer.stored_prompt() is None:
-                raise CacheMisuseError(f"kvcompress: layer {layer.layer_idx} ({type(layer).__name__}) cannot be moved; "
+                raise CacheMisuseError(f"kvcompress: layer {layer.layer_idx} ({layer.kind}) cannot be moved; "
                                        "only a stored context's layers can")
             held.move(layer, place)
             layer.device = device
@@ -220,14 +220,14 @@ class KVCompressCache(Cache):
         shape (a compiled decoding step is one graph only while nothing is reallocated); with
         ``buckets``, capacities rounded to ``capacity_bucket``, so other requests reuse the graph."""
         for layer in self.layers:
-            layer.prepare_step(1)
+            layer.policy.prepare_step(1)
             layer.slots.reserve(tokens, buckets)
 
     def prepare_step(self, new: int) -> None:
         """Every layer before a compiled step of ``new`` tokens, outside its graph (a layer under a decoding bound
         re-selects here, so the graph never changes; the room was reserved)."""
         for layer in self.layers:
-            layer.prepare_step(new)
+            layer.policy.prepare_step(new)
 
     def advance(self, new: int) -> None:
         """The host mirrors after a compiled step of ``new`` tokens (an eager step's ``commit`` moves them)."""
@@ -242,7 +242,7 @@ class KVCompressCache(Cache):
             return {"method": self.method.describe(), "prompt_tokens": 0, "new_tokens": 0}
         per_layer = [layer.stats() for layer in layers]
         totals = merge_counters(per_layer)
-        facts = merge_facts([layer.info() for layer in layers])
+        facts = merge_facts([layer.policy.info() for layer in layers])
         first = layers[0]
         prompt = first.prompt_tokens.tolist()
         full, kept = totals["kv_bytes_full"], totals["kv_bytes_kept"]

@@ -1,11 +1,11 @@
 """A cache layer: ``KVLayer`` and ``WindowLayer`` for sliding-window layers.
 
-A layer is composed of three things: its storage (``slots``, a ``storage.slots.Slots``: one class per layout,
-knowing no method), the way its prompt is coming in (``intake``, intake.py) and its phase (phase.py). Its method's
-policy is what a method's layer class overrides (``compress``, ``attend``, ``after_step``, ``observe``, ...), with an
-uncompressed layer's defaults here, as transformers' cache layers are a few abstract methods. What it holds beside
-its storage is declared once, in the class body (``hold``, held.py), and saving, loading, batch operations, joining
-groups and moving derive from that declaration.
+A layer is composed of four things: its storage (``slots``, a ``storage.slots.Slots``: one class per layout,
+knowing no method), the way its prompt is coming in (``intake``, intake.py), its phase (phase.py) and its method's
+policy (``policy``, policy.py: what a method decides, ``compress``, ``attend``, ``after_step``, ...; an uncompressed
+layer's by default). One layer class serves every method. What it holds beside its storage is declared once, in
+the class body (``hold``, held.py), as its policy declares its own, and saving, loading, batch operations, joining
+groups and moving derive from those declarations.
 
 transformers calls ``update`` (a step's keys and values), which looks up the step its phase calls for once
 (steps.py: the prompt's, the observation pass's, a later step's); the attention function then calls that step's
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Any, ClassVar, cast
+from typing import Any, cast
 
 import torch
 from transformers.cache_utils import DynamicLayer
@@ -47,6 +47,7 @@ from .intake import (
     recorded_prompt,
 )
 from .phase import Phase, moved
+from .policy import LayerPolicy
 from .steps import STEP_OF, Step
 
 _announced = threading.local()
@@ -81,17 +82,21 @@ class KVLayer(DynamicLayer):
     query_scaling: float | None = hold()
     batch_lengths: torch.Tensor | None = hold(saved=False, join=lambda v: None)  # a batch group: all rows' lengths
     sinks: torch.Tensor | None = hold(saved=False)  # [q_heads]: learned sink logits (gpt-oss), set by make_cache
-    LAYOUTS: ClassVar[tuple[type[Slots], ...]] = ()  # storage a subclass may swap its slots for (saved under NAME)
 
     # transformers' layer attributes, as attention gets them: views of the storage (its lengths, validity and
     # positions are read from it: ``slots.seen``, ``slots.used``, ``slots.view(decoded=False)``)
     keys = property(lambda self: self.slots.view().keys, _refuse_replacing("keys"))
     values = property(lambda self: self.slots.view().values, _refuse_replacing("values"))
+    # the kind of layer a file and an error name: its policy's name for it (EvictionLayer, ...), else its class
+    kind = property(lambda self: self.policy.SAVED_AS or type(self).__name__)
 
-    def __init__(self, layer_idx: int, slots: Slots | None = None) -> None:
+    def __init__(self, layer_idx: int, policy: LayerPolicy | None = None, slots: Slots | None = None) -> None:
         self.slots: Slots = DenseSlots() if slots is None else slots  # before the base class sets keys and values
         super().__init__()
         self.layer_idx = layer_idx
+        self.policy = LayerPolicy() if policy is None else policy  # what the method decides (policy.py)
+        self.policy.layer = self
+        self.rotary: Any = None  # the model's rotary embedding for this layer, for methods that score with it
         self.phase = Phase.EMPTY
         self.intake: Intake = OneForward()  # how the prompt comes in (intake.py)
         self.observation: ObservationPass | None = None  # the pass compression waits for (AWAITING_PASS, OBSERVING)
@@ -192,7 +197,7 @@ class KVLayer(DynamicLayer):
         the new prompt, led by ``pads`` padding slots; ``spans``: the joined prompt's word spans ``[b, width]``."""
         stored = source.stored_prompt()
         if stored is None:
-            raise CacheMisuseError(f"kvcompress: layer {source.layer_idx} of this context ({type(source).__name__}) "
+            raise CacheMisuseError(f"kvcompress: layer {source.layer_idx} of this context ({source.kind}) "
                                    f"holds its prompt in a form a question cannot be prefilled over; {_STORE_WHOLE}")
         moved(self.layer_idx, self.phase, Phase.PROMPT, "a prompt continuing a stored context")
         picked = StoredPrompt(*(t.index_select(0, rows.to(t.device)) if isinstance(t, torch.Tensor) else t
@@ -213,7 +218,7 @@ class KVLayer(DynamicLayer):
         """This layer's prompt as a later prompt continues it (a question over a stored context); None where its
         storage cannot be read as one (chunks in a store, packed segments)."""
         at_rest = self.phase is Phase.DECODING and self.slots.view(decoded=False).cursor is None
-        stored = self.slots.stored() if at_rest else None
+        stored = self.slots.stored() if at_rest and self.policy.prompt_readable() else None
         if stored is None:
             return None
         return StoredPrompt(*stored, self.prompt_tokens, self.queries, self.query_scaling)
@@ -232,67 +237,32 @@ class KVLayer(DynamicLayer):
             return
         self.phase = moved(self.layer_idx, self.phase, Phase.DECODING, "the prompt is compressed")
         record, start = self.observation.record, synced_clock(self.device)
-        self.compress(record.query, record.scaling)
+        self.policy.compress(record.query, record.scaling)
         store_coded(self.slots, self.kv_codec)
         self.compress_s += synced_clock(self.device) - start
         self.observation = None
         if self.record_window is False:
             self.spans = None  # read by compress only (a prefill record keeps them for the methods it makes)
 
-    def prepare_step(self, new: int) -> None:
-        """Before a step of ``new`` tokens is written, or its room reserved (an eager step's ``update``, the
-        cache's ``reserve``, a compiled loop between steps): e.g. a decoding bound's re-selection. Default: nothing."""
-
     def advance(self, new: int) -> None:
-        self.slots.advance(new)  # the host mirrors of the lengths after a step of ``new`` tokens
+        """The host mirrors of the lengths after a step of ``new`` tokens: the storage's, then the policy's."""
+        self.slots.advance(new)
+        self.policy.advanced(new)
 
     def slot_validity(self) -> torch.Tensor:
         return cast(DenseSlots, self.slots).slot_validity()  # [batch, slots] bool, True for real tokens
 
     def kept_positions(self) -> torch.Tensor:
         """Prompt positions held, ``[batch, kv_heads, prompt slots]`` ascending per head; -1 marks
-        filler slots of rows (in a batch) that keep fewer tokens than the longest row."""
-        return self.slots.kept_positions(self.prefill_len)
-
-    # --- the method's policy: what a method's layer overrides --------------------------------------------------
-
-    def queries_needed(self) -> int | None:
-        """The last prefill queries ``compress`` reads (None: all of them). Default: none."""
-        return 0
-
-    def compress(self, query: torch.Tensor, scaling: float) -> None:
-        """Once the layer holds the whole prompt (``query``: its last post-RoPE queries ``[b, q_heads, seq, d]``): keep
-        or store what the method needs (the storage codes what it keeps afterwards). Default: keep everything."""
-
-    def attend(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
-               scaling: float, softcap: float | None = None) -> torch.Tensor:
-        """Attention of ``query`` over this layer (``keys``/``values`` as ``update`` returned them, coded where the
-        storage reads codes: an override decodes them first, ``codec.attended_pair``)."""
-        return self.slots.attend(query, keys, values, mask, scaling, softcap)
-
-    def after_step(self, query: torch.Tensor, scaling: float) -> None:
-        """After a later step's tokens are stored (e.g. evict while decoding). Default: nothing."""
-
-    def observe(self, query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scaling: float, lse: torch.Tensor,
-                context: torch.Tensor) -> None:
-        """A step of the observation pass: ``query [b, q_heads, new, d]`` attended ``keys`` (the prompt's slots,
-        then the step's), ``valid [b, prompt + new]``; ``lse [b, q_heads, new]`` each query's log-normaliser;
-        ``context [b, prompt]`` the prompt slots the pass repeats (after each row's opening). Default: nothing."""
+        filler slots of rows (in a batch) that keep fewer tokens than the longest row (the policy's)."""
+        return self.policy.kept_positions()
 
     def stats(self) -> dict[str, Any]:
-        """This layer's counters (the storage's bytes, the declared index), summed over layers by the cache."""
-        stats = {**self.slots.memory(self.full_tokens()), "offloaded_bytes": 0, "kv_tokens_full": self.full_tokens()}
+        """This layer's counters (the storage's bytes, the declared index, the policy's), summed by the cache."""
+        full = self.policy.full_tokens()
+        stats = {**self.slots.memory(full), "offloaded_bytes": 0, "kv_tokens_full": full}
         stats["index_bytes"] += held.counted_bytes(self)
-        return stats
-
-    def info(self) -> dict[str, Any]:
-        return {}  # facts about this layer shown in the cache's stats (kept when every layer agrees)
-
-    def uncapturable(self) -> str | None:
-        return None  # why this layer's decoding step cannot be one compiled graph (None: it can)
-
-    def full_tokens(self) -> int:
-        return self.slots.seen  # tokens per KV head an uncompressed cache would hold for this layer
+        return self.policy.stats(stats)
 
 
 class WindowLayer(KVLayer):
@@ -304,27 +274,8 @@ class WindowLayer(KVLayer):
     slots: RingSlots
 
     def __init__(self, layer_idx: int, window: int) -> None:
-        super().__init__(layer_idx, RingSlots(window))
+        super().__init__(layer_idx, WindowPolicy(window), RingSlots(window))
         self.window = window
-
-    def compress(self, query: torch.Tensor, scaling: float) -> None:
-        used = self.slots.used
-        keep = min(used, self.window - 1)  # copied, so the prompt's KV is freed
-        positions = self.kept_positions()[..., used - keep :].clone()
-        valid = None if self.slots.valid is None else self.slots.valid[:, used - keep :].clone()
-        window = slice(used - keep, used)
-        self.slots.set(self.keys[:, :, window].clone(), self.values[:, :, window].clone(), valid, positions)
-
-    def full_tokens(self) -> int:
-        return min(self.slots.seen, self.window - 1)
-
-    def expect_blocks(self, total: int) -> bool:
-        """The prompt will come in blocks, ``total`` tokens in all (``longprompt.BlockedPrefill``); False: it won't
-        (the layer is not empty, or its prompt comes another way)."""
-        if self.phase is not Phase.EMPTY or not isinstance(self.intake, OneForward):
-            return False
-        self.intake = InBlocks(total)
-        return True
 
     def continue_prompt(self, source: KVLayer, rows: torch.Tensor, pads: list[int], spans: torch.Tensor | None) -> None:
         """A window is what this layer keeps whatever the method: a copy of the stored one (rows ``rows``),
@@ -352,6 +303,30 @@ class WindowLayer(KVLayer):
         else:
             self.phase = moved(self.layer_idx, self.phase, Phase.DECODING, "a recorded window")
             store_coded(self.slots, self.kv_codec)
+
+
+class WindowPolicy(LayerPolicy):
+    """A sliding window's decision, whatever the method: its prompt leaves the last ``window - 1`` tokens."""
+
+    def __init__(self, window: int) -> None:
+        super().__init__()
+        self.window = window
+
+    @property
+    def slots(self) -> RingSlots:
+        return cast(RingSlots, self.layer.slots)
+
+    def compress(self, query: torch.Tensor, scaling: float) -> None:
+        used = self.slots.used
+        keep = min(used, self.window - 1)  # copied, so the prompt's KV is freed
+        positions = self.layer.kept_positions()[..., used - keep :].clone()
+        valid = None if self.slots.valid is None else self.slots.valid[:, used - keep :].clone()
+        window = slice(used - keep, used)
+        keys, values = self.layer.keys, self.layer.values
+        self.slots.set(keys[:, :, window].clone(), values[:, :, window].clone(), valid, positions)
+
+    def full_tokens(self) -> int:
+        return min(self.slots.seen, self.window - 1)
 
 
 _STORE_WHOLE = ("compress the context with a method that keeps its tokens (kvc.FullKV(), or a prompt method with "

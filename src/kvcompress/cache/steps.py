@@ -10,7 +10,7 @@ One step per kind of phase (``STEP_OF``):
 * ``ObservationStep``: the observation pass (KVzip) attends the held prompt and its own tokens, which are never
   stored; the method observes each step with its queries' log-normalisers.
 * ``LaterStep``: a decoding step, or the rest of a stored window's prompt, written into the slots and attended by the
-  method over them (``KVLayer.attend`` through ``storage.slots.step_attention``).
+  method over them (its policy's ``attend`` through ``storage.slots.step_attention``).
 
 How a step's new tokens are masked is the model's: its integration hands a ``NewTokens`` to ``attend``, and the cache
 never reads a model's mask.
@@ -97,13 +97,13 @@ class PromptStep(Step):
             new = new.continuing(joined)
         if sinks is not None:  # the same attention with each query's normaliser, for the sink's share
             return attention.with_sinks(*new.causal_with_lse(query, key, value, scaling, softcap), sinks), None
-        return new.causal(layer.attend, query, key, value, scaling, softcap), None
+        return new.causal(layer.policy.attend, query, key, value, scaling, softcap), None
 
     def commit(self, layer: KVLayer, query: torch.Tensor, new_valid: torch.Tensor | None, scaling: float,
                lse: torch.Tensor | None) -> None:
         if not torch.compiler.is_compiling():
             layer.advance(query.shape[-2])
-        keep = queries_to_keep(layer.queries_needed(), layer.record_window)
+        keep = queries_to_keep(layer.policy.queries_needed(), layer.record_window)
         record = layer.intake.commit(cast(DenseSlots, layer.slots), query, new_valid, scaling, keep)
         if record is not None:
             layer.end_prompt(record)
@@ -127,7 +127,7 @@ class ObservationStep(Step):
     def commit(self, layer: KVLayer, query: torch.Tensor, new_valid: torch.Tensor | None, scaling: float,
                lse: torch.Tensor | None) -> None:
         keys, valid = layer.observation.step(query, new_valid, layer.slot_validity())
-        layer.observe(query, keys, valid, scaling, lse, layer.observation.context)
+        layer.policy.observe(query, keys, valid, scaling, lse, layer.observation.context)
 
 
 class LaterStep(Step):
@@ -136,7 +136,7 @@ class LaterStep(Step):
     def take(self, layer: KVLayer, key_states: torch.Tensor, value_states: torch.Tensor
              ) -> tuple[torch.Tensor, torch.Tensor]:
         if not torch.compiler.is_compiling():  # a compiled step's loop made the room before it
-            layer.prepare_step(key_states.shape[-2])
+            layer.policy.prepare_step(key_states.shape[-2])
             layer.slots.make_room(key_states.shape[-2])
         layer.slots.write(key_states, value_states)
         keys, values = layer.slots.view(decoded=not layer.slots.reads_codes(key_states))[:2]  # (attend decodes)
@@ -145,7 +145,7 @@ class LaterStep(Step):
     def attend(self, layer: KVLayer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, new: NewTokens,
                scaling: float, softcap: float | None, sinks: torch.Tensor | None) -> Attended:
         block = new.among_new() if query.shape[-2] > 1 else None  # one query sees itself
-        return step_attention(layer.slots, layer.attend, query, key, value, block, scaling, softcap, sinks), None
+        return step_attention(layer.slots, layer.policy.attend, query, key, value, block, scaling, softcap, sinks), None
 
     def commit(self, layer: KVLayer, query: torch.Tensor, new_valid: torch.Tensor | None, scaling: float,
                lse: torch.Tensor | None) -> None:
@@ -157,7 +157,7 @@ class LaterStep(Step):
             layer.prefill_len += query.shape[-2]
             layer.prompt_tokens = layer.prompt_tokens + (query.shape[-2] if new_valid is None else new_valid.sum(-1))
             layer.phase = moved(layer.layer_idx, layer.phase, Phase.DECODING, "the stored window's prompt ended")
-        layer.after_step(query, scaling)
+        layer.policy.after_step(query, scaling)
         layer.slots.close_step(query.shape[-2])
 
 

@@ -222,7 +222,7 @@ class StepRunner:
 def check_capturable(cache: KVCompressCache) -> None:
     """Refuse, naming it, a cache whose decoding step reads the host (it cannot be one graph)."""
     for layer in cache.layers:
-        problem = layer.uncapturable()
+        problem = layer.policy.uncapturable()
         if problem:
             raise ValueError(
                 f"kvcompress: compile=True cannot capture {cache.method.describe()}'s decoding step: {problem}; run it "

@@ -68,7 +68,7 @@ def cache_state(cache: KVCompressCache) -> tuple[dict[str, torch.Tensor], list[d
                     f"cannot save {type(layer).__name__}'s {name} ({type(value).__name__}): neither a tensor nor a "
                     "plain value"
                 )
-        layers.append({"class": type(layer).__name__, "values": values})
+        layers.append({"class": layer.kind, "values": values})
     return tensors, layers
 
 
@@ -93,9 +93,8 @@ def restore_cache(cache: KVCompressCache, layers: list[dict[str, Any]], tensors:
     if len(layers) != len(cache.layers):
         raise CacheFileError(f"the file holds {len(layers)} layers, this model has {len(cache.layers)}")
     for index, (layer, saved) in enumerate(zip(cache.layers, layers)):
-        if saved["class"] != type(layer).__name__:
-            raise CacheFileError(
-                f"layer {index} was saved as a {saved['class']}, this method makes a {type(layer).__name__}")
+        if saved["class"] != layer.kind:
+            raise CacheFileError(f"layer {index} was saved as a {saved['class']}, this method makes a {layer.kind}")
         prefix = f"layers.{index}."
         state = {
             **saved["values"],

@@ -34,7 +34,8 @@ from .prompt import HeldTokens, PromptMethod
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-    from .prompt import BoundedLayer, EvictionLayer
+    from ..cache.layer import KVLayer
+    from .prompt import BoundedPolicy
 
 
 def query_statistics(query: torch.Tensor, real: torch.Tensor,
@@ -123,12 +124,12 @@ class ExpectedAttention(PromptMethod):
     def check_model(self, model: PreTrainedModel) -> None:
         require_rope(model, "ExpectedAttention")
 
-    def make_layer(self, layer_idx: int, model: PreTrainedModel) -> EvictionLayer:
+    def make_layer(self, layer_idx: int, model: PreTrainedModel) -> KVLayer:
         layer = super().make_layer(layer_idx, model)
         layer.rotary = rotary_for(model, layer_idx)
         return layer
 
-    def layer_scores(self, layer: EvictionLayer, query: torch.Tensor, scaling: float) -> torch.Tensor:
+    def layer_scores(self, layer: KVLayer, query: torch.Tensor, scaling: float) -> torch.Tensor:
         valid = layer.slot_validity()
         positions = prompt_positions(valid)  # the prompt's slots in order: every slot holds its own token
         asked = positions[:, -query.shape[-2] :]
@@ -144,11 +145,12 @@ class ExpectedAttention(PromptMethod):
             )
         return span_max(scores, layer.spans)
 
-    def decode_scores(self, layer: BoundedLayer, held: HeldTokens, query: torch.Tensor, scaling: float) -> torch.Tensor:
+    def decode_scores(self, policy: BoundedPolicy, held: HeldTokens, query: torch.Tensor,
+                      scaling: float) -> torch.Tensor:
         """Under ``decode_budget``: the statistics of the last steps' queries (at their positions), moved ``future``
         positions past the next token, score every held token (per token: answer tokens have no recorded spans)."""
         asked = held.positions[:, 0, -query.shape[-2] :]
-        return self._expected(layer.rotary, held, query, asked, asked >= 0, layer.next_position, scaling)
+        return self._expected(policy.layer.rotary, held, query, asked, asked >= 0, policy.next_position, scaling)
 
     def _expected(self, rotary: Any, held: HeldTokens, query: torch.Tensor, asked: torch.Tensor, voting: torch.Tensor,
                   next_position: torch.Tensor, scaling: float) -> torch.Tensor:

@@ -16,23 +16,24 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, cast
 
 import torch
 
 from ..cache.held import hold
+from ..cache.layer import KVLayer
 from ..storage.attention import group_mask, grouped_logits, key_probabilities
 from ..storage.codec import attended_pair
 from ..storage.slots import CappedSlots
 from ..storage.tensors import gather_tokens
 from .base import check_reserved, param, require
-from .prompt import EvictionLayer, HeldTokens, PromptMethod, note_step_positions, prompt_positions_held
+from .prompt import EvictionPolicy, HeldTokens, PromptMethod, note_step_positions, prompt_positions_held
 from .snapkv import average_over_groups, window_votes
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-    from .prompt import BoundedLayer
+    from .prompt import BoundedPolicy
 
 
 def accumulated_attention(query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scaling: float,
@@ -109,7 +110,8 @@ class H2O(PromptMethod):
                spans: torch.Tensor | None = None) -> torch.Tensor:
         return h2o_scores(query, keys, valid, scaling, self.recent_tokens, self.block)
 
-    def decode_scores(self, layer: BoundedLayer, held: HeldTokens, query: torch.Tensor, scaling: float) -> torch.Tensor:
+    def decode_scores(self, policy: BoundedPolicy, held: HeldTokens, query: torch.Tensor,
+                      scaling: float) -> torch.Tensor:
         """Under ``decode_budget``: the attention the last steps' queries gave each held token, accumulated (the
         heavy hitters of the recent steps; ``evict_during_decoding`` accumulates every step's), with the ``recent``
         tokens kept."""
@@ -118,16 +120,23 @@ class H2O(PromptMethod):
         return protect_recent(torch.cat([votes, window], dim=-1), self.recent_tokens)
 
     def attends_slots(self) -> bool:
-        # evicting, a step runs its own attention (H2OLayer.attend)
+        # evicting, a step runs its own attention (H2OPolicy.attend)
         return super().attends_slots() and not self.evict_during_decoding
 
-    def make_layer(self, layer_idx: int, model: PreTrainedModel) -> EvictionLayer:
+    def make_layer(self, layer_idx: int, model: PreTrainedModel) -> KVLayer:
         layer = super().make_layer(layer_idx, model)
-        # a pyramid's share (a float: layers="global" needs an observation pass, which H2O has not)
-        return H2OLayer(self, layer_idx, float(layer.share)) if self.evict_during_decoding else layer
+        if not self.evict_during_decoding:
+            return layer
+        # a pyramid's share (a float: layers="global" needs an observation pass, which H2O has not); capped at the
+        # layer's budget while decoding, notes per slot [batch, kv_heads, slots]: accumulated attention, and position
+        # in the row (-1: padding)
+        share = float(cast(EvictionPolicy, layer.policy).share)
+        fills = {"slot_scores": 0.0, "slot_positions": -1}
+        capped = CappedSlots(math.ceil(self.budget_tokens * share), fills, accumulated=("slot_scores",))
+        return KVLayer(layer_idx, H2OPolicy(self, share), capped)
 
 
-class H2OLayer(EvictionLayer):
+class H2OPolicy(EvictionPolicy):
     """H2O with eviction while decoding: the layer's storage is capped at its budget
     (``slots.CappedSlots``), each slot noted with its accumulated score and position.
 
@@ -138,16 +147,14 @@ class H2OLayer(EvictionLayer):
     slots, tokens of rows that finished) score lowest, and ties are broken by slot order, so every
     KV head of a row evicts the same padding slots and slot validity stays per row."""
 
+    SAVED_AS = "H2OLayer"  # the layer kind files record (docs/file-format.md)
+
     method: H2O
-    slots: CappedSlots
     next_position: torch.Tensor | None = hold(rows=True)  # [batch]: the position of each row's next token
 
-    def __init__(self, method: H2O, layer_idx: int, share: float = 1.0) -> None:
-        super().__init__(method, layer_idx, share)
-        # Capped at the layer's budget while decoding; notes per slot [batch, kv_heads, slots]: accumulated
-        # attention, and position in the row (-1: padding).
-        fills = {"slot_scores": 0.0, "slot_positions": -1}
-        self.slots = CappedSlots(math.ceil(method.budget_tokens * share), fills, accumulated=("slot_scores",))
+    @property
+    def slots(self) -> CappedSlots:
+        return cast(CappedSlots, self.layer.slots)  # (make_layer gives its layer CappedSlots at its budget)
 
     @property
     def budget(self) -> int:
@@ -157,16 +164,16 @@ class H2OLayer(EvictionLayer):
     def compress(self, query: torch.Tensor, scaling: float) -> None:
         # Computed once: it ranks the prompt and seeds the scores that eviction keeps adding to.
         full = average_over_groups(
-            accumulated_attention(query, self.keys, self.slot_validity(), scaling, self.method.block),
-            self.keys.shape[1])
+            accumulated_attention(query, self.layer.keys, self.layer.slot_validity(), scaling, self.method.block),
+            self.layer.keys.shape[1])
         kept = self.keep_top(lambda: protect_recent(full, self.method.recent_tokens))
         self.slots.notes["slot_positions"] = super().kept_positions()
         self.slots.notes["slot_scores"] = full if kept is None else full.gather(2, kept)
-        self.next_position = self.prompt_tokens.clone()
+        self.next_position = self.layer.prompt_tokens.clone()
 
     def attend(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
                scaling: float, softcap: float | None = None) -> torch.Tensor:
-        if self.phase.taking_prompt:
+        if self.layer.phase.taking_prompt:
             return super().attend(query, keys, values, mask, scaling, softcap)
         keys, values = attended_pair(self.slots.codec, keys, values)  # its own weights, from decoded keys
         batch, q_heads, q_len, dim = query.shape
@@ -202,4 +209,5 @@ class H2OLayer(EvictionLayer):
         """Prompt positions still held per head, ascending; -1 for slots holding padding or generated tokens."""
         if self.slots.notes["slot_positions"] is None:
             return super().kept_positions()
-        return prompt_positions_held(self.slots.notes["slot_positions"][..., : self.slots.used], self.prompt_tokens)
+        held = self.slots.notes["slot_positions"][..., : self.slots.used]
+        return prompt_positions_held(held, self.layer.prompt_tokens)

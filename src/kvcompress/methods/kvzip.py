@@ -33,7 +33,7 @@ from .base import Observation, default_of, param
 from .prompt import PromptMethod
 
 if TYPE_CHECKING:
-    from .prompt import EvictionLayer
+    from ..cache.layer import KVLayer
 
 SCORE_ELEMENTS = 1 << 20  # float32 logits scored at once (4 MiB: a block that stays in cache is 3x faster on CPU)
 FIRST = "Repeat the previous context exactly."
@@ -119,7 +119,7 @@ class KVzip(PromptMethod):
         scores = reconstruction_scores(query, keys, valid, prompt, scaling, lse, counted)
         return scores if seen is None else torch.maximum(seen, scores)
 
-    def layer_scores(self, layer: EvictionLayer, query: torch.Tensor, scaling: float) -> torch.Tensor:
+    def layer_scores(self, layer: KVLayer, query: torch.Tensor, scaling: float) -> torch.Tensor:
         seen = None if layer.observation is None else layer.observation.seen
         if seen is None:
             raise ValueError("KVzip scores from the prompt's reconstruction, which did not run: compress through "

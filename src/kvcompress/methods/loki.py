@@ -22,8 +22,9 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from ..cache.held import hold
+from ..cache.layer import KVLayer
 from .base import InvalidParameterError, model_head_dim, param
-from .sparse import SparseDecodeLayer, SparseMethod
+from .sparse import SparseDecodePolicy, SparseMethod
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -97,19 +98,21 @@ class Loki(SparseMethod):
         return load_calibration(self.calibration, config.num_hidden_layers, config.num_key_value_heads,
                                 model_head_dim(model))
 
-    def make_layer(self, layer_idx: int, model: PreTrainedModel) -> LokiLayer:
+    def make_layer(self, layer_idx: int, model: PreTrainedModel) -> KVLayer:
         components = self.calibrated(model)
-        return LokiLayer(self, layer_idx, None if components is None else components[layer_idx])
+        return KVLayer(layer_idx, LokiPolicy(self, None if components is None else components[layer_idx]))
 
 
-class LokiLayer(SparseDecodeLayer):
+class LokiPolicy(SparseDecodePolicy):
+    SAVED_AS = "LokiLayer"  # the layer kind files record (docs/file-format.md)
+
     method: Loki
     calibrated: torch.Tensor | None = hold(saved=False)  # [h, d, d]: from a calibration file (None: per prompt)
     components: torch.Tensor | None = hold(rows=True, index=True)  # [b, h, d, dim]: the keys' top principal components
     projected: torch.Tensor | None = hold(rows=True, index=True)  # [b, h, n, dim]: the region's keys projected on them
 
-    def __init__(self, method: Loki, layer_idx: int, calibrated: torch.Tensor | None) -> None:
-        super().__init__(method, layer_idx, unit=1, offload=False)
+    def __init__(self, method: Loki, calibrated: torch.Tensor | None) -> None:
+        super().__init__(method, unit=1, offload=False)
         self.calibrated = calibrated
 
     def region_chunks(self, lengths: torch.Tensor) -> torch.Tensor:

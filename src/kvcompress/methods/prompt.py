@@ -31,6 +31,7 @@ import torch
 
 from ..cache.held import hold
 from ..cache.layer import KVLayer
+from ..cache.policy import LayerPolicy
 from ..storage.attention import scoring_sinks
 from ..storage.codec import restored_pair
 from ..storage.packed import PackedSlots
@@ -233,13 +234,14 @@ class PromptMethod(BudgetMethod):
         """Tokens every re-selection under ``decode_budget`` keeps whatever the scores."""
         return max(self.decode_window_tokens, self.reserved_tokens())
 
-    def decode_scores(self, layer: BoundedLayer, held: HeldTokens, query: torch.Tensor, scaling: float) -> torch.Tensor:
+    def decode_scores(self, policy: BoundedPolicy, held: HeldTokens, query: torch.Tensor,
+                      scaling: float) -> torch.Tensor:
         """Scores ``[b, kv_heads, n]`` of the ``held`` tokens (prompt kept and answer, in order) when a layer under
         ``decode_budget`` re-selects, from ``query [b, q_heads, decode_window, d]``, the last steps' queries (whose
         tokens are the last held ones, kept whatever the scores). A method that scores while decoding defines it."""
         raise NotImplementedError(f"{type(self).__name__} has no scores while decoding")
 
-    def layer_scores(self, layer: EvictionLayer, query: torch.Tensor, scaling: float) -> torch.Tensor:
+    def layer_scores(self, layer: KVLayer, query: torch.Tensor, scaling: float) -> torch.Tensor:
         """Scores of one layer's prompt: ``scores`` of its keys by default. A method that needs more of
         the layer (its rotary module, what its observation pass saw) overrides this."""
         return self.scores(query, layer.keys, layer.slot_validity(), scaling, layer.spans)
@@ -252,7 +254,7 @@ class PromptMethod(BudgetMethod):
         merged with what earlier steps left (``seen``); see ``KVLayer.observe`` for the arguments."""
         raise NotImplementedError(f"{type(self).__name__} has no observation pass")
 
-    def make_layer(self, layer_idx: int, model: PreTrainedModel) -> EvictionLayer:
+    def make_layer(self, layer_idx: int, model: PreTrainedModel) -> KVLayer:
         share = 1.0
         if self.layers == "pyramid":
             layers = model.config.get_text_config().num_hidden_layers
@@ -260,8 +262,9 @@ class PromptMethod(BudgetMethod):
             share = pyramid_budgets(free, layers, self.pyramid_beta)[layer_idx] / free
         packed = self.heads == "adaptive" or self.layers == "global"  # global budgets differ per head
         if self.decode_budget is not None:
-            return BoundedLayer(self, layer_idx, share)
-        return (HeadAdaptiveLayer if packed else EvictionLayer)(self, layer_idx, share)
+            bounded = BoundedPolicy(self, share)
+            return KVLayer(layer_idx, bounded, BoundedSlots(bounded.bound + self.every))
+        return KVLayer(layer_idx, (HeadAdaptivePolicy if packed else EvictionPolicy)(self, share))
 
     def compresses_together(self) -> bool:
         return super().compresses_together() or self.layers == "global"
@@ -271,34 +274,36 @@ class PromptMethod(BudgetMethod):
         scores it will compress with."""
         if self.layers != "global" or not layers:
             return
-        own = cast(list[EvictionLayer], layers)  # a prompt method's layers
-        counts = self.kept_tokens(own[0].prompt_tokens)
-        if not bool((own[0].prompt_tokens.to(counts.device) > counts).any()):
+        own = [cast(EvictionPolicy, layer.policy) for layer in layers]  # a prompt method's policies
+        counts = self.kept_tokens(layers[0].prompt_tokens)
+        if not bool((layers[0].prompt_tokens.to(counts.device) > counts).any()):
             return  # every row is kept whole: nothing to rank (a prompt shorter than SnapKV's window is not scored)
-        records = [layer.observation.record for layer in own]
-        scores = [layer.prompt_scores(record.query, record.scaling) for layer, record in zip(own, records)]
-        for layer, share in zip(own, global_shares(scores, own[0].slot_validity(), counts - self.reserved_tokens())):
-            layer.share = share
+        records = [layer.observation.record for layer in layers]
+        scores = [policy.prompt_scores(record.query, record.scaling) for policy, record in zip(own, records)]
+        free = counts - self.reserved_tokens()
+        for policy, share in zip(own, global_shares(scores, layers[0].slot_validity(), free)):
+            policy.share = share
 
 
-class EvictionLayer(KVLayer):
+class EvictionPolicy(LayerPolicy):
     """Each row keeps, per KV head, its ``kept_tokens`` highest-scoring prompt tokens (with the layer's ``share``
     of the budget); decoding then appends to that fixed-size cache."""
 
+    SAVED_AS = "EvictionLayer"  # the layer kind files record (docs/file-format.md)
+
     share: float | torch.Tensor = hold(rows=False)  # of the budget; per row [b] with layers="global"
 
-    def __init__(self, method: PromptMethod, layer_idx: int, share: float = 1.0) -> None:
-        super().__init__(layer_idx)
+    def __init__(self, method: PromptMethod, share: float = 1.0) -> None:
+        super().__init__()
         self.method = method
         self.share = share
-        self.rotary: Any = None  # the model's rotary module for this layer, for methods that score with it
 
     def counts(self) -> tuple[torch.Tensor, int] | None:
         """Tokens each row keeps per KV head in this layer and the slots the batch needs for them (its
         largest count; a group of a batch prefilled in groups takes the whole batch's), or None when no
         row of the batch is over its count."""
-        lengths = batch_prompt_tokens(self)  # (a float share here: a layer of per-row shares packs, below)
-        kept = self.method.kept_tokens(torch.cat([lengths, self.prompt_tokens.to(lengths.device)]), self.share)
+        lengths = batch_prompt_tokens(self.layer)  # (a float share here: a layer of per-row shares packs, below)
+        kept = self.method.kept_tokens(torch.cat([lengths, self.layer.prompt_tokens.to(lengths.device)]), self.share)
         everyone, own = kept[: len(lengths)], kept[len(lengths) :]
         if bool((everyone >= lengths).all()):
             return None
@@ -308,13 +313,14 @@ class EvictionLayer(KVLayer):
         return self.method.queries_needed()
 
     def prompt_scores(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
-        with scoring_sinks(self.sinks):  # a model's learned sinks take their share of the scorer's softmax
-            return self.method.layer_scores(self, query, scaling)
+        with scoring_sinks(self.layer.sinks):  # a model's learned sinks take their share of the scorer's softmax
+            return self.method.layer_scores(self.layer, query, scaling)
 
     def observe(self, query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scaling: float, lse: torch.Tensor,
                 context: torch.Tensor) -> None:
-        seen = self.observation.seen
-        self.observation.seen = self.method.observe(seen, query, keys, valid, self.prefill_len, scaling, lse, context)
+        observation = self.layer.observation
+        observation.seen = self.method.observe(observation.seen, query, keys, valid, self.layer.prefill_len, scaling,
+                                               lse, context)
 
     def compress(self, query: torch.Tensor, scaling: float) -> None:
         self.keep_top(lambda: self.prompt_scores(query, scaling))
@@ -325,39 +331,41 @@ class EvictionLayer(KVLayer):
         kept = self.counts()
         if kept is None:
             return None
-        indices, slot_valid = select_kept(scores(), self.slot_validity(), *kept)
+        indices, slot_valid = select_kept(scores(), self.layer.slot_validity(), *kept)
         cast(DenseSlots, self.slots).keep(indices, slot_valid)
         return indices
 
 
-class HeadAdaptiveLayer(EvictionLayer):
+class HeadAdaptivePolicy(EvictionPolicy):
     """Ada-KV: the layer's budget shared by its KV heads by score; once compressed, its storage is a
     packing (``packed.PackedSlots``), each head's tokens in a segment of its own length."""
+
+    SAVED_AS = "HeadAdaptiveLayer"  # the layer kind files record (docs/file-format.md)
 
     LAYOUTS = (PackedSlots,)
 
     def counts(self) -> tuple[torch.Tensor, int] | None:
         if isinstance(self.share, float):
             return super().counts()
-        counts = self.method.kept_tokens(self.prompt_tokens, self.share)  # this group's rows: every row packs
+        counts = self.method.kept_tokens(self.layer.prompt_tokens, self.share)  # this group's rows: every row packs
         return counts, int(counts.max())
 
     def compress(self, query: torch.Tensor, scaling: float) -> None:
         kept = self.counts()
         if kept is None:
             return
-        valid = self.slot_validity()
+        valid = self.layer.slot_validity()
         keep = allocate_heads(self.prompt_scores(query, scaling), valid, kept[0], self.method.head_floor)
         # [b, h, slots]: the slots' prompt positions (a thinned context's are not in order)
         positions = self.kept_positions()
+        keys, values = self.layer.keys, self.layer.values
         segments: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = []
         for row in range(keep.shape[0]):
             segments.append([])
             for head in range(keep.shape[1]):
                 slots = keep[row, head].nonzero()[:, 0]
-                segments[row].append(
-                    (self.keys[row, head, slots], self.values[row, head, slots], positions[row, head, slots]))
-        self.slots = PackedSlots(segments, self.slots.seen)  # the dense slots (the prompt's KV) are freed
+                segments[row].append((keys[row, head, slots], values[row, head, slots], positions[row, head, slots]))
+        self.layer.slots = PackedSlots(segments, self.slots.seen)  # the dense slots (the prompt's KV) are freed
 
     @property
     def packed(self) -> PackedSlots | None:
@@ -391,16 +399,17 @@ def prompt_positions_held(positions: torch.Tensor, prompt_tokens: torch.Tensor) 
     return positions.masked_fill(positions >= prompt_tokens[:, None, None], -1).sort(dim=-1).values
 
 
-class BoundedLayer(EvictionLayer):
+class BoundedPolicy(EvictionPolicy):
     """A prompt method's layer under a decoding bound (``decode_budget``, ``every``): the prompt is compressed as
-    ``EvictionLayer`` does; then, before a step would make a row hold more than ``decode_budget + every`` tokens,
+    ``EvictionPolicy`` does; then, before a step would make a row hold more than ``decode_budget + every`` tokens,
     that row keeps ``decode_budget`` of its prompt and answer tokens by the method's ``decode_scores`` (the last
     ``decode_window`` steps' queries vote, as SnapKV's observation window does at the prompt's end, and their own
     tokens stay), compacted to the front of the same buffers (``BoundedSlots``), so the device never holds more than
     the bound and a compiled step keeps its graph (the re-selection runs between steps, never inside one). Each row
     re-selects on its own count, so a row of a batch does exactly as it would alone."""
 
-    slots: BoundedSlots
+    SAVED_AS = "BoundedLayer"  # the layer kind files record (docs/file-format.md)
+
     window_queries: torch.Tensor | None = hold(rows=True, counted=True)  # [b, q_heads, W, d]: the last W queries
     next_position: torch.Tensor | None = hold(rows=True)  # [b]: the position of each row's next token
     held_real: torch.Tensor | None = hold(rows=True)  # [b], host: real tokens each row holds (a finished row: fewer)
@@ -408,11 +417,14 @@ class BoundedLayer(EvictionLayer):
     reselections: int = hold(join=max, default=0)
     reselect_s: float = hold(join=max, default=0.0)
 
-    def __init__(self, method: PromptMethod, layer_idx: int, share: float = 1.0) -> None:
-        super().__init__(method, layer_idx, share)
+    def __init__(self, method: PromptMethod, share: float = 1.0) -> None:
+        super().__init__(method, share)
         pinned, bound = method.decode_reserved(), cast(int, method.decode_budget)
         self.bound = pinned + math.ceil((bound - pinned) * share)  # a pyramid's share of what the scores choose
-        self.slots = BoundedSlots(self.bound + method.every)
+
+    @property
+    def slots(self) -> BoundedSlots:
+        return cast(BoundedSlots, self.layer.slots)  # (make_layer gives its layer BoundedSlots at the bound)
 
     def queries_needed(self) -> int | None:
         needed = self.method.queries_needed()
@@ -425,8 +437,8 @@ class BoundedLayer(EvictionLayer):
         missing = window - recent.shape[-2]  # a prompt shorter than the window: zero queries vote evenly
         self.window_queries = torch.nn.functional.pad(recent, (0, 0, missing, 0)).contiguous()
         self.scaling = scaling
-        self.next_position = self.prompt_tokens.clone()
-        self.held_real = self.slot_validity().sum(dim=-1).cpu()
+        self.next_position = self.layer.prompt_tokens.clone()
+        self.held_real = self.layer.slot_validity().sum(dim=-1).cpu()
 
     def prepare_step(self, new: int) -> None:
         """Re-select the rows a step of ``new`` tokens would take past the bound (before the buffers are laid out,
@@ -443,7 +455,7 @@ class BoundedLayer(EvictionLayer):
         """Rows ``over [b]`` (host) keep ``bound`` of their tokens by the method's scores; the others keep all."""
         start = time.perf_counter()
         held = self.held_tokens()
-        with scoring_sinks(self.sinks):  # a model's learned sinks take their share of the scorer's softmax
+        with scoring_sinks(self.layer.sinks):  # a model's learned sinks take their share of the scorer's softmax
             scores = self.method.decode_scores(self, held, self.window_queries, self.scaling)
         slot = torch.arange(scores.shape[-1], device=scores.device)
         scores = scores.masked_fill(slot >= scores.shape[-1] - self.window_queries.shape[-2], math.inf)  # the window
@@ -460,8 +472,7 @@ class BoundedLayer(EvictionLayer):
         keys, values = restored_pair(slots.codec, slots.keys[:, :, :used], slots.values[:, :, :used])
         return HeldTokens(keys, values, slots.slot_validity()[:, :used], slots.held_positions())
 
-    def advance(self, new: int) -> None:
-        super().advance(new)
+    def advanced(self, new: int) -> None:
         if self.held_real is not None:
             self.held_real += new
 
@@ -478,10 +489,10 @@ class BoundedLayer(EvictionLayer):
         """Prompt positions still held per head, ascending; -1 for slots of answer tokens and filler."""
         if self.slots.cursor is None:
             return super().kept_positions()
-        return prompt_positions_held(self.slots.held_positions(), self.prompt_tokens)
+        return prompt_positions_held(self.slots.held_positions(), self.layer.prompt_tokens)
 
-    def stats(self) -> dict[str, Any]:
-        return {**super().stats(), "reselections": self.reselections, "reselect_s": self.reselect_s,
+    def stats(self, stats: dict[str, Any]) -> dict[str, Any]:
+        return {**stats, "reselections": self.reselections, "reselect_s": self.reselect_s,
                 "bounded_layers": 1}
 
     def info(self) -> dict[str, Any]:

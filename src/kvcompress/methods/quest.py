@@ -18,8 +18,9 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from ..cache.held import hold
+from ..cache.layer import KVLayer
 from .base import param
-from .sparse import SparseDecodeLayer, SparseMethod
+from .sparse import SparseDecodePolicy, SparseMethod
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -59,11 +60,13 @@ class Quest(SparseMethod):
     page_size: int = param(16, "tokens per page: the unit of selection", minimum=1)
     offload: bool = param(False, "keep the paged keys and values in host memory and fetch the selected pages")
 
-    def make_layer(self, layer_idx: int, model: PreTrainedModel) -> QuestLayer:
-        return QuestLayer(self, layer_idx, unit=self.page_size, offload=self.offload)
+    def make_layer(self, layer_idx: int, model: PreTrainedModel) -> KVLayer:
+        return KVLayer(layer_idx, QuestPolicy(self, unit=self.page_size, offload=self.offload))
 
 
-class QuestLayer(SparseDecodeLayer):
+class QuestPolicy(SparseDecodePolicy):
+    SAVED_AS = "QuestLayer"  # the layer kind files record (docs/file-format.md)
+
     method: Quest
     low: torch.Tensor | None = hold(rows=True, index=True)  # [b, h, pages, d]: each page's smallest key per dimension
     span: torch.Tensor | None = hold(rows=True, index=True)  # [b, h, pages, d]: its largest minus its smallest

@@ -35,11 +35,12 @@ from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 import torch
 
 from ..cache.held import hold
-from ..integrations.transformers.rope import Rotary, apply_rope, invert_rope, rope_cos_sin, rotary_for
+from ..cache.layer import KVLayer
+from ..integrations.transformers.rope import apply_rope, invert_rope, rope_cos_sin, rotary_for
 from ..storage.ops import fused
 from ..storage.tensors import chunk_tokens, gather_tokens, prompt_positions
 from .base import InvalidParameterError, model_head_dim, param, require_rope
-from .sparse import SparseDecodeLayer, SparseMethod
+from .sparse import SparseDecodePolicy, SparseMethod
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -242,8 +243,10 @@ class ShadowKV(SparseMethod):
             raise InvalidParameterError(
                 f"ShadowKV: rank={self.rank} exceeds kv_heads * head_dim = {width} of this model; valid: 1 to {width}")
 
-    def make_layer(self, layer_idx: int, model: PreTrainedModel) -> ShadowKVLayer:
-        return ShadowKVLayer(self, layer_idx, rotary_for(model, layer_idx))
+    def make_layer(self, layer_idx: int, model: PreTrainedModel) -> KVLayer:
+        layer = KVLayer(layer_idx, ShadowKVPolicy(self))
+        layer.rotary = rotary_for(model, layer_idx)
+        return layer
 
     def ranks(self, spectrum: Spectrum) -> int | torch.Tensor:
         """The rank of each row from its keys' spectrum: enough directions to rebuild the keys'
@@ -263,9 +266,11 @@ class ShadowKV(SparseMethod):
         return torch.minimum(wanted, chunks)
 
 
-class ShadowKVLayer(SparseDecodeLayer):
+class ShadowKVPolicy(SparseDecodePolicy):
     """One layer of a ShadowKV cache: values in the offload store, keys as low-rank factors; the
     dense part holds outlier chunks, local tokens and everything appended after the prompt."""
+
+    SAVED_AS = "ShadowKVLayer"  # the layer kind files record (docs/file-format.md)
 
     method: ShadowKV
     # the selection index, read at every step; each group's rank comes from its keys: zero columns are exact
@@ -276,34 +281,34 @@ class ShadowKVLayer(SparseDecodeLayer):
     inv_freq: torch.Tensor | None = hold(index=True)  # the model's rotary frequencies after the prefill, their scale
     rope_scale: float = hold(default=1.0)
 
-    def __init__(self, method: ShadowKV, layer_idx: int, rotary: Rotary) -> None:
-        super().__init__(method, layer_idx, unit=method.chunk, offload=True)
-        self.rotary = rotary
+    def __init__(self, method: ShadowKV) -> None:
+        super().__init__(method, unit=method.chunk, offload=True)
 
     def region_chunks(self, lengths: torch.Tensor) -> torch.Tensor:
         return torch.div(lengths - self.method.local_chunks * self.unit, self.unit, rounding_mode="floor")
 
     def pre_rope(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Post-RoPE ``keys [b, h, c, d]`` at ``positions [b, c]`` turned back into pre-RoPE keys."""
-        cos, sin = self.rotary.cos_sin(positions, keys)
+        cos, sin = self.layer.rotary.cos_sin(positions, keys)
         return invert_rope(keys, cos[:, None], sin[:, None])
 
     def prepare(self, keys: torch.Tensor, valid: torch.Tensor,
                 chunks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        heads, seq = self.keys.shape[1], self.keys.shape[-2]
-        prompt_valid = self.slot_validity()
+        prompt = self.layer.keys
+        heads, seq = prompt.shape[1], prompt.shape[-2]
+        prompt_valid = self.layer.slot_validity()
         positions = prompt_positions(prompt_valid).clamp(min=0)
         spectrum = key_spectrum(
-            (self.pre_rope(self.keys[:, :, s:e], positions[:, s:e]), prompt_valid[:, s:e]) for s, e in stream_spans(seq)
+            (self.pre_rope(prompt[:, :, s:e], positions[:, s:e]), prompt_valid[:, s:e]) for s, e in stream_spans(seq)
         )
-        basis = spectrum.basis(self.method.ranks(spectrum)).to(self.keys.device)
+        basis = spectrum.basis(self.method.ranks(spectrum)).to(prompt.device)
         region = keys.shape[-2]
         # a region token's index is its position
         token = torch.arange(region, device=keys.device)[None, :].expand(keys.shape[0], -1)
-        parts = [(key_rows(self.pre_rope(keys[:, :, s:e], token[:, s:e]), valid[:, s:e]) @ basis).to(self.keys.dtype)
+        parts = [(key_rows(self.pre_rope(keys[:, :, s:e], token[:, s:e]), valid[:, s:e]) @ basis).to(prompt.dtype)
                  for s, e in stream_spans(region)]
         self.factor_a = torch.cat(parts, dim=1)
-        self.factor_b = basis.mT.reshape(basis.shape[0], basis.shape[-1], heads, -1).to(self.keys.dtype)
+        self.factor_b = basis.mT.reshape(basis.shape[0], basis.shape[-1], heads, -1).to(prompt.dtype)
         self.landmarks = chunk_landmarks(keys, valid, self.unit)
         eligible = self.selectable  # whole real chunks
         width = int(self.method.outlier_counts(self.batch_chunks).max())  # the batch's, for a group of its rows too
@@ -312,8 +317,8 @@ class ShadowKVLayer(SparseDecodeLayer):
 
     def index_selection(self, scaling: float) -> None:
         self.bias = landmark_bias(self.selectable, self.landmarks.dtype)
-        self.inv_freq, self.rope_scale = self.rotary.frequencies()
-        self.inv_freq = self.inv_freq.to(self.keys.device)
+        self.inv_freq, self.rope_scale = self.layer.rotary.frequencies()
+        self.inv_freq = self.inv_freq.to(self.layer.keys.device)
 
     def chunk_scores(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
         return landmark_scores(query, self.landmarks, self.bias, scaling)
@@ -323,7 +328,7 @@ class ShadowKVLayer(SparseDecodeLayer):
         return values.reshape(batch, heads, -1, self.unit, dim)
 
     def previous_chunks(self) -> torch.Tensor:
-        return self.values[:, :, : self.front]
+        return self.layer.values[:, :, : self.front]
 
     def rebuild_keys(self, chunks: torch.Tensor) -> torch.Tensor:
         """Post-RoPE keys of ``chunks [b, h, m]``, rebuilt from the low-rank factors and rotated at their original

@@ -44,7 +44,7 @@ from .base import check_reserved, param, require
 from .prompt import HeldTokens, PromptMethod
 
 if TYPE_CHECKING:
-    from .prompt import BoundedLayer
+    from .prompt import BoundedPolicy
 
 POOLINGS = ("max", "avg")
 CLUSTERINGS = ("spans", "pool")
@@ -172,7 +172,8 @@ class SnapKV(PromptMethod):
     def decode_window_tokens(self) -> int:
         return self.decode_window if self.decode_window is not None else self.window
 
-    def decode_scores(self, layer: BoundedLayer, held: HeldTokens, query: torch.Tensor, scaling: float) -> torch.Tensor:
+    def decode_scores(self, policy: BoundedPolicy, held: HeldTokens, query: torch.Tensor,
+                      scaling: float) -> torch.Tensor:
         """The paper's selection with the last steps as its observation window: their pooled votes on every held
         token before them (answer tokens have no recorded word spans, so the pooling clusters them alone)."""
         return snapkv_scores(query, held.keys, held.valid, scaling, query.shape[-2], self.kernel, self.pooling,

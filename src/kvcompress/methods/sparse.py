@@ -17,13 +17,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 
 from ..cache.held import counted_bytes, hold
-from ..cache.intake import StoredPrompt
-from ..cache.layer import KVLayer
+from ..cache.policy import LayerPolicy
 from ..storage.attention import dense_attention
 from ..storage.codec import attended_pair, token_bytes
 from ..storage.offload import ChunkStore
@@ -71,12 +70,13 @@ class SparseMethod(BudgetMethod):
         }
 
 
-class SparseDecodeLayer(KVLayer):
+class SparseDecodePolicy(LayerPolicy):
     """The storage and step of every sparse-decoding method; subclasses say how to chunk the prompt,
     what to index and how to score chunks."""
 
+    SAVED_AS = "SparseDecodeLayer"  # the entries every sparse kind has (its subclasses name their own)
+
     method: SparseMethod
-    slots: DenseSlots
     store: ChunkStore | None = hold(rows=True, kind=ChunkStore)  # region chunks [b, h, n, unit, d'] (stored_chunks)
     selectable: torch.Tensor | None = hold(rows=True, counted=True)  # [b, h, n]: chunk may be selected
     unselectable: torch.Tensor | None = hold(rows=True, counted=True)  # ~selectable, kept for the step
@@ -91,10 +91,13 @@ class SparseDecodeLayer(KVLayer):
     steps: int = hold(default=0)  # decoding steps taken, and chunk lookups made (stats)
     lookups: int = hold(default=0)
 
-    def __init__(self, method: SparseMethod, layer_idx: int, unit: int, offload: bool) -> None:
-        super().__init__(layer_idx)
-        # offloads: the store in host memory (not ``offload``, a name transformers' layers give a method of their own)
-        self.method, self.unit, self.offloads = method, unit, offload
+    def __init__(self, method: SparseMethod, unit: int, offload: bool) -> None:
+        super().__init__()
+        self.method, self.unit, self.offloads = method, unit, offload  # offloads: the store in host memory
+
+    @property
+    def slots(self) -> DenseSlots:
+        return cast(DenseSlots, self.layer.slots)  # the step's front slots, then the dense tail
 
     # --- what a method implements ---------------------------------------------------------------------
 
@@ -134,25 +137,24 @@ class SparseDecodeLayer(KVLayer):
     def previous_chunks(self) -> torch.Tensor:
         """Last step's gathered chunks as the store holds them (the front slots; keys and values side by side)."""
         front = slice(0, self.front)
-        return torch.cat([self.keys[:, :, front], self.values[:, :, front]], dim=-1)
+        return torch.cat([self.layer.keys[:, :, front], self.layer.values[:, :, front]], dim=-1)
 
     # --- the contract ----------------------------------------------------------------------------------
 
     def compress(self, query: torch.Tensor, scaling: float) -> None:
-        lengths, seq = self.prompt_tokens, self.keys.shape[-2]
+        prompt_keys, prompt_values, lengths = self.layer.keys, self.layer.values, self.layer.prompt_tokens
+        heads, seq, device = prompt_keys.shape[1], prompt_keys.shape[-2], prompt_keys.device
         counts = self.region_chunks(lengths).clamp(min=0)
-        everyone = batch_prompt_tokens(self)  # the batch's rows set the shapes (a group of them too)
+        everyone = batch_prompt_tokens(self.layer)  # the batch's rows set the shapes (a group of them too)
         self.batch_chunks = self.region_chunks(everyone).clamp(min=0)
         n = int(self.batch_chunks.max())
         if n == 0:
             return
-        heads = self.keys.shape[1]
-        device = self.keys.device
         token = torch.arange(n * self.unit, device=device)
         region_valid = token[None, :] < (counts * self.unit)[:, None]  # [b, n * unit]
         slots = ((seq - lengths)[:, None] + token[None, :]).clamp(max=seq - 1)[:, None, :].expand(-1, heads, -1)
-        keys = gather_tokens(self.keys, slots) * region_valid[:, None, :, None]
-        values = gather_tokens(self.values, slots) * region_valid[:, None, :, None]
+        keys = gather_tokens(prompt_keys, slots) * region_valid[:, None, :, None]
+        values = gather_tokens(prompt_values, slots) * region_valid[:, None, :, None]
         real_chunks = torch.arange(n, device=device)[None, :] < counts[:, None]
         self.selectable = real_chunks[:, None, :].expand(-1, heads, -1).clone()
         kept_dense = self.prepare(keys, region_valid, counts)
@@ -163,7 +165,7 @@ class SparseDecodeLayer(KVLayer):
         tail_valid = torch.arange(tail, device=device)[None, :] >= (tail - rest)[:, None]
         tail_positions = ((lengths - tail)[:, None] + torch.arange(tail, device=device)[None, :]).masked_fill(
             ~tail_valid, -1)
-        parts = [(self.keys[:, :, seq - tail:], self.values[:, :, seq - tail:], tail_valid,
+        parts = [(prompt_keys[:, :, seq - tail:], prompt_values[:, :, seq - tail:], tail_valid,
                   tail_positions[:, None, :].expand(-1, heads, -1))]
         if kept_dense is not None:
             chunks, chunk_valid = kept_dense
@@ -175,7 +177,7 @@ class SparseDecodeLayer(KVLayer):
                 values, tokens), token_valid, tokens.masked_fill(~token_valid[:, None, :], -1)))
         dense_keys, dense_values, valid, positions = (
             torch.cat(column, dim=-2 if i < 2 else -1) for i, column in enumerate(zip(*parts)))
-        codec = None if self.kv_codec is None else self.kv_codec.keys  # (one codec for keys and values: validate)
+        codec = None if self.layer.kv_codec is None else self.layer.kv_codec.keys  # (one codec for both: validate)
         self.store = ChunkStore(self.stored_chunks(keys, values), self.offloads, codec)
         per_step = torch.div(self.method.step_tokens(lengths), self.unit, rounding_mode="floor").clamp(min=1)
         self.step_chunks = torch.minimum(per_step, counts)
@@ -242,8 +244,7 @@ class SparseDecodeLayer(KVLayer):
         self.selected.copy_(chunks)
         return gathered, result
 
-    def advance(self, new: int) -> None:
-        super().advance(new)
+    def advanced(self, new: int) -> None:
         if self.store is not None:
             self.steps += 1
             self.lookups += self.selected.numel() if self.store.offloaded else 0
@@ -252,16 +253,16 @@ class SparseDecodeLayer(KVLayer):
         """Every prompt position: nothing is dropped (padding of shorter rows reported as -1)."""
         if self.store is None:
             return super().kept_positions()
-        real = torch.arange(self.prefill_len,
-                            device=self.keys.device)[None, :] >= (self.prefill_len - self.prompt_tokens)[:, None]
-        return prompt_positions(real)[:, None, :].expand(-1, self.keys.shape[1], -1)
+        layer = self.layer
+        real = torch.arange(layer.prefill_len, device=layer.keys.device)[None, :] >= (
+            layer.prefill_len - layer.prompt_tokens)[:, None]
+        return prompt_positions(real)[:, None, :].expand(-1, layer.keys.shape[1], -1)
 
-    def stored_prompt(self) -> StoredPrompt | None:
-        """None once the prompt is in chunks (its keys rebuilt or paged per step, not slots a question can attend)."""
-        return super().stored_prompt() if self.store is None else None
+    def prompt_readable(self) -> bool:
+        """Not once the prompt is in chunks (its keys rebuilt or paged per step, not slots a question can attend)."""
+        return self.store is None
 
-    def stats(self) -> dict[str, Any]:
-        stats = super().stats()
+    def stats(self, stats: dict[str, Any]) -> dict[str, Any]:
         if self.store is None:
             return stats
         stats["offloaded_bytes" if self.store.offloaded else "kv_bytes_kept"] += self.store.nbytes
@@ -272,7 +273,7 @@ class SparseDecodeLayer(KVLayer):
         stats["spare_bytes"] += copies
         per_chunk = self.store.chunk_bytes
         selected_bytes = batch * heads * self.step_count * per_chunk * self.read_factor()
-        stats["bytes_read_per_step"] += selected_bytes + counted_bytes(self, index_only=True)
+        stats["bytes_read_per_step"] += selected_bytes + counted_bytes(self.layer, index_only=True)
         misses = self.lookups - (0 if self.store.reads_hits() else int(self.hits))
         stats.update(
             sparse_layers=1,

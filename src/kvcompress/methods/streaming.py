@@ -19,7 +19,7 @@ from .base import check_reserved, param
 from .prompt import HeldTokens, PromptMethod
 
 if TYPE_CHECKING:
-    from .prompt import BoundedLayer
+    from .prompt import BoundedPolicy
 
 
 def sink_and_recent_scores(valid: torch.Tensor, sinks: int, kv_heads: int) -> torch.Tensor:
@@ -50,6 +50,7 @@ class StreamingLLM(PromptMethod):
                spans: torch.Tensor | None = None) -> torch.Tensor:
         return sink_and_recent_scores(valid, self.sinks, keys.shape[1])
 
-    def decode_scores(self, layer: BoundedLayer, held: HeldTokens, query: torch.Tensor, scaling: float) -> torch.Tensor:
+    def decode_scores(self, policy: BoundedPolicy, held: HeldTokens, query: torch.Tensor,
+                      scaling: float) -> torch.Tensor:
         """While decoding as on the prompt: the sinks, then the most recent held tokens."""
         return sink_and_recent_scores(held.valid, self.sinks, held.keys.shape[1])

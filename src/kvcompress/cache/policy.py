@@ -1,0 +1,89 @@
+"""What a method decides for one cache layer: ``LayerPolicy``, with an uncompressed layer's defaults.
+
+A layer (layer.py) holds the storage and drives the pipeline (prompt -> compression -> decoding) the same way for
+every method; at the points where a method decides, it asks its policy: which of the prompt's last queries to keep
+for compression (``queries_needed``), what to keep of the whole prompt (``compress``), how a step attends
+(``attend``), what follows a step (``prepare_step``, ``advanced``, ``after_step``), what an observation pass leaves
+(``observe``), which prompt positions are held (``kept_positions``), and what the stats say (``stats``, ``info``).
+A method's policy overrides those; a policy declares what it holds beside the layer's storage with ``hold``, as a
+layer class does (held.py saves, loads, moves and joins both), and reads the layer it serves as ``self.layer``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+
+from ..storage.slots import Slots
+from . import held
+
+KVLayer = Any  # a layer.KVLayer, which imports this module (steps.py and held.py read their layer the same way)
+
+
+class LayerPolicy:
+    """An uncompressed layer's decisions: keep everything, attend every slot (see the module docstring)."""
+
+    LAYOUTS: ClassVar[tuple[type[Slots], ...]] = ()  # storage the policy may swap its layer's slots for (by NAME)
+    # the kind of layer a file records for a layer of this policy (docs/file-format.md; None: the layer's class)
+    SAVED_AS: ClassVar[str | None] = None
+    layer: KVLayer  # the layer this policy serves (set by the layer when it is made)
+
+    def __init__(self) -> None:
+        held.reset(self)  # every attribute the policy's class declares (hold) at its default
+
+    @property
+    def slots(self) -> Slots:
+        """The layer's storage (a policy's subclass narrows its type to the layout it gives its layer)."""
+        return self.layer.slots
+
+    def queries_needed(self) -> int | None:
+        """The last prefill queries ``compress`` reads (None: all of them). Default: none."""
+        return 0
+
+    def compress(self, query: torch.Tensor, scaling: float) -> None:
+        """Once the layer holds the whole prompt (``query``: its last post-RoPE queries ``[b, q_heads, seq, d]``): keep
+        or store what the method needs (the storage codes what it keeps afterwards). Default: keep everything."""
+
+    def attend(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
+               scaling: float, softcap: float | None = None) -> torch.Tensor:
+        """Attention of ``query`` over the layer (``keys``/``values`` as ``update`` returned them, coded where the
+        storage reads codes: an override decodes them first, ``codec.attended_pair``)."""
+        return self.layer.slots.attend(query, keys, values, mask, scaling, softcap)
+
+    def prepare_step(self, new: int) -> None:
+        """Before a step of ``new`` tokens is written, or its room reserved (an eager step's ``update``, the
+        cache's ``reserve``, a compiled loop between steps): e.g. a decoding bound's re-selection. Default: nothing."""
+
+    def advanced(self, new: int) -> None:
+        """After the storage's host mirrors moved past a step of ``new`` tokens: the policy's own. Default: none."""
+
+    def after_step(self, query: torch.Tensor, scaling: float) -> None:
+        """After a later step's tokens are stored (e.g. evict while decoding). Default: nothing."""
+
+    def observe(self, query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scaling: float, lse: torch.Tensor,
+                context: torch.Tensor) -> None:
+        """A step of the observation pass: ``query [b, q_heads, new, d]`` attended ``keys`` (the prompt's slots,
+        then the step's), ``valid [b, prompt + new]``; ``lse [b, q_heads, new]`` each query's log-normaliser;
+        ``context [b, prompt]`` the prompt slots the pass repeats (after each row's opening). Default: nothing."""
+
+    def kept_positions(self) -> torch.Tensor:
+        """Prompt positions held ``[b, kv_heads, n]`` ascending per head (-1: filler). Default: the storage's."""
+        return self.layer.slots.kept_positions(self.layer.prefill_len)
+
+    def prompt_readable(self) -> bool:
+        """Whether the layer's slots hold its prompt as a later prompt may continue it. Default: they do."""
+        return True
+
+    def stats(self, stats: dict[str, Any]) -> dict[str, Any]:
+        """The layer's counters (``stats``: its storage's, measured) with the policy's own. Default: as they are."""
+        return stats
+
+    def info(self) -> dict[str, Any]:
+        return {}  # facts about this layer shown in the cache's stats (kept when every layer agrees)
+
+    def uncapturable(self) -> str | None:
+        return None  # why this layer's decoding step cannot be one compiled graph (None: it can)
+
+    def full_tokens(self) -> int:
+        return self.layer.slots.seen  # tokens per KV head an uncompressed cache would hold for this layer
