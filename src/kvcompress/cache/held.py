@@ -1,11 +1,13 @@
-"""What a cache layer holds beside its storage, declared once per class; saving, loading, batch selection, beam
-reordering, joining a batch's groups, moving between devices and counting bytes all derive from the declaration.
+"""What a cache layer and its method's policy hold beside the storage, declared once per class; saving, loading,
+batch selection, beam reordering, joining a batch's groups, moving between devices and counting bytes all derive from
+the declarations.
 
-A layer class declares each such attribute once, in its body, with its type and role, as a dataclass field is
-(``prompt_tokens: torch.Tensor | None = hold(rows=True)``, gpt-fast's ``register_buffer`` in spirit); a subclass adds
-its own, ``declared`` collects them over the class's bases and ``reset`` gives a fresh layer their defaults. The storage
-(``layer.slots``) saves and moves its own tensors. A tensor attribute a layer sets that its class does not declare is a
-bug (a test walks every method's layers after a generation).
+A layer class, or a policy class (policy.py), declares each such attribute once, in its body, with its type and role,
+as a dataclass field is (``prompt_tokens: torch.Tensor | None = hold(rows=True)``, gpt-fast's ``register_buffer`` in
+spirit); a subclass adds its own, ``declared`` collects them over the class's bases and ``reset`` gives a fresh layer
+or policy their defaults; ``holding`` walks a layer's and its policy's together, one flat set of names. The storage
+(``layer.slots``) saves and moves its own tensors. A tensor attribute a layer or policy sets that its class does not
+declare is a bug (a test walks every method's layers after a generation).
 """
 
 from __future__ import annotations

@@ -137,7 +137,7 @@ class H2O(PromptMethod):
 
 
 class H2OPolicy(EvictionPolicy):
-    """H2O with eviction while decoding: the layer's storage is capped at its budget
+    """H2O with eviction while decoding: the layer's storage (``make_layer`` gives it) is capped at its budget
     (``slots.CappedSlots``), each slot noted with its accumulated score and position.
 
     Each step writes its tokens after the held ones, adds the step's attention to every slot's

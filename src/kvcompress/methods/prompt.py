@@ -251,7 +251,7 @@ class PromptMethod(BudgetMethod):
         scaling: float, lse: torch.Tensor, context: torch.Tensor
     ) -> torch.Tensor:
         """What a method with an ``observation`` pass keeps from one step of it, ``[b, kv_heads, prompt]``,
-        merged with what earlier steps left (``seen``); see ``KVLayer.observe`` for the arguments."""
+        merged with what earlier steps left (``seen``); see ``LayerPolicy.observe`` for the arguments."""
         raise NotImplementedError(f"{type(self).__name__} has no observation pass")
 
     def make_layer(self, layer_idx: int, model: PreTrainedModel) -> KVLayer:
@@ -400,7 +400,7 @@ def prompt_positions_held(positions: torch.Tensor, prompt_tokens: torch.Tensor) 
 
 
 class BoundedPolicy(EvictionPolicy):
-    """A prompt method's layer under a decoding bound (``decode_budget``, ``every``): the prompt is compressed as
+    """A prompt method's policy under a decoding bound (``decode_budget``, ``every``): the prompt is compressed as
     ``EvictionPolicy`` does; then, before a step would make a row hold more than ``decode_budget + every`` tokens,
     that row keeps ``decode_budget`` of its prompt and answer tokens by the method's ``decode_scores`` (the last
     ``decode_window`` steps' queries vote, as SnapKV's observation window does at the prompt's end, and their own

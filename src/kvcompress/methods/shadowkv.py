@@ -267,7 +267,7 @@ class ShadowKV(SparseMethod):
 
 
 class ShadowKVPolicy(SparseDecodePolicy):
-    """One layer of a ShadowKV cache: values in the offload store, keys as low-rank factors; the
+    """A ShadowKV cache's layer policy: values in the offload store, keys as low-rank factors; the
     dense part holds outlier chunks, local tokens and everything appended after the prompt."""
 
     SAVED_AS = "ShadowKVLayer"  # the layer kind files record (docs/file-format.md)
