@@ -71,7 +71,8 @@ def _refuse_replacing(name: str) -> Callable[[Any, Any], None]:
 
 
 class KVLayer(DynamicLayer):
-    """One layer of the cache (see the module docstring); uncompressed unless a subclass overrides the policy."""
+    """One layer of the cache, for every method (see the module docstring); uncompressed unless given a method's
+    policy (``policy``; ``slots``: the layout the policy needs, dense by default)."""
 
     # What the layer holds beside its storage (held.py), each declared once: its type, then how it is held.
     prompt_tokens: torch.Tensor | None = hold(rows=True)  # [b] real prompt tokens per row
