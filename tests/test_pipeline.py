@@ -4,6 +4,9 @@ name on every path a user can take."""
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -31,6 +34,25 @@ SPECS = [
     "shadowkv:budget=16:rank=4:outliers=1:local_chunks=1", "quest:budget=32:page_size=8",
     "quest:budget=32:page_size=8:offload=True", "loki:budget=24:recent=8"
 ]
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_a_dropped_result_frees_its_cache_at_once(spec):
+    """No reference cycle keeps a cache alive until the next cycle collection (a layer holds its method's policy, the
+    policy its layer weakly): a request's memory is back as soon as its result is dropped, on a GPU too."""
+    model, tok = tiny_model(), char_tokenizer()
+    result = kvc.generate(model, tok, random_text(150, seed=4), method=method_from_spec(spec), max_new_tokens=4)
+    held_objects = [result.cache, *result.cache.layers, *(layer.slots for layer in result.cache.layers)]
+    refs = [weakref.ref(each) for each in held_objects]
+    del held_objects
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        del result
+        assert [ref for ref in refs if ref() is not None] == []
+    finally:
+        if collecting:
+            gc.enable()
 
 
 def test_every_phase_is_reached_from_an_empty_layer_and_decoding_is_the_end():

@@ -96,7 +96,7 @@ class KVLayer(DynamicLayer):
         super().__init__()
         self.layer_idx = layer_idx
         self.policy = LayerPolicy() if policy is None else policy  # what the method decides (policy.py)
-        self.policy.layer = self
+        self.policy.serve(self)
         self.rotary: Any = None  # the model's rotary embedding for this layer, for methods that score with it
         self.phase = Phase.EMPTY
         self.intake: Intake = OneForward()  # how the prompt comes in (intake.py)

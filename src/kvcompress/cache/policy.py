@@ -11,6 +11,8 @@ layer class does (held.py saves, loads, moves and joins both), and reads the lay
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
@@ -27,10 +29,19 @@ class LayerPolicy:
     LAYOUTS: ClassVar[tuple[type[Slots], ...]] = ()  # storage the policy may swap its layer's slots for (by NAME)
     # the kind of layer a file records for a layer of this policy (docs/file-format.md; None: the layer's class)
     SAVED_AS: ClassVar[str | None] = None
-    layer: KVLayer  # the layer this policy serves (set by the layer when it is made)
-
     def __init__(self) -> None:
+        self._layer: Callable[[], KVLayer | None] = lambda: None  # the layer this policy serves (``serve``)
         held.reset(self)  # every attribute the policy's class declares (hold) at its default
+
+    def serve(self, layer: KVLayer) -> None:
+        """Serve ``layer`` (the layer calls it when it is made); held weakly, so a cache dropped is freed at once,
+        its tensors with it, not at the next cycle collection."""
+        self._layer = weakref.ref(layer)
+
+    @property
+    def layer(self) -> KVLayer:
+        """The layer this policy serves."""
+        return self._layer()
 
     @property
     def slots(self) -> Slots:
