@@ -29,6 +29,7 @@ class LayerPolicy:
     LAYOUTS: ClassVar[tuple[type[Slots], ...]] = ()  # storage the policy may swap its layer's slots for (by NAME)
     # the kind of layer a file records for a layer of this policy (docs/file-format.md; None: the layer's class)
     SAVED_AS: ClassVar[str | None] = None
+
     def __init__(self) -> None:
         self._layer: Callable[[], KVLayer | None] = lambda: None  # the layer this policy serves (``serve``)
         held.reset(self)  # every attribute the policy's class declares (hold) at its default

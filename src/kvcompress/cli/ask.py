@@ -146,8 +146,8 @@ def _cmd_generate(args: argparse.Namespace, console: Console) -> int:
 def _streamer(args: argparse.Namespace, tokenizer: Any) -> Any:
     from ..chat import Printer  # noqa: PLC0415 - the interactive front, loaded when asked for
 
-    stops = Stops.of(args.stop, tokenizer)
-    args.printer = Printer(tokenizer, sys.stdout, stops) if args.stream else None  # (an interrupt ends its line)
+    # (an interrupt ends its line)
+    args.printer = Printer(tokenizer, sys.stdout, Stops.of(args.stop, tokenizer)) if args.stream else None
     return args.printer
 
 

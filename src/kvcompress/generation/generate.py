@@ -131,11 +131,13 @@ class Settings:
                                      "'auto')", minimum=0, none="every query, or 'auto'")
 
 
+SETTINGS = {spec.name: spec for spec in field_specs(Settings)}  # read once: generate checks them at every call
+
+
 def _check(**values: Any) -> None:
     """Each of ``values`` against its declaration in ``Settings``."""
-    for spec in field_specs(Settings):
-        if spec.name in values:
-            spec.check("kvcompress", values[spec.name])
+    for name, value in values.items():
+        SETTINGS[name].check("kvcompress", value)
 
 
 def _check_settings(max_new_tokens: int, compile: bool | Compile, prefill_tokens: int | None) -> None:
