@@ -10,7 +10,9 @@ after round (every other round in reverse order, so no method always follows the
 hits all of them alike. Each method's ratio to the first is taken within each round, where the
 blocks ran seconds apart, and the median over rounds is reported beside the median ms per step.
 Prints and writes (``--out``) both. A spec ending in ``@compile`` decodes with the compiled step
-(``kvc.generate(compile=True)``); its compilation happens in the warm-up round.
+(``kvc.generate(compile=True)``); its compilation happens in the warm-up round. ``--profile N`` then runs N more
+steps of each method under ``torch.profiler`` and prints (and writes) the kernels that took the step's device time,
+with the decoding attention's chosen kernels: where a step's time goes, beside its bandwidth bound.
 """
 
 from __future__ import annotations
@@ -21,12 +23,15 @@ import statistics
 import time
 
 import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity
 
 from kvcompress.bench.speed import machine
 from kvcompress.cache.tokens import TokenSpans
 from kvcompress.generation.decode import Compile, DecodeState, StepRunner
 from kvcompress.integrations.transformers.models import random_model
 from kvcompress.methods import method_from_spec
+from kvcompress.storage import attention
 
 
 @torch.inference_mode()
@@ -40,6 +45,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=8, help="decoding steps per block")
+    parser.add_argument("--profile", type=int, default=0, help="steps per method to profile after the timing")
     parser.add_argument("--out", help="JSON file for the results")
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -47,14 +53,14 @@ def main() -> None:
     vocab = model.config.get_text_config().vocab_size
     prompt = torch.randint(10, vocab, (args.batch, args.length), device=model.device)
     specs = list(dict.fromkeys(args.methods.split(",")))
-    total = (args.rounds + 1) * args.steps + 2
+    total = (args.rounds + 1) * args.steps + args.profile + 2
     runners = {}
     for spec in specs:
         method_spec, _, mode = spec.partition("@")
         # random ids: every token a span, as bench speed
         cache = method_from_spec(method_spec, budget=args.budget).make_cache(model, TokenSpans.every(vocab))
         logits = model(prompt, **{cache.keyword: cache}, logits_to_keep=1).logits[:, -1]
-        state = DecodeState.start(logits, torch.full((args.batch,), args.length), total, set())
+        state = DecodeState.start(logits, torch.full((args.batch,), args.length, device=model.device), total, set())
         cache.reserve(total)
         runners[spec] = StepRunner(model, cache, state, Compile() if mode == "compile" else None)
     blocks: dict[str, list[float]] = {spec: [] for spec in specs}
@@ -78,13 +84,41 @@ def main() -> None:
         times = ", ".join(f"{t:.1f}" for t in blocks[spec][1:])
         print(f"{spec:36s} {medians[spec]:8.2f} ms/step  x{ratios[spec]:.3f} (median of per-round ratios)  "
               f"(blocks: {times})")
+    profiles = {spec: profile(runner, args.profile) for spec, runner in runners.items()} if args.profile else {}
+    clock = "device" if torch.cuda.is_available() else "host"
+    for spec, kernels in profiles.items():
+        print(f"\n{spec}: {clock} time per step by kernel (ms; {args.profile} profiled steps)")
+        for row in kernels[:PROFILE_ROWS]:
+            print(f"  {row['ms_per_step']:8.3f}  {row['calls_per_step']:6.1f}x  {row['name'][:100]}")
+    print("decoding attention's kernels by (phase/device/dtype/head_dim/masked: choice):", attention.sdpa_choices())
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(
                 {
                     "machine": machine(model.device), "settings": vars(args), "ms_per_step": medians,
-                    "ratio_to_first": ratios, "blocks": blocks
+                    "ratio_to_first": ratios, "blocks": blocks, "profiles": profiles,
+                    "attention_choices": attention.sdpa_choices()
                 }, fh, indent=2)
+
+
+PROFILE_ROWS = 12
+
+
+def profile(runner: StepRunner, steps: int) -> list[dict]:
+    """Device (or, without one, host) time per step of each kernel over ``steps`` steps, largest first."""
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(steps):
+            runner.step()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    device = torch.cuda.is_available()
+    rows = []
+    for event in prof.key_averages():
+        us = event.self_device_time_total if device else event.self_cpu_time_total
+        if us > 0 and (not device or event.device_type == DeviceType.CUDA):
+            rows.append({"name": event.key, "ms_per_step": us / 1000 / steps, "calls_per_step": event.count / steps})
+    return sorted(rows, key=lambda row: -row["ms_per_step"])
 
 
 if __name__ == "__main__":

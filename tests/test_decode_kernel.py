@@ -138,3 +138,58 @@ def test_the_split_kernel_matches_the_reference_on_the_gpu():
             out = attention.decode_attention(*args[:4], dim ** -0.5, key_bits, value_bits)
             expected = reference(*args[:4], dim ** -0.5, key_bits, value_bits)
             torch.testing.assert_close(out.double(), expected, rtol=2e-2, atol=2e-2)
+
+
+def build_for_hopper(kernel, signature: dict[str, str], constants: dict[str, object]) -> bytes:
+    """``kernel`` compiled ahead of time for an H100/H200 (sm_90) by Triton's own compiler and ptxas, no GPU needed:
+    the compiler checks what the interpreter does not (types across a function's branches: the split kernel built
+    in the interpreter and failed on the H200, 11-28). Returns the cubin."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = {**signature, **{name: "constexpr" for name in constants}}
+    built = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants),
+                           target=GPUTarget("cuda", 90, 32), options={"enable_fp_fusion": True})  # as launched
+    return built.asm["cubin"]
+
+
+def decode_kernel_signature(key_bits: int, value_bits: int) -> dict[str, str]:
+    pointers = {"query": "*bf16", "keys": "*u8" if key_bits else "*bf16", "key_meta": "*fp16",
+                "values": "*u8" if value_bits else "*bf16", "value_meta": "*fp16", "visible": "*u8",
+                "out": "*fp32", "lse": "*fp32"}
+    sizes = ("heads", "seq", "q_batch", "q_head", "k_batch", "k_head", "k_slot", "v_batch", "v_head", "v_slot",
+             "m_batch", "m_head")
+    return {**pointers, "heads": "i64", "seq": "i64", "scaling": "fp32", **dict.fromkeys(sizes, "i64")}
+
+
+needs_nvidia_backend = pytest.mark.skipif(importlib.util.find_spec("triton") is None
+                                          or importlib.util.find_spec("triton.backends.nvidia") is None,
+                                          reason="Triton with its NVIDIA backend")
+
+
+@needs_nvidia_backend
+@pytest.mark.parametrize("key_bits,value_bits,masked", [(0, 0, True), (8, 8, False), (4, 4, True), (6, 4, True)])
+def test_the_split_kernel_builds_for_hopper(key_bits, value_bits, masked):
+    from kvcompress.storage import kernels
+
+    constants = dict(GROUP_ROWS=4, DIM=128, BLOCK_G=16, BLOCK_N=64, BLOCKS=4, KEY_BITS=key_bits,
+                     VALUE_BITS=value_bits, QUANT_GROUP=32, MASKED=masked, PRECISE=False)
+    assert build_for_hopper(kernels._decode_attention_kernel, decode_kernel_signature(key_bits, value_bits),
+                            constants)
+
+
+@needs_nvidia_backend
+@pytest.mark.parametrize("dtype,precise", [("fp32", True), ("bf16", False)])
+def test_shadowkvs_kernels_build_for_hopper(dtype, precise):
+    from kvcompress.storage import kernels
+
+    rotated = {"factor_a": f"*{dtype}", "factor_b": f"*{dtype}", "chunks": "*i64", "inv_freq": "*fp32",
+               "out": f"*{dtype}", "heads": "i64", "region": "i64", "k": "i64", "scale": "fp32"}
+    assert build_for_hopper(kernels._rotated_keys_kernel, rotated,
+                            dict(RANK=160, UNIT=8, DIM=128, HALF_ROT=64, BLOCK_U=16, BLOCK_R=16, BLOCK_D=128,
+                                 PRECISE=precise))
+    gather = {"store": f"*{dtype}", "chunks": "*i64", "previous_chunks": "*i64", "previous": f"*{dtype}",
+              "hits": "*i64", "out": f"*{dtype}", "n_chunks": "i64", "k": "i64"}
+    assert build_for_hopper(kernels._gather_chunks_kernel, gather,
+                            dict(REUSE=True, LOG_K=6, CHUNK_NUMEL=1024, BLOCK=1024))

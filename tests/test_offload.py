@@ -172,14 +172,16 @@ def test_triton_gather_reads_pinned_host_memory_on_the_gpu():
     assert int(hits) == int(match_previous(second, first)[0].sum())
 
 
-@needs_gpu
 def test_gpu_decode_step_never_synchronizes_and_matches_cpu():
+    """On a GPU: a ShadowKV step over its pinned store never synchronizes and matches the CPU's. Without one the CPU
+    half still runs, so the test keeps up with the policy's interface (it called a method the 11-28 split removed and
+    failed only on the H200)."""
     model = tiny_model()
     gen = torch.Generator().manual_seed(0)
     prompt, steps = torch.randint(3, 128, (1, 300), generator=gen), torch.randint(3, 128, (1, 3), generator=gen)
     query = torch.randn(1, 4, 1, 16, generator=gen)
     out = {}
-    for device in ("cpu", "cuda"):
+    for device in ("cpu", "cuda") if CUDA else ("cpu",):
         model.to(device)
         cache = kvc.ShadowKV(budget=32, rank=8, outliers=1).make_cache(model)
         with torch.no_grad():
@@ -192,7 +194,11 @@ def test_gpu_decode_step_never_synchronizes_and_matches_cpu():
             torch.cuda.synchronize()
             torch.cuda.set_sync_debug_mode("error")  # any host synchronisation raises
         try:
-            out[device] = layer.attend(step_query, layer.keys, layer.values, layer.slots.visibility(None, 1), 0.25)
+            visible = layer.slots.visibility(None, 1)
+            out[device] = layer.policy.attend(step_query, layer.keys, layer.values, visible, 0.25)
         finally:
-            torch.cuda.set_sync_debug_mode("default")
-    torch.testing.assert_close(out["cuda"].cpu(), out["cpu"], rtol=1e-4, atol=1e-4)
+            if CUDA:
+                torch.cuda.set_sync_debug_mode("default")
+    assert out["cpu"].shape == (1, 4, 1, 16) and out["cpu"].isfinite().all()
+    if CUDA:
+        torch.testing.assert_close(out["cuda"].cpu(), out["cpu"], rtol=1e-4, atol=1e-4)

@@ -86,9 +86,12 @@ def _product(a, b, PRECISE: tl.constexpr):
     """``tl.dot``; with ``PRECISE`` (float32 operands of a float32 model) in IEEE float32, not the TF32 NVIDIA GPUs
     default to, whose 10-bit products moved ShadowKV's rebuilt keys by ~1e-3 against the CPU (11-26/27 GPU runs).
     16-bit operands are exact in TF32."""
+    # one return, after the branches: Triton's compiler (unlike its interpreter) goes on past an early return
     if PRECISE:
-        return tl.dot(a, b, input_precision="ieee")
-    return tl.dot(a, b)
+        product = tl.dot(a, b, input_precision="ieee")
+    else:
+        product = tl.dot(a, b)
+    return product
 
 
 @triton.jit
@@ -170,9 +173,19 @@ def _stored_rows(rows, meta, offset, slots, inside, d, DIM: tl.constexpr, BITS: 
                  GROUP: tl.constexpr, DTYPE: tl.constexpr):
     """``[BLOCK_N, DIM]`` vectors of ``slots`` from a row-per-slot buffer at ``offset`` (its elements): as
     stored (``BITS`` 0), or ``codec.IntCodec`` rows decoded (codes, then each group's float16 scale and
-    minimum, read through ``meta``, the same bytes as float16)."""
+    minimum, read through ``meta``, the same bytes as float16). One return after the branches: the compiler (not
+    the interpreter) would type the coded branch's integer arithmetic on the stored floats too (H200, 11-28)."""
     if BITS == 0:
-        return tl.load(rows + offset + slots[:, None] + d[None, :], mask=inside[:, None], other=0.0)
+        vectors = tl.load(rows + offset + slots[:, None] + d[None, :], mask=inside[:, None], other=0.0)
+    else:
+        vectors = _decoded_rows(rows, meta, offset, slots, inside, d, DIM, BITS, GROUP, DTYPE)
+    return vectors
+
+
+@triton.jit
+def _decoded_rows(rows, meta, offset, slots, inside, d, DIM: tl.constexpr, BITS: tl.constexpr,
+                  GROUP: tl.constexpr, DTYPE: tl.constexpr):
+    """``_stored_rows`` of coded rows (``BITS`` 8, 6 or 4)."""
     if BITS == 8:
         codes = tl.load(rows + offset + slots[:, None] + d[None, :], mask=inside[:, None], other=0)
     else:  # 4 bits, or 6 bits' low 4: two a byte, channel 2i in the low nibble
