@@ -90,14 +90,16 @@ def main() -> None:
         print(f"\n{spec}: {clock} time per step by kernel (ms; {args.profile} profiled steps)")
         for row in kernels[:PROFILE_ROWS]:
             print(f"  {row['ms_per_step']:8.3f}  {row['calls_per_step']:6.1f}x  {row['name'][:100]}")
-    print("decoding attention's kernels by (phase/device/dtype/head_dim/masked: choice):", attention.sdpa_choices())
+    print("attention's kernels by phase/device/dtype/head_dim/masked/bucket, eager:", attention.sdpa_choices())
+    print("... and compiled (by device time):", attention.sdpa_choices(graphed=True))
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(
                 {
                     "machine": machine(model.device), "settings": vars(args), "ms_per_step": medians,
                     "ratio_to_first": ratios, "blocks": blocks, "profiles": profiles,
-                    "attention_choices": attention.sdpa_choices()
+                    "attention_choices": attention.sdpa_choices(),
+                    "attention_choices_compiled": attention.sdpa_choices(graphed=True)
                 }, fh, indent=2)
 
 

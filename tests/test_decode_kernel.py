@@ -60,6 +60,34 @@ def test_the_split_kernel_is_a_decoding_candidate_only_where_triton_runs():
     assert attention._parse_forced("decode=triton,efficient") == {"decode": ("triton", "efficient")}
 
 
+def test_a_compiled_step_takes_the_kernel_fastest_on_the_device_and_an_eager_one_the_fastest_to_wait_for(monkeypatch):
+    """An eager step pays each kernel's launches on the host; a compiled step replays them from a graph and pays only
+    the device's time: the split kernel, slower to launch than SDPA's one kernel and faster on the device at 2K slots
+    (H200, 11-28), is the compiled step's choice and not the eager one's. Each phase is timed once for both."""
+    timed = []
+
+    def times(name, probe, is_causal, enable_gqa):  # (waited for, on the device)
+        timed.append(name)
+        return {"math": (3e-4, 3e-4), "flash": (2e-4, 2e-4), "efficient": (1e-4, 9e-5), "triton": (2.5e-4, 1e-5),
+                "cudnn": None}[name]
+
+    monkeypatch.setattr(attention, "_time_backend", times)
+    monkeypatch.setattr(attention, "candidates", lambda *args: ("math", "flash", "efficient", "cudnn", "triton"))
+    monkeypatch.delenv("KVCOMPRESS_SDPA", raising=False)
+    attention.forget_choices()
+    try:
+        query, keys = torch.zeros(1, 2, 4, 64), torch.zeros(1, 2, 100, 64)
+        eager = attention.choose_backends("decode", query, keys, None, False, False)
+        assert eager == ("efficient", "flash", "triton", "math") and len(timed) == 5
+        assert attention.sdpa_choices(graphed=True) == {"decode/cpu/float32/64/False/None":
+                                                        ("triton", "efficient", "flash", "math")}
+        compiled = attention._compiled_backends("decode", "cpu", "torch.float32", 64, False, 0)
+        assert compiled == "triton,efficient,flash,math"
+        assert attention.choose_backends("decode", query, keys, None, False, False) == eager and len(timed) == 5
+    finally:
+        attention.forget_choices()
+
+
 def test_the_torch_implementation_matches_the_reference():
     for key_bits, value_bits in ((0, 0), (8, 8), (4, 4), (8, 4), (6, 4)):
         args = case(2, 3, 3, 333, 64, key_bits, value_bits, torch.float32, per_head=key_bits == 4)
@@ -102,18 +130,28 @@ KERNEL_CHECK = textwrap.dedent(
     kernels.decode_attention_triton = counted
     def decode(method, kernel):
         os.environ["KVCOMPRESS_SDPA"] = f"decode={kernel}"
-        attention._chosen.clear()
+        attention.forget_choices()
         cache = method.make_cache(model)
         with torch.no_grad():
             model(prompt, **{CACHE: cache})
             return torch.cat([model(steps[:, t : t + 1], **{CACHE: cache}).logits for t in range(steps.shape[1])], 1)
+    # where the split kernel runs, a step hands the codes on undecoded; decoded for SDPA's kernels only when one wins
+    from kvcompress.storage import slots
+    whole, decoded_pair = [], slots.decoded_pair
+    slots.decoded_pair = lambda *args: whole.append(1) or decoded_pair(*args)
     for method in (kvc.FullKV(), kvc.SnapKV(budget=48, window=8, kv_bits=4, key_bits=4, clustering="pool"),
                    kvc.SnapKV(budget=48, kv_bits=8, clustering="pool"),
                    kvc.SnapKV(budget=48, kv_bits=4, clustering="pool")):
-        plain = decode(method, "math")
+        before = len(whole)
+        plain = decode(method, "math")  # no kernel reads codes: the step decodes its slots
+        decoded_first = len(whole)
+        assert (decoded_first > before) == (method.kv_bits < 16), (method, decoded_first - before)
         with ops.triton_everywhere():
             fused = decode(method, "triton")
+            assert len(whole) == decoded_first, "the split kernel's step decoded its slots first"
+            handed = decode(method, "math")  # handed the codes, SDPA chosen: decoded in dense_attention
         torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(handed, plain, rtol=0, atol=0)
     # every decoding step of every layer: the full cache's float32 slots, then the three coded runs' codes (the last
     # kv_bits=4 as typed: keys in 6 bits)
     assert calls == [torch.float32] * 12 + [torch.uint8] * 36, calls
@@ -124,7 +162,7 @@ KERNEL_CHECK = textwrap.dedent(
 
 @needs_triton
 def test_the_split_kernel_matches_the_reference_in_the_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    env = {**os.environ, "TRITON_INTERPRET": "1", "KVCOMPRESS_CPU_KERNEL": "0"}  # codes read by Triton's kernel alone
     done = subprocess.run([sys.executable, "-c", KERNEL_CHECK], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
 
@@ -140,16 +178,18 @@ def test_the_split_kernel_matches_the_reference_on_the_gpu():
             torch.testing.assert_close(out.double(), expected, rtol=2e-2, atol=2e-2)
 
 
-def build_for_hopper(kernel, signature: dict[str, str], constants: dict[str, object]) -> bytes:
+def build_for_hopper(kernel, signature: dict[str, str], constants: dict[str, object], aligned=()) -> bytes:
     """``kernel`` compiled ahead of time for an H100/H200 (sm_90) by Triton's own compiler and ptxas, no GPU needed:
     the compiler checks what the interpreter does not (types across a function's branches: the split kernel built
-    in the interpreter and failed on the H200, 11-28). Returns the cubin."""
+    in the interpreter and failed on the H200, 11-28). ``aligned``: arguments a launch finds divisible by 16 (Triton
+    specializes on it: pointers from PyTorch's allocator, strides of the 8B shape's rows). Returns the cubin."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     signature = {**signature, **{name: "constexpr" for name in constants}}
-    built = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants),
+    attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
+    built = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attrs),
                            target=GPUTarget("cuda", 90, 32), options={"enable_fp_fusion": True})  # as launched
     return built.asm["cubin"]
 
@@ -169,14 +209,17 @@ needs_nvidia_backend = pytest.mark.skipif(importlib.util.find_spec("triton") is 
 
 
 @needs_nvidia_backend
-@pytest.mark.parametrize("key_bits,value_bits,masked", [(0, 0, True), (8, 8, False), (4, 4, True), (6, 4, True)])
-def test_the_split_kernel_builds_for_hopper(key_bits, value_bits, masked):
+@pytest.mark.parametrize("key_bits,value_bits,masked,dim", [(0, 0, True, 128), (8, 8, False, 128), (4, 4, True, 128),
+                                                             (6, 4, True, 128), (6, 8, True, 16)])
+def test_the_split_kernel_builds_for_hopper(key_bits, value_bits, masked, dim):
     from kvcompress.storage import kernels
+    from kvcompress.storage.codec import group_size
 
-    constants = dict(GROUP_ROWS=4, DIM=128, BLOCK_G=16, BLOCK_N=64, BLOCKS=4, KEY_BITS=key_bits,
-                     VALUE_BITS=value_bits, QUANT_GROUP=32, MASKED=masked, PRECISE=False)
-    assert build_for_hopper(kernels._decode_attention_kernel, decode_kernel_signature(key_bits, value_bits),
-                            constants)
+    constants = dict(GROUP_ROWS=4, DIM=dim, BLOCK_G=16, BLOCK_N=64, BLOCKS=4, KEY_BITS=key_bits,
+                     VALUE_BITS=value_bits, QUANT_GROUP=group_size(dim), MASKED=masked, PRECISE=False)
+    signature = decode_kernel_signature(key_bits, value_bits)
+    aligned = [name for name, kind in signature.items() if kind.startswith("*") or kind == "i64" and name != "heads"]
+    assert build_for_hopper(kernels._decode_attention_kernel, signature, constants, aligned)
 
 
 @needs_nvidia_backend

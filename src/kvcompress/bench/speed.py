@@ -322,6 +322,7 @@ def decode_figures(model: PreTrainedModel, stats: dict, times: list[float], pref
         ops_per_step=audit.total,
         host_reads_per_step=sum(audit.host_reads.values()),
         sdpa=attention.sdpa_choices(),
+        sdpa_graphed=attention.sdpa_choices(graphed=True),
     )
 
 

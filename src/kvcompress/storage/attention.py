@@ -14,9 +14,11 @@ cache's length changes with every call (measured on an H100: 1.6 ms of host time
 with Triton, ``decode`` has one more candidate, ``triton``: ``decode_attention``, split along the slots
 (SDPA's fused kernels give each head's whole cache to one program), which also reads 8- and 4-bit
 coded slots without decoding them first. A decoding probe has as many keys as the cache (rounded up to
-a power of two, at most ``DECODE_PROBE_TOKENS``): which kernel wins depends on the length. On a CPU, 8-, 6-
-and 4-bit and float8 coded slots are always read as stored by ``cpu_kernels``' kernel where it is built
-(``reads_codes``).
+a power of two, at most ``DECODE_PROBE_TOKENS``): which kernel wins depends on the length. Each kernel is
+timed twice: as the host waits for it (an eager step's choice) and on the device alone (a compiled step's, whose
+launches come from one graph): a kernel quick on the device and slow to launch wins only the second. On a CPU, 8-,
+6- and 4-bit and float8 coded slots are always read as stored by ``cpu_kernels``' kernel where it is built
+(``reads_codes``); on CUDA a step hands the split kernel its codes (``hands_codes``).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import inspect
 import os
 import time
 import warnings
+from collections.abc import Callable
 from contextvars import ContextVar
 
 import torch
@@ -51,6 +54,7 @@ KERNEL_NAMES = (*BACKEND_NAMES, "triton")  # SDPA's kernels and decode_attention
 _NAMES = {int(backend): name for name, backend in BACKEND_NAMES.items()}  # type: ignore[call-overload]
 _default_picks: dict[tuple, str | None] = {}  # input shapes -> the kernel PyTorch picks for them
 _chosen: dict[tuple, tuple[str, ...]] = {}  # (phase, device type, dtype, head_dim, masked) -> kernels, fastest first
+_graphed: dict[tuple, tuple[str, ...]] = {}  # the same by device time alone: a compiled step's choice (see _timed)
 _PRIORITY = "set_priority" in inspect.signature(sdpa_kernel).parameters
 
 
@@ -108,25 +112,36 @@ def _parse_forced(text: str) -> dict[str, tuple[str, ...]]:
     return forced
 
 
-def sdpa_choices() -> dict[str, tuple[str, ...]]:
-    """The kernels chosen so far in this process, fastest first, per ``phase/device/dtype/head_dim/masked``."""
-    return {"/".join(str(part).removeprefix("torch.") for part in key): kernels for key, kernels in _chosen.items()}
+def forget_choices() -> None:
+    """Choose every phase's kernels afresh (after ``KVCOMPRESS_SDPA`` changed, say)."""
+    _chosen.clear()
+    _graphed.clear()
+
+
+def sdpa_choices(graphed: bool = False) -> dict[str, tuple[str, ...]]:
+    """The kernels chosen so far in this process, fastest first, per ``phase/device/dtype/head_dim/masked``
+    (``graphed``: a compiled step's, by device time alone)."""
+    return {"/".join(str(part).removeprefix("torch.") for part in key): kernels
+            for key, kernels in (_graphed if graphed else _chosen).items()}
 
 
 @torch.compiler.assume_constant_result
 def _compiled_backends(phase: str, device_type: str, dtype: str, head_dim: int, masked: bool, bucket: int) -> str:
-    """The chosen kernels as a string: a compiled step bakes the choice in without guarding on it. ``bucket``:
+    """The kernels chosen for a compiled step (by device time), as a string: it bakes the choice in without
+    guarding on it. ``bucket``:
     ``length_bucket``'s (0: none, or a length the graph leaves symbolic: the longest one chosen for)."""
-    made = [k for k in _chosen if k[:2] == (phase, device_type) and str(k[2]) == dtype and k[3:5] == (head_dim, masked)]
+    made = [k for k in _graphed
+            if k[:2] == (phase, device_type) and str(k[2]) == dtype and k[3:5] == (head_dim, masked)]
     exact = [k for k in made if (k[5] or 0) == bucket]
     key = exact[0] if exact else max(made, key=lambda k: k[5] or 0, default=None)
     if key is not None:
-        return ",".join(_chosen[key])
+        return ",".join(_graphed[key])
     return ",".join(forced_backends(phase) or candidates(phase, device_type, head_dim))
 
 
-def _time_backend(name: str, probe: tuple, is_causal: bool, enable_gqa: bool) -> float | None:
-    """Median seconds of three calls with only kernel ``name`` enabled, or None where it does not run."""
+def _time_backend(name: str, probe: tuple, is_causal: bool, enable_gqa: bool) -> tuple[float, float] | None:
+    """Median seconds of three calls with only kernel ``name`` enabled, as the host waits for them and (on CUDA) on
+    the device alone; None where it does not run."""
     query, keys, values, mask = probe
     cuda = query.is_cuda
 
@@ -148,6 +163,7 @@ def _time_backend(name: str, probe: tuple, is_causal: bool, enable_gqa: bool) ->
                 if cuda:
                     torch.cuda.synchronize(query.device)
                 times.append(time.perf_counter() - start)
+            device = _device_seconds(call) if cuda else None
     except RuntimeError:  # this kernel does not take these inputs
         return None
     except Exception as error:  # Triton's own errors (a kernel that does not build here)
@@ -156,7 +172,28 @@ def _time_backend(name: str, probe: tuple, is_causal: bool, enable_gqa: bool) ->
         warnings.warn(f"kvcompress: the split decoding kernel did not run here ({error}); SDPA's kernels are used",
                       stacklevel=2)
         return None
-    return sorted(times[1:])[1]
+    wall = sorted(times[1:])[1]
+    return wall, wall if device is None else device
+
+
+DEVICE_WAIT_CYCLES = 2_000_000  # ~1 ms of a GPU's clock: longer than the host takes to queue one attention call
+
+
+def _device_seconds(call: Callable[[], None]) -> float:
+    """Median device time of three ``call``s, each queued behind a wait on the GPU so the host's launches never leave
+    it idle: what the call costs inside a CUDA graph. By wall time alone the split kernel (a launch and its slices'
+    merge) lost to SDPA's efficient kernel at 4K slots on the H200 (11-28), which took 90 us a layer on the device
+    for 2K slots where the split kernel read 32K in 39."""
+    times = []
+    for _ in range(3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(DEVICE_WAIT_CYCLES)
+        start.record()
+        call()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1000)
+    return sorted(times)[1]
 
 
 def _probe(query: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor | None, phase: str) -> tuple:
@@ -166,9 +203,10 @@ def _probe(query: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor | None, p
     bucket = length_bucket(phase, query.device.type, keys.shape[-2])
     seq = bucket or min(keys.shape[-2], PROBE_TOKENS // 4 if phase == "prefill" else PROBE_TOKENS)
     q_len = seq if phase == "prefill" else min(query.shape[-2], seq)
-    batch = max(1, min(query.shape[0], 4, PROBE_ELEMENTS // (keys.shape[1] * seq * keys.shape[-1])))
-    probe_query = torch.randn(batch, query.shape[1], q_len, query.shape[-1], device=query.device, dtype=query.dtype)
-    probe_keys = torch.randn(batch, keys.shape[1], seq, keys.shape[-1], device=query.device, dtype=query.dtype)
+    dim = query.shape[-1]  # ``keys`` may be coded rows (``hands_codes``): only their heads and slots are read
+    batch = max(1, min(query.shape[0], 4, PROBE_ELEMENTS // (keys.shape[1] * seq * dim)))
+    probe_query = torch.randn(batch, query.shape[1], q_len, dim, device=query.device, dtype=query.dtype)
+    probe_keys = torch.randn(batch, keys.shape[1], seq, dim, device=query.device, dtype=query.dtype)
     probe_mask: torch.Tensor | CausalBias | None
     if isinstance(mask, CausalBias):
         probe_mask = causal_lower_right(q_len, seq)
@@ -191,14 +229,15 @@ def choose_backends(phase: str, query: torch.Tensor, keys: torch.Tensor, mask: t
     key = (phase, query.device.type, query.dtype, query.shape[-1], mask is not None, bucket)
     chosen = _chosen.get(key)
     if chosen is None:
-        chosen = forced_backends(phase)
+        chosen = graphed = forced_backends(phase)
         if chosen is None:
             probe = _probe(query, keys, mask, phase)
             times = ((_time_backend(name, probe, is_causal, enable_gqa), name)
                      for name in candidates(phase, query.device.type, query.shape[-1]))
             timed = [(t, name) for t, name in times if t is not None]
             chosen = tuple(name for _, name in sorted(timed)) or ("math",)
-        _chosen[key] = chosen
+            graphed = tuple(name for _, name in sorted(timed, key=lambda each: each[0][1])) or ("math",)
+        _chosen[key], _graphed[key] = chosen, graphed
     return chosen
 
 
@@ -301,8 +340,8 @@ def dense_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     query). ``softcap`` (Gemma 2): logits become ``softcap * tanh(logits / softcap)`` before the softmax.
     ``coded``: the same slots as stored, integer-coded rows and their key and value bits
     (``codec.coded_rows``), which a decoding step reads without decoding where ``decode_attention``'s kernel is
-    the one chosen, or on a CPU where its kernel is built (``keys``/``values``: what the choice is made on, decoded,
-    or the same rows where the caller did not decode them: ``reads_codes``)."""
+    the one chosen, or on a CPU where its kernel is built (``keys``/``values``: decoded, or the same coded rows where
+    the caller handed them on undecoded, ``hands_codes``: then decoded here if SDPA's kernel is the choice)."""
     batch, q_heads, q_len, dim = query.shape
     kv_heads, seq = keys.shape[1], keys.shape[-2]
     if mask is None and 1 < q_len and (q_len != seq or softcap is not None):
@@ -334,10 +373,23 @@ def dense_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
         if read_as_stored:
             out = decode_attention(stacked, *coded[:2], mask, scaling, *coded[2:])
         else:
+            if coded is not None and keys.dtype != query.dtype:  # handed as codes (hands_codes) and SDPA won
+                keys, values = (codec_of_code(bits, dim, query.dtype).decode(rows)
+                                for rows, bits in zip(coded[:2], coded[2:]))
             out = sdpa(phase, stacked, keys, values, mask, scaling)
         # a fused kernel's output may be laid out [b, group * q, kv_heads, d] (CUDA's efficient kernel): no view
         return out.reshape(batch, q_heads, q_len, dim)
     return sdpa(phase, query, keys, values, mask, scaling, is_causal=mask is None, enable_gqa=q_heads != kv_heads)
+
+
+def hands_codes(query: torch.Tensor, key_bits: int, value_bits: int) -> bool:
+    """Whether a decoding step on ``query``'s device hands its slots' codes to ``dense_attention`` undecoded
+    (``Slots.reads_codes``): where a kernel reads them all (``reads_codes``), and where the split kernel runs and
+    reads these codes, the likely choice of a long cache (``dense_attention`` decodes them for SDPA's kernels when
+    one of them wins). Decoding first, the 4-bit full cache's step spent ~40 ms at 32K on the H200 (11-28) making a
+    copy the split kernel then never read."""
+    return reads_codes(query) or ({key_bits, value_bits} <= set(TRITON_BITS)
+                                  and "triton" in candidates("decode", query.device.type, query.shape[-1]))
 
 
 def reads_codes(query: torch.Tensor) -> bool:

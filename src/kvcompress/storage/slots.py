@@ -27,7 +27,7 @@ from typing import Any, ClassVar, NamedTuple, cast
 
 import torch
 
-from .attention import causal_slot_mask, dense_attention, reads_codes, spelled_out_with_lse, with_sinks
+from .attention import causal_slot_mask, dense_attention, hands_codes, spelled_out_with_lse, with_sinks
 from .codec import (
     KVCodec,
     attended_pair,
@@ -219,9 +219,9 @@ class DenseSlots(Slots):
         self.keys, self.values = encoded_pair(codec, self.keys, self.values)
 
     def reads_codes(self, new_keys: torch.Tensor) -> bool:
-        # a decoding step over integer or float8 codes on a CPU with its kernel (attention.reads_codes)
-        return (new_keys.shape[-2] == 1 and coded_rows(self.codec, self.keys, self.values) is not None
-                and reads_codes(new_keys))
+        # a decoding step over codes a kernel may read as stored (attention.hands_codes)
+        coded = coded_rows(self.codec, self.keys, self.values)
+        return new_keys.shape[-2] == 1 and coded is not None and hands_codes(new_keys, *coded[2:])
 
     # --- the prompt ---------------------------------------------------------------------------------
 
