@@ -229,8 +229,10 @@ def choose_backends(phase: str, query: torch.Tensor, keys: torch.Tensor, mask: t
     key = (phase, query.device.type, query.dtype, query.shape[-1], mask is not None, bucket)
     chosen = _chosen.get(key)
     if chosen is None:
-        chosen = graphed = forced_backends(phase)
-        if chosen is None:
+        forced = forced_backends(phase)
+        if forced is not None:
+            chosen = graphed = forced
+        else:
             probe = _probe(query, keys, mask, phase)
             times = ((_time_backend(name, probe, is_causal, enable_gqa), name)
                      for name in candidates(phase, query.device.type, query.shape[-1]))
@@ -370,7 +372,7 @@ def dense_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
         read_as_stored = coded is not None and phase == "decode" and (reads_codes(query) or (
             set(coded[2:]) <= set(TRITON_BITS)
             and choose_backends(phase, stacked, keys, mask, False, False)[0] == "triton"))
-        if read_as_stored:
+        if coded is not None and read_as_stored:
             out = decode_attention(stacked, *coded[:2], mask, scaling, *coded[2:])
         else:
             if coded is not None and keys.dtype != query.dtype:  # handed as codes (hands_codes) and SDPA won
@@ -414,15 +416,17 @@ def attention_with_lse(query: torch.Tensor, keys: torch.Tensor, values: torch.Te
     return flash(query, keys, values, 0.0, False, attn_mask=bias, scale=scaling)
 
 
-def spelled_out_with_lse(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+def spelled_out_with_lse(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
                          scaling: float, softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``attention_with_lse`` from the logits in float32 (any device, soft-capping included)."""
+    """``attention_with_lse`` from the logits in float32 (any device, soft-capping included; ``mask`` None: every
+    slot seen)."""
     batch, q_heads, q_len, dim = query.shape
     group = q_heads // keys.shape[1]
     logits = grouped_logits(query, keys, scaling).view(batch, keys.shape[1], group * q_len, -1)
     if softcap is not None:
         logits = softcap * torch.tanh(logits / softcap)
-    logits.masked_fill_(~group_mask(mask, group), -torch.inf)
+    if mask is not None:
+        logits.masked_fill_(~group_mask(mask, group), -torch.inf)
     lse = logits.logsumexp(dim=-1, keepdim=True)
     out = logits.sub_(lse).exp_() @ values.float()
     return out.view(batch, q_heads, q_len, dim).to(query.dtype), lse.view(batch, q_heads, q_len)

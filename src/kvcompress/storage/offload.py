@@ -82,7 +82,7 @@ def reuse(fetched: torch.Tensor, chunks: torch.Tensor, previous_chunks: torch.Te
           previous: torch.Tensor | None, hits: torch.Tensor | None) -> torch.Tensor:
     """``fetched`` (the tokens of ``chunks [b, h, k]``) with the chunks last step also selected
     (``previous_chunks``, ascending) taken from its buffer ``previous``, counted in ``hits``."""
-    if previous is None:
+    if previous is None or previous_chunks is None or hits is None:  # all three, or none (the first step)
         return fetched
     hit, slot = match_previous(chunks, previous_chunks)
     hits.add_(hit.sum())

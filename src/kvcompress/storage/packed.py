@@ -77,7 +77,8 @@ class PackedSlots(Slots):
                 keys, values = parts[r][h]
                 self.keys[start : start + n] = keys
                 self.values[start : start + n] = values
-                self.valid[start : start + n] = True if valid[r][h] is None else valid[r][h]
+                held = valid[r][h]
+                self.valid[start : start + n] = True if held is None else held
                 start += capacities[r][h]
         self.room_left = room  # the same for every segment: equal room, equal growth
         self.starts_t = torch.tensor([s for row in self.starts for s in row], device=device)  # [segments], row-major
@@ -136,7 +137,7 @@ class PackedSlots(Slots):
 
     def load_state_dict(self, layer_state: dict[str, Any], device: torch.device) -> None:
         """The packing a layer's ``state_dict`` saved (tensors in host memory), on ``device``; host mirrors derived."""
-        state = inner(layer_state, self.NAME)
+        state = cast(dict[str, Any], inner(layer_state, self.NAME))  # a packing saves its own entries
         self.seen = layer_state["seen_tokens"]
         self.rows, self.heads, self.room_left = state["rows"], state["heads"], state["room_left"]
         self.codec = kv_from_spec(state.get("codec"))

@@ -200,9 +200,11 @@ def step_attention(slots: Slots, attend: Callable[..., torch.Tensor], query: tor
 class DenseSlots(Slots):
     """``[batch, kv_heads, slots, head_dim]`` buffers, every KV head the same slots (module docstring)."""
 
+    # set by the first fill (hold, write_block, set, load_state_dict): read only from then on (the layer's phase)
+    keys: torch.Tensor
+    values: torch.Tensor
+
     def __init__(self) -> None:
-        self.keys: torch.Tensor | None = None
-        self.values: torch.Tensor | None = None
         self.valid: torch.Tensor | None = None  # [batch, slots]; None while every slot is real (no padding)
         self.positions: torch.Tensor | None = None  # [batch, kv_heads, prompt slots]: prompt positions held
         self.cursor: torch.Tensor | None = None  # [1] on the device: the next token's slot (in a step: its first's)
@@ -288,22 +290,30 @@ class DenseSlots(Slots):
         self.valid = valid
         self.cursor = torch.tensor([self.used], device=self.keys.device)
 
+    def stepping(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cursor, valid)`` while steps run: ``relayout``, which a step's ``make_room`` or ``reserve`` reaches
+        before its first write, sets both (the step phase, said once to the type checker)."""
+        if self.cursor is None or self.valid is None:
+            raise RuntimeError("kvcompress: a step reached slots that make_room or reserve did not lay out")
+        return self.cursor, self.valid
+
     def new_slots(self, new: int) -> torch.Tensor:
         """Slot indices ``[new]`` of this step's ``new`` tokens."""
-        return self.cursor if new == 1 else self.cursor + torch.arange(new, device=self.cursor.device)
+        cursor = self.stepping()[0]
+        return cursor if new == 1 else cursor + torch.arange(new, device=cursor.device)
 
     def write(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         slots = self.new_slots(keys.shape[-2])
         keys, values = encoded_pair(self.codec, keys, values)
         self.keys.index_copy_(2, slots, keys)
         self.values.index_copy_(2, slots, values)
-        self.valid.index_fill_(1, slots, True)
+        self.stepping()[1].index_fill_(1, slots, True)
 
     def mark_padding(self, valid: torch.Tensor) -> None:
-        self.valid.index_copy_(1, self.new_slots(valid.shape[-1]), valid)
+        self.stepping()[1].index_copy_(1, self.new_slots(valid.shape[-1]), valid)
 
     def close_step(self, new: int) -> None:
-        self.cursor.add_(new)
+        self.stepping()[0].add_(new)
 
     def advance(self, new: int) -> None:
         self.seen += new
@@ -311,7 +321,8 @@ class DenseSlots(Slots):
 
     def visibility(self, new_block: torch.Tensor | None, q_len: int) -> torch.Tensor | None:
         """``[b, 1, q_len, slots]`` from each slot's validity and ``new_block [b, 1, q_len, q_len]`` (None: causal)."""
-        seen = self.valid.view(self.valid.shape[0], 1, 1, -1)
+        valid = self.stepping()[1]
+        seen = valid.view(valid.shape[0], 1, 1, -1)
         if q_len == 1:
             return seen  # a decoding token is valid from its write on: it sees itself and every real slot
         block = new_block if new_block is not None else causal_slot_mask(q_len, q_len, self.keys.device)
@@ -431,7 +442,7 @@ class RingSlots(DenseSlots):
         else:
             logical = torch.arange(self.seen - self.used, self.seen, device=self.keys.device)
             order = logical % self.keys.shape[-2]
-            valid = self.valid[:, order]
+            valid = self.stepping()[1][:, order]
         slots = logical % capacity
         keys, values = (t.new_zeros(*t.shape[:2], capacity, t.shape[-1]) for t in (self.keys, self.values))
         keys.index_copy_(2, slots, self.keys[:, :, order])
@@ -449,16 +460,22 @@ class RingSlots(DenseSlots):
         """Logical indices ``[new]`` of this step's tokens."""
         return super().new_slots(new)
 
+    def ring(self) -> torch.Tensor:
+        """``slot_index`` while steps run (``relayout`` sets it with the cursor)."""
+        if self.slot_index is None:
+            raise RuntimeError("kvcompress: a step reached a ring that make_room or reserve did not lay out")
+        return self.slot_index
+
     def write(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        self.slot_index.index_copy_(0, self.new_slots(keys.shape[-2]), self.new_logical(keys.shape[-2]))
+        self.ring().index_copy_(0, self.new_slots(keys.shape[-2]), self.new_logical(keys.shape[-2]))
         super().write(keys, values)
 
     def visibility(self, new_block: torch.Tensor | None, q_len: int) -> torch.Tensor | None:
         """Each new query sees the real slots less than ``window`` tokens before it (and the new
         tokens as ``new_block`` says, which carries the window too)."""
-        query = self.new_logical(q_len)[:, None]  # [q, 1]
-        near = (self.slot_index[None, :] > query - self.window) & (self.slot_index[None, :] <= query)
-        mask = self.valid[:, None, None, :] & near[None, None]
+        query, index = self.new_logical(q_len)[:, None], self.ring()  # [q, 1], [slots]
+        near = (index[None, :] > query - self.window) & (index[None, :] <= query)
+        mask = self.stepping()[1][:, None, None, :] & near[None, None]
         if q_len == 1 or new_block is None:
             return mask
         return mask.index_copy(3, self.new_slots(q_len), new_block.expand(mask.shape[0], -1, -1, -1))
@@ -515,12 +532,12 @@ class CappedSlots(DenseSlots):
 
     def write(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         slots = self.new_slots(keys.shape[-2])
-        for name in self.accumulated:
-            self.notes[name].index_fill_(2, slots, self.fills[name])  # the room may hold an evicted slot's note
+        for name in self.accumulated:  # the room may hold an evicted slot's note
+            cast(torch.Tensor, self.notes[name]).index_fill_(2, slots, self.fills[name])  # set as the prompt ended
         super().write(keys, values)
 
     def close_step(self, new: int) -> None:
-        self.cursor.add_(new).clamp_(max=self.limit)  # the slots after the limit were evicted
+        self.stepping()[0].add_(new).clamp_(max=self.limit)  # the slots after the limit were evicted
 
     def index_tensors(self) -> list[torch.Tensor]:
         return [*super().index_tensors(), *(note for note in self.notes.values() if note is not None)]
@@ -530,10 +547,9 @@ class CappedSlots(DenseSlots):
         self.notes = {name: None if note is None else apply(note) for name, note in self.notes.items()}
 
     def joined(self, others: list[Slots]) -> Slots:
-        notes = {
-            name: None if note is None else torch.cat([note, *(cast(CappedSlots, part).notes[name] for part in others)])
-            for name, note in self.notes.items()
-        }
+        parts = [self, *cast(list[CappedSlots], others)]  # a note is held by every part of a join or by none
+        notes = {name: None if note is None else torch.cat([cast(torch.Tensor, part.notes[name]) for part in parts])
+                 for name, note in self.notes.items()}
         super().joined(others)
         self.notes = notes
         return self
@@ -586,12 +602,14 @@ class BoundedSlots(DenseSlots):
         n = indices.shape[-1]
         for buffer in (self.keys, self.values):
             buffer[:, :, :n].copy_(gather_tokens(buffer, indices))
-        kept = self.positions.gather(2, indices).masked_fill(~slot_valid[:, None, :], -1)
-        self.positions[..., :n].copy_(kept)
-        self.positions[..., n:] = -1
-        self.valid[:, :n].copy_(slot_valid)
-        self.valid[:, n:] = False
-        self.cursor.fill_(n)
+        cursor, valid = self.stepping()
+        positions = cast(torch.Tensor, self.positions)  # this layout's relayout sets them with the cursor
+        kept = positions.gather(2, indices).masked_fill(~slot_valid[:, None, :], -1)
+        positions[..., :n].copy_(kept)
+        positions[..., n:] = -1
+        valid[:, :n].copy_(slot_valid)
+        valid[:, n:] = False
+        cursor.fill_(n)
         self.used = n
         if self.keys.shape[-2] > self.limit:  # a turn longer than the room grew the buffers: back to the limit
             self.relayout(self.limit)
