@@ -203,6 +203,14 @@ def test_a_prefill_scored_method_ranks_every_layer_of_the_prompt_together():
     for result in (fresh, recorded):
         assert [float(layer.policy.share[0]) for layer in result.cache.layers] == pytest.approx(expected)
     assert fresh.token_ids == recorded.token_ids
+    # layer_floor: every layer keeps that weight of the uniform share, the rest ranked as before; the total unchanged
+    floored = kvc.generate(model, tok, text, method=kvc.SnapKV(budget=40, window=8, layers="global", head_floor=0.0,
+                                                               layer_floor=0.5), max_new_tokens=6)
+    shares = [float(layer.policy.share[0]) for layer in floored.cache.layers]
+    assert shares == pytest.approx([0.5 + 0.5 * share for share in expected]) and sum(shares) == pytest.approx(4)
+    with pytest.raises(kvc.InvalidParameterError, match=r"^SnapKV: layer_floor=0\.5 applies only with "
+                                                        r"layers='global'; give that, or leave layer_floor out$"):
+        kvc.SnapKV(layer_floor=0.5)
     store = kvc.compress(model, tok, text, method=kvc.FullKV())
     asked = kvc.generate(model, tok, "What is it?", past=store, method=method, max_new_tokens=6)
     assert all(layer.phase.name == "DECODING" for layer in asked.cache.layers)

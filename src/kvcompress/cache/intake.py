@@ -17,7 +17,7 @@ their word spans). The ways:
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 
@@ -160,8 +160,9 @@ class OverStored(Intake):
         stored = self.stored
         if stored.positions is None:
             return None
-        batch, heads = self.joined_valid.shape[0], stored.positions.shape[1]
-        device = self.joined_valid.device
+        joined_valid = cast(torch.Tensor, self.joined_valid)  # take set it
+        batch, heads = joined_valid.shape[0], stored.positions.shape[1]
+        device = joined_valid.device
         counts = torch.tensor([new - pad for pad in self.pads], device=device)
         steps = torch.arange(new, device=device) - (new - counts[:, None])  # [b, new]: 0 at each row's first real token
         tokens = stored.tokens.to(device).expand(batch)
@@ -236,6 +237,6 @@ class ObservationPass:
     def step(self, query: torch.Tensor, new_valid: torch.Tensor | None,
              prompt_valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's keys and the validity of prompt and step ``[b, prompt + new]`` (the step is forgotten)."""
-        keys, self.keys = self.keys, None
+        keys, self.keys = cast(torch.Tensor, self.keys), None  # take set them
         new = new_valid if new_valid is not None else keys.new_ones(keys.shape[0], query.shape[-2], dtype=torch.bool)
         return keys, torch.cat([prompt_valid, new], dim=-1)

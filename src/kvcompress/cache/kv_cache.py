@@ -244,13 +244,14 @@ class KVCompressCache(Cache):
         totals = merge_counters(per_layer)
         facts = merge_facts([layer.policy.info() for layer in layers])
         first = layers[0]
-        prompt = first.prompt_tokens.tolist()
+        prompt_tokens, prefill_len = first.held_prompt()
+        prompt = prompt_tokens.tolist()
         full, kept = totals["kv_bytes_full"], totals["kv_bytes_kept"]
         device = kept + totals["spare_bytes"] + totals["index_bytes"]
         return {
             "method": self.method.describe(),
             "prompt_tokens": prompt[0] if len(prompt) == 1 else prompt,
-            "new_tokens": first.slots.seen - first.prefill_len,
+            "new_tokens": first.slots.seen - prefill_len,
             "kv_tokens_per_layer": [s["kv_tokens"] for s in per_layer],
             # the precision kv_bits=16 keeps and kv_bytes_full counts: the model's own (float32 on a CPU)
             "kv_dtype": str(first.dtype).removeprefix("torch."),

@@ -103,8 +103,9 @@ class KVLayer(DynamicLayer):
         self.observation: ObservationPass | None = None  # the pass compression waits for (AWAITING_PASS, OBSERVING)
         self.open_step: Step | None = None  # the step update took, until its attention commits (steps.py)
         self.module_id: int | None = None  # id() of the attention module this layer serves (make_cache sets it)
+        # the first keys' (lazy_initialization); transformers types them as always set, here they are born None
         self.dtype: torch.dtype | None = None
-        self.device: torch.device | None = None
+        self.device: torch.device | None = None  # type: ignore[assignment]
         self.record_window: int | None | bool = False  # the last prefill queries to record (False: none; None: all)
         self.observes = False  # compression waits for an observation pass (KVCompressCache.observe_first)
         self.kv_codec: KVCodec | None = None  # how tokens are stored once compressed (make_cache gives it)
@@ -163,6 +164,8 @@ class KVLayer(DynamicLayer):
         """After the open step's attention (``new_valid [b, q]``: which new tokens are real; None: all; ``lse``: an
         observation step's log-normalisers): the step is closed and commits (steps.py)."""
         step, self.open_step = self.open_step, None
+        if step is None:
+            raise CacheMisuseError(f"kvcompress: layer {self.layer_idx}'s attention committed a step no update opened")
         step.commit(self, query, new_valid, scaling, lse)
 
     def end_prompt(self, record: PromptRecord) -> None:
@@ -176,7 +179,7 @@ class KVLayer(DynamicLayer):
         self.intake = OneForward()
         self.prefill_len = self.keys.shape[-2]
         self.prompt_tokens = self.slot_validity().sum(dim=-1)
-        if self.record_window is not False:
+        if self.record_window is not False and record.query is not None:  # (a window asked for records its queries)
             kept = record.query if self.record_window is None else record.query[..., -self.record_window :, :]
             self.queries, self.query_scaling = kept, record.scaling
         self.observation = ObservationPass(record, self.prefill_len)
@@ -215,6 +218,13 @@ class KVLayer(DynamicLayer):
         self.phase = moved(self.layer_idx, self.phase, Phase.PROMPT, "a prefill record")
         self.end_prompt(record)
 
+    def held_prompt(self) -> tuple[torch.Tensor, int]:
+        """``(prompt_tokens, prefill_len)`` once the layer holds its prompt (``end_prompt`` or a load sets both): that
+        phase said once to the type checker."""
+        if self.prompt_tokens is None or self.prefill_len is None:
+            raise CacheMisuseError(f"kvcompress: layer {self.layer_idx} was read as a prompt before it held one")
+        return self.prompt_tokens, self.prefill_len
+
     def stored_prompt(self) -> StoredPrompt | None:
         """This layer's prompt as a later prompt continues it (a question over a stored context); None where its
         storage cannot be read as one (chunks in a store, packed segments)."""
@@ -222,11 +232,11 @@ class KVLayer(DynamicLayer):
         stored = self.slots.stored() if at_rest and self.policy.prompt_readable() else None
         if stored is None:
             return None
-        return StoredPrompt(*stored, self.prompt_tokens, self.queries, self.query_scaling)
+        return StoredPrompt(*stored, self.held_prompt()[0], self.queries, self.query_scaling)
 
     def begin_observation(self, openings: torch.Tensor) -> None:
         """The observation pass starts; it repeats each row's prompt after its first ``openings [b]`` tokens."""
-        if self.phase is Phase.AWAITING_PASS:
+        if self.phase is Phase.AWAITING_PASS and self.observation is not None:  # (the phase waits for this pass)
             self.phase = moved(self.layer_idx, self.phase, Phase.OBSERVING, "the observation pass begins")
             self.observation.context = prompt_positions(self.slot_validity()) >= openings[:, None]
 
@@ -299,7 +309,8 @@ class WindowLayer(KVLayer):
         self.slots.seen, self.prefill_len = source.slots.seen, source.prefill_len
         self.prompt_tokens = source.prompt_tokens
         if self.observes:  # compress (the window kept) reads no query
-            self.observation = ObservationPass(PromptRecord(source.keys.new_zeros(0), None, 1.0), self.prefill_len)
+            self.observation = ObservationPass(PromptRecord(source.keys.new_zeros(0), None, 1.0),
+                                               self.held_prompt()[1])
             self.phase = moved(self.layer_idx, self.phase, Phase.AWAITING_PASS, "a recorded window")
         else:
             self.phase = moved(self.layer_idx, self.phase, Phase.DECODING, "a recorded window")
@@ -317,7 +328,7 @@ class WindowPolicy(LayerPolicy):
     def slots(self) -> RingSlots:
         return cast(RingSlots, self.layer.slots)
 
-    def compress(self, query: torch.Tensor, scaling: float) -> None:
+    def compress(self, query: torch.Tensor | None, scaling: float) -> None:
         used = self.slots.used
         keep = min(used, self.window - 1)  # copied, so the prompt's KV is freed
         positions = self.layer.kept_positions()[..., used - keep :].clone()

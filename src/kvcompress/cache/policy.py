@@ -53,7 +53,7 @@ class LayerPolicy:
         """The last prefill queries ``compress`` reads (None: all of them). Default: none."""
         return 0
 
-    def compress(self, query: torch.Tensor, scaling: float) -> None:
+    def compress(self, query: torch.Tensor | None, scaling: float) -> None:
         """Once the layer holds the whole prompt (``query``: its last post-RoPE queries ``[b, q_heads, seq, d]``): keep
         or store what the method needs (the storage codes what it keeps afterwards). Default: keep everything."""
 

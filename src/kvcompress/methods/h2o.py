@@ -161,7 +161,7 @@ class H2OPolicy(EvictionPolicy):
         """Tokens the layer keeps while decoding (its storage's cap)."""
         return self.slots.limit
 
-    def compress(self, query: torch.Tensor, scaling: float) -> None:
+    def compress(self, query: torch.Tensor | None, scaling: float) -> None:
         # Computed once: it ranks the prompt and seeds the scores that eviction keeps adding to.
         full = average_over_groups(
             accumulated_attention(query, self.layer.keys, self.layer.slot_validity(), scaling, self.method.block),

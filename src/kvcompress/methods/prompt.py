@@ -136,7 +136,7 @@ def allocate_heads(scores: torch.Tensor, valid: torch.Tensor, counts: torch.Tens
 class PromptMethod(BudgetMethod):
     """A method that keeps each KV head's best prompt positions: how many (``kept_tokens``) and which (``scores``)."""
 
-    quiet_fields: ClassVar[tuple[str, ...]] = ("heads", "head_floor", "layers", "pyramid_beta", "every",
+    quiet_fields: ClassVar[tuple[str, ...]] = ("heads", "head_floor", "layers", "layer_floor", "pyramid_beta", "every",
                                                "decode_window")
     heads: str = param(
         "uniform", "how a layer's budget is shared by its KV heads: uniform, or adaptive (Ada-KV: by their scores)",
@@ -152,6 +152,11 @@ class PromptMethod(BudgetMethod):
         "layers' scores ranked together, per head; every layer holds its prompt until all are scored)",
         choices=("uniform", "pyramid", "global")
     )
+    layer_floor: float = param(
+        0.0,
+        "with layers=global: the weight of the uniform share in each layer's budget, so every layer keeps at least "
+        "this share (a model with few compressed layers starves the one whose scores are flattest without it)",
+        minimum=0, at_most=1)
     pyramid_beta: float = param(20.0, "with layers=pyramid: the last layer keeps budget / pyramid_beta", above=1)
     decode_budget: int | None = param(
         None, "a bound while decoding: tokens per KV head each layer keeps of prompt and answer together, re-selected "
@@ -170,6 +175,7 @@ class PromptMethod(BudgetMethod):
         require_with(self, "head_floor", self.heads == "adaptive" or self.layers == "global",  # (both pack per head)
                      "heads='adaptive' or layers='global'", "--heads adaptive or --layers global")
         require_with(self, "pyramid_beta", self.layers == "pyramid", "layers='pyramid'", "--layers pyramid")
+        require_with(self, "layer_floor", self.layers == "global", "layers='global'", "--layers global")
         for name in ("every", "decode_window"):
             require_with(self, name, self.decode_budget is not None, "decode_budget", "--decode-budget")
         if self.decode_budget is not None:
@@ -282,7 +288,7 @@ class PromptMethod(BudgetMethod):
         scores = [policy.prompt_scores(record.query, record.scaling) for policy, record in zip(own, records)]
         free = counts - self.reserved_tokens()
         for policy, share in zip(own, global_shares(scores, layers[0].slot_validity(), free)):
-            policy.share = share
+            policy.share = self.layer_floor + (1 - self.layer_floor) * share  # the shares still sum to the layers
 
 
 class EvictionPolicy(LayerPolicy):
@@ -322,7 +328,7 @@ class EvictionPolicy(LayerPolicy):
         observation.seen = self.method.observe(observation.seen, query, keys, valid, self.layer.prefill_len, scaling,
                                                lse, context)
 
-    def compress(self, query: torch.Tensor, scaling: float) -> None:
+    def compress(self, query: torch.Tensor | None, scaling: float) -> None:
         self.keep_top(lambda: self.prompt_scores(query, scaling))
 
     def keep_top(self, scores) -> torch.Tensor | None:
@@ -350,7 +356,7 @@ class HeadAdaptivePolicy(EvictionPolicy):
         counts = self.method.kept_tokens(self.layer.prompt_tokens, self.share)  # this group's rows: every row packs
         return counts, int(counts.max())
 
-    def compress(self, query: torch.Tensor, scaling: float) -> None:
+    def compress(self, query: torch.Tensor | None, scaling: float) -> None:
         kept = self.counts()
         if kept is None:
             return
@@ -430,7 +436,7 @@ class BoundedPolicy(EvictionPolicy):
         needed = self.method.queries_needed()
         return None if needed is None else max(needed, self.method.decode_window_tokens)
 
-    def compress(self, query: torch.Tensor, scaling: float) -> None:
+    def compress(self, query: torch.Tensor | None, scaling: float) -> None:
         super().compress(query, scaling)
         window = self.method.decode_window_tokens
         recent = query[..., -window:, :]

@@ -141,7 +141,7 @@ class SparseDecodePolicy(LayerPolicy):
 
     # --- the contract ----------------------------------------------------------------------------------
 
-    def compress(self, query: torch.Tensor, scaling: float) -> None:
+    def compress(self, query: torch.Tensor | None, scaling: float) -> None:
         prompt_keys, prompt_values, lengths = self.layer.keys, self.layer.values, self.layer.prompt_tokens
         heads, seq, device = prompt_keys.shape[1], prompt_keys.shape[-2], prompt_keys.device
         counts = self.region_chunks(lengths).clamp(min=0)

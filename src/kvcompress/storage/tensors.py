@@ -59,8 +59,9 @@ def right_aligned(context: torch.Tensor, new: torch.Tensor, pads: list[int], dim
     return joined
 
 
-def synced_clock(device: torch.device) -> float:
-    """The clock once ``device`` has done its queued work (a GPU's kernels run after the host returns)."""
-    if device.type == "cuda":
+def synced_clock(device: torch.device | None) -> float:
+    """The clock once ``device`` has done its queued work (a GPU's kernels run after the host returns; None: no
+    device yet, nothing queued)."""
+    if device is not None and device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()
