@@ -19,8 +19,19 @@ import torch
 
 from ..storage.slots import Slots
 from . import held
+from .errors import CacheMisuseError
 
 KVLayer = Any  # a layer.KVLayer, which imports this module (steps.py and held.py read their layer the same way)
+
+
+def present(*tensors: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    """Tensors a phase guarantees (the prompt's queries a policy asked for, the state its compression set, declared
+    with ``hold`` and None before), where a later step reads them: the phase said once to the type checker; a read
+    before they exist is refused in one line."""
+    if any(tensor is None for tensor in tensors):
+        raise CacheMisuseError("kvcompress: a method read what its phase had not set yet (the prompt's queries it "
+                               "asked for, or what its compression keeps)")
+    return tuple(tensor for tensor in tensors if tensor is not None)
 
 
 class LayerPolicy:

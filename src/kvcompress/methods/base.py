@@ -291,11 +291,12 @@ class Method:
         """Once every layer holds its whole prompt (``compresses_together``), before any of ``layers`` compresses.
         Default: nothing."""
 
-    def scores(self, query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scaling: float,
+    def scores(self, query: torch.Tensor | None, keys: torch.Tensor, valid: torch.Tensor, scaling: float,
                spans: torch.Tensor | None = None) -> torch.Tensor:
         """Importance of each prompt position per KV head ``[batch, kv_heads, seq]``; higher is kept.
-        ``query``: the prefill's post-RoPE queries; ``spans [batch, seq]``: the word/number span of
-        each token (``tokens.TokenSpans``; None when unknown); padding is excluded by the caller."""
+        ``query``: the prefill's post-RoPE queries (None where ``queries_needed`` asked for none); ``spans [batch,
+        seq]``: the word/number span of each token (``tokens.TokenSpans``; None when unknown); padding is excluded by
+        the caller."""
         raise NotImplementedError
 
     def summarize(self, totals: dict[str, Any]) -> dict[str, Any]:
@@ -365,7 +366,7 @@ def batch_prompt_tokens(layer: KVLayer) -> torch.Tensor:
     """Real prompt tokens of every row of the batch ``layer`` is compressed for: a cache prefilled for a group of a
     batch's rows (``KVCompressCache.note_batch``) compresses them into the shapes the whole batch would take, so
     the groups can be joined."""
-    return layer.prompt_tokens if layer.batch_lengths is None else layer.batch_lengths
+    return layer.held_prompt()[0] if layer.batch_lengths is None else layer.batch_lengths
 
 
 def model_head_dim(model: PreTrainedModel) -> int:

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from ..cache.policy import present
 from ..cache.tokens import span_max
 from ..integrations.transformers.rope import apply_rope, invert_rope, rotary_for
 from ..storage.tensors import prompt_positions
@@ -129,13 +130,15 @@ class ExpectedAttention(PromptMethod):
         layer.rotary = rotary_for(model, layer_idx)
         return layer
 
-    def layer_scores(self, layer: KVLayer, query: torch.Tensor, scaling: float) -> torch.Tensor:
+    def layer_scores(self, layer: KVLayer, query: torch.Tensor | None, scaling: float) -> torch.Tensor:
+        query, = present(query)
         valid = layer.slot_validity()
         positions = prompt_positions(valid)  # the prompt's slots in order: every slot holds its own token
         asked = positions[:, -query.shape[-2] :]
         voting = (asked >= self.sinks) & valid[:, -query.shape[-2] :]
         held = HeldTokens(layer.keys, layer.values, valid, positions[:, None].expand(-1, layer.keys.shape[1], -1))
-        scores = self._expected(layer.rotary, held, query, asked, voting, layer.prompt_tokens, scaling)
+        # (the layer's prompt_tokens, not held_prompt: the vLLM worker's PromptLayer stands in for a layer here)
+        scores = self._expected(layer.rotary, held, query, asked, voting, present(layer.prompt_tokens)[0], scaling)
         if self.clustering == "none":
             return scores
         if layer.spans is None:
@@ -150,7 +153,8 @@ class ExpectedAttention(PromptMethod):
         """Under ``decode_budget``: the statistics of the last steps' queries (at their positions), moved ``future``
         positions past the next token, score every held token (per token: answer tokens have no recorded spans)."""
         asked = held.positions[:, 0, -query.shape[-2] :]
-        return self._expected(policy.layer.rotary, held, query, asked, asked >= 0, policy.next_position, scaling)
+        next_position, = present(policy.next_position)
+        return self._expected(policy.layer.rotary, held, query, asked, asked >= 0, next_position, scaling)
 
     def _expected(self, rotary: Any, held: HeldTokens, query: torch.Tensor, asked: torch.Tensor, voting: torch.Tensor,
                   next_position: torch.Tensor, scaling: float) -> torch.Tensor:

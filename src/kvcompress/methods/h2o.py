@@ -22,6 +22,7 @@ import torch
 
 from ..cache.held import hold
 from ..cache.layer import KVLayer
+from ..cache.policy import present
 from ..storage.attention import group_mask, grouped_logits, key_probabilities
 from ..storage.codec import attended_pair
 from ..storage.slots import CappedSlots
@@ -106,9 +107,9 @@ class H2O(PromptMethod):
     def queries_needed(self) -> int | None:
         return None  # every prompt query votes
 
-    def scores(self, query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scaling: float,
+    def scores(self, query: torch.Tensor | None, keys: torch.Tensor, valid: torch.Tensor, scaling: float,
                spans: torch.Tensor | None = None) -> torch.Tensor:
-        return h2o_scores(query, keys, valid, scaling, self.recent_tokens, self.block)
+        return h2o_scores(present(query)[0], keys, valid, scaling, self.recent_tokens, self.block)
 
     def decode_scores(self, policy: BoundedPolicy, held: HeldTokens, query: torch.Tensor,
                       scaling: float) -> torch.Tensor:
@@ -164,12 +165,12 @@ class H2OPolicy(EvictionPolicy):
     def compress(self, query: torch.Tensor | None, scaling: float) -> None:
         # Computed once: it ranks the prompt and seeds the scores that eviction keeps adding to.
         full = average_over_groups(
-            accumulated_attention(query, self.layer.keys, self.layer.slot_validity(), scaling, self.method.block),
-            self.layer.keys.shape[1])
+            accumulated_attention(present(query)[0], self.layer.keys, self.layer.slot_validity(), scaling,
+                                  self.method.block), self.layer.keys.shape[1])
         kept = self.keep_top(lambda: protect_recent(full, self.method.recent_tokens))
         self.slots.notes["slot_positions"] = super().kept_positions()
         self.slots.notes["slot_scores"] = full if kept is None else full.gather(2, kept)
-        self.next_position = self.layer.prompt_tokens.clone()
+        self.next_position = self.layer.held_prompt()[0].clone()
 
     def attend(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
                scaling: float, softcap: float | None = None) -> torch.Tensor:
@@ -181,29 +182,32 @@ class H2OPolicy(EvictionPolicy):
         logits = grouped_logits(query, keys, scaling).view(batch, kv_heads, -1, slots)
         if softcap is not None:
             logits = softcap * torch.tanh(logits / softcap)
-        probs = logits.masked_fill(~group_mask(mask, q_heads // kv_heads),
+        seen, scores = present(mask, self.slots.notes["slot_scores"])  # a step's slots: capped, hence masked
+        probs = logits.masked_fill(~group_mask(seen, q_heads // kv_heads),
                                    torch.finfo(torch.float32).min).softmax(dim=-1)
         received = average_over_groups(probs.view(batch, q_heads, q_len, slots).sum(dim=2), kv_heads)
-        self.slots.notes["slot_scores"].add_(received)
+        scores.add_(received)
         return (probs @ values.float()).view(batch, q_heads, q_len, dim).to(query.dtype)
 
     def after_step(self, query: torch.Tensor, scaling: float) -> None:
         """Record the new tokens' positions, then keep, per KV head, the ``budget`` best slots at the front."""
         slots, q_len = self.slots, query.shape[-2]
-        scores, positions = slots.notes["slot_scores"], slots.notes["slot_positions"]
-        note_step_positions(slots, self.next_position, positions, q_len)
+        scores, positions, next_position = present(slots.notes["slot_scores"], slots.notes["slot_positions"],
+                                                   self.next_position)
+        note_step_positions(slots, next_position, positions, q_len)
         slot = torch.arange(slots.keys.shape[-2], device=slots.keys.device)
-        end = slots.cursor + q_len  # past this step's tokens
+        cursor, valid = slots.stepping()
+        end = cursor + q_len  # past this step's tokens
         recent = (slot >= end - self.method.recent_tokens) & (slot < end)
-        score = scores.masked_fill(recent, math.inf).masked_fill(~slots.valid[:, None, :], -math.inf)
+        score = scores.masked_fill(recent, math.inf).masked_fill(~valid[:, None, :], -math.inf)
         keep = score.sort(dim=-1, descending=True, stable=True).indices[..., : self.budget].sort(dim=-1).values
         front = slice(0, self.budget)
         for buffer in (slots.keys, slots.values):
             buffer[:, :, front].copy_(gather_tokens(buffer, keep))
         for kept in (scores, positions):
             kept[..., front].copy_(kept.gather(2, keep))
-        slots.valid[:, front].copy_(slots.valid.gather(1, keep[:, 0]))
-        slots.valid[:, self.budget :] = False
+        valid[:, front].copy_(valid.gather(1, keep[:, 0]))
+        valid[:, self.budget :] = False
 
     def kept_positions(self) -> torch.Tensor:
         """Prompt positions still held per head, ascending; -1 for slots holding padding or generated tokens."""

@@ -119,7 +119,7 @@ class KVzip(PromptMethod):
         scores = reconstruction_scores(query, keys, valid, prompt, scaling, lse, counted)
         return scores if seen is None else torch.maximum(seen, scores)
 
-    def layer_scores(self, layer: KVLayer, query: torch.Tensor, scaling: float) -> torch.Tensor:
+    def layer_scores(self, layer: KVLayer, query: torch.Tensor | None, scaling: float) -> torch.Tensor:
         seen = None if layer.observation is None else layer.observation.seen
         if seen is None:
             raise ValueError("KVzip scores from the prompt's reconstruction, which did not run: compress through "

@@ -23,6 +23,7 @@ import torch
 
 from ..cache.held import hold
 from ..cache.layer import KVLayer
+from ..cache.policy import present
 from .base import InvalidParameterError, model_head_dim, param
 from .sparse import SparseDecodePolicy, SparseMethod
 
@@ -128,4 +129,4 @@ class LokiPolicy(SparseDecodePolicy):
         self.projected = (keys.float() @ self.components).to(keys.dtype)
 
     def chunk_scores(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
-        return approximate_scores(query, self.projected, self.components)
+        return approximate_scores(query, *present(self.projected, self.components))

@@ -30,8 +30,9 @@ from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, cast
 import torch
 
 from ..cache.held import hold
+from ..cache.intake import ObservationPass
 from ..cache.layer import KVLayer
-from ..cache.policy import LayerPolicy
+from ..cache.policy import LayerPolicy, present
 from ..storage.attention import scoring_sinks
 from ..storage.codec import restored_pair
 from ..storage.packed import PackedSlots
@@ -191,8 +192,8 @@ class PromptMethod(BudgetMethod):
                 f"{owner}: decode_budget={self.decode_budget} re-selects a uniform count per head; it does not combine "
                 f"with heads={self.heads!r}, layers={self.layers!r} (valid: heads='uniform', layers 'uniform' or "
                 "'pyramid')")
-        pinned = self.decode_reserved()
-        require(self.decode_budget > pinned,
+        pinned, bound = self.decode_reserved(), cast(int, self.decode_budget)  # (validate's caller checked it)
+        require(bound > pinned,
                 f"{owner}: decode_budget={self.decode_budget} must be greater than the {pinned} tokens every "
                 f"re-selection keeps whole (its decode_window and the method's reserved tokens); valid: decode_budget "
                 f"> {pinned}")
@@ -247,7 +248,7 @@ class PromptMethod(BudgetMethod):
         tokens are the last held ones, kept whatever the scores). A method that scores while decoding defines it."""
         raise NotImplementedError(f"{type(self).__name__} has no scores while decoding")
 
-    def layer_scores(self, layer: KVLayer, query: torch.Tensor, scaling: float) -> torch.Tensor:
+    def layer_scores(self, layer: KVLayer, query: torch.Tensor | None, scaling: float) -> torch.Tensor:
         """Scores of one layer's prompt: ``scores`` of its keys by default. A method that needs more of
         the layer (its rotary module, what its observation pass saw) overrides this."""
         return self.scores(query, layer.keys, layer.slot_validity(), scaling, layer.spans)
@@ -281,10 +282,11 @@ class PromptMethod(BudgetMethod):
         if self.layers != "global" or not layers:
             return
         own = [cast(EvictionPolicy, layer.policy) for layer in layers]  # a prompt method's policies
-        counts = self.kept_tokens(layers[0].prompt_tokens)
-        if not bool((layers[0].prompt_tokens.to(counts.device) > counts).any()):
+        prompt_tokens = layers[0].held_prompt()[0]
+        counts = self.kept_tokens(prompt_tokens)
+        if not bool((prompt_tokens.to(counts.device) > counts).any()):
             return  # every row is kept whole: nothing to rank (a prompt shorter than SnapKV's window is not scored)
-        records = [layer.observation.record for layer in layers]
+        records = [cast(ObservationPass, layer.observation).record for layer in layers]  # (compression is next)
         scores = [policy.prompt_scores(record.query, record.scaling) for policy, record in zip(own, records)]
         free = counts - self.reserved_tokens()
         for policy, share in zip(own, global_shares(scores, layers[0].slot_validity(), free)):
@@ -318,7 +320,7 @@ class EvictionPolicy(LayerPolicy):
     def queries_needed(self) -> int | None:
         return self.method.queries_needed()
 
-    def prompt_scores(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+    def prompt_scores(self, query: torch.Tensor | None, scaling: float) -> torch.Tensor:
         with scoring_sinks(self.layer.sinks):  # a model's learned sinks take their share of the scorer's softmax
             return self.method.layer_scores(self.layer, query, scaling)
 
@@ -393,7 +395,7 @@ def note_step_positions(slots: DenseSlots, next_position: torch.Tensor, position
     """Write the positions of a step's ``new`` tokens (the real ones from ``next_position [b]`` on, -1 for padding)
     into ``positions [b, h, slots]`` at their slots, and move ``next_position`` past them (on the device)."""
     slot = slots.new_slots(new)
-    real = slots.valid.index_select(1, slot)
+    real = slots.stepping()[1].index_select(1, slot)
     position = (next_position[:, None] + real.long().cumsum(-1) - 1).masked_fill(~real, -1)
     next_position.add_(real.sum(-1))
     positions.index_copy_(2, slot, position[:, None].expand(-1, positions.shape[1], -1))
@@ -439,11 +441,11 @@ class BoundedPolicy(EvictionPolicy):
     def compress(self, query: torch.Tensor | None, scaling: float) -> None:
         super().compress(query, scaling)
         window = self.method.decode_window_tokens
-        recent = query[..., -window:, :]
+        recent = present(query)[0][..., -window:, :]
         missing = window - recent.shape[-2]  # a prompt shorter than the window: zero queries vote evenly
         self.window_queries = torch.nn.functional.pad(recent, (0, 0, missing, 0)).contiguous()
         self.scaling = scaling
-        self.next_position = self.layer.prompt_tokens.clone()
+        self.next_position = self.layer.held_prompt()[0].clone()
         self.held_real = self.layer.slot_validity().sum(dim=-1).cpu()
 
     def prepare_step(self, new: int) -> None:
@@ -461,11 +463,13 @@ class BoundedPolicy(EvictionPolicy):
         """Rows ``over [b]`` (host) keep ``bound`` of their tokens by the method's scores; the others keep all."""
         start = time.perf_counter()
         held = self.held_tokens()
+        window_queries, held_real = present(self.window_queries, self.held_real)
+        scaling = cast(float, self.scaling)  # set with the window's queries
         with scoring_sinks(self.layer.sinks):  # a model's learned sinks take their share of the scorer's softmax
-            scores = self.method.decode_scores(self, held, self.window_queries, self.scaling)
+            scores = self.method.decode_scores(self, held, window_queries, scaling)
         slot = torch.arange(scores.shape[-1], device=scores.device)
-        scores = scores.masked_fill(slot >= scores.shape[-1] - self.window_queries.shape[-2], math.inf)  # the window
-        wanted = torch.where(over, torch.full_like(self.held_real, self.bound), self.held_real)
+        scores = scores.masked_fill(slot >= scores.shape[-1] - window_queries.shape[-2], math.inf)  # the window
+        wanted = torch.where(over, torch.full_like(held_real, self.bound), held_real)
         counts = torch.minimum(wanted.to(held.valid.device), held.valid.sum(dim=-1))
         self.slots.compact(*select_kept(scores, held.valid, counts))
         self.held_real = counts.cpu()
@@ -485,11 +489,12 @@ class BoundedPolicy(EvictionPolicy):
     def after_step(self, query: torch.Tensor, scaling: float) -> None:
         """The step's positions noted, its queries the newest of the window."""
         new = query.shape[-2]
-        note_step_positions(self.slots, self.next_position, self.slots.positions, new)
-        window = self.window_queries.shape[-2]
-        latest = query[..., -window:, :] if new >= window else torch.cat(
-            [self.window_queries[..., new:, :], query], dim=2)
-        self.window_queries.copy_(latest)
+        next_position, positions, window_queries = present(self.next_position, self.slots.positions,
+                                                           self.window_queries)
+        note_step_positions(self.slots, next_position, positions, new)
+        window = window_queries.shape[-2]
+        latest = query[..., -window:, :] if new >= window else torch.cat([window_queries[..., new:, :], query], dim=2)
+        window_queries.copy_(latest)
 
     def kept_positions(self) -> torch.Tensor:
         """Prompt positions still held per head, ascending; -1 for slots of answer tokens and filler."""

@@ -19,6 +19,7 @@ import torch
 
 from ..cache.held import hold
 from ..cache.layer import KVLayer
+from ..cache.policy import present
 from .base import param
 from .sparse import SparseDecodePolicy, SparseMethod
 
@@ -79,4 +80,4 @@ class QuestPolicy(SparseDecodePolicy):
         self.span = high - self.low
 
     def chunk_scores(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
-        return page_upper_bounds(query, self.low, self.span)
+        return page_upper_bounds(query, *present(self.low, self.span))

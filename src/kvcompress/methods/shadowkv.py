@@ -36,6 +36,7 @@ import torch
 
 from ..cache.held import hold
 from ..cache.layer import KVLayer
+from ..cache.policy import present
 from ..integrations.transformers.rope import apply_rope, invert_rope, rope_cos_sin, rotary_for
 from ..storage.ops import fused
 from ..storage.tensors import chunk_tokens, gather_tokens, prompt_positions
@@ -123,11 +124,14 @@ def key_spectrum(chunks: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> Spectru
     validity ``[b, c]``): the small Gram matrix, accumulated chunk by chunk, which has the same
     eigenvectors as the whole ``s``-row matrix's right singular vectors, at a fraction of the cost
     and without holding it in float32."""
-    gram = total = count = None
+    sums: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # the Gram matrix, the rows' sum, their count
     for keys, valid in chunks:
         rows = key_rows(keys, valid).double()  # float32 products lose the small directions next to a large mean
         parts = (rows.mT @ rows, rows.sum(dim=1), valid.sum(dim=-1).double())
-        gram, total, count = parts if gram is None else (gram + parts[0], total + parts[1], count + parts[2])
+        sums = parts if sums is None else (sums[0] + parts[0], sums[1] + parts[1], sums[2] + parts[2])
+    if sums is None:
+        raise ValueError("key_spectrum: no chunks of keys")
+    gram, total, count = sums
     mean = total / count.clamp(min=1)[:, None]
     return Spectrum(gram, gram - count[:, None, None] * mean[:, :, None] * mean[:, None, :])
 
@@ -309,19 +313,21 @@ class ShadowKVPolicy(SparseDecodePolicy):
                  for s, e in stream_spans(region)]
         self.factor_a = torch.cat(parts, dim=1)
         self.factor_b = basis.mT.reshape(basis.shape[0], basis.shape[-1], heads, -1).to(prompt.dtype)
-        self.landmarks = chunk_landmarks(keys, valid, self.unit)
-        eligible = self.selectable  # whole real chunks
-        width = int(self.method.outlier_counts(self.batch_chunks).max())  # the batch's, for a group of its rows too
-        return select_outliers(chunk_min_cosine(keys, self.landmarks, valid, self.unit),
+        self.landmarks = landmarks = chunk_landmarks(keys, valid, self.unit)
+        eligible, batch_chunks = present(self.selectable, self.batch_chunks)  # whole real chunks; the batch's counts
+        width = int(self.method.outlier_counts(batch_chunks).max())  # the batch's, for a group of its rows too
+        return select_outliers(chunk_min_cosine(keys, landmarks, valid, self.unit),
                                self.method.outlier_counts(chunks), eligible, width)
 
     def index_selection(self, scaling: float) -> None:
-        self.bias = landmark_bias(self.selectable, self.landmarks.dtype)
+        selectable, landmarks = present(self.selectable, self.landmarks)
+        self.bias = landmark_bias(selectable, landmarks.dtype)
         self.inv_freq, self.rope_scale = self.layer.rotary.frequencies()
         self.inv_freq = self.inv_freq.to(self.layer.keys.device)
 
     def chunk_scores(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
-        return landmark_scores(query, self.landmarks, self.bias, scaling)
+        landmarks, bias = present(self.landmarks, self.bias)
+        return landmark_scores(query, landmarks, bias, scaling)
 
     def stored_chunks(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         batch, heads, _, dim = values.shape

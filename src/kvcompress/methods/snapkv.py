@@ -151,11 +151,12 @@ class SnapKV(PromptMethod):
     def needs_tokens(self) -> bool:
         return self.clustering == "spans"
 
-    def scores(self, query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scaling: float,
+    def scores(self, query: torch.Tensor | None, keys: torch.Tensor, valid: torch.Tensor, scaling: float,
                spans: torch.Tensor | None = None) -> torch.Tensor:
-        if query.shape[-2] < self.window:
+        if query is None or query.shape[-2] < self.window:
             raise ValueError(
-                f"SnapKV: window={self.window} needs the last {self.window} prefill queries but got {query.shape[-2]} "
+                f"SnapKV: window={self.window} needs the last {self.window} prefill queries but got "
+                f"{0 if query is None else query.shape[-2]} "
                 "(pass kvcompress.prefill(..., query_window=...) at least as large as the largest window)"
             )
         scores = snapkv_scores(query, keys, valid, scaling, self.window, self.kernel, self.pooling, self.votes)

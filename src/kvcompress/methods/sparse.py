@@ -21,8 +21,9 @@ from typing import Any, ClassVar, cast
 
 import torch
 
+from ..cache.errors import CacheMisuseError
 from ..cache.held import counted_bytes, hold
-from ..cache.policy import LayerPolicy
+from ..cache.policy import LayerPolicy, present
 from ..storage.attention import dense_attention
 from ..storage.codec import attended_pair, token_bytes
 from ..storage.offload import ChunkStore
@@ -142,7 +143,7 @@ class SparseDecodePolicy(LayerPolicy):
     # --- the contract ----------------------------------------------------------------------------------
 
     def compress(self, query: torch.Tensor | None, scaling: float) -> None:
-        prompt_keys, prompt_values, lengths = self.layer.keys, self.layer.values, self.layer.prompt_tokens
+        prompt_keys, prompt_values, lengths = self.layer.keys, self.layer.values, self.layer.held_prompt()[0]
         heads, seq, device = prompt_keys.shape[1], prompt_keys.shape[-2], prompt_keys.device
         counts = self.region_chunks(lengths).clamp(min=0)
         everyone = batch_prompt_tokens(self.layer)  # the batch's rows set the shapes (a group of them too)
@@ -212,23 +213,25 @@ class SparseDecodePolicy(LayerPolicy):
         chosen, counted = self.select(query, scaling)
         selected_keys, selected_values = self.selected_kv(chosen)
         keys, values = attended_pair(self.slots.codec, keys, values)  # the front slots take rows decoded
-        keys.index_copy_(2, self.front_slots, selected_keys)
-        values.index_copy_(2, self.front_slots, selected_values)
+        front_slots, seen = present(self.front_slots, mask)  # (a step's slots: dense, hence masked)
+        keys.index_copy_(2, front_slots, selected_keys)
+        values.index_copy_(2, front_slots, selected_values)
         if counted is not None:  # some gathered chunks do not count: the front slots get a mask per head
-            front = counted.repeat_interleave(self.unit, dim=-1)[:, :, None, :].expand(-1, -1, mask.shape[2], -1)
-            mask = torch.cat([front, mask[..., self.front :].expand(-1, keys.shape[1], -1, -1)], dim=-1)
+            front = counted.repeat_interleave(self.unit, dim=-1)[:, :, None, :].expand(-1, -1, seen.shape[2], -1)
+            mask = torch.cat([front, seen[..., self.front :].expand(-1, keys.shape[1], -1, -1)], dim=-1)
         return dense_attention(query, keys, values, mask, scaling, softcap)
 
     def select(self, query: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The chunks this step attends to ``[b, h, k]`` (ascending where an offload store reuses
         them) and which of them count (None: all do): each row takes its own ``step_chunks`` best
         selectable chunks."""
-        scores = self.chunk_scores(query, scaling).masked_fill(self.unselectable, -math.inf)
+        unselectable, step_chunks = present(self.unselectable, self.step_chunks)
+        scores = self.chunk_scores(query, scaling).masked_fill(unselectable, -math.inf)
         top = scores.topk(self.step_count, dim=-1, sorted=not self.all_counted)
         if self.all_counted:
-            return (top.indices.sort(dim=-1).values if self.store.offloaded else top.indices), None
+            return (top.indices.sort(dim=-1).values if self.chunk_store().offloaded else top.indices), None
         # by rank
-        in_budget = torch.arange(self.step_count, device=scores.device)[None, None, :] < self.step_chunks[:, None, None]
+        in_budget = torch.arange(self.step_count, device=scores.device)[None, None, :] < step_chunks[:, None, None]
         chosen, order = top.indices.sort(dim=-1)
         return chosen, (in_budget & (top.values > -math.inf)).gather(-1, order)
 
@@ -236,26 +239,35 @@ class SparseDecodePolicy(LayerPolicy):
         """The stored ``chunks [b, h, k]`` as ``[b, h, k * unit, d']`` (chunks last step also selected
         come from its front slots when the store is offloaded) and the result of ``overlap()``, which
         runs meanwhile."""
-        if not self.store.offloaded:
-            return self.store.fetch(chunks, None, None, None, overlap)
-        # a coded store's chunks are held decoded in the front slots: read again, not reused (and not decoded for it)
-        reused = (self.selected, self.previous_chunks(), self.hits) if self.store.codec is None else (None, None, None)
-        gathered, result = self.store.fetch(chunks, *reused, overlap)
-        self.selected.copy_(chunks)
+        store = self.chunk_store()
+        if not store.offloaded:
+            return store.fetch(chunks, None, None, None, overlap)
+        selected, hits = present(self.selected, self.hits)
+        if store.codec is not None:  # its chunks are held decoded in the front slots: read again, not reused
+            gathered, result = store.fetch(chunks, None, None, None, overlap)
+        else:
+            gathered, result = store.fetch(chunks, selected, self.previous_chunks(), hits, overlap)
+        selected.copy_(chunks)
         return gathered, result
+
+    def chunk_store(self) -> ChunkStore:
+        """The prompt's chunks once compressed: the decoding phase said once to the type checker."""
+        if self.store is None:
+            raise CacheMisuseError("kvcompress: a sparse step read its chunk store before its prompt was compressed")
+        return self.store
 
     def advanced(self, new: int) -> None:
         if self.store is not None:
             self.steps += 1
-            self.lookups += self.selected.numel() if self.store.offloaded else 0
+            self.lookups += present(self.selected)[0].numel() if self.store.offloaded else 0
 
     def kept_positions(self) -> torch.Tensor:
         """Every prompt position: nothing is dropped (padding of shorter rows reported as -1)."""
         if self.store is None:
             return super().kept_positions()
         layer = self.layer
-        real = torch.arange(layer.prefill_len, device=layer.keys.device)[None, :] >= (
-            layer.prefill_len - layer.prompt_tokens)[:, None]
+        prompt_tokens, prefill_len = layer.held_prompt()
+        real = torch.arange(prefill_len, device=layer.keys.device)[None, :] >= (prefill_len - prompt_tokens)[:, None]
         return prompt_positions(real)[:, None, :].expand(-1, layer.keys.shape[1], -1)
 
     def prompt_readable(self) -> bool:
@@ -274,11 +286,12 @@ class SparseDecodePolicy(LayerPolicy):
         per_chunk = self.store.chunk_bytes
         selected_bytes = batch * heads * self.step_count * per_chunk * self.read_factor()
         stats["bytes_read_per_step"] += selected_bytes + counted_bytes(self.layer, index_only=True)
-        misses = self.lookups - (0 if self.store.reads_hits() else int(self.hits))
+        hits = int(present(self.hits)[0])
+        misses = self.lookups - (0 if self.store.reads_hits() else hits)
         stats.update(
             sparse_layers=1,
             selected_tokens=self.step_count * self.unit,
-            chunk_hits=int(self.hits),
+            chunk_hits=hits,
             chunk_lookups=self.lookups,
             fetched_bytes_per_step=misses * per_chunk / self.steps if self.steps else 0,
         )

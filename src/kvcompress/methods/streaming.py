@@ -46,7 +46,7 @@ class StreamingLLM(PromptMethod):
     def reserved_tokens(self) -> int:
         return self.sinks
 
-    def scores(self, query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scaling: float,
+    def scores(self, query: torch.Tensor | None, keys: torch.Tensor, valid: torch.Tensor, scaling: float,
                spans: torch.Tensor | None = None) -> torch.Tensor:
         return sink_and_recent_scores(valid, self.sinks, keys.shape[1])
 
