@@ -44,7 +44,7 @@ SERVABLE = servable_names()  # the built-in ones (``servable_names()`` also coun
 
 # The fields a served request cannot set (each refused with its reason by ``check_servable``), left out of the fields
 # an unknown one's refusal lists
-NOT_SERVED = ("decode_budget", "every", "decode_window", "head_floor", "pyramid_beta", "key_bits",
+NOT_SERVED = ("decode_budget", "every", "decode_window", "head_floor", "layer_floor", "pyramid_beta", "key_bits",
               "evict_during_decoding")
 
 
