@@ -108,17 +108,16 @@ PROFILE_ROWS = 12
 
 def profile(runner: StepRunner, steps: int) -> list[dict]:
     """Device (or, without one, host) time per step of each kernel over ``steps`` steps, largest first."""
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    with torch.profiler.profile(activities=activities) as prof:
+    cuda = torch.cuda.is_available()
+    with torch.profiler.profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]) as prof:
         for _ in range(steps):
             runner.step()
-        if torch.cuda.is_available():
+        if cuda:
             torch.cuda.synchronize()
-    device = torch.cuda.is_available()
     rows = []
     for event in prof.key_averages():
-        us = event.self_device_time_total if device else event.self_cpu_time_total
-        if us > 0 and (not device or event.device_type == DeviceType.CUDA):
+        us = event.self_device_time_total if cuda else event.self_cpu_time_total
+        if us > 0 and (not cuda or event.device_type == DeviceType.CUDA):
             rows.append({"name": event.key, "ms_per_step": us / 1000 / steps, "calls_per_step": event.count / steps})
     return sorted(rows, key=lambda row: -row["ms_per_step"])
 

@@ -19,22 +19,15 @@ from pathlib import Path
 
 import triton
 
-from kvcompress.storage import kernels
-from kvcompress.storage.codec import group_size
-from tests.test_decode_kernel import build_for_hopper, decode_kernel_signature
+from tests.test_decode_kernel import build_decode_kernel
 
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 
 
 def sass_counts(key_bits: int, value_bits: int, dim: int, rows: int) -> tuple[int, Counter]:
     """(instructions, global loads by kind) of one variant's sm_90 build."""
-    signature = decode_kernel_signature(key_bits, value_bits)
-    aligned = [name for name, kind in signature.items() if kind.startswith("*") or kind == "i64" and name != "heads"]
-    constants = dict(GROUP_ROWS=rows, DIM=dim, BLOCK_G=max(16, triton.next_power_of_2(rows)), BLOCK_N=64, BLOCKS=4,
-                     KEY_BITS=key_bits, VALUE_BITS=value_bits, QUANT_GROUP=group_size(dim), MASKED=True,
-                     PRECISE=False)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-        cubin.write(build_for_hopper(kernels._decode_attention_kernel, signature, constants, aligned))
+        cubin.write(build_decode_kernel(key_bits, value_bits, dim, rows))
         cubin.flush()
         sass = subprocess.run([str(CUOBJDUMP), "-sass", cubin.name], capture_output=True, text=True, check=True).stdout
     code = [line for line in sass.splitlines() if re.search(r"/\*[0-9a-f]{4,}\*/\s+[A-Z@]", line)]

@@ -198,9 +198,24 @@ def decode_kernel_signature(key_bits: int, value_bits: int) -> dict[str, str]:
     pointers = {"query": "*bf16", "keys": "*u8" if key_bits else "*bf16", "key_meta": "*fp16",
                 "values": "*u8" if value_bits else "*bf16", "value_meta": "*fp16", "visible": "*u8",
                 "out": "*fp32", "lse": "*fp32"}
-    sizes = ("heads", "seq", "q_batch", "q_head", "k_batch", "k_head", "k_slot", "v_batch", "v_head", "v_slot",
-             "m_batch", "m_head")
-    return {**pointers, "heads": "i64", "seq": "i64", "scaling": "fp32", **dict.fromkeys(sizes, "i64")}
+    strides = ("q_batch", "q_head", "k_batch", "k_head", "k_slot", "v_batch", "v_head", "v_slot", "m_batch", "m_head")
+    return {**pointers, "heads": "i64", "seq": "i64", "scaling": "fp32", **dict.fromkeys(strides, "i64")}
+
+
+def build_decode_kernel(key_bits: int, value_bits: int, dim: int, rows: int = 4, masked: bool = True) -> bytes:
+    """The split kernel's sm_90 build for these codes and head (``rows`` query heads per KV head, 64-slot blocks),
+    specialized as a launch on the 8B shape is: pointers and every size but the head count divisible by 16."""
+    import triton
+
+    from kvcompress.storage import kernels
+    from kvcompress.storage.codec import group_size
+
+    signature = decode_kernel_signature(key_bits, value_bits)
+    aligned = [name for name, kind in signature.items() if kind.startswith("*") or kind == "i64" and name != "heads"]
+    constants = dict(GROUP_ROWS=rows, DIM=dim, BLOCK_G=max(16, triton.next_power_of_2(rows)), BLOCK_N=64, BLOCKS=4,
+                     KEY_BITS=key_bits, VALUE_BITS=value_bits, QUANT_GROUP=group_size(dim), MASKED=masked,
+                     PRECISE=False)
+    return build_for_hopper(kernels._decode_attention_kernel, signature, constants, aligned)
 
 
 needs_nvidia_backend = pytest.mark.skipif(importlib.util.find_spec("triton") is None
@@ -212,14 +227,7 @@ needs_nvidia_backend = pytest.mark.skipif(importlib.util.find_spec("triton") is 
 @pytest.mark.parametrize("key_bits,value_bits,masked,dim", [(0, 0, True, 128), (8, 8, False, 128), (4, 4, True, 128),
                                                              (6, 4, True, 128), (6, 8, True, 16)])
 def test_the_split_kernel_builds_for_hopper(key_bits, value_bits, masked, dim):
-    from kvcompress.storage import kernels
-    from kvcompress.storage.codec import group_size
-
-    constants = dict(GROUP_ROWS=4, DIM=dim, BLOCK_G=16, BLOCK_N=64, BLOCKS=4, KEY_BITS=key_bits,
-                     VALUE_BITS=value_bits, QUANT_GROUP=group_size(dim), MASKED=masked, PRECISE=False)
-    signature = decode_kernel_signature(key_bits, value_bits)
-    aligned = [name for name, kind in signature.items() if kind.startswith("*") or kind == "i64" and name != "heads"]
-    assert build_for_hopper(kernels._decode_attention_kernel, signature, constants, aligned)
+    assert build_decode_kernel(key_bits, value_bits, dim, masked=masked)
 
 
 @needs_nvidia_backend

@@ -54,7 +54,7 @@ KERNEL_NAMES = (*BACKEND_NAMES, "triton")  # SDPA's kernels and decode_attention
 _NAMES = {int(backend): name for name, backend in BACKEND_NAMES.items()}  # type: ignore[call-overload]
 _default_picks: dict[tuple, str | None] = {}  # input shapes -> the kernel PyTorch picks for them
 _chosen: dict[tuple, tuple[str, ...]] = {}  # (phase, device type, dtype, head_dim, masked) -> kernels, fastest first
-_graphed: dict[tuple, tuple[str, ...]] = {}  # the same by device time alone: a compiled step's choice (see _timed)
+_graphed: dict[tuple, tuple[str, ...]] = {}  # the same by device time alone: a compiled step's (_device_seconds)
 _PRIORITY = "set_priority" in inspect.signature(sdpa_kernel).parameters
 
 
@@ -128,8 +128,8 @@ def sdpa_choices(graphed: bool = False) -> dict[str, tuple[str, ...]]:
 @torch.compiler.assume_constant_result
 def _compiled_backends(phase: str, device_type: str, dtype: str, head_dim: int, masked: bool, bucket: int) -> str:
     """The kernels chosen for a compiled step (by device time), as a string: it bakes the choice in without
-    guarding on it. ``bucket``:
-    ``length_bucket``'s (0: none, or a length the graph leaves symbolic: the longest one chosen for)."""
+    guarding on it. ``bucket``: ``length_bucket``'s (0: none, or a length the graph leaves symbolic: the longest one
+    chosen for)."""
     made = [k for k in _graphed
             if k[:2] == (phase, device_type) and str(k[2]) == dtype and k[3:5] == (head_dim, masked)]
     exact = [k for k in made if (k[5] or 0) == bucket]
@@ -369,11 +369,11 @@ def dense_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     if q_len == 1 or (mask is not None and mask.shape[1] > 1):
         mask = None if mask is None else group_mask(mask, q_heads // kv_heads)
         stacked = stack_groups(query, kv_heads)
-        read_as_stored = coded is not None and phase == "decode" and (reads_codes(query) or (
-            set(coded[2:]) <= set(TRITON_BITS)
-            and choose_backends(phase, stacked, keys, mask, False, False)[0] == "triton"))
-        if coded is not None and read_as_stored:
-            out = decode_attention(stacked, *coded[:2], mask, scaling, *coded[2:])
+        stored = coded if phase == "decode" else None
+        if stored is not None and (reads_codes(query) or (
+                set(stored[2:]) <= set(TRITON_BITS)
+                and choose_backends(phase, stacked, keys, mask, False, False)[0] == "triton")):
+            out = decode_attention(stacked, *stored[:2], mask, scaling, *stored[2:])
         else:
             if coded is not None and keys.dtype != query.dtype:  # handed as codes (hands_codes) and SDPA won
                 keys, values = (codec_of_code(bits, dim, query.dtype).decode(rows)

@@ -63,13 +63,14 @@ def gather_chunks_triton(store: torch.Tensor, chunks: torch.Tensor, previous_chu
     batch, heads, n_chunks, chunk, dim = store.shape
     k = chunks.shape[-1]
     out = torch.empty(batch, heads, k * chunk, dim, dtype=store.dtype, device=chunks.device)
-    reuse = previous is not None and previous_chunks is not None and hits is not None  # all three, or none
+    if previous is not None and previous_chunks is not None and hits is not None:  # all three, or none
+        reuse, reused = True, (previous_chunks.contiguous(), previous.contiguous(), hits)
+    else:  # any pointers: the kernel reads them only with REUSE
+        reuse, reused = False, (chunks, out, chunks)
     _gather_chunks_kernel[(batch * heads, k)](
         store,
         chunks.contiguous(),
-        previous_chunks.contiguous() if previous_chunks is not None and reuse else chunks,
-        previous.contiguous() if previous is not None and reuse else out,
-        hits if hits is not None and reuse else chunks,
+        *reused,
         out,
         n_chunks,
         k,
