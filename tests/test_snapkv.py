@@ -125,6 +125,22 @@ def test_reference_confirms_pure_functions_on_random_tensors():
     assert sums != maxima  # the two votes choose differently here
 
 
+def test_voters_make_each_rows_window_its_own():
+    """``voters`` (a question over a stored context, ``question_window``): each row keeps what the reference keeps
+    with its window set to its voters, the rest of the last ``window`` tokens scored as prefix."""
+    torch.manual_seed(2)
+    query, keys = torch.randn(3, 6, 90, 8), torch.randn(3, 2, 90, 8)
+    voters = torch.tensor([5, 12, 1])
+    valid = torch.ones(3, 90, dtype=torch.bool)
+    for pooling, kernel, vote in (("max", 7, "max"), ("avg", 5, "sum"), ("max", 1, "sum")):
+        method = kvc.SnapKV(budget=40, window=12, kernel=kernel, pooling=pooling, clustering="pool", votes=vote)
+        scores = method.scores(query, keys, valid, 8**-0.5, voters=voters)
+        indices, slot_valid = select_kept(scores, valid, method.kept_tokens(torch.tensor([90] * 3)))
+        assert slot_valid.all()
+        for row, count in enumerate(voters.tolist()):
+            assert indices[row].tolist() == reference_keep(query[row], keys[row], 40, count, kernel, pooling, vote)
+
+
 def capture_queries(model: torch.nn.Module) -> tuple[dict[int, torch.Tensor], list]:
     """Post-RoPE queries of every attention module, recomputed from its inputs (independent of kvcompress)."""
     queries: dict[int, torch.Tensor] = {}

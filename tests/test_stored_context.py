@@ -8,6 +8,7 @@ and give the same tokens. The store is read, never written: questions asked of i
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -17,6 +18,7 @@ import pytest
 import torch
 
 import kvcompress as kvc
+from kvcompress.generation.conversation import ask
 from tests.fixtures import char_tokenizer, family_model, random_text, tiny_model
 
 DOCUMENT = [{"role": "user", "content": random_text(400, seed=7)}]
@@ -69,6 +71,30 @@ def test_a_question_over_a_stored_context_keeps_what_the_joined_prompt_keeps(mod
         assert asked.token_ids == reference.token_ids and asked.text == reference.text
         # decodes from what the method keeps, no more
         assert asked.stats["kv_bytes_kept"] == reference.stats["kv_bytes_kept"]
+
+
+@pytest.mark.parametrize("settings", [{}, {"votes": "sum", "pooling": "avg"}, {"clustering": "pool", "kernel": 1}],
+                         ids=["default", "sum-avg", "pool"])
+def test_a_question_shorter_than_the_window_is_the_window(model_and_store, settings):
+    """question_window: over a stored context only the question's own tokens vote and are kept whole, the context's
+    last tokens scored as any other: what SnapKV with its window set to the question's tokens keeps, exactly."""
+    model, tok, store = model_and_store
+    question = "1?"
+    tokens = len(ask(tok, copy.deepcopy(store.rows[0]), question))
+    assert tokens < 24  # (the char tokenizer's template and question: shorter than the window below)
+    asked = kvc.generate(model, tok, question, past=store, method=kvc.SnapKV(budget=48, window=24, **settings),
+                         max_new_tokens=8)
+    reference = kvc.generate(model, tok, question, past=store, max_new_tokens=8, method=kvc.SnapKV(
+        budget=48, window=tokens, question_window=False, **settings))
+    assert all(torch.equal(a, b) for a, b in zip(kept(asked), kept(reference)))
+    assert asked.token_ids == reference.token_ids
+    last = kvc.generate(model, tok, question, past=store, max_new_tokens=8,
+                        method=kvc.SnapKV(budget=48, window=24, question_window=False, **settings))
+    assert not all(torch.equal(a, b) for a, b in zip(kept(asked), kept(last)))  # (the last 24 as before: not the same)
+    # a new prompt's question has no known start: the last window tokens vote, whatever question_window says
+    joined_prompt = [kvc.generate(model, tok, joined(question), max_new_tokens=8,
+                                  method=kvc.SnapKV(budget=48, window=24, question_window=on)) for on in (True, False)]
+    assert all(torch.equal(a, b) for a, b in zip(*map(kept, joined_prompt)))
 
 
 def test_the_store_is_read_never_written(model_and_store):

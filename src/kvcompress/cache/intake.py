@@ -30,13 +30,15 @@ class PromptRecord(NamedTuple):
     """The whole prompt as compression reads it (its keys and values are the layer's slots): the prefill's last
     queries the method or a record reads ``[b, q_heads, m, d]``, each slot's validity ``[b, slots]`` (None: all
     real), the scaling, the slots' prompt positions ``[b, h, slots]`` where they are not the tokens in order (a
-    thinned context; None otherwise) and their word spans where the way in changed them (None: as held)."""
+    thinned context; None otherwise), their word spans where the way in changed them (None: as held), and the tokens
+    each row added after a stored context ``[b]`` (a question and what followed; None: the prompt continues none)."""
 
     query: torch.Tensor | None
     valid: torch.Tensor | None
     scaling: float
     positions: torch.Tensor | None = None
     spans: torch.Tensor | None = None
+    asked: torch.Tensor | None = None
 
 
 class StoredPrompt(NamedTuple):
@@ -152,7 +154,8 @@ class OverStored(Intake):
         new = slots.view().keys.shape[-2] - self.stored.keys.shape[-2]
         positions = self.joined_positions(new)
         spans = None if positions is None or self.spans is None else self.joined_spans(self.spans, positions, new)
-        return PromptRecord(self.joined_queries(query, keep), self.joined_valid, scaling, positions, spans)
+        asked = torch.tensor([new - pad for pad in self.pads], device=query.device)
+        return PromptRecord(self.joined_queries(query, keep), self.joined_valid, scaling, positions, spans, asked)
 
     def joined_positions(self, new: int) -> torch.Tensor | None:
         """Prompt positions ``[b, h, context + new slots]`` where the context's slots are not its tokens in

@@ -23,6 +23,13 @@ cache's score at budgets 64 / 256 against the sum's 0.77 / 0.88 in the same run)
 by agreement with the full cache on both real models and both wordings (SmolLM2 0.936 against 0.916, Gemma 3 270M
 0.871 against 0.631, RULER's wording 0.899 against 0.876, all at 1/16); ``votes="sum"`` is the paper's.
 
+Window. Over a stored context (a question asked of a document prefilled once), ``question_window`` stops the
+window at the context's end: only the tokens after it vote and are kept whole (the question, its separator and the
+template's end; in a conversation, every turn since the context), at most ``window`` of them. The context's last
+tokens are then scored as any other instead of voting for the context's end and taking budget (docs/accuracy.md,
+"A window from the question"). A conversation's turns since the context are longer than the window, so there it is
+the last ``window`` tokens as before: a window of the newest message alone would let the earlier answers go.
+
 Defaults otherwise follow the paper's LongBench setting (window 32, kernel 7, max pooling, budget
 1024, Sec. 5.3); its needle-in-a-haystack setting is window 16, kernel 5 (Sec. 5.1.1). The pooling
 type is an option because the papers differ (experiments: max; the tutorial: average); they report
@@ -44,6 +51,7 @@ from .base import check_reserved, param, require
 from .prompt import HeldTokens, PromptMethod
 
 if TYPE_CHECKING:
+    from ..cache.layer import KVLayer
     from .prompt import BoundedPolicy
 
 POOLINGS = ("max", "avg")
@@ -66,24 +74,36 @@ def window_attention(query_window: torch.Tensor, keys: torch.Tensor, valid: torc
     return key_probabilities(logits, heads)
 
 
-def prefix_votes(attention: torch.Tensor, votes: str = "sum") -> torch.Tensor:
+def prefix_votes(attention: torch.Tensor, votes: str = "sum", voters: torch.Tensor | None = None) -> torch.Tensor:
     """The window's attention on each prefix position ``[batch, q_heads, seq - window]``: summed over the window's
-    queries (the paper), or the largest of them (``votes="max"``)."""
-    window = attention.shape[-2]
-    prefix = attention[..., : attention.shape[-1] - window]
-    return prefix.sum(dim=-2) if votes == "sum" else prefix.amax(dim=-2)
+    queries (the paper), or the largest of them (``votes="max"``). ``voters [batch]``: only each row's last
+    ``voters`` queries vote, on every position before them (``[batch, q_heads, seq]``, zero from each row's
+    first voter on)."""
+    window, seq = attention.shape[-2:]
+    if voters is None:
+        prefix = attention[..., : seq - window]
+    else:
+        voting = torch.arange(window, device=attention.device) >= window - voters[:, None]  # [b, window]
+        prefix = attention * voting[:, None, :, None]
+    voted = prefix.sum(dim=-2) if votes == "sum" else prefix.amax(dim=-2)
+    return voted if voters is None else voted.masked_fill(voter_positions(voters, seq)[:, None], 0.0)
+
+
+def voter_positions(voters: torch.Tensor, seq: int) -> torch.Tensor:
+    """``[batch, seq]``: True at each row's last ``voters`` positions (its window, kept whole)."""
+    return torch.arange(seq, device=voters.device) >= seq - voters[:, None]
 
 
 def window_votes(query_window: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scaling: float,
-                 votes: str = "sum") -> torch.Tensor:
-    """``prefix_votes(window_attention(...), votes)``, one KV head (and its query heads) at a time, so the
+                 votes: str = "sum", voters: torch.Tensor | None = None) -> torch.Tensor:
+    """``prefix_votes(window_attention(...), votes, voters)``, one KV head (and its query heads) at a time, so the
     float32 attention held at once is ``[batch, group, window, seq]``, not all heads' at once."""
     kv_heads = keys.shape[1]
     group = query_window.shape[1] // kv_heads
     parts = [
         prefix_votes(
             window_attention(query_window[:, h * group:(h + 1) * group], keys[:, h:h + 1], valid, scaling,
-                             slice(h * group, (h + 1) * group)), votes) for h in range(kv_heads)
+                             slice(h * group, (h + 1) * group)), votes, voters) for h in range(kv_heads)
     ]
     return torch.cat(parts, dim=1)
 
@@ -106,12 +126,15 @@ def average_over_groups(scores: torch.Tensor, kv_heads: int) -> torch.Tensor:
 
 def snapkv_scores(
     query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scaling: float, window: int, kernel: int,
-    pooling: str, votes: str = "sum"
+    pooling: str, votes: str = "sum", voters: torch.Tensor | None = None
 ) -> torch.Tensor:
     """SnapKV importance ``[batch, kv_heads, seq]``: pooled window votes on the prefix, ``+inf`` on
-    the window so it is always kept."""
-    voted = window_votes(query[..., -window:, :], keys, valid, scaling, votes)
+    the window so it is always kept. ``voters [batch]`` (at most ``window``): each row's window is its last
+    ``voters`` tokens instead (the rest of the last ``window`` are its prefix, voted on like any)."""
+    voted = window_votes(query[..., -window:, :], keys, valid, scaling, votes, voters)
     prefix = average_over_groups(pool_votes(voted, kernel, pooling), keys.shape[1])
+    if voters is not None:  # (the pooling saw zeros past each row's prefix, as its padding would be)
+        return prefix.masked_fill(voter_positions(voters, keys.shape[-2])[:, None], math.inf)
     always = torch.full((*prefix.shape[:2], window), math.inf, device=prefix.device)
     return torch.cat([prefix, always], dim=-1)
 
@@ -125,7 +148,7 @@ class SnapKV(PromptMethod):
 
     name: ClassVar[str] = "snapkv"
     not_served: ClassVar[str | None] = None  # vLLM serves it (docs/vllm.md)
-    unrecorded_meant: ClassVar[dict[str, Any]] = {"votes": "sum"}  # the default before 11-28
+    unrecorded_meant: ClassVar[dict[str, Any]] = {"votes": "sum", "question_window": False}  # defaults before 11-28
     window: int = param(32, "observation window: the last prompt tokens that vote (always kept)", minimum=1)
     kernel: int = param(7, "pooling kernel over positions, odd (1 = no pooling)", minimum=1)
     pooling: str = param("max", "pooling of the votes", choices=POOLINGS)
@@ -134,6 +157,9 @@ class SnapKV(PromptMethod):
         choices=CLUSTERINGS)
     votes: str = param("max", "max: a position's largest attention from any window query; sum: summed over the "
                        "window (the paper)", choices=VOTES)
+    question_window: bool = param(
+        True, "over a stored context: only the tokens after it (a question, a conversation's turns) vote and are kept "
+        "as the window, at most window of them; the context's last tokens are scored as any other")
 
     def validate(self) -> None:
         super().validate()
@@ -151,15 +177,20 @@ class SnapKV(PromptMethod):
     def needs_tokens(self) -> bool:
         return self.clustering == "spans"
 
+    def layer_scores(self, layer: KVLayer, query: torch.Tensor | None, scaling: float) -> torch.Tensor:
+        asked = layer.asked if self.question_window else None  # (tokens after a stored context: they alone vote)
+        return self.scores(query, layer.keys, layer.slot_validity(), scaling, layer.spans,
+                           None if asked is None else asked.clamp(max=self.window))
+
     def scores(self, query: torch.Tensor | None, keys: torch.Tensor, valid: torch.Tensor, scaling: float,
-               spans: torch.Tensor | None = None) -> torch.Tensor:
+               spans: torch.Tensor | None = None, voters: torch.Tensor | None = None) -> torch.Tensor:
         if query is None or query.shape[-2] < self.window:
             raise ValueError(
                 f"SnapKV: window={self.window} needs the last {self.window} prefill queries but got "
                 f"{0 if query is None else query.shape[-2]} "
                 "(pass kvcompress.prefill(..., query_window=...) at least as large as the largest window)"
             )
-        scores = snapkv_scores(query, keys, valid, scaling, self.window, self.kernel, self.pooling, self.votes)
+        scores = snapkv_scores(query, keys, valid, scaling, self.window, self.kernel, self.pooling, self.votes, voters)
         if self.clustering == "pool":
             return scores
         if spans is None:

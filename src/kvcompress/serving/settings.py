@@ -310,12 +310,14 @@ class QuietStop(logging.Filter):
 @dataclasses.dataclass
 class PromptLayer:
     """What a method's scoring reads of a kvcompress layer (``PromptMethod.layer_scores``), for one request's
-    prompt in a worker: its keys and values ``[1, kv_heads, tokens, dim]``, its word spans, the layer's rotary."""
+    prompt in a worker: its keys and values ``[1, kv_heads, tokens, dim]``, its word spans, the layer's rotary (and
+    no stored context it continues: ``asked``)."""
 
     keys: torch.Tensor
     values: torch.Tensor
     spans: torch.Tensor | None
     rotary: Rotary | None
+    asked: None = None
 
     @property
     def prompt_tokens(self) -> torch.Tensor:
