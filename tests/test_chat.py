@@ -128,9 +128,11 @@ def test_a_chat_session_as_a_user_has_it(files):
 
 def test_ctrl_c_stops_the_answer_not_the_session(files):
     chat = Terminal("chat", "--model", str(files / "model"), "--prompt-file", str(files / "doc.txt"), "--method",
-                    "snapkv", "--budget", "48", "--window", "8", "--votes", "sum", "--max-new-tokens", "580")
+                    "snapkv", "--budget", "48", "--window", "8", "--votes", "sum", "--pooling", "max",
+                    "--max-new-tokens", "580")
     # greedy, this model's answer runs to the limit: over a second of decoding to interrupt
-    assert len(answers(["Tell me everything."], kvc.SnapKV(budget=48, window=8, votes="sum"), 580)[0]) > 400
+    assert len(answers(["Tell me everything."], kvc.SnapKV(budget=48, window=8, votes="sum", pooling="max"),
+                       580)[0]) > 400
     chat.expect("> ")
     chat.send("Tell me everything.\n")
     chat.expect("Tell me everything.\n")

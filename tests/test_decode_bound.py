@@ -37,12 +37,13 @@ def endless_model():
     return model, tok
 
 
-def snapkv_reference(keys, queries, valid, scaling, budget, kernel, votes):
+def snapkv_reference(keys, queries, valid, scaling, budget, kernel, votes, pooling):
     """SnapKV's selection (Sec. 4, Listing 1) with the last ``W`` steps as its observation window, written apart from
     the library for one row: the window's softmax attention over the held keys (causal inside the window), summed
-    over the window on the tokens before it (``votes="max"``: its largest there), max-pooled over ``kernel``
-    neighbours, averaged over each KV head's query heads; each head keeps its ``budget - W`` best tokens before the
-    window (ties: the earlier) and the window. Returns the kept slot indices per head (sets)."""
+    over the window on the tokens before it (``votes="max"``: its largest there), pooled over ``kernel``
+    neighbours (their maximum, or ``pooling="avg"`` their mean, zeros past the ends), averaged over each KV head's
+    query heads; each head keeps its ``budget - W`` best tokens before the window (ties: the earlier) and the
+    window. Returns the kept slot indices per head (sets)."""
     kv_heads, n, _ = keys.shape
     q_heads, window, _ = queries.shape
     group = q_heads // kv_heads
@@ -52,22 +53,24 @@ def snapkv_reference(keys, queries, valid, scaling, budget, kernel, votes):
     future = torch.arange(n)[None, :] > torch.arange(n - window, n)[:, None]
     attention = logits.masked_fill(future, -math.inf).softmax(dim=-1)[..., : n - window]
     voted = attention.sum(dim=1) if votes == "sum" else attention.amax(dim=1)
-    pooled = F.max_pool1d(voted[:, None], kernel, stride=1, padding=kernel // 2)[:, 0]
+    pool = F.max_pool1d if pooling == "max" else F.avg_pool1d
+    pooled = pool(voted[:, None], kernel, stride=1, padding=kernel // 2)[:, 0]
     per_head = pooled.view(kv_heads, group, -1).mean(dim=1)
     real = valid.nonzero()[:, 0]
     kept = []
     for head in range(kv_heads):
-        scores = per_head[head].tolist()  # max pooling repeats a score: ties go to the earlier token
+        scores = per_head[head].tolist()  # pooling repeats a score: ties go to the earlier token
         best = sorted(range(n - window), key=lambda i: (-scores[i], i))[: budget - window]
         kept.append({int(real[i]) for i in best} | {int(real[i]) for i in range(n - window, n)})
     return kept
 
 
-@pytest.mark.parametrize("votes", ["sum", "max"])
-def test_a_reselection_keeps_what_snapkv_with_the_last_steps_as_its_window_keeps(monkeypatch, votes):
+@pytest.mark.parametrize("votes,pooling", [("sum", "max"), ("max", "max"), ("max", "avg")])
+def test_a_reselection_keeps_what_snapkv_with_the_last_steps_as_its_window_keeps(monkeypatch, votes, pooling):
     """Every re-selection of every layer, checked against the paper's selection computed apart from the library."""
     model, tok = tiny_model(), char_tokenizer()
-    method = kvc.SnapKV(budget=64, window=8, kernel=5, clustering="pool", decode_budget=40, every=12, votes=votes)
+    method = kvc.SnapKV(budget=64, window=8, kernel=5, clustering="pool", decode_budget=40, every=12, votes=votes,
+                        pooling=pooling)
     checked = []
     reselect = BoundedPolicy.reselect
 
@@ -75,7 +78,7 @@ def test_a_reselection_keeps_what_snapkv_with_the_last_steps_as_its_window_keeps
         held = policy.held_tokens()
         before = held.positions[0].clone()
         expected = snapkv_reference(held.keys[0], policy.window_queries[0], held.valid[0], policy.scaling,
-                                    policy.bound, method.kernel, votes)
+                                    policy.bound, method.kernel, votes, pooling)
         reselect(policy, over)
         after = policy.slots.held_positions()[0]
         layer = policy.layer.layer_idx
