@@ -80,8 +80,10 @@ def test_questions_over_one_document_prefill_their_own_tokens_and_keep_what_the_
     """vLLM's prefix caching on: questions over one document, one after another, each with its own method. Each
     later one prefills only the tokens after the cached document less what its method reads (SnapKV's window, none of
     it for H2O, which reads every query), keeps exactly the positions the library keeps asking the same question of
-    the stored document (``generate(question, past=context, method=M)``), and answers with its tokens; the document's
-    blocks stay cached for the next question while each request's compressed blocks are its own."""
+    the stored document (``generate(question, past=context, method=M)``, with SnapKV's last ``window`` tokens voting:
+    a request is one rendered prompt, nothing in it says where its question begins, so ``question_window`` cannot
+    apply), and answers with its tokens; the document's blocks stay cached for the next question while each
+    request's compressed blocks are its own."""
     model, tokenizer = library
     opening = f"Read this report.\n\n{demo.build_document(tokenizer, 1200, 0.4)}"  # a prefix no other test sends
     context = kvc.compress(model, tokenizer, [{"role": "user", "content": opening}], query_window=None)  # (H2O's)
@@ -92,7 +94,8 @@ def test_questions_over_one_document_prefill_their_own_tokens_and_keep_what_the_
         vllm_plugin.KEPT_POSITIONS.clear()
         served = engine.generate([prompt], sampling([(settings,)]), use_tqdm=False)[0]
         method = serving.method_of(settings, default=METHOD)
-        ours = kvc.generate(model, tokenizer, question, past=context, method=method, max_new_tokens=12)
+        as_served = dataclasses.replace(method, question_window=False) if hasattr(method, "question_window") else method
+        ours = kvc.generate(model, tokenizer, question, past=context, method=as_served, max_new_tokens=12)
         assert served.outputs[0].text == ours.text, settings
         assert same_positions(next(iter(vllm_plugin.KEPT_POSITIONS.values())), ours.cache), settings
         hit = next(v for k, v in scheduler.hits.items() if k.split("-")[0] == served.request_id)
