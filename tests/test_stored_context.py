@@ -93,8 +93,10 @@ def test_a_question_shorter_than_the_window_is_the_window(model_and_store, setti
     assert not all(torch.equal(a, b) for a, b in zip(kept(asked), kept(last)))  # (the last 24 as before: not the same)
     # a new prompt's question has no known start: the last window tokens vote, whatever question_window says
     joined_prompt = [kvc.generate(model, tok, joined(question), max_new_tokens=8,
-                                  method=kvc.SnapKV(budget=48, window=24, question_window=on)) for on in (True, False)]
+                                  method=kvc.SnapKV(budget=48, window=24, question_window=on, **settings))
+                     for on in (True, False)]
     assert all(torch.equal(a, b) for a, b in zip(*map(kept, joined_prompt)))
+    assert all(torch.equal(a, b) for a, b in zip(kept(last), kept(joined_prompt[1])))  # (off: the joined prompt's)
 
 
 def test_the_store_is_read_never_written(model_and_store):
