@@ -154,8 +154,12 @@ class OverStored(Intake):
         new = slots.view().keys.shape[-2] - self.stored.keys.shape[-2]
         positions = self.joined_positions(new)
         spans = None if positions is None or self.spans is None else self.joined_spans(self.spans, positions, new)
-        asked = torch.tensor([new - pad for pad in self.pads], device=query.device)
-        return PromptRecord(self.joined_queries(query, keep), self.joined_valid, scaling, positions, spans, asked)
+        return PromptRecord(self.joined_queries(query, keep), self.joined_valid, scaling, positions, spans,
+                            self.asked_tokens(new, query.device))
+
+    def asked_tokens(self, new: int, device: torch.device) -> torch.Tensor:
+        """``[b]``: each row's real tokens among the ``new`` slots after the stored context (its pads lead them)."""
+        return torch.tensor([new - pad for pad in self.pads], device=device)
 
     def joined_positions(self, new: int) -> torch.Tensor | None:
         """Prompt positions ``[b, h, context + new slots]`` where the context's slots are not its tokens in
@@ -166,7 +170,7 @@ class OverStored(Intake):
         joined_valid = cast(torch.Tensor, self.joined_valid)  # take set it
         batch, heads = joined_valid.shape[0], stored.positions.shape[1]
         device = joined_valid.device
-        counts = torch.tensor([new - pad for pad in self.pads], device=device)
+        counts = self.asked_tokens(new, device)
         steps = torch.arange(new, device=device) - (new - counts[:, None])  # [b, new]: 0 at each row's first real token
         tokens = stored.tokens.to(device).expand(batch)
         positions = (tokens[:, None] + steps).masked_fill(steps < 0, -1)[:, None, :].expand(batch, heads, new)
@@ -177,7 +181,7 @@ class OverStored(Intake):
         per head), from the joined prompt's spans ``spans [b, width]`` (its tokens, rows right-aligned);
         a filler slot is a span of its own."""
         width = spans.shape[-1]
-        counts = torch.tensor([new - pad for pad in self.pads], device=spans.device)
+        counts = self.asked_tokens(new, spans.device)
         lead = width - (self.stored.tokens.to(spans.device).expand(counts.shape[0]) + counts)  # each row's padding
         columns = (lead[:, None, None] + positions).clamp(0, width - 1)
         per_head = spans[:, None, :].expand(-1, positions.shape[1], -1).gather(2, columns)

@@ -77,7 +77,6 @@ class KVLayer(DynamicLayer):
     # What the layer holds beside its storage (held.py), each declared once: its type, then how it is held.
     prompt_tokens: torch.Tensor | None = hold(rows=True)  # [b] real prompt tokens per row
     spans: torch.Tensor | None = hold(rows=True, counted=True)  # [b, prompt slots]: each token's word/number span
-    asked: torch.Tensor | None = hold(saved=False, rows=True)  # [b]: tokens after a stored context, until compressed
     prefill_len: int | None = hold()  # slots of the first fill (the padded prompt)
     compress_s: float = hold(join=sum, default=0.0)
     queries: torch.Tensor | None = hold(rows=True, counted=True)  # a record's last prefill queries (a stored context)
@@ -178,7 +177,6 @@ class KVLayer(DynamicLayer):
             slots.positions = record.positions
             self.spans = record.spans
         self.intake = OneForward()
-        self.asked = record.asked
         self.prefill_len = self.keys.shape[-2]
         self.prompt_tokens = self.slot_validity().sum(dim=-1)
         if self.record_window is not False and record.query is not None:  # (a window asked for records its queries)
@@ -253,7 +251,7 @@ class KVLayer(DynamicLayer):
         self.policy.compress(record.query, record.scaling)
         store_coded(self.slots, self.kv_codec)
         self.compress_s += synced_clock(self.device) - start
-        self.observation = self.asked = None
+        self.observation = None
         if self.record_window is False:
             self.spans = None  # read by compress only (a prefill record keeps them for the methods it makes)
 

@@ -184,9 +184,10 @@ class SnapKV(PromptMethod):
         return self.clustering == "spans"
 
     def layer_scores(self, layer: KVLayer, query: torch.Tensor | None, scaling: float) -> torch.Tensor:
-        asked = layer.asked if self.question_window else None  # (tokens after a stored context: they alone vote)
+        observed = layer.observation  # (the prompt's record while the layer compresses; None in a vLLM worker)
+        asked = None if observed is None or not self.question_window else observed.record.asked
         return self.scores(query, layer.keys, layer.slot_validity(), scaling, layer.spans,
-                           None if asked is None else asked.clamp(max=self.window))
+                           None if asked is None else asked.clamp(max=self.window))  # (after a stored context)
 
     def scores(self, query: torch.Tensor | None, keys: torch.Tensor, valid: torch.Tensor, scaling: float,
                spans: torch.Tensor | None = None, voters: torch.Tensor | None = None) -> torch.Tensor:

@@ -311,13 +311,13 @@ class QuietStop(logging.Filter):
 class PromptLayer:
     """What a method's scoring reads of a kvcompress layer (``PromptMethod.layer_scores``), for one request's
     prompt in a worker: its keys and values ``[1, kv_heads, tokens, dim]``, its word spans, the layer's rotary (and
-    no stored context it continues: ``asked``)."""
+    no prompt record: a request continues no stored context)."""
 
     keys: torch.Tensor
     values: torch.Tensor
     spans: torch.Tensor | None
     rotary: Rotary | None
-    asked: None = None
+    observation: None = None
 
     @property
     def prompt_tokens(self) -> torch.Tensor:
