@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, GPT2Config
@@ -183,6 +185,21 @@ def test_a_cache_refuses_another_model(made_for, used_with):
     ):
         with torch.no_grad():
             model(torch.randint(3, 128, (1, 20)), **{CACHE: cache})
+
+
+def test_a_cache_refuses_a_model_made_after_its_own_was_freed():
+    """A cache whose model was freed refuses every later model: it knows its model by identity, not by id(), which
+    CPython hands on to an object made where a freed one lay (a CI run once met that)."""
+    made_for = tiny_model()
+    cache = kvc.FullKV().make_cache(made_for)
+    del made_for
+    gc.collect()
+    for _ in range(3):  # whichever address each new model takes
+        model = tiny_model()
+        kvc.FullKV().make_cache(model)
+        with pytest.raises(kvc.CacheMisuseError, match=r"this cache was made for another model instance \(2 layers"):
+            with torch.no_grad():
+                model(torch.randint(3, 128, (1, 20)), **{CACHE: cache})
 
 
 def test_generate_takes_a_method_or_its_name():

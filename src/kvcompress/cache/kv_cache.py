@@ -71,9 +71,10 @@ class KVCompressCache(Cache):
                  spans: TokenSpans | None = None) -> None:
         super().__init__(layers=layers)  # type: ignore[arg-type]
         self.method = method
-        # the model it was made for: attach.py refuses any other
-        self.model_id = id(model) if model is not None else None
-        self.model = weakref.ref(model) if model is not None else lambda: None  # for a saved cache's fingerprint
+        # the model it was made for, held weakly (attach.py refuses any other; a saved cache's fingerprint reads it):
+        # compared by identity, never by id(), which a freed model hands on to the next object made at its address
+        self.model = weakref.ref(model) if model is not None else lambda: None
+        self.has_model = model is not None
         self.keyword = cache_keyword(model)  # the model's name for its cache argument
         self.span_table = spans  # the tokenizer's word boundaries, when known
         self.timings: dict[str, float | None] = {
@@ -84,7 +85,7 @@ class KVCompressCache(Cache):
         # layers compress after an observation pass (end_observation)
         self.observe_first = method.compresses_together()  # every layer waits (end_observation, compress_waiting)
         self.observe_s = 0.0  # time the observation pass took (part of compressing)
-        self.checked_call: int | None = None  # the model whose call the input check let through (attach.check_inputs)
+        self.call_checked = False  # the input check let this model's call through (attach.check_inputs)
         for layer in layers:
             layer.observes = self.observe_first
 
@@ -92,7 +93,7 @@ class KVCompressCache(Cache):
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """A layer's step, taken only within a call of the model this cache was made for (its input check ran)."""
         # a compiled step reads no Python state here: its loop's model call was checked before it
-        if not torch.compiler.is_compiling() and self.model_id is not None and self.checked_call != self.model_id:
+        if not torch.compiler.is_compiling() and self.has_model and not self.call_checked:
             raise CacheMisuseError(
                 "kvcompress: this cache was called by a model it was not made for (another model instance, or one "
                 "never prepared by method.make_cache(model)); make a cache for that model with "
@@ -102,7 +103,7 @@ class KVCompressCache(Cache):
     def check_model(self, model: Any, remedy: str) -> None:
         """Refuse ``model`` unless it is the one instance this cache was made for (another instance, even of the same
         checkpoint, has other attention modules, and perhaps other weights); ``remedy`` says what to do instead."""
-        if self.model_id != id(model):
+        if self.model() is not model:
             layers = model.config.get_text_config().num_hidden_layers
             raise CacheMisuseError(f"kvcompress: this cache was made for another model instance ({len(self.layers)} "
                                    f"layers; this {type(model).__name__} has {layers}); {remedy}")
@@ -130,7 +131,7 @@ class KVCompressCache(Cache):
         document prefilled once): rows ``rows`` of it, one per row of the new prompt (a question), whose tokens
         are led by ``pads`` padding slots; each layer's prefill attends to the context, then the method
         compresses the joined prompt. ``spans``: the joined prompt's word spans, rows right-aligned."""
-        if context.model_id != self.model_id:
+        if context.model() is not self.model():
             raise CacheMisuseError(
                 "kvcompress: this context was stored for another model; ask it with the model that compressed it")
         for layer, source in zip(self.layers, context.layers):

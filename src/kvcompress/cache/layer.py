@@ -102,7 +102,8 @@ class KVLayer(DynamicLayer):
         self.intake: Intake = OneForward()  # how the prompt comes in (intake.py)
         self.observation: ObservationPass | None = None  # the pass compression waits for (AWAITING_PASS, OBSERVING)
         self.open_step: Step | None = None  # the step update took, until its attention commits (steps.py)
-        self.module_id: int | None = None  # id() of the attention module this layer serves (make_cache sets it)
+        # the attention module this layer serves, held weakly (make_cache sets it; compared by identity, not id())
+        self.attention_module: Callable[[], object] | None = None
         # the first keys' (lazy_initialization); transformers types them as always set, here they are born None
         self.dtype: torch.dtype | None = None
         self.device: torch.device | None = None  # type: ignore[assignment]

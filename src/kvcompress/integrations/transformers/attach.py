@@ -22,6 +22,7 @@ the ones that layer returned, and that the module is the one the cache was made 
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -108,7 +109,7 @@ def make_cache(method: LayerFactory, model: PreTrainedModel,
     layers: list[KVLayer] = []
     for index, (module, window) in enumerate(zip(attention_modules(model), layer_windows(model))):
         layer = WindowLayer(index, window) if window is not None else method.make_layer(index, model)
-        layer.module_id, layer.sinks = id(module), getattr(module, "sinks", None)
+        layer.attention_module, layer.sinks = weakref.ref(module), getattr(module, "sinks", None)
         layer.kv_codec = method.storage_codec(module.head_dim, model.dtype, turned=True if window is not None else None)
         layers.append(layer)
     return KVCompressCache(method, layers, model, spans=spans_for(tokenizer) if tokenizer is not None else None)
@@ -160,7 +161,7 @@ def end_call(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) ->
     and layers that held their prompts only for every layer to be scored together compress."""
     cache = _cache_of(args, kwargs)
     if cache is not None and not torch.compiler.is_compiling():
-        cache.checked_call = None
+        cache.call_checked = False
         cache.compress_waiting()
 
 
@@ -171,10 +172,10 @@ def check_inputs(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
     cache = _cache_of(args, kwargs)
     if cache is None or torch.compiler.is_compiling():  # a compiled step's loop checked before it
         return
-    cache.checked_call = None
+    cache.call_checked = False
     cache.check_model(module, "make a cache for this model with method.make_cache(model)")
     _refuse_inputs(cache, args, kwargs)
-    cache.checked_call = id(module)
+    cache.call_checked = True
 
 
 def _refuse_inputs(cache: KVCompressCache, args: tuple, kwargs: dict) -> None:
@@ -228,7 +229,7 @@ def _layer_for(module: torch.nn.Module, key: torch.Tensor) -> KVLayer | None:
         raise UnsupportedModelError(
             f"kvcompress: {type(module).__name__} passed attention keys that are not the ones its cache layer "
             "returned; this attention layout is not supported")
-    if layer.module_id is not None and layer.module_id != id(module):
+    if layer.attention_module is not None and layer.attention_module() is not module:
         layer.open_step = None
         raise CacheMisuseError(
             f"kvcompress: this cache was made for another model (layer {layer.layer_idx} belongs to a different "
