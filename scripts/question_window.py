@@ -12,8 +12,9 @@ agreement, KL), per question and turn. Two wordings: ``shared`` (bench shared-co
 key: "What is the code of the grey horse? Answer with the code.", as separate requests and as a 6-turn conversation)
 and ``ruler`` (the question-agnostic track's RULER questions, "...for X mentioned in the provided text?", requests).
 ``--specs`` compares other settings the same way: ``{turn}`` in a spec stands for the turn's token count (so
-``snapkv:layers=global:window={turn}`` is the global ranking voted by the question alone); a spec without a budget
-gets ``--fraction`` of the context's. Each context's rows are appended to ``--out`` as they come (a rerun skips the
+``snapkv:layers=global:window={turn}`` is the global ranking voted by the question alone; a turn longer than the budget
+allows votes with as many of its last tokens as the budget holds, budget - 1); a spec without a budget gets
+``--fraction`` of the context's. Each context's rows are appended to ``--out`` as they come (a rerun skips the
 contexts there)."""
 
 from __future__ import annotations
@@ -49,6 +50,13 @@ def turn_tokens(tok, past: kvc.Result, question: str) -> int:
     return len(follow_up(tok, copy.deepcopy(past.rows[0]), question))
 
 
+def setting(spec: str, turn: int, tokens: int, fraction: float) -> kvc.Method:
+    """``spec``'s method at ``fraction`` of ``tokens``, its ``{turn}`` the turn's token count, or budget - 1 where the
+    turn is longer (a window must leave the budget a position to choose)."""
+    budget = getattr(resolved(spec.format(turn=1), tokens, fraction), "budget", turn + 1)
+    return resolved(spec.format(turn=min(turn, budget - 1)), tokens, fraction)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--wording", choices=("shared", "ruler"), default="shared")
@@ -79,7 +87,7 @@ def main() -> None:
                 row["window"].append(window)
                 for spec in specs:
                     forced = kvc.forced_logprobs(model, tok, answer, prompt=question, past=past,
-                                                 method=resolved(spec.format(turn=window), tokens, args.fraction))
+                                                 method=setting(spec, window, tokens, args.fraction))
                     row[spec].append(fidelity(reference, forced))
             rows.append(row)
             print(name, mode, "windows", row["window"], "agreement (" + " / ".join(specs) + "):",

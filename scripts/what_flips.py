@@ -51,6 +51,7 @@ def main() -> None:
     parser.add_argument("--model", default=None)
     parser.add_argument("--method", default="snapkv")
     parser.add_argument("--fraction", type=float, default=1 / 16)
+    parser.add_argument("--max-new-tokens", type=int, default=16, help="the full cache's answer (Gemma's runs: 8)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     model, tok = kvc.load_model(args.model)
@@ -66,7 +67,7 @@ def main() -> None:
         ids = context_ids(tok, store.rows[0])
         text = tok.decode(ids)
         questions = asked(tok, sample)
-        full = FullAnswers(model, tok, store, questions, 16, requests=len(questions) - 1)
+        full = FullAnswers(model, tok, store, questions, args.max_new_tokens, requests=len(questions) - 1)
         for (past, answer, reference), question, (raw, code) in zip(full.of("multi-request"), questions,
                                                                     sample.questions):
             forced = kvc.forced_logprobs(model, tok, answer, prompt=question, past=past, method=method)
@@ -95,7 +96,8 @@ def main() -> None:
             names[group].append(per_layer_name)
         print(f"context {seed + 1}/{args.contexts}: flips by class {counts}", flush=True)
     summary = {
-        "settings": {"contexts": args.contexts, "method": args.method, "fraction": args.fraction},
+        "settings": {"contexts": args.contexts, "method": args.method, "fraction": args.fraction,
+                     "model": args.model or "smollm2-135m-instruct", "max_new_tokens": args.max_new_tokens},
         "flip_rate": {k: {"tokens": t, "flips": f, "rate": round(f / t, 3)} for k, (t, f) in counts.items()},
         "answers": {group: len(rows) for group, rows in kept.items()},
         "digits_kept_by_layer": {group: [round(sum(c) / len(rows), 3) for c in zip(*rows)] if rows else []
