@@ -10,7 +10,7 @@ from transformers import DynamicCache
 
 import kvcompress as kvc
 
-from .fixtures import CACHE, char_tokenizer, prefilled_cache, random_text, tiny_model
+from .fixtures import CACHE, char_tokenizer, family_model, prefilled_cache, random_text, tiny_model
 
 METHODS = [kvc.FullKV(), kvc.SnapKV(budget=64, window=8, kernel=5), kvc.StreamingLLM(budget=48, sinks=4)]
 
@@ -99,6 +99,32 @@ def test_streamingllm_keeps_exactly_sinks_and_recent():
     expected = list(range(3)) + list(range(53, 70))
     for layer in range(2):
         assert cache.kept_positions(layer).tolist() == [[expected, expected]]
+
+
+def test_a_sliding_layer_tells_the_prompt_positions_its_window_holds(tok):
+    """A sliding-window layer holds what the next token sees: its prompt's last window - 1 tokens less the answer's
+    tokens fed since (``kept_positions`` said none: the window's positions were cut to its last window - 1 twice,
+    and a ring's were never updated). Alone, over a stored context (the question's tokens are the newest), and for
+    each row of a batch, padding between a stored context and a shorter question included, as alone."""
+    model = family_model("gemma3")
+    window, method = model.config.sliding_window, kvc.SnapKV(budget=32, window=8)
+    store = kvc.compress(model, tok, random_text(300, seed=4), method=kvc.FullKV())
+    prompts, questions = [random_text(200, seed=3), random_text(120, seed=5)], ["What is it?", "Why?"]
+    alone = [kvc.generate(model, tok, p, method=method, max_new_tokens=4) for p in prompts]
+    over = [kvc.generate(model, tok, q, past=store, method=method, max_new_tokens=4) for q in questions]
+    batches = [kvc.generate(model, tok, prompts, method=method, max_new_tokens=4),
+               kvc.generate(model, tok, questions, past=store, method=method, max_new_tokens=4)]
+    sliding = [i for i, layer in enumerate(alone[0].cache.layers) if layer.is_sliding]
+    assert sliding
+    for result in alone + over:
+        prompt, fed = result.stats["prompt_tokens"], result.stats["new_tokens"] - 1
+        for layer in sliding:
+            assert result.cache.kept_positions(layer)[0, 0].tolist() == list(range(prompt - window + 1 + fed, prompt))
+    for batch, rows in zip(batches, (alone, over)):
+        for row, result in enumerate(rows):
+            for layer in sliding:
+                held = batch.cache.kept_positions(layer)[row, 0]
+                assert held[held >= 0].tolist() == result.cache.kept_positions(layer)[0, 0].tolist()
 
 
 def test_follow_up_question_over_a_compressed_cache(tok):

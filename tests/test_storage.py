@@ -82,8 +82,29 @@ def test_a_ring_keeps_the_window_and_a_cap_its_limit_while_decoding():
     assert ring.seen == capped.seen == 16 and ring.used == 4 and capped.used == 6
     seen_next = ring.slot_index[ring.visibility(None, 1)[0, 0, 0]]  # what token 16 sees besides itself: the 4 before it
     assert sorted(seen_next.tolist()) == [12, 13, 14, 15]
-    assert ring.kept_positions(10).numel() == 0  # every prompt token is out of the window after 6 new ones
+    assert ring.kept_positions(10, torch.tensor([10])).numel() == 0  # every prompt token is out of the window now
     assert int(capped.cursor) == 6 and capped.notes["note"].shape[-1] == capped.keys.shape[-2]
+
+
+def test_a_ring_saved_before_rows_counted_their_own_tokens_loads_counting_them():
+    """A file written before ``real`` and ``count`` (a ring without padding among its slots) loads with each slot's
+    index among its row's real tokens counted in order, and sees what it saw."""
+    ring = RingSlots(window=5)
+    keys = torch.randn(2, 2, 8, 4)
+    ring.hold(keys, keys.clone())
+    ring.valid = torch.ones(2, 8, dtype=torch.bool)
+    ring.valid[1, :3] = False  # a shorter row, left-padded
+    ring.advance(8)
+    for _ in range(4):  # the slots wrap around the ring
+        ring.make_room(1)
+        ring.write(keys[:, :, :1], keys[:, :, :1])
+        ring.close_step(1)
+        ring.advance(1)
+    state = {name: value for name, value in ring.state_dict().items() if name not in ("real", "count")}
+    old = RingSlots(window=5)
+    old.load_state_dict(state, torch.device("cpu"))
+    assert torch.equal(old.visibility(None, 1), ring.visibility(None, 1))
+    assert torch.equal(old.kept_positions(8, torch.tensor([8, 5])), ring.kept_positions(8, torch.tensor([8, 5])))
 
 
 def test_a_turn_fed_at_once_after_an_evicting_cache_is_full_stays_causal():

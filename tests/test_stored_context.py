@@ -133,6 +133,46 @@ def test_questions_of_very_different_lengths_are_a_batch_each_row_as_alone(model
         assert all(torch.equal(a[row][a[row] >= 0], b[0][b[0] >= 0]) for a, b in zip(kept(batch), kept(alone)))
 
 
+def step_logits(model, run) -> list[torch.Tensor]:
+    """The last position's logits of every model call ``run()`` makes (the prompt's, then each step's)."""
+    calls: list[torch.Tensor] = []
+    hook = model.register_forward_hook(lambda module, args, out: calls.append(out.logits[:, -1].float()))
+    try:
+        run()
+    finally:
+        hook.remove()
+    return calls
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+@pytest.mark.parametrize("method", [kvc.FullKV(), kvc.SnapKV(budget=48, window=8)], ids=["full", "snapkv"])
+def test_a_sliding_window_counts_each_rows_own_tokens_in_a_batch_over_a_stored_context(family, method):
+    """Questions of very different lengths over one stored context are right-aligned, so padding lies between the
+    context and a shorter question: a sliding-window layer that counted it as tokens hid from that row context its
+    window reaches alone (logits 1.0 apart on the tiny Gemma 3, the same greedy tokens). Each row's logits, at the
+    question and at every step, and at a second turn of different lengths, are the row's alone."""
+    model, tok = family_model(family), char_tokenizer()
+    store = kvc.compress(model, tok, random_text(300, seed=4), method=kvc.FullKV())
+    questions, follow_ups = ["1?", QUESTIONS[2] * 3, QUESTIONS[0]], [QUESTIONS[2] * 2, "And?", QUESTIONS[1]]
+    turns: dict[str, kvc.Result] = {}
+
+    def ask_batch() -> None:
+        turns["batch"] = kvc.generate(model, tok, questions, past=store, method=method, max_new_tokens=6)
+
+    batch = step_logits(model, ask_batch)
+    later = step_logits(model, lambda: kvc.generate(model, tok, follow_ups, past=turns["batch"], max_new_tokens=4))
+    for row, (question, follow_up) in enumerate(zip(questions, follow_ups)):
+        def ask_alone() -> None:
+            turns["alone"] = kvc.generate(model, tok, question, past=store, method=method, max_new_tokens=6)
+
+        alone = step_logits(model, ask_alone)
+        alone_later = step_logits(model, lambda: kvc.generate(model, tok, follow_up, past=turns["alone"],
+                                                               max_new_tokens=4))
+        assert turns["batch"].token_ids[row] == turns["alone"].token_ids[0]
+        for ours, theirs in zip(batch + later, alone + alone_later):
+            torch.testing.assert_close(ours[row], theirs[0], rtol=1e-4, atol=1e-4)
+
+
 def test_a_stored_batch_of_documents_asks_each_its_own_question():
     model, tok = tiny_model(), char_tokenizer()
     documents = [DOCUMENT, [{"role": "user", "content": random_text(90, seed=8)}]]

@@ -332,7 +332,7 @@ class WindowPolicy(LayerPolicy):
     def compress(self, query: torch.Tensor | None, scaling: float) -> None:
         used = self.slots.used
         keep = min(used, self.window - 1)  # copied, so the prompt's KV is freed
-        positions = self.layer.kept_positions()[..., used - keep :].clone()
+        positions = self.layer.kept_positions().clone()  # (the ring's own: already the last ``keep``)
         valid = None if self.slots.valid is None else self.slots.valid[:, used - keep :].clone()
         window = slice(used - keep, used)
         keys, values = self.layer.keys, self.layer.values
@@ -340,6 +340,10 @@ class WindowPolicy(LayerPolicy):
 
     def full_tokens(self) -> int:
         return min(self.slots.seen, self.window - 1)
+
+    def kept_positions(self) -> torch.Tensor:
+        prompt_tokens, prefill_len = self.layer.held_prompt()
+        return self.slots.kept_positions(prefill_len, prompt_tokens)
 
 
 _STORE_WHOLE = ("compress the context with a method that keeps its tokens (kvc.FullKV(), or a prompt method with "

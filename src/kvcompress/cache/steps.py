@@ -145,7 +145,8 @@ class LaterStep(Step):
     def attend(self, layer: KVLayer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, new: NewTokens,
                scaling: float, softcap: float | None, sinks: torch.Tensor | None) -> Attended:
         block = new.among_new() if query.shape[-2] > 1 else None  # one query sees itself
-        return step_attention(layer.slots, layer.policy.attend, query, key, value, block, scaling, softcap, sinks), None
+        return step_attention(layer.slots, layer.policy.attend, query, key, value, block, scaling, softcap, sinks,
+                              new.valid), None
 
     def commit(self, layer: KVLayer, query: torch.Tensor, new_valid: torch.Tensor | None, scaling: float,
                lse: torch.Tensor | None) -> None:

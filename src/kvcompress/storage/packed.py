@@ -199,7 +199,8 @@ class PackedSlots(Slots):
         index = self.newest(valid.shape[-1])
         self.valid.index_copy_(0, index, valid[:, None, :].expand(-1, self.heads, -1).reshape(-1))
 
-    def visibility(self, new_block: torch.Tensor | None, q_len: int) -> torch.Tensor | None:
+    def visibility(self, new_block: torch.Tensor | None, q_len: int,
+                   new_valid: torch.Tensor | None = None) -> torch.Tensor | None:
         """Only the new tokens among themselves: ``attend`` knows the rest."""
         return new_block
 

@@ -133,8 +133,10 @@ class Slots:
         """The host mirrors after a step of ``new`` tokens."""
         raise NotImplementedError
 
-    def visibility(self, new_block: torch.Tensor | None, q_len: int) -> torch.Tensor | None:
-        """The mask a later step's queries attend with (``new_block``: the new tokens among themselves)."""
+    def visibility(self, new_block: torch.Tensor | None, q_len: int,
+                   new_valid: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The mask a later step's queries attend with (``new_block``: the new tokens among themselves; ``new_valid
+        [b, q]``: which of them are real, None: all)."""
         raise NotImplementedError
 
     def attend(
@@ -185,11 +187,11 @@ def store_coded(slots: Slots, codec: KVCodec | None) -> None:
 
 def step_attention(slots: Slots, attend: Callable[..., torch.Tensor], query: torch.Tensor, keys: torch.Tensor,
                    values: torch.Tensor, new_block: torch.Tensor | None, scaling: float, softcap: float | None = None,
-                   sinks: torch.Tensor | None = None) -> torch.Tensor:
+                   sinks: torch.Tensor | None = None, new_valid: torch.Tensor | None = None) -> torch.Tensor:
     """A later step's attention over ``slots`` by ``attend`` (the layer's: ``Slots.attend``, or a method's own): what
     each query sees (``visibility``), in the basis the codec decodes keys in, the output turned back (codec.py);
     with learned sinks (gpt-oss) the same attention spelled out, each sink taking its share."""
-    mask, codec = slots.visibility(new_block, query.shape[-2]), slots.codec
+    mask, codec = slots.visibility(new_block, query.shape[-2], new_valid), slots.codec
     turned = into_basis(codec, query)
     if sinks is None:
         return out_of_basis(codec, attend(turned, keys, values, mask, scaling, softcap))
@@ -319,7 +321,8 @@ class DenseSlots(Slots):
         self.seen += new
         self.used += new
 
-    def visibility(self, new_block: torch.Tensor | None, q_len: int) -> torch.Tensor | None:
+    def visibility(self, new_block: torch.Tensor | None, q_len: int,
+                   new_valid: torch.Tensor | None = None) -> torch.Tensor | None:
         """``[b, 1, q_len, slots]`` from each slot's validity and ``new_block [b, 1, q_len, q_len]`` (None: causal)."""
         valid = self.stepping()[1]
         seen = valid.view(valid.shape[0], 1, 1, -1)
@@ -413,13 +416,21 @@ class DenseSlots(Slots):
 class RingSlots(DenseSlots):
     """A sliding window's slots: after the prefill a ring, the token of logical index ``t`` in slot
     ``t % capacity``, ``slot_index`` saying which token each slot holds; a step overwrites the oldest
-    token in place and sees the slots less than ``window`` tokens before it. It holds the last
-    ``window - 1`` tokens, all the model attends to from the next token on."""
+    token in place and sees the slots less than ``window`` of its row's real tokens before it. It holds the last
+    ``window - 1`` tokens, all the model attends to from the next token on.
+
+    The window counts each row's real tokens (``real``), not slots: a batch's questions of different lengths over one
+    stored context are right-aligned, so padding lies between the context and a shorter question, and counted as
+    tokens it would hide from that row context its window reaches when the row is alone."""
+
+    BATCH: ClassVar[tuple[str, ...]] = (*DenseSlots.BATCH, "real", "count")
 
     def __init__(self, window: int) -> None:
         super().__init__()
         self.window = window
         self.slot_index: torch.Tensor | None = None  # [capacity]: logical index of each slot's token (-window: empty)
+        self.real: torch.Tensor | None = None  # [b, capacity]: each slot's index among its row's real tokens
+        self.count: torch.Tensor | None = None  # [b]: real tokens each row has written (on the same count as real)
 
     def advance(self, new: int) -> None:
         self.seen += new
@@ -427,6 +438,8 @@ class RingSlots(DenseSlots):
 
     def make_room(self, new: int) -> None:
         needed = self.window - 1 + new  # every token of a longer turn sees the window before it
+        if self.cursor is not None and new > 1:  # a turn: padding among what its rows still see counts (one sync)
+            needed = self.reach() + new  # (a decoding step's rows never reach further back than the turn's did)
         if self.cursor is None or self.keys.shape[-2] < needed:
             self.relayout(needed + spare_slots(needed))
 
@@ -439,10 +452,15 @@ class RingSlots(DenseSlots):
             order = torch.arange(self.used, device=self.keys.device)
             logical = order + (self.seen - self.used)
             valid = self.slot_validity()
+            real = valid.long().cumsum(-1) - 1
+            self.count = valid.sum(-1)
         else:
-            logical = torch.arange(self.seen - self.used, self.seen, device=self.keys.device)
+            span = self.reach()
+            capacity = max(capacity, span + 1)
+            logical = torch.arange(self.seen - span, self.seen, device=self.keys.device)
             order = logical % self.keys.shape[-2]
             valid = self.stepping()[1][:, order]
+            real = self.rows_real()[:, order]
         slots = logical % capacity
         keys, values = (t.new_zeros(*t.shape[:2], capacity, t.shape[-1]) for t in (self.keys, self.values))
         keys.index_copy_(2, slots, self.keys[:, :, order])
@@ -451,7 +469,26 @@ class RingSlots(DenseSlots):
         self.valid = torch.zeros(keys.shape[0], capacity, dtype=torch.bool, device=keys.device)
         self.valid.index_copy_(1, slots, valid)
         self.slot_index = torch.full((capacity,), -self.window, device=keys.device).index_copy_(0, slots, logical)
+        self.real = torch.full_like(self.valid, -self.window, dtype=torch.long).index_copy_(1, slots, real)
         self.cursor = torch.tensor([self.seen], device=keys.device)
+
+    def reach(self) -> int:
+        """How many of the newest slots (logically) a later token may still see: ``used``, or more where a row's
+        padding lies among them (its window reaches as many real tokens back as alone)."""
+        index, real, count = self.ring(), self.rows_real(), self.real_count()
+        needed = self.stepping()[1] & (real > count[:, None] - self.window) & (index >= 0)
+        oldest = int(torch.where(needed, index, self.seen).min()) if needed.numel() else self.seen
+        return max(self.used, self.seen - oldest)
+
+    def rows_real(self) -> torch.Tensor:
+        if self.real is None:
+            raise RuntimeError("kvcompress: a step reached a ring that make_room or reserve did not lay out")
+        return self.real
+
+    def real_count(self) -> torch.Tensor:
+        if self.count is None:
+            raise RuntimeError("kvcompress: a step reached a ring that make_room or reserve did not lay out")
+        return self.count
 
     def new_slots(self, new: int) -> torch.Tensor:
         return self.new_logical(new) % self.keys.shape[-2]
@@ -467,15 +504,34 @@ class RingSlots(DenseSlots):
         return self.slot_index
 
     def write(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        self.ring().index_copy_(0, self.new_slots(keys.shape[-2]), self.new_logical(keys.shape[-2]))
+        new = keys.shape[-2]
+        self.ring().index_copy_(0, self.new_slots(new), self.new_logical(new))
+        self.rows_real().index_copy_(1, self.new_slots(new), self.new_real(None, new))  # real until mark_padding
         super().write(keys, values)
 
-    def visibility(self, new_block: torch.Tensor | None, q_len: int) -> torch.Tensor | None:
-        """Each new query sees the real slots less than ``window`` tokens before it (and the new
+    def new_real(self, valid: torch.Tensor | None, new: int) -> torch.Tensor:
+        """``[b, new]``: each new token's index among its row's real tokens (``valid [b, new]``, None: all real)."""
+        count = self.real_count()[:, None]
+        if valid is None:
+            return count + torch.arange(new, device=count.device)
+        return count + valid.long().cumsum(-1) - 1
+
+    def mark_padding(self, valid: torch.Tensor) -> None:
+        super().mark_padding(valid)
+        self.rows_real().index_copy_(1, self.new_slots(valid.shape[-1]), self.new_real(valid, valid.shape[-1]))
+
+    def close_step(self, new: int) -> None:
+        self.real_count().add_(self.stepping()[1].index_select(1, self.new_slots(new)).sum(-1))
+        super().close_step(new)
+
+    def visibility(self, new_block: torch.Tensor | None, q_len: int,
+                   new_valid: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Each new query sees its row's real slots less than ``window`` real tokens before it (and the new
         tokens as ``new_block`` says, which carries the window too)."""
         query, index = self.new_logical(q_len)[:, None], self.ring()  # [q, 1], [slots]
-        near = (index[None, :] > query - self.window) & (index[None, :] <= query)
-        mask = self.stepping()[1][:, None, None, :] & near[None, None]
+        query_real = self.new_real(new_valid, q_len)[:, :, None]  # [b, q, 1]
+        near = (self.rows_real()[:, None, :] > query_real - self.window) & (index[None, :] <= query)[None]
+        mask = (self.stepping()[1][:, None, :] & near)[:, None]
         if q_len == 1 or new_block is None:
             return mask
         return mask.index_copy(3, self.new_slots(q_len), new_block.expand(mask.shape[0], -1, -1, -1))
@@ -483,21 +539,39 @@ class RingSlots(DenseSlots):
     def stored(self) -> None:
         return None  # a ring: a later prompt continues a copy of it (WindowLayer.continue_prompt)
 
-    def kept_positions(self, prefill_len: int) -> torch.Tensor:
-        """Prompt positions still inside the window."""
-        positions = super().kept_positions(prefill_len)
-        gone = max(0, positions.shape[-1] + self.seen - prefill_len - (self.window - 1))  # pushed out by later tokens
-        return positions[..., gone:]
+    def kept_positions(self, prefill_len: int, prompt_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """Prompt positions the next token still sees ``[b, kv_heads, n]``, ascending (-1: filler, first, of rows
+        that hold fewer). Once steps run the slots are a ring, read by each slot's index among its row's real tokens:
+        ``prompt_tokens [b]`` (the rows' real prompt tokens) places the last prompt token, every token since is real."""
+        if self.slot_index is None:  # the prompt's slots in order, or the window kept at its end
+            positions = super().kept_positions(prefill_len)
+            gone = max(0, positions.shape[-1] + self.seen - prefill_len - (self.window - 1))  # pushed out since
+            return positions[..., gone:]
+        if prompt_tokens is None:
+            raise RuntimeError("kvcompress: a ring's prompt positions need the rows' prompt token counts")
+        real, count = self.rows_real(), self.real_count()[:, None]
+        held = self.stepping()[1] & (real > count - self.window) & (self.ring() < prefill_len) & (self.ring() >= 0)
+        positions = real + (prompt_tokens[:, None].to(real.device) - count + self.seen - prefill_len)
+        positions = positions.masked_fill(~held, -1).sort(-1).values
+        width = int(held.sum(-1).max()) if held.numel() else 0
+        return positions[:, positions.shape[-1] - width :][:, None, :].expand(-1, self.keys.shape[1], -1)
 
     def index_tensors(self) -> list[torch.Tensor]:
-        return [*super().index_tensors(), *([] if self.slot_index is None else [self.slot_index])]
+        return [*super().index_tensors(), *(t for t in (self.slot_index, self.real, self.count) if t is not None)]
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "slot_index": self.slot_index}
+        return {**super().state_dict(), "slot_index": self.slot_index, "real": self.real, "count": self.count}
 
     def load_state_dict(self, state: dict[str, Any], device: torch.device) -> None:
         super().load_state_dict(state, device)
         self.slot_index = on_device(state["slot_index"], device)
+        self.real, self.count = on_device(state.get("real"), device), on_device(state.get("count"), device)
+        if self.real is None and self.slot_index is not None:  # saved before rows counted their own tokens
+            index, order = self.slot_index.sort()
+            valid = self.stepping()[1][:, order] & (index >= 0)
+            self.real = torch.full_like(self.stepping()[1], -self.window, dtype=torch.long)
+            self.real[:, order] = (valid.long().cumsum(-1) - 1).masked_fill(~valid, -self.window)
+            self.count = valid.sum(-1)
 
 
 class CappedSlots(DenseSlots):
