@@ -148,29 +148,33 @@ def step_logits(model, run) -> list[torch.Tensor]:
 @pytest.mark.parametrize("method", [kvc.FullKV(), kvc.SnapKV(budget=48, window=8)], ids=["full", "snapkv"])
 def test_a_sliding_window_counts_each_rows_own_tokens_in_a_batch_over_a_stored_context(family, method):
     """Questions of very different lengths over one stored context are right-aligned, so padding lies between the
-    context and a shorter question: a sliding-window layer that counted it as tokens hid from that row context its
-    window reaches alone (logits 1.0 apart on the tiny Gemma 3, the same greedy tokens). Each row's logits, at the
-    question and at every step, and at a second turn of different lengths, are the row's alone."""
+    context and a shorter question (and, turn after turn, between an answer and a shorter next message): a
+    sliding-window layer that counted it as tokens hid from that row context its window reaches alone (logits 1.0
+    apart on the tiny Gemma 3, the same greedy tokens). Each row's logits, at every turn's prompt and step, are the
+    row's alone, over four turns of different lengths."""
     model, tok = family_model(family), char_tokenizer()
     store = kvc.compress(model, tok, random_text(300, seed=4), method=kvc.FullKV())
-    questions, follow_ups = ["1?", QUESTIONS[2] * 3, QUESTIONS[0]], [QUESTIONS[2] * 2, "And?", QUESTIONS[1]]
-    turns: dict[str, kvc.Result] = {}
+    turns = [["1?", QUESTIONS[2] * 3, QUESTIONS[0]], [QUESTIONS[2] * 2, "And?", QUESTIONS[1]],
+             ["Why?", QUESTIONS[0] * 2, "x"], [QUESTIONS[1], "y", QUESTIONS[2]]]
 
-    def ask_batch() -> None:
-        turns["batch"] = kvc.generate(model, tok, questions, past=store, method=method, max_new_tokens=6)
+    def conversation(messages: list) -> tuple[list[list[torch.Tensor]], kvc.Result]:
+        """Each turn's logits, asking ``messages`` (a batch's, or one row's) turn by turn over the store."""
+        past, logits = store, []
+        for turn, message in enumerate(messages):
+            held: dict[str, kvc.Result] = {}
+            logits.append(step_logits(model, lambda: held.setdefault("result", kvc.generate(
+                model, tok, message, past=past, method=method if turn == 0 else None, max_new_tokens=4))))
+            past = held["result"]
+        return logits, past
 
-    batch = step_logits(model, ask_batch)
-    later = step_logits(model, lambda: kvc.generate(model, tok, follow_ups, past=turns["batch"], max_new_tokens=4))
-    for row, (question, follow_up) in enumerate(zip(questions, follow_ups)):
-        def ask_alone() -> None:
-            turns["alone"] = kvc.generate(model, tok, question, past=store, method=method, max_new_tokens=6)
-
-        alone = step_logits(model, ask_alone)
-        alone_later = step_logits(model, lambda: kvc.generate(model, tok, follow_up, past=turns["alone"],
-                                                               max_new_tokens=4))
-        assert turns["batch"].token_ids[row] == turns["alone"].token_ids[0]
-        for ours, theirs in zip(batch + later, alone + alone_later):
-            torch.testing.assert_close(ours[row], theirs[0], rtol=1e-4, atol=1e-4)
+    batch, last = conversation(turns)
+    assert [len(logits) for logits in batch] == [4] * len(turns)  # each turn's prompt and three steps fed back
+    for row in range(len(turns[0])):
+        alone, last_alone = conversation([messages[row] for messages in turns])
+        assert last.token_ids[row] == last_alone.token_ids[0]
+        for ours, theirs in zip(batch, alone):
+            for step_ours, step_theirs in zip(ours, theirs):
+                torch.testing.assert_close(step_ours[row], step_theirs[0], rtol=1e-4, atol=1e-4)
 
 
 def test_a_stored_batch_of_documents_asks_each_its_own_question():
