@@ -460,7 +460,7 @@ class RingSlots(DenseSlots):
             logical = torch.arange(self.seen - span, self.seen, device=self.keys.device)
             order = logical % self.keys.shape[-2]
             valid = self.stepping()[1][:, order]
-            real = self.rows_real()[:, order]
+            real = self.counted()[0][:, order]
         slots = logical % capacity
         keys, values = (t.new_zeros(*t.shape[:2], capacity, t.shape[-1]) for t in (self.keys, self.values))
         keys.index_copy_(2, slots, self.keys[:, :, order])
@@ -475,20 +475,16 @@ class RingSlots(DenseSlots):
     def reach(self) -> int:
         """How many of the newest slots (logically) a later token may still see: ``used``, or more where a row's
         padding lies among them (its window reaches as many real tokens back as alone)."""
-        index, real, count = self.ring(), self.rows_real(), self.real_count()
+        index, (real, count) = self.ring(), self.counted()
         needed = self.stepping()[1] & (real > count[:, None] - self.window) & (index >= 0)
         oldest = int(torch.where(needed, index, self.seen).min()) if needed.numel() else self.seen
         return max(self.used, self.seen - oldest)
 
-    def rows_real(self) -> torch.Tensor:
-        if self.real is None:
+    def counted(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(real, count)`` while steps run (``relayout`` sets them with the ring), as ``stepping()`` its cursor."""
+        if self.real is None or self.count is None:
             raise RuntimeError("kvcompress: a step reached a ring that make_room or reserve did not lay out")
-        return self.real
-
-    def real_count(self) -> torch.Tensor:
-        if self.count is None:
-            raise RuntimeError("kvcompress: a step reached a ring that make_room or reserve did not lay out")
-        return self.count
+        return self.real, self.count
 
     def new_slots(self, new: int) -> torch.Tensor:
         return self.new_logical(new) % self.keys.shape[-2]
@@ -506,22 +502,22 @@ class RingSlots(DenseSlots):
     def write(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         new = keys.shape[-2]
         self.ring().index_copy_(0, self.new_slots(new), self.new_logical(new))
-        self.rows_real().index_copy_(1, self.new_slots(new), self.new_real(None, new))  # real until mark_padding
+        self.counted()[0].index_copy_(1, self.new_slots(new), self.new_real(None, new))  # real until mark_padding
         super().write(keys, values)
 
     def new_real(self, valid: torch.Tensor | None, new: int) -> torch.Tensor:
         """``[b, new]``: each new token's index among its row's real tokens (``valid [b, new]``, None: all real)."""
-        count = self.real_count()[:, None]
+        count = self.counted()[1][:, None]
         if valid is None:
             return count + torch.arange(new, device=count.device)
         return count + valid.long().cumsum(-1) - 1
 
     def mark_padding(self, valid: torch.Tensor) -> None:
         super().mark_padding(valid)
-        self.rows_real().index_copy_(1, self.new_slots(valid.shape[-1]), self.new_real(valid, valid.shape[-1]))
+        self.counted()[0].index_copy_(1, self.new_slots(valid.shape[-1]), self.new_real(valid, valid.shape[-1]))
 
     def close_step(self, new: int) -> None:
-        self.real_count().add_(self.stepping()[1].index_select(1, self.new_slots(new)).sum(-1))
+        self.counted()[1].add_(self.stepping()[1].index_select(1, self.new_slots(new)).sum(-1))
         super().close_step(new)
 
     def visibility(self, new_block: torch.Tensor | None, q_len: int,
@@ -530,7 +526,7 @@ class RingSlots(DenseSlots):
         tokens as ``new_block`` says, which carries the window too)."""
         query, index = self.new_logical(q_len)[:, None], self.ring()  # [q, 1], [slots]
         query_real = self.new_real(new_valid, q_len)[:, :, None]  # [b, q, 1]
-        near = (self.rows_real()[:, None, :] > query_real - self.window) & (index[None, :] <= query)[None]
+        near = (self.counted()[0][:, None, :] > query_real - self.window) & (index[None, :] <= query)[None]
         mask = (self.stepping()[1][:, None, :] & near)[:, None]
         if q_len == 1 or new_block is None:
             return mask
@@ -549,7 +545,8 @@ class RingSlots(DenseSlots):
             return positions[..., gone:]
         if prompt_tokens is None:
             raise RuntimeError("kvcompress: a ring's prompt positions need the rows' prompt token counts")
-        real, count = self.rows_real(), self.real_count()[:, None]
+        real, count = self.counted()
+        count = count[:, None]
         held = self.stepping()[1] & (real > count - self.window) & (self.ring() < prefill_len) & (self.ring() >= 0)
         positions = real + (prompt_tokens[:, None].to(real.device) - count + self.seen - prefill_len)
         positions = positions.masked_fill(~held, -1).sort(-1).values
