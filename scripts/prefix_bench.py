@@ -9,10 +9,12 @@ Scenarios, each on one server of each kind (plain vLLM: vLLM's own API server wi
 ``VLLM_PLUGINS=""``; kvcompress: `kvcompress serve`, SnapKV 256 by default), the embedded model in float32, block
 size 32, vLLM's compiled graph and chunked prefill:
 
-* ``shared``, per document size: ``--questions`` questions over one document sent one at a time (``--answer-tokens``
-  each, greedy; the first prefills the document, the later ones find it in the prefix cache), then the same
-  questions again 8 at once, each answer ``--decode-tokens`` long (EOS ignored, as vLLM's serving benchmark does:
-  decoding dominates);
+* ``shared``, per document size and layout (``--layouts``: the document in a system message and the question in the
+  user's, where the server tells where the question begins; or both in one user message): ``--questions`` questions
+  over one document sent one at a time (``--answer-tokens`` each, greedy; the first prefills the document, the later
+  ones find it in the prefix cache), then the same questions again 8 at once, each answer ``--decode-tokens`` long
+  (EOS ignored, as vLLM's serving benchmark does: decoding dominates), timed to the first token and to the whole
+  answer;
 * ``chat``: ``--conversations`` conversations at once, each its own document of ``--chat-tokens`` and ``--turns``
   turns, each turn re-sending the conversation with the server's last answer;
 * ``distinct``: ``--distinct`` requests at once, each its own document (no prefix to share).
@@ -20,8 +22,9 @@ size 32, vLLM's compiled graph and chunked prefill:
 Reported per server and scenario: time to first token p50 / p99 (first questions and turns apart from later ones),
 output tokens/s, requests running at once (vLLM's gauge, polled), vLLM's prefix-cache hit rate (its hits and queries
 counters over the scenario), facts answered (each document buries its own access code; the code questions ask it),
-errors. With ``--library``, the shared scenario's sequential answers are also compared with the library's
-(``kvc.generate(question, past=context, method=SnapKV(budget=256))``, float32). JSON to ``--out``, a PNG beside it.
+errors. With ``--library``, the joined layout's sequential answers are also compared with the library's
+(``kvc.generate(question, past=context, method=SnapKV(budget=256, question_window=False))``, float32: such a
+request's question is longer than the window). JSON to ``--out``, a PNG beside it.
 """
 
 from __future__ import annotations
@@ -112,7 +115,8 @@ class Client:
                     tokens = chunk.usage.completion_tokens
         except openai.OpenAIError:
             self.errors += 1
-        return {"ttft": None if first is None else first - start, "text": text, "tokens": tokens}
+        return {"ttft": None if first is None else first - start, "e2e": time.perf_counter() - start, "text": text,
+                "tokens": tokens}
 
     async def watch(self, done: asyncio.Event) -> None:
         while not done.is_set():
@@ -144,15 +148,26 @@ async def measured(client: Client, work) -> tuple[list, dict]:
 
 
 def ttfts(answers: list[dict], prefix: str) -> dict:
+    """Time to the first token (p50, p99) and to the whole answer (p50) of ``answers``."""
     values = sorted(a["ttft"] for a in answers if a["ttft"] is not None)
-    return {f"{prefix}ttft_p50_s": quantile(values, 0.5), f"{prefix}ttft_p99_s": quantile(values, 0.99)}
+    whole = sorted(a["e2e"] for a in answers)
+    return {f"{prefix}ttft_p50_s": quantile(values, 0.5), f"{prefix}ttft_p99_s": quantile(values, 0.99),
+            f"{prefix}e2e_p50_s": quantile(whole, 0.5)}
 
 
-async def shared(client: Client, tokenizer, tokens: int, args: argparse.Namespace, seed: int) -> dict:
+def shared_messages(text: str, question: str, layout: str) -> list[dict]:
+    """A question over a document: the document in a system message and the question in the user's (``system``), or
+    both in the user's (``joined``)."""
+    if layout == "system":
+        return [{"role": "system", "content": text}, {"role": "user", "content": question}]
+    return [{"role": "user", "content": f"{text}\n\n{question}"}]
+
+
+async def shared(client: Client, tokenizer, tokens: int, layout: str, args: argparse.Namespace, seed: int) -> dict:
     code = str(random.Random(seed).randrange(1000, 10000))
     text = document(tokenizer, tokens, code, 0.4)
     questions = QUESTIONS[: args.questions]
-    asks = [[{"role": "user", "content": f"{text}\n\n{q}"}] for q in questions]
+    asks = [shared_messages(text, q, layout) for q in questions]
 
     async def one_at_a_time() -> list:
         return [await client.ask(messages, args.answer_tokens) for messages in asks]
@@ -169,7 +184,8 @@ async def shared(client: Client, tokenizer, tokens: int, args: argparse.Namespac
 
     burst, burst_row = await measured(client, asyncio.gather(*(eight_at_once(m) for m in asks)))
     row["eight_at_once"] = {**burst_row, **ttfts(burst, "")}
-    return {"scenario": "shared", "doc_tokens": tokens, "code": code, "questions": questions, **row}
+    return {"scenario": f"shared ({layout})", "layout": layout, "doc_tokens": tokens, "code": code,
+            "questions": questions, **row}
 
 
 async def conversations(client: Client, tokenizer, args: argparse.Namespace) -> dict:
@@ -209,12 +225,13 @@ async def distinct(client: Client, tokenizer, args: argparse.Namespace) -> dict:
 
 
 def library_answers(sizes: list[int], args: argparse.Namespace) -> dict[int, list[str]]:
-    """The library's answers to the shared scenario's questions, each asked of the stored document with the
-    server's method (as a question over a stored context is compressed), greedy, float32."""
+    """The library's answers to the shared scenario's questions (the document and the question in one message), each
+    asked of the stored document with the server's method as the server applies it to such a request (its question
+    longer than the window: the last 32 tokens vote, ``question_window=False``), greedy, float32."""
     import kvcompress as kvc
 
     model, tokenizer = kvc.load_model()
-    method = kvc.SnapKV(budget=args.budget)
+    method = kvc.SnapKV(budget=args.budget, question_window=False)
     answers = {}
     for index, tokens in enumerate(sizes):
         code = str(random.Random(args.seed + 10 * index).randrange(1000, 10000))
@@ -241,6 +258,9 @@ def main() -> None:
                         help="KV blocks of both servers (0: twice the largest document's and 256 more)")
     parser.add_argument("--servers", default=",".join(SERVERS))
     parser.add_argument("--scenarios", default="shared,chat,distinct")
+    parser.add_argument("--layouts", default="system,joined",
+                        help="the shared scenario's messages: the document in a system message and the question in the "
+                             "user's (system), or both in the user's (joined)")
     parser.add_argument("--library", action="store_true", help="compare the shared answers with the library's")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="runs/prefix_bench/prefix_bench.json")
@@ -257,7 +277,7 @@ def main() -> None:
     if args.library and "shared" in scenarios:  # computed once for these settings, kept beside the results
         kept = out.with_name(f"{out.stem}.library.json")
         key = {"sizes": sizes, "questions": args.questions, "answer_tokens": args.answer_tokens,
-               "budget": args.budget, "seed": args.seed}
+               "budget": args.budget, "seed": args.seed, "question_window": False}
         saved = json.loads(kept.read_text()) if kept.exists() else {}
         if saved.get("key") != key:
             saved = {"key": key, "answers": library_answers(sizes, args)}
@@ -293,13 +313,13 @@ async def every_scenario(kind: str, base: str, tokenizer, sizes: list[int], scen
                          args: argparse.Namespace, library: dict[int, list[str]]) -> list[dict]:
     """The scenarios on one server, one after another (one event loop: the client's connections live in it)."""
     client, rows = Client(base), []
-    runs = [shared(client, tokenizer, tokens, args, args.seed + 10 * i) for i, tokens in enumerate(sizes)
-            ] if "shared" in scenarios else []
+    runs = [shared(client, tokenizer, tokens, layout, args, args.seed + 10 * i) for i, tokens in enumerate(sizes)
+            for layout in args.layouts.split(",")] if "shared" in scenarios else []
     runs += [conversations(client, tokenizer, args)] if "chat" in scenarios else []
     runs += [distinct(client, tokenizer, args)] if "distinct" in scenarios else []
     for run in runs:
         row = {"server": kind, **await run}
-        if row["scenario"] == "shared" and row["doc_tokens"] in library:
+        if row.get("layout") == "joined" and row["doc_tokens"] in library:
             row["same_as_library"] = sum(a == b for a, b in zip(row["answers"], library[row["doc_tokens"]]))
         rows.append(row)
         print(summary(row), flush=True)
@@ -315,22 +335,23 @@ def summary(row: dict) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    """A markdown table: each scenario, plain vLLM's row and kvcompress's, with kvcompress's ratios."""
-    lines = ["| scenario | server | TTFT first p50 | TTFT later p50 / p99 | output tok/s | at once | hit rate | facts "
-             "| errors |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    """A markdown table: each scenario, plain vLLM's row and kvcompress's (the time to the whole answer beside the
+    first token's)."""
+    lines = ["| scenario | server | TTFT first p50 | TTFT later p50 / p99 | whole answer p50 | output tok/s | at once "
+             "| hit rate | facts | errors |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for row in rows:
         parts = [(row, row["scenario"])]
         if "eight_at_once" in row:
-            parts.append(({**row["eight_at_once"], "ttft_p50_s": row["eight_at_once"]["ttft_p50_s"]},
-                          "shared, 8 at once"))
+            parts.append((row["eight_at_once"], f"{row['scenario']}, 8 at once"))
         for part, name in parts:
             first = part.get("first_ttft_p50_s")
-            later = (part.get("later_ttft_p50_s"), part.get("later_ttft_p99_s")) if "later_ttft_p50_s" in part else (
-                part.get("ttft_p50_s"), part.get("ttft_p99_s"))
+            key = "later_" if "later_ttft_p50_s" in part else ""
+            whole = part.get(f"{key}e2e_p50_s")
             lines.append(
                 f"| {name} {row['doc_tokens']} | {row['server']} | {'' if first is None else f'{first:.2f} s'} | "
-                f"{later[0]:.2f} / {later[1]:.2f} s | {part['output_tokens_per_s']:.1f} | {part['peak_running']} | "
-                f"{part['prefix_hit_rate']:.2f} | {row.get('facts', '')} | {part['errors']} |")
+                f"{part[f'{key}ttft_p50_s']:.2f} / {part[f'{key}ttft_p99_s']:.2f} s | "
+                f"{'' if whole is None else f'{whole:.2f} s'} | {part['output_tokens_per_s']:.1f} | "
+                f"{part['peak_running']} | {part['prefix_hit_rate']:.2f} | {row.get('facts', '')} | {part['errors']} |")
     return "\n".join(lines)
 
 

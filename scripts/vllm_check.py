@@ -33,7 +33,7 @@ import kvcompress as kvc
 from kvcompress import demo
 from kvcompress.integrations.transformers.models import default_model_dir
 from kvcompress.serving import settings as serving
-from kvcompress.serving import vllm_plugin
+from kvcompress.serving import vllm_worker
 
 
 def engine(budget: int, blocks: int | None = None, max_len: int = 4096, pool_dtype: str = "auto") -> LLM:
@@ -62,7 +62,7 @@ def compare(budget: int, depths: list[float], tokens: int, pool_dtype: str) -> l
     for depth in depths:
         messages = chat(tokenizer, tokens, depth)
         prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        vllm_plugin.KEPT_POSITIONS.clear()
+        vllm_worker.KEPT_POSITIONS.clear()
         served = llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0, logprobs=2), use_tqdm=False)[0]
         ours = kvc.generate(model, tokenizer, messages, method=kvc.SnapKV(budget=budget, **codec), max_new_tokens=24)
         differs = next((i for i, (a, b) in enumerate(zip(served.outputs[0].token_ids, ours.token_ids[0])) if a != b),
@@ -71,8 +71,8 @@ def compare(budget: int, depths: list[float], tokens: int, pool_dtype: str) -> l
         if differs is not None:
             top = sorted((p.logprob for p in served.outputs[0].logprobs[differs].values()), reverse=True)
             gap = top[0] - top[1]
-        (kept,) = vllm_plugin.KEPT_POSITIONS.values()
-        layers = sorted(kept, key=vllm_plugin.layer_index)
+        (kept,) = vllm_worker.KEPT_POSITIONS.values()
+        layers = sorted(kept, key=vllm_worker.layer_index)
         before, after = next(
             v for k, v in scheduler(llm).blocks_before_after.items() if k.split('-')[0] == served.request_id)
         rows.append({

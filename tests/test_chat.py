@@ -118,7 +118,8 @@ def test_a_chat_session_as_a_user_has_it(files):
     # the saved chat continues where it stopped, in another session
     again = Terminal("chat", "--model", str(files / "model"), "--past", str(files / "chat.kvc"), "--method", "snapkv",
                      "--budget", "48", "--window", "8", "--max-new-tokens", "6")
-    again.expect("> ")
+    greeting = again.expect("> ")  # issue 81.7: a resumed conversation says so
+    assert f"Resuming a saved conversation of 2 questions; its last answer: {' '.join(expected[1].split())}" in greeting
     again.send("Say it again.\n")
     third = answers([*QUESTIONS, "Say it again."], kvc.SnapKV(budget=48, window=8), 6)[-1]
     assert third.strip() in again.expect("prompt tokens]")

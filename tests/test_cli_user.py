@@ -406,3 +406,35 @@ def test_a_model_without_a_chat_template_is_fed_plain_text(tmp_path, capsys):
     code, _, err = run(capsys, "compress", "--model", base, "--prompt", prompt, "--budget", "16", "--out",
                        tmp_path / "base.kvc")
     assert code == 0 and (tmp_path / "base.kvc").is_file(), err
+
+
+def test_h2o_over_a_stored_document_names_the_clis_way_to_keep_its_queries(folder, doc, tmp_path, capsys):
+    """H2O scores a question with every query of the document: a document stored with the default query window is
+    refused in the command line's words, and one stored with ``--query-window all`` is asked."""
+    saved, whole = tmp_path / "doc.kvc", tmp_path / "whole.kvc"
+    assert run(capsys, "compress", "--model", folder, "--prompt-file", doc, "--method", "full", "--out", saved)[0] == 0
+    code, _, err = run(capsys, "generate", "--model", folder, "--past", saved, "--prompt", "q", "--method", "h2o",
+                       "--budget", "16", "--max-new-tokens", "2")
+    assert code == 2 and "kvcompress compress --method full --query-window all" in one_line(err)
+    assert "kvc." not in err and "query_window" not in err
+    assert run(capsys, "compress", "--model", folder, "--prompt-file", doc, "--method", "full", "--query-window", "all",
+               "--out", whole)[0] == 0
+    assert run(capsys, "generate", "--model", folder, "--past", whole, "--prompt", "q", "--method", "h2o", "--budget",
+               "16", "--max-new-tokens", "2")[0] == 0
+    with pytest.raises(SystemExit):
+        run(capsys, "compress", "--model", folder, "--prompt-file", doc, "--query-window", "some", "--out", tmp_path)
+    assert "--query-window: 'some' is invalid; give a count of queries >= 0, or all" in capsys.readouterr().err
+
+
+def test_a_stop_string_reads_its_escapes_as_python_does(capsys):
+    """``--stop '\\n'`` as typed in a shell (a backslash and an n) is a newline; ``'\\\\n'`` a backslash and an n."""
+    from kvcompress.cli import build_parser
+
+    for typed, meant in (("\\n", "\n"), ("\\\\n", "\\n"), ("Q:\\t", "Q:\t"), ("\u00e9\\n", "\u00e9\n"), ("\n", "\n")):
+        assert build_parser().parse_args(["generate", "--prompt", "p", "--stop", typed]).stop == [meant], typed
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "--prompt", "p", "--stop", "end\\"])
+    assert "'end\\\\' has an unfinished escape" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    assert "--stop '\\n' is a newline" in " ".join(capsys.readouterr().out.split())

@@ -68,6 +68,12 @@ def test_files_that_cannot_be_loaded_are_refused_by_name(tmp_path):
     with pytest.raises(kvc.CacheFileError,
                        match=r"was saved from another model .* load it into the model it was made with"):
         kvc.load(path, tiny_model(seed=1), tok)
+    named = tiny_model()
+    named.config._name_or_path = "/models/tiny-a"  # (as a model loaded from a folder says where)
+    kvc.compress(named, tok, random_text(200, seed=5), method=kvc.SnapKV(budget=64)).save(tmp_path / "named.kvc")
+    with pytest.raises(kvc.CacheFileError, match=r"^\S+named.kvc was saved from another model \(LlamaForCausalLM from "
+                                                 r"/models/tiny-a\) \(fingerprint \w+, this LlamaForCausalLM: \w+\); load"):
+        kvc.load(tmp_path / "named.kvc", tiny_model(seed=1), tok)
     with safe_open(str(path), framework="pt") as file:
         tensors, meta = {key: file.get_tensor(key)
                          for key in file.keys()}, json.loads(file.metadata()["kvcompress-cache"])

@@ -13,11 +13,12 @@ import torch
 
 import kvcompress as kvc
 from kvcompress.integrations.transformers.attach import layer_windows
+from kvcompress.integrations.transformers.models import default_model_dir
 from kvcompress.methods.base import InvalidParameterError
 from kvcompress.methods.prompt import EvictionPolicy
 from kvcompress.serving import settings as serving
 
-from .fixtures import FAMILIES, char_tokenizer, family_model, prefilled_cache
+from .fixtures import FAMILIES, char_tokenizer, family_model, prefilled_cache, random_text, tiny_model
 
 
 @pytest.mark.parametrize(("settings", "message"), [
@@ -235,6 +236,13 @@ def test_a_reservation_that_cannot_fit_is_refused_in_one_line_saying_what_fits(f
         serving.memory_flags(flags, int(14.21 * GIB), int(11.72 * GIB), env, parse)
 
 
+def test_the_server_runs_in_the_librarys_precision_on_a_cpu_unless_told():
+    assert serving.dtype_flags([], on_cpu=True) == ["--dtype", "float32"]
+    assert serving.dtype_flags(["--dtype", "bfloat16"], on_cpu=True) == []
+    assert serving.dtype_flags(["--dtype=auto"], on_cpu=True) == []
+    assert serving.dtype_flags([], on_cpu=False) == []  # (a GPU: vLLM's own)
+
+
 def test_a_reservation_that_fits_is_kept_as_given():
     for flags, env in ((["--gpu-memory-utilization", "0.5"], {}), (["--device-memory-utilization=0.5"], {}),
                        (["--kv-cache-memory-bytes", "4G"], {}), ([], {"VLLM_CPU_KVCACHE_SPACE": "2"})):
@@ -269,6 +277,81 @@ def test_a_workers_prompt_is_scored_as_the_library_scores_its_layer(name, monkey
         torch.testing.assert_close(method.layer_scores(prompt, query, scaling), scores, rtol=0, atol=0)
 
 
+def test_a_workers_question_votes_with_its_own_tokens_as_over_a_stored_context(monkeypatch):
+    """A request that says where its question begins: the worker's ``PromptLayer`` with those tokens (``asked``) and
+    only their queries scores as the library's layer scores the same question over a stored context."""
+    model, tokenizer = tiny_model(), char_tokenizer()
+    store = kvc.compress(model, tokenizer, random_text(200, seed=4), method=kvc.FullKV())
+    seen = []
+    library_scores = EvictionPolicy.prompt_scores
+
+    def recording(policy, query, scaling):
+        scores, layer = library_scores(policy, query, scaling), policy.layer
+        seen.append((layer.keys.clone(), layer.values.clone(), layer.spans, layer.asked, query, scaling, scores))
+        return scores
+
+    monkeypatch.setattr(EvictionPolicy, "prompt_scores", recording)
+    method = kvc.SnapKV(budget=48, window=24)
+    kvc.generate(model, tokenizer, " and a question?", past=store, method=method, max_new_tokens=1)
+    assert len(seen) == 2
+    for keys, values, spans, asked, query, scaling, scores in seen:
+        voters = method.queries_needed(int(asked))
+        assert 0 < voters == int(asked) < 24  # (the question is shorter than the window: its tokens alone vote)
+        prompt = serving.PromptLayer(keys, values, spans, None, asked)
+        own = method.layer_scores(prompt, query[..., -voters:, :], scaling)
+        torch.testing.assert_close(own, scores, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(("settings", "message"), [
+    ({"question_start": -1}, r"^kvcompress.question_start=-1 is invalid; it must be an integer >= 0 \(the prompt "),
+    ({"question_start": "12"}, r"^kvcompress.question_start='12' is invalid; it must be an integer >= 0"),
+    ({"question_start": True}, r"^kvcompress.question_start=True is invalid"),
+])
+def test_a_bad_question_start_is_refused_naming_the_field(settings, message):
+    with pytest.raises(InvalidParameterError, match=message):
+        serving.question_start_of(settings)
+
+
+def test_a_question_start_is_taken_out_of_the_settings_and_checked_against_the_prompt():
+    assert serving.question_start_of({"method": "snapkv", "question_start": 7}) == ({"method": "snapkv"}, 7)
+    assert serving.question_start_of({"budget": 64}) == ({"budget": 64}, None)
+    assert serving.question_start_of(None) == (None, None)
+    serving.check_question_start(9, 10)
+    with pytest.raises(InvalidParameterError, match=r"^kvcompress.question_start=10 is invalid for this prompt of 10 "
+                                                    r"tokens; valid: 0 to 9 \(a question of at least one token\)$"):
+        serving.check_question_start(10, 10)
+
+
+def content_start(tokens: list[int], content: list[int]) -> int:
+    """Where ``content``'s tokens first appear in ``tokens`` (an independent reference for a message's start)."""
+    return next(i for i in range(len(tokens)) if tokens[i : i + len(content)] == content)
+
+
+@pytest.mark.skipif(not (default_model_dir() / "tokenizer.json").exists(), reason="no embedded model")
+def test_a_chats_question_starts_where_its_conversation_after_the_system_message_does():
+    """The server's question start for a chat: the first token of the first message after the system messages, as
+    the rendered prompt tokenizes it (found by the message's own tokens in the prompt's)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir())
+    document, question = "The archive room's code is 4817. " * 20, "What is the code of the archive room?"
+
+    def rendered(messages: list[dict]) -> list[int]:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    system = [{"role": "system", "content": document}, {"role": "user", "content": question}]
+    joined = [{"role": "user", "content": f"{document}\n\n{question}"}]
+    turns = [*system, {"role": "assistant", "content": "It is 4817."}, {"role": "user", "content": "Thanks. Why?"}]
+    for messages, first in ((system, question), (joined, document), (turns, question)):
+        tokens, start = rendered(messages), serving.chat_question_start(tokenizer, messages, add_generation_prompt=True)
+        assert start == content_start(tokens, tokenizer(first, add_special_tokens=False)["input_ids"][:4])
+    assert len(rendered(system)) - serving.chat_question_start(tokenizer, system, add_generation_prompt=True) < 32
+    assert serving.chat_question_start(tokenizer, [{"role": "system", "content": document}]) is None
+    parts = [{"role": "user", "content": [{"type": "text", "text": question}]}]
+    assert serving.chat_question_start(tokenizer, parts) is None
+
+
 @pytest.mark.parametrize(("pool", "family", "message"), [
     (None, "gemma2", None), ("auto", "gpt-oss", None), ("fp8", "llama", None), ("fp8_e4m3", "qwen3", None),
     ("fp8", "gemma2", r"^--kv-cache-dtype fp8 cannot be served with kvcompress on model type 'gemma2': it has "
@@ -292,3 +375,26 @@ def test_kvcompress_serve_refuses_a_cache_dtype_before_starting_anything():
     assert done.returncode == 2 and done.stderr.strip().splitlines()[-1] == (
         "kvcompress: error: --kv-cache-dtype fp8_e5m2 cannot be served with kvcompress: kvcompress's fp8 is e4m3 "
         "(vLLM's fp8); valid: auto, fp8, fp8_e4m3")
+
+
+@pytest.mark.parametrize(("method", "asked"), [
+    (kvc.SnapKV(budget=40, window=12), [5, 12, 30]), (kvc.SnapKV(budget=40, window=12), None),
+    (kvc.SnapKV(budget=40, window=12, clustering="pool", votes="sum", pooling="max"), [3, 9, 12]),
+    (kvc.StreamingLLM(budget=40), None), (kvc.H2O(budget=40), None)])
+def test_a_steps_prompts_sharing_a_method_are_kept_as_each_alone(method, asked):
+    """The worker scores the prompts a step finishes with one method as one right-aligned batch: each keeps what it
+    keeps alone (prompts of different lengths, questions of different lengths)."""
+    from kvcompress.serving.scoring import Finishing, kept_together
+
+    torch.manual_seed(5)
+    prompts = []
+    for row, tokens in enumerate((90, 61, 75)):
+        needed = method.queries_needed(None if asked is None else asked[row])
+        queries = torch.randn(tokens if needed is None else needed, 4, 16)
+        spans = torch.arange(tokens)[None] // 3 if method.needs_tokens() else None
+        prompts.append(Finishing(torch.randn(tokens, 2, 16), torch.randn(tokens, 2, 16), queries, spans,
+                                 None if asked is None else asked[row], 40))
+    together = kept_together(method, prompts, 0.25, None)
+    for prompt, kept in zip(prompts, together):
+        (alone,) = kept_together(method, [prompt], 0.25, None)
+        assert kept.shape == (2, 40) and torch.equal(kept, alone)

@@ -139,6 +139,11 @@ def test_voters_make_each_rows_window_its_own():
         assert slot_valid.all()
         for row, count in enumerate(voters.tolist()):
             assert indices[row].tolist() == reference_keep(query[row], keys[row], 40, count, kernel, pooling, vote)
+        # only the voters' own queries computed (a served question's): the same scores, exactly
+        own = method.scores(query[..., -int(voters.max()) :, :], keys, valid, 8**-0.5, voters=voters)
+        torch.testing.assert_close(own, scores, rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"SnapKV: window=12 needs the last 12 prefill queries but got 11"):
+        method.scores(query[..., -11:, :], keys, valid, 8**-0.5)  # (no voters: the whole window votes)
 
 
 def capture_queries(model: torch.nn.Module) -> tuple[dict[int, torch.Tensor], list]:

@@ -20,9 +20,10 @@ import torch  # noqa: E402
 
 import kvcompress as kvc  # noqa: E402
 from kvcompress import demo  # noqa: E402
+from kvcompress.generation.conversation import context_ids  # noqa: E402
 from kvcompress.integrations.transformers.models import default_model_dir  # noqa: E402
 from kvcompress.serving import settings as serving  # noqa: E402
-from kvcompress.serving import vllm_plugin  # noqa: E402
+from kvcompress.serving import vllm_api, vllm_plugin, vllm_requests, vllm_worker  # noqa: E402
 
 from .served import Server, chat  # noqa: E402
 
@@ -47,13 +48,13 @@ def test_snapkv_in_vllm_keeps_what_kvcompress_keeps_and_frees_blocks(engine, lib
     model, tokenizer = library
     messages = chat(tokenizer, 1200, 0.3)
     prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    vllm_plugin.KEPT_POSITIONS.clear()
+    vllm_worker.KEPT_POSITIONS.clear()
     served = engine.generate([prompt], vllm.SamplingParams(max_tokens=16, temperature=0), use_tqdm=False)[0]
     ours = kvc.generate(model, tokenizer, messages, method=kvc.SnapKV(budget=256), max_new_tokens=16)
     assert served.outputs[0].text.strip() == ours.text.strip()
-    (kept,) = vllm_plugin.KEPT_POSITIONS.values()
+    (kept,) = vllm_worker.KEPT_POSITIONS.values()
     for name, positions in kept.items():
-        assert torch.equal(positions, ours.cache.kept_positions(vllm_plugin.layer_index(name))[0]), name
+        assert torch.equal(positions, ours.cache.kept_positions(vllm_worker.layer_index(name))[0]), name
     blocks = engine.llm_engine.engine_core.engine_core.scheduler.blocks_before_after
     before, after = next(v for k, v in blocks.items() if k.split("-")[0] == served.request_id)  # vLLM suffixes its ids
     assert before == -(-len(served.prompt_token_ids) // 32)  # the prompt's blocks
@@ -91,19 +92,96 @@ def test_questions_over_one_document_prefill_their_own_tokens_and_keep_what_the_
     for i, (question, settings) in enumerate(QUESTIONS):
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": f"{opening}\n\n{question}"}],
                                                tokenize=False, add_generation_prompt=True)
-        vllm_plugin.KEPT_POSITIONS.clear()
+        vllm_worker.KEPT_POSITIONS.clear()
         served = engine.generate([prompt], sampling([(settings,)]), use_tqdm=False)[0]
         method = serving.method_of(settings, default=METHOD)
         as_served = dataclasses.replace(method, question_window=False) if hasattr(method, "question_window") else method
         ours = kvc.generate(model, tokenizer, question, past=context, method=as_served, max_new_tokens=12)
         assert served.outputs[0].text == ours.text, settings
-        assert same_positions(next(iter(vllm_plugin.KEPT_POSITIONS.values())), ours.cache), settings
+        assert same_positions(next(iter(vllm_worker.KEPT_POSITIONS.values())), ours.cache), settings
         hit = next(v for k, v in scheduler.hits.items() if k.split("-")[0] == served.request_id)
         prompt_tokens, needed = len(served.prompt_token_ids), method.queries_needed()
         if i == 0 or needed is None:  # the document's first request (the chat template's first block aside); H2O
             assert hit <= 32 * (i == 0), settings  # scores with every prompt query
         else:  # the cached document, up to the last whole block before the method's window
             assert hit == (prompt_tokens - needed) // 32 * 32, settings
+
+
+def test_a_question_that_says_where_it_begins_votes_with_its_own_tokens(engine, library):
+    """A request naming where its question begins (``question_start``: here the stored document's end): each keeps
+    exactly the positions the library keeps asking the same question of the stored document with its default
+    ``question_window`` (the question's own tokens vote), answers with its tokens, and prefills from where plain
+    vLLM's prefix cache ends (no document block recomputed for SnapKV's window)."""
+    model, tokenizer = library
+    opening = f"Read this memo.\n\n{demo.build_document(tokenizer, 1100, 0.5)}"  # a prefix no other test sends
+    context = kvc.compress(model, tokenizer, [{"role": "user", "content": opening}], query_window=None)  # (H2O's)
+    start = len(context_ids(tokenizer, context.rows[0]))
+    scheduler = engine.llm_engine.engine_core.engine_core.scheduler
+    for i, (question, settings) in enumerate(QUESTIONS):
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": f"{opening}\n\n{question}"}],
+                                               tokenize=False, add_generation_prompt=True)
+        vllm_worker.KEPT_POSITIONS.clear()
+        served = engine.generate([prompt], sampling([({**(settings or {}), "question_start": start},)]),
+                                 use_tqdm=False)[0]
+        method = serving.method_of(settings, default=METHOD)
+        ours = kvc.generate(model, tokenizer, question, past=context, method=method, max_new_tokens=12)
+        assert served.outputs[0].text == ours.text, settings
+        assert same_positions(next(iter(vllm_worker.KEPT_POSITIONS.values())), ours.cache), settings
+        hit = next(v for k, v in scheduler.hits.items() if k.split("-")[0] == served.request_id)
+        prompt_tokens = len(served.prompt_token_ids)
+        needed = method.queries_needed(prompt_tokens - start)
+        if i == 0 or needed is None:
+            assert hit <= 32 * (i == 0), settings
+        else:
+            assert hit == (prompt_tokens - needed) // 32 * 32, settings
+            if method.name == "snapkv":  # the question alone votes: the hit plain vLLM's cache gives
+                assert needed < 32 and hit == start // 32 * 32, settings
+
+
+def test_the_api_servers_middleware_tells_a_chat_where_its_question_begins(monkeypatch):
+    """``RequestSettings`` in the API server: a chat completion gets where its conversation after the system message
+    begins (``settings.chat_question_start``) in its ``vllm_xargs``; a start a request names is kept; one past its
+    prompt is an HTTP 400 naming the field; a request whose method reads no start gets none."""
+    import asyncio
+
+    from transformers import AutoTokenizer
+
+    monkeypatch.setenv(serving.ENGINE_ENV, json.dumps({**serving.engine_settings(METHOD),
+                                                       "model": str(default_model_dir())}))
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir())
+    messages = [{"role": "system", "content": "The code is 4817. " * 30}, {"role": "user", "content": "The code?"}]
+
+    def sent(path: str, body: dict) -> tuple[dict | None, list]:
+        seen, replies = [], []
+
+        async def app(scope, receive, send):
+            seen.append(json.loads((await receive())["body"]))
+
+        async def receive():
+            return {"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}
+
+        async def send(message):
+            replies.append(message)
+
+        scope = {"type": "http", "method": "POST", "path": path, "headers": []}
+        asyncio.run(vllm_api.RequestSettings(app)(scope, receive, send))
+        return (seen[0] if seen else None), replies
+
+    def xargs(forwarded: dict) -> dict:
+        return json.loads(forwarded.get("vllm_xargs", {}).get("kvcompress", "{}"))
+
+    start = serving.chat_question_start(tokenizer, messages, add_generation_prompt=True)
+    assert xargs(sent("/v1/chat/completions", {"messages": messages})[0]) == {"question_start": start}
+    named = sent("/v1/chat/completions", {"messages": messages, "kvcompress": {"budget": 64, "question_start": 3}})[0]
+    assert xargs(named)["question_start"] == 3 and xargs(named)["budget"] == 64
+    assert "question_start" not in xargs(sent("/v1/chat/completions", {
+        "messages": messages, "kvcompress": {"method": "h2o", "budget": 64}})[0])  # (H2O reads every query)
+    assert sent("/v1/completions", {"prompt": "hello there"})[0] == {"prompt": "hello there"}  # (nothing to add)
+    forwarded, replies = sent("/v1/completions", {"prompt": "hello there", "kvcompress": {"question_start": 9}})
+    assert forwarded is None and replies[0]["status"] == 400
+    tokens = len(tokenizer("hello there")["input_ids"])
+    refusal = f"kvcompress.question_start=9 is invalid for this prompt of {tokens} tokens; valid: 0 to {tokens - 1}"
+    assert refusal in replies[1]["body"].decode()
 
 
 def test_a_prompt_is_read_back_from_vllms_paged_cache_whatever_its_layout():
@@ -120,7 +198,7 @@ def test_a_prompt_is_read_back_from_vllms_paged_cache_whatever_its_layout():
         slots = blocks[torch.arange(70) // 32].long() * 32 + torch.arange(70) % 32
         ops.cpu_attn_reshape_and_cache(keys, values, key_cache, value_cache, slots, isa, k_scale=1.0, v_scale=1.0,
                                        kv_cache_dtype="auto")
-        read = vllm_plugin.read_prompt(cache, blocks, 70, isa)
+        read = vllm_worker.read_prompt(cache, blocks, 70, isa)
         assert torch.equal(read[0], keys) and torch.equal(read[1], values), (dtype, isa)
 
 
@@ -130,9 +208,9 @@ def served_alike(llm, library, cases: list[tuple]) -> list[dict[str, torch.Tenso
     model, tokenizer = library
     conversations = [chat(tokenizer, tokens, depth) for tokens, depth, _ in cases]
     prompts = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in conversations]
-    vllm_plugin.KEPT_POSITIONS.clear()
+    vllm_worker.KEPT_POSITIONS.clear()
     served = llm.generate(prompts, sampling(cases), use_tqdm=False)
-    kept = list(vllm_plugin.KEPT_POSITIONS.values())
+    kept = list(vllm_worker.KEPT_POSITIONS.values())
     for (tokens, _, settings), messages, out in zip(cases, conversations, served):
         method = serving.method_of(settings, default=METHOD)
         ours = kvc.generate(model, tokenizer, messages, method=method, max_new_tokens=12)
@@ -152,7 +230,7 @@ def sampling(cases: list[tuple]) -> list:
 
 def same_positions(layers: dict[str, torch.Tensor], cache: kvc.KVCompressCache) -> bool:
     """The positions vLLM kept in every layer (by name) are the ones ``cache`` keeps."""
-    return all(torch.equal(positions, cache.kept_positions(vllm_plugin.layer_index(name))[0])
+    return all(torch.equal(positions, cache.kept_positions(vllm_worker.layer_index(name))[0])
                for name, positions in layers.items())
 
 
@@ -178,22 +256,22 @@ def test_an_fp8_pool_answers_each_request_as_the_library_codes_it(engine, librar
     for settings, depth in FP8_REQUESTS:
         messages = chat(tokenizer, 1200, depth)
         prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        vllm_plugin.KEPT_POSITIONS.clear()
+        vllm_worker.KEPT_POSITIONS.clear()
         params = vllm.SamplingParams(max_tokens=24, temperature=0, logprobs=2,
                                      extra_args={"kvcompress": settings} if settings else None)
         served = coded.generate([prompt], params, use_tqdm=False)[0].outputs[0]
         method = dataclasses.replace(serving.method_of(settings, default=METHOD), kv_bits=8, kv_format="fp8")
         ours = kvc.generate(model, tokenizer, messages, method=method, max_new_tokens=24)
-        for name, positions in next(iter(vllm_plugin.KEPT_POSITIONS.values()), {}).items():
-            assert torch.equal(positions, ours.cache.kept_positions(vllm_plugin.layer_index(name))[0]), (settings, name)
-        assert bool(vllm_plugin.KEPT_POSITIONS) == (method.name != "full"), settings
+        for name, positions in next(iter(vllm_worker.KEPT_POSITIONS.values()), {}).items():
+            assert torch.equal(positions, ours.cache.kept_positions(vllm_worker.layer_index(name))[0]), (settings, name)
+        assert bool(vllm_worker.KEPT_POSITIONS) == (method.name != "full"), settings
         agreed = next((i for i, (a, b) in enumerate(zip(served.token_ids, ours.token_ids[0])) if a != b), None)
         if agreed is None:
             same += 1
             continue
         top_two = sorted((p.logprob for p in served.logprobs[agreed].values()), reverse=True)[:2]
         assert agreed > 0 and top_two[0] - top_two[1] < 0.25, (settings, agreed, top_two)
-    assert same >= len(FP8_REQUESTS) - 2 and not vllm_plugin.CHUNKS  # none held after
+    assert same >= len(FP8_REQUESTS) - 2 and not vllm_worker.CHUNKS  # none held after
     blocks = [llm.llm_engine.vllm_config.cache_config.num_gpu_blocks for llm in (engine, coded)]
     del coded
     assert blocks[1] == 4 * blocks[0]
@@ -208,12 +286,12 @@ def test_prompts_prefilled_in_chunks_are_compressed_after_their_last_chunk(libra
              (1400, 0.5, {"method": "streamingllm", "budget": 96}),
              (200, 0.5, {"method": "snapkv", "budget": 64, "window": 8}),
              (1100, 0.7, {"method": "expected", "budget": 200})]
-    assert len(served_alike(chunked, library, cases)) == len(cases) and not vllm_plugin.CHUNKS  # none held after
+    assert len(served_alike(chunked, library, cases)) == len(cases) and not vllm_worker.CHUNKS  # none held after
     # again: each prompt now finds its blocks in the prefix cache, read back at its last chunk (H2O and
     # ExpectedAttention, which score with every query, take no hit)
     hits = chunked.llm_engine.engine_core.engine_core.scheduler.hits
     before = set(hits)
-    assert len(served_alike(chunked, library, cases)) == len(cases) and not vllm_plugin.CHUNKS
+    assert len(served_alike(chunked, library, cases)) == len(cases) and not vllm_worker.CHUNKS
     assert sorted(hits[request] > 0 for request in set(hits) - before) == [False] * 2 + [True] * 3
 
 
@@ -255,30 +333,32 @@ def test_a_prompt_prefilled_in_chunks_keeps_them_while_it_holds_blocks(engine):
 
     worker = vllm_plugin.KVCompressConnector(engine.llm_engine.vllm_config, KVConnectorRole.WORKER)
     held = (0, [(torch.zeros(4, 3, 64), torch.zeros(4, 3, 64), torch.zeros(4, 9, 64))])
-    vllm_plugin.CHUNKS.update({("a", "layers.0"): held, ("b", "layers.0"): held})
+    vllm_worker.CHUNKS.update({("a", "layers.0"): held, ("b", "layers.0"): held})
     try:
-        worker.bind_connector_metadata(vllm_plugin.StepMethods(requests={}, live={"a"}))
-        assert set(vllm_plugin.CHUNKS) == {("a", "layers.0")}  # a skipped this step, b ended
+        worker.bind_connector_metadata(vllm_requests.StepMethods(requests={}, live={"a"}))
+        assert set(vllm_worker.CHUNKS) == {("a", "layers.0")}  # a skipped this step, b ended
     finally:
-        vllm_plugin.CHUNKS.clear()
+        vllm_worker.CHUNKS.clear()
 
 
 def test_rows_are_found_by_their_whole_block_rows_and_ties_refused():
     """A compressed request's freed prompt blocks stay in its worker row while others reuse them: a request is the
     row whose blocks, scheduled tokens and length are all its own; a tie left after elimination is refused."""
-    info = functools.partial(vllm_plugin.Scheduled, {"method": "snapkv"}, 64, 63, 1)
+    info = functools.partial(vllm_requests.Scheduled, '{"method": "snapkv"}', 64, 63, 1, 64)
     table = torch.tensor([[5, 6, 7, 0], [5, 9, 0, 0], [5, 6, 7, 8]])
     step = {"x": info(row=[5, 9]), "y": info(row=[5, 6, 7, 8]), "z": info(row=[5, 6])}
-    assert vllm_plugin.rows_of(step, table, [1, 1, 1], [64, 64, 64]) == ["z", "x", "y"]  # z: the row left to it
-    assert vllm_plugin.rows_of({"x": info(row=[5, 9])}, table, [1, 1, 1], [64, 64, 64]) == [None, "x", None]
+    assert vllm_worker.rows_of(step, table, [1, 1, 1], [64, 64, 64]) == ["z", "x", "y"]  # z: the row left to it
+    assert vllm_worker.rows_of({"x": info(row=[5, 9])}, table, [1, 1, 1], [64, 64, 64]) == [None, "x", None]
     with pytest.raises(RuntimeError, match="cannot be told apart"):
-        vllm_plugin.rows_of({"z": info(row=[5, 6])}, table, [1, 1, 1], [64, 64, 64])
+        vllm_worker.rows_of({"z": info(row=[5, 6])}, table, [1, 1, 1], [64, 64, 64])
 
 
 def test_a_request_with_invalid_settings_is_refused_by_name(engine):
     for settings, message in (({"method": "snapkv", "window": 0}, r"kvcompress: SnapKV: window=0 is invalid"),
                               ({"method": "kvzip"},
-                               r"method='kvzip' cannot be served by vLLM: it scores from an observation pass")):
+                               r"method='kvzip' cannot be served by vLLM: it scores from an observation pass"),
+                              ({"question_start": 50},
+                               r"kvcompress.question_start=50 is invalid for this prompt of \d+ tokens; valid: 0 to")):
         with pytest.raises(Exception, match=message):
             engine.generate(["hello"], vllm.SamplingParams(max_tokens=2, extra_args={"kvcompress": settings}),
                             use_tqdm=False)
@@ -336,6 +416,7 @@ def test_kvcompress_serve_answers_the_openai_client_as_the_library_does(library,
         code = server.stop()
     output = server.output()
     assert code == 0 and "Traceback" not in output, output[-3000:]
+    assert "leaked" not in output, output[-3000:]  # issue 81.4: no teardown noise after a clean stop
 
 
 def test_tensor_parallel_workers_each_keep_their_own_heads(tmp_path, monkeypatch):
@@ -384,7 +465,7 @@ def test_a_method_reading_the_rotary_embedding_is_refused_for_a_model_without_on
 
     os.environ[serving.ENGINE_ENV] = json.dumps({**serving.engine_settings(METHOD), "model": str(tmp_path)})
     try:
-        middleware = vllm_plugin.RequestSettings(app=None)
+        middleware = vllm_api.RequestSettings(app=None)
     finally:
         del os.environ[serving.ENGINE_ENV]
     sent: list[dict] = []

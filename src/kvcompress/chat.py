@@ -126,6 +126,11 @@ def chat(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, opened: Res
     store, turn = stored_document(opened), opened
     out.write(f"Asking {method.describe()} per question over a stored document of "
               f"{int(store.attention_mask.sum())} tokens. Commands: {COMMANDS}\n")
+    if opened is not store:  # a saved conversation: said, so a user knows the next message continues it
+        asked = sum(m["role"] == "user" for m in opened.rows[0].messages) if opened.rows[0].chat else None
+        last = " ".join((opened.text if isinstance(opened.text, str) else opened.text[0]).split())
+        out.write(f"Resuming a saved conversation{'' if asked is None else f' of {asked} questions'}; its last answer: "
+                  f"{last[:77] + '...' if len(last) > 80 else last}\n")
     while True:
         try:
             line = read_message(read).strip()

@@ -6,4 +6,9 @@ class UnsupportedModelError(ValueError):
 
 
 class CacheMisuseError(ValueError):
-    """A cache was used for something it cannot hold (a second prompt, another model, ...)."""
+    """A cache was used for something it cannot hold (a second prompt, another model, ...). ``cli``: the same refusal
+    in the command line's words, where the library's names a Python remedy."""
+
+    def __init__(self, message: str, cli: str | None = None) -> None:
+        super().__init__(message)
+        self.cli = cli

@@ -198,11 +198,13 @@ class OverStored(Intake):
         fewest = new - max(self.pads)
         if (needed is None and kept < stored.keys.shape[-2]) or (needed is not None and needed > kept + fewest):
             wanted = "every query of the context" if needed is None else f"the last {needed} queries"
-            raise ValueError(
-                f"kvcompress: this method scores with {wanted}, and the stored context kept its last {kept} (the "
-                f"question has {fewest} tokens); compress the context with kvc.compress(..., query_window=None) to "
-                "keep them all, or a larger query_window"
-            )
+            kept_what = (f"this method scores with {wanted}, and the stored context kept its last {kept} (the "
+                         f"question has {fewest} tokens)")
+            raise CacheMisuseError(
+                f"kvcompress: {kept_what}; compress the context with kvc.compress(..., query_window=None) to keep them "
+                "all, or a larger query_window",
+                cli=f"{kept_what}; store the document with `kvcompress compress --method full --query-window all` to "
+                "keep them all, or a larger --query-window")
         if stored.queries is None:
             return query if needed is None else query[..., -needed:, :]
         joined = right_aligned(stored.queries, query, self.pads, 2)

@@ -219,6 +219,12 @@ class KVLayer(DynamicLayer):
         self.phase = moved(self.layer_idx, self.phase, Phase.PROMPT, "a prefill record")
         self.end_prompt(record)
 
+    @property
+    def asked(self) -> torch.Tensor | None:
+        """Each row's tokens after a stored context ``[b]`` while the layer compresses (a question and what followed
+        it; None: the prompt continues none)."""
+        return None if self.observation is None else self.observation.record.asked
+
     def held_prompt(self) -> tuple[torch.Tensor, int]:
         """``(prompt_tokens, prefill_len)`` once the layer holds its prompt (``end_prompt`` or a load sets both): that
         phase said once to the type checker."""

@@ -15,7 +15,7 @@ from transformers import PreTrainedTokenizerBase
 
 from ..bench import report
 from ..generation.conversation import Prompt, user_prompt
-from ..generation.generate import compress, generate
+from ..generation.generate import QUERY_WINDOW, compress, generate
 from ..generation.result import Result, load, saved_method
 from ..generation.stops import Stops
 from ..generation.ways_in import check_per_question
@@ -209,8 +209,21 @@ def _compress_command(sub: argparse._SubParsersAction, chosen: str | None) -> No
     prompt_flags(comp, "document")
     comp.add_argument("--out", required=True, help="the file to write (safetensors; it holds the document's text too)")
     comp.add_argument("--force", action="store_true", help="let --out replace an existing file")
+    comp.add_argument("--query-window", type=query_window, default="auto", metavar="N|all",
+                      help="the document's last prefill queries kept, for methods that later score a question with "
+                           f"queries before it (all: every one, as H2O needs; default: the last {QUERY_WINDOW} where "
+                           "the document keeps every token)")
     add_method_flags(comp, "compress", chosen)
     comp.set_defaults(run=_cmd_compress, interrupted=lambda args: unwritten(args.out))
+
+
+def query_window(text: str) -> int | str | None:
+    """``--query-window``: a count of queries, ``all`` (None), or ``auto`` (the default)."""
+    if text in ("all", "auto"):
+        return None if text == "all" else text
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid; give a count of queries >= 0, or all")
+    return int(text)
 
 
 def _cmd_compress(args: argparse.Namespace, console: Console) -> int:
@@ -219,7 +232,8 @@ def _cmd_compress(args: argparse.Namespace, console: Console) -> int:
     method = method_from_args(args.method or DEFAULT_METHODS["compress"], args)
     model, tokenizer = load_model(args.model)
     with console.status(f"compressing with {method.describe()}"):
-        result = compress(model, tokenizer, _fed(args, tokenizer, prompt), method=method)
+        fed = _fed(args, tokenizer, prompt)
+        result = compress(model, tokenizer, fed, method=method, query_window=args.query_window)
         result.save(args.out)
     console.print(report.compressed(args.out, Path(args.out).stat().st_size, result.stats), soft_wrap=True)
     return 0

@@ -97,6 +97,17 @@ def sampling_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=float, default=1.0,
                         help="sample from the most probable tokens until their probability reaches this")
     parser.add_argument("--seed", type=int, help="the sampling seed (the same seed repeats an answer)")
-    parser.add_argument("--stop", action="append",
-                        help="end the answer before this string (repeat for several; e.g. a newline for a base model)")
+    parser.add_argument("--stop", action="append", type=stop_string,
+                        help="end the answer before this string (repeat for several), its escapes read as Python "
+                             "reads them: --stop '\\n' is a newline (for a base model), '\\\\n' a backslash and an n")
+
+
+def stop_string(text: str) -> str:
+    """``--stop``: the string with its backslash escapes read as in a Python string (``\\n``, ``\\t``, ``\\x41``,
+    ``\\u00e9``), since a shell passes ``'\\n'`` as a backslash and an n; other characters as they are."""
+    try:
+        return text.encode("latin-1", "backslashreplace").decode("unicode_escape")
+    except UnicodeDecodeError as error:
+        raise argparse.ArgumentTypeError(f"{text!r} has an unfinished escape ({error.reason}); write a backslash "
+                                         "as \\\\") from None
 

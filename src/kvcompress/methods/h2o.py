@@ -104,7 +104,7 @@ class H2O(PromptMethod):
     def reserved_tokens(self) -> int:
         return self.recent_tokens
 
-    def queries_needed(self) -> int | None:
+    def queries_needed(self, asked: int | None = None) -> int | None:
         return None  # every prompt query votes
 
     def scores(self, query: torch.Tensor | None, keys: torch.Tensor, valid: torch.Tensor, scaling: float,

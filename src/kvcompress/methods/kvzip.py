@@ -101,7 +101,7 @@ class KVzip(PromptMethod):
         "spans", "spans: each word or number scored by its best token, kept whole; none: the paper's per-token scores",
         choices=("spans", "none"))
 
-    def queries_needed(self) -> int:
+    def queries_needed(self, asked: int | None = None) -> int:
         return 0
 
     def needs_tokens(self) -> bool:

@@ -135,8 +135,10 @@ def snapkv_scores(
 ) -> torch.Tensor:
     """SnapKV importance ``[batch, kv_heads, seq]``: pooled window votes on the prefix, ``+inf`` on
     the window so it is always kept. ``voters [batch]`` (at most ``window``): each row's window is its last
-    ``voters`` tokens instead (the rest of the last ``window`` are its prefix, voted on like any)."""
-    voted = window_votes(query[..., -window:, :], keys, valid, scaling, votes, voters)
+    ``voters`` tokens instead (the rest of the last ``window`` are its prefix, voted on like any), and only the last
+    ``voters.max()`` queries are read (a served question computes only its own)."""
+    rows = window if voters is None else max(int(voters.max()), 1)  # (the window's other queries vote for nothing)
+    voted = window_votes(query[..., -rows:, :], keys, valid, scaling, votes, voters)
     prefix = average_over_groups(pool_votes(voted, kernel, pooling), keys.shape[1])
     if voters is not None:  # (the pooling saw zeros past each row's prefix, as its padding would be)
         return prefix.masked_fill(voter_positions(voters, keys.shape[-2])[:, None], math.inf)
@@ -177,21 +179,22 @@ class SnapKV(PromptMethod):
     def reserved_tokens(self) -> int:
         return self.window
 
-    def queries_needed(self) -> int:
-        return self.window
+    def queries_needed(self, asked: int | None = None) -> int:
+        """The window; where the question's tokens are known (``asked``) and vote alone, only those of them."""
+        return self.window if asked is None or not self.question_window else min(self.window, asked)
 
     def needs_tokens(self) -> bool:
         return self.clustering == "spans"
 
     def layer_scores(self, layer: KVLayer, query: torch.Tensor | None, scaling: float) -> torch.Tensor:
-        observed = layer.observation  # (the prompt's record while the layer compresses; None in a vLLM worker)
-        asked = None if observed is None or not self.question_window else observed.record.asked
+        asked = layer.asked if self.question_window else None  # (after a stored context, or a served question)
         return self.scores(query, layer.keys, layer.slot_validity(), scaling, layer.spans,
-                           None if asked is None else asked.clamp(max=self.window))  # (after a stored context)
+                           None if asked is None else asked.clamp(max=self.window))
 
     def scores(self, query: torch.Tensor | None, keys: torch.Tensor, valid: torch.Tensor, scaling: float,
                spans: torch.Tensor | None = None, voters: torch.Tensor | None = None) -> torch.Tensor:
-        if query is None or query.shape[-2] < self.window:
+        voting = self.window if voters is None else int(voters.max())
+        if query is None or query.shape[-2] < voting:
             raise ValueError(
                 f"SnapKV: window={self.window} needs the last {self.window} prefill queries but got "
                 f"{0 if query is None else query.shape[-2]} "

@@ -15,23 +15,27 @@ import dataclasses
 import json
 import logging
 import math
+import os
+import sys
 import urllib.request
 from typing import Any
 
 import torch
 from transformers import AutoConfig
 
+from ..generation.conversation import PROBES, shared_prefix
 from ..integrations.transformers.rope import Rotary, check_rope_config
 from ..methods import METHODS, method_from_name
 from ..methods.base import InvalidParameterError, Method, field_specs
 from ..methods.prompt import PromptMethod
 
 FIELD = "kvcompress"  # the request body's field, and the key of the engine's settings in vLLM's additional_config
+QUESTION_START = "question_start"  # a request's own field in it: the prompt token where its question begins
 ENGINE_ENV = "KVCOMPRESS_ENGINE"  # the engine's settings for the API server's middleware (``kvcompress serve`` sets it)
-SCHEDULER = "kvcompress.serving.vllm_plugin.KVCompressScheduler"
+SCHEDULER = "kvcompress.serving.vllm_scheduler.KVCompressScheduler"
 CONNECTOR = {"kv_connector": "KVCompressConnector", "kv_connector_module_path": "kvcompress.serving.vllm_plugin",
              "kv_role": "kv_both"}
-MIDDLEWARE = "kvcompress.serving.vllm_plugin.RequestSettings"
+MIDDLEWARE = "kvcompress.serving.vllm_api.RequestSettings"
 def servable_names() -> tuple[str, ...]:
     """The methods vLLM can serve (each declares it: ``Method.not_served`` None), in the registry's order: those
     scored from the prefill alone, one score per prompt position and KV head, the same count per head (what a paged
@@ -114,6 +118,49 @@ def method_of(settings: Any, default: Method | None = None, cache_dtype: str | N
         return check_servable(method_from_name(name, **fields), cache_dtype)
     except InvalidParameterError as err:
         raise InvalidParameterError(f"{FIELD}: {err}") from None
+
+
+def question_start_of(settings: Any) -> tuple[Any, int | None]:
+    """A request's ``kvcompress`` settings less its ``question_start`` (the prompt token where its question begins:
+    SnapKV's window then votes with the question's own tokens, as the library's ``question_window`` does over a
+    stored context), and that start, checked (None: not given)."""
+    if not isinstance(settings, dict) or QUESTION_START not in settings:
+        return settings, None
+    fields = dict(settings)
+    start = fields.pop(QUESTION_START)
+    if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+        raise InvalidParameterError(f"{FIELD}.{QUESTION_START}={start!r} is invalid; it must be an integer >= 0 (the "
+                                    "prompt token where the question begins)")
+    return fields, start
+
+
+def check_question_start(start: int | None, prompt_tokens: int) -> None:
+    """Refuse a question start that leaves no question in a ``prompt_tokens``-token prompt, naming the valid range."""
+    if start is not None and start >= prompt_tokens:
+        raise InvalidParameterError(f"{FIELD}.{QUESTION_START}={start} is invalid for this prompt of {prompt_tokens} "
+                                    f"tokens; valid: 0 to {prompt_tokens - 1} (a question of at least one token)")
+
+
+def chat_question_start(tokenizer: Any, messages: list[dict], **template: Any) -> int | None:
+    """Where a chat's conversation begins in its rendered prompt's tokens: the first token of the first message that
+    is not a system (or developer) message, rendered as vLLM renders a chat (the template's text, tokenized without
+    special tokens). A document in the system message is then the stored context and the conversation after it the
+    question (its first turn votes with its own tokens; a later turn's last ``window`` reach into earlier turns, as
+    the library's conversations over a stored context do); a document sent with its question in one message is part
+    of the question, whose last ``window`` tokens then vote (what a request without a start gets). Found as the
+    library finds a context's end (``conversation.context_ids``): the longest prefix the prompt shares with the
+    same chat whose first such message says something else. None where it cannot be told (no such message, or
+    content that is not text)."""
+    first = next((i for i, m in enumerate(messages) if m.get("role") not in ("system", "developer")), None)
+    if first is None or not all(isinstance(m.get("content"), str) for m in messages):
+        return None
+
+    def tokens(chat: list[dict]) -> list[int]:
+        text = tokenizer.apply_chat_template(chat, tokenize=False, **template)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    probes = [[*messages[:first], {**messages[first], "content": probe}] for probe in PROBES[:2]]
+    return shared_prefix([tokens(messages), *map(tokens, probes)])
 
 
 def scorable(method: Method, config: Any) -> Method:
@@ -267,6 +314,23 @@ def memory_flags(flags: list[str], total: int, available: int, env: dict[str, st
     return ["--gpu-memory-utilization", f"{fits:.2f}"]
 
 
+def quiet_teardown() -> None:
+    """An exit handler for `kvcompress serve`'s processes, registered before vLLM's own so that it runs after them:
+    what the interpreter's teardown prints from then on goes to /dev/null. The extension modules vLLM loads (Triton's,
+    built with nanobind) list there the objects they never freed, 28 lines after a clean stop that say nothing about
+    the server."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
+
+
+def dtype_flags(flags: list[str], on_cpu: bool) -> list[str]:
+    """The precision a server runs in when the user names none: on a CPU the library's, float32 (vLLM's ``--dtype
+    auto`` serves a float32 checkpoint in bfloat16 there, where near-tied tokens part from the library's and a small
+    model's answers can run in loops); elsewhere vLLM's own."""
+    return ["--dtype", "float32"] if on_cpu and flag_value(flags, ("--dtype",)) is None else []
+
+
 def ready(base: str) -> bool:
     """Whether the server at ``base`` (``http://host:port``) answers its health check."""
     try:
@@ -309,19 +373,23 @@ class QuietStop(logging.Filter):
 
 @dataclasses.dataclass
 class PromptLayer:
-    """What a method's scoring reads of a kvcompress layer (``PromptMethod.layer_scores``), for one request's
-    prompt in a worker: its keys and values ``[1, kv_heads, tokens, dim]``, its word spans, the layer's rotary (and
-    no prompt record: a request continues no stored context)."""
+    """What a method's scoring reads of a kvcompress layer (``PromptMethod.layer_scores``), for the prompts of a
+    worker's requests that share a method, right-aligned as a library batch is: their keys and values ``[b, kv_heads,
+    tokens, dim]``, their word spans, the layer's rotary, the tokens from where each request says its question begins
+    ``[b]`` (None: none says), and which slots are real ``[b, tokens]`` (None: all of them)."""
 
     keys: torch.Tensor
     values: torch.Tensor
     spans: torch.Tensor | None
     rotary: Rotary | None
-    observation: None = None
+    asked: torch.Tensor | None = None
+    valid: torch.Tensor | None = None
 
     @property
     def prompt_tokens(self) -> torch.Tensor:
-        return torch.tensor([self.keys.shape[2]])
+        return self.slot_validity().sum(dim=-1)
 
     def slot_validity(self) -> torch.Tensor:
-        return torch.ones(1, self.keys.shape[2], dtype=torch.bool)
+        if self.valid is not None:
+            return self.valid
+        return torch.ones(self.keys.shape[0], self.keys.shape[2], dtype=torch.bool)

@@ -64,7 +64,7 @@ def grouped_logits(query: torch.Tensor, keys: torch.Tensor, scaling: float) -> t
     batch, q_heads, q_len, dim = query.shape
     kv_heads, seq = keys.shape[1], keys.shape[2]
     stacked = query.float().reshape(batch, kv_heads, (q_heads // kv_heads) * q_len, dim)
-    return (stacked @ keys.float().transpose(-1, -2)).view(batch, q_heads, q_len, seq) * scaling
+    return (stacked @ keys.float().transpose(-1, -2)).view(batch, q_heads, q_len, seq).mul_(scaling)
 
 
 def phase_of(q_len: int, seq: int) -> str:

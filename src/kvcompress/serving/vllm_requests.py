@@ -1,0 +1,103 @@
+"""What the plugin decides of a request when it arrives and tells the workers of it with every step: its method and
+where its question begins (``Plan``, decided once), and each scheduled request's progress (``Scheduled``, in a
+step's ``StepMethods``, which the KV connector carries from the scheduler to the workers)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from typing import Any
+
+import torch
+from vllm.config import get_current_vllm_config
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from ..methods import SnapKV, method_from_name
+from ..methods.base import Method
+from ..methods.prompt import PromptMethod
+from .settings import FIELD, check_pool, check_question_start, method_of, question_start_of, scorable
+
+
+def engine_method(vllm_config: Any = None) -> Method:
+    """The method of this vLLM instance (a request may name its own); refuses the engine settings the
+    plugin cannot serve, naming them."""
+    config = vllm_config or get_current_vllm_config()
+    if config.speculative_config is not None:
+        raise ValueError("kvcompress in vLLM needs no speculative decoding")
+    check_pool(config.cache_config.cache_dtype, config.model_config.hf_config)
+    settings = (config.additional_config or {}).get(FIELD)
+    method = method_of(settings, default=SnapKV()) if settings is not None else SnapKV()
+    return scorable(method, config.model_config.hf_config)
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """A request's compression as decided when it arrives: its method, its settings as the workers get them (JSON,
+    parsed once per distinct settings: ``settled``), the prompt tokens from where it says its question begins (None:
+    it says nothing, or its method reads as many: a question longer than SnapKV's window) and the prompt tokens it
+    keeps."""
+
+    method: Method
+    settings: str
+    asked: int | None
+    kept: int
+
+    def compresses(self, prompt: int) -> bool:
+        return self.kept < prompt
+
+
+def request_plan(request: Any, default: Method) -> Plan:
+    """A request's own method (its ``kvcompress`` settings in ``SamplingParams.extra_args``: a dict, or the JSON
+    string ``RequestSettings`` put in ``vllm_xargs``), else ``default``, and where its question begins (checked
+    against its prompt)."""
+    extra = request.sampling_params.extra_args if request.sampling_params is not None else None
+    settings = (extra or {}).get(FIELD)
+    settings, start = question_start_of(json.loads(settings) if isinstance(settings, str) else settings)
+    method = method_of(settings, default=default)
+    prompt = request.num_prompt_tokens
+    check_question_start(start, prompt)
+    asked = None if start is None else prompt - start
+    if method.queries_needed(asked) == method.queries_needed():  # a question that fills the window: the window's
+        asked = None  # last tokens vote, as for any prompt (the library's new prompt)
+    return Plan(method, json.dumps({"method": method.name, **method.settings()}, sort_keys=True), asked,
+                kept_count(method, prompt))
+
+def kept_count(method: Method, prompt: int) -> int:
+    """Prompt tokens ``method`` keeps of a ``prompt``-token prompt (all of them: nothing to compress)."""
+    if not isinstance(method, PromptMethod):
+        return prompt
+    return min(prompt, int(method.kept_tokens(torch.tensor([prompt]))[0]))
+
+@dataclasses.dataclass
+class Scheduled:
+    """What a worker is told of one request scheduled in a step (by the connector, from the scheduler): its method's
+    settings (JSON), its prompt's length, the tokens computed before the step and scheduled in it, the prompt tokens it
+    keeps, those from where it says its question begins (None: it says nothing), where this prefill began
+    (its prefix-cache hit: the prompt before it is read back from the paged cache), the prompt's token ids while it
+    is prefilled (where its method reads them), the block ids the worker's block table holds for it (how its row is
+    found), and the blocks its compressed cache lives in once the scheduler gave them."""
+
+    settings: str
+    prompt: int
+    computed: int
+    query: int
+    kept: int
+    asked: int | None = None
+    start: int = 0
+    tokens: list[int] | None = None
+    row: list[int] | None = None
+    area: list[int] | None = None
+
+
+@dataclasses.dataclass
+class StepMethods(KVConnectorMetadata):
+    """A step's scheduled requests by request id, and the ids of every request holding blocks, scheduled or not."""
+
+    requests: dict[str, Scheduled]
+    live: set[str]
+
+@functools.lru_cache(maxsize=256)
+def settled(settings: str) -> Method:
+    """The method of settings the scheduler already checked (built once per distinct settings)."""
+    fields = json.loads(settings)
+    return method_from_name(fields.pop("method"), **fields)
