@@ -71,8 +71,9 @@ def test_files_that_cannot_be_loaded_are_refused_by_name(tmp_path):
     named = tiny_model()
     named.config._name_or_path = "/models/tiny-a"  # (as a model loaded from a folder says where)
     kvc.compress(named, tok, random_text(200, seed=5), method=kvc.SnapKV(budget=64)).save(tmp_path / "named.kvc")
-    with pytest.raises(kvc.CacheFileError, match=r"^\S+named.kvc was saved from another model \(LlamaForCausalLM from "
-                                                 r"/models/tiny-a\) \(fingerprint \w+, this LlamaForCausalLM: \w+\); load"):
+    refusal = (r"^\S+named.kvc was saved from another model \(LlamaForCausalLM from /models/tiny-a\) \(fingerprint "
+               r"\w+, this LlamaForCausalLM: \w+\); load")
+    with pytest.raises(kvc.CacheFileError, match=refusal):
         kvc.load(tmp_path / "named.kvc", tiny_model(seed=1), tok)
     with safe_open(str(path), framework="pt") as file:
         tensors, meta = {key: file.get_tensor(key)
