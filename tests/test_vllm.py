@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import threading
+from unittest import mock
 
 import pytest
 
@@ -199,6 +200,10 @@ def test_a_prompt_is_read_back_from_vllms_paged_cache_whatever_its_layout():
         ops.cpu_attn_reshape_and_cache(keys, values, key_cache, value_cache, slots, isa, k_scale=1.0, v_scale=1.0,
                                        kv_cache_dtype="auto")
         read = vllm_worker.read_prompt(cache, blocks, 70, isa)
+        assert torch.equal(read[0], keys) and torch.equal(read[1], values), (dtype, isa)
+        assert vllm_worker.paged_layout(heads, 32, size, dtype, isa) is not None  # (read with strides)
+        with mock.patch.object(vllm_worker, "paged_layout", return_value=None):  # a layout read element by element
+            read = vllm_worker.read_prompt(cache, blocks, 70, isa)
         assert torch.equal(read[0], keys) and torch.equal(read[1], values), (dtype, isa)
 
 

@@ -73,7 +73,8 @@ def window_attention(query_window: torch.Tensor, keys: torch.Tensor, valid: torc
     window, seq = query_window.shape[-2], keys.shape[-2]
     logits = grouped_logits(query_window, keys, scaling)
     lowest = torch.finfo(torch.float32).min
-    logits.masked_fill_(~valid[:, None, None, :], lowest)
+    if not bool(valid.all()):  # (a prompt without padding, as a served one: a pass over the logits saved)
+        logits.masked_fill_(~valid[:, None, None, :], lowest)
     later = torch.ones(window, window, dtype=torch.bool, device=keys.device).triu(1)  # keys after each query
     logits[..., seq - window :].masked_fill_(later, lowest)  # (every key before the window precedes every query)
     return key_probabilities(logits, heads)

@@ -33,7 +33,10 @@ class Finishing:
 
 
 def right_aligned(parts: list[torch.Tensor], length: int) -> torch.Tensor:
-    """``[tokens, heads, dim]`` tensors as one ``[b, heads, length, dim]`` batch, each padded with zeros before it."""
+    """``[tokens, heads, dim]`` tensors as one ``[b, heads, length, dim]`` batch, each padded with zeros before it (one
+    that needs no padding: a view, not a copy)."""
+    if len(parts) == 1 and parts[0].shape[0] == length:
+        return parts[0].transpose(0, 1)[None]
     return torch.stack([F.pad(part, (0, 0, 0, 0, length - part.shape[0], 0)).transpose(0, 1) for part in parts])
 
 

@@ -148,19 +148,20 @@ def chat_question_start(tokenizer: Any, messages: list[dict], **template: Any) -
     question (its first turn votes with its own tokens; a later turn's last ``window`` reach into earlier turns, as
     the library's conversations over a stored context do); a document sent with its question in one message is part
     of the question, whose last ``window`` tokens then vote (what a request without a start gets). Found as the
-    library finds a context's end (``conversation.context_ids``): the longest prefix the prompt shares with the
-    same chat whose first such message says something else. None where it cannot be told (no such message, or
-    content that is not text)."""
+    library finds a context's end (``conversation.context_ids``): where the prompt parts from the same chat whose first
+    such message says something else (by text, then counted in tokens through a fast tokenizer's offsets: one
+    tokenization, not three). None where it cannot be told (no such message, or content that is not text)."""
     first = next((i for i, m in enumerate(messages) if m.get("role") not in ("system", "developer")), None)
     if first is None or not all(isinstance(m.get("content"), str) for m in messages):
         return None
-
-    def tokens(chat: list[dict]) -> list[int]:
-        text = tokenizer.apply_chat_template(chat, tokenize=False, **template)
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-    probes = [[*messages[:first], {**messages[first], "content": probe}] for probe in PROBES[:2]]
-    return shared_prefix([tokens(messages), *map(tokens, probes)])
+    chats = [messages, *([*messages[:first], {**messages[first], "content": probe}] for probe in PROBES[:2])]
+    if not tokenizer.is_fast:  # (no offsets: the longest prefix of tokens the three share)
+        return shared_prefix([tokenizer(tokenizer.apply_chat_template(chat, tokenize=False, **template),
+                                        add_special_tokens=False)["input_ids"] for chat in chats])
+    text, *probes = (tokenizer.apply_chat_template(chat, tokenize=False, **template) for chat in chats)
+    chars = len(os.path.commonprefix([text, *probes]))
+    offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    return sum(end <= chars for _, end in offsets)  # the tokens wholly before the conversation
 
 
 def scorable(method: Method, config: Any) -> Method:

@@ -99,17 +99,41 @@ def paged_order(kv_heads: int, block_size: int, head_size: int, dtype: torch.dty
     return stored.argsort(dim=1)
 
 
+@functools.lru_cache(maxsize=8)
+def paged_layout(kv_heads: int, block_size: int, head_size: int, dtype: torch.dtype,
+                 isa: str) -> tuple[bool, ...] | None:
+    """Whether the kernel keeps a block's keys, then its values, transposed (``[head_size, block_size]``) or token by
+    token (``[block_size, head_size]``), read from ``paged_order``; None where it keeps them some other way."""
+    order, count = paged_order(kv_heads, block_size, head_size, dtype, isa), block_size * head_size
+    plain, transposed = torch.arange(count), torch.arange(count).view(head_size, block_size).T.reshape(-1)
+    layout = []
+    for part in (order[:, :count], order[:, count:] - count):
+        if not (bool((part == plain).all()) or bool((part == transposed).all())):
+            return None
+        layout.append(bool((part == transposed).all()))
+    return tuple(layout)
+
+
 def read_prompt(kv_cache: torch.Tensor, blocks: torch.Tensor, tokens: int, isa: str) -> tuple[torch.Tensor, ...]:
     """The keys and values ``[tokens, kv_heads, head_size]`` a request's first ``tokens`` positions hold in vLLM's
     CPU paged cache (``kv_cache [blocks, kv_heads, block_size, 2 * head_size]`` in the model's dtype), through
-    ``blocks``, its block table row: the prompt a prefix-cache hit spared its prefill."""
+    ``blocks``, its block table row: the prompt a prefix-cache hit spared its prefill. A layout ``paged_layout``
+    knows is read with strides (two copies); another through ``paged_order``'s offsets, element by element."""
     _, kv_heads, block_size, width = kv_cache.shape
-    used = -(-tokens // block_size)
-    order = paged_order(kv_heads, block_size, width // 2, kv_cache.dtype, isa)
-    stored = kv_cache.view(kv_cache.shape[0], kv_heads, -1)[blocks[:used].long()]  # [used, kv_heads, 2 * bs * d]
-    ordered = stored.gather(2, order[None].expand(used, -1, -1)).view(used, kv_heads, 2, block_size, width // 2)
-    return tuple(ordered[:, :, i].transpose(1, 2).reshape(used * block_size, kv_heads, width // 2)[:tokens]
+    used, head_size = -(-tokens // block_size), width // 2
+    stored = kv_cache[blocks[:used].long()]  # [used, kv_heads, block_size, 2 * head_size]
+    layout = paged_layout(kv_heads, block_size, head_size, kv_cache.dtype, isa)
+    if layout is not None:
+        halves = stored.view(used, kv_heads, 2, block_size * head_size)
+        return tuple((halves[:, :, i].view(used, kv_heads, head_size, block_size).permute(0, 3, 1, 2) if transposed
+                      else halves[:, :, i].view(used, kv_heads, block_size, head_size).transpose(1, 2)
+                      ).reshape(used * block_size, kv_heads, head_size)[:tokens] for i, transposed in enumerate(layout))
+    order = paged_order(kv_heads, block_size, head_size, kv_cache.dtype, isa)
+    ordered = stored.view(used, kv_heads, -1).gather(2, order[None].expand(used, -1, -1)).view(
+        used, kv_heads, 2, block_size, head_size)
+    return tuple(ordered[:, :, i].transpose(1, 2).reshape(used * block_size, kv_heads, head_size)[:tokens]
                  for i in range(2))
+
 
 class KVCompressCPUImpl(CPUAttentionBackendImpl):
     """CPU attention that compresses each prompt at the end of its prefill, with its request's method, into the
