@@ -371,7 +371,7 @@ def plot(rows: list[dict], path: Path) -> None:
         positions = [i + offset for i in range(len(groups))]
         axes[0].bar(positions, later, width, label=kind, color=colour)
         axes[1].bar(positions, speed, width, label=kind, color=colour)
-    labels = [f"{scenario}\n{tokens}" for scenario, tokens in groups]
+    labels = [f"{scenario.replace(' (', chr(10) + '(')}\n{tokens}" for scenario, tokens in groups]
     axes[0].set_yscale("log")  # (requests each with their own document wait minutes, later questions a second)
     for ax, title in zip(axes, ("time to first token of later questions / turns, p50 (s, log)",
                                 "output tokens/s (shared: 8 at once)")):

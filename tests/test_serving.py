@@ -7,6 +7,7 @@ import json
 import logging
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -261,20 +262,29 @@ def test_a_workers_prompt_is_scored_as_the_library_scores_its_layer(name, monkey
     """The vLLM worker hands a method only ``PromptLayer`` (one request's keys, values, spans and rotary): each
     servable method scores it as it scores the library's own layer holding the same prompt."""
     method = kvc.method_from_name(name, budget=48)
+    seen = scored_layers(monkeypatch)
+    prefilled_cache(method, 90)
+    assert len(seen) == 2  # each layer of the tiny model
+    for layer, query, scaling, scores in seen:
+        prompt = serving.PromptLayer(layer.keys, layer.values, layer.spans, layer.rotary)
+        torch.testing.assert_close(method.layer_scores(prompt, query, scaling), scores, rtol=0, atol=0)
+
+
+def scored_layers(monkeypatch) -> list[tuple]:
+    """What the library's layers are scored from, recorded as they compress: each layer (a copy of what a method
+    reads of it), its queries, scaling and scores."""
     seen = []
     library_scores = EvictionPolicy.prompt_scores
 
     def recording(policy, query, scaling):
         scores, layer = library_scores(policy, query, scaling), policy.layer
-        seen.append((layer.keys.clone(), layer.values.clone(), layer.spans, layer.rotary, query, scaling, scores))
+        read = types.SimpleNamespace(keys=layer.keys.clone(), values=layer.values.clone(), spans=layer.spans,
+                                     rotary=layer.rotary, asked=layer.asked)
+        seen.append((read, query, scaling, scores))
         return scores
 
     monkeypatch.setattr(EvictionPolicy, "prompt_scores", recording)
-    prefilled_cache(method, 90)
-    assert len(seen) == 2  # each layer of the tiny model
-    for keys, values, spans, rotary, query, scaling, scores in seen:
-        prompt = serving.PromptLayer(keys, values, spans, rotary)
-        torch.testing.assert_close(method.layer_scores(prompt, query, scaling), scores, rtol=0, atol=0)
+    return seen
 
 
 def test_a_workers_question_votes_with_its_own_tokens_as_over_a_stored_context(monkeypatch):
@@ -282,22 +292,14 @@ def test_a_workers_question_votes_with_its_own_tokens_as_over_a_stored_context(m
     only their queries scores as the library's layer scores the same question over a stored context."""
     model, tokenizer = tiny_model(), char_tokenizer()
     store = kvc.compress(model, tokenizer, random_text(200, seed=4), method=kvc.FullKV())
-    seen = []
-    library_scores = EvictionPolicy.prompt_scores
-
-    def recording(policy, query, scaling):
-        scores, layer = library_scores(policy, query, scaling), policy.layer
-        seen.append((layer.keys.clone(), layer.values.clone(), layer.spans, layer.asked, query, scaling, scores))
-        return scores
-
-    monkeypatch.setattr(EvictionPolicy, "prompt_scores", recording)
+    seen = scored_layers(monkeypatch)
     method = kvc.SnapKV(budget=48, window=24)
     kvc.generate(model, tokenizer, " and a question?", past=store, method=method, max_new_tokens=1)
     assert len(seen) == 2
-    for keys, values, spans, asked, query, scaling, scores in seen:
-        voters = method.queries_needed(int(asked))
-        assert 0 < voters == int(asked) < 24  # (the question is shorter than the window: its tokens alone vote)
-        prompt = serving.PromptLayer(keys, values, spans, None, asked)
+    for layer, query, scaling, scores in seen:
+        voters = method.queries_needed(int(layer.asked))
+        assert 0 < voters == int(layer.asked) < 24  # (the question is shorter than the window: its tokens alone vote)
+        prompt = serving.PromptLayer(layer.keys, layer.values, layer.spans, None, layer.asked)
         own = method.layer_scores(prompt, query[..., -voters:, :], scaling)
         torch.testing.assert_close(own, scores, rtol=0, atol=0)
 
