@@ -10,7 +10,7 @@ VLLM_VENV ?= .venv-vllm
 KVPRESS_VENV ?= .venv-kvpress
 QUICK := runs/kvpress-quick
 
-.PHONY: run test lint setup model clean vllm vllm-test kvpress
+.PHONY: run test test-isa lint setup model clean vllm vllm-test kvpress
 
 $(STAMP): pyproject.toml scripts/setup.sh
 	VENV=$(VENV) bash scripts/setup.sh
@@ -26,6 +26,13 @@ run: model
 
 test: model
 	$(PY) -m pytest -q -n auto --dist loadfile
+
+# `make test-isa`: the CPU kernel's and the coded paths' tests under each CPU capability ATen dispatches to (its
+# vectorized kernels differ by ISA; the kernel's own build is -march=native), as CI runs them.
+ISA_TESTS := tests/test_cpu_kernel.py tests/test_codec.py
+
+test-isa: model
+	for cap in default avx2 avx512; do ATEN_CPU_CAPABILITY=$$cap $(PY) -m pytest -q $(ISA_TESTS) || exit 1; done
 
 lint: $(STAMP)
 	$(PY) -m ruff check src tests scripts
