@@ -85,13 +85,21 @@ class RequestSettings:
         engine: dict[str, Any] = {"method": method.name, **method.settings()} if named and method is not None else {}
         if self.model is None:  # (a middleware outside ``kvcompress serve``: no tokenizer to check the start with)
             return {**engine, QUESTION_START: start} if start is not None else engine
-        prompts = self.prompt_tokens(payload, chat)
-        reads_start = method is not None and method.queries_needed(1) != method.queries_needed()
-        if start is None and chat and prompts and reads_start:
+        if start is not None:  # named by the request: checked against its prompt
+            for prompt in self.prompt_tokens(payload, chat):
+                check_question_start(start, prompt)
+        elif chat and self.rendered_as_vllm(payload) and method is not None and (
+                method.queries_needed(1) != method.queries_needed()):  # (a method the start changes nothing for: none)
             start = chat_question_start(self.tokenizer, payload["messages"], **self.template(payload))
-        for prompt in prompts:
-            check_question_start(start, prompt)
         return {**engine, QUESTION_START: start} if start is not None else engine
+
+    @staticmethod
+    def rendered_as_vllm(payload: dict) -> bool:
+        """Whether this server renders a chat request's messages as vLLM will: text messages, no tools, no template of
+        the request's own."""
+        messages = payload.get("messages")
+        return isinstance(messages, list) and "tools" not in payload and "chat_template" not in payload and all(
+            isinstance(m, dict) and isinstance(m.get("content"), str) for m in messages)
 
     @staticmethod
     def template(payload: dict) -> dict[str, Any]:
@@ -104,11 +112,9 @@ class RequestSettings:
         rendered by the model's template (none for tools or a template of the request's own), a completion's text
         or token ids."""
         if chat:
-            messages = payload.get("messages")
-            if not isinstance(messages, list) or "tools" in payload or "chat_template" in payload or not all(
-                    isinstance(m, dict) and isinstance(m.get("content"), str) for m in messages):
+            if not self.rendered_as_vllm(payload):
                 return []
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, **self.template(payload))
+            text = self.tokenizer.apply_chat_template(payload["messages"], tokenize=False, **self.template(payload))
             return [len(self.tokenizer(text, add_special_tokens=False)["input_ids"])]
         prompt = payload.get("prompt")
         prompts = prompt if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else [prompt]
