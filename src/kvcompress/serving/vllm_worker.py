@@ -220,7 +220,7 @@ class KVCompressCPUImpl(CPUAttentionBackendImpl):
         if attn_metadata is None or kv_cache.numel() == 0:
             return output
         starts = attn_metadata.query_start_loc.tolist()
-        finishing: dict[tuple, list[tuple[int, str, Finishing]]] = {}  # the step's prompts to compress, by method
+        finishing: dict[tuple, list[tuple[slice, str, Finishing]]] = {}  # the step's prompts to compress, by method
         reads: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # cached prompt parts read back, by their blocks
         for row, request in enumerate(ROWS[: len(starts) - 1]):
             if request is None or request in REMAPPED or STEP[request].computed >= STEP[request].prompt:  # decoding
@@ -229,7 +229,7 @@ class KVCompressCPUImpl(CPUAttentionBackendImpl):
             compressing = info.kept < info.prompt
             # The step's part of the prompt; after it, a preempted request's recomputed tokens (fed with the prompt).
             ends = min(info.query, info.prompt - info.computed)
-            rows = slice(starts[row], starts[row] + ends)
+            rows, after = slice(starts[row], starts[row] + ends), slice(starts[row] + ends, starts[row + 1])
             needed = method.queries_needed(info.asked) if compressing else 0
             queries = query[rows] if needed is None else query[rows][ends - min(needed, ends) :]
             chunk = (key[rows], value[rows], queries)
@@ -248,18 +248,22 @@ class KVCompressCPUImpl(CPUAttentionBackendImpl):
                 continue
             if began > 0:  # the prompt before this prefill began, a prefix-cache hit: read back from the pool, once
                 blocks = attn_metadata.block_table[row, : -(-began // kv_cache.shape[2])]  # for the requests sharing it
-                cached = reads.setdefault((began, *blocks.tolist()), read_prompt(kv_cache, blocks, began, layer.isa))
-                keys, values = torch.cat([cached[0], keys]), torch.cat([cached[1], values])
-            prompt = Finishing(keys, values, queries, self.spans(method, request), info.asked, info.kept)
+                shared = (began, *blocks.tolist())
+                if shared not in reads:
+                    reads[shared] = read_prompt(kv_cache, blocks, began, layer.isa)
+                keys, values = torch.cat([reads[shared][0], keys]), torch.cat([reads[shared][1], values])
+            spans = self.spans(method, request)
+            if spans is not None and spans.shape[-1] != keys.shape[0]:  # never score one prompt with another's words
+                raise RuntimeError(
+                    f"kvcompress: a prompt of {keys.shape[0]} tokens came with {spans.shape[-1]} token ids")
+            prompt = Finishing(keys, values, queries, spans, info.asked, info.kept)
             together = (info.settings, info.asked is None, needed is None, row if needed is None else None)
-            finishing.setdefault(together, []).append((row, request, prompt))  # (every query read: each alone)
+            finishing.setdefault(together, []).append((after, request, prompt))  # (every query read: each alone)
         for group in finishing.values():
             method = step_method(group[0][1])
             rotary = self.layer_rotary(layer) if method.needs_rotary() else None
             chosen = kept_together(method, [prompt for *_, prompt in group], self.scale, rotary, self.sinks)
-            for (row, request, prompt), positions in zip(group, chosen):
-                after = slice(starts[row] + min(STEP[request].query, STEP[request].prompt - STEP[request].computed),
-                              starts[row + 1])
+            for (after, request, prompt), positions in zip(group, chosen):
                 area = torch.tensor(STEP[request].area, dtype=torch.int32)
                 self.keep(layer, request, prompt, positions, kv_cache, area, key[after], value[after])
                 if after.stop > after.start:  # a recomputed request's generated tokens see the cache its decoding saw
@@ -280,9 +284,6 @@ class KVCompressCPUImpl(CPUAttentionBackendImpl):
         """Write one request's kept tokens (``positions [kv_heads, kept]`` of its prompt) in the first slots of
         ``blocks`` (its own, never a block the prefix cache holds), then ``later_keys``/``later_values`` (the tokens
         a recomputed request had generated) right after them."""
-        length = prompt.keys.shape[0]
-        if prompt.spans is not None and prompt.spans.shape[-1] != length:  # never score one prompt with another's words
-            raise RuntimeError(f"kvcompress: a prompt of {length} tokens came with {prompt.spans.shape[-1]} token ids")
         order = positions.T  # slot s of head h holds token order[s, h]
         heads = torch.arange(prompt.keys.shape[1])[None, :]
         block_size = kv_cache.shape[2]
