@@ -260,15 +260,22 @@ class KVCompressCPUImpl(CPUAttentionBackendImpl):
             together = (info.settings, info.asked is None, needed is None, row if needed is None else None)
             finishing.setdefault(together, []).append((after, request, prompt))  # (every query read: each alone)
         for group in finishing.values():
-            method = step_method(group[0][1])
-            rotary = self.layer_rotary(layer) if method.needs_rotary() else None
-            chosen = kept_together(method, [prompt for *_, prompt in group], self.scale, rotary, self.sinks)
-            for (after, request, prompt), positions in zip(group, chosen):
-                area = torch.tensor(STEP[request].area, dtype=torch.int32)
-                self.keep(layer, request, prompt, positions, kv_cache, area, key[after], value[after])
-                if after.stop > after.start:  # a recomputed request's generated tokens see the cache its decoding saw
-                    self.attend_kept(layer, query[after], kv_cache, area, prompt.kept, output[after])
+            self.compress_together(layer, group, query, key, value, kv_cache, output)
         return output
+
+    def compress_together(
+        self, layer: Any, group: list[tuple[slice, str, Finishing]], query: torch.Tensor, key: torch.Tensor,
+        value: torch.Tensor, kv_cache: torch.Tensor, output: torch.Tensor,
+    ) -> None:
+        """Score the prompts one method finishes in this step as one batch, and keep each one's choice in its area."""
+        method = step_method(group[0][1])
+        rotary = self.layer_rotary(layer) if method.needs_rotary() else None
+        chosen = kept_together(method, [prompt for *_, prompt in group], self.scale, rotary, self.sinks)
+        for (after, request, prompt), positions in zip(group, chosen):
+            area = torch.tensor(STEP[request].area, dtype=torch.int32)
+            self.keep(layer, request, prompt, positions, kv_cache, area, key[after], value[after])
+            if after.stop > after.start:  # a recomputed request's generated tokens see the cache its decoding saw
+                self.attend_kept(layer, query[after], kv_cache, area, prompt.kept, output[after])
 
     def spans(self, method: Method, request: str) -> torch.Tensor | None:
         """The word spans of ``request``'s prompt, if its method reads them (``[1, prompt]``)."""
