@@ -80,7 +80,7 @@ def test_force_replaces_and_the_folder_is_checked_before_any_work(folder, doc, t
                "--force")[0] == 0
     assert kvc.load(out, *kvc.load_model(str(folder))).cache.method.name == "kvzip"
 
-    monkeypatch.setattr("kvcompress.cli.ask.load_model",
+    monkeypatch.setattr("kvcompress.cli.library.load_model",
                         lambda *a, **k: pytest.fail("the model was loaded before the output was checked"))
     code, _, err = run(capsys, "compress", "--prompt-file", doc, "--out", tmp_path / "nodir" / "sub" / "x.kvc")
     assert code == 2 and one_line(
@@ -121,7 +121,7 @@ def test_an_interrupt_says_only_what_is_true(folder, doc, tmp_path, capsys, monk
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("kvcompress.cli.ask.compress", interrupted)
+    monkeypatch.setattr("kvcompress.cli.library.compress", interrupted)
     code, _, err = run(capsys, "compress", "--model", folder, "--prompt-file", doc, "--out", tmp_path / "fresh.kvc")
     assert code == 130 and err == f"kvcompress: interrupted; nothing was written to {tmp_path / 'fresh.kvc'}\n"
     (tmp_path / "old.kvc").write_text("kept")
@@ -438,3 +438,30 @@ def test_a_stop_string_reads_its_escapes_as_python_does(capsys):
     with pytest.raises(SystemExit):
         main(["generate", "--help"])
     assert "--stop '\\n' is a newline" in " ".join(capsys.readouterr().out.split())
+
+
+def test_help_answers_without_torch_or_transformers():
+    """Every command's ``--help`` (and a chosen method's) is parsed from the catalogue: torch and transformers are
+    imported only once a command runs (issue 81: each help took 5-9 s)."""
+    every_help = [["--help"], ["generate", "--help"], ["generate", "--method", "shadowkv", "--help"],
+                  ["chat", "--help"], ["compress", "--help"], ["methods", "--help"], ["demo", "--help"],
+                  ["observe", "--help"],
+                  ["bench", "accuracy", "--help"], ["bench", "speed", "--help"], ["bench", "headline", "--help"],
+                  ["bench", "shared-context", "--help"], ["serve", "--help"], ["fetch-model", "--help"]]
+    code = ("import contextlib, io, sys\nfrom kvcompress.cli import main\n"
+            f"for argv in {every_help!r}:\n"
+            "    with contextlib.redirect_stdout(io.StringIO()) as shown, contextlib.suppress(SystemExit):\n"
+            "        main(argv)\n"
+            "    assert 'usage: kvcompress' in shown.getvalue(), argv\n"
+            "print(sorted({'torch', 'transformers'} & set(sys.modules)))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+
+
+def test_the_parsers_catalogue_is_the_librarys():
+    """``cli/catalogue.json`` (what every parser shows) equals what the library holds now: a method's new field or a
+    new preset reaches the CLI (rewrite it with ``python -m kvcompress.cli.catalogue``)."""
+    from kvcompress.cli import catalogue
+
+    assert catalogue.catalogue() == catalogue.live_catalogue(), "run python -m kvcompress.cli.catalogue"

@@ -231,8 +231,8 @@ def test_ctrl_c_in_a_long_command_says_where_results_are(tmp_path, monkeypatch, 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("kvcompress.cli.bench.run_accuracy", interrupted)
-    monkeypatch.setattr("kvcompress.cli.bench.load_model", lambda *a, **k: (tiny_model(), char_tokenizer()))
+    monkeypatch.setattr("kvcompress.cli.library.run_accuracy", interrupted)
+    monkeypatch.setattr("kvcompress.cli.library.load_model", lambda *a, **k: (tiny_model(), char_tokenizer()))
     assert main(["bench", "accuracy", "--out", str(tmp_path / "acc")]) == 130
     err = capsys.readouterr().err
     assert err == (f"kvcompress: interrupted; results so far are in {tmp_path / 'acc'} and rerunning the same command "

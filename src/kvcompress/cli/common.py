@@ -4,10 +4,31 @@ prompts read from flags or files, the sampling flags."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
-from ..methods import InvalidParameterError
+from . import library as lib
+
+
+def _stop_while_starting(signum: int, frame: object) -> None:
+    sys.stderr.write("kvcompress: interrupted while starting; nothing was done\n")
+    sys.stderr.flush()
+    os._exit(130)  # nothing has run yet: no state to unwind, and no import left half done to trip over
+
+
+@contextlib.contextmanager
+def starting() -> Iterator[None]:
+    """Ctrl-C within: one line and exit (the heavy imports, torch and transformers, take seconds, and some libraries
+    turn an interrupted import into other errors)."""
+    previous = signal.signal(signal.SIGINT, _stop_while_starting)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 class Parser(argparse.ArgumentParser):
@@ -22,8 +43,12 @@ class HelpFormatter(argparse.HelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if action.option_strings and "%(default)" not in text and "(default" not in text and action.default not in (
-                None, False, argparse.SUPPRESS):
+        if (
+            action.option_strings
+            and "%(default)" not in text
+            and "(default" not in text
+            and action.default not in (None, False, argparse.SUPPRESS)
+        ):
             text += " (default: %(default)s)"
         return text
 
@@ -42,16 +67,16 @@ def check_output(flag: str, path: str, force: bool, inputs: dict[str, str | None
     target = Path(path)
     for name, given in inputs.items():
         if given is not None and Path(given).resolve() == target.resolve():
-            raise InvalidParameterError(f"{flag} {path} is the input file ({name}); write to another file")
+            raise lib.InvalidParameterError(f"{flag} {path} is the input file ({name}); write to another file")
     if target.is_dir():
-        raise InvalidParameterError(f"{flag} {path} is a folder; give a file name")
+        raise lib.InvalidParameterError(f"{flag} {path} is a folder; give a file name")
     folder = target.parent
     if not folder.is_dir():
-        raise InvalidParameterError(f"{flag} {path}: the folder {folder} does not exist")
+        raise lib.InvalidParameterError(f"{flag} {path}: the folder {folder} does not exist")
     if not os.access(folder, os.W_OK):
-        raise InvalidParameterError(f"{flag} {path}: the folder {folder} is not writable")
+        raise lib.InvalidParameterError(f"{flag} {path}: the folder {folder} is not writable")
     if target.exists() and not force:
-        raise InvalidParameterError(f"{flag} {path} exists; add --force to replace it")
+        raise lib.InvalidParameterError(f"{flag} {path} exists; add --force to replace it")
 
 
 def unwritten(path: str | None) -> str:
@@ -65,22 +90,24 @@ def read_prompt(path: str) -> str:
     try:
         return Path(path).read_text(encoding="utf-8")
     except UnicodeDecodeError as error:
-        raise InvalidParameterError(
-            f"--prompt-file {path}: not UTF-8 text ({error.reason} at byte {error.start})") from None
+        raise lib.InvalidParameterError(
+            f"--prompt-file {path}: not UTF-8 text ({error.reason} at byte {error.start})"
+        ) from None
     except OSError as error:
-        raise InvalidParameterError(f"--prompt-file {path}: {error.strerror or error}") from None
+        raise lib.InvalidParameterError(f"--prompt-file {path}: {error.strerror or error}") from None
 
 
 def prompt_of(args: argparse.Namespace) -> str:
     if (args.prompt is None) == (args.prompt_file is None):
-        raise InvalidParameterError("give exactly one of --prompt TEXT or --prompt-file FILE")
+        raise lib.InvalidParameterError("give exactly one of --prompt TEXT or --prompt-file FILE")
     if args.prompt is not None:
         text, source = args.prompt, "--prompt"
     else:
         text, source = read_prompt(args.prompt_file), f"--prompt-file {args.prompt_file}"
     if not text.strip():
-        raise InvalidParameterError(
-            f"{source} is empty; give the text to {'compress' if args.command == 'compress' else 'answer'}")
+        raise lib.InvalidParameterError(
+            f"{source} is empty; give the text to {'compress' if args.command == 'compress' else 'answer'}"
+        )
     return text
 
 
@@ -92,14 +119,26 @@ def prompt_flags(parser: argparse.ArgumentParser, what: str) -> None:
 
 
 def sampling_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--temperature", type=float, default=0.0,
-                        help="sample at this temperature instead of the greedy choice (0: greedy)")
-    parser.add_argument("--top-p", type=float, default=1.0,
-                        help="sample from the most probable tokens until their probability reaches this")
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="sample at this temperature instead of the greedy choice (0: greedy)",
+    )
+    parser.add_argument(
+        "--top-p",
+        type=float,
+        default=1.0,
+        help="sample from the most probable tokens until their probability reaches this",
+    )
     parser.add_argument("--seed", type=int, help="the sampling seed (the same seed repeats an answer)")
-    parser.add_argument("--stop", action="append", type=stop_string,
-                        help="end the answer before this string (repeat for several), its escapes read as Python "
-                             "reads them: --stop '\\n' is a newline (for a base model), '\\\\n' a backslash and an n")
+    parser.add_argument(
+        "--stop",
+        action="append",
+        type=stop_string,
+        help="end the answer before this string (repeat for several), its escapes read as Python "
+        "reads them: --stop '\\n' is a newline (for a base model), '\\\\n' a backslash and an n",
+    )
 
 
 def stop_string(text: str) -> str:
@@ -108,6 +147,6 @@ def stop_string(text: str) -> str:
     try:
         return text.encode("latin-1", "backslashreplace").decode("unicode_escape")
     except UnicodeDecodeError as error:
-        raise argparse.ArgumentTypeError(f"{text!r} has an unfinished escape ({error.reason}); write a backslash "
-                                         "as \\\\") from None
-
+        raise argparse.ArgumentTypeError(
+            f"{text!r} has an unfinished escape ({error.reason}); write a backslash as \\\\"
+        ) from None

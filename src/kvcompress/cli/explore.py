@@ -6,25 +6,26 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from rich.console import Console
-
-from ..bench import report
-from ..bench.ruler import fetch_ruler_data
-from ..integrations.transformers.models import DEFAULT_MODEL, EMBEDDED, fetch_model, load_model
-from ..methods import InvalidParameterError
+from . import library as lib
+from .catalogue import catalogue
 from .common import check_output, command, unwritten
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 
 def _methods_command(sub: argparse._SubParsersAction) -> None:
     """``methods``: the methods and their settings."""
-    methods = command(sub, "methods",
-                       "list the methods, each with what it keeps and its settings (defaults and valid values)")
+    methods = command(
+        sub, "methods", "list the methods, each with what it keeps and its settings (defaults and valid values)"
+    )
     methods.set_defaults(run=_cmd_methods)
 
 
 def _cmd_methods(args: argparse.Namespace, console: Console) -> int:
-    for shown in report.methods():
+    for shown in lib.report.methods():
         console.print(shown)
     return 0
 
@@ -41,10 +42,9 @@ def _demo_command(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_demo(args: argparse.Namespace, console: Console) -> int:
-    from .. import demo  # noqa: PLC0415 - loaded when asked for
-
+    demo = lib.demo
     with console.status("loading the model"):
-        model, tokenizer = load_model(args.model)
+        model, tokenizer = lib.load_model(args.model)
     methods = demo.demo_methods(args.budget)
     console.print(
         f"Document of ~{args.tokens} tokens, a fact buried at depth {args.depth:.0%}, the question at the end. "
@@ -59,7 +59,7 @@ def _cmd_demo(args: argparse.Namespace, console: Console) -> int:
             depth=args.depth,
             on_start=lambda m: status.update(f"running {m.describe()} ({methods.index(m) + 1}/{len(methods)})"),
         )
-    for shown in report.demo(rows):
+    for shown in lib.report.demo(rows):
         console.print(shown)
     if args.json:
         Path(args.json).write_text(json.dumps([vars(r) for r in rows], indent=2))
@@ -69,36 +69,42 @@ def _cmd_demo(args: argparse.Namespace, console: Console) -> int:
 def _observe_command(sub: argparse._SubParsersAction) -> None:
     """``observe``: the papers' observations measured on a model."""
     observe = command(
-        sub, "observe",
-        "measure on a model what SnapKV and ShadowKV are built on (their Sec. 3): a table, JSON, figures")
+        sub,
+        "observe",
+        "measure on a model what SnapKV and ShadowKV are built on (their Sec. 3): a table, JSON, figures",
+    )
     observe.add_argument("--model", help="model folder or name (default: the embedded model)")
-    observe.add_argument("--quick", action="store_true",
-                         help="small sizes (a 300-token document): a first look, the tests")
+    observe.add_argument(
+        "--quick", action="store_true", help="small sizes (a 300-token document): a first look, the tests"
+    )
     observe.add_argument("--tokens", type=int, help="document length in tokens (default 2000; --quick 300)")
-    observe.add_argument("--out", default="runs/observe",
-                         help="folder for observations.json and the PNGs (made if missing)")
+    observe.add_argument(
+        "--out", default="runs/observe", help="folder for observations.json and the PNGs (made if missing)"
+    )
     observe.add_argument("--force", action="store_true", help="replace an earlier run's observations.json in --out")
-    observe.set_defaults(run=_cmd_observe,
-                         interrupted=lambda args: unwritten(str(Path(args.out) / "observations.json")))
+    observe.set_defaults(
+        run=_cmd_observe, interrupted=lambda args: unwritten(str(Path(args.out) / "observations.json"))
+    )
 
 
 def _cmd_observe(args: argparse.Namespace, console: Console) -> int:
-    from ..bench import observe  # noqa: PLC0415 - loaded when asked for
-
+    observe = lib.observe
     if args.tokens is not None and args.tokens < 64:
-        raise InvalidParameterError(f"--tokens {args.tokens} is invalid; give a document of 64 tokens or more")
+        raise lib.InvalidParameterError(f"--tokens {args.tokens} is invalid; give a document of 64 tokens or more")
     folder = Path(args.out)
     if folder.exists() and not folder.is_dir():
-        raise InvalidParameterError(f"--out {args.out} is a file; give a folder for observations.json and the figures")
+        raise lib.InvalidParameterError(
+            f"--out {args.out} is a file; give a folder for observations.json and the figures"
+        )
     folder.mkdir(parents=True, exist_ok=True)
     target = folder / "observations.json"
     check_output("--out", str(target), args.force, {})
     settings = observe.Settings.quick() if args.quick else observe.Settings()
     if args.tokens is not None:
         settings.tokens = args.tokens
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = lib.load_model(args.model)
     written = observe.write_report(observe.observe(model, tokenizer, settings), args.out)
-    console.print(report.observations(observe.summary(json.loads(target.read_text())), settings.tokens))
+    console.print(lib.report.observations(observe.summary(json.loads(target.read_text())), settings.tokens))
     console.print(f"wrote {', '.join(written)} to {args.out}", soft_wrap=True)
     return 0
 
@@ -106,25 +112,29 @@ def _cmd_observe(args: argparse.Namespace, console: Console) -> int:
 def add_fetch_commands(sub: argparse._SubParsersAction) -> None:
     """``fetch-model`` and ``fetch-data``."""
     fetch = command(sub, "fetch-model", "fetch and cache an embedded model (done automatically on first use)")
-    fetch.add_argument("--model", choices=list(EMBEDDED), default=DEFAULT_MODEL,
-                       help="which embedded model (gemma3-270m: Gemma 3 270M, under the Gemma Terms of Use)")
+    fetch.add_argument(
+        "--model",
+        choices=catalogue()["embedded_models"],
+        default=catalogue()["default_model"],
+        help="which embedded model (gemma3-270m: Gemma 3 270M, under the Gemma Terms of Use)",
+    )
     fetch.set_defaults(run=_cmd_fetch_model)
-    data = command(sub, "fetch-data",
-                    "fetch and cache RULER's data (essays haystack, qa_1, qa_2; done automatically on first use)")
+    data = command(
+        sub, "fetch-data", "fetch and cache RULER's data (essays haystack, qa_1, qa_2; done automatically on first use)"
+    )
     data.set_defaults(run=_cmd_fetch_data)
 
 
 def _cmd_fetch_model(args: argparse.Namespace, console: Console) -> int:
-    console.print(f"embedded model {args.model} ready in {fetch_model(args.model)}")
-    if EMBEDDED[args.model].terms != "Apache-2.0":
-        console.print(f"its weights come under {EMBEDDED[args.model].terms}")
+    console.print(f"embedded model {args.model} ready in {lib.fetch_model(args.model)}")
+    if lib.EMBEDDED[args.model].terms != "Apache-2.0":
+        console.print(f"its weights come under {lib.EMBEDDED[args.model].terms}")
     return 0
 
 
 def _cmd_fetch_data(args: argparse.Namespace, console: Console) -> int:
-    console.print(f"RULER's essays, SQuAD and HotpotQA ready in {fetch_ruler_data()}")
+    console.print(f"RULER's essays, SQuAD and HotpotQA ready in {lib.fetch_ruler_data()}")
     return 0
-
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:

@@ -9,18 +9,11 @@ import sys
 
 from rich.console import Console
 
-from ..cache.errors import CacheMisuseError, UnsupportedModelError
-from ..generation.feed import PromptTooLongError
-from ..io.saved import CacheFileError
 from ..io.version import versions_line
-from ..io.wheels import NotFetchedError
-from ..methods import METHODS, InvalidParameterError
-from . import ask, bench, explore, serve
-from .common import Parser, command
+from . import ask, bench, explore, library, serve
+from .catalogue import method_names
+from .common import Parser, command, starting
 from .method_flags import given_method
-
-USER_ERRORS = (InvalidParameterError, PromptTooLongError, UnsupportedModelError, CacheMisuseError, CacheFileError,
-               NotFetchedError, OSError, ValueError)
 
 
 def flag_names(parser: argparse.ArgumentParser) -> dict[str, str]:
@@ -49,8 +42,10 @@ def in_flag_words(error: Exception, flags: dict[str, str]) -> str:
         return f"no {flags[name]}" if value == "None" else f"{flags[name]} {value.strip(chr(39))}"
 
     parts = re.split(r"(\b[a-z0-9_-]+\([^()]*=[^()]*\))", str(error).removeprefix("kvcompress: "))
-    words = [part if index % 2 else re.sub(r"\b([a-z][a-z_]*)=('[^']*'|[^\s,;:()]+)", flag, part)
-             for index, part in enumerate(parts)]
+    words = [
+        part if index % 2 else re.sub(r"\b([a-z][a-z_]*)=('[^']*'|[^\s,;:()]+)", flag, part)
+        for index, part in enumerate(parts)
+    ]
     # a range: "valid: budget > 32", or against another setting: "valid: key_bits >= kv_bits"
     bound = re.compile(r"\bvalid: ([a-z][a-z_]*) ([<>]=?)(?: ([a-z][a-z_]*)\b)?")
 
@@ -83,23 +78,26 @@ def main(argv: list[str] | None = None) -> int:
         argv = ["serve", "--model", *argv[1:]]
     parser = build_parser(argv)
     chosen = given_method(argv)
-    if chosen is not None and chosen not in METHODS and {"-h", "--help"} & set(argv):  # help for no method
-        print(f"kvcompress: error: --method {chosen} is unknown; valid: {', '.join(METHODS)}", file=sys.stderr)
+    if chosen is not None and chosen not in method_names() and {"-h", "--help"} & set(argv):  # help for no method
+        print(f"kvcompress: error: --method {chosen} is unknown; valid: {', '.join(method_names())}", file=sys.stderr)
         return 2
     args, rest = parser.parse_known_args(argv)
     if rest and args.command != "serve":
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     args.vllm_flags = rest  # serve: vLLM's own flags
-    console = Console() if sys.stdout.isatty() else Console(width=120)
     try:
+        with starting():
+            library.preload()  # (torch and transformers: seconds, only now that a command runs)
+        console = Console() if sys.stdout.isatty() else Console(width=120)
         return args.run(args, console)
-    except USER_ERRORS as err:
-        print(f"kvcompress: error: {in_flag_words(err, flag_names(parser))}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         if getattr(args, "printer", None) is not None and args.printer.shown:  # a streamed answer's line ended first
             print(flush=True)
         said = getattr(args, "interrupted", None)
         print(f"kvcompress: interrupted{said(args) if said else ''}", file=sys.stderr)
         return 130
-
+    except Exception as err:
+        if not isinstance(err, library.user_errors()):
+            raise
+        print(f"kvcompress: error: {in_flag_words(err, flag_names(parser))}", file=sys.stderr)
+        return 2

@@ -7,15 +7,20 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from collections import defaultdict
+from typing import TYPE_CHECKING
 
-from ..methods import METHODS, FieldSpec, Method, field_specs, method_from_name
+from . import library as lib
+from .catalogue import Field, method_defaults, method_fields, method_names
+
+if TYPE_CHECKING:
+    from ..methods import Method
 
 
-def method_flag_owners() -> dict[str, list[tuple[str, FieldSpec]]]:
-    """Every method field, by field name: which methods take it and how they describe it."""
-    owners: dict[str, list[tuple[str, FieldSpec]]] = defaultdict(list)
-    for name, cls in METHODS.items():
-        for spec in field_specs(cls):
+def method_flag_owners() -> dict[str, list[tuple[str, Field]]]:
+    """Every built-in method's field, by field name: which methods take it and how they describe it."""
+    owners: dict[str, list[tuple[str, Field]]] = defaultdict(list)
+    for name in method_names():
+        for spec in method_fields(name):
             owners[spec.name].append((name, spec))
     return owners
 
@@ -35,9 +40,9 @@ def add_method_flags(parser: argparse.ArgumentParser, command: str, chosen: str 
     """One flag per field of the chosen method (``--budget``, ``--window``, ...), typed, ranged and
     described by that method's field, its default shown. Other methods' fields are parsed too, out of
     sight, so that ``method_from_args`` refuses them by name."""
-    shown = DEFAULT_METHODS[command] if chosen is None else chosen if chosen in METHODS else None
-    specs = {spec.name: spec for spec in field_specs(METHODS[shown])} if shown else {}
-    defaults = METHODS[shown]().settings() if shown else {}
+    shown = DEFAULT_METHODS[command] if chosen is None else chosen if chosen in method_names() else None
+    specs = {spec.name: spec for spec in method_fields(shown)} if shown else {}
+    defaults = method_defaults(shown) if shown else {}
     shows = f"`kvcompress {command} --method NAME --help` shows another's"
     note = f" (the default method; {shows})" if chosen is None else ""
     group = parser.add_argument_group(f"settings of --method {shown}{note}" if shown else "method settings")
@@ -51,7 +56,7 @@ def add_method_flags(parser: argparse.ArgumentParser, command: str, chosen: str 
                 group.add_argument(owners[0][1].flag, **hidden)
             continue
         default = defaults.get(field)
-        text = f"{spec.help}; {spec.valid()}" + (f" (default: {default})" if default is not None else "")
+        text = f"{spec.help}; {spec.valid}" + (f" (default: {default})" if default is not None else "")
         options = {"default": None, "help": text.replace("%", "%%")}
         if spec.kind is bool:
             group.add_argument(spec.flag, action=argparse.BooleanOptionalAction, **options)
@@ -77,7 +82,7 @@ def flag_settings(args: argparse.Namespace) -> dict[str, object]:
 def method_from_args(name: str, args: argparse.Namespace) -> Method:
     """The method ``name`` with the flags given on the command line (the library's ``method_from_name`` refuses a
     flag it does not take, in the flags' words)."""
-    return method_from_name(name, **flag_settings(args))
+    return lib.method_from_name(name, **flag_settings(args))
 
 
 def method_with_flags(method: Method, args: argparse.Namespace) -> Method:

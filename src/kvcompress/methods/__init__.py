@@ -23,10 +23,11 @@ from .shadowkv import ShadowKV
 from .snapkv import SnapKV
 from .streaming import StreamingLLM
 
-METHODS: dict[str, type[Method]] = {
+BUILT_IN: dict[str, type[Method]] = {  # (the command line's catalogue lists these)
     cls.name: cls
     for cls in (FullKV, SnapKV, StreamingLLM, H2O, KVzip, ExpectedAttention, ShadowKV, Quest, Loki)
 }
+METHODS: dict[str, type[Method]] = dict(BUILT_IN)  # and the ones registered later
 
 
 def register_method(cls: type[Method]) -> type[Method]:
@@ -95,7 +96,7 @@ def method_from_spec(spec: str, **defaults: Any) -> Method:
 
 
 __all__ = [
-    "BudgetMethod", "ExpectedAttention", "FieldSpec", "FullKV", "H2O", "KVzip", "InvalidParameterError", "Loki",
-    "METHODS", "Method", "PromptMethod", "Quest", "ShadowKV", "SnapKV", "StreamingLLM", "field_specs", "method_class",
-    "method_from_name", "method_from_spec", "parse_value", "register_method"
+    "BUILT_IN", "BudgetMethod", "ExpectedAttention", "FieldSpec", "FullKV", "H2O", "KVzip", "InvalidParameterError",
+    "Loki", "METHODS", "Method", "PromptMethod", "Quest", "ShadowKV", "SnapKV", "StreamingLLM", "field_specs",
+    "method_class", "method_from_name", "method_from_spec", "parse_value", "register_method"
 ]
