@@ -1,8 +1,10 @@
 """The methods, one module each, and the registry the CLI and the benchmarks read.
 
 A new method is one file (a ``Method`` dataclass whose fields are declared with ``param``) plus one
-entry in ``METHODS`` below (or ``register_method(cls)`` from outside the package). Everything
-else, from the command-line flags to the benchmarks' method specs, is derived from its fields.
+entry in ``BUILT_IN`` below (or ``register_method(cls)`` from outside the package). Everything
+else, from the command-line flags to the benchmarks' method specs, is derived from its fields; the command line
+reads a built-in's from ``cli/catalogue.json`` (so ``--help`` needs no torch): rewrite it with
+``python -m kvcompress.cli.catalogue`` (a test says when it differs).
 
 The methods may import the transformers integration (``attach``, ``rope``), cache and storage.
 """
