@@ -226,8 +226,10 @@ def generate(
     ``prompt``: a string (raw text), chat messages (the chat template is applied), or a list of either for a batch
     (left-padded; each row compressed as if alone). ``question``: compress the prompt without it first
     (question-agnostic), then append it. ``past``: a previous Result whose conversation (and cache) this call
-    continues with ``prompt`` as the next user message; the method is the one that built that cache and is not
-    applied again. ``prefill``: a ``Prefill`` of the prompt to start from instead of prefilling again (``prompt`` is
+    continues with ``prompt`` as the next user message: a cache that keeps only its method's selection is continued
+    with that method; one that holds its document whole (a stored context, a saved chat) has each question
+    compressed over it with ``method`` (``ways_in`` says which way in the arguments name). ``prefill``: a
+    ``Prefill`` of the prompt to start from instead of prefilling again (``prompt`` is
     then not given). ``compile``: decode with one compiled graph per step (``torch.compile(fullgraph=True)``; on a
     GPU replayed as a CUDA graph), or a ``Compile`` with other options; the prompt runs eagerly. ``prefill_tokens``:
     the most padded prompt tokens one prefill forward takes; a larger batch is prefilled in groups of rows, each

@@ -1,6 +1,6 @@
 """The only place that touches transformers internals: how a ``KVCompressCache`` plugs into a model.
 
-kvcompress uses three public extension points:
+kvcompress uses four public extension points:
 
 * ``AttentionInterface``: an attention implementation named ``"kvcompress"`` (torch SDPA underneath).
   When the keys it receives come from a kvcompress cache layer, it builds the mask from the layer's
