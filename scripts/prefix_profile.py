@@ -42,7 +42,8 @@ def main() -> None:
     parser.add_argument("--questions", type=int, default=8)
     parser.add_argument("--burst", type=int, default=8, help="questions sent at once after the sequential ones")
     parser.add_argument("--budget", type=int, default=256)
-    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--profile", nargs="?", const="one", choices=("one", "burst"),
+                        help="profile the questions one at a time (the default) or the bursts")
     parser.add_argument("--out", default="runs/prefix_profile/prefix_profile.json")
     args = parser.parse_args()
     tokenizer = transformers.AutoTokenizer.from_pretrained(default_model_dir())
@@ -64,7 +65,7 @@ def main() -> None:
     profiler = cProfile.Profile() if args.profile else None
     one, burst = [], []
     for chat in chats[1 : args.questions]:
-        if profiler:
+        if profiler and args.profile == "one":
             profiler.enable()
         start = time.perf_counter()
         llm.chat(chat, greedy(chat), use_tqdm=False)
@@ -72,23 +73,28 @@ def main() -> None:
         if profiler:
             profiler.disable()
     for _ in range(3):
+        if profiler and args.profile == "burst":
+            profiler.enable()
         start = time.perf_counter()
         llm.chat(chats[: args.burst], [greedy(chat) for chat in chats[: args.burst]], use_tqdm=False)
         burst.append(time.perf_counter() - start)
+        if profiler:
+            profiler.disable()
     row = {"server": args.server, "doc_tokens": args.doc_tokens, "layout": args.layout,
            "one_at_a_time_s": one, "one_p50_s": statistics.median(one), f"burst_{args.burst}_s": burst,
            "burst_p50_s": statistics.median(burst)}
     print(json.dumps({k: v for k, v in row.items() if not isinstance(v, list)}))
     if profiler:
         stats = pstats.Stats(profiler)
-        calls = len(one)
-        row["per_question_ms"] = {
+        calls = len(one) if args.profile == "one" else len(burst) * args.burst
+        row[f"per_question_ms{'' if args.profile == 'one' else '_in_bursts'}"] = {
             f"{Path(file).name}:{name}": round(1000 * cumulative / calls, 2)
             for (file, _, name), (_, _, _, cumulative, _) in stats.stats.items()  # type: ignore[attr-defined]
             if "kvcompress/serving" in file or name in ("execute_model", "forward", "select_kept", "layer_scores")
             and cumulative / calls > 0.002
         }
-        for name, ms in sorted(row["per_question_ms"].items(), key=lambda item: -item[1])[:25]:
+        profiled = row[f"per_question_ms{'' if args.profile == 'one' else '_in_bursts'}"]
+        for name, ms in sorted(profiled.items(), key=lambda item: -item[1])[:25]:
             print(f"  {ms:8.2f} ms  {name}")
     row["machine"] = {"platform": platform.platform(), "cpu_threads": torch.get_num_threads(),
                       "torch": torch.__version__, "vllm": vllm.__version__}

@@ -384,9 +384,10 @@ def test_kvcompress_serve_refuses_a_cache_dtype_before_starting_anything():
     (kvc.SnapKV(budget=40, window=12, clustering="pool", votes="sum", pooling="max"), [3, 9, 12]),
     (kvc.StreamingLLM(budget=40), None), (kvc.H2O(budget=40), None)])
 def test_a_steps_prompts_sharing_a_method_are_kept_as_each_alone(method, asked):
-    """The worker scores the prompts a step finishes with one method as one right-aligned batch: each keeps what it
-    keeps alone (prompts of different lengths, questions of different lengths)."""
-    from kvcompress.serving.scoring import Finishing, kept_together
+    """The worker chooses what the prompts a step finishes with one method keep together, right-aligned: each keeps
+    what it keeps alone (prompts of different lengths, questions of different lengths), its keys held as the worker
+    holds them (head by head, transposed) and its values partly still in the pool."""
+    from kvcompress.serving.scoring import Finishing, PromptValues, kept_together
 
     torch.manual_seed(5)
     prompts = []
@@ -394,8 +395,12 @@ def test_a_steps_prompts_sharing_a_method_are_kept_as_each_alone(method, asked):
         needed = method.queries_needed(None if asked is None else asked[row])
         queries = torch.randn(tokens if needed is None else needed, 4, 16)
         spans = torch.arange(tokens)[None] // 3 if method.needs_tokens() else None
-        prompts.append(Finishing(torch.randn(tokens, 2, 16), torch.randn(tokens, 2, 16), queries, spans,
+        values, cached = torch.randn(tokens, 2, 16), 20 * row
+        from_pool = PromptValues(cached, values[cached:],
+                                 lambda at, v=values: v.transpose(0, 1)[torch.arange(2)[:, None], at])
+        prompts.append(Finishing(torch.randn(2, 16, tokens).transpose(1, 2), from_pool, queries, spans,
                                  None if asked is None else asked[row], 40))
+        assert torch.equal(from_pool.whole(), values.transpose(0, 1))
     together = kept_together(method, prompts, 0.25, None)
     for prompt, kept in zip(prompts, together):
         (alone,) = kept_together(method, [prompt], 0.25, None)

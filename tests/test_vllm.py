@@ -186,7 +186,8 @@ def test_the_api_servers_middleware_tells_a_chat_where_its_question_begins(monke
 
 
 def test_a_prompt_is_read_back_from_vllms_paged_cache_whatever_its_layout():
-    """The kernel's own write of random keys and values into scattered blocks, read back by the plugin: exact."""
+    """The kernel's own write of random keys and values into scattered blocks, read back by the plugin: every key
+    (transposed, whole blocks at a time or element by element) and the values at chosen positions, exact."""
     from vllm import _custom_ops as ops
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
@@ -199,12 +200,16 @@ def test_a_prompt_is_read_back_from_vllms_paged_cache_whatever_its_layout():
         slots = blocks[torch.arange(70) // 32].long() * 32 + torch.arange(70) % 32
         ops.cpu_attn_reshape_and_cache(keys, values, key_cache, value_cache, slots, isa, k_scale=1.0, v_scale=1.0,
                                        kv_cache_dtype="auto")
-        read = vllm_worker.read_prompt(cache, blocks, 70, isa)
-        assert torch.equal(read[0], keys) and torch.equal(read[1], values), (dtype, isa)
-        assert vllm_worker.paged_layout(heads, 32, size, dtype, isa) is not None  # (read with strides)
+        keys_t = keys.permute(1, 2, 0)  # [heads, size, tokens], as the scorer reads them
+        assert torch.equal(vllm_worker.read_keys(cache, blocks, 70, isa), keys_t), (dtype, isa)
+        assert torch.equal(vllm_worker.read_keys(cache, blocks, 45, isa), keys_t[..., :45]), (dtype, isa)
+        assert vllm_worker.paged_layout(heads, 32, size, dtype, isa) is not None  # (read whole blocks at a time)
         with mock.patch.object(vllm_worker, "paged_layout", return_value=None):  # a layout read element by element
-            read = vllm_worker.read_prompt(cache, blocks, 70, isa)
-        assert torch.equal(read[0], keys) and torch.equal(read[1], values), (dtype, isa)
+            assert torch.equal(vllm_worker.read_keys(cache, blocks, 70, isa), keys_t), (dtype, isa)
+        positions = torch.randint(0, 70, (heads, 20))  # each head its own tokens (a compressed prompt's kept values)
+        for part, stored in enumerate((keys, values)):
+            expected = stored.transpose(0, 1)[torch.arange(heads)[:, None], positions]
+            assert torch.equal(vllm_worker.read_at(cache, blocks, positions, isa, part), expected), (dtype, isa)
 
 
 def served_alike(llm, library, cases: list[tuple]) -> list[dict[str, torch.Tensor]]:

@@ -1,11 +1,12 @@
-"""The prompts a vLLM worker finishes in one step, scored and selected together: those that share a method become one
-batch, right-aligned as the library's batches are (each prompt's padding before it, marked invalid), scored by the
-method's own ``layer_scores`` and chosen by the library's ``select_kept``, one call each per layer rather than one per
-request. Imports no vLLM: the worker (``vllm_plugin``) hands it tensors."""
+"""The prompts a vLLM worker finishes in one step, scored and selected: each scored alone by its method's own
+``layer_scores`` over views of its keys, the scores of those that share a method right-aligned as the library's
+batches are (each prompt's padding before it, marked invalid) and chosen by the library's ``select_kept`` in one
+call per layer. Imports no vLLM: the worker (``vllm_worker``) hands it tensors."""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -18,43 +19,66 @@ from .settings import PromptLayer
 
 
 @dataclasses.dataclass
+class PromptValues:
+    """A prompt's values as a worker holds them at the end of its prefill: the first ``cached`` tokens' still in vLLM's
+    paged cache (``read``: those at positions ``[kv_heads, n]``, each head its own, as ``[kv_heads, n, dim]``), the
+    rest computed by this prefill (``computed [tokens - cached, kv_heads, dim]``). Its kept tokens' are read, not the
+    whole prompt's, unless a method's scores read values (at 7,500 tokens every value read cost a question ~30 ms)."""
+
+    cached: int
+    computed: torch.Tensor
+    read: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def at(self, positions: torch.Tensor) -> torch.Tensor:
+        """The values at ``positions [kv_heads, n]``, ``[kv_heads, n, dim]``."""
+        heads = torch.arange(positions.shape[0])[:, None]
+        computed = self.computed.transpose(0, 1)[heads, (positions - self.cached).clamp(min=0)]
+        if self.cached == 0 or self.read is None:
+            return computed
+        cached = self.read(positions.clamp(max=self.cached - 1))
+        return torch.where((positions < self.cached)[..., None], cached, computed)
+
+    def whole(self) -> torch.Tensor:
+        """Every token's values, ``[kv_heads, tokens, dim]``."""
+        kv_heads, tokens = self.computed.shape[1], self.cached + self.computed.shape[0]
+        return self.at(torch.arange(tokens).expand(kv_heads, tokens))
+
+
+@dataclasses.dataclass
 class Finishing:
-    """One request's whole prompt in one layer at the end of its prefill: its keys and values ``[tokens, kv_heads,
-    dim]``, the last queries its method reads ``[m, q_heads, dim]``, its word spans ``[1, tokens]`` (None: its
-    method reads none), its tokens from where it says its question begins (None: it says nothing), and the tokens
-    each KV head keeps."""
+    """One request's whole prompt in one layer at the end of its prefill: its keys ``[kv_heads, tokens, dim]`` (head by
+    head, as a scorer's product reads them), its values, the last queries its method reads ``[m, q_heads, dim]``, its
+    word spans ``[1, tokens]`` (None: its method reads none), its tokens from where it says its question begins (None:
+    it says nothing), and the tokens each KV head keeps."""
 
     keys: torch.Tensor
-    values: torch.Tensor
+    values: PromptValues
     queries: torch.Tensor
     spans: torch.Tensor | None
     asked: int | None
     kept: int
 
 
-def right_aligned(parts: list[torch.Tensor], length: int) -> torch.Tensor:
-    """``[tokens, heads, dim]`` tensors as one ``[b, heads, length, dim]`` batch, each padded with zeros before it (one
-    that needs no padding: a view, not a copy)."""
-    if len(parts) == 1 and parts[0].shape[0] == length:
-        return parts[0].transpose(0, 1)[None]
-    return torch.stack([F.pad(part, (0, 0, 0, 0, length - part.shape[0], 0)).transpose(0, 1) for part in parts])
+def prompt_scores(method: Method, prompt: Finishing, scaling: float, rotary: Rotary | None) -> torch.Tensor:
+    """One prompt's scores ``[kv_heads, tokens]`` by its method's own ``layer_scores``, over views of its keys and
+    values (no copy)."""
+    asked = None if prompt.asked is None else torch.tensor([prompt.asked])
+    layer = PromptLayer(prompt.keys[None], lambda: prompt.values.whole()[None], prompt.spans, rotary, asked)
+    return method.layer_scores(layer, prompt.queries.transpose(0, 1)[None], scaling)[0]
 
 
 def kept_together(method: Method, prompts: list[Finishing], scaling: float, rotary: Rotary | None,
                   sinks: torch.Tensor | None = None) -> list[torch.Tensor]:
-    """Each prompt's kept positions ``[kv_heads, kept]`` (ascending within each head), ``prompts`` (one method's, and
-    all saying where their question begins or none) scored as one batch; ``sinks``: the layer's learned sinks, which
-    take their share of the scorer's softmax as in the library."""
-    width = max(prompt.keys.shape[0] for prompt in prompts)
-    pads = torch.tensor([width - prompt.keys.shape[0] for prompt in prompts])
+    """Each prompt's kept positions ``[kv_heads, kept]`` (ascending within each head): ``prompts`` (one method's)
+    each scored alone, over views of its own keys, and their scores chosen together, right-aligned as a library
+    batch is. (Scored as one batch, each prompt's keys were copied into it, and prompts that share a document copied
+    it once each: at 7,500 tokens that copy cost each question of a burst of eight 99 ms, more than its votes.)
+    ``sinks``: the layer's learned sinks, which take their share of the scorer's softmax as in the library."""
+    width = max(prompt.keys.shape[1] for prompt in prompts)
+    pads = torch.tensor([width - prompt.keys.shape[1] for prompt in prompts])
     valid = torch.arange(width)[None, :] >= pads[:, None]
-    depth = max(prompt.queries.shape[0] for prompt in prompts)
-    spans = None if prompts[0].spans is None else torch.cat(  # (span 0: the padding's own)
-        [F.pad(prompt.spans + 1, (int(pad), 0)) for prompt, pad in zip(prompts, pads)])
-    asked = None if prompts[0].asked is None else torch.tensor([prompt.asked for prompt in prompts])
-    keys, values = (right_aligned([getattr(prompt, name) for prompt in prompts], width) for name in ("keys", "values"))
-    layer = PromptLayer(keys, values, spans, rotary, asked, valid if bool(pads.any()) else None)
     with scoring_sinks(sinks):
-        scores = method.layer_scores(layer, right_aligned([p.queries for p in prompts], depth), scaling)
-    kept, _ = select_kept(scores, valid, torch.tensor([prompt.kept for prompt in prompts]))  # [b, kv_heads, n]
+        scores = [prompt_scores(method, prompt, scaling, rotary) for prompt in prompts]
+    aligned = torch.stack([F.pad(score, (int(pad), 0)) for score, pad in zip(scores, pads)])  # [b, kv_heads, width]
+    kept, _ = select_kept(aligned, valid, torch.tensor([prompt.kept for prompt in prompts]))  # [b, kv_heads, n]
     return [kept[row, :, kept.shape[-1] - prompt.kept :] - pads[row] for row, prompt in enumerate(prompts)]

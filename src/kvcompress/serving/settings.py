@@ -12,12 +12,14 @@ the engine's method; ``{"method": "full"}``: its full cache).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import math
 import os
 import sys
 import urllib.request
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -374,23 +376,23 @@ class QuietStop(logging.Filter):
 
 @dataclasses.dataclass
 class PromptLayer:
-    """What a method's scoring reads of a kvcompress layer (``PromptMethod.layer_scores``), for the prompts of a
-    worker's requests that share a method, right-aligned as a library batch is: their keys and values ``[b, kv_heads,
-    tokens, dim]``, their word spans, the layer's rotary, the tokens from where each request says its question begins
-    ``[b]`` (None: none says), and which slots are real ``[b, tokens]`` (None: all of them)."""
+    """What a method's scoring reads of a kvcompress layer (``PromptMethod.layer_scores``), for a worker's prompt (or
+    prompts of one length): keys and values ``[b, kv_heads, tokens, dim]``, word spans, the layer's rotary, and the
+    tokens from where each request says its question begins ``[b]`` (None: none says); every slot is real."""
 
     keys: torch.Tensor
-    values: torch.Tensor
+    stored_values: torch.Tensor | Callable[[], torch.Tensor]  # (a reader: values read only where a method reads them)
     spans: torch.Tensor | None
     rotary: Rotary | None
     asked: torch.Tensor | None = None
-    valid: torch.Tensor | None = None
+
+    @functools.cached_property
+    def values(self) -> torch.Tensor:
+        return self.stored_values() if callable(self.stored_values) else self.stored_values
 
     @property
     def prompt_tokens(self) -> torch.Tensor:
         return self.slot_validity().sum(dim=-1)
 
     def slot_validity(self) -> torch.Tensor:
-        if self.valid is not None:
-            return self.valid
         return torch.ones(self.keys.shape[0], self.keys.shape[2], dtype=torch.bool)

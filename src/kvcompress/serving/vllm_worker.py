@@ -20,7 +20,7 @@ from ..cache.tokens import spans_for
 from ..integrations.transformers.rope import Rotary, rotary_from_config
 from ..methods.base import Method
 from ..storage.codec import make_codec
-from .scoring import Finishing, kept_together
+from .scoring import Finishing, PromptValues, kept_together
 from .vllm_requests import Scheduled, settled
 from .vllm_seam import step_metadata
 
@@ -114,25 +114,35 @@ def paged_layout(kv_heads: int, block_size: int, head_size: int, dtype: torch.dt
     return tuple(layout)
 
 
-def read_prompt(kv_cache: torch.Tensor, blocks: torch.Tensor, tokens: int, isa: str) -> tuple[torch.Tensor, ...]:
-    """The keys and values ``[tokens, kv_heads, head_size]`` a request's first ``tokens`` positions hold in vLLM's
-    CPU paged cache (``kv_cache [blocks, kv_heads, block_size, 2 * head_size]`` in the model's dtype), through
-    ``blocks``, its block table row: the prompt a prefix-cache hit spared its prefill. A layout ``paged_layout``
-    knows is read with strides (two copies); another through ``paged_order``'s offsets, element by element."""
+def read_keys(kv_cache: torch.Tensor, blocks: torch.Tensor, tokens: int, isa: str) -> torch.Tensor:
+    """The keys of a request's first ``tokens`` positions in vLLM's CPU paged cache (``kv_cache [blocks, kv_heads,
+    block_size, 2 * head_size]`` in the model's dtype), through ``blocks``, its block table row: the prompt a
+    prefix-cache hit spared its prefill, transposed ``[kv_heads, head_size, tokens]`` as a scorer's product with its
+    queries reads them. A layout ``paged_layout`` knows is read whole blocks at a time (one copy; where the kernel
+    keeps keys transposed, in runs of a block's tokens); another element by element (``read_at``)."""
     _, kv_heads, block_size, width = kv_cache.shape
     used, head_size = -(-tokens // block_size), width // 2
-    stored = kv_cache[blocks[:used].long()]  # [used, kv_heads, block_size, 2 * head_size]
     layout = paged_layout(kv_heads, block_size, head_size, kv_cache.dtype, isa)
-    if layout is not None:
-        halves = stored.view(used, kv_heads, 2, block_size * head_size)
-        return tuple((halves[:, :, i].view(used, kv_heads, head_size, block_size).permute(0, 3, 1, 2) if transposed
-                      else halves[:, :, i].view(used, kv_heads, block_size, head_size).transpose(1, 2)
-                      ).reshape(used * block_size, kv_heads, head_size)[:tokens] for i, transposed in enumerate(layout))
+    if layout is None:
+        return read_at(kv_cache, blocks, torch.arange(tokens).expand(kv_heads, tokens), isa, 0).transpose(1, 2)
+    stored = kv_cache.view(-1, kv_heads, 2, block_size * head_size)[blocks[:used].long(), :, 0]
+    # [used, kv_heads, head_size, block_size] transposed, else [used, kv_heads, block_size, head_size]
+    by_block = (stored.view(used, kv_heads, head_size, block_size).permute(1, 2, 0, 3) if layout[0]
+                else stored.view(used, kv_heads, block_size, head_size).permute(1, 3, 0, 2))
+    return by_block.reshape(kv_heads, head_size, used * block_size)[..., :tokens]
+
+
+def read_at(kv_cache: torch.Tensor, blocks: torch.Tensor, positions: torch.Tensor, isa: str, part: int) -> torch.Tensor:
+    """The keys (``part`` 0) or values (1) at ``positions [kv_heads, n]`` (each head its own tokens) of a request's
+    paged cache, ``[kv_heads, n, head_size]``: each element found through ``paged_order``'s offsets, whatever the
+    kernel's layout (a compressed prompt's kept values: read where they lie, not the whole prompt's)."""
+    count_blocks, kv_heads, block_size, width = kv_cache.shape
+    head_size = width // 2
     order = paged_order(kv_heads, block_size, head_size, kv_cache.dtype, isa)
-    ordered = stored.view(used, kv_heads, -1).gather(2, order[None].expand(used, -1, -1)).view(
-        used, kv_heads, 2, block_size, head_size)
-    return tuple(ordered[:, :, i].transpose(1, 2).reshape(used * block_size, kv_heads, head_size)[:tokens]
-                 for i in range(2))
+    heads = torch.arange(kv_heads)[:, None, None]
+    inside = (part * block_size + positions % block_size)[..., None] * head_size + torch.arange(head_size)
+    stored = kv_cache.view(count_blocks, kv_heads, 2 * block_size * head_size)
+    return stored[blocks.long()[positions // block_size][..., None], heads, order[heads, inside]]
 
 
 class KVCompressCPUImpl(CPUAttentionBackendImpl):
@@ -221,7 +231,7 @@ class KVCompressCPUImpl(CPUAttentionBackendImpl):
             return output
         starts = attn_metadata.query_start_loc.tolist()
         finishing: dict[tuple, list[tuple[slice, str, Finishing]]] = {}  # the step's prompts to compress, by method
-        reads: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # cached prompt parts read back, by their blocks
+        reads: dict[tuple, torch.Tensor] = {}  # cached prompt parts' keys read back, by their blocks
         for row, request in enumerate(ROWS[: len(starts) - 1]):
             if request is None or request in REMAPPED or STEP[request].computed >= STEP[request].prompt:  # decoding
                 continue
@@ -246,22 +256,37 @@ class KVCompressCPUImpl(CPUAttentionBackendImpl):
                 continue
             if not compressing or info.area is None:  # (no area: the scheduler found no room, docs/vllm.md)
                 continue
-            if began > 0:  # the prompt before this prefill began, a prefix-cache hit: read back from the pool, once
-                blocks = attn_metadata.block_table[row, : -(-began // kv_cache.shape[2])]  # for the requests sharing it
-                shared = (began, *blocks.tolist())
-                if shared not in reads:
-                    reads[shared] = read_prompt(kv_cache, blocks, began, layer.isa)
-                keys, values = torch.cat([reads[shared][0], keys]), torch.cat([reads[shared][1], values])
             spans = self.spans(method, request)
-            if spans is not None and spans.shape[-1] != keys.shape[0]:  # never score one prompt with another's words
+            if spans is not None and spans.shape[-1] != began + keys.shape[0]:  # (never score by another's words)
                 raise RuntimeError(
-                    f"kvcompress: a prompt of {keys.shape[0]} tokens came with {spans.shape[-1]} token ids")
-            prompt = Finishing(keys, values, queries, spans, info.asked, info.kept)
+                    f"kvcompress: a prompt of {began + keys.shape[0]} tokens came with {spans.shape[-1]} token ids")
+            prompt = self.finishing(layer, kv_cache, attn_metadata.block_table[row], began, (keys, values, queries),
+                                    spans, info, reads)
             together = (info.settings, info.asked is None, needed is None, row if needed is None else None)
             finishing.setdefault(together, []).append((after, request, prompt))  # (every query read: each alone)
         for group in finishing.values():
             self.compress_together(layer, group, query, key, value, kv_cache, output)
         return output
+
+    def finishing(self, layer: Any, kv_cache: torch.Tensor, table_row: torch.Tensor, began: int,
+                  computed: tuple[torch.Tensor, torch.Tensor, torch.Tensor], spans: torch.Tensor | None,
+                  info: Scheduled, reads: dict[tuple, torch.Tensor]) -> Finishing:
+        """A prompt at the end of its prefill as its method scores it: this prefill's keys, values (``[n, kv_heads,
+        dim]``) and queries, after the ``began`` tokens a prefix-cache hit spared it, whose keys are read back from the
+        pool once for the requests sharing them (``reads``, by their blocks) and whose values only where kept."""
+        keys, values, queries = computed
+        if began == 0:
+            return Finishing(keys.transpose(0, 1), PromptValues(0, values), queries, spans, info.asked, info.kept)
+        blocks = table_row[: -(-began // kv_cache.shape[2])]
+        shared = (began, *blocks.tolist())
+        if shared not in reads:
+            reads[shared] = read_keys(kv_cache, blocks, began, layer.isa)
+        joined = torch.empty(keys.shape[1], keys.shape[2], began + keys.shape[0], dtype=keys.dtype)  # (keys transposed)
+        joined[..., :began] = reads[shared]
+        joined[..., began:] = keys.permute(1, 2, 0)
+        cached_values = functools.partial(read_at, kv_cache, blocks, isa=layer.isa, part=1)
+        return Finishing(joined.transpose(1, 2), PromptValues(began, values, cached_values), queries, spans, info.asked,
+                         info.kept)
 
     def compress_together(
         self, layer: Any, group: list[tuple[slice, str, Finishing]], query: torch.Tensor, key: torch.Tensor,
@@ -291,13 +316,13 @@ class KVCompressCPUImpl(CPUAttentionBackendImpl):
         """Write one request's kept tokens (``positions [kv_heads, kept]`` of its prompt) in the first slots of
         ``blocks`` (its own, never a block the prefix cache holds), then ``later_keys``/``later_values`` (the tokens
         a recomputed request had generated) right after them."""
-        order = positions.T  # slot s of head h holds token order[s, h]
-        heads = torch.arange(prompt.keys.shape[1])[None, :]
+        heads = torch.arange(positions.shape[0])[:, None]
         block_size = kv_cache.shape[2]
-        slots = torch.arange(order.shape[0] + later_keys.shape[0])
+        slots = torch.arange(positions.shape[1] + later_keys.shape[0])
         slot_mapping = blocks[slots // block_size].to(torch.long) * block_size + slots % block_size
-        keys, values = (torch.cat([t[order, heads], later])
-                        for t, later in ((prompt.keys, later_keys), (prompt.values, later_values)))
+        # slot s of head h holds the token positions[h, s]
+        keys = torch.cat([prompt.keys[heads, positions].transpose(0, 1), later_keys])
+        values = torch.cat([prompt.values.at(positions).transpose(0, 1), later_values])
         self.write_pool(layer, keys, values, kv_cache, slot_mapping)
         KEPT_POSITIONS.setdefault(request, {})[layer.layer_name] = positions
         while len(KEPT_POSITIONS) > KEPT_RECORDS:
