@@ -204,12 +204,15 @@ def test_a_prompt_is_read_back_from_vllms_paged_cache_whatever_its_layout():
         assert torch.equal(vllm_worker.read_keys(cache, blocks, 70, isa), keys_t), (dtype, isa)
         assert torch.equal(vllm_worker.read_keys(cache, blocks, 45, isa), keys_t[..., :45]), (dtype, isa)
         assert vllm_worker.paged_layout(heads, 32, size, dtype, isa) is not None  # (read whole blocks at a time)
-        with mock.patch.object(vllm_worker, "paged_layout", return_value=None):  # a layout read element by element
-            assert torch.equal(vllm_worker.read_keys(cache, blocks, 70, isa), keys_t), (dtype, isa)
         positions = torch.randint(0, 70, (heads, 20))  # each head its own tokens (a compressed prompt's kept values)
         for part, stored in enumerate((keys, values)):
             expected = stored.transpose(0, 1)[torch.arange(heads)[:, None], positions]
             assert torch.equal(vllm_worker.read_at(cache, blocks, positions, isa, part), expected), (dtype, isa)
+        with mock.patch.object(vllm_worker, "paged_layout", return_value=None):  # a layout read element by element
+            assert torch.equal(vllm_worker.read_keys(cache, blocks, 70, isa), keys_t), (dtype, isa)
+            for part, stored in enumerate((keys, values)):
+                expected = stored.transpose(0, 1)[torch.arange(heads)[:, None], positions]
+                assert torch.equal(vllm_worker.read_at(cache, blocks, positions, isa, part), expected), (dtype, isa)
 
 
 def served_alike(llm, library, cases: list[tuple]) -> list[dict[str, torch.Tensor]]:

@@ -250,25 +250,12 @@ def _cmd_bench_speed(args: argparse.Namespace, console: Console) -> int:
     )
     model = _bench_model(settings["model"], args.dtype, console)
     results = lib.run_speed(
-        model,
-        settings["methods"],
-        settings["lengths"],
-        settings["batches"],
-        args.out,
-        budget=settings["budget"],
-        steps=settings["steps"],
-        warmup=settings["warmup"],
-        find_max_context=args.find_max_context,
-        find_max_batch=args.find_max_batch,
-        max_memory=int(args.max_memory * 2**30) if args.max_memory else None,
-        model_name=settings["model"],
-        search_step=args.search_step,
-        batch_limit=args.batch_limit,
-        compile=args.compile,
-        prefill_tokens=None if args.prefill_tokens == 0 else args.prefill_tokens,
-        replicate=args.replicate,
-        repeats=args.repeats,
-    )
+        model, settings["methods"], settings["lengths"], settings["batches"], args.out, budget=settings["budget"],
+        steps=settings["steps"], warmup=settings["warmup"], find_max_context=args.find_max_context,
+        find_max_batch=args.find_max_batch, max_memory=int(args.max_memory * 2**30) if args.max_memory else None,
+        model_name=settings["model"], search_step=args.search_step, batch_limit=args.batch_limit, compile=args.compile,
+        prefill_tokens=None if args.prefill_tokens == 0 else args.prefill_tokens, replicate=args.replicate,
+        repeats=args.repeats)
     for shown in lib.report.speed(settings["model"], results, args.compile, args.out):
         console.print(shown, soft_wrap=isinstance(shown, str))
     return 0
@@ -306,17 +293,9 @@ def _cmd_bench_headline(args: argparse.Namespace, console: Console) -> int:
     flags = ("model", "methods", "lengths", "batches", "steps", "warmup")
     settings = _with_flags(lib.HEADLINE_PRESETS[args.preset], args, flags)
     model = _bench_model(settings["model"], args.dtype, console)
-    results = lib.run_headline(
-        model,
-        settings["methods"],
-        settings["lengths"],
-        settings["batches"],
-        args.out,
-        steps=settings["steps"],
-        warmup=settings["warmup"],
-        model_name=settings["model"],
-        compile=args.compile,
-    )
+    results = lib.run_headline(model, settings["methods"], settings["lengths"], settings["batches"], args.out,
+                               steps=settings["steps"], warmup=settings["warmup"], model_name=settings["model"],
+                               compile=args.compile)
     for shown in lib.report.headline(settings["model"], results, args.compile, args.out):
         console.print(shown, soft_wrap=isinstance(shown, str))
     return 0

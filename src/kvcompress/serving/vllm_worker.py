@@ -134,10 +134,18 @@ def read_keys(kv_cache: torch.Tensor, blocks: torch.Tensor, tokens: int, isa: st
 
 def read_at(kv_cache: torch.Tensor, blocks: torch.Tensor, positions: torch.Tensor, isa: str, part: int) -> torch.Tensor:
     """The keys (``part`` 0) or values (1) at ``positions [kv_heads, n]`` (each head its own tokens) of a request's
-    paged cache, ``[kv_heads, n, head_size]``: each element found through ``paged_order``'s offsets, whatever the
-    kernel's layout (a compressed prompt's kept values: read where they lie, not the whole prompt's)."""
+    paged cache, ``[kv_heads, n, head_size]`` (a compressed prompt's kept values: read where they lie, not the whole
+    prompt's): a token's row (or column) at a time in a layout ``paged_layout`` knows, else each element found
+    through ``paged_order``'s offsets."""
     count_blocks, kv_heads, block_size, width = kv_cache.shape
     head_size = width // 2
+    layout = paged_layout(kv_heads, block_size, head_size, kv_cache.dtype, isa)
+    if layout is not None:
+        stored = kv_cache.view(count_blocks, kv_heads, 2, block_size * head_size)[:, :, part]
+        where, head = blocks.long()[positions // block_size], torch.arange(kv_heads)[:, None]
+        if layout[part]:  # (transposed: a token's channels a column of its block)
+            return stored.view(count_blocks, kv_heads, head_size, block_size)[where, head, :, positions % block_size]
+        return stored.view(count_blocks, kv_heads, block_size, head_size)[where, head, positions % block_size]
     order = paged_order(kv_heads, block_size, head_size, kv_cache.dtype, isa)
     heads = torch.arange(kv_heads)[:, None, None]
     inside = (part * block_size + positions % block_size)[..., None] * head_size + torch.arange(head_size)
