@@ -17,7 +17,8 @@ if TYPE_CHECKING:
 
 
 def method_flag_owners() -> dict[str, list[tuple[str, Field]]]:
-    """Every built-in method's field, by field name: which methods take it and how they describe it."""
+    """Every method's field (the built-in ones and any registered in this process), by field name: which methods
+    take it and how they describe it."""
     owners: dict[str, list[tuple[str, Field]]] = defaultdict(list)
     for name in method_names():
         for spec in method_fields(name):

@@ -27,19 +27,21 @@ class PromptValues:
 
     cached: int
     computed: torch.Tensor
-    read: Callable[[torch.Tensor], torch.Tensor] | None = None
+    read: Callable[[torch.Tensor], torch.Tensor] | None = None  # (None: nothing cached)
 
     def at(self, positions: torch.Tensor) -> torch.Tensor:
         """The values at ``positions [kv_heads, n]``, ``[kv_heads, n, dim]``."""
         heads = torch.arange(positions.shape[0])[:, None]
         computed = self.computed.transpose(0, 1)[heads, (positions - self.cached).clamp(min=0)]
-        if self.cached == 0 or self.read is None:
+        if self.cached == 0:
             return computed
-        cached = self.read(positions.clamp(max=self.cached - 1))
+        cached = self.read(positions.clamp(max=self.cached - 1))  # (a reader is given wherever tokens are cached)
         return torch.where((positions < self.cached)[..., None], cached, computed)
 
     def whole(self) -> torch.Tensor:
-        """Every token's values, ``[kv_heads, tokens, dim]``."""
+        """Every token's values, ``[kv_heads, tokens, dim]`` (none cached: a view of those computed)."""
+        if self.cached == 0:
+            return self.computed.transpose(0, 1)
         kv_heads, tokens = self.computed.shape[1], self.cached + self.computed.shape[0]
         return self.at(torch.arange(tokens).expand(kv_heads, tokens))
 

@@ -238,7 +238,7 @@ class KVCompressCPUImpl(CPUAttentionBackendImpl):
         if attn_metadata is None or kv_cache.numel() == 0:
             return output
         starts = attn_metadata.query_start_loc.tolist()
-        finishing: dict[tuple, list[tuple[slice, str, Finishing]]] = {}  # the step's prompts to compress, by method
+        finishing: dict[str, list[tuple[slice, str, Finishing]]] = {}  # the step's prompts to compress, by settings
         reads: dict[tuple, torch.Tensor] = {}  # cached prompt parts' keys read back, by their blocks
         for row, request in enumerate(ROWS[: len(starts) - 1]):
             if request is None or request in REMAPPED or STEP[request].computed >= STEP[request].prompt:  # decoding
@@ -270,8 +270,7 @@ class KVCompressCPUImpl(CPUAttentionBackendImpl):
                     f"kvcompress: a prompt of {began + keys.shape[0]} tokens came with {spans.shape[-1]} token ids")
             prompt = self.finishing(layer, kv_cache, attn_metadata.block_table[row], began, (keys, values, queries),
                                     spans, info, reads)
-            together = (info.settings, info.asked is None, needed is None, row if needed is None else None)
-            finishing.setdefault(together, []).append((after, request, prompt))  # (every query read: each alone)
+            finishing.setdefault(info.settings, []).append((after, request, prompt))
         for group in finishing.values():
             self.compress_together(layer, group, query, key, value, kv_cache, output)
         return output
@@ -300,7 +299,8 @@ class KVCompressCPUImpl(CPUAttentionBackendImpl):
         self, layer: Any, group: list[tuple[slice, str, Finishing]], query: torch.Tensor, key: torch.Tensor,
         value: torch.Tensor, kv_cache: torch.Tensor, output: torch.Tensor,
     ) -> None:
-        """Score the prompts one method finishes in this step as one batch, and keep each one's choice in its area."""
+        """Choose what the prompts one method finishes in this step keep (``kept_together``: each scored alone, chosen
+        together), and keep each one's choice in its area."""
         method = step_method(group[0][1])
         rotary = self.layer_rotary(layer) if method.needs_rotary() else None
         chosen = kept_together(method, [prompt for *_, prompt in group], self.scale, rotary, self.sinks)
