@@ -180,8 +180,8 @@ def test_a_new_method_is_one_class_and_a_registry_line(toy_method, saved_tiny_mo
     assert main(["generate", "--model", str(saved_tiny_model), "--method", "every-other", "--window", "4",
                  "--prompt", "z"]) == 2
     assert ("method 'every-other' does not take --window; it takes: --budget, --ratio, --heads, --head-floor, "
-            "--layers, --layer-floor, --pyramid-beta, --decode-budget, --every, --decode-window, --stride, --kv-bits, "
-            "--kv-format") in capsys.readouterr().err
+            "--layers, --layer-floor, --pyramid-beta, --decode-budget, --every, --decode-window, --kv-bytes, --stride, "
+            "--kv-bits, --kv-format") in capsys.readouterr().err
 
 
 def test_every_layer_attribute_is_born_in_its_init():

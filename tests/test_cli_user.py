@@ -163,6 +163,22 @@ def test_method_flags_follow_the_chosen_method(folder, doc, tmp_path, capsys):
         "--rank-error, --outliers, --local-chunks, --kv-bits, --kv-format, --key-bits")
 
 
+def test_a_byte_budget_is_a_fraction_on_the_command_line(folder, doc, tmp_path, capsys):
+    code, _, err = run(capsys, "compress", "--model", folder, "--prompt-file", doc, "--method", "snapkv", "--window",
+                       "8", "--kv-bytes", "1/8", "--out", tmp_path / "a.kvc")
+    assert code == 0, err
+    loaded = kvc.load(tmp_path / "a.kvc", *kvc.load_model(str(folder)))
+    assert loaded.cache.method.kv_bytes == 0.125 and loaded.stats["kv_bytes_share"] <= 0.125
+    with pytest.raises(SystemExit) as exit:  # (argparse's own refusal)
+        main(["compress", "--prompt-file", str(doc), "--kv-bytes", "1/0", "--out", str(tmp_path / "b.kvc")])
+    assert exit.value.code == 2 and one_line(capsys.readouterr().err) == (
+        "kvcompress compress: error: argument --kv-bytes: invalid number value: '1/0' (see kvcompress compress --help)")
+    code, _, err = run(capsys, "compress", "--model", folder, "--prompt-file", doc, "--kv-bytes", "3/2", "--out",
+                       tmp_path / "b.kvc")
+    assert code == 2 and one_line(err) == "kvcompress: error: KVzip: --kv-bytes 1.5 is outside the valid range (0, 1]"
+    assert not (tmp_path / "b.kvc").exists()
+
+
 def test_help_shows_the_chosen_methods_flags_and_defaults(capsys):
     with pytest.raises(SystemExit):
         main(["generate", "--method", "kvzip", "--help"])

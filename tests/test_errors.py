@@ -91,7 +91,7 @@ def test_bad_prompt_type():
         (["generate", "--method", "snapkv", "--kernel", "6", "--prompt", "x"], "--kernel 6 is invalid"),
         (["generate", "--method", "streamingllm", "--window", "8", "--prompt", "x"],
          "method 'streamingllm' does not take --window; it takes: --budget, --ratio, --heads, --head-floor, --layers, "
-         "--layer-floor, --pyramid-beta, --decode-budget, --every, --decode-window, --sinks"
+         "--layer-floor, --pyramid-beta, --decode-budget, --every, --decode-window, --kv-bytes, --sinks"
          ),
         (["generate", "--method", "snapkv"], "give exactly one of --prompt TEXT or --prompt-file FILE"),
         (["generate", "--method", "shadowkv", "--budget", "4", "--prompt", "x"],

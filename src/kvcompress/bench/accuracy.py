@@ -30,7 +30,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ..generation.conversation import as_asked, user_prompt
 from ..generation.generate import QUERY_WINDOW, Result, compress, generate, prefill, teacher_forced_logprobs
-from ..methods import BudgetMethod, FullKV, Method, method_class, method_from_spec
+from ..methods import BudgetMethod, FullKV, Method, method_class, method_from_spec, sets_budget
 from .agreement import FullAnswers, agreement
 from .metrics import bootstrap_interval, fidelity, score, string_match_any
 from .tasks import DEPTH_GRID_TASKS, HAYSTACK_TASKS, TASKS, Sample, Turn
@@ -91,8 +91,7 @@ def method_configs(specs: list[str], budgets: list[int]) -> list[Config]:
         asked, _, stored = spec.partition("/")
         store = method_from_spec(stored) if stored else None
         cls = method_class(asked.split(":")[0])
-        fixed = not issubclass(cls, BudgetMethod) or any(
-            part.split("=")[0] in ("budget", "ratio") for part in asked.split(":")[1:])
+        fixed = not issubclass(cls, BudgetMethod) or sets_budget(asked)
         if fixed:
             method = method_from_spec(asked)
             configs.append(Config(spec, cls.name, getattr(method, "budget", None), method, store))

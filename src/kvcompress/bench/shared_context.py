@@ -43,7 +43,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from ..generation.conversation import as_asked, user_prompt
 from ..generation.generate import compress, generate
 from ..generation.result import Result
-from ..methods import FullKV, Method, method_from_spec
+from ..methods import FullKV, Method, method_from_spec, sets_budget
 from .agreement import MODES, FullAnswers, agreement
 from .haystack import fill
 from .metrics import bootstrap_interval
@@ -107,7 +107,7 @@ def kind_of(spec: str) -> str:
 def resolved(spec: str, tokens: int, fraction: float) -> Method:
     """The method a spec names, with ``fraction`` of the context's tokens as its budget unless it sets one."""
     method = method_from_spec(spec.removeprefix("first:"))
-    if "budget" in vars(method) and "budget=" not in spec and "ratio=" not in spec:
+    if "budget" in vars(method) and not sets_budget(spec.removeprefix("first:")):
         method = method_from_spec(f"{spec.removeprefix('first:')}:budget={max(16, round(tokens * fraction))}")
     return method
 

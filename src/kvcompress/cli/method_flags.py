@@ -63,7 +63,18 @@ def add_method_flags(parser: argparse.ArgumentParser, command: str, chosen: str 
             group.add_argument(spec.flag, action=argparse.BooleanOptionalAction, **options)
         else:
             metavar = None if spec.choices else spec.kind.__name__.upper()
-            group.add_argument(spec.flag, type=spec.kind, choices=spec.choices, metavar=metavar, **options)
+            kind = number if spec.kind is float else spec.kind
+            group.add_argument(spec.flag, type=kind, choices=spec.choices, metavar=metavar, **options)
+
+
+def number(text: str) -> float:
+    """A float flag's value: a decimal, or a fraction (``--kv-bytes 1/64``, ``--ratio 1/16``)."""
+    top, slash, bottom = text.partition("/")
+    if not slash:
+        return float(text)
+    if float(bottom) == 0:
+        raise ValueError(f"{text!r} divides by zero")
+    return float(top) / float(bottom)
 
 
 def given_settings(args: argparse.Namespace) -> dict[str, object]:

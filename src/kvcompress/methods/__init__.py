@@ -92,13 +92,24 @@ def method_from_spec(spec: str, **defaults: Any) -> Method:
                 f"({', '.join(fields) or 'none'})"
             )
         params[key] = parse_value(fields[key], text)
-    if "ratio" in params and any(s.startswith("ratio=") for s in settings) and "budget" in defaults:
-        params.pop("budget", None)  # a ratio in the spec replaces the benchmark's budget
+    if sets_budget(spec):  # the spec's own working set replaces the benchmark's budget
+        for name in BUDGET_FIELDS:
+            if name in defaults and not any(s.startswith(f"{name}=") for s in settings):
+                params.pop(name, None)
     return cls(**params)
+
+
+BUDGET_FIELDS = ("budget", "ratio", "kv_bytes")  # a working set in tokens, a share of the prompt, or bytes
+
+
+def sets_budget(spec: str) -> bool:
+    """Whether a method spec (``name[:field=value...]``) sets its own working set (``BUDGET_FIELDS``), which a
+    benchmark's budget then leaves alone."""
+    return any(part.split("=")[0] in BUDGET_FIELDS for part in spec.split(":")[1:])
 
 
 __all__ = [
     "BUILT_IN", "BudgetMethod", "ExpectedAttention", "FieldSpec", "FullKV", "H2O", "KVzip", "InvalidParameterError",
     "Loki", "METHODS", "Method", "PromptMethod", "Quest", "ShadowKV", "SnapKV", "StreamingLLM", "field_specs",
-    "method_class", "method_from_name", "method_from_spec", "parse_value", "register_method"
+    "method_class", "method_from_name", "method_from_spec", "parse_value", "register_method", "sets_budget"
 ]

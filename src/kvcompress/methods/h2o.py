@@ -94,7 +94,13 @@ class H2O(PromptMethod):
         require(
             not (self.evict_during_decoding and self.heads == "adaptive"),
             "H2O: evict_during_decoding keeps a uniform budget per head; it does not combine with heads='adaptive'")
-        if self.ratio is None:
+        require(self.kv_bytes is None or self.recent is not None,
+                f"H2O: kv_bytes={self.kv_bytes} has no token budget to split into heavy hitters and recent tokens "
+                "(recent defaults to half the budget); valid: kv_bytes with recent given, e.g. recent=32")
+        require(not (self.evict_during_decoding and self.kv_bytes is not None),
+                f"H2O: evict_during_decoding keeps a token budget at every step; it does not combine with "
+                f"kv_bytes={self.kv_bytes}")
+        if self.ratio is None and self.kv_bytes is None:
             check_reserved("H2O", self.budget_tokens, "recent", self.recent_tokens, "recent tokens")
 
     @property

@@ -16,8 +16,11 @@ head, the prompt positions its method scores highest; decoding then appends to t
   method scoring from the prefill, to the end of the model's call that fed the prompt), so the prefill's
   peak is the full cache's.
 
+* ``kv_bytes`` (a byte budget): a share of the prompt's 16-bit cache's bytes, spent by importance: which tokens
+  each layer keeps and in which precision, every layer's scores at hand (``byte_budget.allocate``).
+
 The total kept per layer always equals the uniform budget's (with ``layers="global"``, the total
-over the layers, up to rounding), so comparisons are at equal memory.
+over the layers, up to rounding), so comparisons are at equal memory; with ``kv_bytes``, the bytes.
 """
 
 from __future__ import annotations
@@ -29,15 +32,25 @@ from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, cast
 
 import torch
 
+from ..cache.errors import CacheMisuseError
 from ..cache.held import hold
 from ..cache.intake import ObservationPass
 from ..cache.layer import KVLayer
 from ..cache.policy import LayerPolicy, present
 from ..storage.attention import scoring_sinks
-from ..storage.codec import restored_pair
+from ..storage.codec import KVCodec, make_kv_codec, restored_pair
 from ..storage.packed import PackedSlots
 from ..storage.slots import BoundedSlots, DenseSlots
-from .base import BudgetMethod, batch_prompt_tokens, param, require, require_with
+from .base import (
+    BudgetMethod,
+    InvalidParameterError,
+    batch_prompt_tokens,
+    field_specs,
+    param,
+    require,
+    require_with,
+)
+from .byte_budget import PROBE_QUERIES, SIXTEEN_BIT, LayerPlan, LayerScores, allocate
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -174,9 +187,15 @@ class PromptMethod(BudgetMethod):
     decode_window: int | None = param(
         None, "with decode_budget: the last steps whose queries vote and whose tokens are always kept (default: "
         "SnapKV's window, else 32)", minimum=1, kw_only=True)
+    kv_bytes: float | None = param(
+        None, "a byte budget instead of a token budget: this share of the prompt's 16-bit cache's bytes, spent by "
+        "the method's scores on which tokens each layer and head keeps and in which precision (16, 8, k6v4 or 4 "
+        "bits), each layer's coding error measured on the prompt (e.g. 0.015625 for 1/64)", above=0, at_most=1,
+        kw_only=True)
 
     def validate(self) -> None:
         super().validate()
+        self._check_byte_budget()
         require(self.layers != "pyramid" or self.ratio is None,
                 f"{type(self).__name__}: layers='pyramid' needs a fixed budget, not ratio")
         require_with(self, "head_floor", self.heads == "adaptive" or self.layers == "global",  # (both pack per head)
@@ -187,6 +206,17 @@ class PromptMethod(BudgetMethod):
             require_with(self, name, self.decode_budget is not None, "decode_budget", "--decode-budget")
         if self.decode_budget is not None:
             self._check_decode_bound()
+
+    def _check_byte_budget(self) -> None:
+        if self.kv_bytes is None:
+            return
+        defaults = {spec.name: spec.default for spec in field_specs(type(self))}
+        others = ("budget", "ratio", "kv_bits", "key_bits", "kv_format", "heads", "layers", "decode_budget")
+        given = [f"{name}={getattr(self, name)!r}" for name in others if getattr(self, name) != defaults[name]]
+        require(not given,
+                f"{type(self).__name__}: kv_bytes={self.kv_bytes} chooses the kept tokens, their precision and each "
+                f"layer's and head's share itself; it does not combine with {', '.join(given)}; valid: kv_bytes "
+                "alone, or a token budget without it")
 
     def _check_decode_bound(self) -> None:
         owner = type(self).__name__
@@ -222,10 +252,29 @@ class PromptMethod(BudgetMethod):
         scaled = reserved + torch.ceil((shared - reserved).clamp(min=0).double() * share).long()
         return torch.minimum(scaled.clamp(min=1), lengths)
 
+    def settings(self) -> dict[str, Any]:
+        values = super().settings()
+        if self.kv_bytes is not None:
+            values.pop("budget", None)  # (no token budget: the bytes choose the tokens)
+        return values
+
+    def kv_codec(self) -> str | None:
+        return "mixed" if self.kv_bytes is not None else super().kv_codec()  # (each layer's: its plan's)
+
+    def storage_codec(self, head_dim: int, dtype: torch.dtype, turned: bool | None = None) -> KVCodec | None:
+        return None if self.kv_bytes is not None else super().storage_codec(head_dim, dtype, turned)
+
+    @property
+    def packs_heads(self) -> bool:
+        """Whether the heads of a layer keep different counts, stored packed (``packed.PackedSlots``)."""
+        return self.heads == "adaptive" or self.layers == "global" or self.kv_bytes is not None
+
     def attends_slots(self) -> bool:
-        return self.heads == "uniform" and self.layers != "global"  # otherwise the heads' tokens are packed per head
+        return not self.packs_heads
 
     def summarize(self, totals: dict[str, Any]) -> dict[str, Any]:
+        if self.kv_bytes is not None:  # the held tokens' device bytes (ByteBudgetPolicy.stats) per 16-bit byte
+            return {"kv_bytes_share": totals["kv_bytes_held"] / totals["kv_bytes_16bit"]}
         if self.decode_budget is None:
             return {}
         layers = totals.get("bounded_layers", 0)
@@ -273,18 +322,21 @@ class PromptMethod(BudgetMethod):
             layers = model.config.get_text_config().num_hidden_layers
             free = self.budget_tokens - self.reserved_tokens()
             share = pyramid_budgets(free, layers, self.pyramid_beta)[layer_idx] / free
-        packed = self.heads == "adaptive" or self.layers == "global"  # global budgets differ per head
         if self.decode_budget is not None:
             bounded = BoundedPolicy(self, share)
             return KVLayer(layer_idx, bounded, BoundedSlots(bounded.bound + self.every))
-        return KVLayer(layer_idx, (HeadAdaptivePolicy if packed else EvictionPolicy)(self, share))
+        if self.kv_bytes is not None:
+            return KVLayer(layer_idx, ByteBudgetPolicy(self))
+        return KVLayer(layer_idx, (HeadAdaptivePolicy if self.packs_heads else EvictionPolicy)(self, share))
 
     def compresses_together(self) -> bool:
-        return super().compresses_together() or self.layers == "global"
+        return super().compresses_together() or self.layers == "global" or self.kv_bytes is not None
 
     def before_compress(self, layers: list[KVLayer]) -> None:
         """``layers="global"``: each layer's share of every row's budget (``global_shares``) from the
-        scores it will compress with."""
+        scores it will compress with; ``kv_bytes``: each layer's plan (``plan_bytes``)."""
+        if self.kv_bytes is not None and layers:
+            return self.plan_bytes(layers)  # (the bytes choose each layer's share: a global ranking stays out)
         if self.layers != "global" or not layers:
             return
         own = [cast(EvictionPolicy, layer.policy) for layer in layers]  # a prompt method's policies
@@ -297,6 +349,30 @@ class PromptMethod(BudgetMethod):
         free = counts - self.reserved_tokens()
         for policy, share in zip(own, global_shares(scores, layers[0].slot_validity(), free)):
             policy.share = self.layer_floor + (1 - self.layer_floor) * share  # the shares still sum to the layers
+
+
+    def plan_bytes(self, layers: list[KVLayer]) -> None:
+        """``kv_bytes``: every layer's kept positions and codec for the prompt (``byte_budget.allocate``), handed to
+        its policy (one prompt: a layer's storage holds one codec for all its rows)."""
+        valid = layers[0].slot_validity()
+        if valid.shape[0] != 1:
+            raise InvalidParameterError(
+                f"{type(self).__name__}: kv_bytes={self.kv_bytes} chooses each layer's precision for one prompt, got "
+                f"a batch of {valid.shape[0]}; valid: one prompt at a time")
+        real, first = valid[0], layers[0]
+        heads, dim = first.keys.shape[1], first.keys.shape[-1]
+        budget = float(self.kv_bytes or 0) * int(real.sum()) * heads * 2 * dim * SIXTEEN_BIT * len(layers)
+        scored = []
+        for layer in layers:
+            record = cast(ObservationPass, layer.observation).record  # (compression is next)
+            policy = cast(ByteBudgetPolicy, layer.policy)
+            scores = policy.prompt_scores(record.query, record.scaling)[0][:, real]
+            keys, values = layer.keys[0][:, real], layer.values[0][:, real]
+            probe = keys[:, -PROBE_QUERIES:] if record.query is None else record.query[0][:, -PROBE_QUERIES:]
+            scored.append(LayerScores(scores, keys, values, probe, record.scaling))
+        plans = allocate(scored, budget, dim, first.keys.dtype, self.codes_turned)
+        for layer, plan in zip(layers, plans):
+            cast(ByteBudgetPolicy, layer.policy).plan = plan
 
 
 class EvictionPolicy(LayerPolicy):
@@ -369,7 +445,10 @@ class HeadAdaptivePolicy(EvictionPolicy):
         if kept is None:
             return
         valid = self.layer.slot_validity()
-        keep = allocate_heads(self.prompt_scores(query, scaling), valid, kept[0], self.method.head_floor)
+        self.pack(allocate_heads(self.prompt_scores(query, scaling), valid, kept[0], self.method.head_floor))
+
+    def pack(self, keep: torch.Tensor) -> None:
+        """Keep the positions ``keep [b, kv_heads, slots]`` marks, each (row, head) in a segment of its own."""
         # [b, h, slots]: the slots' prompt positions (a thinned context's are not in order)
         positions = self.kept_positions()
         keys, values = self.layer.keys, self.layer.values
@@ -385,6 +464,38 @@ class HeadAdaptivePolicy(EvictionPolicy):
     def packed(self) -> PackedSlots | None:
         """The packing, once the layer compressed (None: the dense slots hold the prompt, under budget)."""
         return self.slots if isinstance(self.slots, PackedSlots) else None
+
+
+class ByteBudgetPolicy(HeadAdaptivePolicy):
+    """``kv_bytes``: the layer keeps the positions the method's ``plan_bytes`` chose for it, packed per head, stored
+    with the codec it chose (the layer's, from compression on)."""
+
+    def __init__(self, method: PromptMethod, share: float = 1.0) -> None:
+        super().__init__(method, share)
+        self.plan: LayerPlan | None = None  # set by the method once every layer is scored, read by compress
+
+    def compress(self, query: torch.Tensor | None, scaling: float) -> None:
+        if self.plan is None:
+            raise CacheMisuseError("kvcompress: a kv_bytes layer compressed before its method planned the bytes")
+        plan, self.plan = self.plan, None
+        real, keys = self.layer.slot_validity()[0], self.layer.keys
+        keep = torch.zeros_like(real)[None, None].expand(1, plan.keep.shape[0], -1).clone()
+        keep[0][:, real] = plan.keep
+        self.layer.kv_codec = None if plan.codec is None else make_kv_codec(
+            plan.codec, keys.shape[-1], keys.dtype, self.method.codes_turned)
+        self.pack(keep)
+
+    def info(self) -> dict[str, Any]:
+        return {"kv_layer_precisions": self.layer.kv_codec.name if self.layer.kv_codec else "16"}
+
+    def stats(self, stats: dict[str, Any]) -> dict[str, Any]:
+        """The held tokens' bytes as the plan counted them (rows, positions, the packing; the room for later tokens
+        aside) and the 16-bit cache's (``kv_bytes_full`` counts the model's precision)."""
+        size, held = cast(torch.dtype, self.layer.dtype).itemsize, stats["kv_bytes_kept"] + stats["index_bytes"]
+        packed = self.packed
+        if packed is not None:
+            held -= (packed.valid.numel() - sum(map(sum, packed.lengths)) - 1) * packed.valid.element_size()
+        return {**stats, "kv_bytes_held": held, "kv_bytes_16bit": stats["kv_bytes_full"] * SIXTEEN_BIT // size}
 
 
 class HeldTokens(NamedTuple):

@@ -281,6 +281,11 @@ class KVCodec:
     def dtype(self) -> torch.dtype:
         return self.keys.dtype
 
+    @property
+    def name(self) -> str:
+        """``int4``, or the keys' and the values' names joined by ``+`` where they differ (``int6+int4``)."""
+        return self.keys.name if self.keys.name == self.values.name else f"{self.keys.name}+{self.values.name}"
+
     def spec(self) -> str:
         """``Codec.spec``, or the keys' and the values' joined by ``+`` where they differ."""
         return self.keys.spec() if self.keys == self.values else f"{self.keys.spec()}+{self.values.spec()}"

@@ -60,12 +60,12 @@ class PackedSlots(Slots):
         """Lay the segments out afresh, each with ``room`` slots after it. The flat buffer's length
         and the widest segment differ by layer and request (they follow attention): a compiled step
         takes both as symbols (tensor sizes marked dynamic, never Python ints), so no request recompiles it."""
-        first = parts[0][0][0]
+        first, first_values = parts[0][0]
         device = first.device
         capacities = [[n + room for n in row] for row in self.lengths]
         total = sum(map(sum, capacities))
         self.keys = first.new_zeros(total + 1, first.shape[-1])  # the last slot: the sentinel
-        self.values = first.new_zeros(total + 1, first.shape[-1])
+        self.values = first_values.new_zeros(total + 1, first_values.shape[-1])  # (coded: rows of their own width)
         self.valid = torch.zeros(total + 1, dtype=torch.bool, device=device)
         self.starts: list[list[int]] = []
         start = 0

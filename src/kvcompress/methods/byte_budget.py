@@ -1,0 +1,176 @@
+"""A byte budget spent by importance (``kv_bytes`` on every prompt method): which tokens each layer keeps, and in
+which precision, so that the prompt's kept tokens cost at most a share of its 16-bit cache's bytes.
+
+The allocation is a rate-distortion choice made per prompt, every layer's scores at hand (as ``layers="global"``),
+in the spirit of RDKV and KVTuner (layer-wise precision) with SnapKV-style eviction inside each layer:
+
+* **Distortion of dropping.** A method's scores of one KV head, normalised to sum to one over the positions it may
+  drop, are read as each position's share of the head's attention: dropping a set of positions costs their share
+  (the head's output loses that much of its mix), averaged over the layer's heads.
+* **Distortion of coding.** Each layer's cost of storing its tokens with a codec is measured on the prompt itself:
+  the relative error of the attention output of the layer's last queries (the method's own, or its last keys where
+  the method reads no queries) with the whole prompt coded against it as computed. Nothing is a constant per model.
+* **Bytes.** A kept token of one KV head costs its key and value rows as the device holds them (codes, scales and
+  minimums, or the model's own precision) and its packed position.
+
+For a multiplier ``lam`` each layer picks the precision minimising its coding distortion plus its heads' dropping
+distortion plus ``lam`` times its bytes, a head keeping exactly the positions whose share exceeds ``lam`` times a
+token's bytes (the Lagrangian's optimum for a fixed precision); ``lam`` is the smallest found by bisection whose
+bytes fit. Tokens a method always keeps (``+inf``: SnapKV's window, sinks) are kept and paid for first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from ..storage.attention import grouped_logits
+from ..storage.codec import KVCodec, encoded_pair, make_kv_codec, restored_pair
+from .base import InvalidParameterError
+
+PRECISIONS: tuple[str | None, ...] = (None, "int8", "int6+int4", "int4")  # None: the model's own precision
+PROBE_QUERIES = 32  # the last queries a layer's coding error is measured with
+POSITION_BYTES = 9  # a packed token's position (int64) and validity (bool), per KV head
+SEGMENT_BYTES = 24  # a packed head's start, length and capacity (int64 each), whatever it keeps
+SIXTEEN_BIT = 2  # bytes per element of the 16-bit cache a share is of
+
+
+@dataclasses.dataclass
+class LayerScores:
+    """What the allocation reads of one compressed layer of one prompt: its scores ``[kv_heads, seq]`` (``+inf``:
+    always kept; only real positions), its keys and values ``[kv_heads, seq, dim]`` and the queries it is probed
+    with ``[q_heads, n, dim]``."""
+
+    scores: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor
+    probe: torch.Tensor
+    scaling: float
+
+
+@dataclasses.dataclass
+class LayerPlan:
+    """One layer's share of the bytes: its codec (None: the model's precision) and the positions each KV head keeps
+    ``[kv_heads, seq]`` bool."""
+
+    codec: str | None
+    keep: torch.Tensor
+
+    @property
+    def label(self) -> str:
+        return self.codec or "16"
+
+
+def token_bytes(codec: str | None, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes one kept token of one KV head costs the device with ``codec``: its key and value rows and its packed
+    position."""
+    if codec is None:
+        return 2 * head_dim * dtype.itemsize + POSITION_BYTES
+    coded = make_kv_codec(codec, head_dim, dtype)
+    return coded.keys.row_bytes + coded.values.row_bytes + POSITION_BYTES
+
+
+def probe_output(probe: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float) -> torch.Tensor:
+    """The attention output of the last ``n`` queries ``probe [q_heads, n, dim]`` over every key (causal among the
+    last ``n``), ``[q_heads, n, dim]`` in float32."""
+    heads, n, dim = probe.shape
+    kv_heads, seq = keys.shape[:2]
+    logits = grouped_logits(probe[None], keys[None], scaling)[0]  # [q_heads, n, seq]
+    later = torch.ones(n, n, dtype=torch.bool, device=keys.device).triu(1)
+    logits[..., seq - n:].masked_fill_(later, -math.inf)
+    probs = logits.softmax(-1).view(kv_heads, heads // kv_heads * n, seq)
+    return (probs @ values.float()).view(heads, n, dim)
+
+
+def coding_error(layer: LayerScores, codec: KVCodec) -> float:
+    """The relative error of the layer's probe output with its keys and values stored by ``codec``."""
+    exact = probe_output(layer.probe, layer.keys, layer.values, layer.scaling)
+    keys, values = restored_pair(codec, *encoded_pair(codec, layer.keys, layer.values))
+    coded = probe_output(layer.probe, keys, values, layer.scaling)
+    return float((coded - exact).norm() / exact.norm().clamp(min=1e-30))
+
+
+@dataclasses.dataclass
+class Candidates:
+    """One layer's options: per precision its coding distortion and token bytes; per head its droppable shares
+    sorted high to low ``[kv_heads, free]`` (0 past a head's own), their running sums, and its pinned tokens."""
+
+    errors: list[float]
+    costs: list[int]
+    shares: torch.Tensor
+    cumulative: torch.Tensor
+    pinned: torch.Tensor
+
+    def best(self, lam: float) -> tuple[int, torch.Tensor, int]:
+        """The precision (an index into ``PRECISIONS``) minimising distortion plus ``lam`` times bytes, each head's
+        count of droppable positions kept and the layer's bytes."""
+        heads = self.shares.shape[0]
+        options = []
+        for index, (error, cost) in enumerate(zip(self.errors, self.costs)):
+            counts = (self.shares > lam * cost * heads).sum(-1)  # the shares are sorted: each head's top ``count``
+            kept = self.cumulative.gather(1, (counts - 1).clamp(min=0)[:, None])[:, 0] * (counts > 0)
+            tokens = int((counts + self.pinned).sum())
+            options.append((error + float((1 - kept).mean()) + lam * cost * tokens, index, counts, cost * tokens))
+        _, index, counts, spent = min(options, key=lambda option: option[0])
+        return index, counts, spent
+
+
+def candidates(layer: LayerScores, codecs: list[KVCodec | None], costs: list[int]) -> Candidates:
+    """The layer's distortions and costs (``codecs``: each precision's, as its storage would code)."""
+    scores = layer.scores.float()
+    pinned = scores == math.inf
+    if not bool(pinned.any(-1).all()):  # a head keeps at least its best position
+        first = scores.argmax(-1, keepdim=True)
+        pinned = pinned.scatter(-1, first, True)
+    free = scores.masked_fill(pinned, 0.0).clamp(min=0.0)
+    total = free.sum(-1, keepdim=True)
+    droppable = (~pinned).sum(-1, keepdim=True).clamp(min=1)
+    shares = torch.where(total > 0, free / total.clamp(min=1e-30), (~pinned).float() / droppable)
+    shares = shares.masked_fill(pinned, -1.0).sort(-1, descending=True).values.clamp(min=0.0)
+    errors = [0.0 if codec is None else coding_error(layer, codec) for codec in codecs]
+    return Candidates(errors, costs, shares, shares.double().cumsum(-1).float(), pinned.sum(-1))
+
+
+def allocate(layers: list[LayerScores], budget: float, head_dim: int, dtype: torch.dtype,
+             rotated: bool) -> list[LayerPlan]:
+    """Each layer's plan for one prompt under ``budget`` bytes (see the module). Raises ``InvalidParameterError``
+    where even the tokens every layer must keep, in the fewest bytes, do not fit."""
+    codecs = [None if name is None else make_kv_codec(name, head_dim, dtype, rotated) for name in PRECISIONS]
+    costs = [token_bytes(name, head_dim, dtype) for name in PRECISIONS]
+    options = [candidates(layer, codecs, costs) for layer in layers]
+
+    def spend(lam: float) -> tuple[list[tuple[int, torch.Tensor, int]], int]:
+        chosen = [option.best(lam) for option in options]
+        return chosen, sum(spent for _, _, spent in chosen)
+
+    packing = sum(SEGMENT_BYTES * layer.scores.shape[0] + 1 for layer in layers)  # (and each packing's sentinel)
+    pinned = sum(int(option.pinned.sum()) for option in options)
+    if packing + pinned * min(costs) > budget:
+        raise InvalidParameterError(
+            f"kv_bytes: {budget:.0f} bytes cannot hold the {pinned} tokens the method always keeps in its layers, "
+            f"{packing + pinned * min(costs)} bytes in the fewest bits; valid: a larger kv_bytes")
+    budget -= packing
+    low, high = 0.0, 1.0
+    while spend(high)[1] > budget:
+        low, high = high, high * 16
+    if spend(low)[1] > budget:
+        for _ in range(60):  # the smallest multiplier whose bytes fit, to a relative 1e-18
+            middle = (low + high) / 2
+            low, high = (low, middle) if spend(middle)[1] <= budget else (middle, high)
+        low = high
+    chosen, _ = spend(low)
+    return [LayerPlan(PRECISIONS[index], kept_positions(layer.scores, counts))
+            for layer, (index, counts, _) in zip(layers, chosen)]
+
+
+def kept_positions(scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """``[kv_heads, seq]`` bool: each head's pinned positions (``+inf``; its best where none is) and its ``counts``
+    highest others (ties to the earlier position)."""
+    heads, seq = scores.shape
+    pinned = scores == math.inf
+    order = scores.float().masked_fill(pinned, math.inf).argsort(dim=-1, descending=True, stable=True)
+    room = pinned.sum(-1).clamp(min=1) + counts
+    ranks = torch.arange(seq, device=scores.device)[None, :] < room[:, None]
+    return torch.zeros_like(pinned).scatter(-1, order, ranks)
