@@ -154,3 +154,15 @@ def test_h2o_eviction_refuses_adaptive_heads():
     with pytest.raises(kvc.InvalidParameterError, match=r"evict_during_decoding keeps a uniform budget per head"):
         kvc.H2O(evict_during_decoding=True, heads="adaptive")
     assert math.isfinite(kvc.SnapKV(layers="pyramid").pyramid_beta)
+
+
+def test_adaptive_heads_keep_keys_and_values_in_codes_of_their_own_widths():
+    """kv_bits=4 codes keys in 6 bits and values in 4: a packing's rows differ in width (laying them out again for
+    an answer's room took the keys' width for both and failed)."""
+    model, tok = tiny_model(), char_tokenizer()
+    result = kvc.generate(model, tok, random_text(300, seed=2), method=kvc.SnapKV(budget=24, window=4,
+                                                                                  heads="adaptive", kv_bits=4),
+                          max_new_tokens=40)
+    packed = result.cache.layers[0].policy.packed
+    assert len(result.token_ids[0]) == 40 and packed.keys.shape[-1] > packed.values.shape[-1]
+    assert result.stats["kv_stored_as"] == "int6+int4"
