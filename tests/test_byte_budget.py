@@ -47,19 +47,22 @@ def objective(layer: LayerScores, error: float, counts: list[int], lam: float, c
     return error + dropped / len(counts) + lam * cost * tokens
 
 
-def test_each_layer_takes_the_precision_and_counts_that_minimise_its_lagrangian():
-    """Against every precision and every count per head tried one by one: the threshold rule is the optimum."""
+@pytest.mark.parametrize("uniform_heads", [False, True], ids=["per-head", "uniform"])
+def test_each_layer_takes_the_precision_and_counts_that_minimise_its_lagrangian(uniform_heads):
+    """Against every precision and every count per head (or one count for both heads) tried one by one: the
+    threshold rule is the optimum."""
     layer = random_layer(0, seq=10)
     codecs = [None if name is None else make_kv_codec(name, 16, torch.float32, True) for name in PRECISIONS]
-    costs = [token_bytes(name, 16, torch.float32) for name in PRECISIONS]
-    option = candidates(layer, codecs, costs)
+    costs = [token_bytes(name, 16, torch.float32, packed=not uniform_heads) for name in PRECISIONS]
+    option = candidates(layer, codecs, costs, uniform_heads)
     assert option.errors[0] == 0.0 and all(e > 0 for e in option.errors[1:])
     assert option.errors[1] < option.errors[2] < option.errors[3]  # 8 bits, then k6v4, then 4 bits
+    tried = [(n, n) for n in range(9)] if uniform_heads else list(itertools.product(range(9), repeat=2))
     for lam in (1e-6, 1e-4, 3e-4, 1e-3, 1e-2):
         index, counts, spent = option.best(lam)
         best = min(
             (objective(layer, option.errors[p], list(c), lam, costs[p]), p, list(c))
-            for p in range(len(PRECISIONS)) for c in itertools.product(range(9), repeat=2)
+            for p in range(len(PRECISIONS)) for c in tried
         )
         assert objective(layer, option.errors[index], counts.tolist(), lam, costs[index]) == pytest.approx(best[0])
         assert spent == costs[index] * (int(counts.sum()) + 4)
@@ -85,13 +88,15 @@ def test_a_coding_error_is_the_probe_outputs_relative_error():
     assert coding_error(layer, codec) == pytest.approx(float((coded - exact).norm() / exact.norm()), rel=1e-4)
 
 
-def test_the_allocation_fits_the_bytes_and_spends_more_where_it_has_more():
+@pytest.mark.parametrize("uniform_heads", [False, True], ids=["per-head", "uniform"])
+def test_the_allocation_fits_the_bytes_and_spends_more_where_it_has_more(uniform_heads):
     layers = [random_layer(seed) for seed in range(3)]
-    full = 3 * 2 * 24 * token_bytes(None, 16, torch.float32)
+    full = 3 * 2 * 24 * token_bytes(None, 16, torch.float32, packed=not uniform_heads)
     spent = []
     for share in (0.05, 0.1, 0.2, 0.4):
-        plans = allocate(layers, share * full, 16, torch.float32, True)
-        used = sum(token_bytes(plan.codec, 16, torch.float32) * int(plan.keep.sum()) for plan in plans)
+        plans = allocate(layers, share * full, 16, torch.float32, True, uniform_heads)
+        used = sum(token_bytes(plan.codec, 16, torch.float32, not uniform_heads) * int(plan.keep.sum())
+                   for plan in plans)
         assert used <= share * full
         for plan, layer in zip(plans, layers):  # the pinned positions kept, each head's kept the best of the rest
             assert bool(plan.keep[layer.scores == math.inf].all())
@@ -99,42 +104,52 @@ def test_the_allocation_fits_the_bytes_and_spends_more_where_it_has_more():
                 kept = layer.scores[head][plan.keep[head]]
                 dropped = layer.scores[head][~plan.keep[head]]
                 assert dropped.numel() == 0 or float(kept.min()) >= float(dropped.max())
+            assert not uniform_heads or len(set(plan.keep.sum(-1).tolist())) == 1
         spent.append(used)
     assert spent == sorted(spent) and spent[0] < spent[-1]
-    packing = 3 * (2 * SEGMENT_BYTES + 1)  # each head's start, length and capacity, each layer's sentinel
-    everything = allocate(layers, full + packing, 16, torch.float32, True)  # room for every token as computed
+    packing = 0 if uniform_heads else 3 * (2 * SEGMENT_BYTES + 1)  # each packed head's start, length and capacity
+    everything = allocate(layers, full + packing, 16, torch.float32, True, uniform_heads)  # room for every token
     assert all(plan.codec is None and bool(plan.keep.all()) for plan in everything)
     with pytest.raises(kvc.InvalidParameterError, match=r"^kv_bytes: 10 bytes cannot hold the 12 tokens the method "
                                                         r"always keeps in its layers, \d+ bytes in the fewest bits; "
                                                         r"valid: a larger kv_bytes$"):
-        allocate(layers, 10, 16, torch.float32, True)
+        allocate(layers, 10, 16, torch.float32, True, uniform_heads)
 
 
-def test_a_compressed_prompt_holds_at_most_its_share_of_the_16_bit_bytes(tmp_path):
+def held_bytes(slots) -> int:
+    """The bytes of a layer's held tokens measured from its storage's tensors: rows, positions and a packing's own
+    (its validity, starts, lengths and capacities), the room for later tokens aside."""
+    if hasattr(slots, "lengths"):  # packed
+        tokens = sum(map(sum, slots.lengths))
+        positions = sum(p.numel() * p.element_size() for row in slots.positions for p in row)
+        own = (tokens + 1) * slots.valid.element_size() + sum(
+            t.numel() * t.element_size() for t in (slots.starts_t, slots.lengths_t, slots.capacities_t))
+        return tokens * (slots.keys.shape[-1] * slots.keys.element_size() + slots.values.shape[-1]
+                         * slots.values.element_size()) + positions + own
+    used = slots.positions[..., : slots.used]
+    rows = slots.keys[..., : slots.used, :], slots.values[..., : slots.used, :]
+    return sum(t.numel() * t.element_size() for t in (*rows, used))
+
+
+@pytest.mark.parametrize("heads", ["uniform", "adaptive"])
+def test_a_compressed_prompt_holds_at_most_its_share_of_the_16_bit_bytes(tmp_path, heads):
     """The bytes measured from the storage's tensors (codes, scales, positions); each layer's codec in its stats and
-    its saved file; the answer continues the same after a load."""
+    its saved file; the answer continues the same after a load. Uniform heads stay dense (the decoding kernel reads
+    their codes), adaptive ones are packed."""
     model, tok = tiny_model(num_hidden_layers=4), char_tokenizer()
     text = random_text(400, seed=3)
     for share in (1 / 4, 1 / 16):
-        result = kvc.compress(model, tok, text, method=kvc.SnapKV(window=8, kv_bytes=share))
+        result = kvc.compress(model, tok, text, method=kvc.SnapKV(window=8, kv_bytes=share, heads=heads))
         stats = result.stats
         assert stats["kv_stored_as"] == "mixed" and stats["kv_bytes_share"] <= share
         layers = result.cache.layers
+        assert all(hasattr(layer.slots, "lengths") == (heads == "adaptive") for layer in layers)
         sixteen = sum(layer.slots.memory(layer.policy.full_tokens())["kv_bytes_full"] for layer in layers) // 2
-        held = 0
-        for layer in layers:  # every tensor of the packing but its room for later tokens
-            packed = layer.slots
-            tokens = sum(map(sum, packed.lengths))
-            positions = sum(p.numel() * p.element_size() for row in packed.positions for p in row)
-            held += (tokens * (packed.keys.shape[-1] * packed.keys.element_size() + packed.values.shape[-1]
-                               * packed.values.element_size()) + positions + (tokens + 1) * packed.valid.element_size()
-                     + sum(t.numel() * t.element_size() for t in (packed.starts_t, packed.lengths_t,
-                                                                  packed.capacities_t)))
-        assert held / sixteen == pytest.approx(stats["kv_bytes_share"])
+        assert sum(held_bytes(layer.slots) for layer in layers) / sixteen == pytest.approx(stats["kv_bytes_share"])
         names = [layer.slots.codec.name if layer.slots.codec else "16" for layer in layers]
         assert names == (stats["kv_layer_precisions"] if isinstance(stats["kv_layer_precisions"], list)
                          else [stats["kv_layer_precisions"]] * 4)
-    store = kvc.compress(model, tok, text, method=kvc.SnapKV(window=8, kv_bytes=1 / 16))
+    store = kvc.compress(model, tok, text, method=kvc.SnapKV(window=8, kv_bytes=1 / 16, heads=heads))
     store.save(tmp_path / "bytes.kvc")
     loaded = kvc.load(tmp_path / "bytes.kvc", model, tok)
     assert [layer.slots.codec for layer in loaded.cache.layers] == [layer.slots.codec for layer in store.cache.layers]

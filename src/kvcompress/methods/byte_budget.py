@@ -11,12 +11,15 @@ in the spirit of RDKV and KVTuner (layer-wise precision) with SnapKV-style evict
   the relative error of the attention output of the layer's last queries (the method's own, or its last keys where
   the method reads no queries) with the whole prompt coded against it as computed. Nothing is a constant per model.
 * **Bytes.** A kept token of one KV head costs its key and value rows as the device holds them (codes, scales and
-  minimums, or the model's own precision) and its packed position.
+  minimums, or the model's own precision) and its position (and, packed, its validity; each packed head's start,
+  length and capacity besides).
 
 For a multiplier ``lam`` each layer picks the precision minimising its coding distortion plus its heads' dropping
 distortion plus ``lam`` times its bytes, a head keeping exactly the positions whose share exceeds ``lam`` times a
-token's bytes (the Lagrangian's optimum for a fixed precision); ``lam`` is the smallest found by bisection whose
-bytes fit. Tokens a method always keeps (``+inf``: SnapKV's window, sinks) are kept and paid for first.
+token's bytes (the Lagrangian's optimum for a fixed precision; with ``heads="uniform"`` every head of a layer keeps
+the same count, by the heads' mean share at each rank, so the layer's storage stays dense and its codes are read
+by the decoding kernel as they are); ``lam`` is the smallest found by bisection whose bytes fit. Tokens a method
+always keeps (``+inf``: SnapKV's window, sinks) are kept and paid for first.
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ from .base import InvalidParameterError
 
 PRECISIONS: tuple[str | None, ...] = (None, "int8", "int6+int4", "int4")  # None: the model's own precision
 PROBE_QUERIES = 32  # the last queries a layer's coding error is measured with
-POSITION_BYTES = 9  # a packed token's position (int64) and validity (bool), per KV head
+POSITION_BYTES = 8  # a kept token's prompt position (int64), per KV head
+PACKED_BYTES = 1  # and, packed, its validity (bool)
 SEGMENT_BYTES = 24  # a packed head's start, length and capacity (int64 each), whatever it keeps
 SIXTEEN_BIT = 2  # bytes per element of the 16-bit cache a share is of
 
@@ -63,13 +67,14 @@ class LayerPlan:
         return self.codec or "16"
 
 
-def token_bytes(codec: str | None, head_dim: int, dtype: torch.dtype) -> int:
-    """Bytes one kept token of one KV head costs the device with ``codec``: its key and value rows and its packed
-    position."""
+def token_bytes(codec: str | None, head_dim: int, dtype: torch.dtype, packed: bool) -> int:
+    """Bytes one kept token of one KV head costs the device with ``codec``: its key and value rows and its position
+    (``packed``: and its validity)."""
+    index = POSITION_BYTES + (PACKED_BYTES if packed else 0)
     if codec is None:
-        return 2 * head_dim * dtype.itemsize + POSITION_BYTES
+        return 2 * head_dim * dtype.itemsize + index
     coded = make_kv_codec(codec, head_dim, dtype)
-    return coded.keys.row_bytes + coded.values.row_bytes + POSITION_BYTES
+    return coded.keys.row_bytes + coded.values.row_bytes + index
 
 
 def probe_output(probe: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -95,7 +100,8 @@ def coding_error(layer: LayerScores, codec: KVCodec) -> float:
 @dataclasses.dataclass
 class Candidates:
     """One layer's options: per precision its coding distortion and token bytes; per head its droppable shares
-    sorted high to low ``[kv_heads, free]`` (0 past a head's own), their running sums, and its pinned tokens."""
+    sorted high to low ``[kv_heads, free]`` (0 past a head's own; one row, the heads' mean, where every head keeps
+    the same count), their running sums, and each head's pinned tokens ``[kv_heads]``."""
 
     errors: list[float]
     costs: list[int]
@@ -105,20 +111,22 @@ class Candidates:
 
     def best(self, lam: float) -> tuple[int, torch.Tensor, int]:
         """The precision (an index into ``PRECISIONS``) minimising distortion plus ``lam`` times bytes, each head's
-        count of droppable positions kept and the layer's bytes."""
-        heads = self.shares.shape[0]
+        count of droppable positions kept ``[kv_heads]`` and the layer's bytes."""
+        heads = self.pinned.shape[0]
         options = []
         for index, (error, cost) in enumerate(zip(self.errors, self.costs)):
             counts = (self.shares > lam * cost * heads).sum(-1)  # the shares are sorted: each head's top ``count``
             kept = self.cumulative.gather(1, (counts - 1).clamp(min=0)[:, None])[:, 0] * (counts > 0)
+            counts = counts.expand(heads)
             tokens = int((counts + self.pinned).sum())
             options.append((error + float((1 - kept).mean()) + lam * cost * tokens, index, counts, cost * tokens))
         _, index, counts, spent = min(options, key=lambda option: option[0])
         return index, counts, spent
 
 
-def candidates(layer: LayerScores, codecs: list[KVCodec | None], costs: list[int]) -> Candidates:
-    """The layer's distortions and costs (``codecs``: each precision's, as its storage would code)."""
+def candidates(layer: LayerScores, codecs: list[KVCodec | None], costs: list[int], uniform_heads: bool) -> Candidates:
+    """The layer's distortions and costs (``codecs``: each precision's, as its storage would code; ``uniform_heads``:
+    every head keeps the same count, chosen by the heads' mean share at each rank)."""
     scores = layer.scores.float()
     pinned = scores == math.inf
     if not bool(pinned.any(-1).all()):  # a head keeps at least its best position
@@ -129,23 +137,26 @@ def candidates(layer: LayerScores, codecs: list[KVCodec | None], costs: list[int
     droppable = (~pinned).sum(-1, keepdim=True).clamp(min=1)
     shares = torch.where(total > 0, free / total.clamp(min=1e-30), (~pinned).float() / droppable)
     shares = shares.masked_fill(pinned, -1.0).sort(-1, descending=True).values.clamp(min=0.0)
+    if uniform_heads:
+        shares = shares.mean(0, keepdim=True)
     errors = [0.0 if codec is None else coding_error(layer, codec) for codec in codecs]
     return Candidates(errors, costs, shares, shares.double().cumsum(-1).float(), pinned.sum(-1))
 
 
-def allocate(layers: list[LayerScores], budget: float, head_dim: int, dtype: torch.dtype,
-             rotated: bool) -> list[LayerPlan]:
-    """Each layer's plan for one prompt under ``budget`` bytes (see the module). Raises ``InvalidParameterError``
-    where even the tokens every layer must keep, in the fewest bytes, do not fit."""
+def allocate(layers: list[LayerScores], budget: float, head_dim: int, dtype: torch.dtype, rotated: bool,
+             uniform_heads: bool) -> list[LayerPlan]:
+    """Each layer's plan for one prompt under ``budget`` bytes (see the module; ``uniform_heads``: every head of a
+    layer keeps the same count, stored dense; else each its own, packed). Raises ``InvalidParameterError`` where
+    even the tokens every layer must keep, in the fewest bytes, do not fit."""
     codecs = [None if name is None else make_kv_codec(name, head_dim, dtype, rotated) for name in PRECISIONS]
-    costs = [token_bytes(name, head_dim, dtype) for name in PRECISIONS]
-    options = [candidates(layer, codecs, costs) for layer in layers]
+    costs = [token_bytes(name, head_dim, dtype, packed=not uniform_heads) for name in PRECISIONS]
+    options = [candidates(layer, codecs, costs, uniform_heads) for layer in layers]
 
     def spend(lam: float) -> tuple[list[tuple[int, torch.Tensor, int]], int]:
         chosen = [option.best(lam) for option in options]
         return chosen, sum(spent for _, _, spent in chosen)
 
-    packing = sum(SEGMENT_BYTES * layer.scores.shape[0] + 1 for layer in layers)  # (and each packing's sentinel)
+    packing = 0 if uniform_heads else sum(packing_bytes(layer.scores.shape[0]) for layer in layers)
     pinned = sum(int(option.pinned.sum()) for option in options)
     if packing + pinned * min(costs) > budget:
         raise InvalidParameterError(
@@ -163,6 +174,12 @@ def allocate(layers: list[LayerScores], budget: float, head_dim: int, dtype: tor
     chosen, _ = spend(low)
     return [LayerPlan(PRECISIONS[index], kept_positions(layer.scores, counts))
             for layer, (index, counts, _) in zip(layers, chosen)]
+
+
+def packing_bytes(heads: int) -> int:
+    """What a packed layer of one prompt holds whatever it keeps: each head's start, length and capacity, and the
+    sentinel slot's validity."""
+    return SEGMENT_BYTES * heads + PACKED_BYTES
 
 
 def kept_positions(scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

@@ -50,7 +50,16 @@ from .base import (
     require,
     require_with,
 )
-from .byte_budget import PROBE_QUERIES, SIXTEEN_BIT, LayerPlan, LayerScores, allocate
+from .byte_budget import (
+    PACKED_BYTES,
+    POSITION_BYTES,
+    PROBE_QUERIES,
+    SIXTEEN_BIT,
+    LayerPlan,
+    LayerScores,
+    allocate,
+    packing_bytes,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -189,8 +198,9 @@ class PromptMethod(BudgetMethod):
         "SnapKV's window, else 32)", minimum=1, kw_only=True)
     kv_bytes: float | None = param(
         None, "a byte budget instead of a token budget: this share of the prompt's 16-bit cache's bytes, spent by "
-        "the method's scores on which tokens each layer and head keeps and in which precision (16, 8, k6v4 or 4 "
-        "bits), each layer's coding error measured on the prompt (e.g. 0.015625 for 1/64)", above=0, at_most=1,
+        "the method's scores on which tokens each layer keeps (per head with heads=adaptive) and in which precision "
+        "(16, 8, k6v4 or 4 bits), each layer's coding error measured on the prompt (e.g. 0.015625 for 1/64)",
+        above=0, at_most=1,
         kw_only=True)
 
     def validate(self) -> None:
@@ -211,7 +221,7 @@ class PromptMethod(BudgetMethod):
         if self.kv_bytes is None:
             return
         defaults = {spec.name: spec.default for spec in field_specs(type(self))}
-        others = ("budget", "ratio", "kv_bits", "key_bits", "kv_format", "heads", "layers", "decode_budget")
+        others = ("budget", "ratio", "kv_bits", "key_bits", "kv_format", "layers", "decode_budget")
         given = [f"{name}={getattr(self, name)!r}" for name in others if getattr(self, name) != defaults[name]]
         require(not given,
                 f"{type(self).__name__}: kv_bytes={self.kv_bytes} chooses the kept tokens, their precision and each "
@@ -267,7 +277,7 @@ class PromptMethod(BudgetMethod):
     @property
     def packs_heads(self) -> bool:
         """Whether the heads of a layer keep different counts, stored packed (``packed.PackedSlots``)."""
-        return self.heads == "adaptive" or self.layers == "global" or self.kv_bytes is not None
+        return self.heads == "adaptive" or (self.layers == "global" and self.kv_bytes is None)
 
     def attends_slots(self) -> bool:
         return not self.packs_heads
@@ -370,7 +380,7 @@ class PromptMethod(BudgetMethod):
             keys, values = layer.keys[0][:, real], layer.values[0][:, real]
             probe = keys[:, -PROBE_QUERIES:] if record.query is None else record.query[0][:, -PROBE_QUERIES:]
             scored.append(LayerScores(scores, keys, values, probe, record.scaling))
-        plans = allocate(scored, budget, dim, first.keys.dtype, self.codes_turned)
+        plans = allocate(scored, budget, dim, first.keys.dtype, self.codes_turned, not self.packs_heads)
         for layer, plan in zip(layers, plans):
             cast(ByteBudgetPolicy, layer.policy).plan = plan
 
@@ -467,8 +477,9 @@ class HeadAdaptivePolicy(EvictionPolicy):
 
 
 class ByteBudgetPolicy(HeadAdaptivePolicy):
-    """``kv_bytes``: the layer keeps the positions the method's ``plan_bytes`` chose for it, packed per head, stored
-    with the codec it chose (the layer's, from compression on)."""
+    """``kv_bytes``: the layer keeps the positions the method's ``plan_bytes`` chose for it (the same count per head,
+    dense; ``heads="adaptive"``: each head its own, packed), stored with the codec it chose (the layer's, from
+    compression on)."""
 
     def __init__(self, method: PromptMethod, share: float = 1.0) -> None:
         super().__init__(method, share)
@@ -483,18 +494,30 @@ class ByteBudgetPolicy(HeadAdaptivePolicy):
         keep[0][:, real] = plan.keep
         self.layer.kv_codec = None if plan.codec is None else make_kv_codec(
             plan.codec, keys.shape[-1], keys.dtype, self.method.codes_turned)
-        self.pack(keep)
+        if self.method.packs_heads:
+            return self.pack(keep)
+        counts = keep.sum(-1)
+        if bool((counts != counts[0, 0]).any()):  # (a method pins as many positions in every head)
+            raise CacheMisuseError(f"kvcompress: kv_bytes planned {counts.tolist()} tokens per head of layer "
+                                   f"{self.layer.layer_idx}, which keeps one count for every head")
+        slots = torch.arange(keep.shape[-1], device=keep.device).expand_as(keep)
+        indices = slots[keep].view(1, keep.shape[1], -1)
+        cast(DenseSlots, self.slots).keep(indices, torch.ones_like(indices[:, 0], dtype=torch.bool))
 
     def info(self) -> dict[str, Any]:
         return {"kv_layer_precisions": self.layer.kv_codec.name if self.layer.kv_codec else "16"}
 
     def stats(self, stats: dict[str, Any]) -> dict[str, Any]:
-        """The held tokens' bytes as the plan counted them (rows, positions, the packing; the room for later tokens
-        aside) and the 16-bit cache's (``kv_bytes_full`` counts the model's precision)."""
-        size, held = cast(torch.dtype, self.layer.dtype).itemsize, stats["kv_bytes_kept"] + stats["index_bytes"]
-        packed = self.packed
-        if packed is not None:
-            held -= (packed.valid.numel() - sum(map(sum, packed.lengths)) - 1) * packed.valid.element_size()
+        """The held tokens' bytes as the plan counts them (rows and positions, and a packing's own; the room for
+        later tokens aside) and the 16-bit cache's (``kv_bytes_full`` counts the model's precision)."""
+        packed, size = self.packed, cast(torch.dtype, self.layer.dtype).itemsize
+        if packed is None:
+            slots = cast(DenseSlots, self.slots)
+            index = slots.keys.shape[0] * slots.keys.shape[1] * slots.used * POSITION_BYTES
+        else:
+            tokens = sum(map(sum, packed.lengths))
+            index = tokens * (POSITION_BYTES + PACKED_BYTES) + packed.rows * packing_bytes(packed.heads)
+        held = stats["kv_bytes_kept"] + index
         return {**stats, "kv_bytes_held": held, "kv_bytes_16bit": stats["kv_bytes_full"] * SIXTEEN_BIT // size}
 
 
