@@ -17,6 +17,7 @@ from kvcompress.bench.shared_context import (
     make_sample,
     resolved,
     run_shared_context,
+    setting_of,
     said,
     summarize,
 )
@@ -75,6 +76,11 @@ def test_a_run_scores_every_question_in_both_modes_and_resumes(tmp_path):
     snap = summary["multi-turn"]["snapkv:window=8:budget=48"]
     assert snap["contexts"] == 1 and all(low <= a <= high for a, (low, high) in zip(snap["agreement"],
                                                                                     snap["agreement_95"]))
+    # the bytes each answer's cache held, as a share of the 16-bit cache's (float32 here: twice its kept fraction)
+    assert summary["multi-turn"]["full"]["kv16"] == pytest.approx(2.0)
+    assert 0 < snap["kv16"] < 2.0 and snap["all_turns"] == pytest.approx(sum(snap["agreement"]) / 3)
+    assert (tmp_path / "agreement_vs_bytes.png").stat().st_size > 1000
+    assert setting_of("snapkv:kv_bits=4:ratio=0.1:window=8") == setting_of("snapkv:kv_bits=4:budget=9:window=8")
     # a rerun finds every row done and asks nothing again
     run_shared_context(model, tok, specs, [300], 1, 2, 1 / 16, str(tmp_path), max_new_tokens=4, haystack="prose")
     assert len((tmp_path / "results.jsonl").read_text().splitlines()) == 10

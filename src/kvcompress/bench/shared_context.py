@@ -25,7 +25,10 @@ default). Beside right answers, a per-question method is measured against the fu
 conversation so far being the full cache's (so a turn's figure is not moved by an earlier turn's divergence):
 top-1 agreement and mean KL per turn, with 95% bootstrap intervals over contexts. Outputs: ``results.jsonl`` (one
 line per method and mode; rerunning resumes), ``summary.json`` (score per method, mode and turn, against the full
-cache's, and agreement), ``shared_context.png``.
+cache's, and agreement, over all turns too, with the bytes each method's cache held as a share of the 16-bit
+cache's), ``shared_context.png``, and ``agreement_vs_bytes.png`` (the frontier: agreement against bytes held, a
+curve per setting over its budgets, e.g. ``snapkv:kv_bits=4`` at several ratios beside ``snapkv`` at several
+``kv_bytes``).
 """
 
 from __future__ import annotations
@@ -38,12 +41,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ..generation.conversation import as_asked, user_prompt
 from ..generation.generate import compress, generate
 from ..generation.result import Result
-from ..methods import FullKV, Method, method_from_spec, sets_budget
+from ..methods import BUDGET_FIELDS, FullKV, Method, method_from_spec, sets_budget
 from .agreement import MODES, FullAnswers, agreement
 from .haystack import fill
 from .metrics import bootstrap_interval
@@ -112,19 +116,27 @@ def resolved(spec: str, tokens: int, fraction: float) -> Method:
     return method
 
 
+def sixteen_bit_share(stats: dict) -> float:
+    """The bytes of the rows a cache held (codes and scales, or the model's precision; an answer's tokens included)
+    as a share of the same tokens' 16-bit rows in the full cache: ``kv_kept_fraction`` counts the model's own
+    precision (float32 on a CPU)."""
+    return stats["kv_kept_fraction"] * getattr(torch, stats["kv_dtype"]).itemsize / 2
+
+
 def ask_all(model: PreTrainedModel, tok: PreTrainedTokenizerBase, sample: Sample, spec: str, mode: str,
-            fraction: float, store: Result, max_new_tokens: int) -> list[str]:
+            fraction: float, store: Result, max_new_tokens: int) -> tuple[list[str], list[float]]:
     """Every answer of ``sample``'s questions with ``spec`` in ``mode`` (the last question, which refers to an
-    earlier answer, only in a conversation)."""
+    earlier answer, only in a conversation), and the bytes each answer's cache held (``sixteen_bit_share``)."""
     questions = asked(tok, sample)[: None if mode == "multi-turn" else -1]
     method = resolved(spec, int(store.attention_mask.sum()), fraction)
-    kind, answers = kind_of(spec), []
+    kind, answers, held = kind_of(spec), [], []
     if kind == "once":
         base = compress(model, tok, user_prompt(tok, sample.context), method=method)
     elif kind == "first":
         first = generate(model, tok, user_prompt(tok, sample.context + "\n\n" + questions[0]),
                          method=method, max_new_tokens=max_new_tokens)
         answers.append(first.text)
+        held.append(sixteen_bit_share(first.stats))
         base, questions = first, questions[1:]
     turn = base if kind != "per-question" else store
     for question in questions:
@@ -135,7 +147,8 @@ def ask_all(model: PreTrainedModel, tok: PreTrainedTokenizerBase, sample: Sample
             past = base.copy() if mode == "multi-request" else turn
             turn = generate(model, tok, question, past=past, max_new_tokens=max_new_tokens)
         answers.append(turn.text)
-    return answers
+        held.append(sixteen_bit_share(turn.stats))
+    return answers, held
 
 
 def run_shared_context(model: PreTrainedModel, tok: PreTrainedTokenizerBase, specs: list[str], lengths: list[int],
@@ -158,12 +171,12 @@ def run_shared_context(model: PreTrainedModel, tok: PreTrainedTokenizerBase, spe
                     if store is None:  # every prefill query kept: H2O and ExpectedAttention score with them all
                         store = compress(model, tok, user_prompt(tok, sample.context), method=FullKV(),
                                          query_window=None)
-                    answers = ask_all(model, tok, sample, spec, mode, fraction, store, max_new_tokens)
+                    answers, held = ask_all(model, tok, sample, spec, mode, fraction, store, max_new_tokens)
                     row = {"length": length, "seed": seed, "method": spec, "mode": mode,
                            "kind": kind_of(spec), "tokens": int(store.attention_mask.sum()),
                            "scores": [answered(said(tok, text), code)
                                       for text, (_, code) in zip(answers, sample.questions)],
-                           "answers": answers}
+                           "answers": answers, "kv16": sum(held) / len(held)}
                     if kind_of(spec) == "per-question":
                         full = full or FullAnswers(model, tok, store, asked(tok, sample), max_new_tokens,
                                                    requests=len(sample.questions) - 1)
@@ -184,6 +197,7 @@ def write_summary(out: Path, specs: list[str] | None = None) -> dict:
     summary = summarize(rows, specs if specs is not None else list(dict.fromkeys(r["method"] for r in rows)))
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     plot(summary, out / "shared_context.png")
+    plot_frontier(summary, out / "agreement_vs_bytes.png")
     return summary
 
 
@@ -224,8 +238,51 @@ def turn_agreement(rows: list[dict]) -> dict[str, list]:
     turns = max(len(r["agreement"]) for r in measured)
     by_turn = [[r["agreement"][t] for r in measured if len(r["agreement"]) > t] for t in range(turns)]
     kls = [[r["kl"][t] for r in measured if len(r["kl"]) > t] for t in range(turns)]
+    per_context = [sum(r["agreement"]) / len(r["agreement"]) for r in measured]
+    held = [r["kv16"] for r in measured if "kv16" in r]
     return {"agreement": [sum(v) / len(v) for v in by_turn], "agreement_95": [bootstrap_interval(v) for v in by_turn],
-            "kl": [sum(v) / len(v) for v in kls], "contexts": len(measured)}
+            "kl": [sum(v) / len(v) for v in kls], "contexts": len(measured),
+            "all_turns": sum(per_context) / len(per_context), "all_turns_95": bootstrap_interval(per_context),
+            **({"kv16": sum(held) / len(held)} if held else {})}
+
+
+def setting_of(spec: str) -> str:
+    """A spec without its working set (``BUDGET_FIELDS``): the setting a frontier draws one curve for."""
+    name, *fields = spec.split(":")
+    return ":".join([name, *(f for f in fields if f.split("=")[0] not in BUDGET_FIELDS)])
+
+
+def plot_frontier(summary: dict, path: Path) -> None:
+    """Per mode, agreement over all turns (95% interval over contexts as bars) against the bytes held as a share of
+    the 16-bit cache's (log scale), a curve per setting over its working sets; nothing where no row recorded both."""
+    import matplotlib  # noqa: PLC0415 - only to draw
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    curves = {mode: defaultdict(list) for mode in MODES}
+    for mode in MODES:
+        for spec, row in summary[mode].items():
+            if "kv16" in row and spec != "full":
+                curves[mode][setting_of(spec)].append((row["kv16"], row["all_turns"], *row["all_turns_95"]))
+    if not any(curves.values()):
+        return
+    fig, axes = plt.subplots(1, len(MODES), figsize=(6 * len(MODES), 4), sharey=True, squeeze=False)
+    for axis, mode in zip(axes[0], MODES):
+        for setting, points in curves[mode].items():
+            held, agreed, low, high = zip(*sorted(points))
+            axis.errorbar(held, agreed, yerr=[[a - lo for a, lo in zip(agreed, low)],
+                                              [hi - a for a, hi in zip(agreed, high)]],
+                          marker="o", capsize=2, label=setting)
+        axis.set_xscale("log")
+        axis.set_title(mode)
+        axis.set_xlabel("bytes held (share of the 16-bit cache's)")
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=7)
+    axes[0][0].set_ylabel("top-1 agreement, all turns")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def plot(summary: dict, path: Path) -> None:
