@@ -17,8 +17,8 @@ from kvcompress.bench.shared_context import (
     make_sample,
     resolved,
     run_shared_context,
-    setting_of,
     said,
+    setting_of,
     summarize,
 )
 from kvcompress.cli import main

@@ -109,7 +109,8 @@ def sets_budget(spec: str) -> bool:
 
 
 __all__ = [
-    "BUDGET_FIELDS", "BUILT_IN", "BudgetMethod", "ExpectedAttention", "FieldSpec", "FullKV", "H2O", "KVzip", "InvalidParameterError",
-    "Loki", "METHODS", "Method", "PromptMethod", "Quest", "ShadowKV", "SnapKV", "StreamingLLM", "field_specs",
-    "method_class", "method_from_name", "method_from_spec", "parse_value", "register_method", "sets_budget"
+    "BUDGET_FIELDS", "BUILT_IN", "BudgetMethod", "ExpectedAttention", "FieldSpec", "FullKV", "H2O", "KVzip",
+    "InvalidParameterError", "Loki", "METHODS", "Method", "PromptMethod", "Quest", "ShadowKV", "SnapKV", "StreamingLLM",
+    "field_specs", "method_class", "method_from_name", "method_from_spec", "parse_value", "register_method",
+    "sets_budget"
 ]
