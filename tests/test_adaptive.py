@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import kvcompress as kvc
-from kvcompress.methods.prompt import allocate_heads, pyramid_budgets
+from kvcompress.methods.selection import allocate_heads, pyramid_budgets
 
 from .fixtures import CACHE, char_tokenizer, family_model, random_text, tiny_model
 

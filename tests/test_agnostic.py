@@ -14,7 +14,7 @@ from transformers import DynamicCache
 import kvcompress as kvc
 from kvcompress.generation.conversation import first_turn
 from kvcompress.methods.kvzip import FIRST, LATER
-from kvcompress.methods.prompt import global_shares
+from kvcompress.methods.selection import global_shares
 from kvcompress.storage import attention
 
 from .fixtures import CACHE, bpe_tokenizer, char_tokenizer, family_model, random_text, tiny_model

@@ -11,8 +11,8 @@ from transformers import DynamicCache
 import kvcompress as kvc
 from kvcompress.methods.h2o import accumulated_attention
 from kvcompress.methods.loki import approximate_scores, principal_components
-from kvcompress.methods.prompt import select_kept
 from kvcompress.methods.quest import page_bounds, page_upper_bounds
+from kvcompress.methods.selection import select_kept
 from kvcompress.storage.slots import spare_slots
 
 from .fixtures import CACHE, char_tokenizer, prefilled_cache, random_text, tiny_model

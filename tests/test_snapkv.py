@@ -10,7 +10,7 @@ from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 import kvcompress as kvc
-from kvcompress.methods.prompt import select_kept
+from kvcompress.methods.selection import select_kept
 
 from .fixtures import CACHE, char_tokenizer, prefilled_cache, random_text, tiny_model
 

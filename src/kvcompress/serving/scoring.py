@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from ..integrations.transformers.rope import Rotary
 from ..methods.base import Method
-from ..methods.prompt import select_kept
+from ..methods.selection import select_kept
 from ..storage.attention import scoring_sinks
 from .settings import PromptLayer
 
