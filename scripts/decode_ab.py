@@ -54,13 +54,14 @@ def main() -> None:
     prompt = torch.randint(10, vocab, (args.batch, args.length), device=model.device)
     specs = list(dict.fromkeys(args.methods.split(",")))
     total = (args.rounds + 1) * args.steps + args.profile + 2
-    runners = {}
+    runners, kept = {}, {}
     for spec in specs:
         method_spec, _, mode = spec.partition("@")
         # random ids: every token a span, as bench speed
         cache = method_from_spec(method_spec, budget=args.budget).make_cache(model, TokenSpans.every(vocab))
         logits = model(prompt, **{cache.keyword: cache}, logits_to_keep=1).logits[:, -1]
         state = DecodeState.start(logits, torch.full((args.batch,), args.length, device=model.device), total, set())
+        kept[spec] = statistics.mean(cache.stats()["kv_tokens_per_layer"])
         cache.reserve(total)
         runners[spec] = StepRunner(model, cache, state, Compile() if mode == "compile" else None)
     blocks: dict[str, list[float]] = {spec: [] for spec in specs}
@@ -83,7 +84,7 @@ def main() -> None:
     for spec in blocks:
         times = ", ".join(f"{t:.1f}" for t in blocks[spec][1:])
         print(f"{spec:36s} {medians[spec]:8.2f} ms/step  x{ratios[spec]:.3f} (median of per-round ratios)  "
-              f"(blocks: {times})")
+              f"{kept[spec]:.0f} tokens kept per layer  (blocks: {times})")
     profiles = {spec: profile(runner, args.profile) for spec, runner in runners.items()} if args.profile else {}
     clock = "device" if torch.cuda.is_available() else "host"
     for spec, kernels in profiles.items():
@@ -97,7 +98,7 @@ def main() -> None:
             json.dump(
                 {
                     "machine": machine(model.device), "settings": vars(args), "ms_per_step": medians,
-                    "ratio_to_first": ratios, "blocks": blocks, "profiles": profiles,
+                    "ratio_to_first": ratios, "kept_per_layer": kept, "blocks": blocks, "profiles": profiles,
                     "attention_choices": attention.sdpa_choices(),
                     "attention_choices_compiled": attention.sdpa_choices(graphed=True)
                 }, fh, indent=2)
