@@ -34,6 +34,9 @@ from .fixtures import FAMILIES, char_tokenizer, family_model, prefilled_cache, r
     ({"method": "h2o", "evict_during_decoding": True}, r"H2O: evict_during_decoding=True cannot be served by vLLM"),
     ({"method": "snapkv", "decode_budget": 512},
      r"SnapKV: decode_budget=512 cannot be served by vLLM: kvcompress.s plugin selects "),
+    ({"method": "snapkv", "kv_bytes": 0.015625},
+     r"^kvcompress: SnapKV: kv_bytes=0\.015625 cannot be served by vLLM \(its pool holds every request in one dtype, "
+     r"the same count per KV head and layer\); valid: budget or ratio$"),
     ("snapkv", r"^kvcompress must be an object such as \{\"method\": \"snapkv\", \"budget\": 256\}; got 'snapkv'$"),
 ])
 def test_a_requests_bad_settings_are_refused_naming_the_field(settings, message):

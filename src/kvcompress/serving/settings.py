@@ -51,7 +51,7 @@ SERVABLE = servable_names()  # the built-in ones (``servable_names()`` also coun
 # The fields a served request cannot set (each refused with its reason by ``check_servable``), left out of the fields
 # an unknown one's refusal lists
 NOT_SERVED = ("decode_budget", "every", "decode_window", "head_floor", "layer_floor", "pyramid_beta", "key_bits",
-              "evict_during_decoding")
+              "evict_during_decoding", "kv_bytes")
 
 
 def fp8_pool(cache_dtype: str | None) -> bool:
@@ -89,6 +89,10 @@ def check_servable(method: Method, cache_dtype: str | None = None) -> Method:
             f"{owner}: decode_budget={method.decode_budget} cannot be served by vLLM: kvcompress's plugin selects a "
             "request's blocks once, at the end of its prefill, and does not re-select them while it decodes; valid: "
             "no decode_budget (docs/vllm.md)")
+    if getattr(method, "kv_bytes", None) is not None:
+        raise InvalidParameterError(
+            f"{owner}: kv_bytes={method.kv_bytes} cannot be served by vLLM (its pool holds every request in one dtype, "
+            "the same count per KV head and layer); valid: budget or ratio")
     if getattr(method, "evict_during_decoding", False):
         raise InvalidParameterError(
             f"{owner}: evict_during_decoding=True cannot be served by vLLM (it compresses at the end of a prefill)"
