@@ -110,10 +110,9 @@ def test_the_allocation_fits_the_bytes_and_spends_more_where_it_has_more(uniform
     packing = 0 if uniform_heads else 3 * (2 * SEGMENT_BYTES + 1)  # each packed head's start, length and capacity
     everything = allocate(layers, full + packing, 16, torch.float32, True, uniform_heads)  # room for every token
     assert all(plan.codec is None and bool(plan.keep.all()) for plan in everything)
-    with pytest.raises(kvc.InvalidParameterError, match=r"^kv_bytes: 10 bytes cannot hold the 12 tokens the method "
-                                                        r"always keeps in its layers, \d+ bytes in the fewest bits; "
-                                                        r"valid: a larger kv_bytes$"):
-        allocate(layers, 10, 16, torch.float32, True, uniform_heads)
+    floor = allocate(layers, 10, 16, torch.float32, True, uniform_heads)  # less than the pinned tokens in 4 bits
+    for plan, layer in zip(floor, layers):  # each keeps those alone (a token budget's floor too), in 4 bits
+        assert plan.codec == "int4" and torch.equal(plan.keep, layer.scores == math.inf)
 
 
 def held_bytes(slots) -> int:
@@ -203,3 +202,10 @@ def test_a_spec_with_its_own_bytes_takes_no_benchmark_budget():
     assert method.kv_bytes == 0.015625 and method.budget is None and "budget" not in method.settings()
     assert method_from_spec("snapkv:ratio=0.5", budget=128).budget is None
     assert method_from_spec("snapkv", budget=128).budget == 128
+
+
+def test_a_budget_below_the_tokens_a_method_always_keeps_keeps_those_in_the_fewest_bits():
+    model, tok = tiny_model(num_hidden_layers=2), char_tokenizer()
+    result = kvc.compress(model, tok, random_text(200, seed=4), method=kvc.SnapKV(window=8, kv_bytes=1 / 1000))
+    assert result.stats["kv_tokens_per_layer"] == [8, 8] and result.stats["kv_layer_precisions"] == "int4"
+    assert result.stats["kv_bytes_share"] > 1 / 1000  # what it holds, said

@@ -31,7 +31,6 @@ import torch
 
 from ..storage.attention import grouped_logits
 from ..storage.codec import KVCodec, encoded_pair, make_kv_codec, restored_pair
-from .base import InvalidParameterError
 
 PRECISIONS: tuple[str | None, ...] = (None, "int8", "int6+int4", "int4")  # None: the model's own precision
 PROBE_QUERIES = 32  # the last queries a layer's coding error is measured with
@@ -146,8 +145,9 @@ def candidates(layer: LayerScores, codecs: list[KVCodec | None], costs: list[int
 def allocate(layers: list[LayerScores], budget: float, head_dim: int, dtype: torch.dtype, rotated: bool,
              uniform_heads: bool) -> list[LayerPlan]:
     """Each layer's plan for one prompt under ``budget`` bytes (see the module; ``uniform_heads``: every head of a
-    layer keeps the same count, stored dense; else each its own, packed). Raises ``InvalidParameterError`` where
-    even the tokens every layer must keep, in the fewest bytes, do not fit."""
+    layer keeps the same count, stored dense; else each its own, packed). Where even the tokens every layer must
+    keep do not fit in the fewest bits, those are what each layer keeps, in the fewest bits (as a token budget never
+    keeps fewer than them: a short prompt then holds more than its share, which its stats say)."""
     codecs = [None if name is None else make_kv_codec(name, head_dim, dtype, rotated) for name in PRECISIONS]
     costs = [token_bytes(name, head_dim, dtype, packed=not uniform_heads) for name in PRECISIONS]
     options = [candidates(layer, codecs, costs, uniform_heads) for layer in layers]
@@ -158,11 +158,7 @@ def allocate(layers: list[LayerScores], budget: float, head_dim: int, dtype: tor
 
     packing = 0 if uniform_heads else sum(packing_bytes(layer.scores.shape[0]) for layer in layers)
     pinned = sum(int(option.pinned.sum()) for option in options)
-    if packing + pinned * min(costs) > budget:
-        raise InvalidParameterError(
-            f"kv_bytes: {budget:.0f} bytes cannot hold the {pinned} tokens the method always keeps in its layers, "
-            f"{packing + pinned * min(costs)} bytes in the fewest bits; valid: a larger kv_bytes")
-    budget -= packing
+    budget = max(budget - packing, pinned * min(costs))  # (at the floor, an infinite multiplier: the pinned alone)
     low, high = 0.0, 1.0
     while spend(high)[1] > budget:
         low, high = high, high * 16
