@@ -17,7 +17,7 @@ from kvcompress.methods.byte_budget import (
     LayerScores,
     allocate,
     candidates,
-    coding_error,
+    coding_errors,
     token_bytes,
 )
 from kvcompress.storage.codec import make_kv_codec
@@ -54,7 +54,7 @@ def test_each_layer_takes_the_precision_and_counts_that_minimise_its_lagrangian(
     layer = random_layer(0, seq=10)
     codecs = [None if name is None else make_kv_codec(name, 16, torch.float32, True) for name in PRECISIONS]
     costs = [token_bytes(name, 16, torch.float32, packed=not uniform_heads) for name in PRECISIONS]
-    option = candidates(layer, codecs, costs, uniform_heads)
+    option = candidates(layer, codecs, costs, uniform_heads, probed=4)
     assert option.errors[0] == 0.0 and all(e > 0 for e in option.errors[1:])
     assert option.errors[1] < option.errors[2] < option.errors[3]  # 8 bits, then k6v4, then 4 bits
     tried = [(n, n) for n in range(9)] if uniform_heads else list(itertools.product(range(9), repeat=2))
@@ -85,7 +85,8 @@ def test_a_coding_error_is_the_probe_outputs_relative_error():
         return torch.stack(outs)
 
     exact, coded = output(layer.keys, layer.values), output(coded_keys, coded_values)
-    assert coding_error(layer, codec) == pytest.approx(float((coded - exact).norm() / exact.norm()), rel=1e-4)
+    assert coding_errors(layer, [None, codec], probed=24) == pytest.approx(
+        [0.0, float((coded - exact).norm() / exact.norm())], rel=1e-4)  # every position probed: the whole prompt
 
 
 @pytest.mark.parametrize("uniform_heads", [False, True], ids=["per-head", "uniform"])

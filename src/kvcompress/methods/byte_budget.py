@@ -9,7 +9,8 @@ in the spirit of RDKV and KVTuner (layer-wise precision) with SnapKV-style evict
   (the head's output loses that much of its mix), averaged over the layer's heads.
 * **Distortion of coding.** Each layer's cost of storing its tokens with a codec is measured on the prompt itself:
   the relative error of the attention output of the layer's last queries (the method's own, or its last keys where
-  the method reads no queries) with the whole prompt coded against it as computed. Nothing is a constant per model.
+  the method reads no queries) over its best tokens (as many as a uniform share of the bytes in the fewest bits)
+  coded, against them as computed. Nothing is a constant per model.
 * **Bytes.** A kept token of one KV head costs its key and value rows as the device holds them (codes, scales and
   minimums, or the model's own precision) and its position (and, packed, its validity; each packed head's start,
   length and capacity besides).
@@ -76,24 +77,36 @@ def token_bytes(codec: str | None, head_dim: int, dtype: torch.dtype, packed: bo
     return coded.keys.row_bytes + coded.values.row_bytes + index
 
 
-def probe_output(probe: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float) -> torch.Tensor:
-    """The attention output of the last ``n`` queries ``probe [q_heads, n, dim]`` over every key (causal among the
-    last ``n``), ``[q_heads, n, dim]`` in float32."""
-    heads, n, dim = probe.shape
-    kv_heads, seq = keys.shape[:2]
-    logits = grouped_logits(probe[None], keys[None], scaling)[0]  # [q_heads, n, seq]
-    later = torch.ones(n, n, dtype=torch.bool, device=keys.device).triu(1)
-    logits[..., seq - n:].masked_fill_(later, -math.inf)
-    probs = logits.softmax(-1).view(kv_heads, heads // kv_heads * n, seq)
-    return (probs @ values.float()).view(heads, n, dim)
+def probe_output(probe: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, seq: int,
+                 scaling: float) -> torch.Tensor:
+    """The attention output of the prompt's last ``n`` queries ``probe [q_heads, n, dim]`` over the keys and values
+    ``[kv_heads, k, dim]`` at prompt ``positions [kv_heads, k]`` of ``seq`` (causal), ``[kv_heads, group * n, dim]``
+    in float32."""
+    heads, n, _ = probe.shape
+    kv_heads, k = positions.shape
+    logits = grouped_logits(probe[None], keys[None], scaling)[0].view(kv_heads, heads // kv_heads, n, k)
+    rows = torch.arange(seq - n, seq, device=keys.device)
+    logits.masked_fill_(positions[:, None, None, :] > rows[None, None, :, None], -math.inf)
+    return logits.softmax(-1).view(kv_heads, -1, k) @ values.float()
 
 
-def coding_error(layer: LayerScores, codec: KVCodec) -> float:
-    """The relative error of the layer's probe output with its keys and values stored by ``codec``."""
-    exact = probe_output(layer.probe, layer.keys, layer.values, layer.scaling)
-    keys, values = restored_pair(codec, *encoded_pair(codec, layer.keys, layer.values))
-    coded = probe_output(layer.probe, keys, values, layer.scaling)
-    return float((coded - exact).norm() / exact.norm().clamp(min=1e-30))
+def coding_errors(layer: LayerScores, codecs: list[KVCodec | None], probed: int) -> list[float]:
+    """Each codec's relative error of the layer's probe output, its keys and values coded against as computed, over
+    each head's ``probed`` best positions by the method's scores (the tokens worth coding; a uniform allocation in
+    the fewest bits keeps that many) and the probe's own."""
+    seq, n, dim = layer.keys.shape[1], layer.probe.shape[1], layer.keys.shape[-1]
+    ranked = layer.scores.float().clone()
+    ranked[:, seq - n:] = math.inf
+    positions = ranked.topk(min(seq, probed + n), dim=-1).indices.sort(-1).values
+    index = positions[..., None].expand(-1, -1, dim)
+    keys, values = layer.keys.gather(1, index), layer.values.gather(1, index)
+    exact = probe_output(layer.probe, keys, values, positions, seq, layer.scaling)
+    errors = []
+    for codec in codecs:
+        coded = exact if codec is None else probe_output(
+            layer.probe, *restored_pair(codec, *encoded_pair(codec, keys, values)), positions, seq, layer.scaling)
+        errors.append(float((coded - exact).norm() / exact.norm().clamp(min=1e-30)))
+    return errors
 
 
 @dataclasses.dataclass
@@ -123,9 +136,11 @@ class Candidates:
         return index, counts, spent
 
 
-def candidates(layer: LayerScores, codecs: list[KVCodec | None], costs: list[int], uniform_heads: bool) -> Candidates:
+def candidates(layer: LayerScores, codecs: list[KVCodec | None], costs: list[int], uniform_heads: bool,
+               probed: int) -> Candidates:
     """The layer's distortions and costs (``codecs``: each precision's, as its storage would code; ``uniform_heads``:
-    every head keeps the same count, chosen by the heads' mean share at each rank)."""
+    every head keeps the same count, chosen by the heads' mean share at each rank; ``probed``: the tokens per head
+    its coding errors are measured over)."""
     scores = layer.scores.float()
     pinned = scores == math.inf
     if not bool(pinned.any(-1).all()):  # a head keeps at least its best position
@@ -138,7 +153,7 @@ def candidates(layer: LayerScores, codecs: list[KVCodec | None], costs: list[int
     shares = shares.masked_fill(pinned, -1.0).sort(-1, descending=True).values.clamp(min=0.0)
     if uniform_heads:
         shares = shares.mean(0, keepdim=True)
-    errors = [0.0 if codec is None else coding_error(layer, codec) for codec in codecs]
+    errors = coding_errors(layer, codecs, probed)
     return Candidates(errors, costs, shares, shares.double().cumsum(-1).float(), pinned.sum(-1))
 
 
@@ -150,7 +165,9 @@ def allocate(layers: list[LayerScores], budget: float, head_dim: int, dtype: tor
     keeps fewer than them: a short prompt then holds more than its share, which its stats say)."""
     codecs = [None if name is None else make_kv_codec(name, head_dim, dtype, rotated) for name in PRECISIONS]
     costs = [token_bytes(name, head_dim, dtype, packed=not uniform_heads) for name in PRECISIONS]
-    options = [candidates(layer, codecs, costs, uniform_heads) for layer in layers]
+    heads = layers[0].scores.shape[0]
+    probed = math.ceil(budget / (len(layers) * heads * min(costs)))  # a uniform share in the fewest bits
+    options = [candidates(layer, codecs, costs, uniform_heads, probed) for layer in layers]
 
     def spend(lam: float) -> tuple[list[tuple[int, torch.Tensor, int]], int]:
         chosen = [option.best(lam) for option in options]

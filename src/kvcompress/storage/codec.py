@@ -73,7 +73,8 @@ class Codec:
         if not self.rotated:
             return vectors
         turn = hadamard(group_size(self.dim), vectors.device)
-        return (vectors.float().unflatten(-1, (-1, turn.shape[0])) @ turn).flatten(-2).to(vectors.dtype)
+        # one product of every group as a row (the groups as a batch of 1-row products took 65x as long at 400 rows)
+        return (vectors.float().reshape(-1, turn.shape[0]) @ turn).view(vectors.shape).to(vectors.dtype)
 
     def out_of_basis(self, vectors: torch.Tensor) -> torch.Tensor:
         """Vectors from ``decode``'s basis back to the model's (an orthonormal Hadamard turn is its own inverse)."""
