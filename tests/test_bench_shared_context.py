@@ -81,6 +81,7 @@ def test_a_run_scores_every_question_in_both_modes_and_resumes(tmp_path):
     assert 0 < snap["kv16"] < 2.0 and snap["all_turns"] == pytest.approx(sum(snap["agreement"]) / 3)
     assert (tmp_path / "agreement_vs_bytes.png").stat().st_size > 1000
     assert setting_of("snapkv:kv_bits=4:ratio=0.1:window=8") == setting_of("snapkv:kv_bits=4:budget=9:window=8")
+    assert setting_of("snapkv:kv_bytes=0.01") == setting_of("snapkv:kv_bytes=0.1") == "snapkv:kv_bytes" != "snapkv"
     # a rerun finds every row done and asks nothing again
     run_shared_context(model, tok, specs, [300], 1, 2, 1 / 16, str(tmp_path), max_new_tokens=4, haystack="prose")
     assert len((tmp_path / "results.jsonl").read_text().splitlines()) == 10

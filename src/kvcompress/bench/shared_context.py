@@ -247,9 +247,11 @@ def turn_agreement(rows: list[dict]) -> dict[str, list]:
 
 
 def setting_of(spec: str) -> str:
-    """A spec without its working set (``BUDGET_FIELDS``): the setting a frontier draws one curve for."""
+    """A spec without its working set's size (``BUDGET_FIELDS``; a token budget's left out, a byte budget's named
+    without its value): the setting a frontier draws one curve for."""
     name, *fields = spec.split(":")
-    return ":".join([name, *(f for f in fields if f.split("=")[0] not in BUDGET_FIELDS)])
+    kept = [f.split("=")[0] if f.split("=")[0] in BUDGET_FIELDS else f for f in fields]
+    return ":".join([name, *(f for f in kept if f not in ("budget", "ratio"))])
 
 
 def plot_frontier(summary: dict, path: Path) -> None:
