@@ -174,6 +174,10 @@ def test_a_model_with_sliding_windows_spends_the_bytes_on_its_global_layers():
                           max_new_tokens=3)
     sliding = [layer.is_sliding for layer in result.cache.layers]
     assert True in sliding and False in sliding and 0 < result.stats["kv_bytes_share"] < 1 / 4
+    # every layer a window (Mistral's sliding setting): the windows are what it keeps, no byte budget to spend
+    windowed = kvc.generate(family_model("mistral-sliding"), tok, random_text(300, seed=9),
+                            method=kvc.SnapKV(window=8, kv_bytes=1 / 8), max_new_tokens=3)
+    assert "kv_bytes_share" not in windowed.stats and all(layer.is_sliding for layer in windowed.cache.layers)
 
 
 def test_a_byte_budget_refuses_what_it_cannot_do_in_one_line():

@@ -189,7 +189,8 @@ class PromptMethod(BudgetMethod):
 
     def summarize(self, totals: dict[str, Any]) -> dict[str, Any]:
         if self.kv_bytes is not None:  # the held tokens' device bytes (ByteBudgetPolicy.stats) per 16-bit byte
-            return {"kv_bytes_share": totals["kv_bytes_held"] / totals["kv_bytes_16bit"]}
+            held = totals.get("kv_bytes_held")  # (None: every layer a sliding window's, none the budget's)
+            return {} if held is None else {"kv_bytes_share": held / totals["kv_bytes_16bit"]}
         if self.decode_budget is None:
             return {}
         layers = totals.get("bounded_layers", 0)
