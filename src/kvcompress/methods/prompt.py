@@ -105,8 +105,7 @@ class PromptMethod(BudgetMethod):
         None, "a byte budget instead of a token budget: this share of the prompt's 16-bit cache's bytes, spent by "
         "the method's scores on which tokens each layer keeps (per head with heads=adaptive) and in which precision "
         "(16, 8, k6v4 or 4 bits), each layer's coding error measured on the prompt (e.g. 0.015625 for 1/64)",
-        above=0, at_most=1,
-        kw_only=True)
+        above=0, at_most=1, kw_only=True)
 
     def validate(self) -> None:
         super().validate()
