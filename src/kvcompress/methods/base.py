@@ -68,7 +68,7 @@ def param(default: Any, help: str, *, minimum: float | None = None, choices: tup
 def require_with(method: Method, name: str, applies: bool, needs: str, needs_flag: str) -> None:
     """Refuse field ``name`` set off its default where it would do nothing (``applies`` False): the library's words
     name ``needs``, the command line's ``needs_flag``."""
-    value, default = getattr(method, name), {spec.name: spec.default for spec in field_specs(type(method))}[name]
+    value, default = getattr(method, name), field_defaults(type(method))[name]
     if value != default and not applies:
         flag = "--" + name.replace("_", "-")
         raise InvalidParameterError(
@@ -167,6 +167,11 @@ def field_specs(cls: type) -> list[FieldSpec]:
                       meta.get("minimum"), meta.get("above"), meta.get("at_most"), meta.get("choices"),
                       meta.get("none", "the default")))
     return sorted(specs, key=lambda spec: spec.name in CODEC_FIELDS)  # the method's own first, storage's last
+
+
+def field_defaults(cls: type) -> dict[str, Any]:
+    """Each field of the method class ``cls`` by name, with its default."""
+    return {spec.name: spec.default for spec in field_specs(cls)}
 
 
 @dataclass(frozen=True)
@@ -310,7 +315,7 @@ class Method:
 
     def describe(self) -> str:
         """``snapkv(budget=256, window=32, ...)``: every setting (quiet ones only when changed)."""
-        defaults = {spec.name: spec.default for spec in field_specs(type(self))}
+        defaults = field_defaults(type(self))
         shown = ", ".join(f"{k}={v}" for k, v in self.settings().items()
                           if v is not None and not (k in self.quiet_fields + CODEC_FIELDS and v == defaults[k]))
         return f"{self.name}({shown})"

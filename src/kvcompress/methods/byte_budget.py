@@ -45,7 +45,7 @@ SIXTEEN_BIT = 2  # bytes per element of the 16-bit cache a share is of
 class LayerScores:
     """What the allocation reads of one compressed layer of one prompt: its scores ``[kv_heads, seq]`` (``+inf``:
     always kept; only real positions), its keys and values ``[kv_heads, seq, dim]`` and the queries it is probed
-    with ``[q_heads, n, dim]``."""
+    with ``[heads, n, dim]`` (its query heads, or its KV heads where its last keys stand in)."""
 
     scores: torch.Tensor
     keys: torch.Tensor
@@ -61,10 +61,6 @@ class LayerPlan:
 
     codec: str | None
     keep: torch.Tensor
-
-    @property
-    def label(self) -> str:
-        return self.codec or "16"
 
 
 def token_bytes(codec: str | None, head_dim: int, dtype: torch.dtype, packed: bool) -> int:

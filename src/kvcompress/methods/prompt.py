@@ -45,7 +45,7 @@ from .base import (
     BudgetMethod,
     InvalidParameterError,
     batch_prompt_tokens,
-    field_specs,
+    field_defaults,
     param,
     require,
     require_with,
@@ -124,7 +124,7 @@ class PromptMethod(BudgetMethod):
     def _check_byte_budget(self) -> None:
         if self.kv_bytes is None:
             return
-        defaults = {spec.name: spec.default for spec in field_specs(type(self))}
+        defaults = field_defaults(type(self))
         others = ("budget", "ratio", "kv_bits", "key_bits", "kv_format", "layers", "decode_budget")
         given = [f"{name}={getattr(self, name)!r}" for name in others if getattr(self, name) != defaults[name]]
         require(not given,
