@@ -36,6 +36,7 @@ test-isa: model
 
 lint: $(STAMP)
 	$(PY) -m ruff check src tests scripts
+	$(PY) -m ruff format --check src tests scripts
 	$(PY) -m mypy
 
 # `make vllm`: vLLM's CPU build pins its own torch and transformers, so it gets its own venv (never a dependency of

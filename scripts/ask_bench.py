@@ -56,17 +56,25 @@ def byte_tokenizer():
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
-    template = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                "{% if add_generation_prompt %}<s>assistant: {% endif %}")
-    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-                                   chat_template=template)
+    template = (
+        "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<s>assistant: {% endif %}"
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>", chat_template=template
+    )
 
 
 def ask(model, tok, document: str, context: kvc.Result, way: str, budget: int, tokens: int) -> kvc.Result:
     method = kvc.SnapKV(budget=budget)
     if way == "afresh":
-        return kvc.generate(model, tok, [{"role": "user", "content": document + "\n\n" + QUESTION}], method=method,
-                            max_new_tokens=tokens)
+        return kvc.generate(
+            model,
+            tok,
+            [{"role": "user", "content": document + "\n\n" + QUESTION}],
+            method=method,
+            max_new_tokens=tokens,
+        )
     if way == "stored":
         return kvc.generate(model, tok, QUESTION, past=context, method=method, max_new_tokens=tokens)
     return kvc.generate(model, tok, QUESTION, past=context.copy(), max_new_tokens=tokens)
@@ -76,16 +84,20 @@ def ask(model, tok, document: str, context: kvc.Result, way: str, budget: int, t
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
-        "--preset",
-        help="an architecture preset with random weights (kvcompress.models), instead of the embedded model")
+        "--preset", help="an architecture preset with random weights (kvcompress.models), instead of the embedded model"
+    )
     parser.add_argument("--lengths", default="2000,4000", help="document tokens, comma-separated")
     parser.add_argument("--budget", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=32, help="tokens decoded per answer (decoding ms/token)")
-    parser.add_argument("--thinned", default="0.5,0.25",
-                        help="KVzip ratios (layers=uniform) of thinned stores whose file sizes are reported")
-    parser.add_argument("--out", default="docs/img/stored_context_cpu",
-                        help="path without extension: .json and .png are written")
+    parser.add_argument(
+        "--thinned",
+        default="0.5,0.25",
+        help="KVzip ratios (layers=uniform) of thinned stores whose file sizes are reported",
+    )
+    parser.add_argument(
+        "--out", default="docs/img/stored_context_cpu", help="path without extension: .json and .png are written"
+    )
     args = parser.parse_args()
     model, tok = (random_model(args.preset), byte_tokenizer()) if args.preset else kvc.load_model()
     ways = ("afresh", "stored", "full")
@@ -103,10 +115,14 @@ def main() -> None:
         decode = {way: [r.stats["decode_ms_per_token"] for r in runs[way]] for way in ways}
         last = {way: runs[way][-1] for way in ways}
         row = {
-            "length": length, "prompt_tokens": last["afresh"].stats["prompt_tokens"], "budget": args.budget,
-            "store_s": context.stats["prefill_s"], "context_bytes": last["stored"].stats["context_bytes"],
+            "length": length,
+            "prompt_tokens": last["afresh"].stats["prompt_tokens"],
+            "budget": args.budget,
+            "store_s": context.stats["prefill_s"],
+            "context_bytes": last["stored"].stats["context_bytes"],
             "context_on": last["stored"].stats["context_on"],
-            "same_answer": last["stored"].token_ids == last["afresh"].token_ids, "answer": last["stored"].text
+            "same_answer": last["stored"].token_ids == last["afresh"].token_ids,
+            "answer": last["stored"].text,
         }
         for way in ways:
             row[f"{way}_ttft_s"] = statistics.median(ttft[way])
@@ -116,8 +132,13 @@ def main() -> None:
         row["decode_ratio"] = statistics.median(s / a for s, a in zip(decode["stored"], decode["afresh"]))
         row["file_bytes"] = {"full": file_bytes(context)}
         for ratio in (float(r) for r in args.thinned.split(",") if r):
-            thinned = kvc.compress(model, tok, [{"role": "user", "content": document}],
-                                   method=kvc.KVzip(ratio=ratio, layers="uniform"), query_window=64)
+            thinned = kvc.compress(
+                model,
+                tok,
+                [{"role": "user", "content": document}],
+                method=kvc.KVzip(ratio=ratio, layers="uniform"),
+                query_window=64,
+            )
             row["file_bytes"][f"kvzip ratio {ratio}"] = file_bytes(thinned)
         rows.append(row)
         print(
@@ -128,10 +149,12 @@ def main() -> None:
             f"{row['afresh_device_bytes'] / 2**20:.2f} vs {row['stored_device_bytes'] / 2**20:.2f} MiB; store "
             f"{row['context_bytes'] / 2**20:.1f} MiB on {row['context_on']} (built in {row['store_s']:.2f} s); same "
             f"answer: {row['same_answer']}; "
-            f"files: " + ", ".join(f"{name} {size / 2**20:.1f} MiB" for name, size in row["file_bytes"].items()))
+            f"files: " + ", ".join(f"{name} {size / 2**20:.1f} MiB" for name, size in row["file_bytes"].items())
+        )
     out = Path(args.out)
     out.with_suffix(".json").write_text(
-        json.dumps({"machine": machine(model.device), "settings": vars(args), "rows": rows}, indent=1))
+        json.dumps({"machine": machine(model.device), "settings": vars(args), "rows": rows}, indent=1)
+    )
     plot(rows, out.with_suffix(".png"))
 
 
@@ -143,8 +166,11 @@ def plot(rows: list[dict], path: Path) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
     lengths = [row["length"] for row in rows]
-    for way, label in (("afresh", "document + question prefilled, SnapKV"),
-                       ("stored", "question over the stored context, SnapKV"), ("full", "stored full cache continued")):
+    for way, label in (
+        ("afresh", "document + question prefilled, SnapKV"),
+        ("stored", "question over the stored context, SnapKV"),
+        ("full", "stored full cache continued"),
+    ):
         axes[0].plot(lengths, [row[f"{way}_ttft_s"] for row in rows], marker="o", label=label)
         axes[1].plot(lengths, [row[f"{way}_decode_ms"] for row in rows], marker="o", label=label)
     axes[0].set(xlabel="document tokens", ylabel="time to first token (s)", title="per question")

@@ -60,12 +60,15 @@ def main() -> None:
                 start = time.perf_counter()
                 result = kvc.generate(model, tok, prompt, method=method, max_new_tokens=new, compile=compiled)
                 row[mode] = {
-                    "wall_s": time.perf_counter() - start, "new_tokens": result.stats["new_tokens"],
-                    "decode_ms_per_token": result.stats["decode_ms_per_token"], "compile_s": result.stats["compile_s"],
-                    "tokens": result.token_ids[0]
+                    "wall_s": time.perf_counter() - start,
+                    "new_tokens": result.stats["new_tokens"],
+                    "decode_ms_per_token": result.stats["decode_ms_per_token"],
+                    "compile_s": result.stats["compile_s"],
+                    "tokens": result.token_ids[0],
                 }
-            assert row["eager"]["tokens"] == row["compiled"][
-                "tokens"], f"{spec} request {index}: compiled tokens differ from eager"
+            assert row["eager"]["tokens"] == row["compiled"]["tokens"], (
+                f"{spec} request {index}: compiled tokens differ from eager"
+            )
             row["prompt_tokens"] = result.stats["prompt_tokens"]
             buckets.add(result.cache.layers[0].keys.shape[-2])  # the compiled run's capacity: its bucket
             rows.append(row)
@@ -74,7 +77,8 @@ def main() -> None:
                 f"{row['eager']['wall_s']:.1f} s, compiled {row['compiled']['wall_s']:.1f} s (compile "
                 f"{row['compiled']['compile_s']:.1f} s); decode {row['eager']['decode_ms_per_token'] or 0:.1f} vs "
                 f"{row['compiled']['decode_ms_per_token'] or 0:.1f} ms/token",
-                flush=True)
+                flush=True,
+            )
         eager_wall = sum(r["eager"]["wall_s"] for r in rows)
         compiled_wall = sum(r["compiled"]["wall_s"] for r in rows)
         compile_s = sum(r["compiled"]["compile_s"] for r in rows)
@@ -82,25 +86,39 @@ def main() -> None:
         def decode_ms(mode: str) -> float:  # every decoded token over the decoding time (steps that compiled left out)
             timed = [r[mode] for r in rows if r[mode]["decode_ms_per_token"] is not None]
             return sum(t["decode_ms_per_token"] * (t["new_tokens"] - 1) for t in timed) / sum(
-                t["new_tokens"] - 1 for t in timed)
+                t["new_tokens"] - 1 for t in timed
+            )
 
-        ratios = [r["compiled"]["decode_ms_per_token"] / r["eager"]["decode_ms_per_token"] for r in rows
-                  if r["compiled"]["decode_ms_per_token"] and r["eager"]["decode_ms_per_token"]]
+        ratios = [
+            r["compiled"]["decode_ms_per_token"] / r["eager"]["decode_ms_per_token"]
+            for r in rows
+            if r["compiled"]["decode_ms_per_token"] and r["eager"]["decode_ms_per_token"]
+        ]
         summary = {
-            "method": method.describe(), "compilations": counters["stats"]["unique_graphs"],
-            "buckets_touched": sorted(buckets), "eager_wall_s": eager_wall, "compiled_wall_s": compiled_wall,
-            "compile_s": compile_s, "compiled_wall_without_compile_s": compiled_wall - compile_s,
-            "eager_decode_ms_per_token": decode_ms("eager"), "compiled_decode_ms_per_token": decode_ms("compiled"),
+            "method": method.describe(),
+            "compilations": counters["stats"]["unique_graphs"],
+            "buckets_touched": sorted(buckets),
+            "eager_wall_s": eager_wall,
+            "compiled_wall_s": compiled_wall,
+            "compile_s": compile_s,
+            "compiled_wall_without_compile_s": compiled_wall - compile_s,
+            "eager_decode_ms_per_token": decode_ms("eager"),
+            "compiled_decode_ms_per_token": decode_ms("compiled"),
             "decode_ratio": decode_ms("compiled") / decode_ms("eager"),
-            "median_request_decode_ratio": statistics.median(ratios)
+            "median_request_decode_ratio": statistics.median(ratios),
         }
-        report["methods"].append({
-            **summary, "rows": [{
-                k: ({kk: vv
-                     for kk, vv in v.items() if kk != "tokens"} if isinstance(v, dict) else v)
-                for k, v in r.items()
-            } for r in rows]
-        })
+        report["methods"].append(
+            {
+                **summary,
+                "rows": [
+                    {
+                        k: ({kk: vv for kk, vv in v.items() if kk != "tokens"} if isinstance(v, dict) else v)
+                        for k, v in r.items()
+                    }
+                    for r in rows
+                ],
+            }
+        )
         print(json.dumps(summary, indent=1), flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1))

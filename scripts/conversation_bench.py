@@ -25,11 +25,18 @@ from kvcompress.bench.haystack import fill
 from kvcompress.bench.speed import machine
 
 NEEDLE = "The vault code for the east wing is 4817."
-TURNS = ("What is the vault code for the east wing? Answer with the code.", "Who wrote these essays?",
-         "Name one topic the essays discuss.", "Summarize the first paragraph in one sentence.",
-         "What did you say the code was?", "Is the text about startups? Answer yes or no.",
-         "Give one word that appears often.", "How many wings are mentioned?", "Thank you. Anything else notable?",
-         "Once more: what is the vault code for the east wing? Answer with the code.")
+TURNS = (
+    "What is the vault code for the east wing? Answer with the code.",
+    "Who wrote these essays?",
+    "Name one topic the essays discuss.",
+    "Summarize the first paragraph in one sentence.",
+    "What did you say the code was?",
+    "Is the text about startups? Answer yes or no.",
+    "Give one word that appears often.",
+    "How many wings are mentioned?",
+    "Thank you. Anything else notable?",
+    "Once more: what is the vault code for the east wing? Answer with the code.",
+)
 MEASURED = (1, 5, 10)
 
 
@@ -52,24 +59,41 @@ def main() -> None:
         for number, text in enumerate(TURNS, start=1):
             turn = kvc.generate(model, tok, text, past=turn, method=method, max_new_tokens=args.tokens)
             prompt = turn.stats["prompt_tokens"]
-            row = {"length": length, "turn": number, "ttft_s": turn.stats["prefill_s"],
-                   "prompt_tokens": prompt, "after_store": prompt - store_tokens,
-                   "device_bytes": turn.stats["device_bytes"], "store_bytes": turn.stats["context_bytes"],
-                   "decode_ms": turn.stats["decode_ms_per_token"], "answer": turn.text}
+            row = {
+                "length": length,
+                "turn": number,
+                "ttft_s": turn.stats["prefill_s"],
+                "prompt_tokens": prompt,
+                "after_store": prompt - store_tokens,
+                "device_bytes": turn.stats["device_bytes"],
+                "store_bytes": turn.stats["context_bytes"],
+                "decode_ms": turn.stats["decode_ms_per_token"],
+                "answer": turn.text,
+            }
             if number in MEASURED:
                 afresh = kvc.generate(model, tok, turn.rows[0].messages, method=method, max_new_tokens=args.tokens)
                 fresh = afresh.stats["prefill_s"]
-                row.update(afresh_ttft_s=fresh, ttft_ratio=row["ttft_s"] / fresh,
-                           same_tokens=afresh.token_ids == turn.token_ids)
+                row.update(
+                    afresh_ttft_s=fresh,
+                    ttft_ratio=row["ttft_s"] / fresh,
+                    same_tokens=afresh.token_ids == turn.token_ids,
+                )
             rows.append(row)
-            ratio = f", afresh {row['afresh_ttft_s']:.2f} s ({row['ttft_ratio']:.3f}x), same tokens " \
-                    f"{row['same_tokens']}" if "ttft_ratio" in row else ""
-            print(f"{length} tokens, turn {number}: TTFT {row['ttft_s']:.2f} s{ratio}; {row['after_store']} tokens "
-                  f"after the store; device {row['device_bytes'] / 2**20:.2f} MiB, store "
-                  f"{row['store_bytes'] / 2**20:.1f} MiB; {row['answer']!r}", flush=True)
+            ratio = (
+                f", afresh {row['afresh_ttft_s']:.2f} s ({row['ttft_ratio']:.3f}x), same tokens {row['same_tokens']}"
+                if "ttft_ratio" in row
+                else ""
+            )
+            print(
+                f"{length} tokens, turn {number}: TTFT {row['ttft_s']:.2f} s{ratio}; {row['after_store']} tokens "
+                f"after the store; device {row['device_bytes'] / 2**20:.2f} MiB, store "
+                f"{row['store_bytes'] / 2**20:.1f} MiB; {row['answer']!r}",
+                flush=True,
+            )
     out = Path(args.out)
     out.with_suffix(".json").write_text(
-        json.dumps({"machine": machine(model.device), "settings": vars(args), "rows": rows}, indent=1))
+        json.dumps({"machine": machine(model.device), "settings": vars(args), "rows": rows}, indent=1)
+    )
 
 
 if __name__ == "__main__":

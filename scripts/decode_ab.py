@@ -37,8 +37,9 @@ from kvcompress.storage import attention
 @torch.inference_mode()
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="smollm2-135m",
-                        help="an architecture preset or a config.json (random weights)")
+    parser.add_argument(
+        "--model", default="smollm2-135m", help="an architecture preset or a config.json (random weights)"
+    )
     parser.add_argument("--methods", required=True, help="comma-separated specs; the first is the reference")
     parser.add_argument("--budget", type=int, default=256)
     parser.add_argument("--length", type=int, default=4096)
@@ -78,13 +79,14 @@ def main() -> None:
     medians = {spec: statistics.median(times[1:]) for spec, times in blocks.items()}
     reference = blocks[specs[0]]
     ratios = {
-        spec: statistics.median(t / r for t, r in zip(times[1:], reference[1:]))
-        for spec, times in blocks.items()
+        spec: statistics.median(t / r for t, r in zip(times[1:], reference[1:])) for spec, times in blocks.items()
     }
     for spec in blocks:
         times = ", ".join(f"{t:.1f}" for t in blocks[spec][1:])
-        print(f"{spec:36s} {medians[spec]:8.2f} ms/step  x{ratios[spec]:.3f} (median of per-round ratios)  "
-              f"{kept[spec]:.0f} tokens kept per layer  (blocks: {times})")
+        print(
+            f"{spec:36s} {medians[spec]:8.2f} ms/step  x{ratios[spec]:.3f} (median of per-round ratios)  "
+            f"{kept[spec]:.0f} tokens kept per layer  (blocks: {times})"
+        )
     profiles = {spec: profile(runner, args.profile) for spec, runner in runners.items()} if args.profile else {}
     clock = "device" if torch.cuda.is_available() else "host"
     for spec, kernels in profiles.items():
@@ -97,11 +99,19 @@ def main() -> None:
         with open(args.out, "w") as fh:
             json.dump(
                 {
-                    "machine": machine(model.device), "settings": vars(args), "ms_per_step": medians,
-                    "ratio_to_first": ratios, "kept_per_layer": kept, "blocks": blocks, "profiles": profiles,
+                    "machine": machine(model.device),
+                    "settings": vars(args),
+                    "ms_per_step": medians,
+                    "ratio_to_first": ratios,
+                    "kept_per_layer": kept,
+                    "blocks": blocks,
+                    "profiles": profiles,
                     "attention_choices": attention.sdpa_choices(),
-                    "attention_choices_compiled": attention.sdpa_choices(graphed=True)
-                }, fh, indent=2)
+                    "attention_choices_compiled": attention.sdpa_choices(graphed=True),
+                },
+                fh,
+                indent=2,
+            )
 
 
 PROFILE_ROWS = 12

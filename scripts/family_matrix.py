@@ -33,8 +33,12 @@ def run_cells() -> dict[str, dict[str, str]]:
     from tests import test_models
     from tests.fixtures import FAMILIES, char_tokenizer, family_model
 
-    COVERING, LOGPROB_TOLERANCE, PROMPT, SMALL = (test_models.COVERING, test_models.LOGPROB_TOLERANCE,
-                                                  test_models.PROMPT, test_models.SMALL)
+    COVERING, LOGPROB_TOLERANCE, PROMPT, SMALL = (
+        test_models.COVERING,
+        test_models.LOGPROB_TOLERANCE,
+        test_models.PROMPT,
+        test_models.SMALL,
+    )
     full_logprobs, full_reference = test_models.full_logprobs, test_models.full_reference
 
     tok = char_tokenizer()
@@ -44,15 +48,17 @@ def run_cells() -> dict[str, dict[str, str]]:
         full, record = full_reference(family)
         row = table.setdefault(family, {})
         inputs = tok(PROMPT, return_tensors="pt")
-        plain = model.generate(**inputs, max_new_tokens=8, do_sample=False,
-                               eos_token_id=None)[0, inputs["input_ids"].shape[1]:].tolist()
+        plain = model.generate(**inputs, max_new_tokens=8, do_sample=False, eos_token_id=None)[
+            0, inputs["input_ids"].shape[1] :
+        ].tolist()
         # the full cache through kvcompress is the model's own generate
         row["full"] = "exact" if plain == full.token_ids[0] else "FAILS"
         for name, covering in COVERING.items():
             try:
                 same = kvc.generate(model, tok, PROMPT, method=covering, max_new_tokens=8).token_ids == full.token_ids
-                close = (kvc.teacher_forced_logprobs(model, record, covering, full.token_ids[0])
-                         - full_logprobs(family)).abs().max() <= LOGPROB_TOLERANCE
+                close = (
+                    kvc.teacher_forced_logprobs(model, record, covering, full.token_ids[0]) - full_logprobs(family)
+                ).abs().max() <= LOGPROB_TOLERANCE
                 batch = kvc.generate(model, tok, [PROMPT, PROMPT[:30]], method=SMALL[name], max_new_tokens=6)
                 alone = [
                     kvc.generate(model, tok, p, method=SMALL[name], max_new_tokens=6).token_ids[0]
@@ -75,8 +81,7 @@ def markdown(table: dict[str, dict[str, str]]) -> str:
 
     lines = ["| family | " + " | ".join(methods) + " |", "| --- |" + " :---: |" * len(methods)]
     lines += [
-        f"| {family} | " + " | ".join(cell(outcome) for outcome in row.values()) + " |"
-        for family, row in table.items()
+        f"| {family} | " + " | ".join(cell(outcome) for outcome in row.values()) + " |" for family, row in table.items()
     ]
     return "\n".join(lines)
 

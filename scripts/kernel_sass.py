@@ -42,8 +42,10 @@ def main() -> None:
     for key_bits, value_bits in ((0, 0), (8, 8), (4, 4), (6, 4)):
         total, loads = sass_counts(key_bits, value_bits, args.dim, args.rows)
         kinds = ", ".join(f"{kind} {n}" for kind, n in sorted(loads.items()))
-        print(f"keys {key_bits or 16:>2} bits, values {value_bits or 16:>2}: {total:5d} instructions, "
-              f"{sum(loads.values()):4d} loads ({kinds})")
+        print(
+            f"keys {key_bits or 16:>2} bits, values {value_bits or 16:>2}: {total:5d} instructions, "
+            f"{sum(loads.values()):4d} loads ({kinds})"
+        )
 
 
 if __name__ == "__main__":

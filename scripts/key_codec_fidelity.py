@@ -47,9 +47,11 @@ Scheme = Callable[[torch.Tensor], torch.Tensor]  # keys [batch, kv_heads, tokens
 
 def library(name: str) -> Scheme:
     """The library's codec ``name`` (turned), encoded and restored."""
+
     def run(keys: torch.Tensor) -> torch.Tensor:
         codec = make_codec(name, keys.shape[-1], keys.dtype, rotated=True)
         return codec.restore(codec.encode(keys))
+
     return run
 
 
@@ -72,6 +74,7 @@ def per_token(bits: int, group: int = 64, gaussian: bool = False) -> Scheme:
             return turned((levels[nearest] * spread + mean).flatten(-2), group)
         low, high = torch.aminmax(groups, dim=-1, keepdim=True)
         return turned(uniform(groups, low, high, bits).flatten(-2), group)
+
     return run
 
 
@@ -95,26 +98,31 @@ def lloyd_max(count: int, rounds: int = 60) -> torch.Tensor:
 
 def per_channel(bits: int, block: int) -> Scheme:
     """KIVI's keys: a scale and minimum per channel over blocks of ``block`` tokens (the last block padded)."""
+
     def run(keys: torch.Tensor) -> torch.Tensor:
         tokens = keys.shape[-2]
         pad = keys[..., -1:, :].expand(*keys.shape[:-2], (-tokens) % block, keys.shape[-1])
         blocks = torch.cat([keys, pad], -2).float().unflatten(-2, (-1, block))
         low, high = torch.aminmax(blocks, dim=-2, keepdim=True)
         return uniform(blocks, low, high, bits).flatten(-3, -2)[..., :tokens, :]
+
     return run
 
 
 def centred(inner: Scheme) -> Scheme:
     """``inner`` on keys minus their mean per KV head (added back: attention is the same either way)."""
+
     def run(keys: torch.Tensor) -> torch.Tensor:
         mean = keys.float().mean(-2, keepdim=True)
         return inner(keys.float() - mean) + mean
+
     return run
 
 
 def transform_coded(total_bits: int, most: int = 8) -> Scheme:
     """Each KV head's centred keys on their principal axes, ``total_bits`` a token given greedily to the axis with
     the largest rounding error (variance / 4^bits), each axis rounded evenly over its range in the context."""
+
     def run(keys: torch.Tensor) -> torch.Tensor:
         flat = keys.float().flatten(0, 1)
         out = torch.empty_like(flat)
@@ -132,6 +140,7 @@ def transform_coded(total_bits: int, most: int = 8) -> Scheme:
             rounded = torch.where(bits > 0, uniform(coords, low, high, bits), coords.mean(0))
             out[head] = rounded @ axes.T + mean
         return out.view_as(keys)
+
     return run
 
 
@@ -151,14 +160,15 @@ SCHEMES: dict[str, tuple[str, int, Scheme]] = {  # name: (what it is, bytes per 
 }
 
 
-def answer_logprobs(model, ids: torch.Tensor, context: int, answer: torch.Tensor,
-                    layers: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+def answer_logprobs(
+    model, ids: torch.Tensor, context: int, answer: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Tensor]]
+) -> torch.Tensor:
     """Log-probabilities before each answer token, with the first ``context`` tokens' keys and values ``layers``."""
     cache = DynamicCache(config=model.config)
     for i, (keys, values) in enumerate(layers):
         cache.update(keys, values, i)
     rest = torch.cat([ids[0, context:], answer])[None]
-    return model(rest, past_key_values=cache).logits[0, -(len(answer) + 1):-1].float().log_softmax(-1)
+    return model(rest, past_key_values=cache).logits[0, -(len(answer) + 1) : -1].float().log_softmax(-1)
 
 
 def answered_questions(model, tokenizer, contexts: int) -> Iterator[tuple[torch.Tensor, int, torch.Tensor, list]]:
@@ -169,10 +179,14 @@ def answered_questions(model, tokenizer, contexts: int) -> Iterator[tuple[torch.
         alone = tokenizer.apply_chat_template([{"role": "user", "content": sample.context}], return_dict=True)
         context = len(alone["input_ids"]) - 8  # the context's tokens, not the turn's closing ones
         for turn in sample.questions():
-            ids = tokenizer.apply_chat_template([{"role": "user", "content": f"{sample.context}\n\n{turn.question}"}],
-                                                add_generation_prompt=True, return_tensors="pt", return_dict=True)
+            ids = tokenizer.apply_chat_template(
+                [{"role": "user", "content": f"{sample.context}\n\n{turn.question}"}],
+                add_generation_prompt=True,
+                return_tensors="pt",
+                return_dict=True,
+            )
             ids = ids["input_ids"]
-            answer = model.generate(ids, max_new_tokens=sample.max_new_tokens, do_sample=False)[0, ids.shape[1]:]
+            answer = model.generate(ids, max_new_tokens=sample.max_new_tokens, do_sample=False)[0, ids.shape[1] :]
             cache = DynamicCache(config=model.config)
             model(ids[:, :context], past_key_values=cache)
             yield ids, context, answer, [(layer.keys, layer.values) for layer in cache.layers]
@@ -206,8 +220,10 @@ def per_layer(model, tokenizer, contexts: int) -> dict[str, float | list[float]]
         held = [(k, values.restore(values.encode(v))) for k, v in held]
         reference = answer_logprobs(model, ids, context, answer, held)
         for coded_layer in range(layers + 1):  # the last: every layer
-            coded = [(int4(k).to(k.dtype) if i == coded_layer or coded_layer == layers else k, v)
-                     for i, (k, v) in enumerate(held)]
+            coded = [
+                (int4(k).to(k.dtype) if i == coded_layer or coded_layer == layers else k, v)
+                for i, (k, v) in enumerate(held)
+            ]
             got = answer_logprobs(model, ids, context, answer, coded)
             totals[coded_layer] += float((reference.exp() * (reference - got)).sum(-1).clamp_min(0).mean())
         count += 1
@@ -219,8 +235,11 @@ def main() -> None:
     parser.add_argument("--out", default="runs/key_codec_fidelity.json")
     parser.add_argument("--contexts", type=int, default=27, help="the track's first N contexts (27: all)")
     parser.add_argument("--schemes", default=",".join(SCHEMES), help="comma-separated names from SCHEMES")
-    parser.add_argument("--per-layer", action="store_true",
-                        help="instead: the KL of each layer's keys alone in int4 (docs/quantization.md)")
+    parser.add_argument(
+        "--per-layer",
+        action="store_true",
+        help="instead: the KL of each layer's keys alone in int4 (docs/quantization.md)",
+    )
     args = parser.parse_args()
     schemes = args.schemes.split(",")
     unknown = [s for s in schemes if s not in SCHEMES]
@@ -232,23 +251,40 @@ def main() -> None:
     if args.per_layer:
         found = per_layer(model, tokenizer, args.contexts)
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"machine": machine(model.device), "contexts": args.contexts, **found},
-                                             indent=1) + "\n")
+        Path(args.out).write_text(
+            json.dumps({"machine": machine(model.device), "contexts": args.contexts, **found}, indent=1) + "\n"
+        )
         ranked = sorted(range(len(found["per_layer_kl"])), key=lambda i: -found["per_layer_kl"][i])
-        print(f"every layer in int4: KL {found['every_layer_kl']:.4f}; the costliest layers alone: "
-              + ", ".join(f"{i} ({found['per_layer_kl'][i]:.5f})" for i in ranked[:5]))
+        print(
+            f"every layer in int4: KL {found['every_layer_kl']:.4f}; the costliest layers alone: "
+            + ", ".join(f"{i} ({found['per_layer_kl'][i]:.5f})" for i in ranked[:5])
+        )
         return
     found = measure(model, tokenizer, schemes, args.contexts)
-    rows = [{"scheme": name, "keys": SCHEMES[name][0], "key_bytes": SCHEMES[name][1], "questions": len(found[name]),
-             **{field: sum(r[i] for r in found[name]) / len(found[name])
-                for i, field in enumerate(("kl", "nats_lost_per_token", "greedy_agreement"))}} for name in schemes]
+    rows = [
+        {
+            "scheme": name,
+            "keys": SCHEMES[name][0],
+            "key_bytes": SCHEMES[name][1],
+            "questions": len(found[name]),
+            **{
+                field: sum(r[i] for r in found[name]) / len(found[name])
+                for i, field in enumerate(("kl", "nats_lost_per_token", "greedy_agreement"))
+            },
+        }
+        for name in schemes
+    ]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"machine": machine(model.device), "seconds": round(time.time() - started),
-                                          "rows": rows}, indent=1) + "\n")
+    Path(args.out).write_text(
+        json.dumps({"machine": machine(model.device), "seconds": round(time.time() - started), "rows": rows}, indent=1)
+        + "\n"
+    )
     print("| keys | bytes | KL | nats lost / token | greedy agreement |\n| --- | ---: | ---: | ---: | ---: |")
     for row in rows:
-        print(f"| {row['keys']} | {row['key_bytes']} | {row['kl']:.4f} | {row['nats_lost_per_token']:.4f} | "
-              f"{row['greedy_agreement']:.3f} |")
+        print(
+            f"| {row['keys']} | {row['key_bytes']} | {row['kl']:.4f} | {row['nats_lost_per_token']:.4f} | "
+            f"{row['greedy_agreement']:.3f} |"
+        )
     print(f"wrote {args.out} ({math.ceil((time.time() - started) / 60)} min)")
 
 

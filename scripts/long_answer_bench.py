@@ -25,8 +25,10 @@ from kvcompress.generation.decode import DecodeState, StepRunner
 from kvcompress.generation.feed import prefill_groups
 from kvcompress.integrations.transformers.models import random_model
 
-DEFAULT_SPECS = ("full,snapkv:budget=1024:decode_budget=1024,h2o:budget=1024:decode_budget=1024,"
-                 "streamingllm:budget=1024:decode_budget=1024")
+DEFAULT_SPECS = (
+    "full,snapkv:budget=1024:decode_budget=1024,h2o:budget=1024:decode_budget=1024,"
+    "streamingllm:budget=1024:decode_budget=1024"
+)
 
 
 def resident_bytes() -> int:
@@ -56,16 +58,31 @@ def run(model, spec: str, prompt: int, tokens: int, every: int, compile: kvc.Com
                 torch.cuda.synchronize(device)
             now = time.perf_counter()
             stats = cache.stats()
-            points.append({
-                "generated": step, "ms_per_token": (now - start - (runner.compile_s - compile_s)) * 1000 / every,
-                "device_bytes": stats["device_bytes"], "resident_bytes": resident_bytes(),
-                "reselect_s": stats.get("reselect_s", 0.0), "reselections": stats.get("reselections", 0)})
+            points.append(
+                {
+                    "generated": step,
+                    "ms_per_token": (now - start - (runner.compile_s - compile_s)) * 1000 / every,
+                    "device_bytes": stats["device_bytes"],
+                    "resident_bytes": resident_bytes(),
+                    "reselect_s": stats.get("reselect_s", 0.0),
+                    "reselections": stats.get("reselections", 0),
+                }
+            )
             compile_s, start = runner.compile_s, time.perf_counter()
-            print(f"{spec} {step:6d} {points[-1]['ms_per_token']:7.1f} ms/token {stats['device_bytes'] / 2**20:8.1f} "
-                  f"MiB device {points[-1]['resident_bytes'] / 2**30:5.2f} GiB rss", flush=True)
+            print(
+                f"{spec} {step:6d} {points[-1]['ms_per_token']:7.1f} ms/token {stats['device_bytes'] / 2**20:8.1f} "
+                f"MiB device {points[-1]['resident_bytes'] / 2**30:5.2f} GiB rss",
+                flush=True,
+            )
     total = sum(p["ms_per_token"] for p in points) * every / 1000
-    return {"method": method.describe(), "spec": spec, "points": points, "decode_s": total,
-            "reselect_share": points[-1]["reselect_s"] / total if total else None, "compile_s": runner.compile_s}
+    return {
+        "method": method.describe(),
+        "spec": spec,
+        "points": points,
+        "decode_s": total,
+        "reselect_share": points[-1]["reselect_s"] / total if total else None,
+        "compile_s": runner.compile_s,
+    }
 
 
 def main() -> None:
@@ -87,13 +104,19 @@ def main() -> None:
         model.get_output_embeddings().weight[model.config.eos_token_id or 0] = 0
     compile = kvc.Compile() if args.compile else None
     rows = [run(model, spec, args.prompt, args.tokens, args.every, compile) for spec in args.methods.split(",")]
-    setting = {"model": f"{args.model} (random weights, {model.dtype})", "prompt_tokens": args.prompt,
-               "generated": args.tokens, "compiled": args.compile}
+    setting = {
+        "model": f"{args.model} (random weights, {model.dtype})",
+        "prompt_tokens": args.prompt,
+        "generated": args.tokens,
+        "compiled": args.compile,
+    }
     args.out.write_text(json.dumps({"machine": machine(model.device), "setting": setting, "rows": rows}, indent=1))
     for row in rows:
         last = row["points"][-1]
-        print(f"{row['spec']:45s} last {last['ms_per_token']:6.1f} ms/token, device {last['device_bytes'] / 2**20:7.1f}"
-              f" MiB, re-selection {100 * (row['reselect_share'] or 0):4.1f}% of decoding")
+        print(
+            f"{row['spec']:45s} last {last['ms_per_token']:6.1f} ms/token, device {last['device_bytes'] / 2**20:7.1f}"
+            f" MiB, re-selection {100 * (row['reselect_share'] or 0):4.1f}% of decoding"
+        )
 
 
 if __name__ == "__main__":

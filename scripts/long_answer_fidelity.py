@@ -35,9 +35,13 @@ from kvcompress.bench.speed import machine
 from kvcompress.generation.conversation import render
 
 PROMPTS = ("summary", "arithmetic", "code")
-SPECS = ("snapkv:budget={b}:decode_budget={b}", "h2o:budget={b}:decode_budget={b}",
-         "streamingllm:budget={b}:decode_budget={b}", "expected:budget={b}:decode_budget={b}",
-         "h2o:budget={b}:evict_during_decoding=true")
+SPECS = (
+    "snapkv:budget={b}:decode_budget={b}",
+    "h2o:budget={b}:decode_budget={b}",
+    "streamingllm:budget={b}:decode_budget={b}",
+    "expected:budget={b}:decode_budget={b}",
+    "h2o:budget={b}:evict_during_decoding=true",
+)
 CURVE = 256  # tokens per point of the gap curve
 
 
@@ -46,16 +50,21 @@ def arithmetic(steps: int, seed: int = 0) -> str:
     rng = random.Random(seed)
     start = rng.randint(2, 9)
     operations = [f"{rng.choice('+-*')} {rng.randint(2, 9)}" for _ in range(steps)]
-    return (f"Start with {start}. Apply these operations in order, writing each step as 'Step k: value':\n"
-            + "\n".join(operations) + "\nThen write 'Final answer:' and the last value.")
+    return (
+        f"Start with {start}. Apply these operations in order, writing each step as 'Step k: value':\n"
+        + "\n".join(operations)
+        + "\nThen write 'Final answer:' and the last value."
+    )
 
 
 def prompts(tok) -> list[list[dict]]:
     essay = fill(tok, 900, [], kind="essays")
     chain = arithmetic(40)
-    code = ("Write a complete Python module for a small library management system: classes Book, Member, Loan "
-            "and Library with methods to add books, register members, lend and return books, compute late fees "
-            "and search by author or title, each with a docstring, then unit tests for every method.")
+    code = (
+        "Write a complete Python module for a small library management system: classes Book, Member, Loan "
+        "and Library with methods to add books, register members, lend and return books, compute late fees "
+        "and search by author or title, each with a docstring, then unit tests for every method."
+    )
     asks = [f"{essay}\n\nSummarize this text in detail, paragraph by paragraph.", chain, code]
     return [[{"role": "user", "content": ask}] for ask in asks]
 
@@ -74,8 +83,18 @@ def read(model, tok, rows, method, forced: torch.Tensor | None, tokens: int) -> 
     real = torch.ones(batch, 1, 1, 1, dtype=torch.bool)
     start = time.perf_counter()
     for step in range(tokens - 1):
-        logits = model(input_ids=token[:, None], position_ids=position[:, None], attention_mask=real,
-                       **{cache.keyword: cache}, use_cache=True, logits_to_keep=1).logits[:, -1].float()
+        logits = (
+            model(
+                input_ids=token[:, None],
+                position_ids=position[:, None],
+                attention_mask=real,
+                **{cache.keyword: cache},
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            .logits[:, -1]
+            .float()
+        )
         logits[:, tok.eos_token_id] = -float("inf")
         logp = logits.log_softmax(dim=-1)
         choice = logits.argmax(dim=-1)
@@ -84,9 +103,13 @@ def read(model, tok, rows, method, forced: torch.Tensor | None, tokens: int) -> 
         agree.append(choice == token)
         fed.append(token)
         position += 1
-    return {"tokens": torch.stack(fed, 1), "logp": torch.stack(logps, 1), "agree": torch.stack(agree, 1),
-            "decode_s": time.perf_counter() - start, "stats": {k: v for k, v in cache.stats().items()
-                                                               if isinstance(v, (int, float, str))}}
+    return {
+        "tokens": torch.stack(fed, 1),
+        "logp": torch.stack(logps, 1),
+        "agree": torch.stack(agree, 1),
+        "decode_s": time.perf_counter() - start,
+        "stats": {k: v for k, v in cache.stats().items() if isinstance(v, (int, float, str))},
+    }
 
 
 def answer_end(text: str) -> int | None:
@@ -107,11 +130,18 @@ def summarize(full: dict, ours: dict, label: str, bound: int, names: list[str]) 
         gap = (full["logp"][row] - ours["logp"][row]).double()
         disagree = (~ours["agree"][row]).nonzero()
         agreed = int(disagree[0, 0]) if len(disagree) else int(gap.shape[0])
-        rows.append({"method": label, "bound": bound, "prompt": names[row],
-                     "ll_full": float(full["logp"][row].double().mean()),
-                     "ll": float(ours["logp"][row].double().mean()),
-                     "gap": float(gap.mean()), "agreed_tokens": agreed,
-                     "gap_curve": [float(gap[: n].mean()) for n in range(CURVE, gap.shape[0] + 1, CURVE)]})
+        rows.append(
+            {
+                "method": label,
+                "bound": bound,
+                "prompt": names[row],
+                "ll_full": float(full["logp"][row].double().mean()),
+                "ll": float(ours["logp"][row].double().mean()),
+                "gap": float(gap.mean()),
+                "agreed_tokens": agreed,
+                "gap_curve": [float(gap[:n].mean()) for n in range(CURVE, gap.shape[0] + 1, CURVE)],
+            }
+        )
     return rows
 
 
@@ -121,8 +151,10 @@ def table(data: dict, tok) -> str:
     agreement (greedy decoding under the bound writes it exactly)."""
     names = data.get("prompts", list(PROMPTS))
     answer = answer_tokens(tok, data["full"]["token_ids"][names.index("arithmetic")]) if "arithmetic" in names else None
-    lines = [f"| method | bound | gap {' / '.join(names)} (nats/token) | mean gap | tokens agreed | answer kept |",
-             "|---|---:|---|---:|---|---|"]
+    lines = [
+        f"| method | bound | gap {' / '.join(names)} (nats/token) | mean gap | tokens agreed | answer kept |",
+        "|---|---:|---|---:|---|---|",
+    ]
     groups: dict[tuple, list[dict]] = {}
     for row in data["rows"]:
         groups.setdefault((row["method"], row["bound"]), []).append(row)
@@ -132,9 +164,13 @@ def table(data: dict, tok) -> str:
         if answer is not None:
             arithmetic = rows[names.index("arithmetic")]["agreed_tokens"]
             kept = "yes" if arithmetic >= answer - 1 else f"no ({arithmetic} < {answer})"
-        lines.append(f"| {short(method)} | {bound} | " + " / ".join(f"{r['gap']:+.3f}" for r in rows) +
-                     f" | {sum(r['gap'] for r in rows) / len(rows):+.3f} | " +
-                     " / ".join(str(r["agreed_tokens"]) for r in rows) + f" | {kept} |")
+        lines.append(
+            f"| {short(method)} | {bound} | "
+            + " / ".join(f"{r['gap']:+.3f}" for r in rows)
+            + f" | {sum(r['gap'] for r in rows) / len(rows):+.3f} | "
+            + " / ".join(str(r["agreed_tokens"]) for r in rows)
+            + f" | {kept} |"
+        )
     return "\n".join(lines)
 
 
@@ -142,14 +178,19 @@ def short(method: str) -> str:
     """A method's label for tables and plots: its name and what marks its variant."""
     name = method.split("(")[0]
     window = re.search(r"decode_window=(\d+)", method)
-    return (name + (" evicting" if "evict_during_decoding=True" in method else "")
-            + (f" decode_window={window[1]}" if window else ""))
+    return (
+        name
+        + (" evicting" if "evict_during_decoding=True" in method else "")
+        + (f" decode_window={window[1]}" if window else "")
+    )
 
 
 def plot(rows: list[dict], path: Path) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     bounds = sorted({row["bound"] for row in rows})
     fig, axes = plt.subplots(1, len(bounds), figsize=(5 * len(bounds), 4), squeeze=False, sharey=True)
     for ax, bound in zip(axes[0], bounds):
@@ -198,16 +239,36 @@ def main() -> None:
             ours = read(model, tok, rows, method, full["tokens"], args.tokens)
             entries = summarize(full, ours, method.describe(), bound, asked)
             for entry in entries:
-                entry.update(decode_s=ours["decode_s"], reselect_s=ours["stats"].get("reselect_s"),
-                             device_bytes=ours["stats"]["device_bytes"])
+                entry.update(
+                    decode_s=ours["decode_s"],
+                    reselect_s=ours["stats"].get("reselect_s"),
+                    device_bytes=ours["stats"]["device_bytes"],
+                )
             results += entries
-            print(f"{method.describe()[:60]:60s} gap " + " ".join(f"{e['gap']:+.3f}" for e in entries) +
-                  " agreed " + " ".join(str(e["agreed_tokens"]) for e in entries) + f" {ours['decode_s']:.0f} s",
-                  flush=True)
+            print(
+                f"{method.describe()[:60]:60s} gap "
+                + " ".join(f"{e['gap']:+.3f}" for e in entries)
+                + " agreed "
+                + " ".join(str(e["agreed_tokens"]) for e in entries)
+                + f" {ours['decode_s']:.0f} s",
+                flush=True,
+            )
             record = {"machine": machine(model.device), "tokens": args.tokens, "prompts": asked}
-            out.write_text(json.dumps({**record, "full": {
-                "texts": texts, "ll": [float(x) for x in full["logp"].double().mean(1)], "prompt_ids": prompt_ids,
-                "token_ids": full["tokens"].tolist()}, "rows": results}, indent=1))
+            out.write_text(
+                json.dumps(
+                    {
+                        **record,
+                        "full": {
+                            "texts": texts,
+                            "ll": [float(x) for x in full["logp"].double().mean(1)],
+                            "prompt_ids": prompt_ids,
+                            "token_ids": full["tokens"].tolist(),
+                        },
+                        "rows": results,
+                    },
+                    indent=1,
+                )
+            )
     plot(results, args.out.with_suffix(".png"))
 
 

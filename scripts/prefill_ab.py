@@ -67,16 +67,26 @@ def main() -> None:
                 seconds[way].append(prefill_seconds(model, plain, ids, way, args.budget, vocab))
         for way in ways[1:]:
             ratio = statistics.median(ours / theirs for ours, theirs in zip(seconds[way], seconds[None]))
-            rows.append({"length": length, "method": way, "seconds": statistics.median(seconds[way]),
-                         "transformers_seconds": statistics.median(seconds[None]), "ratio": ratio, "runs": seconds[way],
-                         "transformers_runs": seconds[None]})
+            rows.append(
+                {
+                    "length": length,
+                    "method": way,
+                    "seconds": statistics.median(seconds[way]),
+                    "transformers_seconds": statistics.median(seconds[None]),
+                    "ratio": ratio,
+                    "runs": seconds[way],
+                    "transformers_runs": seconds[None],
+                }
+            )
             print(
                 f"{length:>6} {way:<10} {rows[-1]['seconds']:.2f} s vs transformers "
                 f"{rows[-1]['transformers_seconds']:.2f} s: {ratio:.3f}x",
-                flush=True)
+                flush=True,
+            )
     if args.out:
         Path(args.out).write_text(
-            json.dumps({"machine": machine(model.device), "settings": vars(args), "rows": rows}, indent=1))
+            json.dumps({"machine": machine(model.device), "settings": vars(args), "rows": rows}, indent=1)
+        )
 
 
 if __name__ == "__main__":

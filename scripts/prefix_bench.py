@@ -53,18 +53,32 @@ from kvcompress.integrations.transformers.models import default_model_dir
 from kvcompress.serving import settings as serving
 
 QUESTIONS = [
-    demo.QUESTION, "What colour is the door of the east wing?", "Summarise the document in one sentence.",
-    "Which room is in the east wing?", "Repeat the access code of the archive room, digits only.",
-    "What is the document about?", "Name one place the document mentions.", "Who might need the access code?",
-    "Is there an archive room? Answer yes or no.", "What is the first sentence of the document about?",
-    "Give the access code for the east wing's archive room.", "List two topics of the document.",
-    "What is the last thing the document talks about?", "Which wing has the archive room?",
-    "What number opens the archive room?", "Write one question the document answers.",
+    demo.QUESTION,
+    "What colour is the door of the east wing?",
+    "Summarise the document in one sentence.",
+    "Which room is in the east wing?",
+    "Repeat the access code of the archive room, digits only.",
+    "What is the document about?",
+    "Name one place the document mentions.",
+    "Who might need the access code?",
+    "Is there an archive room? Answer yes or no.",
+    "What is the first sentence of the document about?",
+    "Give the access code for the east wing's archive room.",
+    "List two topics of the document.",
+    "What is the last thing the document talks about?",
+    "Which wing has the archive room?",
+    "What number opens the archive room?",
+    "Write one question the document answers.",
 ]
 CODE_QUESTIONS = {0, 4, 10, 14}  # the questions whose answer is the access code
-TURNS = ["What colour is the door of the east wing?", "Repeat the access code, digits only.",
-         "Which wing holds the archive room?", "Summarise the document in one sentence.",
-         "What did you say the access code was?", "Thank you. Anything else worth knowing?"]
+TURNS = [
+    "What colour is the door of the east wing?",
+    "Repeat the access code, digits only.",
+    "Which wing holds the archive room?",
+    "Summarise the document in one sentence.",
+    "What did you say the access code was?",
+    "Thank you. Anything else worth knowing?",
+]
 SERVERS = ("vllm", "kvcompress")
 MAX_LEN = 8192  # the embedded model's max_position_embeddings
 
@@ -76,16 +90,37 @@ def document(tokenizer: transformers.PreTrainedTokenizerBase, tokens: int, code:
     return f"Read document {code}.\n\n{prose}"
 
 
-def start(kind: str, port: int, pool_blocks: int, max_len: int, max_seqs: int, method: list[str],
-          log: Path) -> subprocess.Popen:
+def start(
+    kind: str, port: int, pool_blocks: int, max_len: int, max_seqs: int, method: list[str], log: Path
+) -> subprocess.Popen:
     """A server of ``kind``: plain vLLM (its API server, no plugin loaded) or `kvcompress serve` with ``method``'s
     flags; both float32, block size ``BLOCK``, ``pool_blocks`` KV blocks, vLLM's prefix caching on (its default)."""
-    flags = ["--port", str(port), "--dtype", "float32", "--block-size", str(BLOCK), "--max-model-len", str(max_len),
-             "--num-gpu-blocks-override", str(pool_blocks), "--max-num-seqs", str(max_seqs)]
+    flags = [
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--block-size",
+        str(BLOCK),
+        "--max-model-len",
+        str(max_len),
+        "--num-gpu-blocks-override",
+        str(pool_blocks),
+        "--max-num-seqs",
+        str(max_seqs),
+    ]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4")}
     if kind == "vllm":
-        command = [sys.executable, "-c", "from vllm.entrypoints.launchers.api_server.entry import main; main()",
-                   "--model", str(default_model_dir()), "--shutdown-timeout", "30", *flags]
+        command = [
+            sys.executable,
+            "-c",
+            "from vllm.entrypoints.launchers.api_server.entry import main; main()",
+            "--model",
+            str(default_model_dir()),
+            "--shutdown-timeout",
+            "30",
+            *flags,
+        ]
         env["VLLM_PLUGINS"] = ""  # kvcompress's plugin is installed in this venv: load none
     else:
         command = [sys.executable, "-m", "kvcompress", "serve", *method, *flags]
@@ -105,8 +140,14 @@ class Client:
         start, first, text, tokens = time.perf_counter(), None, "", 0
         try:
             stream = await self.client.chat.completions.create(
-                model=self.model, messages=messages, max_tokens=max_tokens, temperature=0, stream=True,
-                stream_options={"include_usage": True}, extra_body={"ignore_eos": ignore_eos})
+                model=self.model,
+                messages=messages,
+                max_tokens=max_tokens,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body={"ignore_eos": ignore_eos},
+            )
             async for chunk in stream:
                 if chunk.choices and chunk.choices[0].delta.content:
                     first = first or time.perf_counter()
@@ -115,8 +156,12 @@ class Client:
                     tokens = chunk.usage.completion_tokens
         except openai.OpenAIError:
             self.errors += 1
-        return {"ttft": None if first is None else first - start, "e2e": time.perf_counter() - start, "text": text,
-                "tokens": tokens}
+        return {
+            "ttft": None if first is None else first - start,
+            "e2e": time.perf_counter() - start,
+            "text": text,
+            "tokens": tokens,
+        }
 
     async def watch(self, done: asyncio.Event) -> None:
         while not done.is_set():
@@ -124,8 +169,10 @@ class Client:
             await asyncio.sleep(0.25)
 
     def counters(self) -> tuple[float, float]:
-        return (serving.gauge(self.base, "vllm:prefix_cache_hits_total"),
-                serving.gauge(self.base, "vllm:prefix_cache_queries_total"))
+        return (
+            serving.gauge(self.base, "vllm:prefix_cache_hits_total"),
+            serving.gauge(self.base, "vllm:prefix_cache_queries_total"),
+        )
 
 
 async def measured(client: Client, work) -> tuple[list, dict]:
@@ -142,17 +189,25 @@ async def measured(client: Client, work) -> tuple[list, dict]:
     await watcher
     hits2, queries2 = client.counters()
     tokens = sum(a["tokens"] for item in answers for a in (item if isinstance(item, list) else [item]))
-    return answers, {"wall_s": wall, "output_tokens": tokens, "output_tokens_per_s": tokens / wall,
-                     "peak_running": int(client.peak), "errors": client.errors - errors,
-                     "prefix_hit_rate": (hits2 - hits) / max(queries2 - queries, 1)}
+    return answers, {
+        "wall_s": wall,
+        "output_tokens": tokens,
+        "output_tokens_per_s": tokens / wall,
+        "peak_running": int(client.peak),
+        "errors": client.errors - errors,
+        "prefix_hit_rate": (hits2 - hits) / max(queries2 - queries, 1),
+    }
 
 
 def ttfts(answers: list[dict], prefix: str) -> dict:
     """Time to the first token (p50, p99) and to the whole answer (p50) of ``answers``."""
     values = sorted(a["ttft"] for a in answers if a["ttft"] is not None)
     whole = sorted(a["e2e"] for a in answers)
-    return {f"{prefix}ttft_p50_s": quantile(values, 0.5), f"{prefix}ttft_p99_s": quantile(values, 0.99),
-            f"{prefix}e2e_p50_s": quantile(whole, 0.5)}
+    return {
+        f"{prefix}ttft_p50_s": quantile(values, 0.5),
+        f"{prefix}ttft_p99_s": quantile(values, 0.99),
+        f"{prefix}e2e_p50_s": quantile(whole, 0.5),
+    }
 
 
 def shared_messages(text: str, question: str, layout: str) -> list[dict]:
@@ -173,9 +228,12 @@ async def shared(client: Client, tokenizer, tokens: int, layout: str, args: argp
         return [await client.ask(messages, args.answer_tokens) for messages in asks]
 
     answers, row = await measured(client, one_at_a_time())
-    row.update(ttfts(answers[:1], "first_"), **ttfts(answers[1:], "later_"),
-               facts=sum(code in answers[i]["text"] for i in CODE_QUESTIONS if i < len(answers)),
-               answers=[a["text"] for a in answers])
+    row.update(
+        ttfts(answers[:1], "first_"),
+        **ttfts(answers[1:], "later_"),
+        facts=sum(code in answers[i]["text"] for i in CODE_QUESTIONS if i < len(answers)),
+        answers=[a["text"] for a in answers],
+    )
     limit = asyncio.Semaphore(8)
 
     async def eight_at_once(messages: list[dict]) -> dict:
@@ -184,8 +242,14 @@ async def shared(client: Client, tokenizer, tokens: int, layout: str, args: argp
 
     burst, burst_row = await measured(client, asyncio.gather(*(eight_at_once(m) for m in asks)))
     row["eight_at_once"] = {**burst_row, **ttfts(burst, "")}
-    return {"scenario": f"shared ({layout})", "layout": layout, "doc_tokens": tokens, "code": code,
-            "questions": questions, **row}
+    return {
+        "scenario": f"shared ({layout})",
+        "layout": layout,
+        "doc_tokens": tokens,
+        "code": code,
+        "questions": questions,
+        **row,
+    }
 
 
 async def conversations(client: Client, tokenizer, args: argparse.Namespace) -> dict:
@@ -193,15 +257,22 @@ async def conversations(client: Client, tokenizer, args: argparse.Namespace) -> 
     codes = [str(rng.randrange(1000, 10000)) for _ in range(args.conversations)]
 
     async def conversation(i: int) -> list[dict]:
-        messages = [{"role": "user", "content": document(tokenizer, args.chat_tokens, codes[i], 0.2 + 0.6 * i / 8)
-                     + "\n\n" + demo.QUESTION}]
+        messages = [
+            {
+                "role": "user",
+                "content": document(tokenizer, args.chat_tokens, codes[i], 0.2 + 0.6 * i / 8) + "\n\n" + demo.QUESTION,
+            }
+        ]
         turns = []
         for follow_up in [*TURNS[: args.turns - 1], None]:
             answer = await client.ask(messages, args.answer_tokens)
             turns.append(answer)
             if follow_up is not None:
-                messages = [*messages, {"role": "assistant", "content": answer["text"]},
-                            {"role": "user", "content": follow_up}]
+                messages = [
+                    *messages,
+                    {"role": "assistant", "content": answer["text"]},
+                    {"role": "user", "content": follow_up},
+                ]
         return turns
 
     async def every() -> list:
@@ -209,19 +280,41 @@ async def conversations(client: Client, tokenizer, args: argparse.Namespace) -> 
 
     answered, row = await measured(client, every())
     firsts, later = [turns[0] for turns in answered], [a for turns in answered for a in turns[1:]]
-    return {"scenario": "chat", "doc_tokens": args.chat_tokens, "conversations": args.conversations,
-            "turns": args.turns, **row, **ttfts(firsts, "first_"), **ttfts(later, "later_"),
-            "facts": sum(code in turns[0]["text"] for code, turns in zip(codes, answered))}
+    return {
+        "scenario": "chat",
+        "doc_tokens": args.chat_tokens,
+        "conversations": args.conversations,
+        "turns": args.turns,
+        **row,
+        **ttfts(firsts, "first_"),
+        **ttfts(later, "later_"),
+        "facts": sum(code in turns[0]["text"] for code, turns in zip(codes, answered)),
+    }
 
 
 async def distinct(client: Client, tokenizer, args: argparse.Namespace) -> dict:
     rng = random.Random(args.seed + 2)
     codes = [str(rng.randrange(1000, 10000)) for _ in range(args.distinct)]
-    asks = [[{"role": "user", "content": document(tokenizer, args.distinct_tokens, code, (i + 0.5) / len(codes))
-              + "\n\n" + demo.QUESTION}] for i, code in enumerate(codes)]
+    asks = [
+        [
+            {
+                "role": "user",
+                "content": document(tokenizer, args.distinct_tokens, code, (i + 0.5) / len(codes))
+                + "\n\n"
+                + demo.QUESTION,
+            }
+        ]
+        for i, code in enumerate(codes)
+    ]
     answers, row = await measured(client, asyncio.gather(*(client.ask(m, args.answer_tokens) for m in asks)))
-    return {"scenario": "distinct", "doc_tokens": args.distinct_tokens, "requests": len(asks), **row,
-            **ttfts(answers, ""), "facts": sum(code in a["text"] for code, a in zip(codes, answers))}
+    return {
+        "scenario": "distinct",
+        "doc_tokens": args.distinct_tokens,
+        "requests": len(asks),
+        **row,
+        **ttfts(answers, ""),
+        "facts": sum(code in a["text"] for code, a in zip(codes, answers)),
+    }
 
 
 def library_answers(sizes: list[int], args: argparse.Namespace) -> dict[int, list[str]]:
@@ -236,8 +329,10 @@ def library_answers(sizes: list[int], args: argparse.Namespace) -> dict[int, lis
     for index, tokens in enumerate(sizes):
         code = str(random.Random(args.seed + 10 * index).randrange(1000, 10000))
         context = kvc.compress(model, tokenizer, [{"role": "user", "content": document(tokenizer, tokens, code, 0.4)}])
-        answers[tokens] = [kvc.generate(model, tokenizer, q, past=context, method=method,
-                                        max_new_tokens=args.answer_tokens).text for q in QUESTIONS[: args.questions]]
+        answers[tokens] = [
+            kvc.generate(model, tokenizer, q, past=context, method=method, max_new_tokens=args.answer_tokens).text
+            for q in QUESTIONS[: args.questions]
+        ]
         print(f"  the library's answers over {tokens} tokens: done", flush=True)
     return answers
 
@@ -254,13 +349,20 @@ def main() -> None:
     parser.add_argument("--distinct", type=int, default=32)
     parser.add_argument("--distinct-tokens", type=int, default=2000)
     parser.add_argument("--budget", type=int, default=256, help="kvcompress serve's SnapKV budget")
-    parser.add_argument("--pool-blocks", type=int, default=0,
-                        help="KV blocks of both servers (0: twice the largest document's and 256 more)")
+    parser.add_argument(
+        "--pool-blocks",
+        type=int,
+        default=0,
+        help="KV blocks of both servers (0: twice the largest document's and 256 more)",
+    )
     parser.add_argument("--servers", default=",".join(SERVERS))
     parser.add_argument("--scenarios", default="shared,chat,distinct")
-    parser.add_argument("--layouts", default="system,joined",
-                        help="the shared scenario's messages: the document in a system message and the question in the "
-                             "user's (system), or both in the user's (joined)")
+    parser.add_argument(
+        "--layouts",
+        default="system,joined",
+        help="the shared scenario's messages: the document in a system message and the question in the "
+        "user's (system), or both in the user's (joined)",
+    )
     parser.add_argument("--library", action="store_true", help="compare the shared answers with the library's")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="runs/prefix_bench/prefix_bench.json")
@@ -276,8 +378,14 @@ def main() -> None:
     library = {}
     if args.library and "shared" in scenarios:  # computed once for these settings, kept beside the results
         kept = out.with_name(f"{out.stem}.library.json")
-        key = {"sizes": sizes, "questions": args.questions, "answer_tokens": args.answer_tokens,
-               "budget": args.budget, "seed": args.seed, "question_window": False}
+        key = {
+            "sizes": sizes,
+            "questions": args.questions,
+            "answer_tokens": args.answer_tokens,
+            "budget": args.budget,
+            "seed": args.seed,
+            "question_window": False,
+        }
         saved = json.loads(kept.read_text()) if kept.exists() else {}
         if saved.get("key") != key:
             saved = {"key": key, "answers": library_answers(sizes, args)}
@@ -287,20 +395,38 @@ def main() -> None:
     for kind in args.servers.split(","):
         port = free_port()
         print(f"{kind}: starting ({pool} KV blocks of {BLOCK} tokens) ...", flush=True)
-        server = start(kind, port, pool, max_len, 32, ["--method", "snapkv", "--budget", str(args.budget)],
-                       out.with_name(f"{out.stem}.{kind}.log"))
+        server = start(
+            kind,
+            port,
+            pool,
+            max_len,
+            32,
+            ["--method", "snapkv", "--budget", str(args.budget)],
+            out.with_name(f"{out.stem}.{kind}.log"),
+        )
         try:
-            rows += asyncio.run(every_scenario(kind, f"http://127.0.0.1:{port}", tokenizer, sizes, scenarios, args,
-                                               library))
+            rows += asyncio.run(
+                every_scenario(kind, f"http://127.0.0.1:{port}", tokenizer, sizes, scenarios, args, library)
+            )
         finally:
             server.send_signal(signal.SIGINT)
             server.wait(timeout=120)
     report = {
-        "machine": {"platform": platform.platform(), "cpu_threads": torch.get_num_threads(),
-                    "python": platform.python_version(), "torch": torch.__version__,
-                    "transformers": transformers.__version__, "vllm": vllm.__version__},
-        "settings": {**vars(args), "pool_blocks": pool, "block_size": BLOCK, "max_model_len": max_len,
-                     "model": "embedded SmolLM2-135M-Instruct, float32"},
+        "machine": {
+            "platform": platform.platform(),
+            "cpu_threads": torch.get_num_threads(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "vllm": vllm.__version__,
+        },
+        "settings": {
+            **vars(args),
+            "pool_blocks": pool,
+            "block_size": BLOCK,
+            "max_model_len": max_len,
+            "model": "embedded SmolLM2-135M-Instruct, float32",
+        },
         "rows": rows,
     }
     out.write_text(json.dumps(report, indent=2))
@@ -309,12 +435,26 @@ def main() -> None:
     print(f"\nwritten: {out}, {out.with_suffix('.png')}")
 
 
-async def every_scenario(kind: str, base: str, tokenizer, sizes: list[int], scenarios: list[str],
-                         args: argparse.Namespace, library: dict[int, list[str]]) -> list[dict]:
+async def every_scenario(
+    kind: str,
+    base: str,
+    tokenizer,
+    sizes: list[int],
+    scenarios: list[str],
+    args: argparse.Namespace,
+    library: dict[int, list[str]],
+) -> list[dict]:
     """The scenarios on one server, one after another (one event loop: the client's connections live in it)."""
     client, rows = Client(base), []
-    runs = [shared(client, tokenizer, tokens, layout, args, args.seed + 10 * i) for i, tokens in enumerate(sizes)
-            for layout in args.layouts.split(",")] if "shared" in scenarios else []
+    runs = (
+        [
+            shared(client, tokenizer, tokens, layout, args, args.seed + 10 * i)
+            for i, tokens in enumerate(sizes)
+            for layout in args.layouts.split(",")
+        ]
+        if "shared" in scenarios
+        else []
+    )
     runs += [conversations(client, tokenizer, args)] if "chat" in scenarios else []
     runs += [distinct(client, tokenizer, args)] if "distinct" in scenarios else []
     for run in runs:
@@ -329,16 +469,21 @@ async def every_scenario(kind: str, base: str, tokenizer, sizes: list[int], scen
 
 def summary(row: dict) -> str:
     later = row.get("later_ttft_p50_s", row.get("ttft_p50_s"))
-    return (f"  {row['server']} {row['scenario']} {row['doc_tokens']}: TTFT (later) p50 {later:.2f} s, "
-            f"{row['output_tokens_per_s']:.1f} tok/s, {row['peak_running']} at once, "
-            f"hit rate {row['prefix_hit_rate']:.2f}, facts {row['facts']}, errors {row['errors']}")
+    return (
+        f"  {row['server']} {row['scenario']} {row['doc_tokens']}: TTFT (later) p50 {later:.2f} s, "
+        f"{row['output_tokens_per_s']:.1f} tok/s, {row['peak_running']} at once, "
+        f"hit rate {row['prefix_hit_rate']:.2f}, facts {row['facts']}, errors {row['errors']}"
+    )
 
 
 def table(rows: list[dict]) -> str:
     """A markdown table: each scenario, plain vLLM's row and kvcompress's (the time to the whole answer beside the
     first token's)."""
-    lines = ["| scenario | server | TTFT first p50 | TTFT later p50 / p99 | whole answer p50 | output tok/s | at once "
-             "| hit rate | facts | errors |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [
+        "| scenario | server | TTFT first p50 | TTFT later p50 / p99 | whole answer p50 | output tok/s | at once "
+        "| hit rate | facts | errors |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for row in rows:
         parts = [(row, row["scenario"])]
         if "eight_at_once" in row:
@@ -351,7 +496,8 @@ def table(rows: list[dict]) -> str:
                 f"| {name} {row['doc_tokens']} | {row['server']} | {'' if first is None else f'{first:.2f} s'} | "
                 f"{part[f'{key}ttft_p50_s']:.2f} / {part[f'{key}ttft_p99_s']:.2f} s | "
                 f"{'' if whole is None else f'{whole:.2f} s'} | {part['output_tokens_per_s']:.1f} | "
-                f"{part['peak_running']} | {part['prefix_hit_rate']:.2f} | {row.get('facts', '')} | {part['errors']} |")
+                f"{part['peak_running']} | {part['prefix_hit_rate']:.2f} | {row.get('facts', '')} | {part['errors']} |"
+            )
     return "\n".join(lines)
 
 
@@ -373,8 +519,9 @@ def plot(rows: list[dict], path: Path) -> None:
         axes[1].bar(positions, speed, width, label=kind, color=colour)
     labels = [f"{scenario.replace(' (', chr(10) + '(')}\n{tokens}" for scenario, tokens in groups]
     axes[0].set_yscale("log")  # (requests each with their own document wait minutes, later questions a second)
-    for ax, title in zip(axes, ("time to first token of later questions / turns, p50 (s, log)",
-                                "output tokens/s (shared: 8 at once)")):
+    for ax, title in zip(
+        axes, ("time to first token of later questions / turns, p50 (s, log)", "output tokens/s (shared: 8 at once)")
+    ):
         ax.set_xticks(range(len(groups)), labels, fontsize=8)
         ax.set_title(title, fontsize=10)
         ax.legend(fontsize=8)

@@ -42,14 +42,25 @@ def main() -> None:
     parser.add_argument("--questions", type=int, default=8)
     parser.add_argument("--burst", type=int, default=8, help="questions sent at once after the sequential ones")
     parser.add_argument("--budget", type=int, default=256)
-    parser.add_argument("--profile", nargs="?", const="one", choices=("one", "burst"),
-                        help="profile the questions one at a time (the default) or the bursts")
+    parser.add_argument(
+        "--profile",
+        nargs="?",
+        const="one",
+        choices=("one", "burst"),
+        help="profile the questions one at a time (the default) or the bursts",
+    )
     parser.add_argument("--out", default="runs/prefix_profile/prefix_profile.json")
     args = parser.parse_args()
     tokenizer = transformers.AutoTokenizer.from_pretrained(default_model_dir())
     options = {} if args.server == "vllm" else serving.engine_options(kvc.SnapKV(budget=args.budget))
-    llm = vllm.LLM(model=str(default_model_dir()), dtype="float32", block_size=32, max_model_len=args.doc_tokens + 512,
-                   max_num_seqs=16, **options)
+    llm = vllm.LLM(
+        model=str(default_model_dir()),
+        dtype="float32",
+        block_size=32,
+        max_model_len=args.doc_tokens + 512,
+        max_num_seqs=16,
+        **options,
+    )
     text = document(tokenizer, args.doc_tokens, "4817", 0.4)
     chats = [shared_messages(text, q, args.layout) for q in QUESTIONS[: max(args.questions, args.burst)]]
 
@@ -80,9 +91,15 @@ def main() -> None:
         burst.append(time.perf_counter() - start)
         if profiler:
             profiler.disable()
-    row = {"server": args.server, "doc_tokens": args.doc_tokens, "layout": args.layout,
-           "one_at_a_time_s": one, "one_p50_s": statistics.median(one), f"burst_{args.burst}_s": burst,
-           "burst_p50_s": statistics.median(burst)}
+    row = {
+        "server": args.server,
+        "doc_tokens": args.doc_tokens,
+        "layout": args.layout,
+        "one_at_a_time_s": one,
+        "one_p50_s": statistics.median(one),
+        f"burst_{args.burst}_s": burst,
+        "burst_p50_s": statistics.median(burst),
+    }
     print(json.dumps({k: v for k, v in row.items() if not isinstance(v, list)}))
     if profiler:
         stats = pstats.Stats(profiler)
@@ -90,14 +107,19 @@ def main() -> None:
         row[f"per_question_ms{'' if args.profile == 'one' else '_in_bursts'}"] = {
             f"{Path(file).name}:{name}": round(1000 * cumulative / calls, 2)
             for (file, _, name), (_, _, _, cumulative, _) in stats.stats.items()  # type: ignore[attr-defined]
-            if "kvcompress/serving" in file or name in ("execute_model", "forward", "select_kept", "layer_scores")
+            if "kvcompress/serving" in file
+            or name in ("execute_model", "forward", "select_kept", "layer_scores")
             and cumulative / calls > 0.002
         }
         profiled = row[f"per_question_ms{'' if args.profile == 'one' else '_in_bursts'}"]
         for name, ms in sorted(profiled.items(), key=lambda item: -item[1])[:25]:
             print(f"  {ms:8.2f} ms  {name}")
-    row["machine"] = {"platform": platform.platform(), "cpu_threads": torch.get_num_threads(),
-                      "torch": torch.__version__, "vllm": vllm.__version__}
+    row["machine"] = {
+        "platform": platform.platform(),
+        "cpu_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "vllm": vllm.__version__,
+    }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     rows = json.loads(out.read_text()) if out.exists() else []

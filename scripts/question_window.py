@@ -65,8 +65,11 @@ def main() -> None:
     parser.add_argument("--model", default=None)
     parser.add_argument("--fraction", type=float, default=1 / 16)
     parser.add_argument("--max-new-tokens", type=int, default=16)
-    parser.add_argument("--specs", default=DEFAULT_SPECS,
-                        help="method specs to compare, comma-separated; {turn} is the turn's token count")
+    parser.add_argument(
+        "--specs",
+        default=DEFAULT_SPECS,
+        help="method specs to compare, comma-separated; {turn} is the turn's token count",
+    )
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     specs = args.specs.split(",")
@@ -86,13 +89,28 @@ def main() -> None:
                 window = turn_tokens(tok, past, question)
                 row["window"].append(window)
                 for spec in specs:
-                    forced = kvc.forced_logprobs(model, tok, answer, prompt=question, past=past,
-                                                 method=setting(spec, window, tokens, args.fraction))
+                    forced = kvc.forced_logprobs(
+                        model,
+                        tok,
+                        answer,
+                        prompt=question,
+                        past=past,
+                        method=setting(spec, window, tokens, args.fraction),
+                    )
                     row[spec].append(fidelity(reference, forced))
             rows.append(row)
-            print(name, mode, "windows", row["window"], "agreement (" + " / ".join(specs) + "):",
-                  ["/".join(f"{row[spec][t]['top1_agreement']:.2f}" for spec in specs)
-                   for t in range(len(row["window"]))], flush=True)
+            print(
+                name,
+                mode,
+                "windows",
+                row["window"],
+                "agreement (" + " / ".join(specs) + "):",
+                [
+                    "/".join(f"{row[spec][t]['top1_agreement']:.2f}" for spec in specs)
+                    for t in range(len(row["window"]))
+                ],
+                flush=True,
+            )
         with args.out.open("a") as fh:
             fh.write("".join(json.dumps(row) + "\n" for row in rows))
     summarize(args.out)
@@ -122,8 +140,11 @@ def summarize(path: Path) -> None:
             if key != keys[0]:  # paired with the first setting on each context: its turns' mean, this one's less
                 gains = [context_mean(r[key]) - context_mean(r[keys[0]]) for r in mine]
                 summary[mode][key + "_gain"] = {
-                    "mean": round(sum(gains) / len(gains), 3), "95": [round(x, 3) for x in bootstrap_interval(gains)],
-                    "better": sum(g > 0 for g in gains), "worse": sum(g < 0 for g in gains)}
+                    "mean": round(sum(gains) / len(gains), 3),
+                    "95": [round(x, 3) for x in bootstrap_interval(gains)],
+                    "better": sum(g > 0 for g in gains),
+                    "worse": sum(g < 0 for g in gains),
+                }
         summary[mode]["windows"] = sorted({w for r in mine for w in r["window"]})
     path.with_suffix(".json").write_text(json.dumps(summary, indent=1))
     print(json.dumps(summary, indent=1))

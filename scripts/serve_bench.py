@@ -63,9 +63,24 @@ def prompts(count: int, tokens: int, seed: int) -> list[tuple[list[dict], str]]:
 
 
 def start_server(port: int, pool_blocks: int, max_len: int, requests: int, log: Path) -> subprocess.Popen:
-    command = [sys.executable, "-m", "kvcompress", "serve", "--port", str(port), "--dtype", "float32",
-               "--block-size", str(BLOCK), "--max-model-len", str(max_len),
-               "--num-gpu-blocks-override", str(pool_blocks), "--max-num-seqs", str(requests)]
+    command = [
+        sys.executable,
+        "-m",
+        "kvcompress",
+        "serve",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--block-size",
+        str(BLOCK),
+        "--max-model-len",
+        str(max_len),
+        "--num-gpu-blocks-override",
+        str(pool_blocks),
+        "--max-num-seqs",
+        str(requests),
+    ]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
     return launched(command, env, port, log)
 
@@ -86,8 +101,13 @@ async def one(client: openai.AsyncOpenAI, model: str, messages: list[dict], sett
     start = time.perf_counter()
     stamps, text = [], ""
     stream = await client.chat.completions.create(
-        model=model, messages=messages, max_tokens=max_tokens, temperature=0, stream=True,
-        stream_options={"include_usage": True}, extra_body={"kvcompress": settings, "ignore_eos": True},
+        model=model,
+        messages=messages,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"kvcompress": settings, "ignore_eos": True},
     )
     tokens = 0
     async for chunk in stream:
@@ -122,10 +142,17 @@ async def run_setting(base: str, model: str, chats: list, settings: dict, max_to
     tpot = sorted(r["tpot"] for r in results if r["tpot"] is not None)
     tokens = sum(r["tokens"] for r in results)
     return {
-        "settings": settings, "requests": len(chats), "peak_running": int(peak), "wall_s": wall,
-        "output_tokens": tokens, "output_tokens_per_s": tokens / wall, "ttft_p50_s": quantile(ttft, 0.5),
-        "ttft_p99_s": quantile(ttft, 0.99), "tpot_p50_s": quantile(tpot, 0.5), "tpot_p99_s": quantile(tpot, 0.99),
-        "facts": sum(code in r["text"] for r, (_, code) in zip(results, chats))
+        "settings": settings,
+        "requests": len(chats),
+        "peak_running": int(peak),
+        "wall_s": wall,
+        "output_tokens": tokens,
+        "output_tokens_per_s": tokens / wall,
+        "ttft_p50_s": quantile(ttft, 0.5),
+        "ttft_p99_s": quantile(ttft, 0.99),
+        "tpot_p50_s": quantile(tpot, 0.5),
+        "tpot_p99_s": quantile(tpot, 0.99),
+        "facts": sum(code in r["text"] for r, (_, code) in zip(results, chats)),
     }
 
 
@@ -141,8 +168,12 @@ def plot(rows: list[dict], path: Path) -> None:
 
     names = [row["name"] for row in rows]
     fig, axes = plt.subplots(1, 4, figsize=(16, 3.6))
-    panels = [("peak_running", "requests running at once"), ("output_tokens_per_s", "output tokens/s"),
-              ("ttft_p50_s", "time to first token, p50 (s)"), ("facts", "facts answered")]
+    panels = [
+        ("peak_running", "requests running at once"),
+        ("output_tokens_per_s", "output tokens/s"),
+        ("ttft_p50_s", "time to first token, p50 (s)"),
+        ("facts", "facts answered"),
+    ]
     for ax, (key, title) in zip(axes, panels):
         ax.bar(names, [row[key] or 0 for row in rows], color=["#888"] + ["#2a7"] * (len(rows) - 1))
         ax.set_title(title, fontsize=10)
@@ -156,8 +187,9 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=1900, help="document tokens per prompt (the chat adds ~90)")
     parser.add_argument("--max-tokens", type=int, default=256, help="tokens of each answer (EOS ignored)")
-    parser.add_argument("--pool-prompts", type=int, default=2,
-                        help="the KV pool holds this many uncompressed prompts and their answers")
+    parser.add_argument(
+        "--pool-prompts", type=int, default=2, help="the KV pool holds this many uncompressed prompts and their answers"
+    )
     parser.add_argument("--settings", default=DEFAULT_SETTINGS, help=f"comma-separated, of: {', '.join(SETTINGS)}")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--port", type=int, default=0, help="0: a free port")
@@ -179,20 +211,28 @@ def main() -> None:
             print(f"{name}: {args.requests} requests at once ...", flush=True)
             row = {"name": name, **asyncio.run(run_setting(base, model, chats, SETTINGS[name], args.max_tokens))}
             rows.append(row)
-            print(f"  {row['peak_running']} running at once, {row['output_tokens_per_s']:.1f} output tokens/s, "
-                  f"TTFT p50 {row['ttft_p50_s']:.1f} s, {row['facts']}/{row['requests']} facts", flush=True)
+            print(
+                f"  {row['peak_running']} running at once, {row['output_tokens_per_s']:.1f} output tokens/s, "
+                f"TTFT p50 {row['ttft_p50_s']:.1f} s, {row['facts']}/{row['requests']} facts",
+                flush=True,
+            )
     finally:
         server.send_signal(signal.SIGINT)
         server.wait(timeout=120)
     report = {
         "machine": {
-            "platform": platform.platform(), "cpu_threads": torch.get_num_threads(),
-            "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
-            "vllm": vllm.__version__
+            "platform": platform.platform(),
+            "cpu_threads": torch.get_num_threads(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "vllm": vllm.__version__,
         },
         "settings": {
-            **vars(args), "pool_blocks": pool_blocks, "block_size": BLOCK,
-            "model": "embedded SmolLM2-135M-Instruct, float32"
+            **vars(args),
+            "pool_blocks": pool_blocks,
+            "block_size": BLOCK,
+            "model": "embedded SmolLM2-135M-Instruct, float32",
         },
         "rows": rows,
     }
@@ -209,7 +249,8 @@ def main() -> None:
         print(
             f"| {row['name']}{ratio} | {row['peak_running']} | {row['output_tokens_per_s']:.1f} | "
             f"{row['ttft_p50_s']:.1f} / {row['ttft_p99_s']:.1f} | {row['tpot_p50_s']:.3f} / {row['tpot_p99_s']:.3f} | "
-            f"{row['facts']}/{row['requests']} |")
+            f"{row['facts']}/{row['requests']} |"
+        )
     print(f"\nwritten: {out}, {out.with_suffix('.png')}")
 
 

@@ -1,21 +1,21 @@
 """Markdown tables for the docs from benchmark outputs (and the GPU check's test counts).
 
-    python scripts/tables.py speed DIR...          one table per speed.json found under the folders
-    python scripts/tables.py accuracy CSV...       the rows of accuracy summary.csv files
-    python scripts/tables.py junit FILE            a test run's counts as JSON (scripts/gpu_check.sh)
-    python scripts/tables.py paired BASE OTHER[,OTHER...] RESULTS...
-                                                   settings against a base setting on the same samples
-                                                   (accuracy results.jsonl): scores, samples won / lost, KL, top-1
-    python scripts/tables.py retained [--columns length] RESULTS...
-                                                   per setting: the mean score per task (or prompt length) and the
-                                                   score retained against the full cache over every question
-                                                   (accuracy results.jsonl)
-    python scripts/tables.py agreement PNG RESULTS...
-                                                   per task and setting: top-1 agreement with the full cache against
-                                                   the device bytes held (accuracy results.jsonl), table and PNG
-    python scripts/tables.py memory NAME=DIR... [--plot PNG]
-                                                   peak memory vs prompt length of speed runs (e.g. before=...
-                                                   after=...), each method's fitted slope in bytes per token
+python scripts/tables.py speed DIR...          one table per speed.json found under the folders
+python scripts/tables.py accuracy CSV...       the rows of accuracy summary.csv files
+python scripts/tables.py junit FILE            a test run's counts as JSON (scripts/gpu_check.sh)
+python scripts/tables.py paired BASE OTHER[,OTHER...] RESULTS...
+                                               settings against a base setting on the same samples
+                                               (accuracy results.jsonl): scores, samples won / lost, KL, top-1
+python scripts/tables.py retained [--columns length] RESULTS...
+                                               per setting: the mean score per task (or prompt length) and the
+                                               score retained against the full cache over every question
+                                               (accuracy results.jsonl)
+python scripts/tables.py agreement PNG RESULTS...
+                                               per task and setting: top-1 agreement with the full cache against
+                                               the device bytes held (accuracy results.jsonl), table and PNG
+python scripts/tables.py memory NAME=DIR... [--plot PNG]
+                                               peak memory vs prompt length of speed runs (e.g. before=...
+                                               after=...), each method's fitted slope in bytes per token
 """
 
 from __future__ import annotations
@@ -32,12 +32,15 @@ def junit(path: str) -> dict:
     suite = suite if suite.tag == "testsuite" else suite[0]
     counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
     failed = [
-        f"{case.get('classname')}::{case.get('name')}" for case in suite.iter("testcase")
+        f"{case.get('classname')}::{case.get('name')}"
+        for case in suite.iter("testcase")
         if case.find("failure") is not None or case.find("error") is not None
     ]
     return {
-        **counts, "passed": counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"],
-        "failed": failed, "seconds": float(suite.get("time", 0))
+        **counts,
+        "passed": counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"],
+        "failed": failed,
+        "seconds": float(suite.get("time", 0)),
     }
 
 
@@ -50,10 +53,11 @@ def speed_table(report: dict) -> str:
     lines = [
         f"{report['model']} ({report['dtype']}) on {machine.get('gpu', machine['device'])}, torch {machine['torch']}, "
         f"transformers {machine['transformers']}; copy bandwidth {report['device_bandwidth'] / 1e9:.0f} GB/s; weights "
-        f"{gib(report['weight_bytes'])} GiB", "",
+        f"{gib(report['weight_bytes'])} GiB",
+        "",
         "| method | prompt | batch | prefill s | compress | decode ms/token | tokens/s | KV device GiB | offloaded GiB "
         "| peak GiB | bound ms | x bound | fetch hidden |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in report["rows"]:
         if r["status"] != "ok":
@@ -66,7 +70,8 @@ def speed_table(report: dict) -> str:
             f"| {r['decode_ms_per_token']:.2f} | "
             f"{r['tokens_per_s']:.1f} | {gib(r['kv_device_bytes'])} | {gib(r['offloaded_bytes'])} | "
             f"{gib(r['peak_bytes'])} | {bound:.2f} | "
-            f"{r['decode_ms_per_token'] / bound:.2f} | {'-' if hidden is None else format(hidden, '.0%')} |")
+            f"{r['decode_ms_per_token'] / bound:.2f} | {'-' if hidden is None else format(hidden, '.0%')} |"
+        )
     for limit in report.get("limits", []):
         lines.append(f"\n{limit['method']}: {limit['kind']} = {limit['value']} ({len(limit['tried'])} runs tried)")
     return "\n".join(lines)
@@ -78,7 +83,7 @@ def accuracy_table(paths: list[str]) -> str:
 
     lines = [
         "| task | method | budget | n | score | retained | top-1 | KL | KV kept | device |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for path in paths:
         for r in csv.DictReader(Path(path).read_text().splitlines()):
@@ -100,13 +105,17 @@ def paired_table(base: str, others: list[str], paths: list[str]) -> str:
             r = json.loads(line)
             records[(r["task"], r["budget"], r["sample"], r.get("turn", 1), r["label"].split("@")[0])] = r
     full = {key[:1] + key[2:4]: r["score"] for key, r in records.items() if key[4] == "full"}
-    head = "| task | budget | n | full | " + " | ".join(["base " + base, *others
-                                                         ]) + " | higher / lower than base | KL | top-1 |"
+    head = (
+        "| task | budget | n | full | "
+        + " | ".join(["base " + base, *others])
+        + " | higher / lower than base | KL | top-1 |"
+    )
     lines = [head, "|" + " --- |" * 2 + " ---: |" * (3 + len(others)) + " --- | --- | --- |"]
     cells = sorted({(k[0], k[1]) for k in records if k[1] is not None and k[4] == base})
     for task, budget in cells:
         samples = [
-            k[2:4] for k in records
+            k[2:4]
+            for k in records
             if k[:2] == (task, budget) and k[4] == base and all((task, budget, *k[2:4], o) in records for o in others)
         ]
         rows = {name: [records[(task, budget, *s, name)] for s in samples] for name in [base, *others]}
@@ -158,12 +167,15 @@ def retained_table(paths: list[str], column: str = "task") -> str:
     missed does not make up for one it found), and its mean device bytes while decoding."""
     records, full, settings = against_full(paths)
     tasks = list(dict.fromkeys(r[column] for r in records))
-    labels = sorted(settings, key=lambda label:
-                    (label != "full", label.split("@")[0], int(label.split("@")[1]) if "@" in label else 0))
+    labels = sorted(
+        settings,
+        key=lambda label: (label != "full", label.split("@")[0], int(label.split("@")[1]) if "@" in label else 0),
+    )
     lines = [
-        "| method | budget | " + " | ".join(map(str, tasks))
+        "| method | budget | "
+        + " | ".join(map(str, tasks))
         + " | questions | retained (all) | full's answers kept | device MiB |",
-        "| --- | ---: |" + " ---: |" * (len(tasks) + 4)
+        "| --- | ---: |" + " ---: |" * (len(tasks) + 4),
     ]
     for label in labels:
         mine = settings[label]
@@ -176,8 +188,11 @@ def retained_table(paths: list[str], column: str = "task") -> str:
         capped = sum(min(r["score"], full[(r["sample"], r["turn"])]) for r in mine)
         kept = f"{capped / reference:.2f}" if reference else "-"
         device = device_mib(mine)
-        lines.append(f"| {label.split('@')[0]} | {mine[0]['budget'] or '-'} | " + " | ".join(cells)
-                     + f" | {len(mine)} | {retained} | {kept} | {'-' if device is None else f'{device:.1f}'} |")
+        lines.append(
+            f"| {label.split('@')[0]} | {mine[0]['budget'] or '-'} | "
+            + " | ".join(cells)
+            + f" | {len(mine)} | {retained} | {kept} | {'-' if device is None else f'{device:.1f}'} |"
+        )
     return "\n".join(lines)
 
 
@@ -192,9 +207,10 @@ def memory_curves(named: list[str], plot: str | None) -> str:
     lengths = sorted({n for points in curves.values() for n, _ in points})
     shared = set.intersection(*({n for n, _ in points} for points in curves.values()))  # slopes over the same range
     lines = [
-        "| run | method | " + " | ".join(f"{n // 1024}K" for n in lengths)
+        "| run | method | "
+        + " | ".join(f"{n // 1024}K" for n in lengths)
         + f" | slope {min(shared) // 1024}K-{max(shared) // 1024}K, bytes per token |",
-        "| --- | --- | " + " | ".join("---:" for _ in lengths) + " | ---: |"
+        "| --- | --- | " + " | ".join("---:" for _ in lengths) + " | ---: |",
     ]
     for (name, method), points in curves.items():
         peaks = dict(points)
@@ -214,10 +230,17 @@ def memory_curves(named: list[str], plot: str | None) -> str:
         runs = list(dict.fromkeys(name for name, _ in curves))
         for (name, method), points in curves.items():  # a colour per method, a line style per run
             xs, ys = zip(*sorted(points))
-            axes.plot([x / 1024 for x in xs], [y / 2**30 for y in ys], marker="o", color=f"C{methods.index(method)}",
-                      linestyle=["--", "-", ":", "-."][runs.index(name) % 4], label=f"{method} ({name})")
-        axes.set(xlabel="prompt tokens (K)", ylabel="peak memory (GiB)",
-                 title="Peak memory of a prefill + one decoding step")
+            axes.plot(
+                [x / 1024 for x in xs],
+                [y / 2**30 for y in ys],
+                marker="o",
+                color=f"C{methods.index(method)}",
+                linestyle=["--", "-", ":", "-."][runs.index(name) % 4],
+                label=f"{method} ({name})",
+            )
+        axes.set(
+            xlabel="prompt tokens (K)", ylabel="peak memory (GiB)", title="Peak memory of a prefill + one decoding step"
+        )
         axes.grid(alpha=0.3)
         axes.legend()
         figure.tight_layout()
@@ -225,8 +248,14 @@ def memory_curves(named: list[str], plot: str | None) -> str:
     return "Peak GiB per prompt length:\n\n" + "\n".join(lines)
 
 
-BITS_COLORS = {"model's precision": "tab:blue", "8 bits": "tab:orange", "fp8": "tab:green", "4 bits": "tab:red",
-               "keys 8, values 4 bits": "tab:purple", "keys 6, values 4 bits": "tab:brown"}
+BITS_COLORS = {
+    "model's precision": "tab:blue",
+    "8 bits": "tab:orange",
+    "fp8": "tab:green",
+    "4 bits": "tab:red",
+    "keys 8, values 4 bits": "tab:purple",
+    "keys 6, values 4 bits": "tab:brown",
+}
 MARKERS = {"full": "s", "snapkv": "o"}
 
 
@@ -247,6 +276,7 @@ def retained_by_bytes(paths: list[str], plot: str) -> str:
     while decoding, as a PNG (score against bytes, one line per method and codec through its budgets), and the points
     as rows."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -265,15 +295,23 @@ def retained_by_bytes(paths: list[str], plot: str) -> str:
         series.setdefault((method, bits_of(label)), []).append((device, retained, label.partition("@")[2]))
     for (method, bits), dots in series.items():
         dots.sort()
-        axis.plot([d[0] for d in dots], [d[1] for d in dots], color=BITS_COLORS[bits],
-                  marker=MARKERS.get(method, "^"), label=f"{method}, {bits}")
+        axis.plot(
+            [d[0] for d in dots],
+            [d[1] for d in dots],
+            color=BITS_COLORS[bits],
+            marker=MARKERS.get(method, "^"),
+            label=f"{method}, {bits}",
+        )
         for device, retained, budget in dots:
             if budget:
                 axis.annotate(budget, (device, retained), fontsize=7, xytext=(3, 3), textcoords="offset points")
     axis.legend(fontsize=7)
-    axis.set(xscale="log", xlabel="device MiB while decoding (mean over questions)",
-             ylabel="score retained vs the full cache",
-             title="answers at equal bytes (each point labelled with its budget)")
+    axis.set(
+        xscale="log",
+        xlabel="device MiB while decoding (mean over questions)",
+        ylabel="score retained vs the full cache",
+        title="answers at equal bytes (each point labelled with its budget)",
+    )
     figure.tight_layout()
     figure.savefig(plot, dpi=120)
     return "\n".join(f"| {label} | {device:.1f} | {retained:.2f} |" for label, device, retained in points)
@@ -286,18 +324,23 @@ def agreement_by_bytes(paths: list[str], plot: str) -> str:
     from kvcompress.bench.accuracy import summarize
     from kvcompress.bench.plots import agreement_vs_device
 
-    rows = summarize([json.loads(line) for path in paths for line in Path(path).read_text().splitlines()
-                      if line.strip()])
+    rows = summarize(
+        [json.loads(line) for path in paths for line in Path(path).read_text().splitlines() if line.strip()]
+    )
     if not agreement_vs_device(rows, plot):
         raise SystemExit("agreement: no row of these results measured agreement with the full cache")
-    lines = ["| task | method | budget | device share | top-1 agreement | KL |",
-             "| --- | --- | ---: | ---: | ---: | ---: |"]
+    lines = [
+        "| task | method | budget | device share | top-1 agreement | KL |",
+        "| --- | --- | ---: | ---: | ---: | ---: |",
+    ]
     for r in rows:
         if r.get("top1_agreement") is not None:
             low, high = r["top1_agreement_95"]
-            lines.append(f"| {r['task']} | {r['label'].split('@')[0]} | {r['budget'] or '-'} | "
-                         f"{r['device_fraction']:.3f} | {r['top1_agreement']:.3f} [{low:.3f}, {high:.3f}] | "
-                         f"{r['kl']:.3f} |")
+            lines.append(
+                f"| {r['task']} | {r['label'].split('@')[0]} | {r['budget'] or '-'} | "
+                f"{r['device_fraction']:.3f} | {r['top1_agreement']:.3f} [{low:.3f}, {high:.3f}] | "
+                f"{r['kl']:.3f} |"
+            )
     return "\n".join(lines)
 
 

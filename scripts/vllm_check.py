@@ -37,16 +37,26 @@ from kvcompress.serving import vllm_worker
 
 
 def engine(budget: int, blocks: int | None = None, max_len: int = 4096, pool_dtype: str = "auto") -> LLM:
-    return LLM(model=str(default_model_dir()), dtype="float32", enforce_eager=True, max_model_len=max_len,
-               block_size=32, max_num_batched_tokens=max_len, num_gpu_blocks_override=blocks,
-               kv_cache_dtype=pool_dtype, **serving.engine_options(kvc.SnapKV(budget=budget)))
+    return LLM(
+        model=str(default_model_dir()),
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=max_len,
+        block_size=32,
+        max_num_batched_tokens=max_len,
+        num_gpu_blocks_override=blocks,
+        kv_cache_dtype=pool_dtype,
+        **serving.engine_options(kvc.SnapKV(budget=budget)),
+    )
 
 
 def chat(tokenizer, tokens: int, depth: float) -> list[dict]:
-    return [{
-        "role": "user",
-        "content": f"Read this document.\n\n{demo.build_document(tokenizer, tokens, depth)}\n\n{demo.QUESTION}"
-    }]
+    return [
+        {
+            "role": "user",
+            "content": f"Read this document.\n\n{demo.build_document(tokenizer, tokens, depth)}\n\n{demo.QUESTION}",
+        }
+    ]
 
 
 def scheduler(llm: LLM):
@@ -65,8 +75,9 @@ def compare(budget: int, depths: list[float], tokens: int, pool_dtype: str) -> l
         vllm_worker.KEPT_POSITIONS.clear()
         served = llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0, logprobs=2), use_tqdm=False)[0]
         ours = kvc.generate(model, tokenizer, messages, method=kvc.SnapKV(budget=budget, **codec), max_new_tokens=24)
-        differs = next((i for i, (a, b) in enumerate(zip(served.outputs[0].token_ids, ours.token_ids[0])) if a != b),
-                       None)
+        differs = next(
+            (i for i, (a, b) in enumerate(zip(served.outputs[0].token_ids, ours.token_ids[0])) if a != b), None
+        )
         gap = None
         if differs is not None:
             top = sorted((p.logprob for p in served.outputs[0].logprobs[differs].values()), reverse=True)
@@ -74,23 +85,26 @@ def compare(budget: int, depths: list[float], tokens: int, pool_dtype: str) -> l
         (kept,) = vllm_worker.KEPT_POSITIONS.values()
         layers = sorted(kept, key=vllm_worker.layer_index)
         before, after = next(
-            v for k, v in scheduler(llm).blocks_before_after.items() if k.split('-')[0] == served.request_id)
-        rows.append({
-            "depth": depth,
-            "prompt_tokens": len(served.prompt_token_ids),
-            "vllm": served.outputs[0].text,
-            "kvcompress": ours.text,
-            "same_answer": served.outputs[0].text.strip() == ours.text.strip(),
-            "first_different_token": differs,
-            "server_top_two_gap_there": gap,
-            "correct": demo.ANSWER in served.outputs[0].text,
-            "layers_with_identical_kept_positions": sum(
-                torch.equal(kept[n],
-                            ours.cache.kept_positions(i)[0]) for i, n in enumerate(layers)),
-            "layers": len(layers),
-            "blocks_before": before,
-            "blocks_after": after,
-        })
+            v for k, v in scheduler(llm).blocks_before_after.items() if k.split("-")[0] == served.request_id
+        )
+        rows.append(
+            {
+                "depth": depth,
+                "prompt_tokens": len(served.prompt_token_ids),
+                "vllm": served.outputs[0].text,
+                "kvcompress": ours.text,
+                "same_answer": served.outputs[0].text.strip() == ours.text.strip(),
+                "first_different_token": differs,
+                "server_top_two_gap_there": gap,
+                "correct": demo.ANSWER in served.outputs[0].text,
+                "layers_with_identical_kept_positions": sum(
+                    torch.equal(kept[n], ours.cache.kept_positions(i)[0]) for i, n in enumerate(layers)
+                ),
+                "layers": len(layers),
+                "blocks_before": before,
+                "blocks_after": after,
+            }
+        )
     return rows
 
 
@@ -98,40 +112,65 @@ def pool(budget: int, blocks: int, depths: list[float], tokens: int, pool_dtype:
     """All prompts at once into a KV pool of ``blocks`` blocks: how many run at once, how many are right."""
     llm = engine(budget, blocks, max_len=2048, pool_dtype=pool_dtype)
     tokenizer = llm.get_tokenizer()
-    prompts = [tokenizer.apply_chat_template(chat(tokenizer, tokens, d), tokenize=False, add_generation_prompt=True)
-               for d in depths]
+    prompts = [
+        tokenizer.apply_chat_template(chat(tokenizer, tokens, d), tokenize=False, add_generation_prompt=True)
+        for d in depths
+    ]
     start = time.perf_counter()
     outs = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0), use_tqdm=False)
     s = scheduler(llm)
-    return {"budget": budget, "pool_dtype": pool_dtype, "pool_blocks": blocks, "requests": len(prompts),
-            "peak_running": s.peak_running,
-            "seconds": time.perf_counter() - start, "correct": sum(demo.ANSWER in o.outputs[0].text for o in outs),
-            "blocks_before_after": sorted(set(s.blocks_before_after.values()))}
+    return {
+        "budget": budget,
+        "pool_dtype": pool_dtype,
+        "pool_blocks": blocks,
+        "requests": len(prompts),
+        "peak_running": s.peak_running,
+        "seconds": time.perf_counter() - start,
+        "correct": sum(demo.ANSWER in o.outputs[0].text for o in outs),
+        "blocks_before_after": sorted(set(s.blocks_before_after.values())),
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--budget", type=int, default=256)
     parser.add_argument("--tokens", type=int, default=1500, help="document length of each prompt")
-    parser.add_argument("--pool-blocks", type=int, default=120,
-                        help="KV blocks (32 tokens each) in the pool experiment")
+    parser.add_argument(
+        "--pool-blocks", type=int, default=120, help="KV blocks (32 tokens each) in the pool experiment"
+    )
     parser.add_argument("--pool-requests", type=int, default=8, help="prompts sent at once in the pool experiment")
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"),
-                        help="vLLM's pool dtype (fp8: compared with the library's fp8 codec)")
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=("auto", "fp8"),
+        help="vLLM's pool dtype (fp8: compared with the library's fp8 codec)",
+    )
     parser.add_argument("--out", default="vllm_check.json")
     args = parser.parse_args()
     # the same pool bytes: a float32 element is 4 bytes, an fp8 one 1
     pools = [("auto", 1)] + ([(args.kv_cache_dtype, 4)] if args.kv_cache_dtype != "auto" else [])
     report = {
         "machine": {
-            "platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "vllm": vllm.__version__, "cpu_threads": torch.get_num_threads()
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "vllm": vllm.__version__,
+            "cpu_threads": torch.get_num_threads(),
         },
         "settings": vars(args),
         "compare": compare(args.budget, [0.1, 0.25, 0.5, 0.75, 0.9], args.tokens, args.kv_cache_dtype),
-        "pool": [pool(budget, args.pool_blocks * scale, [(i + 1) / (args.pool_requests + 2)
-                                                          for i in range(args.pool_requests)], args.tokens, dtype)
-                 for dtype, scale in pools for budget in (100_000, args.budget)],
+        "pool": [
+            pool(
+                budget,
+                args.pool_blocks * scale,
+                [(i + 1) / (args.pool_requests + 2) for i in range(args.pool_requests)],
+                args.tokens,
+                dtype,
+            )
+            for dtype, scale in pools
+            for budget in (100_000, args.budget)
+        ],
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "w") as fh:
@@ -141,11 +180,13 @@ def main() -> None:
             f"depth {row['depth']:.2f}: vLLM {row['vllm'][-18:]!r} kvcompress {row['kvcompress'][-18:]!r} same answer "
             f"{row['same_answer']} (first difference {row['first_different_token']}), identical kept positions in "
             f"{row['layers_with_identical_kept_positions']}/{row['layers']} layers, KV blocks {row['blocks_before']} "
-            f"-> {row['blocks_after']}")
+            f"-> {row['blocks_after']}"
+        )
     for row in report["pool"]:
         print(
             f"budget {row['budget']}, {row['pool_dtype']} pool: {row['peak_running']} of {row['requests']} requests "
-            f"ran at once in {row['pool_blocks']} blocks, {row['correct']} correct, {row['seconds']:.0f} s")
+            f"ran at once in {row['pool_blocks']} blocks, {row['correct']} correct, {row['seconds']:.0f} s"
+        )
 
 
 if __name__ == "__main__":

@@ -30,7 +30,11 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 RESULTS = ROOT / "docs/img/vllm_families.json"
 ENGINE = {
-    "dtype": "float32", "enforce_eager": True, "max_model_len": 1024, "block_size": 32, "max_num_batched_tokens": 1024
+    "dtype": "float32",
+    "enforce_eager": True,
+    "max_model_len": 1024,
+    "block_size": 32,
+    "max_num_batched_tokens": 1024,
 }
 WIDE = {"hidden_size": 256, "head_dim": 64, "num_attention_heads": 4, "num_key_value_heads": 2}
 PROMPT_TOKENS, NEW_TOKENS = 600, 8
@@ -40,9 +44,11 @@ def methods() -> dict[str, object]:
     import kvcompress as kvc
 
     return {
-        "full": kvc.FullKV(), "snapkv": kvc.SnapKV(budget=64, window=8,
-                                                   clustering="pool"), "streamingllm": kvc.StreamingLLM(budget=64),
-        "h2o": kvc.H2O(budget=64), "expected": kvc.ExpectedAttention(budget=64)
+        "full": kvc.FullKV(),
+        "snapkv": kvc.SnapKV(budget=64, window=8, clustering="pool"),
+        "streamingllm": kvc.StreamingLLM(budget=64),
+        "h2o": kvc.H2O(budget=64),
+        "expected": kvc.ExpectedAttention(budget=64),
     }
 
 
@@ -70,13 +76,16 @@ def run_family(family: str, folder: Path) -> dict[str, str]:
         # before vLLM loads the model: its transformers backend decorates transformers' class in place
         cache = method.make_cache(model, char_tokenizer())
         with torch.no_grad():
-            ours[name] = model.generate(torch.tensor([ids]), **{cache.keyword: cache}, max_new_tokens=NEW_TOKENS,
-                                        do_sample=False)[0, PROMPT_TOKENS:].tolist()
+            ours[name] = model.generate(
+                torch.tensor([ids]), **{cache.keyword: cache}, max_new_tokens=NEW_TOKENS, do_sample=False
+            )[0, PROMPT_TOKENS:].tolist()
     try:
         llm = vllm.LLM(model=str(folder), **ENGINE, **serving.engine_options(kvc.FullKV()))
         params = [
-            vllm.SamplingParams(max_tokens=NEW_TOKENS, temperature=0,
-                                extra_args={"kvcompress": {"method": m.name, **m.settings()}}) for m in asked.values()
+            vllm.SamplingParams(
+                max_tokens=NEW_TOKENS, temperature=0, extra_args={"kvcompress": {"method": m.name, **m.settings()}}
+            )
+            for m in asked.values()
         ]
         served = llm.generate([{"prompt_token_ids": ids}] * len(asked), params, use_tqdm=False)
         del llm
@@ -111,11 +120,13 @@ def run_isolated(family: str, scratch: Path) -> dict[str, str]:
     """``run_family`` in a fresh process (as each family gets its own server): an engine that dies takes nothing
     else."""
     result = scratch / f"{family}.json"
-    done = subprocess.run([sys.executable, __file__, "--one", family, "--into",
-                           str(result)], capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, __file__, "--one", family, "--into", str(result)], capture_output=True, text=True
+    )
     if done.returncode != 0 or not result.exists():
-        last = next((line for line in reversed(done.stderr.splitlines()) if "Error" in line),
-                    f"exit code {done.returncode}")
+        last = next(
+            (line for line in reversed(done.stderr.splitlines()) if "Error" in line), f"exit code {done.returncode}"
+        )
         return {name: f"vLLM: {last.split(': ', 1)[-1][:160]}" for name in methods()}
     return json.loads(result.read_text())
 

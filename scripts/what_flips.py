@@ -68,8 +68,9 @@ def main() -> None:
         text = tok.decode(ids)
         questions = asked(tok, sample)
         full = FullAnswers(model, tok, store, questions, args.max_new_tokens, requests=len(questions) - 1)
-        for (past, answer, reference), question, (raw, code) in zip(full.of("multi-request"), questions,
-                                                                    sample.questions):
+        for (past, answer, reference), question, (raw, code) in zip(
+            full.of("multi-request"), questions, sample.questions
+        ):
             forced = kvc.forced_logprobs(model, tok, answer, prompt=question, past=past, method=method)
             flipped = (reference.argmax(-1) != forced.argmax(-1)).tolist()
             digit_flip = False
@@ -88,22 +89,32 @@ def main() -> None:
             per_layer, per_layer_name = [], []
             for layer in range(layers):
                 positions = result.cache.kept_positions(layer)[0]  # [kv_heads, n]
-                per_layer.append(float(torch.isin(positions, torch.tensor(digits)).sum(-1).float().mean())
-                                 / max(1, len(digits)))
-                per_layer_name.append(float(torch.isin(positions, torch.tensor(name_tokens)).sum(-1).float().mean())
-                                      / max(1, len(name_tokens)))
+                per_layer.append(
+                    float(torch.isin(positions, torch.tensor(digits)).sum(-1).float().mean()) / max(1, len(digits))
+                )
+                per_layer_name.append(
+                    float(torch.isin(positions, torch.tensor(name_tokens)).sum(-1).float().mean())
+                    / max(1, len(name_tokens))
+                )
             kept[group].append(per_layer)
             names[group].append(per_layer_name)
         print(f"context {seed + 1}/{args.contexts}: flips by class {counts}", flush=True)
     summary = {
-        "settings": {"contexts": args.contexts, "method": args.method, "fraction": args.fraction,
-                     "model": args.model or "smollm2-135m-instruct", "max_new_tokens": args.max_new_tokens},
+        "settings": {
+            "contexts": args.contexts,
+            "method": args.method,
+            "fraction": args.fraction,
+            "model": args.model or "smollm2-135m-instruct",
+            "max_new_tokens": args.max_new_tokens,
+        },
         "flip_rate": {k: {"tokens": t, "flips": f, "rate": round(f / t, 3)} for k, (t, f) in counts.items()},
         "answers": {group: len(rows) for group, rows in kept.items()},
-        "digits_kept_by_layer": {group: [round(sum(c) / len(rows), 3) for c in zip(*rows)] if rows else []
-                                 for group, rows in kept.items()},
-        "name_kept_by_layer": {group: [round(sum(c) / len(rows), 3) for c in zip(*rows)] if rows else []
-                               for group, rows in names.items()},
+        "digits_kept_by_layer": {
+            group: [round(sum(c) / len(rows), 3) for c in zip(*rows)] if rows else [] for group, rows in kept.items()
+        },
+        "name_kept_by_layer": {
+            group: [round(sum(c) / len(rows), 3) for c in zip(*rows)] if rows else [] for group, rows in names.items()
+        },
     }
     args.out.write_text(json.dumps(summary, indent=1))
     print(json.dumps(summary, indent=1))

@@ -1,5 +1,6 @@
 """Suite-wide setup: under pytest-xdist (`make test` runs a worker per core) each worker takes its share of the
 cores' threads, so two workers on two cores do not each start two threads and fight for them."""
+
 from __future__ import annotations
 
 import os

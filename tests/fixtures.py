@@ -90,7 +90,8 @@ FAMILIES = {
     "mistral-sliding": dict(model_type="mistral", sliding_window=16),
     "qwen2": dict(model_type="qwen2"),
     "qwen2-sliding": dict(model_type="qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=1),
-    "qwen3": dict(model_type="qwen3"), "gemma2": dict(model_type="gemma2", sliding_window=16, query_pre_attn_scalar=16),
+    "qwen3": dict(model_type="qwen3"),
+    "gemma2": dict(model_type="gemma2", sliding_window=16, query_pre_attn_scalar=16),
     "gemma3": dict(model_type="gemma3_text", sliding_window=16, query_pre_attn_scalar=16, sliding_window_pattern=2),
     "phi3-partial-rotary": dict(model_type="phi3", partial_rotary_factor=0.5),
     "gpt2-no-rope": dict(model_type="gpt2", n_layer=2, n_head=4, n_embd=64, n_positions=1024),
@@ -111,11 +112,19 @@ def family_model(family: str, seed: int = 0, **overrides) -> torch.nn.Module:
     model_type = settings.pop("model_type")
     shared = dict(vocab_size=128, initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     if model_type != "gpt2":
-        shared.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=16, max_position_embeddings=1024)
+        shared.update(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            max_position_embeddings=1024,
+        )
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **{**shared, **settings,
-                                                                                **overrides})).eval()
+    return AutoModelForCausalLM.from_config(
+        AutoConfig.for_model(model_type, **{**shared, **settings, **overrides})
+    ).eval()
 
 
 def fixed_weights(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:

@@ -29,8 +29,12 @@ class Server:
         self.base = f"http://127.0.0.1:{self.port}"
         command = [sys.executable, "-m", "kvcompress", "serve", "--port", str(self.port), *flags]
         self.log = open(log, "w")
-        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT,
-                                        env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1", **(env or {})})
+        self.process = subprocess.Popen(
+            command,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1", **(env or {})},
+        )
 
     def start(self, timeout: float = 600) -> Server:
         deadline = time.monotonic() + timeout

@@ -42,7 +42,9 @@ def reconstruction_reference(model, tok, text: str, chunk: int, overlap: int) ->
             per_head = weights[0, :, n:, :n].amax(dim=1)  # [q_heads, prompt]: over the reconstruction's queries
             scores.append(
                 torch.stack(
-                    [per_head[h * group:(h + 1) * group].amax(dim=0) for h in range(per_head.shape[0] // group)]))
+                    [per_head[h * group : (h + 1) * group].amax(dim=0) for h in range(per_head.shape[0] // group)]
+                )
+            )
         best = scores if best is None else [torch.maximum(a, b) for a, b in zip(best, scores)]
     return best
 
@@ -82,8 +84,9 @@ def expected_reference(model, ids: torch.Tensor, future: int, sinks: int) -> lis
 
     def hook(module, args, kwargs, output):
         hidden = kwargs["hidden_states"]
-        pre_rope[module.layer_idx] = module.q_proj(hidden).view(*hidden.shape[:-1], -1,
-                                                                module.head_dim)[0].transpose(0, 1).double()
+        pre_rope[module.layer_idx] = (
+            module.q_proj(hidden).view(*hidden.shape[:-1], -1, module.head_dim)[0].transpose(0, 1).double()
+        )
 
     handles = [layer.self_attn.register_forward_hook(hook, with_kwargs=True) for layer in model.model.layers]
     full = DynamicCache(config=model.config)
@@ -108,7 +111,8 @@ def expected_reference(model, ids: torch.Tensor, future: int, sinks: int) -> lis
                 cov = sum(torch.outer(q - mean, q - mean) for q in counted) / counted.shape[0]
                 mean, cov = ahead @ mean, ahead @ cov @ ahead.T
                 exponent = torch.tensor(
-                    [scaling * mean @ k + scaling**2 / 2 * k @ cov @ k for k in keys[kv_head, sinks:]])
+                    [scaling * mean @ k + scaling**2 / 2 * k @ cov @ k for k in keys[kv_head, sinks:]]
+                )
                 weights += exponent.softmax(dim=0) / group
             scores[kv_head, sinks:] = weights * values[kv_head, sinks:].norm(dim=-1)
         result.append(scores)
@@ -126,7 +130,8 @@ def test_expected_attention_keeps_what_modelled_future_queries_attend_most():
 
 
 @pytest.mark.parametrize(
-    "method", [kvc.KVzip(budget=64, chunk=90), kvc.ExpectedAttention(budget=64)], ids=lambda m: m.name)
+    "method", [kvc.KVzip(budget=64, chunk=90), kvc.ExpectedAttention(budget=64)], ids=lambda m: m.name
+)
 def test_one_context_asked_many_questions_each_on_its_own_copy(method):
     model, tok = tiny_model(), char_tokenizer()
     document = [{"role": "user", "content": random_text(400, seed=7)}]
@@ -137,7 +142,8 @@ def test_one_context_asked_many_questions_each_on_its_own_copy(method):
         for question in ("first?", "second one?")
     ]
     assert [layer.keys for layer in context.cache.layers] != [] and all(
-        torch.equal(a.keys, b) for a, b in zip(context.cache.layers, kept))
+        torch.equal(a.keys, b) for a, b in zip(context.cache.layers, kept)
+    )
     for question, answer in zip(("first?", "second one?"), answers):
         asked = kvc.generate(model, tok, document, question=question, method=method, max_new_tokens=6)
         # each copy answers as if the context had been compressed for it alone
@@ -149,8 +155,10 @@ def test_the_observation_pass_is_timed_and_needs_a_tokenizer():
     result = kvc.compress(model, tok, random_text(300, seed=8), method=kvc.KVzip(budget=32))
     assert 0 < result.stats["compress_s"] <= result.stats["prefill_s"]
     cache = kvc.KVzip(budget=32, clustering="none").make_cache(model)
-    with pytest.raises(ValueError,
-                       match="KVzip scores from the prompt's reconstruction, which did not run"), torch.no_grad():
+    with (
+        pytest.raises(ValueError, match="KVzip scores from the prompt's reconstruction, which did not run"),
+        torch.no_grad(),
+    ):
         model(torch.tensor([tok(random_text(300, seed=8))["input_ids"]]), **{CACHE: cache})
         cache.end_observation(0.0)
 
@@ -165,19 +173,28 @@ def test_global_shares_rank_every_layer_together():
     free = torch.tensor([2, 3])
     shares = global_shares(scores, valid, free)
     for row in range(2):
-        entries = sorted((-float(scores[layer][row, head, pos]), layer, head, pos) for layer in range(4)
-                         for head in range(3) for pos in range(10)
-                         if valid[row, pos] and scores[layer][row, head, pos] != math.inf)
+        entries = sorted(
+            (-float(scores[layer][row, head, pos]), layer, head, pos)
+            for layer in range(4)
+            for head in range(3)
+            for pos in range(10)
+            if valid[row, pos] and scores[layer][row, head, pos] != math.inf
+        )
         winners = [layer for _, layer, _, _ in entries[: 4 * 3 * int(free[row])]]
-        assert [float(share[row]) for share in shares
-                ] == [winners.count(layer) * 4 / len(winners) for layer in range(4)]
+        assert [float(share[row]) for share in shares] == [
+            winners.count(layer) * 4 / len(winners) for layer in range(4)
+        ]
 
 
-@pytest.mark.parametrize("method", [
-    kvc.KVzip(budget=40, layers="global", head_floor=0.0),  # after its observation pass
-    kvc.SnapKV(budget=40, window=8, layers="global", head_floor=0.0),  # from the prefill, at the end of its call
-    kvc.ExpectedAttention(budget=40, layers="global", head_floor=0.0),
-], ids=lambda m: m.name)
+@pytest.mark.parametrize(
+    "method",
+    [
+        kvc.KVzip(budget=40, layers="global", head_floor=0.0),  # after its observation pass
+        kvc.SnapKV(budget=40, window=8, layers="global", head_floor=0.0),  # from the prefill, at the end of its call
+        kvc.ExpectedAttention(budget=40, layers="global", head_floor=0.0),
+    ],
+    ids=lambda m: m.name,
+)
 def test_a_global_budget_keeps_the_uniform_total_spread_over_the_layers(method):
     model, tok = tiny_model(num_hidden_layers=4), char_tokenizer()
     text = random_text(300, seed=9)
@@ -204,12 +221,20 @@ def test_a_prefill_scored_method_ranks_every_layer_of_the_prompt_together():
         assert [float(layer.policy.share[0]) for layer in result.cache.layers] == pytest.approx(expected)
     assert fresh.token_ids == recorded.token_ids
     # layer_floor: every layer keeps that weight of the uniform share, the rest ranked as before; the total unchanged
-    floored = kvc.generate(model, tok, text, method=kvc.SnapKV(budget=40, window=8, layers="global", head_floor=0.0,
-                                                               layer_floor=0.5), max_new_tokens=6)
+    floored = kvc.generate(
+        model,
+        tok,
+        text,
+        method=kvc.SnapKV(budget=40, window=8, layers="global", head_floor=0.0, layer_floor=0.5),
+        max_new_tokens=6,
+    )
     shares = [float(layer.policy.share[0]) for layer in floored.cache.layers]
     assert shares == pytest.approx([0.5 + 0.5 * share for share in expected]) and sum(shares) == pytest.approx(4)
-    with pytest.raises(kvc.InvalidParameterError, match=r"^SnapKV: layer_floor=0\.5 applies only with "
-                                                        r"layers='global'; give that, or leave layer_floor out$"):
+    with pytest.raises(
+        kvc.InvalidParameterError,
+        match=r"^SnapKV: layer_floor=0\.5 applies only with "
+        r"layers='global'; give that, or leave layer_floor out$",
+    ):
         kvc.SnapKV(layer_floor=0.5)
     store = kvc.compress(model, tok, text, method=kvc.FullKV())
     asked = kvc.generate(model, tok, "What is it?", past=store, method=method, max_new_tokens=6)
@@ -232,8 +257,9 @@ def test_a_global_budget_goes_to_the_global_layers_of_a_model_with_sliding_windo
     assert isinstance(kvc.generate(model, tok, "What?", past=context, max_new_tokens=3).text, str)
     # SnapKV's global budgets over a stored context: the windows continue as later steps, the global layers rank
     store = kvc.compress(model, tok, random_text(300, seed=9), method=kvc.FullKV())
-    asked = kvc.generate(model, tok, "What?", past=store, method=kvc.SnapKV(budget=40, window=8, layers="global"),
-                         max_new_tokens=3)
+    asked = kvc.generate(
+        model, tok, "What?", past=store, method=kvc.SnapKV(budget=40, window=8, layers="global"), max_new_tokens=3
+    )
     held = asked.stats["kv_tokens_per_layer"]
     assert [n for n, local in zip(held, sliding) if local] == [model.config.sliding_window - 1] * sliding.count(True)
 
@@ -245,8 +271,9 @@ def test_a_model_called_directly_cannot_skip_the_observation_pass():
     with torch.no_grad():
         model(ids, **{CACHE: cache})
         with pytest.raises(
-                kvc.CacheMisuseError, match=
-                "compresses the prompt after an observation pass .* kvcompress.generate and kvcompress.compress run it"
+            kvc.CacheMisuseError,
+            match="compresses the prompt after an observation pass .* kvcompress.generate and kvcompress.compress "
+            "run it",
         ):
             model(ids[:, -1:], **{CACHE: cache})
 
@@ -318,8 +345,8 @@ def test_kvzip_scores_leave_the_opening_out_of_each_softmax():
     # [b, h, new, prompt + new]
     logits = torch.stack([query[:, h] @ keys[:, h // 2].transpose(-1, -2) for h in range(4)], dim=1) * 0.3
     seen = valid[:, None, None, :] & torch.cat(
-        [torch.ones(new, prompt, dtype=torch.bool),
-         torch.ones(new, new, dtype=torch.bool).tril()], dim=-1)
+        [torch.ones(new, prompt, dtype=torch.bool), torch.ones(new, new, dtype=torch.bool).tril()], dim=-1
+    )
     lse = logits.masked_fill(~seen, -torch.inf).logsumexp(dim=-1)
     expected = torch.zeros(2, 2, prompt)
     for row in range(2):

@@ -86,7 +86,8 @@ def layer_of(module: str) -> int:
 def test_no_layer_imports_one_above_it():
     upward = [
         f"{source} ({LAYERS[layer_of(source)] if layer_of(source) < len(LAYERS) else 'the front'}) imports {target}"
-        for source, targets in module_imports().items() for target in sorted(targets)
+        for source, targets in module_imports().items()
+        for target in sorted(targets)
         if layer_of(target) > layer_of(source)
     ]
     assert not upward, "\n".join(upward)
@@ -129,8 +130,14 @@ class EveryOther(PromptMethod):
     name: ClassVar[str] = "every-other"
     stride: int = param(2, "keep positions that are multiples of this", minimum=1)
 
-    def scores(self, query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scaling: float,
-               spans: torch.Tensor | None = None) -> torch.Tensor:
+    def scores(
+        self,
+        query: torch.Tensor,
+        keys: torch.Tensor,
+        valid: torch.Tensor,
+        scaling: float,
+        spans: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         position = valid.long().cumsum(-1).float()
         return (position + 1e6 * (position % self.stride == 0))[:, None, :].expand(-1, keys.shape[1], -1)
 
@@ -156,32 +163,95 @@ def test_a_new_method_is_one_class_and_a_registry_line(toy_method, saved_tiny_mo
     kept = result.cache.kept_positions(0)[0, 0].tolist()
     assert len(kept) == 20 and all(p % 3 == 2 for p in kept)  # cumsum positions start at 1
 
-    assert main([
-        "generate", "--model",
-        str(saved_tiny_model), "--method", "every-other", "--budget", "24", "--stride", "4", "--raw", "--prompt",
-        "y" * 80, "--max-new-tokens", "3", "--json"
-    ]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--model",
+                str(saved_tiny_model),
+                "--method",
+                "every-other",
+                "--budget",
+                "24",
+                "--stride",
+                "4",
+                "--raw",
+                "--prompt",
+                "y" * 80,
+                "--max-new-tokens",
+                "3",
+                "--json",
+            ]
+        )
+        == 0
+    )
     record = json.loads(capsys.readouterr().out)
     assert record["method"] == "every-other(budget=24, stride=4)"
     assert record["kv_tokens_per_layer"] == [24 + 2, 24 + 2]
 
     out = tmp_path / "acc"
-    assert main([
-        "bench", "accuracy", "--model",
-        str(saved_tiny_model), "--tasks", "niah", "--methods", "full,every-other:stride=2", "--budgets", "64",
-        "--lengths", "300", "--depths", "0.5", "--out", str(out)
-    ]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "accuracy",
+                "--model",
+                str(saved_tiny_model),
+                "--tasks",
+                "niah",
+                "--methods",
+                "full,every-other:stride=2",
+                "--budgets",
+                "64",
+                "--lengths",
+                "300",
+                "--depths",
+                "0.5",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     labels = {json.loads(line)["label"] for line in (out / "results.jsonl").read_text().splitlines()}
     assert labels == {"full", "every-other:stride=2@64"}
-    assert main(["bench", "speed", "--model", str(saved_tiny_model), "--methods", "every-other:stride=2",
-                 "--budget", "32", "--lengths", "200", "--batches", "1", "--steps", "2", "--warmup", "1", "--out",
-                 str(tmp_path / "speed")]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "speed",
+                "--model",
+                str(saved_tiny_model),
+                "--methods",
+                "every-other:stride=2",
+                "--budget",
+                "32",
+                "--lengths",
+                "200",
+                "--batches",
+                "1",
+                "--steps",
+                "2",
+                "--warmup",
+                "1",
+                "--out",
+                str(tmp_path / "speed"),
+            ]
+        )
+        == 0
+    )
     assert "every-other" in (tmp_path / "speed" / "speed.json").read_text()
-    assert main(["generate", "--model", str(saved_tiny_model), "--method", "every-other", "--window", "4",
-                 "--prompt", "z"]) == 2
-    assert ("method 'every-other' does not take --window; it takes: --budget, --ratio, --heads, --head-floor, "
-            "--layers, --layer-floor, --pyramid-beta, --decode-budget, --every, --decode-window, --kv-bytes, --stride, "
-            "--kv-bits, --kv-format") in capsys.readouterr().err
+    assert (
+        main(
+            ["generate", "--model", str(saved_tiny_model), "--method", "every-other", "--window", "4", "--prompt", "z"]
+        )
+        == 2
+    )
+    assert (
+        "method 'every-other' does not take --window; it takes: --budget, --ratio, --heads, --head-floor, "
+        "--layers, --layer-floor, --pyramid-beta, --decode-budget, --every, --decode-window, --kv-bytes, --stride, "
+        "--kv-bits, --kv-format"
+    ) in capsys.readouterr().err
 
 
 def test_every_layer_attribute_is_born_in_its_init():
@@ -192,11 +262,13 @@ def test_every_layer_attribute_is_born_in_its_init():
     model, tok = tiny_model(), char_tokenizer()
     for method in METHODS:
         declared = {type(layer): set(vars(layer)) for layer in method.make_cache(model, tok).layers}
-        result = kvc.generate(model, tok, ["one short prompt", "and a longer one, " * 20], method=method,
-                              max_new_tokens=3)
+        result = kvc.generate(
+            model, tok, ["one short prompt", "and a longer one, " * 20], method=method, max_new_tokens=3
+        )
         for layer in result.cache.layers:
-            assert set(vars(layer)) == declared[type(
-                layer)], f"{method.label()}: {type(layer).__name__} gained {set(vars(layer)) - declared[type(layer)]}"
+            assert set(vars(layer)) == declared[type(layer)], (
+                f"{method.label()}: {type(layer).__name__} gained {set(vars(layer)) - declared[type(layer)]}"
+            )
 
 
 def test_every_public_name_resolves_from_the_package():
@@ -237,10 +309,19 @@ def members(node: ast.ClassDef, module: ast.Module) -> int:
     of its module that take it first (``def f(layer: KVLayer, ...)``: a method in all but name)."""
     functions = (ast.FunctionDef, ast.AsyncFunctionDef)
     own = sum(isinstance(item, functions) for item in node.body)
-    properties = sum(isinstance(item, (ast.Assign, ast.AnnAssign)) and isinstance(item.value, ast.Call)
-                     and ast.unparse(item.value.func) == "property" for item in node.body)
-    taking = sum(isinstance(item, functions) and bool(item.args.args) and item.args.args[0].annotation is not None
-                 and ast.unparse(item.args.args[0].annotation).strip("'\"") == node.name for item in module.body)
+    properties = sum(
+        isinstance(item, (ast.Assign, ast.AnnAssign))
+        and isinstance(item.value, ast.Call)
+        and ast.unparse(item.value.func) == "property"
+        for item in node.body
+    )
+    taking = sum(
+        isinstance(item, functions)
+        and bool(item.args.args)
+        and item.args.args[0].annotation is not None
+        and ast.unparse(item.args.args[0].annotation).strip("'\"") == node.name
+        for item in module.body
+    )
     return own + properties + taking
 
 
@@ -286,9 +367,16 @@ def test_the_architecture_drawing_names_every_module_of_the_tree_and_no_other():
     drawn = drawn_modules()
     files = {str(path.relative_to(PACKAGE)) for path in PACKAGE.rglob("*.py")}
     folders = {name for name in drawn if name.endswith("/")}
-    missing = {f for f in files if f not in drawn and not f.endswith("__init__.py") and not any(
-        f.startswith(folder) and not any(other.startswith(folder) and other != folder for other in drawn)
-        for folder in folders)}
+    missing = {
+        f
+        for f in files
+        if f not in drawn
+        and not f.endswith("__init__.py")
+        and not any(
+            f.startswith(folder) and not any(other.startswith(folder) and other != folder for other in drawn)
+            for folder in folders
+        )
+    }
     assert not missing, f"docs/architecture.md's tree does not name {sorted(missing)}"
     gone = {name for name in drawn if not (PACKAGE / name).exists()}
     assert not gone, f"docs/architecture.md's tree names {sorted(gone)}, which src/kvcompress/ does not hold"

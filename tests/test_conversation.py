@@ -21,9 +21,18 @@ from kvcompress.generation.result import read_header
 from tests.fixtures import char_tokenizer, random_text, tiny_model
 
 DOCUMENT = [{"role": "user", "content": random_text(400, seed=11)}]
-TURNS = ("What is the first word?", "And the second one?", "Say it again.", "Which word is the longest?",
-         "Repeat your last answer.", "Now the third word.", "Is it longer than the first?", "Spell it.",
-         "What did I ask first?", "Thanks. One more: the last word?")
+TURNS = (
+    "What is the first word?",
+    "And the second one?",
+    "Say it again.",
+    "Which word is the longest?",
+    "Repeat your last answer.",
+    "Now the third word.",
+    "Is it longer than the first?",
+    "Spell it.",
+    "What did I ask first?",
+    "Thanks. One more: the last word?",
+)
 PER_QUESTION = [
     kvc.SnapKV(budget=48, window=8),
     kvc.SnapKV(budget=48, window=8, heads="adaptive"),
@@ -56,9 +65,15 @@ def same_as_whole_conversation(model, tok, turn: kvc.Result, method: kvc.Method,
     assert turn.token_ids[row] == reference.token_ids[0]
 
 
-@pytest.mark.parametrize("method", PER_QUESTION, ids=lambda m: m.describe().split("(")[0] + (
-    "-adaptive" if getattr(m, "heads", "uniform") == "adaptive" else "") + (
-    "-pyramid" if getattr(m, "layers", "uniform") == "pyramid" else ""))
+@pytest.mark.parametrize(
+    "method",
+    PER_QUESTION,
+    ids=lambda m: (
+        m.describe().split("(")[0]
+        + ("-adaptive" if getattr(m, "heads", "uniform") == "adaptive" else "")
+        + ("-pyramid" if getattr(m, "layers", "uniform") == "pyramid" else "")
+    ),
+)
 def test_every_turn_is_compressed_with_the_whole_conversation(model_and_store, method):
     model, tok, store = model_and_store
     turn = kvc.generate(model, tok, TURNS[0], past=store, method=method, max_new_tokens=6)
@@ -148,8 +163,13 @@ def test_a_saved_conversation_continues_in_another_process(model_and_store, tmp_
     assert (read_header(tmp_path / "chat.kvc")["version"], read_header(tmp_path / "store.kvc")["version"]) == (4, 3)
     assert "store_row" not in read_header(tmp_path / "store.kvc")["rows"][0]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [".", "src", os.environ.get("PYTHONPATH")]))}
-    done = subprocess.run([sys.executable, "-c", CONTINUE_ELSEWHERE, str(tmp_path / "chat.kvc"), TURNS[2]],
-                          capture_output=True, text=True, env=env, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", CONTINUE_ELSEWHERE, str(tmp_path / "chat.kvc"), TURNS[2]],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     elsewhere = json.loads(done.stdout)
     here = kvc.generate(model, tok, TURNS[2], past=turn, method=method, max_new_tokens=6)
@@ -157,5 +177,6 @@ def test_a_saved_conversation_continues_in_another_process(model_and_store, tmp_
     # loaded twice: the same conversation, its store in host memory once more
     again = kvc.load(tmp_path / "chat.kvc", model, tok)
     assert again.store.cache.stats()["tokens_kept_fraction"] == 1.0 and all(r.open_turn for r in again.store.rows)
-    same_as_whole_conversation(model, tok, kvc.generate(model, tok, TURNS[2], past=again, method=method,
-                                                        max_new_tokens=6), method)
+    same_as_whole_conversation(
+        model, tok, kvc.generate(model, tok, TURNS[2], past=again, method=method, max_new_tokens=6), method
+    )

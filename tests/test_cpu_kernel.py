@@ -17,8 +17,10 @@ from kvcompress.storage import attention, codec, cpu_kernels
 from .fixtures import CACHE, char_tokenizer, tiny_model
 from .test_decode_kernel import case, reference
 
-pytestmark = pytest.mark.skipif(shutil.which("c++") is None or shutil.which("ninja") is None,
-                                reason="no C++ compiler or ninja to build the kernel with")
+pytestmark = pytest.mark.skipif(
+    shutil.which("c++") is None or shutil.which("ninja") is None,
+    reason="no C++ compiler or ninja to build the kernel with",
+)
 
 
 @pytest.fixture
@@ -38,8 +40,9 @@ def test_the_kernel_builds_here():
     assert cpu_kernels.cpu_kernel() is not None and attention.reads_codes(torch.zeros(1))
 
 
-@pytest.mark.parametrize(("key_bits", "value_bits"), [(8, 8), (4, 4), (8, 4), (4, 8), (6, 4),
-                                                      (codec.FP8_CODE, codec.FP8_CODE)])
+@pytest.mark.parametrize(
+    ("key_bits", "value_bits"), [(8, 8), (4, 4), (8, 4), (4, 8), (6, 4), (codec.FP8_CODE, codec.FP8_CODE)]
+)
 @pytest.mark.parametrize(("dim", "seq"), [(64, 1100), (128, 129), (96, 3000), (16, 1), (80, 300)])
 def test_the_kernel_matches_attention_over_the_decoded_slots(key_bits, value_bits, dim, seq):
     """Heads of one or several channel groups (16, 80: groups of 16; 96: of 32), stretches of slots that are hidden
@@ -57,7 +60,10 @@ def test_the_kernel_matches_attention_over_the_decoded_slots(key_bits, value_bit
     unmasked = case(1, 2, 2, 500, dim, key_bits, value_bits, torch.float32, False)[:3]
     torch.testing.assert_close(
         kernel.coded_decode_attention(*unmasked, None, 0.1, key_bits, value_bits).double(),
-        reference(*unmasked, None, 0.1, key_bits, value_bits), rtol=1e-5, atol=1e-5)
+        reference(*unmasked, None, 0.1, key_bits, value_bits),
+        rtol=1e-5,
+        atol=1e-5,
+    )
 
 
 def test_rows_that_do_not_match_the_head_are_refused():
@@ -88,16 +94,20 @@ def test_a_decoding_step_reads_the_codes_and_decodes_nothing(monkeypatch, kernel
     prompt, steps = torch.randint(3, 128, (2, 300), generator=gen), torch.randint(3, 128, (2, 6), generator=gen)
     decoded_rows = []
     for kind in (codec.IntCodec, codec.Fp8Codec):
+
         def counted(self, rows, plain=kind.decode):
             decoded_rows.append(rows.shape)
             return plain(self, rows)
 
         monkeypatch.setattr(kind, "decode", counted)
-    methods = (kvc.SnapKV(budget=48, kv_bits=4, key_bits=4, clustering="pool"),
-               kvc.SnapKV(budget=48, kv_bits=4, key_bits=8, clustering="pool"),
-               kvc.SnapKV(budget=48, kv_bits=4, key_bits=6, clustering="pool"), kvc.FullKV(kv_bits=8),
-               kvc.SnapKV(budget=48, kv_bits=8, kv_format="fp8", clustering="pool"),
-               kvc.StreamingLLM(budget=64, kv_bits=4))
+    methods = (
+        kvc.SnapKV(budget=48, kv_bits=4, key_bits=4, clustering="pool"),
+        kvc.SnapKV(budget=48, kv_bits=4, key_bits=8, clustering="pool"),
+        kvc.SnapKV(budget=48, kv_bits=4, key_bits=6, clustering="pool"),
+        kvc.FullKV(kv_bits=8),
+        kvc.SnapKV(budget=48, kv_bits=8, kv_format="fp8", clustering="pool"),
+        kvc.StreamingLLM(budget=64, kv_bits=4),
+    )
     for method in methods:
         decode_logits(model, method, prompt, steps)
     assert decoded_rows == []
@@ -118,8 +128,10 @@ def test_a_decoding_step_reads_the_codes_and_decodes_nothing(monkeypatch, kernel
     own_error = max((full - full64).abs().max().item(), torch.finfo(torch.float32).eps * full64.abs().max().item())
     bound = 2 * 8 * own_error
     for method in methods:
-        apart = max((kernel_at_last_step(method, step, True) - kernel_at_last_step(method, step, False)).abs().max()
-                    for step in range(steps.shape[1])).item()
+        apart = max(
+            (kernel_at_last_step(method, step, True) - kernel_at_last_step(method, step, False)).abs().max()
+            for step in range(steps.shape[1])
+        ).item()
         assert apart <= bound, f"{method}: a step's logits {apart:.1e} apart, past {bound:.1e} (16 x {own_error:.1e})"
     kernel_off()
     decode_logits(model, methods[0], prompt, steps)
@@ -135,15 +147,19 @@ def test_a_kernel_that_does_not_build_warns_in_one_line_and_rows_are_decoded_fir
     monkeypatch.setattr(cpp_extension, "load_inline", no_ninja)
     cpu_kernels.cpu_kernel.cache_clear()
     try:
-        with pytest.warns(UserWarning, match=r"^kvcompress: the CPU decoding kernel did not build here \(Ninja is "
-                                             r"required to load C\+\+ extensions\); coded slots are decoded"):
+        with pytest.warns(
+            UserWarning,
+            match=r"^kvcompress: the CPU decoding kernel did not build here \(Ninja is "
+            r"required to load C\+\+ extensions\); coded slots are decoded",
+        ):
             assert cpu_kernels.cpu_kernel() is None
         assert not attention.reads_codes(torch.zeros(1))
         for key_bits, value_bits in ((4, 4), (8, 4)):
             args = case(2, 3, 3, 333, 64, key_bits, value_bits, torch.float32, per_head=True)
             out = attention.decode_attention(*args, 0.125, key_bits, value_bits)
-            torch.testing.assert_close(out.double(), reference(*args, 0.125, key_bits, value_bits), rtol=1e-5,
-                                       atol=1e-5)
+            torch.testing.assert_close(
+                out.double(), reference(*args, 0.125, key_bits, value_bits), rtol=1e-5, atol=1e-5
+            )
     finally:
         monkeypatch.undo()
         cpu_kernels.cpu_kernel.cache_clear()
@@ -185,8 +201,9 @@ def test_the_kernels_build_is_kept_out_of_every_timing(monkeypatch):
 
     monkeypatch.setattr(generation, "ready_cpu_kernel", slow_build)
     model, tok = tiny_model(), char_tokenizer()
-    coded = kvc.generate(model, tok, "some prompt words", method=kvc.SnapKV(budget=8, window=4, kv_bits=4),
-                         max_new_tokens=2)
+    coded = kvc.generate(
+        model, tok, "some prompt words", method=kvc.SnapKV(budget=8, window=4, kv_bits=4), max_new_tokens=2
+    )
     assert coded.stats["kernel_build_s"] == 1.0 and coded.stats["prefill_s"] < 1.0 and built == [1]
     assert coded.stats["decode_ms_per_token"] < 500
     plain = kvc.generate(model, tok, "some prompt words", method=kvc.SnapKV(budget=8, window=4), max_new_tokens=2)

@@ -14,7 +14,7 @@ from torch._dynamo.utils import counters
 
 import kvcompress as kvc
 from kvcompress.cache.errors import UnsupportedModelError
-from kvcompress.methods.prompt import BoundedPolicy
+from kvcompress.methods.bounded import BoundedPolicy
 
 from .fixtures import CACHE, char_tokenizer, family_model, random_text, tiny_model
 
@@ -69,16 +69,25 @@ def snapkv_reference(keys, queries, valid, scaling, budget, kernel, votes, pooli
 def test_a_reselection_keeps_what_snapkv_with_the_last_steps_as_its_window_keeps(monkeypatch, votes, pooling):
     """Every re-selection of every layer, checked against the paper's selection computed apart from the library."""
     model, tok = tiny_model(), char_tokenizer()
-    method = kvc.SnapKV(budget=64, window=8, kernel=5, clustering="pool", decode_budget=40, every=12, votes=votes,
-                        pooling=pooling)
+    method = kvc.SnapKV(
+        budget=64, window=8, kernel=5, clustering="pool", decode_budget=40, every=12, votes=votes, pooling=pooling
+    )
     checked = []
     reselect = BoundedPolicy.reselect
 
     def checking(policy, over):
         held = policy.held_tokens()
         before = held.positions[0].clone()
-        expected = snapkv_reference(held.keys[0], policy.window_queries[0], held.valid[0], policy.scaling,
-                                    policy.bound, method.kernel, votes, pooling)
+        expected = snapkv_reference(
+            held.keys[0],
+            policy.window_queries[0],
+            held.valid[0],
+            policy.scaling,
+            policy.bound,
+            method.kernel,
+            votes,
+            pooling,
+        )
         reselect(policy, over)
         after = policy.slots.held_positions()[0]
         layer = policy.layer.layer_idx
@@ -139,8 +148,9 @@ def test_under_the_bound_nothing_changes():
     model, tok = tiny_model(), char_tokenizer()
     prompts = [random_text(n, seed=n) for n in LENGTHS]
     plain = kvc.generate(model, tok, prompts, method=kvc.SnapKV(budget=64, window=8), max_new_tokens=30)
-    bounded = kvc.generate(model, tok, prompts, method=kvc.SnapKV(budget=64, window=8, decode_budget=90, every=8),
-                           max_new_tokens=30)
+    bounded = kvc.generate(
+        model, tok, prompts, method=kvc.SnapKV(budget=64, window=8, decode_budget=90, every=8), max_new_tokens=30
+    )
     assert bounded.token_ids == plain.token_ids and bounded.stats["reselections"] == 0
 
 
@@ -189,21 +199,29 @@ def test_transformers_generate_keeps_the_bound():
     ids = tok(random_text(200, seed=4), return_tensors="pt").input_ids
     out = model.generate(ids, **{CACHE: cache}, max_new_tokens=60, do_sample=False)
     ours = kvc.generate(model, tok, random_text(200, seed=4), method=method, max_new_tokens=60)
-    assert out[0, ids.shape[1]:].tolist()[: len(ours.token_ids[0])] == ours.token_ids[0]
+    assert out[0, ids.shape[1] :].tolist()[: len(ours.token_ids[0])] == ours.token_ids[0]
     assert max(layer.slots.keys.shape[-2] for layer in cache.layers) <= 48
 
 
 @pytest.mark.parametrize(
     "make, message",
     [
-        (lambda: kvc.SnapKV(budget=64, heads="adaptive", decode_budget=48),
-         r"SnapKV: decode_budget=48 re-selects a uniform count per head; it does not combine with heads='adaptive'"),
-        (lambda: kvc.KVzip(budget=64, decode_budget=48),
-         r"KVzip: decode_budget=48 needs scores of the answer's tokens, which KVzip does not define"),
-        (lambda: kvc.SnapKV(budget=64, decode_budget=32),
-         r"SnapKV: decode_budget=32 must be greater than the 32 tokens every re-selection keeps whole"),
-        (lambda: kvc.H2O(budget=64, decode_budget=48, evict_during_decoding=True),
-         r"H2O: evict_during_decoding keeps the cache at budget=64 at every step; give it or decode_budget=48"),
+        (
+            lambda: kvc.SnapKV(budget=64, heads="adaptive", decode_budget=48),
+            r"SnapKV: decode_budget=48 re-selects a uniform count per head; it does not combine with heads='adaptive'",
+        ),
+        (
+            lambda: kvc.KVzip(budget=64, decode_budget=48),
+            r"KVzip: decode_budget=48 needs scores of the answer's tokens, which KVzip does not define",
+        ),
+        (
+            lambda: kvc.SnapKV(budget=64, decode_budget=32),
+            r"SnapKV: decode_budget=32 must be greater than the 32 tokens every re-selection keeps whole",
+        ),
+        (
+            lambda: kvc.H2O(budget=64, decode_budget=48, evict_during_decoding=True),
+            r"H2O: evict_during_decoding keeps the cache at budget=64 at every step; give it or decode_budget=48",
+        ),
         (lambda: kvc.SnapKV(budget=64, decode_budget=48, every=0), r"SnapKV: every=0 is invalid"),
     ],
 )
@@ -239,5 +257,6 @@ def test_every_model_family_decodes_under_the_bound(family):
         bounded = any(isinstance(layer.policy, BoundedPolicy) for layer in batch.cache.layers)
         assert (batch.stats.get("reselections", 0) > 0) == bounded
         for row, prompt in enumerate(prompts):
-            assert batch.token_ids[row] == kvc.generate(model, tok, prompt, method=method,
-                                                        max_new_tokens=40).token_ids[0], f"{method.name} row {row}"
+            assert (
+                batch.token_ids[row] == kvc.generate(model, tok, prompt, method=method, max_new_tokens=40).token_ids[0]
+            ), f"{method.name} row {row}"

@@ -68,8 +68,13 @@ def test_a_compiled_step_takes_the_kernel_fastest_on_the_device_and_an_eager_one
 
     def times(name, probe, is_causal, enable_gqa):  # (waited for, on the device)
         timed.append(name)
-        return {"math": (3e-4, 3e-4), "flash": (2e-4, 2e-4), "efficient": (1e-4, 9e-5), "triton": (2.5e-4, 1e-5),
-                "cudnn": None}[name]
+        return {
+            "math": (3e-4, 3e-4),
+            "flash": (2e-4, 2e-4),
+            "efficient": (1e-4, 9e-5),
+            "triton": (2.5e-4, 1e-5),
+            "cudnn": None,
+        }[name]
 
     monkeypatch.setattr(attention, "_time_backend", times)
     monkeypatch.setattr(attention, "candidates", lambda *args: ("math", "flash", "efficient", "cudnn", "triton"))
@@ -79,8 +84,9 @@ def test_a_compiled_step_takes_the_kernel_fastest_on_the_device_and_an_eager_one
         query, keys = torch.zeros(1, 2, 4, 64), torch.zeros(1, 2, 100, 64)
         eager = attention.choose_backends("decode", query, keys, None, False, False)
         assert eager == ("efficient", "flash", "triton", "math") and len(timed) == 5
-        assert attention.sdpa_choices(graphed=True) == {"decode/cpu/float32/64/False/None":
-                                                        ("triton", "efficient", "flash", "math")}
+        assert attention.sdpa_choices(graphed=True) == {
+            "decode/cpu/float32/64/False/None": ("triton", "efficient", "flash", "math")
+        }
         compiled = attention._compiled_backends("decode", "cpu", "torch.float32", 64, False, 0)
         assert compiled == "triton,efficient,flash,math"
         assert attention.choose_backends("decode", query, keys, None, False, False) == eager and len(timed) == 5
@@ -92,8 +98,9 @@ def test_the_torch_implementation_matches_the_reference():
     for key_bits, value_bits in ((0, 0), (8, 8), (4, 4), (8, 4), (6, 4)):
         args = case(2, 3, 3, 333, 64, key_bits, value_bits, torch.float32, per_head=key_bits == 4)
         out = attention.decode_attention(args[0], args[1], args[2], args[3], 0.125, key_bits, value_bits)
-        torch.testing.assert_close(out.double(), reference(*args[:4], 0.125, key_bits, value_bits), rtol=1e-5,
-                                   atol=1e-5)
+        torch.testing.assert_close(
+            out.double(), reference(*args[:4], 0.125, key_bits, value_bits), rtol=1e-5, atol=1e-5
+        )
 
 
 KERNEL_CHECK = textwrap.dedent(
@@ -173,8 +180,8 @@ def test_the_split_kernel_matches_the_reference_on_the_gpu():
     for key_bits, value_bits in ((0, 0), (8, 8), (4, 4), (8, 4)):
         for batch, heads, rows, seq, dim in ((1, 8, 4, 40000, 128), (2, 3, 3, 1500, 64)):
             args = case(batch, heads, rows, seq, dim, key_bits, value_bits, torch.bfloat16, True, device="cuda")
-            out = attention.decode_attention(*args[:4], dim ** -0.5, key_bits, value_bits)
-            expected = reference(*args[:4], dim ** -0.5, key_bits, value_bits)
+            out = attention.decode_attention(*args[:4], dim**-0.5, key_bits, value_bits)
+            expected = reference(*args[:4], dim**-0.5, key_bits, value_bits)
             torch.testing.assert_close(out.double(), expected, rtol=2e-2, atol=2e-2)
 
 
@@ -189,15 +196,25 @@ def build_for_hopper(kernel, signature: dict[str, str], constants: dict[str, obj
 
     signature = {**signature, **{name: "constexpr" for name in constants}}
     attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
-    built = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attrs),
-                           target=GPUTarget("cuda", 90, 32), options={"enable_fp_fusion": True})  # as launched
+    built = triton.compile(
+        ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attrs),
+        target=GPUTarget("cuda", 90, 32),
+        options={"enable_fp_fusion": True},
+    )  # as launched
     return built.asm["cubin"]
 
 
 def decode_kernel_signature(key_bits: int, value_bits: int) -> dict[str, str]:
-    pointers = {"query": "*bf16", "keys": "*u8" if key_bits else "*bf16", "key_meta": "*fp16",
-                "values": "*u8" if value_bits else "*bf16", "value_meta": "*fp16", "visible": "*u8",
-                "out": "*fp32", "lse": "*fp32"}
+    pointers = {
+        "query": "*bf16",
+        "keys": "*u8" if key_bits else "*bf16",
+        "key_meta": "*fp16",
+        "values": "*u8" if value_bits else "*bf16",
+        "value_meta": "*fp16",
+        "visible": "*u8",
+        "out": "*fp32",
+        "lse": "*fp32",
+    }
     strides = ("q_batch", "q_head", "k_batch", "k_head", "k_slot", "v_batch", "v_head", "v_slot", "m_batch", "m_head")
     return {**pointers, "heads": "i64", "seq": "i64", "scaling": "fp32", **dict.fromkeys(strides, "i64")}
 
@@ -212,20 +229,32 @@ def build_decode_kernel(key_bits: int, value_bits: int, dim: int, rows: int = 4,
 
     signature = decode_kernel_signature(key_bits, value_bits)
     aligned = [name for name, kind in signature.items() if kind.startswith("*") or kind == "i64" and name != "heads"]
-    constants = dict(GROUP_ROWS=rows, DIM=dim, BLOCK_G=max(16, triton.next_power_of_2(rows)), BLOCK_N=64, BLOCKS=4,
-                     KEY_BITS=key_bits, VALUE_BITS=value_bits, QUANT_GROUP=group_size(dim), MASKED=masked,
-                     PRECISE=False)
+    constants = dict(
+        GROUP_ROWS=rows,
+        DIM=dim,
+        BLOCK_G=max(16, triton.next_power_of_2(rows)),
+        BLOCK_N=64,
+        BLOCKS=4,
+        KEY_BITS=key_bits,
+        VALUE_BITS=value_bits,
+        QUANT_GROUP=group_size(dim),
+        MASKED=masked,
+        PRECISE=False,
+    )
     return build_for_hopper(kernels._decode_attention_kernel, signature, constants, aligned)
 
 
-needs_nvidia_backend = pytest.mark.skipif(importlib.util.find_spec("triton") is None
-                                          or importlib.util.find_spec("triton.backends.nvidia") is None,
-                                          reason="Triton with its NVIDIA backend")
+needs_nvidia_backend = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None or importlib.util.find_spec("triton.backends.nvidia") is None,
+    reason="Triton with its NVIDIA backend",
+)
 
 
 @needs_nvidia_backend
-@pytest.mark.parametrize("key_bits,value_bits,masked,dim", [(0, 0, True, 128), (8, 8, False, 128), (4, 4, True, 128),
-                                                             (6, 4, True, 128), (6, 8, True, 16)])
+@pytest.mark.parametrize(
+    "key_bits,value_bits,masked,dim",
+    [(0, 0, True, 128), (8, 8, False, 128), (4, 4, True, 128), (6, 4, True, 128), (6, 8, True, 16)],
+)
 def test_the_split_kernel_builds_for_hopper(key_bits, value_bits, masked, dim):
     assert build_decode_kernel(key_bits, value_bits, dim, masked=masked)
 
@@ -235,12 +264,32 @@ def test_the_split_kernel_builds_for_hopper(key_bits, value_bits, masked, dim):
 def test_shadowkvs_kernels_build_for_hopper(dtype, precise):
     from kvcompress.storage import kernels
 
-    rotated = {"factor_a": f"*{dtype}", "factor_b": f"*{dtype}", "chunks": "*i64", "inv_freq": "*fp32",
-               "out": f"*{dtype}", "heads": "i64", "region": "i64", "k": "i64", "scale": "fp32"}
-    assert build_for_hopper(kernels._rotated_keys_kernel, rotated,
-                            dict(RANK=160, UNIT=8, DIM=128, HALF_ROT=64, BLOCK_U=16, BLOCK_R=16, BLOCK_D=128,
-                                 PRECISE=precise))
-    gather = {"store": f"*{dtype}", "chunks": "*i64", "previous_chunks": "*i64", "previous": f"*{dtype}",
-              "hits": "*i64", "out": f"*{dtype}", "n_chunks": "i64", "k": "i64"}
-    assert build_for_hopper(kernels._gather_chunks_kernel, gather,
-                            dict(REUSE=True, LOG_K=6, CHUNK_NUMEL=1024, BLOCK=1024))
+    rotated = {
+        "factor_a": f"*{dtype}",
+        "factor_b": f"*{dtype}",
+        "chunks": "*i64",
+        "inv_freq": "*fp32",
+        "out": f"*{dtype}",
+        "heads": "i64",
+        "region": "i64",
+        "k": "i64",
+        "scale": "fp32",
+    }
+    assert build_for_hopper(
+        kernels._rotated_keys_kernel,
+        rotated,
+        dict(RANK=160, UNIT=8, DIM=128, HALF_ROT=64, BLOCK_U=16, BLOCK_R=16, BLOCK_D=128, PRECISE=precise),
+    )
+    gather = {
+        "store": f"*{dtype}",
+        "chunks": "*i64",
+        "previous_chunks": "*i64",
+        "previous": f"*{dtype}",
+        "hits": "*i64",
+        "out": f"*{dtype}",
+        "n_chunks": "i64",
+        "k": "i64",
+    }
+    assert build_for_hopper(
+        kernels._gather_chunks_kernel, gather, dict(REUSE=True, LOG_K=6, CHUNK_NUMEL=1024, BLOCK=1024)
+    )

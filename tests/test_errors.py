@@ -32,8 +32,10 @@ from .fixtures import CACHE, char_tokenizer, random_text, tiny_model
         (lambda: kvc.ExpectedAttention(budget=4, sinks=4), r"ExpectedAttention: budget=4 must be greater than sinks=4"),
         (lambda: kvc.KVzip(chunk=0), r"KVzip: chunk=0 is invalid; it must be an integer >= 1"),
         (lambda: kvc.KVzip(clustering="pool"), r"KVzip: clustering='pool' is unknown; valid: spans, none"),
-        (lambda: kvc.method_from_name("h2o2"),
-         r"method='h2o2' is unknown; valid: full, snapkv, streamingllm, h2o, kvzip, expected, shadowkv, quest, loki"),
+        (
+            lambda: kvc.method_from_name("h2o2"),
+            r"method='h2o2' is unknown; valid: full, snapkv, streamingllm, h2o, kvzip, expected, shadowkv, quest, loki",
+        ),
         (lambda: kvc.method_from_name("full", budget=3), r"method 'full' does not take budget"),
     ],
 )
@@ -46,8 +48,9 @@ def test_prompt_longer_than_the_context_is_refused_not_truncated():
     model, tok = tiny_model(max_position_embeddings=128), char_tokenizer()
     long, medium = random_text(200), random_text(100)
     n_long, n_medium = len(tok(long)["input_ids"]), len(tok(medium)["input_ids"])
-    with pytest.raises(kvc.PromptTooLongError,
-                       match=rf"prompt 0 has {n_long} tokens, longer than the model's context of 128"):
+    with pytest.raises(
+        kvc.PromptTooLongError, match=rf"prompt 0 has {n_long} tokens, longer than the model's context of 128"
+    ):
         kvc.generate(model, tok, long, method=kvc.SnapKV(budget=64, window=8))
     with pytest.raises(kvc.PromptTooLongError, match=rf"max_new_tokens=64 .* lower max_new_tokens to {128 - n_medium}"):
         kvc.generate(model, tok, medium, max_new_tokens=64)
@@ -57,8 +60,9 @@ def test_shadowkv_refuses_a_model_without_rotary_attention():
     config = GPT2Config(n_layer=1, n_head=2, n_embd=32, vocab_size=64, n_positions=64)
     model = AutoModelForCausalLM.from_config(config)
     with pytest.raises(
-            kvc.UnsupportedModelError, match=
-            r"ShadowKV needs rotary position embeddings it can invert, and GPT2LMHeadModel: it has no single rotary"):
+        kvc.UnsupportedModelError,
+        match=r"ShadowKV needs rotary position embeddings it can invert, and GPT2LMHeadModel: it has no single rotary",
+    ):
         kvc.ShadowKV().make_cache(model)
 
 
@@ -86,16 +90,22 @@ def test_bad_prompt_type():
     "argv, expected",
     [
         (["generate", "--method", "magic", "--prompt", "x"], "--method magic is unknown"),
-        (["generate", "--method", "snapkv", "--budget", "8", "--prompt", "x"
-          ], "--budget 8 must be greater than --window 32"),
+        (
+            ["generate", "--method", "snapkv", "--budget", "8", "--prompt", "x"],
+            "--budget 8 must be greater than --window 32",
+        ),
         (["generate", "--method", "snapkv", "--kernel", "6", "--prompt", "x"], "--kernel 6 is invalid"),
-        (["generate", "--method", "streamingllm", "--window", "8", "--prompt", "x"],
-         "method 'streamingllm' does not take --window; it takes: --budget, --ratio, --heads, --head-floor, --layers, "
-         "--layer-floor, --pyramid-beta, --decode-budget, --every, --decode-window, --kv-bytes, --sinks"
-         ),
+        (
+            ["generate", "--method", "streamingllm", "--window", "8", "--prompt", "x"],
+            "method 'streamingllm' does not take --window; it takes: --budget, --ratio, --heads, --head-floor, "
+            "--layers, "
+            "--layer-floor, --pyramid-beta, --decode-budget, --every, --decode-window, --kv-bytes, --sinks",
+        ),
         (["generate", "--method", "snapkv"], "give exactly one of --prompt TEXT or --prompt-file FILE"),
-        (["generate", "--method", "shadowkv", "--budget", "4", "--prompt", "x"],
-         "--budget 4 is smaller than one chunk (--chunk 8)"),
+        (
+            ["generate", "--method", "shadowkv", "--budget", "4", "--prompt", "x"],
+            "--budget 4 is smaller than one chunk (--chunk 8)",
+        ),
         (["generate", "--method", "snapkv", "--rank", "8", "--prompt", "x"], "does not take --rank"),
     ],
 )
@@ -108,15 +118,21 @@ def test_cli_reports_errors_without_traceback(argv, expected, capsys):
 @pytest.mark.parametrize(
     "make, expected",
     [
-        (lambda: kvc.SnapKV(ratio=0.5, budget=100),
-         r"SnapKV: give budget or ratio, not both \(got budget=100, ratio=0.5\)"),
+        (
+            lambda: kvc.SnapKV(ratio=0.5, budget=100),
+            r"SnapKV: give budget or ratio, not both \(got budget=100, ratio=0.5\)",
+        ),
         (lambda: kvc.ShadowKV(ratio=0.5, budget=8), r"ShadowKV: give budget or ratio, not both"),
         (lambda: kvc.SnapKV(ratio=0.5, budget=-100), r"SnapKV: budget=-100 is invalid; it must be an integer >= 1"),
-        (lambda: kvc.H2O(evict_during_decoding="no"),
-         r"H2O: evict_during_decoding='no' is invalid; it must be True or False"),
+        (
+            lambda: kvc.H2O(evict_during_decoding="no"),
+            r"H2O: evict_during_decoding='no' is invalid; it must be True or False",
+        ),
         (lambda: kvc.Quest(offload="yes"), r"Quest: offload='yes' is invalid; it must be True or False"),
-        (lambda: kvc.H2O(budget="8"),
-         r"H2O: budget='8' is invalid; it must be an integer >= 1 \(or None for the default\)"),
+        (
+            lambda: kvc.H2O(budget="8"),
+            r"H2O: budget='8' is invalid; it must be an integer >= 1 \(or None for the default\)",
+        ),
         (lambda: kvc.SnapKV(window=None), r"SnapKV: window=None is invalid; give an integer >= 1"),
         (lambda: kvc.SnapKV(kernel=3.0), r"SnapKV: kernel=3.0 is invalid; it must be an integer >= 1"),
         (lambda: kvc.SnapKV(ratio=float("nan")), r"SnapKV: ratio=nan is invalid"),
@@ -135,8 +151,9 @@ def test_budget_none_means_the_default():
 def test_loki_calibration_of_the_wrong_shape(tmp_path):
     path = tmp_path / "components.pt"
     torch.save(torch.eye(16).expand(3, 2, 16, 16).clone(), path)
-    with pytest.raises(kvc.InvalidParameterError,
-                       match=r"holds \(3, 2, 16, 16\); expected a tensor of shape \[2, 2, 16, 16\]"):
+    with pytest.raises(
+        kvc.InvalidParameterError, match=r"holds \(3, 2, 16, 16\); expected a tensor of shape \[2, 2, 16, 16\]"
+    ):
         kvc.Loki(calibration=str(path)).make_cache(tiny_model())
 
 
@@ -154,20 +171,21 @@ def test_a_cache_refuses_a_second_prompt():
     cache = kvc.SnapKV(budget=40, window=8).make_cache(model, char_tokenizer())
     model.generate(**tok(random_text(100), return_tensors="pt"), **{CACHE: cache}, max_new_tokens=3)
     # transformers 5.17 passes the new prompt's mask (caught by its size), 5.23 does not (caught by the positions)
-    with pytest.raises(kvc.CacheMisuseError,
-                       match=r"this cache already holds 103 tokens.*a new prompt needs a new cache"):
+    with pytest.raises(
+        kvc.CacheMisuseError, match=r"this cache already holds 103 tokens.*a new prompt needs a new cache"
+    ):
         model.generate(**tok(random_text(60), return_tensors="pt"), **{CACHE: cache}, max_new_tokens=3)
     with pytest.raises(
-            kvc.CacheMisuseError, match=
-            r"this cache already holds 103 tokens, and generate\(\) feeds only tokens beyond them: a new prompt needs "
-            r"a new cache"
+        kvc.CacheMisuseError,
+        match=r"this cache already holds 103 tokens, and generate\(\) feeds only tokens beyond them: a new prompt "
+        r"needs a new cache",
     ):
         model.generate(**tok("ab", return_tensors="pt"), **{CACHE: cache}, max_new_tokens=3)
     other = tok(random_text(60), return_tensors="pt")
     with pytest.raises(
-            kvc.CacheMisuseError, match=
-            r"the attention mask must cover them plus the 61 new ones \(164 columns\) but it has 61.*a new prompt "
-            r"needs a new cache"
+        kvc.CacheMisuseError,
+        match=r"the attention mask must cover them plus the 61 new ones \(164 columns\) but it has 61.*a new prompt "
+        r"needs a new cache",
     ):
         with torch.no_grad():
             model(**other, **{CACHE: cache})
@@ -179,9 +197,9 @@ def test_a_cache_refuses_another_model(made_for, used_with):
     model = tiny_model(num_hidden_layers=used_with)
     kvc.FullKV().make_cache(model)  # the model is set up for kvcompress, but this cache is not its own
     with pytest.raises(
-            kvc.CacheMisuseError, match=
-            rf"this cache was made for another model instance \({made_for} layers; this LlamaForCausalLM has "
-            rf"{used_with}\)"
+        kvc.CacheMisuseError,
+        match=rf"this cache was made for another model instance \({made_for} layers; this LlamaForCausalLM has "
+        rf"{used_with}\)",
     ):
         with torch.no_grad():
             model(torch.randint(3, 128, (1, 20)), **{CACHE: cache})
@@ -205,8 +223,10 @@ def test_a_cache_refuses_a_model_made_after_its_own_was_freed():
 def test_generate_takes_a_method_or_its_name():
     model, tok = tiny_model(), char_tokenizer()
     by_name = kvc.generate(model, tok, random_text(100), method="streamingllm", max_new_tokens=4)
-    assert by_name.token_ids == kvc.generate(model, tok, random_text(100), method=kvc.StreamingLLM(),
-                                             max_new_tokens=4).token_ids
+    assert (
+        by_name.token_ids
+        == kvc.generate(model, tok, random_text(100), method=kvc.StreamingLLM(), max_new_tokens=4).token_ids
+    )
     with pytest.raises(kvc.InvalidParameterError, match=r"method=42 is invalid; give a kvcompress method"):
         kvc.generate(model, tok, "hello", method=42)
     with pytest.raises(kvc.InvalidParameterError, match=r"max_new_tokens=True is invalid"):
@@ -235,5 +255,6 @@ def test_ctrl_c_in_a_long_command_says_where_results_are(tmp_path, monkeypatch, 
     monkeypatch.setattr("kvcompress.cli.library.load_model", lambda *a, **k: (tiny_model(), char_tokenizer()))
     assert main(["bench", "accuracy", "--out", str(tmp_path / "acc")]) == 130
     err = capsys.readouterr().err
-    assert err == (f"kvcompress: interrupted; results so far are in {tmp_path / 'acc'} and rerunning the same command "
-                   "resumes\n")
+    assert err == (
+        f"kvcompress: interrupted; results so far are in {tmp_path / 'acc'} and rerunning the same command resumes\n"
+    )

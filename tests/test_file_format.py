@@ -19,8 +19,11 @@ from .fixtures import char_tokenizer
 
 DATA = Path(__file__).parent / "data"
 DOC = Path(__file__).parents[1] / "docs" / "file-format.md"
-FIXTURES = [(path.name.split("-")[0], name, case) for path in sorted(DATA.glob("v*-answers.json"))
-            for name, case in json.loads(path.read_text()).items()]
+FIXTURES = [
+    (path.name.split("-")[0], name, case)
+    for path in sorted(DATA.glob("v*-answers.json"))
+    for name, case in json.loads(path.read_text()).items()
+]
 
 
 @pytest.mark.parametrize(("version", "name", "case"), FIXTURES, ids=[f"{v}-{n}" for v, n, _ in FIXTURES])
@@ -28,8 +31,10 @@ def test_every_fixture_loads_with_its_recorded_answer_or_is_refused_by_version(v
     path, tok = DATA / f"{version}-{name}.kvc", char_tokenizer()
     model = fixture_model(case["family"])
     if int(version[1:]) not in READS:
-        with pytest.raises(kvc.CacheFileError,
-                           match=rf"is in kvcompress cache format version {version[1:]} .* reads versions 2, 3 and 4"):
+        with pytest.raises(
+            kvc.CacheFileError,
+            match=rf"is in kvcompress cache format version {version[1:]} .* reads versions 2, 3 and 4",
+        ):
             kvc.load(path, model, tok)
         return
     if int(version[1:]) < 3:  # no checksum: loaded unchecked, and said
@@ -47,8 +52,14 @@ def test_this_version_has_a_fixture_of_every_storage_kind():
     assert written == set(CASES)
     classes = {layer["class"] for name in written for layer in header(DATA / f"v{VERSION}-{name}.kvc")["layers"]}
     assert classes >= {
-        "WindowLayer", "EvictionLayer", "H2OLayer", "HeadAdaptiveLayer", "ShadowKVLayer", "QuestLayer", "LokiLayer",
-        "BoundedLayer"
+        "WindowLayer",
+        "EvictionLayer",
+        "H2OLayer",
+        "HeadAdaptiveLayer",
+        "ShadowKVLayer",
+        "QuestLayer",
+        "LokiLayer",
+        "BoundedLayer",
     }
 
 
@@ -74,8 +85,8 @@ def test_a_files_layer_entries_are_the_documented_ones(name, tmp_path):
     documented = documented_entries()
     model = fixture_model(CASES[name][0])
     kinds = {  # each kind of layer the file names, and every kind above it (the layer's classes, its policy's names)
-        made.kind: {cls.__name__ for cls in type(made).__mro__} | {
-            vars(cls)["SAVED_AS"] for cls in type(made.policy).__mro__ if vars(cls).get("SAVED_AS")}
+        made.kind: {cls.__name__ for cls in type(made).__mro__}
+        | {vars(cls)["SAVED_AS"] for cls in type(made.policy).__mro__ if vars(cls).get("SAVED_AS")}
         for made in kvc.method_from_spec(CASES[name][1]).make_cache(model, char_tokenizer()).layers
     }
     for index, layer in enumerate(saved["layers"]):

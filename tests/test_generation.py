@@ -54,8 +54,9 @@ def test_batched_model_generate_with_left_padding(tok):
     prompts = [random_text(60, seed=5), random_text(160, seed=6)]
     tok.padding_side = "left"
     inputs = tok(prompts, return_tensors="pt", padding=True)
-    out = model.generate(**inputs, **{CACHE: method.make_cache(model, tok)}, max_new_tokens=8, do_sample=False,
-                         eos_token_id=None)
+    out = model.generate(
+        **inputs, **{CACHE: method.make_cache(model, tok)}, max_new_tokens=8, do_sample=False, eos_token_id=None
+    )
     ours = kvc.generate(model, tok, prompts, method=method, max_new_tokens=8)
     for row in range(2):
         generated = out[row, inputs["input_ids"].shape[1] :].tolist()
@@ -112,8 +113,10 @@ def test_a_sliding_layer_tells_the_prompt_positions_its_window_holds(tok):
     prompts, questions = [random_text(200, seed=3), random_text(120, seed=5)], ["What is it?", "Why?"]
     alone = [kvc.generate(model, tok, p, method=method, max_new_tokens=4) for p in prompts]
     over = [kvc.generate(model, tok, q, past=store, method=method, max_new_tokens=4) for q in questions]
-    batches = [kvc.generate(model, tok, prompts, method=method, max_new_tokens=4),
-               kvc.generate(model, tok, questions, past=store, method=method, max_new_tokens=4)]
+    batches = [
+        kvc.generate(model, tok, prompts, method=method, max_new_tokens=4),
+        kvc.generate(model, tok, questions, past=store, method=method, max_new_tokens=4),
+    ]
     sliding = [i for i, layer in enumerate(alone[0].cache.layers) if layer.is_sliding]
     assert sliding
     for result in alone + over:
@@ -155,8 +158,15 @@ def test_follow_up_equals_full_conversation_with_full_cache(tok):
 def test_stats_report_the_required_fields(tok):
     model = tiny_model()
     result = kvc.generate(model, tok, random_text(150), method=kvc.SnapKV(budget=64, window=8), max_new_tokens=5)
-    for field in ("prompt_tokens", "new_tokens", "kv_tokens_per_layer", "kv_bytes_full", "kv_bytes_kept", "prefill_s",
-                  "decode_ms_per_token"):
+    for field in (
+        "prompt_tokens",
+        "new_tokens",
+        "kv_tokens_per_layer",
+        "kv_bytes_full",
+        "kv_bytes_kept",
+        "prefill_s",
+        "decode_ms_per_token",
+    ):
         assert field in result.stats
     assert result.stats["prompt_tokens"] == 151
     assert result.stats["kv_bytes_kept"] < result.stats["kv_bytes_full"]
@@ -173,8 +183,9 @@ def test_model_behaves_as_sdpa_for_other_caches():
     torch.testing.assert_close(after, before, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("options", [{"num_beams": 2}, {"do_sample": True, "num_return_sequences": 2}],
-                         ids=["beams", "samples"])
+@pytest.mark.parametrize(
+    "options", [{"num_beams": 2}, {"do_sample": True, "num_return_sequences": 2}], ids=["beams", "samples"]
+)
 def test_model_generate_search_modes_keep_the_budget(options, tok):
     model = tiny_model()
     inputs = tok([random_text(150)], return_tensors="pt")
@@ -235,8 +246,10 @@ def test_forced_logprobs_follow_generate_over_a_stored_context_and_a_conversatio
     forced = kvc.forced_logprobs(model, tok, first.token_ids[0], prompt="a question", past=store, method=method)
     assert forced.shape == (len(first.token_ids[0]), 128) and forced.argmax(-1).tolist() == first.token_ids[0]
     later = kvc.generate(model, tok, "and then", past=first.copy(), max_new_tokens=5)  # (a turn appends to its past)
-    assert kvc.forced_logprobs(model, tok, later.token_ids[0], prompt="and then", past=first.copy()).argmax(
-        -1).tolist() == later.token_ids[0]
+    assert (
+        kvc.forced_logprobs(model, tok, later.token_ids[0], prompt="and then", past=first.copy()).argmax(-1).tolist()
+        == later.token_ids[0]
+    )
     with pytest.raises(kvc.InvalidParameterError, match="forced_logprobs takes one prompt, not a batch"):
         kvc.forced_logprobs(model, tok, [3, 4], prompt=["one", "two"])
 
@@ -254,12 +267,14 @@ def test_decoding_appends_into_spare_slots_and_counts_them():
     steps = torch.randint(3, 128, (1, 60), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         expected = [
-            model(torch.randint(3, 128, (1, 300), generator=torch.Generator().manual_seed(2)),
-                  **{CACHE: full}).logits[:, -1]
+            model(torch.randint(3, 128, (1, 300), generator=torch.Generator().manual_seed(2)), **{CACHE: full}).logits[
+                :, -1
+            ]
         ]
         got = [
-            model(torch.randint(3, 128, (1, 300), generator=torch.Generator().manual_seed(2)),
-                  **{CACHE: ours}).logits[:, -1]
+            model(torch.randint(3, 128, (1, 300), generator=torch.Generator().manual_seed(2)), **{CACHE: ours}).logits[
+                :, -1
+            ]
         ]
         layer, copies, storage = ours.layers[0], 0, None
         for t in range(steps.shape[1]):
@@ -272,8 +287,12 @@ def test_decoding_appends_into_spare_slots_and_counts_them():
     # the first step moves the prompt into 301 + 18 slots; it grows at 320 (+20) and 341 (+21) slots:
     # three copies in 60 steps, not 60
     assert copies == 3 and layer.keys.shape[-2] == 341 + 21
-    held = sum(t.numel() * t.element_size() for lyr in ours.layers
-               for t in (lyr.keys, lyr.values, lyr.slots.valid, lyr.slots.positions, lyr.slots.cursor) if t is not None)
+    held = sum(
+        t.numel() * t.element_size()
+        for lyr in ours.layers
+        for t in (lyr.keys, lyr.values, lyr.slots.valid, lyr.slots.positions, lyr.slots.cursor)
+        if t is not None
+    )
     stats = ours.stats()
     assert stats["device_bytes"] == held  # spare slots count as memory
     # but not as kept tokens

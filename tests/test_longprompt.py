@@ -14,8 +14,13 @@ from kvcompress.integrations.transformers.longprompt import SequenceChunked, chu
 from .fixtures import CACHE, char_tokenizer, family_model, random_text, tiny_model
 
 METHODS = [
-    kvc.FullKV(), kvc.SnapKV(budget=64), kvc.H2O(budget=64), kvc.StreamingLLM(budget=48), kvc.ShadowKV(budget=32),
-    kvc.Quest(budget=64), kvc.Loki(budget=64)
+    kvc.FullKV(),
+    kvc.SnapKV(budget=64),
+    kvc.H2O(budget=64),
+    kvc.StreamingLLM(budget=48),
+    kvc.ShadowKV(budget=32),
+    kvc.Quest(budget=64),
+    kvc.Loki(budget=64),
 ]
 
 
@@ -56,8 +61,9 @@ def test_chunked_mlp_keeps_outputs_names_and_attributes():
     assert isinstance(mlp, SequenceChunked) and mlp.gate_proj is mlp.inner.gate_proj
     assert set(model.state_dict()) == names
     model.load_state_dict(tiny_model(seed=1).state_dict())
-    assert torch.equal(model.model.layers[0].mlp.gate_proj.weight,
-                       tiny_model(seed=1).model.layers[0].mlp.gate_proj.weight)
+    assert torch.equal(
+        model.model.layers[0].mlp.gate_proj.weight, tiny_model(seed=1).model.layers[0].mlp.gate_proj.weight
+    )
 
 
 @pytest.mark.parametrize("method", METHODS, ids=lambda m: m.name)
@@ -115,8 +121,10 @@ def blocked_and_plain(model, method, prompts, monkeypatch, **kwargs):
 
 
 @pytest.mark.parametrize(
-    "method", METHODS + [kvc.H2O(budget=64, evict_during_decoding=True),
-                         kvc.SnapKV(budget=64, heads="adaptive")], ids=lambda m: m.label())
+    "method",
+    METHODS + [kvc.H2O(budget=64, evict_during_decoding=True), kvc.SnapKV(budget=64, heads="adaptive")],
+    ids=lambda m: m.label(),
+)
 def test_a_prompt_in_blocks_gives_the_same_outputs(method, small_blocks, monkeypatch):
     model = tiny_model()
     blocked, plain = blocked_and_plain(model, method, [random_text(n, seed=n) for n in (40, 300, 170)], monkeypatch)
@@ -129,8 +137,9 @@ def test_a_prompt_in_blocks_gives_the_same_outputs(method, small_blocks, monkeyp
 @pytest.mark.parametrize("family", ["gemma2", "gemma3", "mistral-sliding", "gpt2-no-rope"])
 def test_a_prompt_in_blocks_on_windows_soft_capping_and_other_signatures(family, small_blocks, monkeypatch):
     model = family_model(family)
-    blocked, plain = blocked_and_plain(model, kvc.SnapKV(budget=40, window=8),
-                                       [random_text(n, seed=n) for n in (60, 230)], monkeypatch)
+    blocked, plain = blocked_and_plain(
+        model, kvc.SnapKV(budget=40, window=8), [random_text(n, seed=n) for n in (60, 230)], monkeypatch
+    )
     assert blocked.token_ids == plain.token_ids
 
 
@@ -140,8 +149,10 @@ def test_a_prompt_in_blocks_writes_each_layer_over_its_input(small_blocks, monke
     large next to its keys and values, as in real models (hidden 256; 1 KV head of 32)."""
     from .test_prefill_groups import LiveBytes
 
-    model, tok = tiny_model(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=1,
-                            head_dim=32), char_tokenizer()
+    model, tok = (
+        tiny_model(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=1, head_dim=32),
+        char_tokenizer(),
+    )
 
     def per_token(block: int) -> float:
         monkeypatch.setattr(longprompt, "PREFILL_BLOCK", block)
@@ -150,8 +161,11 @@ def test_a_prompt_in_blocks_writes_each_layer_over_its_input(small_blocks, monke
         for n in (400, 800):
             cache = kvc.SnapKV(budget=64, window=8).make_cache(model, tok)
             with torch.inference_mode(), LiveBytes() as live:
-                model(torch.randint(3, 128, (1, n), generator=torch.Generator().manual_seed(n)), **{CACHE: cache},
-                      logits_to_keep=1)
+                model(
+                    torch.randint(3, 128, (1, n), generator=torch.Generator().manual_seed(n)),
+                    **{CACHE: cache},
+                    logits_to_keep=1,
+                )
             peaks[n] = live.peak()
         return (peaks[800] - peaks[400]) / 400 / (model.config.hidden_size * 4)
 
@@ -162,21 +176,25 @@ def test_a_prompt_in_blocks_writes_each_layer_over_its_input(small_blocks, monke
     monkeypatch.setattr(longprompt, "PREFILL_BLOCK", 64)
     kvc.FullKV().make_cache(model)
     with torch.inference_mode():  # observed by a hook: not in blocks
-        model(torch.randint(3, 128, (1, 300)), **{CACHE: kvc.SnapKV(budget=64).make_cache(model, tok)},
-              logits_to_keep=1)
+        model(
+            torch.randint(3, 128, (1, 300)), **{CACHE: kvc.SnapKV(budget=64).make_cache(model, tok)}, logits_to_keep=1
+        )
     handle.remove()
     assert calls == [300]
 
 
 def test_given_embeddings_are_not_overwritten(small_blocks):
     model, tok = tiny_model(), char_tokenizer()
-    embeds = model.model.embed_tokens(torch.randint(3, 128, (1, 300),
-                                                    generator=torch.Generator().manual_seed(1))).detach()
+    embeds = model.model.embed_tokens(
+        torch.randint(3, 128, (1, 300), generator=torch.Generator().manual_seed(1))
+    ).detach()
     kept = embeds.clone()
     with torch.inference_mode():
-        out = model(inputs_embeds=embeds, **{CACHE: kvc.SnapKV(budget=64,
-                                                                     clustering="pool").make_cache(model, tok)},
-                    logits_to_keep=1).logits
+        out = model(
+            inputs_embeds=embeds,
+            **{CACHE: kvc.SnapKV(budget=64, clustering="pool").make_cache(model, tok)},
+            logits_to_keep=1,
+        ).logits
         plain = model(inputs_embeds=embeds, logits_to_keep=1).logits
     assert torch.equal(embeds, kept)
     torch.testing.assert_close(out, plain, rtol=1e-4, atol=1e-4)

@@ -55,21 +55,31 @@ SMALL = {  # budgets that compress a 120-token prompt
 SPARSE = ("shadowkv", "quest", "loki")  # drop nothing: each step attends fewer tokens instead
 LOGPROB_TOLERANCE = 1e-4
 # they invert RoPE
-ROTARY_METHODS = (("shadowkv", "ShadowKV"), ("expected", "ExpectedAttention"), ("expected-pyramid",
-                                                                                "ExpectedAttention"))
+ROTARY_METHODS = (
+    ("shadowkv", "ShadowKV"),
+    ("expected", "ExpectedAttention"),
+    ("expected-pyramid", "ExpectedAttention"),
+)
 NOT_INVERTIBLE = {
     "gpt2-no-rope": "GPT2LMHeadModel: it has no single rotary",
     "glm4": "Glm4ForCausalLM: its rotary embedding is not the rotate-half",
-    "cohere": "CohereForCausalLM: its rotary embedding is not the rotate-half"
+    "cohere": "CohereForCausalLM: its rotary embedding is not the rotate-half",
 }
 REFUSED = {
-    **{(family, method): f"{name} needs rotary position embeddings it can invert, and {reason}"
-       for family, reason in NOT_INVERTIBLE.items()
-       for method, name in ROTARY_METHODS},
-    **{("gpt-oss", method): "GptOssForCausalLM uses learned attention sinks.*cannot carry"
-       for method in ("h2o-evicting", "quest", "loki", "kvzip", "snapkv-adaptive", "h2o-adaptive", "kvzip-adaptive")},
-    **{("gpt-oss", method): f"{name} needs rotary position embeddings it can invert, and GptOssForCausalLM: its "
-                            "rotary embedding is not the rotate-half" for method, name in ROTARY_METHODS},
+    **{
+        (family, method): f"{name} needs rotary position embeddings it can invert, and {reason}"
+        for family, reason in NOT_INVERTIBLE.items()
+        for method, name in ROTARY_METHODS
+    },
+    **{
+        ("gpt-oss", method): "GptOssForCausalLM uses learned attention sinks.*cannot carry"
+        for method in ("h2o-evicting", "quest", "loki", "kvzip", "snapkv-adaptive", "h2o-adaptive", "kvzip-adaptive")
+    },
+    **{
+        ("gpt-oss", method): f"{name} needs rotary position embeddings it can invert, and GptOssForCausalLM: its "
+        "rotary embedding is not the rotate-half"
+        for method, name in ROTARY_METHODS
+    },
 }
 PROMPT = random_text(119, seed=1)  # 120 tokens with BOS: longer than the 16-token sliding windows
 
@@ -78,15 +88,17 @@ PROMPT = random_text(119, seed=1)  # 120 tokens with BOS: longer than the 16-tok
 def test_full_cache_equals_plain_generate(family):
     model, tok = family_model(family), char_tokenizer()
     inputs = tok(PROMPT, return_tensors="pt")
-    plain = model.generate(**inputs, max_new_tokens=10, do_sample=False,
-                           eos_token_id=None)[0, inputs["input_ids"].shape[1]:].tolist()
+    plain = model.generate(**inputs, max_new_tokens=10, do_sample=False, eos_token_id=None)[
+        0, inputs["input_ids"].shape[1] :
+    ].tolist()
     first = kvc.generate(model, tok, PROMPT, method=kvc.FullKV(), max_new_tokens=10)
     assert first.token_ids[0] == plain
     # A follow-up feeds many tokens at once over the cache (sliding windows must hold per query).
     follow_up = " and then some more words"
     second = kvc.generate(model, tok, follow_up, past=first, max_new_tokens=8)
     ids = torch.tensor(
-        [inputs["input_ids"][0].tolist() + first.token_ids[0] + tok(follow_up, add_special_tokens=False)["input_ids"]])
+        [inputs["input_ids"][0].tolist() + first.token_ids[0] + tok(follow_up, add_special_tokens=False)["input_ids"]]
+    )
     # soft-capping, learned sinks: eager
     model.set_attn_implementation("eager" if family in ("gemma2", "gpt-oss") else "sdpa")
     again = model.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None)[0, ids.shape[1] :].tolist()
@@ -138,8 +150,11 @@ def full_reference(family: str) -> tuple[kvc.Result, kvc.Prefill]:
         model, tok = shared_model(family), char_tokenizer()
         full = kvc.generate(model, tok, PROMPT, method=kvc.FullKV(), max_new_tokens=8)
         record = kvc.prefill(model, tok, PROMPT, query_window=None)
-        _REFERENCES[family] = (full, record, kvc.teacher_forced_logprobs(model, record, kvc.FullKV(),
-                                                                         full.token_ids[0]))
+        _REFERENCES[family] = (
+            full,
+            record,
+            kvc.teacher_forced_logprobs(model, record, kvc.FullKV(), full.token_ids[0]),
+        )
     return _REFERENCES[family][:2]
 
 
@@ -148,24 +163,31 @@ def full_logprobs(family: str) -> torch.Tensor:
     return _REFERENCES[family][2]
 
 
-@pytest.mark.parametrize("method", [kvc.FullKV(), *(m for m in COVERING.values() if m.observation() is None)],
-                         ids=lambda m: m.label())
-@pytest.mark.parametrize("options", [{"num_beams": 3}, {"num_beams": 3, "num_return_sequences": 2}],
-                         ids=["beams", "beams-2-returned"])
+@pytest.mark.parametrize(
+    "method", [kvc.FullKV(), *(m for m in COVERING.values() if m.observation() is None)], ids=lambda m: m.label()
+)
+@pytest.mark.parametrize(
+    "options", [{"num_beams": 3}, {"num_beams": 3, "num_return_sequences": 2}], ids=["beams", "beams-2-returned"]
+)
 def test_beam_search_through_model_generate(method, options):
     """Beam search reorders every tensor a layer keeps: with budgets that cover the prompt each
     method must give the plain model's beams; with small ones it must at least run to the end."""
     model, tok = tiny_model(), char_tokenizer()
     inputs = tok([random_text(150, seed=2)], return_tensors="pt")
     plain = model.generate(**inputs, max_new_tokens=8, eos_token_id=None, **options)
-    ours = model.generate(**inputs, **{CACHE: method.make_cache(model, tok)}, max_new_tokens=8, eos_token_id=None,
-                          **options)
+    ours = model.generate(
+        **inputs, **{CACHE: method.make_cache(model, tok)}, max_new_tokens=8, eos_token_id=None, **options
+    )
     assert ours.tolist() == plain.tolist()
-    small = SMALL.get(method.label().split()[0].replace(
-        "h2o", "h2o-evicting" if getattr(method, "evict_during_decoding", False) else "h2o"))
+    small = SMALL.get(
+        method.label()
+        .split()[0]
+        .replace("h2o", "h2o-evicting" if getattr(method, "evict_during_decoding", False) else "h2o")
+    )
     if small is not None:
-        out = model.generate(**inputs, **{CACHE: small.make_cache(model, tok)}, max_new_tokens=8,
-                             eos_token_id=None, **options)
+        out = model.generate(
+            **inputs, **{CACHE: small.make_cache(model, tok)}, max_new_tokens=8, eos_token_id=None, **options
+        )
         assert out.shape == plain.shape
 
 
@@ -185,8 +207,11 @@ def test_the_usage_support_table_is_the_matrix():
     assert set(table) == set(FAMILIES) and all(list(row) == ["full", *COVERING] for row in table.values())
     for family, row in table.items():
         for method, outcome in row.items():
-            assert outcome.startswith("no: ") == ((family, method) in REFUSED) and outcome != "FAILS", (family, method,
-                                                                                                        outcome)
+            assert outcome.startswith("no: ") == ((family, method) in REFUSED) and outcome != "FAILS", (
+                family,
+                method,
+                outcome,
+            )
 
 
 def test_a_learned_sink_is_one_more_logit_in_each_softmax():
@@ -194,14 +219,19 @@ def test_a_learned_sink_is_one_more_logit_in_each_softmax():
     from kvcompress.storage.attention import spelled_out_with_lse, with_sinks
 
     torch.manual_seed(0)
-    query, keys, values, sinks = torch.randn(2, 4, 3, 16), torch.randn(2, 2, 7, 16), torch.randn(2, 2, 7,
-                                                                                                 16), torch.randn(4)
+    query, keys, values, sinks = (
+        torch.randn(2, 4, 3, 16),
+        torch.randn(2, 2, 7, 16),
+        torch.randn(2, 2, 7, 16),
+        torch.randn(4),
+    )
     mask = torch.rand(2, 1, 3, 7) > 0.3
     mask[..., 0] = True
     logits = query @ keys.repeat_interleave(2, dim=1).transpose(-1, -2) * 0.25
     logits = logits.masked_fill(~mask, -torch.inf)
-    reference = torch.cat([logits, sinks[None, :, None, None].expand(2, 4, 3, 1)],
-                          dim=-1).softmax(-1)[..., :-1] @ values.repeat_interleave(2, dim=1)
+    reference = torch.cat([logits, sinks[None, :, None, None].expand(2, 4, 3, 1)], dim=-1).softmax(-1)[
+        ..., :-1
+    ] @ values.repeat_interleave(2, dim=1)
     ours = with_sinks(*spelled_out_with_lse(query, keys, values, mask, 0.25), sinks)
     torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-6)
 

@@ -85,8 +85,20 @@ def test_observe_on_the_command_line(tmp_path):
     out = tmp_path / "obs"
 
     def run(*args: str) -> subprocess.CompletedProcess:
-        command = [sys.executable, "-m", "kvcompress", "observe", "--model", str(folder), "--quick", "--tokens", "120",
-                   "--out", str(out), *args]
+        command = [
+            sys.executable,
+            "-m",
+            "kvcompress",
+            "observe",
+            "--model",
+            str(folder),
+            "--quick",
+            "--tokens",
+            "120",
+            "--out",
+            str(out),
+            *args,
+        ]
         return subprocess.run(command, capture_output=True, text=True, env=env)
 
     done = run()

@@ -22,8 +22,9 @@ CUDA = torch.cuda.is_available()
 needs_gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 
 
-def reference_gather(store: torch.Tensor, chunks: torch.Tensor, previous_chunks: torch.Tensor | None,
-                     previous: torch.Tensor | None) -> torch.Tensor:
+def reference_gather(
+    store: torch.Tensor, chunks: torch.Tensor, previous_chunks: torch.Tensor | None, previous: torch.Tensor | None
+) -> torch.Tensor:
     """Loop by loop: each chosen chunk from the previous buffer if it was chosen last step, else from the store."""
     batch, heads, k = chunks.shape
     c, d = store.shape[-2:]
@@ -32,8 +33,11 @@ def reference_gather(store: torch.Tensor, chunks: torch.Tensor, previous_chunks:
         for h in range(heads):
             for j, chunk in enumerate(chunks[b, h].tolist()):
                 before = [] if previous_chunks is None else previous_chunks[b, h].tolist()
-                source = previous[b, h, before.index(chunk) * c:
-                                  (before.index(chunk) + 1) * c] if chunk in before else store[b, h, chunk]
+                source = (
+                    previous[b, h, before.index(chunk) * c : (before.index(chunk) + 1) * c]
+                    if chunk in before
+                    else store[b, h, chunk]
+                )
                 out[b, h, j * c : (j + 1) * c] = source
     return out
 
@@ -54,8 +58,9 @@ def test_gather_with_reuse_matches_a_loop_reference():
     hit, slot = match_previous(second, first)
     assert hit.any() and not hit.all()
     stale = previous + 100  # hits must come from the buffer, not from the store
-    assert torch.equal(reuse_previous(fetch_chunks(store, second), hit, slot, stale),
-                       reference_gather(store, second, first, stale))
+    assert torch.equal(
+        reuse_previous(fetch_chunks(store, second), hit, slot, stale), reference_gather(store, second, first, stale)
+    )
 
 
 def test_cpu_store_fetches_and_overlaps_in_order():
@@ -66,8 +71,10 @@ def test_cpu_store_fetches_and_overlaps_in_order():
     assert other == "keys" and torch.equal(values, reference_gather(store, first, None, None))
     hits = torch.zeros((), dtype=torch.long)
     again, _ = chunks.fetch(second, first, values + 100, hits, overlap=lambda: None)
-    assert torch.equal(again, reference_gather(
-        store, second, first, values + 100)) and int(hits) == int(match_previous(second, first)[0].sum()) > 0
+    assert (
+        torch.equal(again, reference_gather(store, second, first, values + 100))
+        and int(hits) == int(match_previous(second, first)[0].sum()) > 0
+    )
 
 
 TRITON_CHECK = textwrap.dedent(

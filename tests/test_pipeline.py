@@ -23,16 +23,28 @@ from .fixtures import CACHE, char_tokenizer, random_text, tiny_model
 def undeclared(layer: KVLayer) -> list[str]:
     """Tensor attributes of ``layer`` and its policy their classes do not declare (none may be: a test asks every
     method's layers)."""
-    return sorted(name for holder in (layer, layer.policy) for name, value in vars(holder).items()
-                  if isinstance(value, torch.Tensor) and name not in held.declared(type(holder)))
+    return sorted(
+        name
+        for holder in (layer, layer.policy)
+        for name, value in vars(holder).items()
+        if isinstance(value, torch.Tensor) and name not in held.declared(type(holder))
+    )
 
 
 SPECS = [
-    "full", "snapkv:budget=24:window=4", "snapkv:budget=24:window=4:heads=adaptive",
-    "snapkv:budget=24:window=4:layers=pyramid", "streamingllm:budget=24", "h2o:budget=24",
-    "h2o:budget=24:evict_during_decoding=True", "expected:budget=24", "kvzip:budget=24",
-    "shadowkv:budget=16:rank=4:outliers=1:local_chunks=1", "quest:budget=32:page_size=8",
-    "quest:budget=32:page_size=8:offload=True", "loki:budget=24:recent=8"
+    "full",
+    "snapkv:budget=24:window=4",
+    "snapkv:budget=24:window=4:heads=adaptive",
+    "snapkv:budget=24:window=4:layers=pyramid",
+    "streamingllm:budget=24",
+    "h2o:budget=24",
+    "h2o:budget=24:evict_during_decoding=True",
+    "expected:budget=24",
+    "kvzip:budget=24",
+    "shadowkv:budget=16:rank=4:outliers=1:local_chunks=1",
+    "quest:budget=32:page_size=8",
+    "quest:budget=32:page_size=8:offload=True",
+    "loki:budget=24:recent=8",
 ]
 
 
@@ -65,8 +77,11 @@ def test_every_phase_is_reached_from_an_empty_layer_and_decoding_is_the_end():
 
 
 def test_an_illegal_transition_names_both_phases():
-    with pytest.raises(PhaseError, match=r"layer 3 cannot go from decoding \(compressed; each step appends\) to prompt "
-                                         r"\(coming in, in blocks\) \(a second prompt\)"):
+    with pytest.raises(
+        PhaseError,
+        match=r"layer 3 cannot go from decoding \(compressed; each step appends\) to prompt "
+        r"\(coming in, in blocks\) \(a second prompt\)",
+    ):
         moved(3, Phase.DECODING, Phase.PROMPT, "a second prompt")
     assert issubclass(PhaseError, kvc.CacheMisuseError)
 
@@ -75,8 +90,9 @@ def test_a_used_layer_refuses_to_continue_a_stored_context_by_its_phase():
     model, tok = tiny_model(), char_tokenizer()
     context = kvc.compress(model, tok, random_text(80, seed=2))
     used = kvc.generate(model, tok, random_text(60, seed=3), max_new_tokens=2).cache
-    with pytest.raises(PhaseError,
-                       match=r"layer 0 cannot go from decoding .* to prompt .*a prompt continuing a stored"):
+    with pytest.raises(
+        PhaseError, match=r"layer 0 cannot go from decoding .* to prompt .*a prompt continuing a stored"
+    ):
         used.layers[0].continue_prompt(context.cache.layers[0], torch.tensor([0]), [0], None)
 
 
@@ -85,8 +101,9 @@ def test_every_tensor_a_methods_layer_holds_is_declared(spec):
     """After a batch of two lengths is prefilled, compressed and decoded, no layer holds a tensor its class does not
     declare (so saving, loading, batch selection, beam reordering and moving cannot forget one)."""
     model, tok = tiny_model(), char_tokenizer()
-    result = kvc.generate(model, tok, [random_text(150, seed=4), random_text(90, seed=5)],
-                          method=method_from_spec(spec), max_new_tokens=4)
+    result = kvc.generate(
+        model, tok, [random_text(150, seed=4), random_text(90, seed=5)], method=method_from_spec(spec), max_new_tokens=4
+    )
     for layer in result.cache.layers:
         assert undeclared(layer) == [], f"{type(layer).__name__} holds undeclared tensors"
         assert layer.phase is Phase.DECODING and layer.open_step is None
@@ -126,19 +143,23 @@ def test_misuse_across_model_instances_is_a_named_error_that_loses_nothing():
     passed to another model's generate or forward."""
     model, other, tok = tiny_model(), tiny_model(seed=1), char_tokenizer()
     ids = tok(random_text(100, seed=6), return_tensors="pt")
-    result = kvc.generate(model, tok, random_text(120, seed=1), method=kvc.SnapKV(budget=32, window=8),
-                          max_new_tokens=3)
+    result = kvc.generate(
+        model, tok, random_text(120, seed=1), method=kvc.SnapKV(budget=32, window=8), max_new_tokens=3
+    )
     before = _answer(model, tok, result)
     with pytest.raises(
-            kvc.CacheMisuseError, match=r"made for another model instance .*continue a conversation with the "
-            r"model that began it"):
+        kvc.CacheMisuseError,
+        match=r"made for another model instance .*continue a conversation with the "
+        r"model that began it",
+    ):
         kvc.generate(other, tok, "more", past=result, max_new_tokens=3)
     used = kvc.SnapKV(budget=32, window=8).make_cache(model, tok)
     model.generate(**ids, **{CACHE: used}, max_new_tokens=3, do_sample=False)
     fresh = kvc.SnapKV(budget=32, window=8).make_cache(model, tok)
     for cache in (used, fresh):
-        with pytest.raises(kvc.CacheMisuseError,
-                           match=r"called by a model it was not made for .*method.make_cache\(model\)"):
+        with pytest.raises(
+            kvc.CacheMisuseError, match=r"called by a model it was not made for .*method.make_cache\(model\)"
+        ):
             other.generate(**ids, **{CACHE: cache}, max_new_tokens=3, do_sample=False)
         with pytest.raises(kvc.CacheMisuseError, match=r"called by a model it was not made for"), torch.no_grad():
             other(**ids, **{CACHE: cache})

@@ -61,13 +61,15 @@ def test_groups_of_rows_give_the_batched_prefill(method):
     grouped = kvc.generate(model, tok, prompts, method=method, max_new_tokens=10, prefill_tokens=900)
     assert grouped.token_ids == batched.token_ids
     assert torch.equal(grouped.attention_mask, batched.attention_mask) and torch.equal(
-        grouped.next_position, batched.next_position)
+        grouped.next_position, batched.next_position
+    )
     if not (isinstance(method, kvc.H2O) and method.evict_during_decoding):
         for layer in range(2):
             assert torch.equal(grouped.cache.kept_positions(layer), batched.cache.kept_positions(layer))
     if isinstance(method, (kvc.FullKV, kvc.ShadowKV, kvc.Quest)) or getattr(method, "heads", "") == "adaptive":
-        follow_up = kvc.generate(model, tok, "and then?", past=grouped, max_new_tokens=6,
-                                 compile=kvc.Compile(backend="eager"))
+        follow_up = kvc.generate(
+            model, tok, "and then?", past=grouped, max_new_tokens=6, compile=kvc.Compile(backend="eager")
+        )
         assert follow_up.token_ids == kvc.generate(model, tok, "and then?", past=batched, max_new_tokens=6).token_ids
 
 

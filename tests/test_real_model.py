@@ -25,8 +25,12 @@ def smol():
 def test_embedded_model_shape(smol):
     model, _ = smol
     config = model.config
-    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim,
-            config.num_hidden_layers) == (9, 3, 64, 30)
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.num_hidden_layers) == (
+        9,
+        3,
+        64,
+        30,
+    )
 
 
 def test_snapkv_on_a_buried_fact(smol):
@@ -43,9 +47,26 @@ def test_snapkv_on_a_buried_fact(smol):
 
 def test_cli_generate_json(smol):
     out = subprocess.run(
-        [sys.executable, "-m", "kvcompress.cli", "generate", "--method", "snapkv", "--budget", "64", "--window", "16",
-         "--prompt", "Name the capital of France. " * 20, "--max-new-tokens", "8", "--json"],
-        capture_output=True, text=True, check=True,
+        [
+            sys.executable,
+            "-m",
+            "kvcompress.cli",
+            "generate",
+            "--method",
+            "snapkv",
+            "--budget",
+            "64",
+            "--window",
+            "16",
+            "--prompt",
+            "Name the capital of France. " * 20,
+            "--max-new-tokens",
+            "8",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
     )
     record = json.loads(out.stdout)
     assert record["method"].startswith("snapkv(budget=64")
@@ -66,10 +87,21 @@ def test_a_question_asked_later_sees_the_joined_prompts_tokens(smol):
     question-agnostic path feeds exactly the joined prompt's tokens, so the full cache answers alike."""
     model, tok = smol
     document = demo.build_document(tok, 400, depth=0.5)
-    asked = kvc.generate(model, tok, [{"role": "user", "content": document}], question=demo.QUESTION,
-                         method=kvc.FullKV(), max_new_tokens=20)
-    joined = kvc.generate(model, tok, [{"role": "user", "content": document + "\n\n" + demo.QUESTION}],
-                          method=kvc.FullKV(), max_new_tokens=20)
+    asked = kvc.generate(
+        model,
+        tok,
+        [{"role": "user", "content": document}],
+        question=demo.QUESTION,
+        method=kvc.FullKV(),
+        max_new_tokens=20,
+    )
+    joined = kvc.generate(
+        model,
+        tok,
+        [{"role": "user", "content": document + "\n\n" + demo.QUESTION}],
+        method=kvc.FullKV(),
+        max_new_tokens=20,
+    )
     assert asked.token_ids == joined.token_ids and demo.ANSWER in asked.text
     # the context alone was compressed (here: kept whole)
     assert asked.stats["prompt_tokens"] < joined.stats["prompt_tokens"]

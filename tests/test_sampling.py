@@ -33,8 +33,9 @@ def test_the_draw_follows_the_nucleus_of_the_scaled_distribution():
     expected = torch.where(nucleus, probs, 0) / probs[nucleus].sum()
     assert int(nucleus.sum()) == 3 and torch.allclose(counts, expected, atol=0.015)
     # a nucleus of one token is the greedy choice
-    narrow = DecodeState.start(logits, torch.zeros(1, dtype=torch.long), 2, set(), sampling=Sampling(1.0, 1e-6),
-                               generator=generator)
+    narrow = DecodeState.start(
+        logits, torch.zeros(1, dtype=torch.long), 2, set(), sampling=Sampling(1.0, 1e-6), generator=generator
+    )
     assert int(narrow.token) == 0
 
 
@@ -76,11 +77,14 @@ def test_a_streamer_sees_the_prompt_then_each_token():
     assert shown.getvalue().strip() == streamed.text.strip()
 
 
-@pytest.mark.parametrize(("option", "value", "message"), [
-    ("temperature", -1, r"^kvcompress: temperature=-1 is outside the valid range \[0, 100\]$"),
-    ("top_p", 0, r"^kvcompress: top_p=0 is outside the valid range \(0, 1\]$"),
-    ("seed", -3, r"^kvcompress: seed=-3 is invalid; it must be an integer >= 0 \(or None for an unseeded draw\)$"),
-])
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        ("temperature", -1, r"^kvcompress: temperature=-1 is outside the valid range \[0, 100\]$"),
+        ("top_p", 0, r"^kvcompress: top_p=0 is outside the valid range \(0, 1\]$"),
+        ("seed", -3, r"^kvcompress: seed=-3 is invalid; it must be an integer >= 0 \(or None for an unseeded draw\)$"),
+    ],
+)
 def test_bad_sampling_settings_are_refused_in_one_line(option, value, message):
     with pytest.raises(kvc.InvalidParameterError, match=message):
         kvc.generate(tiny_model(), char_tokenizer(), PROMPT, max_new_tokens=2, **{option: value})

@@ -44,17 +44,21 @@ def test_a_chat_context_and_a_compiled_answer(tmp_path):
     asked = kvc.generate(model, tok, chat, question="which word?", method=kvc.SnapKV(budget=64), max_new_tokens=8)
     kvc.compress(model, tok, chat, method=kvc.SnapKV(budget=64)).save(tmp_path / "chat.kvc")
     loaded = kvc.load(tmp_path / "chat.kvc", model, tok)
-    answer = kvc.generate(model, tok, "which word?", past=loaded, max_new_tokens=8,
-                          compile=kvc.Compile(backend="eager"))
+    answer = kvc.generate(
+        model, tok, "which word?", past=loaded, max_new_tokens=8, compile=kvc.Compile(backend="eager")
+    )
     assert answer.token_ids == asked.token_ids and answer.rows[0].messages == asked.rows[0].messages
 
 
 @pytest.mark.parametrize(
-    "method", [kvc.FullKV(), kvc.SnapKV(budget=256), kvc.ShadowKV(budget=64)], ids=lambda m: m.name)
+    "method", [kvc.FullKV(), kvc.SnapKV(budget=256), kvc.ShadowKV(budget=64)], ids=lambda m: m.name
+)
 def test_the_file_holds_what_the_cache_holds(method, tmp_path):
     """Within 5% of the bytes the cache reports (on the device, plus ShadowKV's offloaded store)."""
-    model, tok = tiny_model(hidden_size=256, num_attention_heads=4, num_key_value_heads=4,
-                            head_dim=64), char_tokenizer()
+    model, tok = (
+        tiny_model(hidden_size=256, num_attention_heads=4, num_key_value_heads=4, head_dim=64),
+        char_tokenizer(),
+    )
     result = kvc.compress(model, tok, random_text(1000, seed=4), method=method)
     result.save(tmp_path / "doc.kvc")
     reported = result.stats["device_bytes"] + result.stats["offloaded_bytes"]
@@ -65,27 +69,34 @@ def test_files_that_cannot_be_loaded_are_refused_by_name(tmp_path):
     model, tok = tiny_model(), char_tokenizer()
     path = tmp_path / "doc.kvc"
     kvc.compress(model, tok, random_text(200, seed=5), method=kvc.SnapKV(budget=64)).save(path)
-    with pytest.raises(kvc.CacheFileError,
-                       match=r"was saved from another model .* load it into the model it was made with"):
+    with pytest.raises(
+        kvc.CacheFileError, match=r"was saved from another model .* load it into the model it was made with"
+    ):
         kvc.load(path, tiny_model(seed=1), tok)
     named = tiny_model()
     named.config._name_or_path = "/models/tiny-a"  # (as a model loaded from a folder says where)
     kvc.compress(named, tok, random_text(200, seed=5), method=kvc.SnapKV(budget=64)).save(tmp_path / "named.kvc")
-    refusal = (r"^\S+named.kvc was saved from another model \(LlamaForCausalLM from /models/tiny-a\) \(fingerprint "
-               r"\w+, this LlamaForCausalLM: \w+\); load")
+    refusal = (
+        r"^\S+named.kvc was saved from another model \(LlamaForCausalLM from /models/tiny-a\) \(fingerprint "
+        r"\w+, this LlamaForCausalLM: \w+\); load"
+    )
     with pytest.raises(kvc.CacheFileError, match=refusal):
         kvc.load(tmp_path / "named.kvc", tiny_model(seed=1), tok)
     with safe_open(str(path), framework="pt") as file:
-        tensors, meta = {key: file.get_tensor(key)
-                         for key in file.keys()}, json.loads(file.metadata()["kvcompress-cache"])
-    for change, message in (({
-            "version": 1, "written_by": "kvcompress 0.0.9"
-    }, r"other.kvc is in kvcompress cache format version 1 \(written by kvcompress 0.0.9\); this kvcompress \S+ reads "
-                             r"versions 2, 3 and 4: compress the document again with this version"),
-                            ({"format": "other"},
-                             r"other.kvc is not a kvcompress cache file \(its format is 'other'\)"),
-                            ({"method": {"name": "nosuch", "fields": {}}},
-                             r"was made with method 'nosuch', which is not registered here")):
+        tensors, meta = (
+            {key: file.get_tensor(key) for key in file.keys()},
+            json.loads(file.metadata()["kvcompress-cache"]),
+        )
+    for change, message in (
+        (
+            {"version": 1, "written_by": "kvcompress 0.0.9"},
+            r"other.kvc is in kvcompress cache format version 1 \(written by kvcompress 0.0.9\); this kvcompress \S+ "
+            r"reads "
+            r"versions 2, 3 and 4: compress the document again with this version",
+        ),
+        ({"format": "other"}, r"other.kvc is not a kvcompress cache file \(its format is 'other'\)"),
+        ({"method": {"name": "nosuch", "fields": {}}}, r"was made with method 'nosuch', which is not registered here"),
+    ):
         save_file(tensors, str(tmp_path / "other.kvc"), metadata={"kvcompress-cache": json.dumps({**meta, **change})})
         with pytest.raises(kvc.CacheFileError, match=message):
             kvc.load(tmp_path / "other.kvc", model, tok)
@@ -117,15 +128,43 @@ def test_compress_then_ask_on_the_command_line(tmp_path, capsys):
     tiny_model(max_position_embeddings=2048).save_pretrained(folder)
     char_tokenizer().save_pretrained(folder)
     (tmp_path / "doc.txt").write_text(random_text(300, seed=6))
-    assert main([
-        "compress", "--model", str(folder), "--prompt-file",
-        str(tmp_path / "doc.txt"), "--raw", "--method", "snapkv", "--budget", "64", "--out", str(tmp_path / "doc.kvc")
-    ]) == 0
+    assert (
+        main(
+            [
+                "compress",
+                "--model",
+                str(folder),
+                "--prompt-file",
+                str(tmp_path / "doc.txt"),
+                "--raw",
+                "--method",
+                "snapkv",
+                "--budget",
+                "64",
+                "--out",
+                str(tmp_path / "doc.kvc"),
+            ]
+        )
+        == 0
+    )
     assert "ask with: kvcompress generate --past" in capsys.readouterr().out
-    assert main([
-        "generate", "--model", str(folder), "--past",
-        str(tmp_path / "doc.kvc"), "--prompt", "first word?", "--max-new-tokens", "5", "--json"
-    ]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--model",
+                str(folder),
+                "--past",
+                str(tmp_path / "doc.kvc"),
+                "--prompt",
+                "first word?",
+                "--max-new-tokens",
+                "5",
+                "--json",
+            ]
+        )
+        == 0
+    )
     answer = json.loads(capsys.readouterr().out)
     assert answer["method"].startswith("snapkv(budget=64") and answer["new_tokens"] == 5
     assert main(["generate", "--model", str(folder), "--past", str(tmp_path / "missing.kvc"), "--prompt", "x"]) == 2
@@ -148,6 +187,10 @@ def test_a_saved_context_of_every_family_loads_and_answers_alike(family, tmp_pat
     context = kvc.compress(model, tok, [{"role": "user", "content": random_text(200, seed=5)}], method=method)
     context.save(tmp_path / "doc.kvc")
     expected = kvc.generate(model, tok, "which word?", past=context.copy(), max_new_tokens=5).token_ids
-    assert kvc.generate(model, tok, "which word?", past=kvc.load(tmp_path / "doc.kvc", model, tok),
-                        max_new_tokens=5).token_ids == expected
+    assert (
+        kvc.generate(
+            model, tok, "which word?", past=kvc.load(tmp_path / "doc.kvc", model, tok), max_new_tokens=5
+        ).token_ids
+        == expected
+    )
     assert model_fingerprint(model) not in [value for other, value in family_fingerprints().items() if other != family]

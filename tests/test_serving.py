@@ -16,29 +16,44 @@ import kvcompress as kvc
 from kvcompress.integrations.transformers.attach import layer_windows
 from kvcompress.integrations.transformers.models import default_model_dir
 from kvcompress.methods.base import InvalidParameterError
-from kvcompress.methods.prompt import EvictionPolicy
+from kvcompress.methods.eviction import EvictionPolicy
 from kvcompress.serving import settings as serving
 
 from .fixtures import FAMILIES, char_tokenizer, family_model, prefilled_cache, random_text, tiny_model
 
 
-@pytest.mark.parametrize(("settings", "message"), [
-    ({"method": "snapkv", "budget": -3}, r"^kvcompress: SnapKV: budget=-3 is invalid; it must be an integer >= 1"),
-    ({"method": "nope"}, r"^kvcompress.method='nope' is unknown; valid: full, snapkv, streamingllm, h2o, expected$"),
-    ({"method": 7}, r"^kvcompress.method=7 is invalid; valid: full, snapkv, streamingllm, h2o, expected$"),
-    ({"method": "snapkv", "windows": 8}, r"^kvcompress: method 'snapkv' does not take windows; served: .*window"),
-    ({"method": "kvzip"
-      }, r"method='kvzip' cannot be served by vLLM: it scores from an observation pass .*; servable: full, snapkv"),
-    ({"method": "snapkv", "heads": "adaptive"
-      }, r"SnapKV: heads='adaptive' cannot be served by vLLM .*; valid: 'uniform'"),
-    ({"method": "h2o", "evict_during_decoding": True}, r"H2O: evict_during_decoding=True cannot be served by vLLM"),
-    ({"method": "snapkv", "decode_budget": 512},
-     r"SnapKV: decode_budget=512 cannot be served by vLLM: kvcompress.s plugin selects "),
-    ({"method": "snapkv", "kv_bytes": 0.015625},
-     r"^kvcompress: SnapKV: kv_bytes=0\.015625 cannot be served by vLLM \(its pool holds every request in one dtype, "
-     r"the same count per KV head and layer\); valid: budget or ratio$"),
-    ("snapkv", r"^kvcompress must be an object such as \{\"method\": \"snapkv\", \"budget\": 256\}; got 'snapkv'$"),
-])
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"method": "snapkv", "budget": -3}, r"^kvcompress: SnapKV: budget=-3 is invalid; it must be an integer >= 1"),
+        (
+            {"method": "nope"},
+            r"^kvcompress.method='nope' is unknown; valid: full, snapkv, streamingllm, h2o, expected$",
+        ),
+        ({"method": 7}, r"^kvcompress.method=7 is invalid; valid: full, snapkv, streamingllm, h2o, expected$"),
+        ({"method": "snapkv", "windows": 8}, r"^kvcompress: method 'snapkv' does not take windows; served: .*window"),
+        (
+            {"method": "kvzip"},
+            r"method='kvzip' cannot be served by vLLM: it scores from an observation pass .*; servable: full, snapkv",
+        ),
+        (
+            {"method": "snapkv", "heads": "adaptive"},
+            r"SnapKV: heads='adaptive' cannot be served by vLLM .*; valid: 'uniform'",
+        ),
+        ({"method": "h2o", "evict_during_decoding": True}, r"H2O: evict_during_decoding=True cannot be served by vLLM"),
+        (
+            {"method": "snapkv", "decode_budget": 512},
+            r"SnapKV: decode_budget=512 cannot be served by vLLM: kvcompress.s plugin selects ",
+        ),
+        (
+            {"method": "snapkv", "kv_bytes": 0.015625},
+            r"^kvcompress: SnapKV: kv_bytes=0\.015625 cannot be served by vLLM \(its pool holds every request in one "
+            r"dtype, "
+            r"the same count per KV head and layer\); valid: budget or ratio$",
+        ),
+        ("snapkv", r"^kvcompress must be an object such as \{\"method\": \"snapkv\", \"budget\": 256\}; got 'snapkv'$"),
+    ],
+)
 def test_a_requests_bad_settings_are_refused_naming_the_field(settings, message):
     with pytest.raises(InvalidParameterError, match=message):
         serving.method_of(settings, default=kvc.SnapKV())
@@ -61,9 +76,11 @@ def test_an_fp8_pool_takes_the_settings_that_say_what_it_stores():
     assert serving.method_of({"method": "h2o", **fp8}, None, "fp8_e4m3") == kvc.H2O()
     with pytest.raises(InvalidParameterError, match=r"pool is fp8: .*valid: 16, or kv_bits=8 with kv_format='fp8'"):
         serving.method_of({"kv_bits": 4}, kvc.SnapKV(), "fp8")
-    with pytest.raises(InvalidParameterError,
-                       match=r"kv_bits=8 cannot be served per request \(with kv_format='fp8': .*--kv-cache-dtype fp8"
-                             r".*valid: 16\)$"):
+    with pytest.raises(
+        InvalidParameterError,
+        match=r"kv_bits=8 cannot be served per request \(with kv_format='fp8': .*--kv-cache-dtype fp8"
+        r".*valid: 16\)$",
+    ):
         serving.method_of(fp8, kvc.SnapKV())
 
 
@@ -81,7 +98,8 @@ def test_the_server_command_line_carries_the_plugin_and_the_engines_method():
     argv = serving.serve_argv("/models/m", kvc.H2O(budget=300), "127.0.0.1", 8123, ["--max-model-len", "4096"])
     flags = {
         flag: argv[i + 1]
-        for i, flag in enumerate(argv[:-1]) if flag.startswith("--") and not argv[i + 1].startswith("--")
+        for i, flag in enumerate(argv[:-1])
+        if flag.startswith("--") and not argv[i + 1].startswith("--")
     }
     assert flags["--model"] == "/models/m" and flags["--port"] == "8123" and flags["--max-model-len"] == "4096"
     assert flags["--scheduler-cls"] == serving.SCHEDULER and flags["--middleware"] == serving.MIDDLEWARE
@@ -99,7 +117,8 @@ def test_kvcompress_serve_refuses_what_it_cannot_serve_before_starting_anything(
     done = cli("serve", "--method", "kvzip")
     assert done.returncode == 2 and done.stderr.strip().splitlines() == [
         "kvcompress: error: --method kvzip cannot be served by vLLM: it scores from an observation pass (the model "
-        "repeating the prompt) " "that vLLM does not run; servable: full, snapkv, streamingllm, h2o, expected"
+        "repeating the prompt) "
+        "that vLLM does not run; servable: full, snapkv, streamingllm, h2o, expected"
     ]
     done = cli("serve", "--budget", "0")
     assert done.returncode == 2 and "SnapKV: --budget 0 is invalid; it must be an integer >= 1" in done.stderr
@@ -110,7 +129,8 @@ def test_kvcompress_serve_without_vllm_says_how_to_get_it():
     done = cli("serve", "--budget", "256")
     assert done.returncode == 2 and done.stderr.strip().splitlines() == [
         "kvcompress: error: kvcompress serve runs vLLM's server, and vLLM is not installed here: `make vllm` builds "
-        ".venv-vllm with " "vLLM's CPU build; then run .venv-vllm/bin/kvcompress serve"
+        ".venv-vllm with "
+        "vLLM's CPU build; then run .venv-vllm/bin/kvcompress serve"
     ]
 
 
@@ -141,14 +161,20 @@ def test_a_method_reading_the_rotary_embedding_needs_a_model_with_one():
     assert serving.scorable(kvc.SnapKV(), GPT2Config()).name == "snapkv"
     assert serving.scorable(kvc.ExpectedAttention(), None).name == "expected"  # unknown model: the workers check
     with pytest.raises(
-            InvalidParameterError, match=r"^kvcompress: method='expected' scores with the model's rotary "
-            r"embedding, and model type 'gpt2': transformers has no single rotary class for it \(no RoPE, or several\)$"
+        InvalidParameterError,
+        match=r"^kvcompress: method='expected' scores with the model's rotary "
+        r"embedding, and model type 'gpt2': transformers has no single rotary class for it \(no RoPE, or several\)$",
     ):
         serving.scorable(kvc.ExpectedAttention(), GPT2Config())
 
 
-SERVED = [kvc.FullKV(), kvc.SnapKV(budget=32, window=8), kvc.StreamingLLM(budget=32), kvc.H2O(budget=32),
-          kvc.ExpectedAttention(budget=32)]
+SERVED = [
+    kvc.FullKV(),
+    kvc.SnapKV(budget=32, window=8),
+    kvc.StreamingLLM(budget=32),
+    kvc.H2O(budget=32),
+    kvc.ExpectedAttention(budget=32),
+]
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -171,12 +197,16 @@ def test_the_server_serves_each_family_or_refuses_it_in_one_line(family):
         except InvalidParameterError as refused:
             served = str(refused)
         compressing = method.name != "full"
-        assert (served is not None) == (library is not None or
-                                        (compressing and bool(sliding))), (method.name, library, served)
+        assert (served is not None) == (library is not None or (compressing and bool(sliding))), (
+            method.name,
+            library,
+            served,
+        )
         if served is not None:
             kind = model.config.get_text_config().model_type
-            assert "\n" not in served and served.startswith(f"kvcompress: method={method.name!r}") and repr(
-                kind) in served
+            assert (
+                "\n" not in served and served.startswith(f"kvcompress: method={method.name!r}") and repr(kind) in served
+            )
             assert ("sliding-window layers" in served) == (compressing and bool(sliding)), served  # the first reason
     assert serving.scorable(kvc.FullKV(), model.config) == kvc.FullKV()  # every family is served its full cache
 
@@ -203,8 +233,11 @@ def test_the_vllm_family_table_is_the_servers_decisions():
             except InvalidParameterError as refused:
                 refusal = "refused: " + str(refused).split(": ", 1)[1]
             outcome = row[name]
-            assert outcome == refusal if refusal else outcome == "same" or outcome.startswith("vLLM: "), (family, name,
-                                                                                                          outcome)
+            assert outcome == refusal if refusal else outcome == "same" or outcome.startswith("vLLM: "), (
+                family,
+                name,
+                outcome,
+            )
 
 
 GIB = serving.GiB
@@ -223,17 +256,31 @@ def test_the_server_is_sized_to_the_memory_that_is_free():
     assert serving.memory_flags([], 100 * GIB, 99 * GIB, {}) == ["--gpu-memory-utilization", "0.87"]
 
 
-@pytest.mark.parametrize(("flags", "env", "message"), [
-    (["--gpu-memory-utilization", "0.92"], {},
-     r"^--gpu-memory-utilization 0.92 reserves 13.1 GiB and 11.7 GiB of this machine's 14.2 GiB are free; "
-     r"pass --gpu-memory-utilization 0.63, or --kv-cache-memory-bytes 4G, or leave both out$"),
-    (["--kv-cache-memory-bytes=12G"], {},
-     r"^--kv-cache-memory-bytes 12G asks for 12.0 GiB of KV cache and 11.7 GiB of this machine's 14.2 GiB are free; "
-     r"give at most --kv-cache-memory-bytes 10G, or leave it out to size it from the free memory$"),
-    (["--kv-cache-memory-bytes", "4G"], {"VLLM_CPU_KVCACHE_SPACE": "16"},  # vLLM takes the environment's
-     r"^VLLM_CPU_KVCACHE_SPACE=16 asks for 16.0 GiB of KV cache and 11.7 GiB of this machine's 14.2 GiB are free; "
-     r"set VLLM_CPU_KVCACHE_SPACE to at most 10, or leave it out to size it from the free memory$"),
-])
+@pytest.mark.parametrize(
+    ("flags", "env", "message"),
+    [
+        (
+            ["--gpu-memory-utilization", "0.92"],
+            {},
+            r"^--gpu-memory-utilization 0.92 reserves 13.1 GiB and 11.7 GiB of this machine's 14.2 GiB are free; "
+            r"pass --gpu-memory-utilization 0.63, or --kv-cache-memory-bytes 4G, or leave both out$",
+        ),
+        (
+            ["--kv-cache-memory-bytes=12G"],
+            {},
+            r"^--kv-cache-memory-bytes 12G asks for 12.0 GiB of KV cache and 11.7 GiB of this machine's 14.2 GiB are "
+            r"free; "
+            r"give at most --kv-cache-memory-bytes 10G, or leave it out to size it from the free memory$",
+        ),
+        (
+            ["--kv-cache-memory-bytes", "4G"],
+            {"VLLM_CPU_KVCACHE_SPACE": "16"},  # vLLM takes the environment's
+            r"^VLLM_CPU_KVCACHE_SPACE=16 asks for 16.0 GiB of KV cache and 11.7 GiB of this machine's 14.2 GiB are "
+            r"free; "
+            r"set VLLM_CPU_KVCACHE_SPACE to at most 10, or leave it out to size it from the free memory$",
+        ),
+    ],
+)
 def test_a_reservation_that_cannot_fit_is_refused_in_one_line_saying_what_fits(flags, env, message):
     parse = lambda text: int(text.rstrip("G")) * GIB  # noqa: E731 (vLLM's reading of "12G", for this test)
     with pytest.raises(InvalidParameterError, match=message):
@@ -248,15 +295,21 @@ def test_the_server_runs_in_the_librarys_precision_on_a_cpu_unless_told():
 
 
 def test_a_reservation_that_fits_is_kept_as_given():
-    for flags, env in ((["--gpu-memory-utilization", "0.5"], {}), (["--device-memory-utilization=0.5"], {}),
-                       (["--kv-cache-memory-bytes", "4G"], {}), ([], {"VLLM_CPU_KVCACHE_SPACE": "2"})):
+    for flags, env in (
+        (["--gpu-memory-utilization", "0.5"], {}),
+        (["--device-memory-utilization=0.5"], {}),
+        (["--kv-cache-memory-bytes", "4G"], {}),
+        ([], {"VLLM_CPU_KVCACHE_SPACE": "2"}),
+    ):
         assert serving.memory_flags(flags, 14 * GIB, 12 * GIB, env, lambda text: 4 * GIB) == [], flags
 
 
 def test_too_little_free_memory_is_refused_in_one_line():
     with pytest.raises(
-            InvalidParameterError, match=r"^kvcompress serve needs about 2 GiB for the model and its KV cache "
-            r"and 2.5 GiB of this machine's 16.0 GiB are free; pass --kv-cache-memory-bytes"):
+        InvalidParameterError,
+        match=r"^kvcompress serve needs about 2 GiB for the model and its KV cache "
+        r"and 2.5 GiB of this machine's 16.0 GiB are free; pass --kv-cache-memory-bytes",
+    ):
         serving.memory_flags([], 16 * GIB, int(2.5 * GIB), {})
 
 
@@ -281,8 +334,13 @@ def scored_layers(monkeypatch) -> list[tuple]:
 
     def recording(policy, query, scaling):
         scores, layer = library_scores(policy, query, scaling), policy.layer
-        read = types.SimpleNamespace(keys=layer.keys.clone(), values=layer.values.clone(), spans=layer.spans,
-                                     rotary=layer.rotary, asked=layer.asked)
+        read = types.SimpleNamespace(
+            keys=layer.keys.clone(),
+            values=layer.values.clone(),
+            spans=layer.spans,
+            rotary=layer.rotary,
+            asked=layer.asked,
+        )
         seen.append((read, query, scaling, scores))
         return scores
 
@@ -307,11 +365,14 @@ def test_a_workers_question_votes_with_its_own_tokens_as_over_a_stored_context(m
         torch.testing.assert_close(own, scores, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize(("settings", "message"), [
-    ({"question_start": -1}, r"^kvcompress.question_start=-1 is invalid; it must be an integer >= 0 \(the prompt "),
-    ({"question_start": "12"}, r"^kvcompress.question_start='12' is invalid; it must be an integer >= 0"),
-    ({"question_start": True}, r"^kvcompress.question_start=True is invalid"),
-])
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"question_start": -1}, r"^kvcompress.question_start=-1 is invalid; it must be an integer >= 0 \(the prompt "),
+        ({"question_start": "12"}, r"^kvcompress.question_start='12' is invalid; it must be an integer >= 0"),
+        ({"question_start": True}, r"^kvcompress.question_start=True is invalid"),
+    ],
+)
 def test_a_bad_question_start_is_refused_naming_the_field(settings, message):
     with pytest.raises(InvalidParameterError, match=message):
         serving.question_start_of(settings)
@@ -322,8 +383,11 @@ def test_a_question_start_is_taken_out_of_the_settings_and_checked_against_the_p
     assert serving.question_start_of({"budget": 64}) == ({"budget": 64}, None)
     assert serving.question_start_of(None) == (None, None)
     serving.check_question_start(9, 10)
-    with pytest.raises(InvalidParameterError, match=r"^kvcompress.question_start=10 is invalid for this prompt of 10 "
-                                                    r"tokens; valid: 0 to 9 \(a question of at least one token\)$"):
+    with pytest.raises(
+        InvalidParameterError,
+        match=r"^kvcompress.question_start=10 is invalid for this prompt of 10 "
+        r"tokens; valid: 0 to 9 \(a question of at least one token\)$",
+    ):
         serving.check_question_start(10, 10)
 
 
@@ -357,15 +421,29 @@ def test_a_chats_question_starts_where_its_conversation_after_the_system_message
     assert serving.chat_question_start(tokenizer, parts) is None
 
 
-@pytest.mark.parametrize(("pool", "family", "message"), [
-    (None, "gemma2", None), ("auto", "gpt-oss", None), ("fp8", "llama", None), ("fp8_e4m3", "qwen3", None),
-    ("fp8", "gemma2", r"^--kv-cache-dtype fp8 cannot be served with kvcompress on model type 'gemma2': it has "
-                      r"sliding-window layers and soft-capped attention scores, which .*; valid: auto$"),
-    ("fp8", "gpt-oss", r"model type 'gpt_oss': it has sliding-window layers and learned attention sinks"),
-    ("fp8_e5m2", "llama", r"^--kv-cache-dtype fp8_e5m2 cannot be served with kvcompress: kvcompress's fp8 is e4m3 "
-                          r"\(vLLM's fp8\); valid: auto, fp8, fp8_e4m3$"),
-    ("int8", "llama", r"^--kv-cache-dtype int8 cannot be served with kvcompress: .*; valid: auto, fp8, fp8_e4m3$"),
-])
+@pytest.mark.parametrize(
+    ("pool", "family", "message"),
+    [
+        (None, "gemma2", None),
+        ("auto", "gpt-oss", None),
+        ("fp8", "llama", None),
+        ("fp8_e4m3", "qwen3", None),
+        (
+            "fp8",
+            "gemma2",
+            r"^--kv-cache-dtype fp8 cannot be served with kvcompress on model type 'gemma2': it has "
+            r"sliding-window layers and soft-capped attention scores, which .*; valid: auto$",
+        ),
+        ("fp8", "gpt-oss", r"model type 'gpt_oss': it has sliding-window layers and learned attention sinks"),
+        (
+            "fp8_e5m2",
+            "llama",
+            r"^--kv-cache-dtype fp8_e5m2 cannot be served with kvcompress: kvcompress's fp8 is e4m3 "
+            r"\(vLLM's fp8\); valid: auto, fp8, fp8_e4m3$",
+        ),
+        ("int8", "llama", r"^--kv-cache-dtype int8 cannot be served with kvcompress: .*; valid: auto, fp8, fp8_e4m3$"),
+    ],
+)
 def test_a_servers_cache_dtype_is_served_or_refused_in_one_line(pool, family, message):
     config = family_model(family).config
     if message is None:
@@ -379,13 +457,20 @@ def test_kvcompress_serve_refuses_a_cache_dtype_before_starting_anything():
     done = cli("serve", "--budget", "256", "--kv-cache-dtype", "fp8_e5m2")
     assert done.returncode == 2 and done.stderr.strip().splitlines()[-1] == (
         "kvcompress: error: --kv-cache-dtype fp8_e5m2 cannot be served with kvcompress: kvcompress's fp8 is e4m3 "
-        "(vLLM's fp8); valid: auto, fp8, fp8_e4m3")
+        "(vLLM's fp8); valid: auto, fp8, fp8_e4m3"
+    )
 
 
-@pytest.mark.parametrize(("method", "asked"), [
-    (kvc.SnapKV(budget=40, window=12), [5, 12, 30]), (kvc.SnapKV(budget=40, window=12), None),
-    (kvc.SnapKV(budget=40, window=12, clustering="pool", votes="sum", pooling="max"), [3, 9, 12]),
-    (kvc.StreamingLLM(budget=40), None), (kvc.H2O(budget=40), None)])
+@pytest.mark.parametrize(
+    ("method", "asked"),
+    [
+        (kvc.SnapKV(budget=40, window=12), [5, 12, 30]),
+        (kvc.SnapKV(budget=40, window=12), None),
+        (kvc.SnapKV(budget=40, window=12, clustering="pool", votes="sum", pooling="max"), [3, 9, 12]),
+        (kvc.StreamingLLM(budget=40), None),
+        (kvc.H2O(budget=40), None),
+    ],
+)
 def test_a_steps_prompts_sharing_a_method_are_kept_as_each_alone(method, asked):
     """The worker chooses what the prompts a step finishes with one method keep together, right-aligned: each keeps
     what it keeps alone (prompts of different lengths, questions of different lengths), its keys held as the worker
@@ -399,10 +484,19 @@ def test_a_steps_prompts_sharing_a_method_are_kept_as_each_alone(method, asked):
         queries = torch.randn(tokens if needed is None else needed, 4, 16)
         spans = torch.arange(tokens)[None] // 3 if method.needs_tokens() else None
         values, cached = torch.randn(tokens, 2, 16), 20 * row
-        from_pool = PromptValues(cached, values[cached:],
-                                 lambda at, v=values: v.transpose(0, 1)[torch.arange(2)[:, None], at])
-        prompts.append(Finishing(torch.randn(2, 16, tokens).transpose(1, 2), from_pool, queries, spans,
-                                 None if asked is None else asked[row], 40))
+        from_pool = PromptValues(
+            cached, values[cached:], lambda at, v=values: v.transpose(0, 1)[torch.arange(2)[:, None], at]
+        )
+        prompts.append(
+            Finishing(
+                torch.randn(2, 16, tokens).transpose(1, 2),
+                from_pool,
+                queries,
+                spans,
+                None if asked is None else asked[row],
+                40,
+            )
+        )
         assert torch.equal(from_pool.whole(), values.transpose(0, 1))
     together = kept_together(method, prompts, 0.25, None)
     for prompt, kept in zip(prompts, together):

@@ -24,8 +24,9 @@ from kvcompress.storage.offload import fetch_chunks
 from .fixtures import CACHE, char_tokenizer, random_text, tiny_model
 
 
-def low_rank_factors(pre_rope_keys: torch.Tensor, valid: torch.Tensor,
-                     ranks: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def low_rank_factors(
+    pre_rope_keys: torch.Tensor, valid: torch.Tensor, ranks: int | torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Truncated SVD of each row's keys ``[b, kv_heads, s, d]`` viewed as ``[s, kv_heads*d]``, from the library's
     spectrum: ``A [b, s, r]`` (left singular vectors times singular values) and ``B [b, r, kv_heads, d]``."""
     basis = key_spectrum([(pre_rope_keys, valid)]).basis(ranks)
@@ -36,8 +37,9 @@ def low_rank_factors(pre_rope_keys: torch.Tensor, valid: torch.Tensor,
 EXACT = dict(rank=32, outliers=0, budget=4096)  # tiny model: 2 KV heads x 16 dims = 32
 
 
-def teacher_forced_logits(model, method, prompt: torch.Tensor,
-                          continuation: torch.Tensor) -> tuple[torch.Tensor, kvc.KVCompressCache]:
+def teacher_forced_logits(
+    model, method, prompt: torch.Tensor, continuation: torch.Tensor
+) -> tuple[torch.Tensor, kvc.KVCompressCache]:
     cache = method.make_cache(model)
     with torch.no_grad():
         logits = [model(prompt, **{CACHE: cache}).logits[:, -1]]
@@ -102,8 +104,9 @@ def test_rank_from_the_error_target_is_the_smallest_that_reaches_it():
     assert (uncentered < ranks).all()  # the offset's energy alone would have met the target with fewer
 
 
-def reference_chunk_selection(query: torch.Tensor, landmarks: torch.Tensor, selectable: torch.Tensor,
-                              k: int) -> list[list[int]]:
+def reference_chunk_selection(
+    query: torch.Tensor, landmarks: torch.Tensor, selectable: torch.Tensor, k: int
+) -> list[list[int]]:
     """Algorithm 2 lines 2-5 for one sequence, loop by loop. query [q_heads, q, d], landmarks [kv_heads, n, d]."""
     q_heads, q_len, dim = query.shape
     kv_heads, n = landmarks.shape[:2]
@@ -113,8 +116,9 @@ def reference_chunk_selection(query: torch.Tensor, landmarks: torch.Tensor, sele
         total = [0.0] * n
         for t in range(q_len):
             logits = [
-                float(query[h, t] @ landmarks[h // group, j]) / math.sqrt(dim) if selectable[h // group,
-                                                                                             j] else -math.inf
+                float(query[h, t] @ landmarks[h // group, j]) / math.sqrt(dim)
+                if selectable[h // group, j]
+                else -math.inf
                 for j in range(n)
             ]
             peak = max(logits)
@@ -149,8 +153,9 @@ def test_rope_inverse_recovers_pre_rope_keys():
     positions = torch.arange(50)[None]
     pre = torch.randn(1, 2, 50, 16)
     cos, sin = rotary_for(model, 0).cos_sin(positions, pre)
-    torch.testing.assert_close(invert_rope(apply_rope(pre, cos[:, None], sin[:, None]), cos[:, None], sin[:, None]),
-                               pre)
+    torch.testing.assert_close(
+        invert_rope(apply_rope(pre, cos[:, None], sin[:, None]), cos[:, None], sin[:, None]), pre
+    )
 
 
 def test_rebuilt_keys_carry_rope_at_their_original_positions():
@@ -186,9 +191,21 @@ def test_memory_split_between_device_and_offload_store():
     host = layer.policy.store.host
     assert host.shape == (1, 2, n_chunks, 8, 16) and host.device.type == "cpu"
     assert stats["offloaded_bytes"] == 2 * n_chunks * 8 * 2 * 16 * 4
+
     def held(lyr) -> int:  # every tensor the layer keeps on the device between steps
-        names = ("factor_a", "factor_b", "landmarks", "bias", "inv_freq", "selectable", "unselectable", "step_chunks",
-                 "selected", "hits", "front_slots")
+        names = (
+            "factor_a",
+            "factor_b",
+            "landmarks",
+            "bias",
+            "inv_freq",
+            "selectable",
+            "unselectable",
+            "step_chunks",
+            "selected",
+            "hits",
+            "front_slots",
+        )
         storage = [getattr(lyr.slots, n) for n in ("keys", "values", "valid", "positions", "cursor")]
         tensors = storage + [getattr(lyr.policy, n) for n in names]
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
@@ -232,8 +249,10 @@ def test_follow_up_turn_and_long_generation():
         (lambda: kvc.ShadowKV(budget=4), r"budget=4 is smaller than one chunk \(chunk=8\)"),
         (lambda: kvc.ShadowKV(ratio=2.0), r"ratio=2.0 is outside the valid range \(0, 1\]"),
         (lambda: kvc.ShadowKV(outliers=-1), r"outliers=-1 is invalid"),
-        (lambda: kvc.ShadowKV(rank=33).make_cache(tiny_model()),
-         r"rank=33 exceeds kv_heads \* head_dim = 32 of this model; valid: 1 to 32"),
+        (
+            lambda: kvc.ShadowKV(rank=33).make_cache(tiny_model()),
+            r"rank=33 exceeds kv_heads \* head_dim = 32 of this model; valid: 1 to 32",
+        ),
     ],
 )
 def test_bad_parameters(make, expected):

@@ -15,8 +15,9 @@ from kvcompress.methods.selection import select_kept
 from .fixtures import CACHE, char_tokenizer, prefilled_cache, random_text, tiny_model
 
 
-def reference_keep(query: torch.Tensor, keys: torch.Tensor, budget: int, window: int, kernel: int,
-                   pooling: str, vote: str = "sum") -> list[list[int]]:
+def reference_keep(
+    query: torch.Tensor, keys: torch.Tensor, budget: int, window: int, kernel: int, pooling: str, vote: str = "sum"
+) -> list[list[int]]:
     """Kept positions per KV head for one prompt. query [q_heads, L, D] post-RoPE, keys [kv_heads, L, D].
 
     Listing 1: the window's attention (softmax over all keys, causal inside the window) is summed
@@ -81,8 +82,19 @@ def test_span_boundaries_keep_words_and_numbers_whole():
     for token, span in zip(text, got):
         words.setdefault(span, "")
         words[span] += token
-    assert list(words.values()) == ["the", " key", " is", " 4817.", " pi", "=3.14,", " 2,500", " cats", " ", "(one)",
-                                    " ends?"]
+    assert list(words.values()) == [
+        "the",
+        " key",
+        " is",
+        " 4817.",
+        " pi",
+        "=3.14,",
+        " 2,500",
+        " cats",
+        " ",
+        "(one)",
+        " ends?",
+    ]
 
 
 def test_span_clustering_matches_a_reference():
@@ -93,8 +105,9 @@ def test_span_clustering_matches_a_reference():
     # spans of 1 to 4 tokens
     spans = torch.tensor([[i // 4 + (i > 40) * (i % 3 == 0) for i in range(90)]]).cummax(-1).values
     valid = torch.ones(1, 90, dtype=torch.bool)
-    paper = kvc.SnapKV(budget=40, window=12, kernel=5, clustering="pool").scores(query[None], keys[None], valid,
-                                                                                 8**-0.5)
+    paper = kvc.SnapKV(budget=40, window=12, kernel=5, clustering="pool").scores(
+        query[None], keys[None], valid, 8**-0.5
+    )
     clustered = kvc.SnapKV(budget=40, window=12, kernel=5).scores(query[None], keys[None], valid, 8**-0.5, spans)
     for head in range(2):
         for position in range(78):
@@ -103,9 +116,9 @@ def test_span_clustering_matches_a_reference():
     indices, _ = select_kept(clustered, valid, torch.tensor([40]))
     kept = set(indices[0, 0].tolist())
     cut = [
-        s for s in set(spans[0, :78].tolist()) if 0 < len({j
-                                                           for j in range(78) if spans[0, j] == s
-                                                           } & kept) < len([j for j in range(78) if spans[0, j] == s])
+        s
+        for s in set(spans[0, :78].tolist())
+        if 0 < len({j for j in range(78) if spans[0, j] == s} & kept) < len([j for j in range(78) if spans[0, j] == s])
     ]
     assert len(cut) <= 1  # at most the span at the budget's edge is cut
 
@@ -113,8 +126,13 @@ def test_span_clustering_matches_a_reference():
 def test_reference_confirms_pure_functions_on_random_tensors():
     torch.manual_seed(1)
     query, keys = torch.randn(6, 90, 8), torch.randn(2, 90, 8)
-    for pooling, kernel, vote in (("max", 7, "sum"), ("avg", 5, "sum"), ("max", 1, "sum"), ("max", 7, "max"),
-                                  ("avg", 5, "max")):
+    for pooling, kernel, vote in (
+        ("max", 7, "sum"),
+        ("avg", 5, "sum"),
+        ("max", 1, "sum"),
+        ("max", 7, "max"),
+        ("avg", 5, "max"),
+    ):
         method = kvc.SnapKV(budget=40, window=12, kernel=kernel, pooling=pooling, clustering="pool", votes=vote)
         valid = torch.ones(1, 90, dtype=torch.bool)
         scores = method.scores(query[None], keys[None], valid, 8**-0.5)

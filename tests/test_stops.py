@@ -51,8 +51,10 @@ def test_an_answer_ends_before_its_first_stop_string_and_its_completing_token_is
     # the conversation goes on from there as from an answer cut by max_new_tokens at that length
     cut = kvc.generate(model, tok, PROMPTS[0], method=METHOD, max_new_tokens=len(kept))
     assert cut.token_ids == stopped.token_ids
-    assert kvc.generate(model, tok, "Go on.", past=stopped, max_new_tokens=8).token_ids == kvc.generate(
-        model, tok, "Go on.", past=cut, max_new_tokens=8).token_ids
+    assert (
+        kvc.generate(model, tok, "Go on.", past=stopped, max_new_tokens=8).token_ids
+        == kvc.generate(model, tok, "Go on.", past=cut, max_new_tokens=8).token_ids
+    )
 
 
 def test_each_row_of_a_batch_stops_at_its_own_string_as_it_would_alone():
@@ -66,11 +68,14 @@ def test_each_row_of_a_batch_stops_at_its_own_string_as_it_would_alone():
         assert own.text == text[: min(text.index(s) for s in stops if s in text)]
 
 
-@pytest.mark.parametrize(("stop", "message"), [
-    ("", r"stop='' is invalid; give a non-empty string, a list of them, or None"),
-    ([], r"stop=\[\] is invalid; give a non-empty string, a list of them, or None"),
-    (["a", 3], r"stop=\['a', 3\] is invalid; give a non-empty string, a list of them, or None"),
-])
+@pytest.mark.parametrize(
+    ("stop", "message"),
+    [
+        ("", r"stop='' is invalid; give a non-empty string, a list of them, or None"),
+        ([], r"stop=\[\] is invalid; give a non-empty string, a list of them, or None"),
+        (["a", 3], r"stop=\['a', 3\] is invalid; give a non-empty string, a list of them, or None"),
+    ],
+)
 def test_a_bad_stop_is_refused_in_one_line(stop, message):
     model, tok = tiny_model(), char_tokenizer()
     with pytest.raises(kvc.InvalidParameterError, match=message):
@@ -84,8 +89,28 @@ def test_the_command_line_takes_stop_strings(tmp_path, capsys):
     text = PROMPTS[0][0]["content"]
     full = endless(model, tok, PROMPTS[0])
     stop = first_repeat(full.text)
-    code = main(["generate", "--model", str(tmp_path / "model"), "--prompt", text, "--method", "snapkv", "--budget",
-                 "48", "--window", "8", "--max-new-tokens", "40", "--stop", stop, "--stop", "never said", "--json"])
+    code = main(
+        [
+            "generate",
+            "--model",
+            str(tmp_path / "model"),
+            "--prompt",
+            text,
+            "--method",
+            "snapkv",
+            "--budget",
+            "48",
+            "--window",
+            "8",
+            "--max-new-tokens",
+            "40",
+            "--stop",
+            stop,
+            "--stop",
+            "never said",
+            "--json",
+        ]
+    )
     assert code == 0
     assert json.loads(capsys.readouterr().out.splitlines()[0])["text"] == full.text[: full.text.index(stop)]
 
@@ -94,11 +119,13 @@ def test_the_command_line_refuses_an_empty_stop_in_its_own_words(tmp_path, capsy
     model, tok = endless_model()
     model.save_pretrained(tmp_path / "model")
     tok.save_pretrained(tmp_path / "model")
-    code = main(["generate", "--model", str(tmp_path / "model"), "--prompt", "hi", "--stop", "", "--max-new-tokens",
-                 "2"])
+    code = main(
+        ["generate", "--model", str(tmp_path / "model"), "--prompt", "hi", "--stop", "", "--max-new-tokens", "2"]
+    )
     err = capsys.readouterr().err
     assert code == 2 and err.strip().splitlines()[-1] == (
-        "kvcompress: error: --stop '' is invalid; give a non-empty string (repeat --stop for several)")
+        "kvcompress: error: --stop '' is invalid; give a non-empty string (repeat --stop for several)"
+    )
 
 
 def streamed(model, tok, stop) -> str:
@@ -124,6 +151,24 @@ def test_the_command_line_streams_an_answer_cut_before_its_stop_string(tmp_path,
     tok.save_pretrained(tmp_path / "model")
     full = endless(model, tok, PROMPTS[0])
     stop = first_repeat(full.text)
-    code = main(["generate", "--model", str(tmp_path / "model"), "--prompt", PROMPTS[0][0]["content"], "--method",
-                 "snapkv", "--budget", "48", "--window", "8", "--max-new-tokens", "40", "--stop", stop, "--stream"])
+    code = main(
+        [
+            "generate",
+            "--model",
+            str(tmp_path / "model"),
+            "--prompt",
+            PROMPTS[0][0]["content"],
+            "--method",
+            "snapkv",
+            "--budget",
+            "48",
+            "--window",
+            "8",
+            "--max-new-tokens",
+            "40",
+            "--stop",
+            stop,
+            "--stream",
+        ]
+    )
     assert code == 0 and capsys.readouterr().out.startswith(full.text[: full.text.index(stop)] + "\n")

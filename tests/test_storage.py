@@ -8,8 +8,9 @@ from transformers.cache_utils import DynamicLayer
 import kvcompress as kvc
 from kvcompress.cache.layer import KVLayer, WindowLayer, WindowPolicy
 from kvcompress.cache.policy import LayerPolicy
+from kvcompress.methods.bounded import BoundedPolicy
+from kvcompress.methods.eviction import HeadAdaptivePolicy
 from kvcompress.methods.h2o import H2OPolicy
-from kvcompress.methods.prompt import BoundedPolicy, HeadAdaptivePolicy
 from kvcompress.methods.sparse import SparseDecodePolicy
 from kvcompress.storage.packed import PackedSlots
 from kvcompress.storage.slots import CappedSlots, DenseSlots, RingSlots, Slots
@@ -34,8 +35,13 @@ def test_every_layout_implements_the_whole_interface():
 def test_layers_hold_their_storage_and_override_none_of_it():
     assert KVLayer.__mro__[1] is DynamicLayer  # one class, no roles mixed in (cache/layer.py)
     assert not STORAGE_OPERATIONS & set(vars(KVLayer)), "the layer drives its storage; it hands none of it on"
-    for kind, base in ((WindowLayer, KVLayer), *((policy, LayerPolicy) for policy in (
-            WindowPolicy, H2OPolicy, HeadAdaptivePolicy, SparseDecodePolicy, BoundedPolicy))):
+    for kind, base in (
+        (WindowLayer, KVLayer),
+        *(
+            (policy, LayerPolicy)
+            for policy in (WindowPolicy, H2OPolicy, HeadAdaptivePolicy, SparseDecodePolicy, BoundedPolicy)
+        ),
+    ):
         for cls in kind.__mro__[: kind.__mro__.index(base) + 1]:
             overrides = STORAGE_OPERATIONS & set(vars(cls))
             assert not overrides, f"{cls.__name__} overrides {sorted(overrides)}"

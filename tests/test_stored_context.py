@@ -22,8 +22,11 @@ from kvcompress.generation.conversation import ask
 from tests.fixtures import char_tokenizer, family_model, random_text, tiny_model
 
 DOCUMENT = [{"role": "user", "content": random_text(400, seed=7)}]
-QUESTIONS = ("What is the first word?", "1 or 2?",
-             "Which of the words above is the longest one, and where does it stand?")
+QUESTIONS = (
+    "What is the first word?",
+    "1 or 2?",
+    "Which of the words above is the longest one, and where does it stand?",
+)
 
 # Every method that compresses a prompt at its end (or selects from it while decoding), at a budget under the prompt.
 PER_QUESTION = [
@@ -56,11 +59,15 @@ def model_and_store():
 
 
 @pytest.mark.parametrize(
-    "method", PER_QUESTION, ids=lambda m: m.describe().split(",")[0] +
-    ("-" + m.heads if getattr(m, "heads", "uniform") != "uniform" else "") +
-    ("-" + m.layers
-     if getattr(m, "layers", "uniform") != "uniform" else "") + ("-pool"
-                                                                 if getattr(m, "clustering", "") == "pool" else ""))
+    "method",
+    PER_QUESTION,
+    ids=lambda m: (
+        m.describe().split(",")[0]
+        + ("-" + m.heads if getattr(m, "heads", "uniform") != "uniform" else "")
+        + ("-" + m.layers if getattr(m, "layers", "uniform") != "uniform" else "")
+        + ("-pool" if getattr(m, "clustering", "") == "pool" else "")
+    ),
+)
 def test_a_question_over_a_stored_context_keeps_what_the_joined_prompt_keeps(model_and_store, method):
     model, tok, store = model_and_store
     for question in QUESTIONS[:2]:
@@ -73,8 +80,11 @@ def test_a_question_over_a_stored_context_keeps_what_the_joined_prompt_keeps(mod
         assert asked.stats["kv_bytes_kept"] == reference.stats["kv_bytes_kept"]
 
 
-@pytest.mark.parametrize("settings", [{}, {"votes": "sum", "pooling": "avg"}, {"clustering": "pool", "kernel": 1}],
-                         ids=["default", "sum-avg", "pool"])
+@pytest.mark.parametrize(
+    "settings",
+    [{}, {"votes": "sum", "pooling": "avg"}, {"clustering": "pool", "kernel": 1}],
+    ids=["default", "sum-avg", "pool"],
+)
 def test_a_question_shorter_than_the_window_is_the_window(model_and_store, settings):
     """question_window: over a stored context only the question's own tokens vote and are kept whole, the context's
     last tokens scored as any other: what SnapKV with its window set to the question's tokens keeps, exactly."""
@@ -82,19 +92,39 @@ def test_a_question_shorter_than_the_window_is_the_window(model_and_store, setti
     question = "1?"
     tokens = len(ask(tok, copy.deepcopy(store.rows[0]), question))
     assert tokens < 24  # (the char tokenizer's template and question: shorter than the window below)
-    asked = kvc.generate(model, tok, question, past=store, method=kvc.SnapKV(budget=48, window=24, **settings),
-                         max_new_tokens=8)
-    reference = kvc.generate(model, tok, question, past=store, max_new_tokens=8, method=kvc.SnapKV(
-        budget=48, window=tokens, question_window=False, **settings))
+    asked = kvc.generate(
+        model, tok, question, past=store, method=kvc.SnapKV(budget=48, window=24, **settings), max_new_tokens=8
+    )
+    reference = kvc.generate(
+        model,
+        tok,
+        question,
+        past=store,
+        max_new_tokens=8,
+        method=kvc.SnapKV(budget=48, window=tokens, question_window=False, **settings),
+    )
     assert all(torch.equal(a, b) for a, b in zip(kept(asked), kept(reference)))
     assert asked.token_ids == reference.token_ids
-    last = kvc.generate(model, tok, question, past=store, max_new_tokens=8,
-                        method=kvc.SnapKV(budget=48, window=24, question_window=False, **settings))
+    last = kvc.generate(
+        model,
+        tok,
+        question,
+        past=store,
+        max_new_tokens=8,
+        method=kvc.SnapKV(budget=48, window=24, question_window=False, **settings),
+    )
     assert not all(torch.equal(a, b) for a, b in zip(kept(asked), kept(last)))  # (the last 24 as before: not the same)
     # a new prompt's question has no known start: the last window tokens vote, whatever question_window says
-    joined_prompt = [kvc.generate(model, tok, joined(question), max_new_tokens=8,
-                                  method=kvc.SnapKV(budget=48, window=24, question_window=on, **settings))
-                     for on in (True, False)]
+    joined_prompt = [
+        kvc.generate(
+            model,
+            tok,
+            joined(question),
+            max_new_tokens=8,
+            method=kvc.SnapKV(budget=48, window=24, question_window=on, **settings),
+        )
+        for on in (True, False)
+    ]
     assert all(torch.equal(a, b) for a, b in zip(*map(kept, joined_prompt)))
     assert all(torch.equal(a, b) for a, b in zip(kept(last), kept(joined_prompt[1])))  # (off: the joined prompt's)
 
@@ -111,18 +141,24 @@ def test_the_store_is_read_never_written(model_and_store):
     assert again.token_ids == first.token_ids
     after = [tensor for layer in store.cache.layers for tensor in (layer.keys, layer.values)]
     assert all(torch.equal(a, b) for a, b in zip(before, after))
-    assert torch.equal(store.attention_mask, mask) and [row.transcript for row in store.rows] == rows and all(
-        row.open_turn for row in store.rows)
+    assert (
+        torch.equal(store.attention_mask, mask)
+        and [row.transcript for row in store.rows] == rows
+        and all(row.open_turn for row in store.rows)
+    )
     # today's way still works: the full cache continued
     continued = kvc.generate(model, tok, QUESTIONS[0], past=store.copy(), max_new_tokens=8)
-    assert continued.token_ids == kvc.generate(model, tok, joined(QUESTIONS[0]), method=kvc.FullKV(),
-                                               max_new_tokens=8).token_ids
+    assert (
+        continued.token_ids
+        == kvc.generate(model, tok, joined(QUESTIONS[0]), method=kvc.FullKV(), max_new_tokens=8).token_ids
+    )
 
 
 @pytest.mark.parametrize(
-    "method", [kvc.SnapKV(budget=48, window=8),
-               kvc.H2O(budget=48),
-               kvc.SnapKV(budget=48, window=8, heads="adaptive")], ids=["snapkv", "h2o", "snapkv-adaptive"])
+    "method",
+    [kvc.SnapKV(budget=48, window=8), kvc.H2O(budget=48), kvc.SnapKV(budget=48, window=8, heads="adaptive")],
+    ids=["snapkv", "h2o", "snapkv-adaptive"],
+)
 def test_questions_of_very_different_lengths_are_a_batch_each_row_as_alone(model_and_store, method):
     model, tok, store = model_and_store
     questions = ["1?", QUESTIONS[2] * 3, QUESTIONS[0]]
@@ -154,16 +190,29 @@ def test_a_sliding_window_counts_each_rows_own_tokens_in_a_batch_over_a_stored_c
     row's alone, over four turns of different lengths."""
     model, tok = family_model(family), char_tokenizer()
     store = kvc.compress(model, tok, random_text(300, seed=4), method=kvc.FullKV())
-    turns = [["1?", QUESTIONS[2] * 3, QUESTIONS[0]], [QUESTIONS[2] * 2, "And?", QUESTIONS[1]],
-             ["Why?", QUESTIONS[0] * 2, "x"], [QUESTIONS[1], "y", QUESTIONS[2]]]
+    turns = [
+        ["1?", QUESTIONS[2] * 3, QUESTIONS[0]],
+        [QUESTIONS[2] * 2, "And?", QUESTIONS[1]],
+        ["Why?", QUESTIONS[0] * 2, "x"],
+        [QUESTIONS[1], "y", QUESTIONS[2]],
+    ]
 
     def conversation(messages: list) -> tuple[list[list[torch.Tensor]], kvc.Result]:
         """Each turn's logits, asking ``messages`` (a batch's, or one row's) turn by turn over the store."""
         past, logits = store, []
         for turn, message in enumerate(messages):
             held: dict[str, kvc.Result] = {}
-            logits.append(step_logits(model, lambda: held.setdefault("result", kvc.generate(
-                model, tok, message, past=past, method=method if turn == 0 else None, max_new_tokens=4))))
+            logits.append(
+                step_logits(
+                    model,
+                    lambda: held.setdefault(
+                        "result",
+                        kvc.generate(
+                            model, tok, message, past=past, method=method if turn == 0 else None, max_new_tokens=4
+                        ),
+                    ),
+                )
+            )
             past = held["result"]
         return logits, past
 
@@ -184,8 +233,10 @@ def test_a_stored_batch_of_documents_asks_each_its_own_question():
     method = kvc.SnapKV(budget=48, window=8)
     batch = kvc.generate(model, tok, list(QUESTIONS[:2]), past=store, method=method, max_new_tokens=8)
     for row, (document, question) in enumerate(zip(documents, QUESTIONS[:2])):
-        assert batch.token_ids[row] == kvc.generate(model, tok, joined(question, document), method=method,
-                                                    max_new_tokens=8).token_ids[0]
+        assert (
+            batch.token_ids[row]
+            == kvc.generate(model, tok, joined(question, document), method=method, max_new_tokens=8).token_ids[0]
+        )
 
 
 @pytest.mark.parametrize("family", ["gemma2", "mistral-sliding", "qwen3"])
@@ -219,8 +270,9 @@ def test_a_thinned_store_answers_from_fewer_bytes():
     answer = kvc.generate(model, tok, QUESTIONS[0], past=thinned, method=method, max_new_tokens=8)
     assert len(answer.token_ids[0]) > 0 and answer.stats["context_bytes"] < whole.stats["device_bytes"]
     context = thinned.stats["prompt_tokens"]
-    prompt = kvc.generate(model, tok, joined(QUESTIONS[0]), method=kvc.FullKV(),
-                          max_new_tokens=1).stats["prompt_tokens"]
+    prompt = kvc.generate(model, tok, joined(QUESTIONS[0]), method=kvc.FullKV(), max_new_tokens=1).stats[
+        "prompt_tokens"
+    ]
     # the joined prompt's positions: a head keeps only what the store kept, or the question
     for chosen, stored in zip(kept(answer), kept(thinned)):
         assert int(chosen.max()) < prompt
@@ -231,8 +283,9 @@ def test_a_thinned_store_answers_from_fewer_bytes():
 
 def test_stats_say_which_tier_holds_what(model_and_store):
     model, tok, store = model_and_store
-    answer = kvc.generate(model, tok, QUESTIONS[0], past=store, method=kvc.SnapKV(budget=48, window=8),
-                          max_new_tokens=4)
+    answer = kvc.generate(
+        model, tok, QUESTIONS[0], past=store, method=kvc.SnapKV(budget=48, window=8), max_new_tokens=4
+    )
     assert answer.stats["context_on"] == "cpu" and answer.stats["context_bytes"] == store.stats["device_bytes"]
     assert answer.stats["device_bytes"] < store.stats["device_bytes"] / 3
     # the first token apart
@@ -248,19 +301,25 @@ def test_what_cannot_be_asked_per_question_is_refused_in_one_line(model_and_stor
         kvc.generate(model, tok, "q?", past=packed, method=kvc.SnapKV(budget=32, window=8))
     # a conversation begun without a stored context has none to compress a follow-up over
     answered = kvc.generate(model, tok, DOCUMENT, max_new_tokens=2)
-    with pytest.raises(kvc.InvalidParameterError,
-                       match="not one waiting for its question; continue it with method=None"):
+    with pytest.raises(
+        kvc.InvalidParameterError, match="not one waiting for its question; continue it with method=None"
+    ):
         kvc.generate(model, tok, "again?", past=answered, method=kvc.SnapKV(budget=32, window=8))
     few = kvc.compress(model, tok, DOCUMENT, method=kvc.FullKV(), query_window=4)
-    with pytest.raises(ValueError,
-                       match=r"every query of the context, and the stored context kept its last 4.*query_window=None"):
+    with pytest.raises(
+        ValueError, match=r"every query of the context, and the stored context kept its last 4.*query_window=None"
+    ):
         kvc.generate(model, tok, "q?", past=few, method=kvc.H2O(budget=48))
     with pytest.raises(ValueError, match=r"the last 32 queries, and the stored context kept its last 4"):
         kvc.generate(model, tok, "q?", past=few, method=kvc.SnapKV(budget=48))
     with pytest.raises(kvc.InvalidParameterError, match="3 entries for a batch of 2"):
-        kvc.generate(model, tok, ["a?", "b?", "c?"], past=kvc.compress(model, tok, [DOCUMENT, DOCUMENT],
-                                                                       method=kvc.FullKV()),
-                     method=kvc.SnapKV(budget=48, window=8))
+        kvc.generate(
+            model,
+            tok,
+            ["a?", "b?", "c?"],
+            past=kvc.compress(model, tok, [DOCUMENT, DOCUMENT], method=kvc.FullKV()),
+            method=kvc.SnapKV(budget=48, window=8),
+        )
     with pytest.raises(kvc.InvalidParameterError, match="query_window='x' is invalid"):
         kvc.compress(model, tok, DOCUMENT, method=kvc.FullKV(), query_window="x")
 
@@ -273,19 +332,39 @@ def test_the_command_line_asks_a_stored_file_per_question(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, ["src", os.environ.get("PYTHONPATH")]))}
 
     def run(*args: object) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "kvcompress", *map(str, args)], capture_output=True, text=True,
-                              env=env)
+        return subprocess.run(
+            [sys.executable, "-m", "kvcompress", *map(str, args)], capture_output=True, text=True, env=env
+        )
 
     model, tok = kvc.load_model(str(folder))
     # as `kvcompress compress --method full` writes it
     kvc.compress(model, tok, DOCUMENT, method=kvc.FullKV()).save(tmp_path / "doc.kvc")
-    asked = run("generate", "--model", folder, "--past", tmp_path / "doc.kvc", "--method", "snapkv", "--budget", "48",
-                "--window", "8", "--prompt", QUESTIONS[0], "--max-new-tokens", "6", "--json")
+    asked = run(
+        "generate",
+        "--model",
+        folder,
+        "--past",
+        tmp_path / "doc.kvc",
+        "--method",
+        "snapkv",
+        "--budget",
+        "48",
+        "--window",
+        "8",
+        "--prompt",
+        QUESTIONS[0],
+        "--max-new-tokens",
+        "6",
+        "--json",
+    )
     assert asked.returncode == 0, asked.stderr
     expected = kvc.generate(model, tok, joined(QUESTIONS[0]), method=kvc.SnapKV(budget=48, window=8), max_new_tokens=6)
     answer = json.loads(asked.stdout)
-    assert answer["text"] == expected.text and answer["method"] == expected.stats["method"] and answer[
-        "context_on"] == "cpu"
+    assert (
+        answer["text"] == expected.text
+        and answer["method"] == expected.stats["method"]
+        and answer["context_on"] == "cpu"
+    )
     assert answer["ttft_s"] > 0 and "decode_ms_per_token" in answer
 
 
@@ -299,8 +378,10 @@ def test_decoding_after_a_question_over_a_store_is_the_question_aware_step(model
     method = kvc.SnapKV(budget=48, window=8)
     audits = []
     with torch.inference_mode():
-        for result in (kvc.generate(model, tok, QUESTIONS[0], past=store, method=method, max_new_tokens=2),
-                       kvc.generate(model, tok, joined(QUESTIONS[0]), method=method, max_new_tokens=2)):
+        for result in (
+            kvc.generate(model, tok, QUESTIONS[0], past=store, method=method, max_new_tokens=2),
+            kvc.generate(model, tok, joined(QUESTIONS[0]), method=method, max_new_tokens=2),
+        ):
             logits = torch.zeros(1, model.config.vocab_size)
             logits[0, 40] = 1.0
             state = DecodeState.start(logits, result.next_position, 4, {2})
@@ -309,8 +390,9 @@ def test_decoding_after_a_question_over_a_store_is_the_question_aware_step(model
             audits.append(audit_step(lambda cache=result.cache, state=state: greedy_step(model, cache, state)))
     assert not audits[0].host_reads and audits[0].total == audits[1].total
     eager = kvc.generate(model, tok, QUESTIONS[1], past=store, method=method, max_new_tokens=10)
-    compiled = kvc.generate(model, tok, QUESTIONS[1], past=store, method=method, max_new_tokens=10,
-                            compile=kvc.Compile(backend="eager"))
+    compiled = kvc.generate(
+        model, tok, QUESTIONS[1], past=store, method=method, max_new_tokens=10, compile=kvc.Compile(backend="eager")
+    )
     assert compiled.token_ids == eager.token_ids
 
 
@@ -331,8 +413,10 @@ def test_a_thinned_stores_heads_take_their_tokens_word_spans():
     assert per_head[0, :, 1:].tolist() == [[0, 1, 3, 3, 4], [0, 1, 2, 3, 4]] and per_head[0, 0, 0] >= spans.shape[-1]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(),
-                    reason="a GPU: the store in host memory, each layer copied to the device per question")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="a GPU: the store in host memory, each layer copied to the device per question",
+)
 def test_on_a_gpu_the_store_lives_in_host_memory_and_answers_as_the_joined_prompt():
     model, tok = tiny_model().cuda(), char_tokenizer()
     store = kvc.compress(model, tok, DOCUMENT, method=kvc.FullKV())
@@ -343,5 +427,7 @@ def test_on_a_gpu_the_store_lives_in_host_memory_and_answers_as_the_joined_promp
     assert asked.token_ids == kvc.generate(model, tok, joined(QUESTIONS[0]), method=method, max_new_tokens=8).token_ids
     # the stored full cache continued: moved to the device
     continued = kvc.generate(model, tok, QUESTIONS[0], past=store, max_new_tokens=8)
-    assert continued.token_ids == kvc.generate(model, tok, joined(QUESTIONS[0]), method=kvc.FullKV(),
-                                               max_new_tokens=8).token_ids
+    assert (
+        continued.token_ids
+        == kvc.generate(model, tok, joined(QUESTIONS[0]), method=kvc.FullKV(), max_new_tokens=8).token_ids
+    )

@@ -30,7 +30,11 @@ from .served import Server, chat  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not (default_model_dir() / "model.safetensors").exists(), reason="no embedded model")
 ENGINE = {
-    "dtype": "float32", "enforce_eager": True, "max_model_len": 2048, "block_size": 32, "max_num_batched_tokens": 2048
+    "dtype": "float32",
+    "enforce_eager": True,
+    "max_model_len": 2048,
+    "block_size": 32,
+    "max_num_batched_tokens": 2048,
 }
 METHOD = kvc.SnapKV(budget=256)  # the engines' own method
 
@@ -65,17 +69,24 @@ def test_snapkv_in_vllm_keeps_what_kvcompress_keeps_and_frees_blocks(engine, lib
 def test_each_request_of_a_batch_gets_its_own_method_and_its_alone_answer(engine, library):
     """One batch: prompts of very different lengths, each with its own method (or the engine's, or none);
     each answers as kvcompress.generate answers it alone, and keeps the positions kvcompress keeps."""
-    cases = [(1500, 0.6, None), (300, 0.5, {"method": "streamingllm", "budget": 64}),
-             (1000, 0.2, {"method": "h2o", "budget": 192}), (700, 0.8, {"method": "full"}),
-             (1200, 0.3, {"method": "snapkv", "budget": 128, "window": 16}),
-             (800, 0.4, {"method": "expected", "budget": 128})]
+    cases = [
+        (1500, 0.6, None),
+        (300, 0.5, {"method": "streamingllm", "budget": 64}),
+        (1000, 0.2, {"method": "h2o", "budget": 192}),
+        (700, 0.8, {"method": "full"}),
+        (1200, 0.3, {"method": "snapkv", "budget": 128, "window": 16}),
+        (800, 0.4, {"method": "expected", "budget": 128}),
+    ]
     assert len(served_alike(engine, library, cases)) == 5  # every request compressed but the one keeping its full cache
 
 
-QUESTIONS = [(demo.QUESTION, None), ("What colour is the door of the east wing?", {"method": "snapkv", "budget": 128}),
-             ("Summarise the document in one sentence.", {"method": "streamingllm", "budget": 96}),
-             (demo.QUESTION, {"method": "snapkv", "budget": 192, "window": 16}),
-             ("Which room is in the east wing?", {"method": "h2o", "budget": 160})]
+QUESTIONS = [
+    (demo.QUESTION, None),
+    ("What colour is the door of the east wing?", {"method": "snapkv", "budget": 128}),
+    ("Summarise the document in one sentence.", {"method": "streamingllm", "budget": 96}),
+    (demo.QUESTION, {"method": "snapkv", "budget": 192, "window": 16}),
+    ("Which room is in the east wing?", {"method": "h2o", "budget": 160}),
+]
 
 
 def test_questions_over_one_document_prefill_their_own_tokens_and_keep_what_the_library_keeps(engine, library):
@@ -91,8 +102,9 @@ def test_questions_over_one_document_prefill_their_own_tokens_and_keep_what_the_
     context = kvc.compress(model, tokenizer, [{"role": "user", "content": opening}], query_window=None)  # (H2O's)
     scheduler = engine.llm_engine.engine_core.engine_core.scheduler
     for i, (question, settings) in enumerate(QUESTIONS):
-        prompt = tokenizer.apply_chat_template([{"role": "user", "content": f"{opening}\n\n{question}"}],
-                                               tokenize=False, add_generation_prompt=True)
+        prompt = tokenizer.apply_chat_template(
+            [{"role": "user", "content": f"{opening}\n\n{question}"}], tokenize=False, add_generation_prompt=True
+        )
         vllm_worker.KEPT_POSITIONS.clear()
         served = engine.generate([prompt], sampling([(settings,)]), use_tqdm=False)[0]
         method = serving.method_of(settings, default=METHOD)
@@ -119,11 +131,13 @@ def test_a_question_that_says_where_it_begins_votes_with_its_own_tokens(engine, 
     start = len(context_ids(tokenizer, context.rows[0]))
     scheduler = engine.llm_engine.engine_core.engine_core.scheduler
     for i, (question, settings) in enumerate(QUESTIONS):
-        prompt = tokenizer.apply_chat_template([{"role": "user", "content": f"{opening}\n\n{question}"}],
-                                               tokenize=False, add_generation_prompt=True)
+        prompt = tokenizer.apply_chat_template(
+            [{"role": "user", "content": f"{opening}\n\n{question}"}], tokenize=False, add_generation_prompt=True
+        )
         vllm_worker.KEPT_POSITIONS.clear()
-        served = engine.generate([prompt], sampling([({**(settings or {}), "question_start": start},)]),
-                                 use_tqdm=False)[0]
+        served = engine.generate(
+            [prompt], sampling([({**(settings or {}), "question_start": start},)]), use_tqdm=False
+        )[0]
         method = serving.method_of(settings, default=METHOD)
         ours = kvc.generate(model, tokenizer, question, past=context, method=method, max_new_tokens=12)
         assert served.outputs[0].text == ours.text, settings
@@ -147,8 +161,9 @@ def test_the_api_servers_middleware_tells_a_chat_where_its_question_begins(monke
 
     from transformers import AutoTokenizer
 
-    monkeypatch.setenv(serving.ENGINE_ENV, json.dumps({**serving.engine_settings(METHOD),
-                                                       "model": str(default_model_dir())}))
+    monkeypatch.setenv(
+        serving.ENGINE_ENV, json.dumps({**serving.engine_settings(METHOD), "model": str(default_model_dir())})
+    )
     tokenizer = AutoTokenizer.from_pretrained(default_model_dir())
     messages = [{"role": "system", "content": "The code is 4817. " * 30}, {"role": "user", "content": "The code?"}]
 
@@ -175,8 +190,9 @@ def test_the_api_servers_middleware_tells_a_chat_where_its_question_begins(monke
     assert xargs(sent("/v1/chat/completions", {"messages": messages})[0]) == {"question_start": start}
     named = sent("/v1/chat/completions", {"messages": messages, "kvcompress": {"budget": 64, "question_start": 3}})[0]
     assert xargs(named)["question_start"] == 3 and xargs(named)["budget"] == 64
-    assert "question_start" not in xargs(sent("/v1/chat/completions", {
-        "messages": messages, "kvcompress": {"method": "h2o", "budget": 64}})[0])  # (H2O reads every query)
+    assert "question_start" not in xargs(
+        sent("/v1/chat/completions", {"messages": messages, "kvcompress": {"method": "h2o", "budget": 64}})[0]
+    )  # (H2O reads every query)
     assert sent("/v1/completions", {"prompt": "hello there"})[0] == {"prompt": "hello there"}  # (nothing to add)
     forwarded, replies = sent("/v1/completions", {"prompt": "hello there", "kvcompress": {"question_start": 9}})
     assert forwarded is None and replies[0]["status"] == 400
@@ -198,8 +214,9 @@ def test_a_prompt_is_read_back_from_vllms_paged_cache_whatever_its_layout():
         keys, values = torch.randn(2, 70, heads, size).to(dtype)
         blocks = torch.tensor([7, 2, 5], dtype=torch.int32)
         slots = blocks[torch.arange(70) // 32].long() * 32 + torch.arange(70) % 32
-        ops.cpu_attn_reshape_and_cache(keys, values, key_cache, value_cache, slots, isa, k_scale=1.0, v_scale=1.0,
-                                       kv_cache_dtype="auto")
+        ops.cpu_attn_reshape_and_cache(
+            keys, values, key_cache, value_cache, slots, isa, k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto"
+        )
         keys_t = keys.permute(1, 2, 0)  # [heads, size, tokens], as the scorer reads them
         assert torch.equal(vllm_worker.read_keys(cache, blocks, 70, isa), keys_t), (dtype, isa)
         assert torch.equal(vllm_worker.read_keys(cache, blocks, 45, isa), keys_t[..., :45]), (dtype, isa)
@@ -243,17 +260,26 @@ def sampling(cases: list[tuple]) -> list:
 
 def same_positions(layers: dict[str, torch.Tensor], cache: kvc.KVCompressCache) -> bool:
     """The positions vLLM kept in every layer (by name) are the ones ``cache`` keeps."""
-    return all(torch.equal(positions, cache.kept_positions(vllm_worker.layer_index(name))[0])
-               for name, positions in layers.items())
+    return all(
+        torch.equal(positions, cache.kept_positions(vllm_worker.layer_index(name))[0])
+        for name, positions in layers.items()
+    )
 
 
-FP8_REQUESTS = [(None, 0.3), ({"method": "full"}, 0.5), ({"method": "snapkv", "budget": 64}, 0.7),
-                ({"method": "streamingllm", "budget": 128}, 0.2), ({"method": "h2o", "budget": 192}, 0.6),
-                ({"method": "expected", "budget": 256}, 0.4)]
+FP8_REQUESTS = [
+    (None, 0.3),
+    ({"method": "full"}, 0.5),
+    ({"method": "snapkv", "budget": 64}, 0.7),
+    ({"method": "streamingllm", "budget": 128}, 0.2),
+    ({"method": "h2o", "budget": 192}, 0.6),
+    ({"method": "expected", "budget": 256}, 0.4),
+]
 
 
-@pytest.mark.skipif(not (torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()),
-                    reason="vLLM's CPU build holds an fp8 pool only with AVX-512 or AMX")
+@pytest.mark.skipif(
+    not (torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()),
+    reason="vLLM's CPU build holds an fp8 pool only with AVX-512 or AMX",
+)
 def test_an_fp8_pool_answers_each_request_as_the_library_codes_it(engine, library):
     """--kv-cache-dtype fp8, one engine prefilling 512 tokens a step (each prompt in three chunks, every chunk
     attending the earlier ones as computed), a sequence of requests of their own methods: each keeps the library's
@@ -263,15 +289,21 @@ def test_an_fp8_pool_answers_each_request_as_the_library_codes_it(engine, librar
     tokens were a near tie (the two computations differ by ~1e-5 before rounding, which moves an element across
     an fp8 rounding boundary now and then: docs/vllm.md); the same pool bytes hold 4x the float32 pool's blocks."""
     model, tokenizer = library
-    coded = vllm.LLM(model=str(default_model_dir()), **{**ENGINE, "max_num_batched_tokens": 512},
-                     enable_chunked_prefill=True, kv_cache_dtype="fp8", **serving.engine_options(METHOD))
+    coded = vllm.LLM(
+        model=str(default_model_dir()),
+        **{**ENGINE, "max_num_batched_tokens": 512},
+        enable_chunked_prefill=True,
+        kv_cache_dtype="fp8",
+        **serving.engine_options(METHOD),
+    )
     same = 0
     for settings, depth in FP8_REQUESTS:
         messages = chat(tokenizer, 1200, depth)
         prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         vllm_worker.KEPT_POSITIONS.clear()
-        params = vllm.SamplingParams(max_tokens=24, temperature=0, logprobs=2,
-                                     extra_args={"kvcompress": settings} if settings else None)
+        params = vllm.SamplingParams(
+            max_tokens=24, temperature=0, logprobs=2, extra_args={"kvcompress": settings} if settings else None
+        )
         served = coded.generate([prompt], params, use_tqdm=False)[0].outputs[0]
         method = dataclasses.replace(serving.method_of(settings, default=METHOD), kv_bits=8, kv_format="fp8")
         ours = kvc.generate(model, tokenizer, messages, method=method, max_new_tokens=24)
@@ -293,12 +325,19 @@ def test_an_fp8_pool_answers_each_request_as_the_library_codes_it(engine, librar
 def test_prompts_prefilled_in_chunks_are_compressed_after_their_last_chunk(library):
     """vLLM's default, chunked prefill: prompts longer than a step's token budget (512 here) compress
     too, each method keeping exactly what kvcompress keeps from the whole prompt, in a batch beside others."""
-    chunked = vllm.LLM(model=str(default_model_dir()), **{**ENGINE, "max_num_batched_tokens": 512},
-                       enable_chunked_prefill=True, **serving.engine_options(METHOD))
-    cases = [(1200, 0.3, None), (900, 0.6, {"method": "h2o", "budget": 160}),
-             (1400, 0.5, {"method": "streamingllm", "budget": 96}),
-             (200, 0.5, {"method": "snapkv", "budget": 64, "window": 8}),
-             (1100, 0.7, {"method": "expected", "budget": 200})]
+    chunked = vllm.LLM(
+        model=str(default_model_dir()),
+        **{**ENGINE, "max_num_batched_tokens": 512},
+        enable_chunked_prefill=True,
+        **serving.engine_options(METHOD),
+    )
+    cases = [
+        (1200, 0.3, None),
+        (900, 0.6, {"method": "h2o", "budget": 160}),
+        (1400, 0.5, {"method": "streamingllm", "budget": 96}),
+        (200, 0.5, {"method": "snapkv", "budget": 64, "window": 8}),
+        (1100, 0.7, {"method": "expected", "budget": 200}),
+    ]
     assert len(served_alike(chunked, library, cases)) == len(cases) and not vllm_worker.CHUNKS  # none held after
     # again: each prompt now finds its blocks in the prefix cache, read back at its last chunk (H2O and
     # ExpectedAttention, which score with every query, take no hit)
@@ -319,14 +358,21 @@ def test_a_compressed_request_preempted_by_vllm_finishes_with_the_same_tokens(en
     chats[1][0]["content"] = chats[1][0]["content"].replace("Read this document.", "Study this memo.")  # no prefix
     # shared past the chat template's first block: each prompt holds blocks of its own
     prompts = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in chats]
-    greedy = [vllm.SamplingParams(max_tokens=96, temperature=0, ignore_eos=True, extra_args={"kvcompress": s})
-              for *_, s in cases]
+    greedy = [
+        vllm.SamplingParams(max_tokens=96, temperature=0, ignore_eos=True, extra_args={"kvcompress": s})
+        for *_, s in cases
+    ]
     lengths = [len(tokenizer(prompt).input_ids) for prompt in prompts]
     room = sum(-(-n // 32) for n in lengths) + 1  # both prompts at once (and vLLM's null block), little to decode in
     steps = {"enable_chunked_prefill": True, "max_num_batched_tokens": lengths[1] // 2} if chunked else {}
-    tight = vllm.LLM(model=str(default_model_dir()), **{**ENGINE, "max_model_len": (room - 1) * 32, **steps},
-                     num_gpu_blocks_override=room, scheduling_policy="priority", disable_log_stats=False,
-                     **serving.engine_options(METHOD))
+    tight = vllm.LLM(
+        model=str(default_model_dir()),
+        **{**ENGINE, "max_model_len": (room - 1) * 32, **steps},
+        num_gpu_blocks_override=room,
+        scheduling_policy="priority",
+        disable_log_stats=False,
+        **serving.engine_options(METHOD),
+    )
     preempted = tight.generate(prompts, greedy, priority=[0, 1], use_tqdm=False)
     assert metric(tight, "vllm:num_preemptions") >= 1
     alone = engine.generate(prompts, greedy, use_tqdm=False)
@@ -367,14 +413,15 @@ def test_rows_are_found_by_their_whole_block_rows_and_ties_refused():
 
 
 def test_a_request_with_invalid_settings_is_refused_by_name(engine):
-    for settings, message in (({"method": "snapkv", "window": 0}, r"kvcompress: SnapKV: window=0 is invalid"),
-                              ({"method": "kvzip"},
-                               r"method='kvzip' cannot be served by vLLM: it scores from an observation pass"),
-                              ({"question_start": 50},
-                               r"kvcompress.question_start=50 is invalid for this prompt of \d+ tokens; valid: 0 to")):
+    for settings, message in (
+        ({"method": "snapkv", "window": 0}, r"kvcompress: SnapKV: window=0 is invalid"),
+        ({"method": "kvzip"}, r"method='kvzip' cannot be served by vLLM: it scores from an observation pass"),
+        ({"question_start": 50}, r"kvcompress.question_start=50 is invalid for this prompt of \d+ tokens; valid: 0 to"),
+    ):
         with pytest.raises(Exception, match=message):
-            engine.generate(["hello"], vllm.SamplingParams(max_tokens=2, extra_args={"kvcompress": settings}),
-                            use_tqdm=False)
+            engine.generate(
+                ["hello"], vllm.SamplingParams(max_tokens=2, extra_args={"kvcompress": settings}), use_tqdm=False
+            )
 
 
 def test_kvcompress_serve_answers_the_openai_client_as_the_library_does(library, tmp_path):
@@ -385,7 +432,8 @@ def test_kvcompress_serve_answers_the_openai_client_as_the_library_does(library,
     model, tokenizer = library
     server = Server(
         ["--budget", "256", "--dtype", "float32", "--max-model-len", "2048", "--enforce-eager", "--block-size", "32"],
-        tmp_path / "serve.log")
+        tmp_path / "serve.log",
+    )
     try:
         base = server.start(400).base
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", timeout=300, max_retries=0)
@@ -411,11 +459,16 @@ def test_kvcompress_serve_answers_the_openai_client_as_the_library_does(library,
             alone = kvc.generate(model, tokenizer, messages, method=serving.method_of(setting), max_new_tokens=16).text
             assert answers[i] == alone, setting
 
-        for bad, message in (({
-                "method": "snapkv", "budget": -3
-        }, r"kvcompress: SnapKV: budget=-3 is invalid; it must be an integer >= 1"), ({
-                "method": "nope"
-        }, r"kvcompress.method='nope' is unknown; valid: full, snapkv, streamingllm, h2o, expected")):
+        for bad, message in (
+            (
+                {"method": "snapkv", "budget": -3},
+                r"kvcompress: SnapKV: budget=-3 is invalid; it must be an integer >= 1",
+            ),
+            (
+                {"method": "nope"},
+                r"kvcompress.method='nope' is unknown; valid: full, snapkv, streamingllm, h2o, expected",
+            ),
+        ):
             with pytest.raises(openai.BadRequestError, match=message):
                 ask(max_tokens=4, extra_body={"kvcompress": bad})
 
@@ -445,15 +498,20 @@ def test_tensor_parallel_workers_each_keep_their_own_heads(tmp_path, monkeypatch
     method = kvc.SnapKV(budget=64, window=8, clustering="pool")
     cache = method.make_cache(model)
     with torch.no_grad():
-        ours = model.generate(torch.tensor([ids]), **{CACHE: cache}, max_new_tokens=8,
-                              do_sample=False)[0, len(ids):].tolist()
+        ours = model.generate(torch.tensor([ids]), **{CACHE: cache}, max_new_tokens=8, do_sample=False)[
+            0, len(ids) :
+        ].tolist()
         full = model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)[0, len(ids) :].tolist()
     assert ours != full  # the answer shows whether the workers compressed
     answers = []
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one core per worker (vLLM binds none on one NUMA node)
     for workers in (1, 2):
-        llm = vllm.LLM(model=str(folder), **{**ENGINE, "max_model_len": 1024, "max_num_batched_tokens": 1024},
-                       tensor_parallel_size=workers, **serving.engine_options(method))
+        llm = vllm.LLM(
+            model=str(folder),
+            **{**ENGINE, "max_model_len": 1024, "max_num_batched_tokens": 1024},
+            tensor_parallel_size=workers,
+            **serving.engine_options(method),
+        )
         greedy = vllm.SamplingParams(max_tokens=8, temperature=0)
         answers.append(llm.generate([{"prompt_token_ids": ids}], greedy, use_tqdm=False)[0])
         del llm
@@ -468,10 +526,16 @@ def test_a_method_reading_the_rotary_embedding_is_refused_for_a_model_without_on
     from transformers import GPT2Config
 
     GPT2Config(n_layer=1, n_head=2, n_embd=32).save_pretrained(tmp_path)
-    done = subprocess.run([sys.executable, "-m", "kvcompress", "serve", str(tmp_path), "--method", "expected"],
-                          capture_output=True, text=True, timeout=120)
-    why = ("method='expected' scores with the model's rotary embedding, and model type 'gpt2': transformers has no "
-           "single rotary class for it (no RoPE, or several)")
+    done = subprocess.run(
+        [sys.executable, "-m", "kvcompress", "serve", str(tmp_path), "--method", "expected"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    why = (
+        "method='expected' scores with the model's rotary embedding, and model type 'gpt2': transformers has no "
+        "single rotary class for it (no RoPE, or several)"
+    )
     # the last line (importing vLLM's CPU build prints one of its own before it), in the flags' words
     assert done.returncode == 2 and done.stderr.strip().splitlines()[-1] == f"kvcompress: error: {in_cli(why)}"
     assert in_cli(why).startswith("--method expected scores with")
@@ -519,10 +583,19 @@ def test_a_family_is_served_as_the_library_compresses_it_or_refused_at_start(fam
             refused.append((method, str(refusal)))
             continue
         with torch.no_grad():  # before vLLM loads the model (its transformers backend decorates transformers' classes)
-            ours.append(model.generate(torch.tensor([ids]), **{CACHE: method.make_cache(model, char_tokenizer())},
-                                       max_new_tokens=8, do_sample=False)[0, len(ids) :].tolist())
-    llm = vllm.LLM(model=str(tmp_path), **{**ENGINE, "max_model_len": 1024, "max_num_batched_tokens": 1024},
-                   **serving.engine_options(kvc.FullKV()))
+            ours.append(
+                model.generate(
+                    torch.tensor([ids]),
+                    **{CACHE: method.make_cache(model, char_tokenizer())},
+                    max_new_tokens=8,
+                    do_sample=False,
+                )[0, len(ids) :].tolist()
+            )
+    llm = vllm.LLM(
+        model=str(tmp_path),
+        **{**ENGINE, "max_model_len": 1024, "max_num_batched_tokens": 1024},
+        **serving.engine_options(kvc.FullKV()),
+    )
     params = [
         vllm.SamplingParams(max_tokens=8, temperature=0, extra_args={"kvcompress": {"method": m.name, **m.settings()}})
         for m in served
@@ -533,6 +606,10 @@ def test_a_family_is_served_as_the_library_compresses_it_or_refused_at_start(fam
         assert list(answer.outputs[0].token_ids) == tokens, method.name
     assert (family == "gemma2") == bool(refused) and len(served) + len(refused) == 3
     for method, why in refused[:1]:
-        done = subprocess.run([sys.executable, "-m", "kvcompress", "serve", str(tmp_path), "--method", method.name],
-                              capture_output=True, text=True, timeout=120)
+        done = subprocess.run(
+            [sys.executable, "-m", "kvcompress", "serve", str(tmp_path), "--method", method.name],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert done.returncode == 2 and done.stderr.strip().splitlines() == [f"kvcompress: error: {in_cli(why)}"]

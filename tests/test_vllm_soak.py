@@ -29,12 +29,28 @@ pytestmark = pytest.mark.skipif(not (default_model_dir() / "model.safetensors").
 SOAK = int(os.environ.get("KVCOMPRESS_SOAK_REQUESTS", "60"))
 ENGINE = kvc.SnapKV(budget=256)  # the server's own method; both sides run float32
 # a pool of 320 blocks (10,240 tokens), which bursts of long prompts fill
-FLAGS = ["--budget", "256", "--dtype", "float32", "--max-model-len", "4608", "--max-num-seqs", "16",
-         "--num-gpu-blocks-override", "320"]
-SETTINGS = [None, {"method": "full"}, {"method": "snapkv", "budget": 64},
-            {"method": "snapkv", "budget": 512, "window": 16},
-            {"method": "snapkv", "budget": 128, "clustering": "pool"}, {"method": "streamingllm", "budget": 128},
-            {"method": "h2o", "budget": 192}, {"method": "expected", "budget": 256}]
+FLAGS = [
+    "--budget",
+    "256",
+    "--dtype",
+    "float32",
+    "--max-model-len",
+    "4608",
+    "--max-num-seqs",
+    "16",
+    "--num-gpu-blocks-override",
+    "320",
+]
+SETTINGS = [
+    None,
+    {"method": "full"},
+    {"method": "snapkv", "budget": 64},
+    {"method": "snapkv", "budget": 512, "window": 16},
+    {"method": "snapkv", "budget": 128, "clustering": "pool"},
+    {"method": "streamingllm", "budget": 128},
+    {"method": "h2o", "budget": 192},
+    {"method": "expected", "budget": 256},
+]
 LONGEST = 128  # max_tokens is drawn from 1 to this
 
 
@@ -76,8 +92,9 @@ class Library:
 
     def expected(self, case: Case, max_tokens: int) -> list[int]:
         if case.key() not in self.answers:
-            self.answers[case.key()] = kvc.generate(self.model, self.tokenizer, case.messages, method=case.method(),
-                                                    max_new_tokens=LONGEST).token_ids[0]
+            self.answers[case.key()] = kvc.generate(
+                self.model, self.tokenizer, case.messages, method=case.method(), max_new_tokens=LONGEST
+            ).token_ids[0]
         return self.strip(self.answers[case.key()][:max_tokens])
 
     def strip(self, ids: list[int]) -> list[int]:
@@ -85,8 +102,9 @@ class Library:
         return next((ids[:i] for i, t in enumerate(ids) if t in self.eos), list(ids))
 
 
-async def ask(client, model: str, case: Case, max_tokens: int, stream: bool,
-              abort_after: int | None = None) -> list[int]:
+async def ask(
+    client, model: str, case: Case, max_tokens: int, stream: bool, abort_after: int | None = None
+) -> list[int]:
     """The answer's token ids (vLLM's ``return_token_ids``); with ``abort_after``, the client disconnects after that
     many chunks of a streamed answer."""
     extra = {"return_token_ids": True, **({} if case.settings is None else {"kvcompress": case.settings})}
@@ -131,9 +149,11 @@ def differences(library: Library, answers: list[tuple]) -> list[str]:
         expected, got = library.expected(case, max_tokens), library.strip(ids)
         if got != expected:
             at = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), min(len(got), len(expected)))
-            wrong.append(f"{case.settings or 'server default'}, {len(case.messages[0]['content'])} characters, "
-                         f"max_tokens {max_tokens}, stream {stream}: differs at token {at}: "
-                         f"{library.tokenizer.decode(got)!r} vs the library's {library.tokenizer.decode(expected)!r}")
+            wrong.append(
+                f"{case.settings or 'server default'}, {len(case.messages[0]['content'])} characters, "
+                f"max_tokens {max_tokens}, stream {stream}: differs at token {at}: "
+                f"{library.tokenizer.decode(got)!r} vs the library's {library.tokenizer.decode(expected)!r}"
+            )
     return wrong
 
 
@@ -143,9 +163,16 @@ def test_one_server_answers_every_compressed_request_as_the_library_does(server,
     request on a server used to answer "TheTheThe...")."""
     _, tokenizer = library
     first, second, third = chat(tokenizer, 1400, 0.3), chat(tokenizer, 1150, 0.6), chat(tokenizer, 600, 0.8)
-    cases = [Case(first, None), Case(second, None), Case(first, None), Case(third, {"method": "h2o", "budget": 128}),
-             Case(second, {"method": "snapkv", "budget": 128}), Case(first, {"method": "expected", "budget": 200}),
-             Case(third, {"method": "streamingllm", "budget": 96}), Case(second, None)]
+    cases = [
+        Case(first, None),
+        Case(second, None),
+        Case(first, None),
+        Case(third, {"method": "h2o", "budget": 128}),
+        Case(second, {"method": "snapkv", "budget": 128}),
+        Case(first, {"method": "expected", "budget": 200}),
+        Case(third, {"method": "streamingllm", "budget": 96}),
+        Case(second, None),
+    ]
     answers = served_answers(server, [[(case, 24, False, None)] for case in cases])
     assert differences(Library(library), answers) == []
 
@@ -181,9 +208,13 @@ def soak_plan(tokenizer, requests: int, seed: int = 0) -> list[list[tuple]]:
     return plan
 
 
-FOLLOW_UPS = ["What colour is the door of the east wing?", "Repeat the access code, digits only.",
-              "Which wing holds the archive room?", "Summarise the document in one sentence.",
-              "What did you say the access code was?"]
+FOLLOW_UPS = [
+    "What colour is the door of the east wing?",
+    "Repeat the access code, digits only.",
+    "Which wing holds the archive room?",
+    "Summarise the document in one sentence.",
+    "What did you say the access code was?",
+]
 
 
 def shared_cases(tokenizer, rng: random.Random) -> list[Case]:
@@ -192,8 +223,10 @@ def shared_cases(tokenizer, rng: random.Random) -> list[Case]:
     document = chat(tokenizer, 2400, 0.35)[0]["content"].rsplit("\n\n", 1)[0]
     questions = [demo.QUESTION, *FOLLOW_UPS[:3]]
     cases = [Case([{"role": "user", "content": f"{document}\n\n{q}"}], rng.choice(SETTINGS)) for q in questions]
-    turns = [{"role": "user", "content": f"{document}\n\n{demo.QUESTION}"},
-             {"role": "assistant", "content": "The access code for the archive room in the east wing is 4817."}]
+    turns = [
+        {"role": "user", "content": f"{document}\n\n{demo.QUESTION}"},
+        {"role": "assistant", "content": "The access code for the archive room in the east wing is 4817."},
+    ]
     for follow_up in FOLLOW_UPS[3:]:
         turns += [{"role": "user", "content": follow_up}]
         cases.append(Case(list(turns), rng.choice(SETTINGS)))
@@ -214,8 +247,9 @@ def test_a_conversation_finds_its_earlier_turns_in_the_prefix_cache(server, libr
     messages, previous = chat(tokenizer, 1300, 0.5), 0
     for turn, follow_up in enumerate([*FOLLOW_UPS, None]):
         before = settled_gauge(server.base, "vllm:prefix_cache_hits_total")
-        reply = client.chat.completions.create(model=name, messages=messages, max_tokens=24, temperature=0,
-                                               extra_body={"return_token_ids": True})
+        reply = client.chat.completions.create(
+            model=name, messages=messages, max_tokens=24, temperature=0, extra_body={"return_token_ids": True}
+        )
         hits = settled_gauge(server.base, "vllm:prefix_cache_hits_total") - before
         expected = kvc.generate(model, tokenizer, messages, method=ENGINE, max_new_tokens=24).token_ids[0]
         assert reference.strip(reply.choices[0].model_extra["token_ids"]) == reference.strip(expected), turn
@@ -223,8 +257,11 @@ def test_a_conversation_finds_its_earlier_turns_in_the_prefix_cache(server, libr
             assert hits >= 0.9 * previous, (turn, hits, previous)  # 1,376 (the last whole block): unexplained
         previous = reply.usage.prompt_tokens
         if follow_up is not None:
-            messages = [*messages, {"role": "assistant", "content": reply.choices[0].message.content},
-                        {"role": "user", "content": follow_up}]
+            messages = [
+                *messages,
+                {"role": "assistant", "content": reply.choices[0].message.content},
+                {"role": "user", "content": follow_up},
+            ]
 
 
 def settled_gauge(base: str, name: str) -> float:

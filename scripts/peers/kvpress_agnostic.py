@@ -57,9 +57,19 @@ def shared_context_samples(tokenizer, args: argparse.Namespace) -> list[dict]:
     for length in [int(n) for n in _names(args.lengths)]:
         for seed in range(args.samples):
             sample = make_sample(tokenizer, length, seed, args.facts, args.haystack)
-            rows.append({"id": f"shared-{length}-{seed}", "task": "shared-context", "length": length, "seed": seed,
-                         "depth": None, "metric": "code", "max_new_tokens": 16, "context": sample.context,
-                         "questions": [{"question": q, "answers": [code]} for q, code in sample.questions[:-1]]})
+            rows.append(
+                {
+                    "id": f"shared-{length}-{seed}",
+                    "task": "shared-context",
+                    "length": length,
+                    "seed": seed,
+                    "depth": None,
+                    "metric": "code",
+                    "max_new_tokens": 16,
+                    "context": sample.context,
+                    "questions": [{"question": q, "answers": [code]} for q, code in sample.questions[:-1]],
+                }
+            )
     return rows
 
 
@@ -67,12 +77,28 @@ def track_samples(tokenizer, args: argparse.Namespace) -> list[dict]:
     """The question-agnostic track's samples for these flags."""
     from kvcompress.bench.accuracy import build_samples
 
-    samples = build_samples(tokenizer, _names(args.tasks), [int(n) for n in _names(args.lengths)],
-                            [float(d) for d in _names(args.depths)], args.samples, args.seed, args.haystack)
-    return [{"id": sample.id, "task": sample.task, "length": sample.length, "depth": sample.depth,
-             "metric": sample.metric, "max_new_tokens": sample.max_new_tokens, "context": sample.context,
-             "questions": [{"question": t.question, "answers": t.answers} for t in sample.questions()]}
-            for sample in samples]
+    samples = build_samples(
+        tokenizer,
+        _names(args.tasks),
+        [int(n) for n in _names(args.lengths)],
+        [float(d) for d in _names(args.depths)],
+        args.samples,
+        args.seed,
+        args.haystack,
+    )
+    return [
+        {
+            "id": sample.id,
+            "task": sample.task,
+            "length": sample.length,
+            "depth": sample.depth,
+            "metric": sample.metric,
+            "max_new_tokens": sample.max_new_tokens,
+            "context": sample.context,
+            "questions": [{"question": t.question, "answers": t.answers} for t in sample.questions()],
+        }
+        for sample in samples
+    ]
 
 
 def write_samples(args: argparse.Namespace) -> None:
@@ -97,7 +123,7 @@ def _press(name: str, ratio: float):
         "kvzip": lambda: KVzipPress(compression_ratio=ratio),
         "kvzip+": lambda: KVzipPress(compression_ratio=ratio, kvzip_plus_normalization=True),
         "expected": lambda: ExpectedAttentionPress(compression_ratio=ratio),
-        "snapkv": lambda: SnapKVPress(compression_ratio=ratio)
+        "snapkv": lambda: SnapKVPress(compression_ratio=ratio),
     }[name]()
 
 
@@ -127,8 +153,12 @@ def cache_bytes(cache) -> int | None:
     if cache is None:
         return None
     parts = ("keys", "values", "_quantized_keys", "_quantized_values")
-    return sum(_nbytes(getattr(layer, name)) for layer in cache.layers for name in parts
-               if isinstance(getattr(layer, name, None), torch.Tensor))
+    return sum(
+        _nbytes(getattr(layer, name))
+        for layer in cache.layers
+        for name in parts
+        if isinstance(getattr(layer, name, None), torch.Tensor)
+    )
 
 
 def label(press: str, budget: int, cache: str) -> str:
@@ -156,8 +186,13 @@ def _answers(pipe, sample: dict, press: str, ratio: float, cache: str) -> tuple[
         stored = _cache(cache, pipe.model.config)
         hook = pipe.model.register_forward_hook(lambda *_: None if held else held.update(bytes=cache_bytes(stored)))
         with torch.inference_mode():
-            said = pipe(sample["context"], questions=["\n\n" + q["question"] for q in questions],
-                        press=_press(press, ratio), cache=stored, max_new_tokens=sample["max_new_tokens"])
+            said = pipe(
+                sample["context"],
+                questions=["\n\n" + q["question"] for q in questions],
+                press=_press(press, ratio),
+                cache=stored,
+                max_new_tokens=sample["max_new_tokens"],
+            )
         answers += said["answers"]
         hook.remove()
     return answers, held.get("bytes")
@@ -178,9 +213,14 @@ def run_presses(args: argparse.Namespace) -> None:
     pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer, device="cpu")
     samples = [json.loads(line) for line in open(args.samples) if line.strip()]
     out = Path(args.out)
-    done = {(r["sample"], r["press"], r["budget"], r.get("cache", "dynamic"))
-            for r in map(json.loads,
-                         out.read_text().splitlines())} if out.exists() else set()
+    done = (
+        {
+            (r["sample"], r["press"], r["budget"], r.get("cache", "dynamic"))
+            for r in map(json.loads, out.read_text().splitlines())
+        }
+        if out.exists()
+        else set()
+    )
     print(
         f"kvpress {kvpress.__version__ if hasattr(kvpress, '__version__') else '?'}, transformers "
         f"{transformers.__version__}, torch {torch.__version__}"
@@ -188,8 +228,11 @@ def run_presses(args: argparse.Namespace) -> None:
     for sample in samples:
         context_tokens = len(tokenizer.encode(sample["context"], add_special_tokens=False))
         for name in _names(args.presses):
-            budgets = [max(16, round(context_tokens * args.fraction))] if args.fraction else [
-                int(b) for b in _names(args.budgets)]
+            budgets = (
+                [max(16, round(context_tokens * args.fraction))]
+                if args.fraction
+                else [int(b) for b in _names(args.budgets)]
+            )
             for budget in [context_tokens] if name == "none" else budgets:
                 if (sample["id"], name, budget, args.cache) in done:
                     continue
@@ -197,10 +240,15 @@ def run_presses(args: argparse.Namespace) -> None:
                 start = time.perf_counter()
                 answers, held = _answers(pipe, sample, name, ratio, args.cache)
                 row = {
-                    "sample": sample["id"], "press": name, "budget": budget, "cache": args.cache,
+                    "sample": sample["id"],
+                    "press": name,
+                    "budget": budget,
+                    "cache": args.cache,
                     "compression_ratio": ratio,
-                    "context_tokens": context_tokens, "answers": answers, "seconds": time.perf_counter() - start,
-                    "cache_bytes": held
+                    "context_tokens": context_tokens,
+                    "answers": answers,
+                    "seconds": time.perf_counter() - start,
+                    "cache_bytes": held,
                 }
                 with open(out, "a") as file:
                     file.write(json.dumps(row) + "\n")
@@ -222,11 +270,19 @@ def score_shared_context(samples: dict, args: argparse.Namespace) -> None:
         sample, method = samples[answer["sample"]], f"kvpress-{answer['press']}"
         if (sample["length"], sample["seed"], method) in done:
             continue
-        rows.append({"length": sample["length"], "seed": sample["seed"], "method": method, "mode": "multi-request",
-                     "kind": "once", "tokens": answer["context_tokens"], "budget": answer["budget"],
-                     "scores": [answered(text, q["answers"][0]) for text, q in zip(answer["answers"],
-                                                                                    sample["questions"])],
-                     "answers": answer["answers"]})
+        rows.append(
+            {
+                "length": sample["length"],
+                "seed": sample["seed"],
+                "method": method,
+                "mode": "multi-request",
+                "kind": "once",
+                "tokens": answer["context_tokens"],
+                "budget": answer["budget"],
+                "scores": [answered(text, q["answers"][0]) for text, q in zip(answer["answers"], sample["questions"])],
+                "answers": answer["answers"],
+            }
+        )
     with journal.open("a") as file:
         file.writelines(json.dumps(row) + "\n" for row in rows)
     write_summary(out)
@@ -244,9 +300,11 @@ def score_answers(args: argparse.Namespace) -> None:
     if not args.results:
         raise SystemExit("score: give --results (the track's results.jsonl) or --shared-context (a bench folder)")
     results = Path(args.results)
-    labelled = {(r["sample"], r["label"])
-                for r in map(json.loads,
-                             results.read_text().splitlines())} if results.exists() else set()
+    labelled = (
+        {(r["sample"], r["label"]) for r in map(json.loads, results.read_text().splitlines())}
+        if results.exists()
+        else set()
+    )
     rows = []
     for answer in map(json.loads, open(args.answers)):
         sample = samples[answer["sample"]]
@@ -255,14 +313,27 @@ def score_answers(args: argparse.Namespace) -> None:
             continue
         count = len(sample["questions"])
         for number, (question, prediction) in enumerate(zip(sample["questions"], answer["answers"]), start=1):
-            rows.append({
-                "sample": sample["id"], "task": sample["task"], "length": sample["length"], "depth": sample["depth"],
-                "turn": number, "turns": count, "label": named, "method": named.split("@")[0],
-                "budget": answer["budget"], "score": score(prediction, question["answers"], sample["metric"]),
-                "prediction": prediction, "answers": question["answers"], "prompt_tokens": answer["context_tokens"],
-                "kv_kept_fraction": 1 - answer["compression_ratio"], "device_fraction": 1 - answer["compression_ratio"],
-                "track": "agnostic", **({"device_bytes": answer["cache_bytes"]} if answer.get("cache_bytes") else {})
-            })
+            rows.append(
+                {
+                    "sample": sample["id"],
+                    "task": sample["task"],
+                    "length": sample["length"],
+                    "depth": sample["depth"],
+                    "turn": number,
+                    "turns": count,
+                    "label": named,
+                    "method": named.split("@")[0],
+                    "budget": answer["budget"],
+                    "score": score(prediction, question["answers"], sample["metric"]),
+                    "prediction": prediction,
+                    "answers": question["answers"],
+                    "prompt_tokens": answer["context_tokens"],
+                    "kv_kept_fraction": 1 - answer["compression_ratio"],
+                    "device_fraction": 1 - answer["compression_ratio"],
+                    "track": "agnostic",
+                    **({"device_bytes": answer["cache_bytes"]} if answer.get("cache_bytes") else {}),
+                }
+            )
     with open(results, "a") as file:
         file.writelines(json.dumps(row) + "\n" for row in rows)
     print(f"appended {len(rows)} rows to {results}")
@@ -286,12 +357,23 @@ def main() -> None:
     run.add_argument("--samples", required=True)
     run.add_argument("--presses", default=",".join(PRESSES), help=f"comma-separated: {', '.join(PRESSES)}")
     run.add_argument("--budgets", default="64,256", help="kept tokens per KV head")
-    run.add_argument("--fraction", type=float, default=None,
-                     help="instead of --budgets: this share of each context's tokens (bench shared-context's 1/16)")
-    run.add_argument("--model", default="~/.cache/kvcompress/smollm2-135m-instruct",
-                     help="the embedded model's folder (kvcompress fetch-model)")
-    run.add_argument("--cache", default="dynamic", choices=CACHES,
-                     help="transformers' QuantizedCache (optimum-quanto) under the presses, or kvpress's dynamic one")
+    run.add_argument(
+        "--fraction",
+        type=float,
+        default=None,
+        help="instead of --budgets: this share of each context's tokens (bench shared-context's 1/16)",
+    )
+    run.add_argument(
+        "--model",
+        default="~/.cache/kvcompress/smollm2-135m-instruct",
+        help="the embedded model's folder (kvcompress fetch-model)",
+    )
+    run.add_argument(
+        "--cache",
+        default="dynamic",
+        choices=CACHES,
+        help="transformers' QuantizedCache (optimum-quanto) under the presses, or kvpress's dynamic one",
+    )
     run.add_argument("--out", required=True)
     run.set_defaults(run=run_presses)
     scored = sub.add_parser("score", help="kvcompress's venv: score kvpress's answers into the track's results")

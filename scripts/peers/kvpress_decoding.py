@@ -26,7 +26,8 @@ def scorer(name: str):
     from kvpress import ExpectedAttentionPress, KnormPress, StreamingLLMPress
 
     return {"knorm": KnormPress, "streaming_llm": StreamingLLMPress, "expected_attention": ExpectedAttentionPress}[
-        name]()
+        name
+    ]()
 
 
 def read(model, prompt: list[int], continuation: list[int], eos: int, press=None) -> tuple[list[float], list[bool]]:
@@ -42,8 +43,17 @@ def read(model, prompt: list[int], continuation: list[int], eos: int, press=None
         model(input_ids=torch.tensor([prompt]), past_key_values=cache, use_cache=True, logits_to_keep=1)
         for step, token in enumerate(continuation[:-1]):
             where = torch.tensor([len(prompt) + step])  # the token's true position (the cache may be shorter)
-            logits = model(input_ids=torch.tensor([[token]]), past_key_values=cache, position_ids=where[None],
-                           cache_position=where, use_cache=True).logits[0, -1].float()
+            logits = (
+                model(
+                    input_ids=torch.tensor([[token]]),
+                    past_key_values=cache,
+                    position_ids=where[None],
+                    cache_position=where,
+                    use_cache=True,
+                )
+                .logits[0, -1]
+                .float()
+            )
             logits[eos] = -float("inf")
             logp = logits.log_softmax(-1)
             logps.append(float(logp[continuation[step + 1]]))
@@ -57,8 +67,9 @@ def main() -> None:
     parser.add_argument("--model", default="~/.cache/kvcompress/smollm2-135m-instruct")
     parser.add_argument("--bounds", default="1024")
     parser.add_argument("--scorers", default=",".join(SCORERS))
-    parser.add_argument("--every", type=int, default=64,
-                        help="DecodingPress's compression_interval (kvcompress's every)")
+    parser.add_argument(
+        "--every", type=int, default=64, help="DecodingPress's compression_interval (kvcompress's every)"
+    )
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     if args.out.exists():
@@ -86,14 +97,23 @@ def main() -> None:
                 logps, agree = read(model, prompt, continuation, eos, press)
                 gaps = [a - b for a, b in zip(full[index], logps)]
                 agreed = next((i for i, same in enumerate(agree) if not same), len(agree))
-                rows.append({"method": f"kvpress DecodingPress({name})", "bound": bound, "prompt": index,
-                             "ll_full": sum(full[index]) / len(full[index]), "ll": sum(logps) / len(logps),
-                             "gap": sum(gaps) / len(gaps), "agreed_tokens": agreed,
-                             "gap_curve": [sum(gaps[:n]) / n for n in range(256, len(gaps) + 1, 256)],
-                             "decode_s": time.perf_counter() - start})
+                rows.append(
+                    {
+                        "method": f"kvpress DecodingPress({name})",
+                        "bound": bound,
+                        "prompt": index,
+                        "ll_full": sum(full[index]) / len(full[index]),
+                        "ll": sum(logps) / len(logps),
+                        "gap": sum(gaps) / len(gaps),
+                        "agreed_tokens": agreed,
+                        "gap_curve": [sum(gaps[:n]) / n for n in range(256, len(gaps) + 1, 256)],
+                        "decode_s": time.perf_counter() - start,
+                    }
+                )
                 print(f"{name} {bound} row {index}: gap {rows[-1]['gap']:+.3f} agreed {agreed}", flush=True)
-                args.out.write_text(json.dumps({"kvpress_transformers": transformers.__version__, "rows": rows},
-                                               indent=1))
+                args.out.write_text(
+                    json.dumps({"kvpress_transformers": transformers.__version__, "rows": rows}, indent=1)
+                )
 
 
 if __name__ == "__main__":

@@ -24,13 +24,31 @@ _WHERE = {  # public name -> the module that defines it
     "observe": "bench.observe",
     "Compile": "generation.decode",
     **dict.fromkeys(("Prefill", "PromptTooLongError"), "generation.feed"),
-    **dict.fromkeys(("compress", "forced_logprobs", "generate", "prefill", "teacher_forced_logprobs"),
-                    "generation.generate"),
+    **dict.fromkeys(
+        ("compress", "forced_logprobs", "generate", "prefill", "teacher_forced_logprobs"), "generation.generate"
+    ),
     **dict.fromkeys(("Result", "load"), "generation.result"),
     "CacheFileError": "io.saved",
-    **dict.fromkeys(("H2O", "KVzip", "METHODS", "ExpectedAttention", "FullKV", "InvalidParameterError", "Loki",
-                     "Method", "Quest", "ShadowKV", "SnapKV", "StreamingLLM", "method_from_name", "method_from_spec",
-                     "register_method"), "methods"),
+    **dict.fromkeys(
+        (
+            "H2O",
+            "KVzip",
+            "METHODS",
+            "ExpectedAttention",
+            "FullKV",
+            "InvalidParameterError",
+            "Loki",
+            "Method",
+            "Quest",
+            "ShadowKV",
+            "SnapKV",
+            "StreamingLLM",
+            "method_from_name",
+            "method_from_spec",
+            "register_method",
+        ),
+        "methods",
+    ),
     **dict.fromkeys(("ModelNotAvailableError", "load_model"), "integrations.transformers.models"),
 }
 

@@ -23,8 +23,10 @@ from .generation.result import Result
 from .generation.stops import Stops
 from .methods import Method
 
-COMMANDS = ('/save FILE (write the conversation), /reset (forget it, keep the document), /quit (or Ctrl-D); """ '
-            'alone on a line opens and closes a message of several lines')
+COMMANDS = (
+    '/save FILE (write the conversation), /reset (forget it, keep the document), /quit (or Ctrl-D); """ '
+    "alone on a line opens and closes a message of several lines"
+)
 MULTILINE = '"""'  # a line of it alone opens, and closes, a message of several lines
 
 
@@ -50,7 +52,7 @@ class Printer:
     def show(self, text: str) -> None:
         """The answer's text up to here, of which the part not shown yet is written."""
         if len(text) > len(self.shown):
-            self.out.write(text[len(self.shown):])
+            self.out.write(text[len(self.shown) :])
             self.out.flush()
             self.shown = text
 
@@ -100,8 +102,10 @@ def cost_line(stats: dict[str, Any]) -> str:
     """What a turn cost: time to its first token, decoding speed, the device's and the store's bytes."""
     decode = stats.get("decode_ms_per_token")
     speed = f"{1000 / decode:.1f} tokens/s" if decode else "- tokens/s"
-    return (f"[TTFT {stats['prefill_s']:.2f} s | {speed} | device {stats['device_bytes'] / 2**20:.1f} MiB | "
-            f"store {stats.get('context_bytes', 0) / 2**20:.1f} MiB | {stats['prompt_tokens']} prompt tokens]")
+    return (
+        f"[TTFT {stats['prefill_s']:.2f} s | {speed} | device {stats['device_bytes'] / 2**20:.1f} MiB | "
+        f"store {stats.get('context_bytes', 0) / 2**20:.1f} MiB | {stats['prompt_tokens']} prompt tokens]"
+    )
 
 
 def stored_document(loaded: Result) -> Result:
@@ -110,27 +114,42 @@ def stored_document(loaded: Result) -> Result:
     if store is not None:
         return store
     if all(row.open_turn for row in loaded.rows):
-        raise ValueError(f"this file holds a document compressed with {loaded.cache.method.describe()}, which keeps "
-                         "only what it selected, and chat compresses each question over the whole document: store it "
-                         "with `kvcompress compress --method full --prompt-file DOC --out FILE`, or ask this file "
-                         "with `kvcompress generate --past`")
-    raise ValueError("this file holds a conversation without a stored document to ask per question; store one with "
-                     "`kvcompress compress --method full --prompt-file DOC --out FILE`, or continue this one with "
-                     "`kvcompress generate --past`")
+        raise ValueError(
+            f"this file holds a document compressed with {loaded.cache.method.describe()}, which keeps "
+            "only what it selected, and chat compresses each question over the whole document: store it "
+            "with `kvcompress compress --method full --prompt-file DOC --out FILE`, or ask this file "
+            "with `kvcompress generate --past`"
+        )
+    raise ValueError(
+        "this file holds a conversation without a stored document to ask per question; store one with "
+        "`kvcompress compress --method full --prompt-file DOC --out FILE`, or continue this one with "
+        "`kvcompress generate --past`"
+    )
 
 
-def chat(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, opened: Result, method: Method,
-         max_new_tokens: int, sampling: dict[str, Any], read: Callable[[str], str] = read_line,
-         out: TextIO = sys.stdout) -> int:
+def chat(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    opened: Result,
+    method: Method,
+    max_new_tokens: int,
+    sampling: dict[str, Any],
+    read: Callable[[str], str] = read_line,
+    out: TextIO = sys.stdout,
+) -> int:
     """The session: ``opened`` is a stored document (or a conversation over one) to continue."""
     store, turn = stored_document(opened), opened
-    out.write(f"Asking {method.describe()} per question over a stored document of "
-              f"{int(store.attention_mask.sum())} tokens. Commands: {COMMANDS}\n")
+    out.write(
+        f"Asking {method.describe()} per question over a stored document of "
+        f"{int(store.attention_mask.sum())} tokens. Commands: {COMMANDS}\n"
+    )
     if opened is not store:  # a saved conversation: said, so a user knows the next message continues it
         asked = sum(m["role"] == "user" for m in opened.rows[0].messages) if opened.rows[0].chat else None
         last = " ".join((opened.text if isinstance(opened.text, str) else opened.text[0]).split())
-        out.write(f"Resuming a saved conversation{'' if asked is None else f' of {asked} questions'}; its last answer: "
-                  f"{last[:77] + '...' if len(last) > 80 else last}\n")
+        out.write(
+            f"Resuming a saved conversation{'' if asked is None else f' of {asked} questions'}; its last answer: "
+            f"{last[:77] + '...' if len(last) > 80 else last}\n"
+        )
     while True:
         try:
             line = read_message(read).strip()
@@ -149,8 +168,16 @@ def chat(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, opened: Res
             turn = store if done == "reset" else turn
             continue
         try:
-            turn = generate(model, tokenizer, line, past=turn, method=method, max_new_tokens=max_new_tokens,
-                            streamer=Printer(tokenizer, out, Stops.of(sampling.get("stop"), tokenizer)), **sampling)
+            turn = generate(
+                model,
+                tokenizer,
+                line,
+                past=turn,
+                method=method,
+                max_new_tokens=max_new_tokens,
+                streamer=Printer(tokenizer, out, Stops.of(sampling.get("stop"), tokenizer)),
+                **sampling,
+            )
         except KeyboardInterrupt:
             out.write("\n(answer stopped; the conversation goes on from the last whole answer)\n")
             continue

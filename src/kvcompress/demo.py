@@ -61,6 +61,7 @@ def run_demo(
         if on_start:
             on_start(method)
         result = generate(model, tokenizer, messages, method=method, max_new_tokens=max_new_tokens)
-        rows.append(DemoRow(method.describe(), method.label(), result.text.strip(), ANSWER in result.text,
-                            result.stats))
+        rows.append(
+            DemoRow(method.describe(), method.label(), result.text.strip(), ANSWER in result.text, result.stats)
+        )
     return rows

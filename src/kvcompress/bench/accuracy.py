@@ -65,8 +65,15 @@ PRESETS: dict[str, dict] = {
 
 
 # Method stats recorded with every result when the method reports them (bytes are measured from the tensors).
-STAT_FIELDS = ("device_bytes", "kv_bytes_full", "offloaded_bytes", "chunk_hit_rate", "fetched_bytes_per_step",
-               "selected_tokens_per_step", "decode_ms_per_token")
+STAT_FIELDS = (
+    "device_bytes",
+    "kv_bytes_full",
+    "offloaded_bytes",
+    "chunk_hit_rate",
+    "fetched_bytes_per_step",
+    "selected_tokens_per_step",
+    "decode_ms_per_token",
+)
 
 
 @dataclass(frozen=True)
@@ -96,13 +103,22 @@ def method_configs(specs: list[str], budgets: list[int]) -> list[Config]:
             method = method_from_spec(asked)
             configs.append(Config(spec, cls.name, getattr(method, "budget", None), method, store))
         else:
-            configs += [Config(f"{spec}@{budget}", cls.name, budget, method_from_spec(asked, budget=budget), store)
-                        for budget in budgets]
+            configs += [
+                Config(f"{spec}@{budget}", cls.name, budget, method_from_spec(asked, budget=budget), store)
+                for budget in budgets
+            ]
     return sorted(configs, key=lambda c: c.label != "full")
 
 
-def build_samples(tokenizer: PreTrainedTokenizerBase, tasks: list[str], lengths: list[int], depths: list[float],
-                  samples: int, seed: int, haystack: str | None = None) -> list[Sample]:
+def build_samples(
+    tokenizer: PreTrainedTokenizerBase,
+    tasks: list[str],
+    lengths: list[int],
+    depths: list[float],
+    samples: int,
+    seed: int,
+    haystack: str | None = None,
+) -> list[Sample]:
     """Depth-grid tasks get every depth; the others one seeded depth per sample. ``haystack``
     ("prose" or "repeat") overrides each haystack task's default (passkey: repeat, others: prose)."""
     unknown = [t for t in tasks if t not in TASKS]
@@ -147,26 +163,48 @@ def _resume(path: Path, track: str) -> set[tuple[str, str]]:
 def _turns(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, sample: Sample, first: Result) -> list[Result]:
     results = [first]
     for turn in sample.turns[1:]:
-        results.append(generate(model, tokenizer, as_asked(tokenizer, turn.question), past=results[-1],
-                                max_new_tokens=sample.max_new_tokens))
+        results.append(
+            generate(
+                model,
+                tokenizer,
+                as_asked(tokenizer, turn.question),
+                past=results[-1],
+                max_new_tokens=sample.max_new_tokens,
+            )
+        )
     return results
 
 
 def _record(sample: Sample, config: Config, number: int, count: int, turn: Turn, result: Result, first: Result) -> dict:
     """One scored answer: the sample, the config, the answer and the first answer's cache stats."""
     return {
-        "sample": sample.id, "task": sample.task, "length": sample.length, "depth": sample.depth,
-        "turn": number, "turns": count, "label": config.label, "method": config.method_name,
-        "budget": config.budget, "score": score(result.text, turn.answers, sample.metric), "prediction": result.text,
-        "answers": turn.answers, "prompt_tokens": first.stats["prompt_tokens"],
-        "kv_kept_fraction": first.stats["kv_kept_fraction"], "device_fraction": first.stats["device_fraction"],
+        "sample": sample.id,
+        "task": sample.task,
+        "length": sample.length,
+        "depth": sample.depth,
+        "turn": number,
+        "turns": count,
+        "label": config.label,
+        "method": config.method_name,
+        "budget": config.budget,
+        "score": score(result.text, turn.answers, sample.metric),
+        "prediction": result.text,
+        "answers": turn.answers,
+        "prompt_tokens": first.stats["prompt_tokens"],
+        "kv_kept_fraction": first.stats["kv_kept_fraction"],
+        "device_fraction": first.stats["device_fraction"],
         **{k: first.stats[k] for k in STAT_FIELDS if first.stats.get(k) is not None},
-        **({"string_match": string_match_any(result.text, turn.answers)} if sample.metric == "f1" else {})
+        **({"string_match": string_match_any(result.text, turn.answers)} if sample.metric == "f1" else {}),
     }
 
 
-def _aware_records(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, sample: Sample, configs: list[Config],
-                   window: int | None) -> Iterator[list[dict]]:
+def _aware_records(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    sample: Sample,
+    configs: list[Config],
+    window: int | None,
+) -> Iterator[list[dict]]:
     """Question-aware: one prefill of context and question; each config's cache derived from it,
     teacher-forced along the full cache's answer (fidelity), then the follow-up turns."""
     record = prefill(model, tokenizer, sample.prompt(tokenizer), query_window=window)
@@ -174,8 +212,11 @@ def _aware_records(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, s
     answer_tokens = reference.token_ids[0] or [tokenizer.eos_token_id]
     reference_logprobs = teacher_forced_logprobs(model, record, FullKV(), answer_tokens)
     for config in configs:
-        first = reference if config.label == "full" else generate(
-            model, tokenizer, method=config.method, prefill=record, max_new_tokens=sample.max_new_tokens)
+        first = (
+            reference
+            if config.label == "full"
+            else generate(model, tokenizer, method=config.method, prefill=record, max_new_tokens=sample.max_new_tokens)
+        )
         agreement = fidelity(reference_logprobs, teacher_forced_logprobs(model, record, config.method, answer_tokens))
         results = _turns(model, tokenizer, sample, first)
         lines = [
@@ -186,59 +227,62 @@ def _aware_records(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, s
         yield lines
 
 
-def _agnostic_records(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, sample: Sample,
-                      configs: list[Config]) -> Iterator[list[dict]]:
+def _agnostic_records(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, sample: Sample, configs: list[Config]
+) -> Iterator[list[dict]]:
     """Question-agnostic: each config compresses the context alone; every question is asked of its own
     copy. A config with a store: the context stored once per store (shared by the configs that name it),
     each question compressed over it with the config's method (each answer's own stats recorded)."""
     questions = sample.questions()
+    asked = [as_asked(tokenizer, turn.question) for turn in questions]
     stores: dict[str, Result] = {}  # by the store's description
     document = user_prompt(tokenizer, sample.context)
     full: FullAnswers | None = None  # the full cache's answers, over the context stored whole
     for config in configs:
-        if config.store is not None:
+        if config.store is not None:  # each question compressed over the stored context by the config's method
             needs_all = any(c.store == config.store and c.method.queries_needed() is None for c in configs)
             key = config.store.describe()
             if key not in stores:
-                stores[key] = compress(model, tokenizer, document, method=config.store,
-                                       query_window=None if needs_all else QUERY_WINDOW)
-            context = stores[key]
-            results = [
-                generate(model, tokenizer, as_asked(tokenizer, turn.question), past=context, method=config.method,
-                         max_new_tokens=sample.max_new_tokens) for turn in questions
-            ]
-            lines = [
-                _record(sample, config, i, len(questions), turn, result, result)
-                for i, (turn, result) in enumerate(zip(questions, results), start=1)
-            ]
+                stores[key] = compress(
+                    model, tokenizer, document, method=config.store, query_window=None if needs_all else QUERY_WINDOW
+                )
+            context, method = stores[key], config.method
+        else:  # the context compressed alone, each question asked of its own copy
+            context, method = compress(model, tokenizer, document, method=config.method), None
+        results = [
+            generate(
+                model,
+                tokenizer,
+                question,
+                past=context if method else context.copy(),
+                method=method,
+                max_new_tokens=sample.max_new_tokens,
+            )
+            for question in asked
+        ]
+        lines = [
+            _record(sample, config, i, len(questions), turn, result, result if method else context)
+            for i, (turn, result) in enumerate(zip(questions, results), start=1)
+        ]
+        if config.store is not None:
             for line, result in zip(lines, results):
-                line.update(store=config.store.describe(), context_bytes=result.stats["context_bytes"],
-                            prefill_s=result.stats["prefill_s"])
-            method = config.method
-        else:
-            context = compress(model, tokenizer, document, method=config.method)
-            results = [
-                generate(model, tokenizer, as_asked(tokenizer, turn.question), past=context.copy(),
-                         max_new_tokens=sample.max_new_tokens)
-                for turn in questions
-            ]
-            lines = [
-                _record(sample, config, i, len(questions), turn, result, context)
-                for i, (turn, result) in enumerate(zip(questions, results), start=1)
-            ]
-            method = None
+                line.update(store=key, context_bytes=result.stats["context_bytes"], prefill_s=result.stats["prefill_s"])
         if full is None:
             whole = stores.get(FullKV().describe()) or compress(model, tokenizer, document, method=FullKV())
-            full = FullAnswers(model, tokenizer, whole, [as_asked(tokenizer, turn.question) for turn in questions],
-                               sample.max_new_tokens)
+            full = FullAnswers(model, tokenizer, whole, asked, sample.max_new_tokens)
         for line, fidelity_of in zip(lines, agreement(full, method, context=context)):
             line.update(fidelity_of, track="agnostic")
         yield lines
 
 
 def run_matrix(
-    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, samples: list[Sample], configs: list[Config],
-    out_dir: str | Path, progress: bool = True, question_agnostic: bool = False
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    samples: list[Sample],
+    configs: list[Config],
+    out_dir: str | Path,
+    progress: bool = True,
+    question_agnostic: bool = False,
 ) -> list[dict]:
     """Run every sample with every config, appending to ``out_dir/results.jsonl``; return all records."""
     out = Path(out_dir)
@@ -260,8 +304,11 @@ def run_matrix(
         if not todo:
             continue
         bar.set_postfix_str(sample.id)
-        runs = _agnostic_records(model, tokenizer, sample, todo) if question_agnostic else _aware_records(
-            model, tokenizer, sample, todo, window)
+        runs = (
+            _agnostic_records(model, tokenizer, sample, todo)
+            if question_agnostic
+            else _aware_records(model, tokenizer, sample, todo, window)
+        )
         for lines in runs:
             with path.open("a") as fh:
                 fh.write("".join(json.dumps(line) + "\n" for line in lines))
@@ -273,8 +320,11 @@ def run_matrix(
 def task_key(record: dict) -> str:
     """Where a record is summed: its task, and per turn for follow-up turns (the question-agnostic
     track's questions are independent, summed together)."""
-    return record["task"] if record["turns"] == 1 or record.get(
-        "track") == "agnostic" else f"{record['task']} t{record['turn']}"
+    return (
+        record["task"]
+        if record["turns"] == 1 or record.get("track") == "agnostic"
+        else f"{record['task']} t{record['turn']}"
+    )
 
 
 def summarize(records: list[dict]) -> list[dict]:
@@ -295,19 +345,30 @@ def summarize(records: list[dict]) -> list[dict]:
             values = [r[key] for r in group if r.get(key) is not None]
             return sum(values) / len(values) if values else None
 
-        rows.append({
-            "task": task, "method": group[0]["method"], "budget": group[0]["budget"], "label": label,
-            "samples": len(group), "score": sum(r["score"] for r in group) / len(group),
-            "retained": mine / full_score if full_score else None,
-            "top1_agreement": sum(r["top1_agreement"] for r in with_fidelity) / len(with_fidelity)
-            if with_fidelity else None,
-            "top1_agreement_95": bootstrap_interval([r["top1_agreement"] for r in with_fidelity])
-            if with_fidelity else None,
-            "kl": sum(r["kl"] for r in with_fidelity) / len(with_fidelity) if with_fidelity else None,
-            "kv_kept_fraction": mean("kv_kept_fraction"), "device_fraction": mean("device_fraction"),
-            "chunk_hit_rate": mean("chunk_hit_rate"),
-            "string_match": sum(r["string_match"] for r in group) / len(group) if "string_match" in group[0] else None
-        })
+        rows.append(
+            {
+                "task": task,
+                "method": group[0]["method"],
+                "budget": group[0]["budget"],
+                "label": label,
+                "samples": len(group),
+                "score": sum(r["score"] for r in group) / len(group),
+                "retained": mine / full_score if full_score else None,
+                "top1_agreement": sum(r["top1_agreement"] for r in with_fidelity) / len(with_fidelity)
+                if with_fidelity
+                else None,
+                "top1_agreement_95": bootstrap_interval([r["top1_agreement"] for r in with_fidelity])
+                if with_fidelity
+                else None,
+                "kl": sum(r["kl"] for r in with_fidelity) / len(with_fidelity) if with_fidelity else None,
+                "kv_kept_fraction": mean("kv_kept_fraction"),
+                "device_fraction": mean("device_fraction"),
+                "chunk_hit_rate": mean("chunk_hit_rate"),
+                "string_match": sum(r["string_match"] for r in group) / len(group)
+                if "string_match" in group[0]
+                else None,
+            }
+        )
     return rows
 
 
@@ -339,8 +400,9 @@ def run_accuracy(
     docstring), write ``summary.csv`` and plots; return the summary rows and the names of the files
     written in ``out_dir``."""
     built = build_samples(tokenizer, tasks, lengths, list(depths), samples, seed, haystack) + list(dataset or [])
-    records = run_matrix(model, tokenizer, built, method_configs(methods, budgets), out_dir, progress,
-                         question_agnostic)
+    records = run_matrix(
+        model, tokenizer, built, method_configs(methods, budgets), out_dir, progress, question_agnostic
+    )
     rows = summarize(records)
     write_summary(rows, Path(out_dir) / "summary.csv")
     written = ["results.jsonl", "summary.csv"]

@@ -22,8 +22,15 @@ class FullAnswers:
     on its own, the first ``requests`` of them; ``multi-turn``: one conversation, each turn asked over the full
     cache's conversation so far), with their teacher-forced log-probabilities. Computed on first need, once."""
 
-    def __init__(self, model: PreTrainedModel, tok: PreTrainedTokenizerBase, store: Result, questions: list[str],
-                 max_new_tokens: int, requests: int | None = None) -> None:
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tok: PreTrainedTokenizerBase,
+        store: Result,
+        questions: list[str],
+        max_new_tokens: int,
+        requests: int | None = None,
+    ) -> None:
         self.model, self.tok, self.store = model, tok, store
         self.questions, self.max_new_tokens = questions, max_new_tokens
         self.requests = len(questions) if requests is None else requests
@@ -35,8 +42,9 @@ class FullAnswers:
         if mode not in self.turns:
             turns, past = [], self.store
             for question in self.questions[: None if mode == "multi-turn" else self.requests]:
-                answer = generate(self.model, self.tok, question, past=past, method=FullKV(),
-                                  max_new_tokens=self.max_new_tokens)
+                answer = generate(
+                    self.model, self.tok, question, past=past, method=FullKV(), max_new_tokens=self.max_new_tokens
+                )
                 tokens = answer.token_ids[0] or [self.tok.eos_token_id]
                 reference = forced_logprobs(self.model, self.tok, tokens, prompt=question, past=past, method=FullKV())
                 turns.append((past, tokens, reference))
@@ -45,8 +53,9 @@ class FullAnswers:
         return self.turns[mode]
 
 
-def agreement(full: FullAnswers, method: Method | None, mode: str = "multi-request",
-              context: Result | None = None) -> list[dict[str, float]]:
+def agreement(
+    full: FullAnswers, method: Method | None, mode: str = "multi-request", context: Result | None = None
+) -> list[dict[str, float]]:
     """Per question, the full cache's answer teacher-forced under ``method``, each question compressed with it over
     the same context or conversation (or over ``context``, e.g. a thinned store), or, with ``method=None``, appended
     to a copy of ``context`` (compressed before any question): top-1 agreement and mean KL from the full cache's

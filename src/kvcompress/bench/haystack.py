@@ -13,8 +13,23 @@ from transformers import PreTrainedTokenizerBase
 from .ruler import essay_sentences
 
 # Modules whose documentation makes the prose: English that ships with every Python.
-PROSE_MODULES = ("argparse", "calendar", "csv", "difflib", "email", "fractions", "heapq", "json", "logging", "sched",
-                 "shutil", "string", "textwrap", "threading", "zipfile")
+PROSE_MODULES = (
+    "argparse",
+    "calendar",
+    "csv",
+    "difflib",
+    "email",
+    "fractions",
+    "heapq",
+    "json",
+    "logging",
+    "sched",
+    "shutil",
+    "string",
+    "textwrap",
+    "threading",
+    "zipfile",
+)
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 
 
@@ -32,8 +47,12 @@ def prose_sentences() -> tuple[str, ...]:
                 continue
             text = re.sub(r"\s+", " ", re.sub(r"[`*>|=_{}\[\]<]", " ", doc))
             for sentence in re.split(r"(?<=[.!?]) ", text):
-                if 40 <= len(sentence) <= 300 and sentence[0].isupper() and sentence.endswith(
-                        ".") and "(" not in sentence:
+                if (
+                    40 <= len(sentence) <= 300
+                    and sentence[0].isupper()
+                    and sentence.endswith(".")
+                    and "(" not in sentence
+                ):
                     sentences.append(sentence)
     return tuple(dict.fromkeys(sentences))
 
@@ -63,8 +82,13 @@ def token_len(tokenizer: PreTrainedTokenizerBase, text: str) -> int:
     return len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def fill(tokenizer: PreTrainedTokenizerBase, n_tokens: int, inserts: list[tuple[float, str]], kind: str = "prose",
-         seed: int | None = None) -> str:
+def fill(
+    tokenizer: PreTrainedTokenizerBase,
+    n_tokens: int,
+    inserts: list[tuple[float, str]],
+    kind: str = "prose",
+    seed: int | None = None,
+) -> str:
     """About ``n_tokens`` tokens of haystack with each ``(depth, text)`` insert placed at that depth
     (0 = start, 1 = end): at the sentence boundary nearest to that fraction of the haystack's tokens
     (of the haystack alone, not of haystack + inserts). The last sentence is cut at a token boundary

@@ -22,20 +22,48 @@ import torch
 from tqdm import tqdm
 from transformers import PreTrainedModel, StoppingCriteria
 
-from .speed import Journal, Timer, _is_oom, _peak_bytes, _reset_peak, machine, oom_figures, prompt_ids, run_speed
+from .speed import (
+    Journal,
+    SpeedGrid,
+    Timer,
+    _is_oom,
+    _peak_bytes,
+    _reset_peak,
+    machine,
+    oom_figures,
+    prompt_ids,
+    run_speed,
+)
 
-PAPER = {"source": "SnapKV (Li et al., 2024), abstract and Sec. 5.1: Mistral-7B on an A100 80GB",
-         "prompt_tokens": 16384, "batch": 2, "decode_speedup": 3.6, "memory_ratio": 8.2}
+PAPER = {
+    "source": "SnapKV (Li et al., 2024), abstract and Sec. 5.1: Mistral-7B on an A100 80GB",
+    "prompt_tokens": 16384,
+    "batch": 2,
+    "decode_speedup": 3.6,
+    "memory_ratio": 8.2,
+}
 # ShadowKV's paper setting: a 1.56% sparse budget, 48 outliers, rank 15.6% of the key width
 SHADOWKV_PAPER = "shadowkv:ratio=0.0156:outliers=48:rank_error=none"
 METHODS = ["full", "snapkv:budget=1024", "snapkv:budget=2048", SHADOWKV_PAPER]
 PRESETS: dict[str, dict] = {
     # The embedded model's shape (random weights, positions to 40K) on the CPU this project tests on.
-    "cpu": {"model": "smollm2-135m-long", "methods": METHODS,
-            "lengths": [4096, 16384, 32768], "batches": [1, 2], "steps": 16, "warmup": 3},
+    "cpu": {
+        "model": "smollm2-135m-long",
+        "methods": METHODS,
+        "lengths": [4096, 16384, 32768],
+        "batches": [1, 2],
+        "steps": 16,
+        "warmup": 3,
+    },
     # Llama-3.1-8B's shape (random bf16 weights) on one GPU.
-    "gpu": {"model": "llama-3.1-8b", "methods": METHODS,
-            "lengths": [4096, 16384, 32768], "batches": [1, 2], "steps": 32, "warmup": 5},
+    "gpu": {
+        "model": "llama-3.1-8b",
+        "methods": METHODS,
+        "lengths": [4096, 16384, 32768],
+        "batches": [1, 2],
+        "steps": 32,
+        "warmup": 5,
+    },
 }
 REFERENCE, CEILING = "transformers generate", "weights only"
 
@@ -64,14 +92,28 @@ def measure_generate(model: PreTrainedModel, name: str, length: int, batch: int,
         clock = StepClock(timer)
         new = 1 + warmup + steps
         start = timer.start()
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
-                             do_sample=False, stopping_criteria=[clock], pad_token_id=0, return_dict_in_generate=True)
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new,
+            min_new_tokens=new,
+            do_sample=False,
+            stopping_criteria=[clock],
+            pad_token_id=0,
+            return_dict_in_generate=True,
+        )
         gaps = [timer.between(a, b) for a, b in zip(clock.stamps, clock.stamps[1:])]
         decode_ms = statistics.median(gaps[warmup:])
         cache = getattr(out, "cache", None) or out.past_key_values  # 5.24 names it cache, 5.17 past_key_values
         kv = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
-        row.update(status="ok", ttft_s=timer.between(start, clock.stamps[0]) / 1000, decode_ms_per_token=decode_ms,
-                   tokens_per_s=batch * 1000 / decode_ms, kv_device_bytes=kv, peak_bytes=_peak_bytes(device))
+        row.update(
+            status="ok",
+            ttft_s=timer.between(start, clock.stamps[0]) / 1000,
+            decode_ms_per_token=decode_ms,
+            tokens_per_s=batch * 1000 / decode_ms,
+            kv_device_bytes=kv,
+            peak_bytes=_peak_bytes(device),
+        )
         del out, cache
     except (RuntimeError, MemoryError) as error:
         if not _is_oom(error):
@@ -98,13 +140,24 @@ def warm_up(model: PreTrainedModel, length: int, batch: int) -> None:
 def untouched(model: PreTrainedModel) -> None:
     """Raise unless no kvcompress cache has attached to ``model`` (its reference would not be transformers' own)."""
     if getattr(model, "_kvcompress_input_check", False):
-        raise ValueError("the headline's reference needs a model no kvcompress cache has attached to (attaching "
-                         "switches its attention and wraps its modules): build a fresh one")
+        raise ValueError(
+            "the headline's reference needs a model no kvcompress cache has attached to (attaching "
+            "switches its attention and wraps its modules): build a fresh one"
+        )
 
 
-def run_headline(model: PreTrainedModel, methods: list[str], lengths: list[int], batches: list[int],
-                 out_dir: str | Path, steps: int = 16, warmup: int = 3, model_name: str = "", progress: bool = True,
-                 compile: bool = False) -> dict:
+def run_headline(
+    model: PreTrainedModel,
+    methods: list[str],
+    lengths: list[int],
+    batches: list[int],
+    out_dir: str | Path,
+    steps: int = 16,
+    warmup: int = 3,
+    model_name: str = "",
+    progress: bool = True,
+    compile: bool = False,
+) -> dict:
     """Measure the reference and the ceiling, then kvcompress's grid, and compare them per prompt length and batch;
     writes ``headline.json`` and ``headline.png`` (and the grid's own files) to ``out_dir``; reruns resume."""
     untouched(model)
@@ -114,16 +167,28 @@ def run_headline(model: PreTrainedModel, methods: list[str], lengths: list[int],
     shapes = [(CEILING, 1, b) for b in batches] + [(REFERENCE, n, b) for n in lengths for b in batches]
     reference = []
     for name, n, b in tqdm(shapes, desc="transformers", disable=not progress, unit="run"):
+
         def run(name=name, n=n, b=b) -> dict:
             if warmup > 0:  # an untimed first prefill of this shape, as the grid warms up each shape
                 warm_up(model, n, b)
             return measure_generate(model, name, n, b, steps, warmup)
+
         reference.append(journal.measure((None, name, n, b, 0), run))
-    grid = run_speed(model, methods, lengths, batches, out, steps=steps, warmup=warmup, model_name=model_name,
-                     progress=progress, compile=compile)
-    report = {"machine": machine(model.device), "model": model_name, "dtype": str(next(model.parameters()).dtype),
-              "settings": {**settings, "methods": methods, "compile": compile}, "paper": PAPER, "reference": reference,
-              "rows": compare(reference, grid["rows"])}
+    grid = run_speed(
+        model,
+        SpeedGrid(methods, lengths, batches, steps=steps, warmup=warmup, model_name=model_name, compile=compile),
+        out,
+        progress=progress,
+    )
+    report = {
+        "machine": machine(model.device),
+        "model": model_name,
+        "dtype": str(next(model.parameters()).dtype),
+        "settings": {**settings, "methods": methods, "compile": compile},
+        "paper": PAPER,
+        "reference": reference,
+        "rows": compare(reference, grid["rows"]),
+    }
     out.mkdir(parents=True, exist_ok=True)
     (out / "headline.json").write_text(json.dumps(report, indent=2))
     plot_headline(report, out / "headline.png")
@@ -135,8 +200,9 @@ def compare(reference: list[dict], rows: list[dict]) -> list[dict]:
     prefill, whose logits give it) as a ratio, the decoding speedup, the KV memory ratio (transformers' cache bytes
     over the method's device bytes) and the peak's (weights and everything else included), and the ceiling's
     speedup (transformers' step over the weights-only step)."""
-    by_shape = {(r["prompt_tokens"], r["batch"]): r for r in reference
-                if r["method"] == REFERENCE and r["status"] == "ok"}
+    by_shape = {
+        (r["prompt_tokens"], r["batch"]): r for r in reference if r["method"] == REFERENCE and r["status"] == "ok"
+    }
     ceiling = {r["batch"]: r for r in reference if r["method"] == CEILING and r["status"] == "ok"}
     compared = []
     for row in rows:
@@ -145,16 +211,25 @@ def compare(reference: list[dict], rows: list[dict]) -> list[dict]:
             compared.append({key: row[key] for key in ("method", "prompt_tokens", "batch", "status")})
             continue
         floor = ceiling.get(row["batch"])
-        compared.append({
-            "method": row["method"], "prompt_tokens": row["prompt_tokens"], "batch": row["batch"], "status": "ok",
-            "ttft_s": row["prefill_s"], "ttft_vs_transformers": row["prefill_s"] / base["ttft_s"],
-            "decode_ms_per_token": row["decode_ms_per_token"], "transformers_ms_per_token": base["decode_ms_per_token"],
-            "decode_speedup": base["decode_ms_per_token"] / row["decode_ms_per_token"],
-            "kv_device_bytes": row["kv_device_bytes"], "memory_ratio": base["kv_device_bytes"] / row["kv_device_bytes"],
-            "peak_bytes": row["peak_bytes"], "peak_ratio": base["peak_bytes"] / row["peak_bytes"],
-            "ceiling_ms_per_token": floor and floor["decode_ms_per_token"],
-            "ceiling_speedup": floor and base["decode_ms_per_token"] / floor["decode_ms_per_token"]
-        })
+        compared.append(
+            {
+                "method": row["method"],
+                "prompt_tokens": row["prompt_tokens"],
+                "batch": row["batch"],
+                "status": "ok",
+                "ttft_s": row["prefill_s"],
+                "ttft_vs_transformers": row["prefill_s"] / base["ttft_s"],
+                "decode_ms_per_token": row["decode_ms_per_token"],
+                "transformers_ms_per_token": base["decode_ms_per_token"],
+                "decode_speedup": base["decode_ms_per_token"] / row["decode_ms_per_token"],
+                "kv_device_bytes": row["kv_device_bytes"],
+                "memory_ratio": base["kv_device_bytes"] / row["kv_device_bytes"],
+                "peak_bytes": row["peak_bytes"],
+                "peak_ratio": base["peak_bytes"] / row["peak_bytes"],
+                "ceiling_ms_per_token": floor and floor["decode_ms_per_token"],
+                "ceiling_speedup": floor and base["decode_ms_per_token"] / floor["decode_ms_per_token"],
+            }
+        )
     return compared
 
 
@@ -172,19 +247,29 @@ def plot_headline(report: dict, path: Path) -> None:
     for column, batch in enumerate(batches):
         speed, ttft = axes[0, column], axes[1, column]
         for method in dict.fromkeys(r["method"] for r in ok):
-            points = sorted((r["prompt_tokens"], r["decode_speedup"], r["ttft_vs_transformers"]) for r in ok
-                            if r["method"] == method and r["batch"] == batch)
+            points = sorted(
+                (r["prompt_tokens"], r["decode_speedup"], r["ttft_vs_transformers"])
+                for r in ok
+                if r["method"] == method and r["batch"] == batch
+            )
             if points:
                 lengths, speedups, ratios = zip(*points)
                 speed.plot(lengths, speedups, marker="o", label=method)
                 ttft.plot(lengths, ratios, marker="o", label=method)
-        ceiling = sorted({(r["prompt_tokens"], r["ceiling_speedup"]) for r in ok
-                          if r["batch"] == batch and r["ceiling_speedup"]})
+        ceiling = sorted(
+            {(r["prompt_tokens"], r["ceiling_speedup"]) for r in ok if r["batch"] == batch and r["ceiling_speedup"]}
+        )
         if ceiling:
             speed.plot(*zip(*ceiling), linestyle=":", color="black", label="ceiling (weights-only step)")
         if batch == PAPER["batch"]:
-            speed.scatter([PAPER["prompt_tokens"]], [PAPER["decode_speedup"]], marker="*", s=120, color="red",
-                          label="SnapKV paper (A100)")
+            speed.scatter(
+                [PAPER["prompt_tokens"]],
+                [PAPER["decode_speedup"]],
+                marker="*",
+                s=120,
+                color="red",
+                label="SnapKV paper (A100)",
+            )
         speed.axhline(1.0, color="grey", linewidth=0.8)
         ttft.axhline(1.0, color="grey", linewidth=0.8)
         speed.set_title(f"batch {batch}: decoding speedup over transformers", fontsize=9)

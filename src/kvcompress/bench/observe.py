@@ -89,9 +89,13 @@ def reuse_fraction(before: torch.Tensor, now: torch.Tensor) -> float:
 
 # --- the runs: the embedded model (or any) on prompts the project builds ------------------------------------
 
-NEEDLES = (("The vault code for the east wing is 4817.", "What is the vault code for the east wing?"),
-           ("The quarterly meeting takes place in room 12 of the old library.",
-            "Where does the quarterly meeting take place?"))
+NEEDLES = (
+    ("The vault code for the east wing is 4817.", "What is the vault code for the east wing?"),
+    (
+        "The quarterly meeting takes place in room 12 of the old library.",
+        "Where does the quarterly meeting take place?",
+    ),
+)
 LONG_ANSWER = "Summarize the text above in detail, paragraph by paragraph."
 
 
@@ -151,7 +155,9 @@ def record(model: PreTrainedModel, ids: list[int], queries: int, hooks: bool = F
             handles.append(
                 module.register_forward_pre_hook(
                     lambda _m, args, kwargs: inputs.append(kwargs.get("hidden_states", args[0] if args else None)[0]),
-                    with_kwargs=True))
+                    with_kwargs=True,
+                )
+            )
             handles.append(module.k_proj.register_forward_hook(lambda _m, _args, out: pre_rope.append(out[0])))
     try:
         model(torch.tensor([ids], device=model.device), **{cache.keyword: cache}, logits_to_keep=1)
@@ -159,8 +165,14 @@ def record(model: PreTrainedModel, ids: list[int], queries: int, hooks: bool = F
         for handle in handles:
             handle.remove()
     layers = [layer for layer in cache.layers if not layer.is_sliding]
-    return Recorded([layer.keys[0] for layer in layers], [layer.values[0] for layer in layers],
-                    [layer.queries[0] for layer in layers], layers[0].query_scaling, inputs, pre_rope)
+    return Recorded(
+        [layer.keys[0] for layer in layers],
+        [layer.values[0] for layer in layers],
+        [layer.queries[0] for layer in layers],
+        layers[0].query_scaling,
+        inputs,
+        pre_rope,
+    )
 
 
 def last_rows_attention(queries: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -173,8 +185,9 @@ def last_rows_attention(queries: torch.Tensor, keys: torch.Tensor, scaling: floa
 
 
 def _ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> list[int]:
-    return tokenizer(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
-                     add_special_tokens=False)["input_ids"]
+    return tokenizer(
+        tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), add_special_tokens=False
+    )["input_ids"]
 
 
 def _answer(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, messages: list[dict], tokens: int) -> list[int]:
@@ -183,8 +196,13 @@ def _answer(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, messages
     return generate(model, tokenizer, messages, method=FullKV(), max_new_tokens=tokens).token_ids[0]
 
 
-def hit_rates_along_generation(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, messages: list[dict],
-                               settings: Settings, prefix_end: int | None = None) -> dict:
+def hit_rates_along_generation(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    messages: list[dict],
+    settings: Settings,
+    prefix_end: int | None = None,
+) -> dict:
     """SnapKV's Fig. (a): the observation window's selection against each ``span`` of the generated answer, per
     layer (``prefix_end``: where the prefix ends, default before the window); also over the whole answer."""
     prompt = _ids(tokenizer, messages)
@@ -196,16 +214,19 @@ def hit_rates_along_generation(model: PreTrainedModel, tokenizer: PreTrainedToke
         attention = last_rows_attention(queries, keys, seen.scaling)[..., :end]
         selection = vote_mask(attention[:, : settings.window], settings.share)[:, None, :]
         generated = significant(attention[:, settings.window :], settings.theta)
-        per_layer.append([
-            hit_rate(generated[:, start:start + settings.span], selection)
-            for start in range(0, len(answer), settings.span)
-        ])
+        per_layer.append(
+            [
+                hit_rate(generated[:, start : start + settings.span], selection)
+                for start in range(0, len(answer), settings.span)
+            ]
+        )
         whole.append(hit_rate(generated, selection))
     return {"prompt_tokens": len(prompt), "answer_tokens": len(answer), "per_span": per_layer, "whole": whole}
 
 
-def pair_hit_rates(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, document: str, questions: list[str],
-                   settings: Settings) -> list:
+def pair_hit_rates(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, document: str, questions: list[str], settings: Settings
+) -> list:
     """SnapKV's Fig. (c): two questions on one document, each with its answer; each pair's last ``window`` tokens
     (question and answer) vote on the document (the tokens both prompts share), and ``H(vote A, vote B)``, per layer."""
     prompts = [_ids(tokenizer, [{"role": "user", "content": document + "\n\n" + question}]) for question in questions]
@@ -215,10 +236,12 @@ def pair_hit_rates(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, d
     for question, prompt in zip(questions, prompts):
         answer = _answer(model, tokenizer, [{"role": "user", "content": document + "\n\n" + question}], settings.window)
         seen = record(model, prompt + answer, settings.window)
-        selections.append([
-            vote_mask(last_rows_attention(q, k, seen.scaling)[..., :shared], settings.share)
-            for q, k in zip(seen.queries, seen.keys)
-        ])
+        selections.append(
+            [
+                vote_mask(last_rows_attention(q, k, seen.scaling)[..., :shared], settings.share)
+                for q, k in zip(seen.queries, seen.keys)
+            ]
+        )
     return [hit_rate(first, second) for first, second in zip(*selections)]
 
 
@@ -235,30 +258,36 @@ def key_spectra(model: PreTrainedModel, ids: list[int]) -> dict:
     seen = record(model, ids, 1, hooks=True)
     modules = list(attention_modules(model))
     kinds = {
-        "layer input": seen.inputs, "W_k": [m.k_proj.weight for m in modules],
-        "W_v": [m.v_proj.weight for m in modules], "pre-RoPE keys": seen.pre_rope,
+        "layer input": seen.inputs,
+        "W_k": [m.k_proj.weight for m in modules],
+        "W_v": [m.v_proj.weight for m in modules],
+        "pre-RoPE keys": seen.pre_rope,
         "post-RoPE keys": [k.transpose(0, 1).flatten(1) for k in seen.keys],
-        "values": [v.transpose(0, 1).flatten(1) for v in seen.values]
+        "values": [v.transpose(0, 1).flatten(1) for v in seen.values],
     }
     middle = len(modules) // 2
     spectra = {kind: [relative_spectrum(m) for m in matrices] for kind, matrices in kinds.items()}
     return {
-        "ranks_90": {kind: [energy_rank(s) for s in values]
-                     for kind, values in spectra.items()}, "middle_layer": middle,
-        "middle_spectra": {kind: values[middle].tolist()
-                           for kind, values in spectra.items()}
+        "ranks_90": {kind: [energy_rank(s) for s in values] for kind, values in spectra.items()},
+        "middle_layer": middle,
+        "middle_spectra": {kind: values[middle].tolist() for kind, values in spectra.items()},
     }
 
 
-def subspace_similarities(model: PreTrainedModel, context: list[int], continuation: list[int], other: list[int],
-                          rank: int) -> dict:
+def subspace_similarities(
+    model: PreTrainedModel, context: list[int], continuation: list[int], other: list[int], rank: int
+) -> dict:
     """ShadowKV's Fig. 1b: per layer, ``D`` between the rank-``rank`` right subspaces of a context's pre-RoPE keys and
     those of the context extended by ``continuation``, and of another context of the same length."""
-    keys = {name: record(model, ids, 1, hooks=True).pre_rope for name, ids in
-            (("context", context), ("extended", context + continuation), ("other", other))}
+    keys = {
+        name: record(model, ids, 1, hooks=True).pre_rope
+        for name, ids in (("context", context), ("extended", context + continuation), ("other", other))
+    }
     bases = {name: [top_subspace(k, rank) for k in layers] for name, layers in keys.items()}
-    return {"extended context": [subspace_similarity(a, b) for a, b in zip(bases["context"], bases["extended"])],
-            "inter-context": [subspace_similarity(a, b) for a, b in zip(bases["context"], bases["other"])]}
+    return {
+        "extended context": [subspace_similarity(a, b) for a, b in zip(bases["context"], bases["extended"])],
+        "inter-context": [subspace_similarity(a, b) for a, b in zip(bases["context"], bases["other"])],
+    }
 
 
 def svd_share(model: PreTrainedModel, ids: list[int], lengths: tuple[int, ...]) -> list[dict]:
@@ -283,15 +312,17 @@ def chunk_cosines(model: PreTrainedModel, ids: list[int], chunk: int, threshold:
     shares, quantiles = [], []
     for keys in seen.keys:
         valid = torch.ones(1, keys.shape[-2], dtype=torch.bool, device=keys.device)
-        minimum = chunk_min_cosine(keys[None].float(), chunk_landmarks(keys[None].float(), valid, chunk), valid,
-                                   chunk).flatten()
+        minimum = chunk_min_cosine(
+            keys[None].float(), chunk_landmarks(keys[None].float(), valid, chunk), valid, chunk
+        ).flatten()
         shares.append(outlier_fraction(minimum, threshold))
         quantiles.append(float(minimum.quantile(0.003)))
     return {"outlier_share": shares, "quantile_0.3%": quantiles}
 
 
-def needle_accuracy_by_rank(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, settings: Settings,
-                            ranks: tuple[int, ...]) -> list[dict]:
+def needle_accuracy_by_rank(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, settings: Settings, ranks: tuple[int, ...]
+) -> list[dict]:
     """ShadowKV's Fig. 3a: a needle's retrieval (depths 10%, 50%, 90%) with ShadowKV at each key rank, through the
     accuracy suite's needle task and scoring."""
     from ..generation.generate import generate  # noqa: PLC0415
@@ -303,16 +334,25 @@ def needle_accuracy_by_rank(model: PreTrainedModel, tokenizer: PreTrainedTokeniz
     for rank in ranks:
         scores = [
             score(
-                generate(model, tokenizer, sample.prompt(tokenizer), method=ShadowKV(budget=settings.budget, rank=rank),
-                         max_new_tokens=sample.max_new_tokens).text, sample.turns[0].answers, sample.metric)
+                generate(
+                    model,
+                    tokenizer,
+                    sample.prompt(tokenizer),
+                    method=ShadowKV(budget=settings.budget, rank=rank),
+                    max_new_tokens=sample.max_new_tokens,
+                ).text,
+                sample.turns[0].answers,
+                sample.metric,
+            )
             for sample in samples
         ]
         rows.append({"rank": rank, "accuracy": sum(scores) / len(scores)})
     return rows
 
 
-def observe(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, settings: Settings | None = None,
-            progress: bool = True) -> dict:
+def observe(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, settings: Settings | None = None, progress: bool = True
+) -> dict:
     """Every measurement above on ``model``, over a document built from the essays haystack with two facts in it."""
     from ..generation.generate import generate  # noqa: PLC0415
 
@@ -328,23 +368,37 @@ def observe(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, settings
     dim = model.config.get_text_config()
     steps = {
         "snapkv_along_generation": lambda: hit_rates_along_generation(
-            model, tokenizer, [{"role": "user", "content": document + "\n\n" + LONG_ANSWER}], settings),
+            model, tokenizer, [{"role": "user", "content": document + "\n\n" + LONG_ANSWER}], settings
+        ),
         "snapkv_question_after": lambda: hit_rates_along_generation(
-            model, tokenizer, [{"role": "user", "content": document + "\n\n" + question}], settings),
+            model, tokenizer, [{"role": "user", "content": document + "\n\n" + question}], settings
+        ),
         "snapkv_question_before": lambda: hit_rates_along_generation(
-            model, tokenizer, [{"role": "user", "content": question + "\n\n" + document}], settings),
+            model, tokenizer, [{"role": "user", "content": question + "\n\n" + document}], settings
+        ),
         "snapkv_question_pairs": lambda: pair_hit_rates(model, tokenizer, document, [q for _, q in NEEDLES], settings),
-        "shadowkv_spectra": lambda: key_spectra(model, ids[:settings.tokens]),
+        "shadowkv_spectra": lambda: key_spectra(model, ids[: settings.tokens]),
         "shadowkv_subspaces": lambda: subspace_similarities(
-            model, context, ids[len(context):settings.tokens], text("prose", len(context))[:len(context)],
-            settings.rank),
+            model,
+            context,
+            ids[len(context) : settings.tokens],
+            text("prose", len(context))[: len(context)],
+            settings.rank,
+        ),
         "shadowkv_svd_share": lambda: svd_share(model, ids, settings.lengths),
-        "shadowkv_chunks": lambda: chunk_cosines(model, ids[:settings.tokens], settings.chunk, settings.outlier_cosine),
-        "shadowkv_reuse": lambda: generate(model, tokenizer, [{
-            "role": "user", "content": document + "\n\n" + LONG_ANSWER
-        }], method=ShadowKV(budget=settings.budget), max_new_tokens=settings.generated).stats["chunk_hit_rate"],
+        "shadowkv_chunks": lambda: chunk_cosines(
+            model, ids[: settings.tokens], settings.chunk, settings.outlier_cosine
+        ),
+        "shadowkv_reuse": lambda: generate(
+            model,
+            tokenizer,
+            [{"role": "user", "content": document + "\n\n" + LONG_ANSWER}],
+            method=ShadowKV(budget=settings.budget),
+            max_new_tokens=settings.generated,
+        ).stats["chunk_hit_rate"],
         "shadowkv_rank_accuracy": lambda: needle_accuracy_by_rank(
-            model, tokenizer, settings, settings.ranks(dim.num_key_value_heads * dim.head_dim)),
+            model, tokenizer, settings, settings.ranks(dim.num_key_value_heads * dim.head_dim)
+        ),
     }
     results: dict = {"settings": asdict(settings)}
     for name, step in tqdm(steps.items(), desc="observe", disable=not progress, unit="step"):
@@ -368,27 +422,52 @@ def summary(results: dict) -> list[tuple[str, str, str]]:
     svd = results["shadowkv_svd_share"]
     rank_rows = results["shadowkv_rank_accuracy"]
     return [
-        ("SnapKV: H along generation, per window of answer tokens", " / ".join(fmt(v) for v in by_span),
-         "high in every window (Mistral-7B, Ultrachat)"),
-        ("SnapKV: H with the question after / before the document",
-         f"{fmt(_mean(results['snapkv_question_after']['whole']))} / "
-         f"{fmt(_mean(results['snapkv_question_before']['whole']))}", "high either way (LongBench QA)"),
-        ("SnapKV: H between two question-answer pairs on one document", fmt(_mean(results["snapkv_question_pairs"])),
-         "lower: questions vote for different keys"),
-        ("ShadowKV: rank holding 90% of the energy (input / W_k / W_v / pre-RoPE / post-RoPE / values)", " / ".join(
-            f"{_mean(ranks[k]):.0f}" for k in ("layer input", "W_k", "W_v", "pre-RoPE keys", "post-RoPE keys", "values")
-        ), "pre-RoPE keys the lowest"),
-        ("ShadowKV: D(context, extended) / D(context, another)",
-         f"{fmt(_mean(results['shadowkv_subspaces']['extended context']))} / "
-         f"{fmt(_mean(results['shadowkv_subspaces']['inter-context']))}", "high / low (rank 256, Llama-3.1-8B)"),
-        ("ShadowKV: SVD's share of the prefill, by prompt length",
-         " / ".join(f"{row['length']}: {row['svd_share']:.2f}" for row in svd), "falls as prompts grow"),
-        (f"ShadowKV: chunks with a key under cosine {results['settings']['outlier_cosine']} to their mean",
-         f"{100 * _mean(results['shadowkv_chunks']['outlier_share']):.2f}%", "outliers are 0.2-0.3% of chunks"),
+        (
+            "SnapKV: H along generation, per window of answer tokens",
+            " / ".join(fmt(v) for v in by_span),
+            "high in every window (Mistral-7B, Ultrachat)",
+        ),
+        (
+            "SnapKV: H with the question after / before the document",
+            f"{fmt(_mean(results['snapkv_question_after']['whole']))} / "
+            f"{fmt(_mean(results['snapkv_question_before']['whole']))}",
+            "high either way (LongBench QA)",
+        ),
+        (
+            "SnapKV: H between two question-answer pairs on one document",
+            fmt(_mean(results["snapkv_question_pairs"])),
+            "lower: questions vote for different keys",
+        ),
+        (
+            "ShadowKV: rank holding 90% of the energy (input / W_k / W_v / pre-RoPE / post-RoPE / values)",
+            " / ".join(
+                f"{_mean(ranks[k]):.0f}"
+                for k in ("layer input", "W_k", "W_v", "pre-RoPE keys", "post-RoPE keys", "values")
+            ),
+            "pre-RoPE keys the lowest",
+        ),
+        (
+            "ShadowKV: D(context, extended) / D(context, another)",
+            f"{fmt(_mean(results['shadowkv_subspaces']['extended context']))} / "
+            f"{fmt(_mean(results['shadowkv_subspaces']['inter-context']))}",
+            "high / low (rank 256, Llama-3.1-8B)",
+        ),
+        (
+            "ShadowKV: SVD's share of the prefill, by prompt length",
+            " / ".join(f"{row['length']}: {row['svd_share']:.2f}" for row in svd),
+            "falls as prompts grow",
+        ),
+        (
+            f"ShadowKV: chunks with a key under cosine {results['settings']['outlier_cosine']} to their mean",
+            f"{100 * _mean(results['shadowkv_chunks']['outlier_share']):.2f}%",
+            "outliers are 0.2-0.3% of chunks",
+        ),
         ("ShadowKV: selected chunks already selected the step before", fmt(results["shadowkv_reuse"]), "> 60%"),
-        ("ShadowKV: needle accuracy by key rank",
-         " / ".join(f"{row['rank']}: {row['accuracy']:.2f}" for row in rank_rows),
-         "no drop down to ~1/6 of the key width"),
+        (
+            "ShadowKV: needle accuracy by key rank",
+            " / ".join(f"{row['rank']}: {row['accuracy']:.2f}" for row in rank_rows),
+            "no drop down to ~1/6 of the key width",
+        ),
     ]
 
 
@@ -406,10 +485,14 @@ def write_report(results: dict, out: str | Path) -> list[str]:
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.4))
     spans = results["snapkv_along_generation"]["per_span"]
     for index in range(max(len(layer) for layer in spans)):
-        axes[0].plot([layer[index] if index < len(layer) else None for layer in spans],
-                     label=f"answer tokens {index * results['settings']['span']}+")
-    for key, label in (("snapkv_question_after", "question after the document"),
-                       ("snapkv_question_before", "question before")):
+        axes[0].plot(
+            [layer[index] if index < len(layer) else None for layer in spans],
+            label=f"answer tokens {index * results['settings']['span']}+",
+        )
+    for key, label in (
+        ("snapkv_question_after", "question after the document"),
+        ("snapkv_question_before", "question before"),
+    ):
         axes[1].plot(results[key]["whole"], label=label)
     axes[2].plot(results["snapkv_question_pairs"], label="H(vote A, vote B)")
     for axis, title in zip(axes, ("along generation", "question position", "two question-answer pairs")):
@@ -419,8 +502,11 @@ def write_report(results: dict, out: str | Path) -> list[str]:
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.4))
     for kind, values in results["shadowkv_spectra"]["middle_spectra"].items():
         axes[0].semilogy(values, label=kind)
-    axes[0].set(xlabel="singular value index", ylabel="relative singular value",
-                title=f"spectra, layer {results['shadowkv_spectra']['middle_layer']}")
+    axes[0].set(
+        xlabel="singular value index",
+        ylabel="relative singular value",
+        title=f"spectra, layer {results['shadowkv_spectra']['middle_layer']}",
+    )
     axes[0].legend(fontsize=7)
     for key, values in results["shadowkv_subspaces"].items():
         axes[1].plot(values, label=key)

@@ -27,9 +27,10 @@ def needle_heatmaps(records: list[dict], path: str | Path, task: str = "niah") -
     rows = -(-len(labels) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 2.8 * rows), squeeze=False)
     for ax, label in zip(axes.flat, labels):
-        grid = [[
-            sum(cells[label].get((d, n), [float("nan")])) / max(1, len(cells[label].get((d, n), []))) for n in lengths
-        ] for d in depths]
+        grid = [
+            [sum(cells[label].get((d, n), [float("nan")])) / max(1, len(cells[label].get((d, n), []))) for n in lengths]
+            for d in depths
+        ]
         ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
         for i, row in enumerate(grid):
             for j, value in enumerate(row):
@@ -88,7 +89,8 @@ def agreement_points(rows: list[dict], task: str) -> dict[str, list[tuple[float,
         if r["task"] == task and r.get("top1_agreement") is not None and r.get("device_fraction") is not None:
             low, high = r.get("top1_agreement_95") or (r["top1_agreement"], r["top1_agreement"])
             points.setdefault(r["label"].rsplit("@", 1)[0], []).append(
-                (r["device_fraction"], r["top1_agreement"], low, high))
+                (r["device_fraction"], r["top1_agreement"], low, high)
+            )
     return {setting: sorted(found) for setting, found in points.items()}
 
 
@@ -104,9 +106,14 @@ def agreement_vs_device(rows: list[dict], path: str | Path) -> bool:
     for ax, task in zip(axes.flat, tasks):
         for setting, points in by_task[task].items():
             device, agreed, low, high = zip(*points)
-            ax.errorbar(device, agreed, yerr=[[a - lo for a, lo in zip(agreed, low)],
-                                              [hi - a for a, hi in zip(agreed, high)]],
-                        marker="o", capsize=2, label=setting)
+            ax.errorbar(
+                device,
+                agreed,
+                yerr=[[a - lo for a, lo in zip(agreed, low)], [hi - a for a, hi in zip(agreed, high)]],
+                marker="o",
+                capsize=2,
+                label=setting,
+            )
         ax.set_xscale("log")
         ax.set_ylim(-0.05, 1.05)
         _label(ax, task, "device bytes (share of the full cache's)", "top-1 agreement")

@@ -43,9 +43,11 @@ def stats_table(stats: dict) -> Table:
 
 def compressed(out: str, size: int, stats: dict) -> str:
     """What ``kvcompress compress`` wrote (``size``: the file's bytes) and how to ask it."""
-    return (f"wrote {out}: {mib(size)} for {stats['prompt_tokens']} prompt tokens ({mib(stats['device_bytes'])} on "
-            f"the device, {mib(stats['offloaded_bytes'])} offloaded; compressed in {stats['compress_s']:.1f} s); "
-            f"ask with: kvcompress generate --past {out} --prompt QUESTION")
+    return (
+        f"wrote {out}: {mib(size)} for {stats['prompt_tokens']} prompt tokens ({mib(stats['device_bytes'])} on "
+        f"the device, {mib(stats['offloaded_bytes'])} offloaded; compressed in {stats['compress_s']:.1f} s); "
+        f"ask with: kvcompress generate --past {out} --prompt QUESTION"
+    )
 
 
 def methods() -> list[Any]:
@@ -64,26 +66,67 @@ def methods() -> list[Any]:
 
 def demo(rows: list[Any]) -> list[Any]:
     """The demo's answers and what each method held."""
-    table = Table("method", "answer ends", "correct", "KV/head", "KV kept", "of full", "on device", "prefill s",
-                  "ms/token", title="kvcompress demo")
+    table = Table(
+        "method",
+        "answer ends",
+        "correct",
+        "KV/head",
+        "KV kept",
+        "of full",
+        "on device",
+        "prefill s",
+        "ms/token",
+        title="kvcompress demo",
+    )
     for row in rows:
         s = row.stats
-        table.add_row(row.label, row.answer[-24:], "yes" if row.correct else "no", str(max(s["kv_tokens_per_layer"])),
-                      mib(s["kv_bytes_kept"]), f"{100 * s['kv_kept_fraction']:.1f}%", mib(s["device_bytes"]),
-                      f"{s['prefill_s']:.2f}", ms(s["decode_ms_per_token"]))
+        table.add_row(
+            row.label,
+            row.answer[-24:],
+            "yes" if row.correct else "no",
+            str(max(s["kv_tokens_per_layer"])),
+            mib(s["kv_bytes_kept"]),
+            f"{100 * s['kv_kept_fraction']:.1f}%",
+            mib(s["device_bytes"]),
+            f"{s['prefill_s']:.2f}",
+            ms(s["decode_ms_per_token"]),
+        )
     first = rows[0].stats
-    return [table, f"prompt: {first['prompt_tokens']} tokens; full KV cache {mib(first['kv_bytes_full'])}; on device: "
-                   "kept tokens plus room for the tokens to generate and each method's index"]
+    return [
+        table,
+        f"prompt: {first['prompt_tokens']} tokens; full KV cache {mib(first['kv_bytes_full'])}; on device: "
+        "kept tokens plus room for the tokens to generate and each method's index",
+    ]
 
 
 def accuracy(rows: list[dict]) -> Table:
     """``bench accuracy``'s summary, a row per task, method and budget."""
-    table = Table("task", "method", "budget", "n", "score", "retained", "top-1 agr.", "KL", "KV kept", "device",
-                  title="accuracy summary")
+    table = Table(
+        "task",
+        "method",
+        "budget",
+        "n",
+        "score",
+        "retained",
+        "top-1 agr.",
+        "KL",
+        "KV kept",
+        "device",
+        title="accuracy summary",
+    )
     for row in rows:
-        table.add_row(row["task"], row["label"], fmt(row["budget"]), str(row["samples"]), fmt(row["score"]),
-                      fmt(row["retained"]), fmt(row["top1_agreement"]), fmt(row["kl"]),
-                      f"{row['kv_kept_fraction']:.1%}", f"{row['device_fraction']:.1%}")
+        table.add_row(
+            row["task"],
+            row["label"],
+            fmt(row["budget"]),
+            str(row["samples"]),
+            fmt(row["score"]),
+            fmt(row["retained"]),
+            fmt(row["top1_agreement"]),
+            fmt(row["kl"]),
+            f"{row['kv_kept_fraction']:.1%}",
+            f"{row['device_fraction']:.1%}",
+        )
     return table
 
 
@@ -91,8 +134,10 @@ def machine(model: str, report: dict, weights: bool = False) -> str:
     """The model and the machine a benchmark ran on."""
     info = report["machine"]
     size = f", weights {mib(report['weight_bytes'])}" if weights else ""
-    return (f"{model} ({report['dtype']}{size}) on {info.get('gpu', info['device'])}, torch {info['torch']}, "
-            f"transformers {info['transformers']}, {info['cpu_threads']} threads")
+    return (
+        f"{model} ({report['dtype']}{size}) on {info.get('gpu', info['device'])}, torch {info['torch']}, "
+        f"transformers {info['transformers']}, {info['cpu_threads']} threads"
+    )
 
 
 def headline(model: str, report: dict, compiled: bool, out: str) -> list[Any]:
@@ -100,65 +145,128 @@ def headline(model: str, report: dict, compiled: bool, out: str) -> list[Any]:
     shown: list[Any] = [machine(model, report)]
     for row in report["reference"]:
         if row["status"] == "ok":
-            shown.append(f"{row['method']}: {row['prompt_tokens']} tokens x {row['batch']}: first token "
-                         f"{row['ttft_s']:.2f} s, {row['decode_ms_per_token']:.1f} ms/token, "
-                         f"KV {mib(row['kv_device_bytes'])}")
-    table = Table("method", "prompt", "batch", "TTFT s", "TTFT ratio", "ms/token", "transformers", "speedup", "ceiling",
-                  "KV MiB", "memory", "peak",
-                  title="against transformers' generate" + (" (compiled decoding)" if compiled else ""))
+            shown.append(
+                f"{row['method']}: {row['prompt_tokens']} tokens x {row['batch']}: first token "
+                f"{row['ttft_s']:.2f} s, {row['decode_ms_per_token']:.1f} ms/token, "
+                f"KV {mib(row['kv_device_bytes'])}"
+            )
+    table = Table(
+        "method",
+        "prompt",
+        "batch",
+        "TTFT s",
+        "TTFT ratio",
+        "ms/token",
+        "transformers",
+        "speedup",
+        "ceiling",
+        "KV MiB",
+        "memory",
+        "peak",
+        title="against transformers' generate" + (" (compiled decoding)" if compiled else ""),
+    )
     for r in report["rows"]:
         if r["status"] != "ok":
             table.add_row(r["method"], str(r["prompt_tokens"]), str(r["batch"]), r["status"], *["-"] * 8)
             continue
-        table.add_row(r["method"], str(r["prompt_tokens"]), str(r["batch"]), f"{r['ttft_s']:.2f}",
-                      f"{r['ttft_vs_transformers']:.2f}x", f"{r['decode_ms_per_token']:.1f}",
-                      f"{r['transformers_ms_per_token']:.1f}", f"{r['decode_speedup']:.2f}x",
-                      fmt(r["ceiling_speedup"] and f"{r['ceiling_speedup']:.2f}x"),
-                      f"{r['kv_device_bytes'] / 2**20:.1f}", f"{r['memory_ratio']:.1f}x", f"{r['peak_ratio']:.2f}x")
+        table.add_row(
+            r["method"],
+            str(r["prompt_tokens"]),
+            str(r["batch"]),
+            f"{r['ttft_s']:.2f}",
+            f"{r['ttft_vs_transformers']:.2f}x",
+            f"{r['decode_ms_per_token']:.1f}",
+            f"{r['transformers_ms_per_token']:.1f}",
+            f"{r['decode_speedup']:.2f}x",
+            fmt(r["ceiling_speedup"] and f"{r['ceiling_speedup']:.2f}x"),
+            f"{r['kv_device_bytes'] / 2**20:.1f}",
+            f"{r['memory_ratio']:.1f}x",
+            f"{r['peak_ratio']:.2f}x",
+        )
     paper = report["paper"]
-    return [*shown, table,
-            f"the paper: {paper['decode_speedup']}x decoding and {paper['memory_ratio']}x memory at "
-            f"{paper['prompt_tokens']} tokens, batch {paper['batch']} ({paper['source']}); ceiling: transformers' step "
-            "over the weights-only step",
-            *out_of_memory_lines(report["reference"] + report["rows"]),
-            f"wrote {out}/headline.json, headline.png, speed.json"]
+    return [
+        *shown,
+        table,
+        f"the paper: {paper['decode_speedup']}x decoding and {paper['memory_ratio']}x memory at "
+        f"{paper['prompt_tokens']} tokens, batch {paper['batch']} ({paper['source']}); ceiling: transformers' step "
+        "over the weights-only step",
+        *out_of_memory_lines(report["reference"] + report["rows"]),
+        f"wrote {out}/headline.json, headline.png, speed.json",
+    ]
 
 
-def speed(model: str, report: dict, compiled: bool, out: str) -> list[Any]:
-    """``bench speed``: the grid, the peak's slope per prompt token, offload overlaps and the limits searched."""
-    shown: list[Any] = [f"{machine(model, report, weights=True)}; measured copy bandwidth "
-                        f"{report['device_bandwidth'] / 1e9:.1f} GB/s"]
-    table = Table("method", "prompt", "batch", "prefill s", "compress", "ms/token", "bound ms", "tokens/s",
-                  "KV dev MiB", "offload MiB", "peak MiB", "GB/s read", "of copy bw", "ops/step",
-                  title="speed" + (" (compiled decoding)" if compiled else ""))
+SPEED_COLUMNS = (
+    "method",
+    "prompt",
+    "batch",
+    "prefill s",
+    "compress",
+    "ms/token",
+    "bound ms",
+    "tokens/s",
+    "KV dev MiB",
+    "offload MiB",
+    "peak MiB",
+    "GB/s read",
+    "of copy bw",
+    "ops/step",
+)
+
+
+def _speed_table(report: dict, compiled: bool) -> Table:
+    """``bench speed``'s grid, a row per (method, prompt, batch); in brackets the decoding time's spread."""
+    table = Table(*SPEED_COLUMNS, title="speed" + (" (compiled decoding)" if compiled else ""))
     for r in report["rows"]:
         if r["status"] != "ok":
             table.add_row(r["method"], str(r["prompt_tokens"]), str(r["batch"]), r["status"], *["-"] * 10)
             continue
         spread = f" ({min(r['decode_ms_runs']):.1f}-{max(r['decode_ms_runs']):.1f})" if "decode_ms_runs" in r else ""
-        table.add_row(r["method"], str(r["prompt_tokens"]), str(r["batch"]), f"{r['prefill_s']:.2f}",
-                      f"{r['compress_share']:.1%}", f"{r['decode_ms_per_token']:.1f}{spread}",
-                      f"{r['bound_ms_per_token']:.1f}",
-                      f"{r['tokens_per_s']:.1f}", f"{r['kv_device_bytes'] / 2**20:.1f}",
-                      f"{r['offloaded_bytes'] / 2**20:.1f}", f"{r['peak_bytes'] / 2**20:.0f}",
-                      f"{r['achieved_bandwidth'] / 1e9:.1f}", f"{r['bandwidth_fraction']:.0%}",
-                      f"{r['ops_per_step']} ({r['ops_vs_transformers']:.2f}x)")
-    shown.append(table)
+        table.add_row(
+            r["method"],
+            str(r["prompt_tokens"]),
+            str(r["batch"]),
+            f"{r['prefill_s']:.2f}",
+            f"{r['compress_share']:.1%}",
+            f"{r['decode_ms_per_token']:.1f}{spread}",
+            f"{r['bound_ms_per_token']:.1f}",
+            f"{r['tokens_per_s']:.1f}",
+            f"{r['kv_device_bytes'] / 2**20:.1f}",
+            f"{r['offloaded_bytes'] / 2**20:.1f}",
+            f"{r['peak_bytes'] / 2**20:.0f}",
+            f"{r['achieved_bandwidth'] / 1e9:.1f}",
+            f"{r['bandwidth_fraction']:.0%}",
+            f"{r['ops_per_step']} ({r['ops_vs_transformers']:.2f}x)",
+        )
+    return table
+
+
+def speed(model: str, report: dict, compiled: bool, out: str) -> list[Any]:
+    """``bench speed``: the grid, the peak's slope per prompt token, offload overlaps and the limits searched."""
+    shown: list[Any] = [
+        f"{machine(model, report, weights=True)}; measured copy bandwidth {report['device_bandwidth'] / 1e9:.1f} GB/s",
+        _speed_table(report, compiled),
+    ]
     repeats = report["settings"].get("repeats", 1)
     if repeats > 1:
-        shown.append(f"ms/token: the median of {repeats} runs of the grid, the methods' order reversed every other run "
-                     "(in brackets: the fastest and slowest run)")
+        shown.append(
+            f"ms/token: the median of {repeats} runs of the grid, the methods' order reversed every other run "
+            "(in brackets: the fastest and slowest run)"
+        )
     for slope in report.get("peak_slopes", []):
-        shown.append(f"{slope['method']} x {slope['batch']}: the peak grows {slope['bytes_per_token'] / 1024:.2f} KiB "
-                     f"per prompt token ({slope['hidden_vectors_per_token']:.2f} hidden-sized vectors) from "
-                     f"{slope['from_tokens']} to {slope['to_tokens']} tokens")
+        shown.append(
+            f"{slope['method']} x {slope['batch']}: the peak grows {slope['bytes_per_token'] / 1024:.2f} KiB "
+            f"per prompt token ({slope['hidden_vectors_per_token']:.2f} hidden-sized vectors) from "
+            f"{slope['from_tokens']} to {slope['to_tokens']} tokens"
+        )
     for r in (r for r in report["rows"] if "fetch_hidden" in r):
         share = r["fetch_hidden"]
         hidden = "no side stream here" if share is None else format(share, ".0%") + " of the fetch hidden"
-        shown.append(f"{r['method']} {r['prompt_tokens']} x {r['batch']}: one layer's store read "
-                     f"{r['layer_fetch_ms']:.3f} ms ({r['value_fetch']}), the work overlapped with it "
-                     f"{r['layer_work_ms']:.3f} ms, both {r['layer_fetch_and_work_ms']:.3f} ms: {hidden}; chunk hit "
-                     f"rate {fmt(r['chunk_hit_rate'])}")
+        shown.append(
+            f"{r['method']} {r['prompt_tokens']} x {r['batch']}: one layer's store read "
+            f"{r['layer_fetch_ms']:.3f} ms ({r['value_fetch']}), the work overlapped with it "
+            f"{r['layer_work_ms']:.3f} ms, both {r['layer_fetch_and_work_ms']:.3f} ms: {hidden}; chunk hit "
+            f"rate {fmt(r['chunk_hit_rate'])}"
+        )
     for limit in report.get("limits", []):
         shown.append(f"{limit['method']}: {limit['kind']} = {limit['value']} ({len(limit['tried'])} runs tried)")
     shown.extend(out_of_memory_lines(report["rows"]))
@@ -167,8 +275,11 @@ def speed(model: str, report: dict, compiled: bool, out: str) -> list[Any]:
 
 def out_of_memory_lines(rows: list[dict]) -> list[str]:
     """One line per run that ran out of device memory: what the allocator said and where."""
-    return [f"{r['method']} {r['prompt_tokens']} x {r['batch']}: out of memory at {r['where']}: {r['error']}"
-            for r in rows if r.get("status") == "oom" and r.get("error")]
+    return [
+        f"{r['method']} {r['prompt_tokens']} x {r['batch']}: out of memory at {r['where']}: {r['error']}"
+        for r in rows
+        if r.get("status") == "oom" and r.get("error")
+    ]
 
 
 def shared_context(summary: dict, out: str) -> list[Any]:
@@ -176,20 +287,29 @@ def shared_context(summary: dict, out: str) -> list[Any]:
     shown: list[Any] = []
     for mode, methods in summary.items():
         turns = max((len(row["score"]) for row in methods.values()), default=0)
-        table = Table("method", *(f"turn {t + 1}" for t in range(turns)), title=f"{mode}: answers right (of the full "
-                      "cache's)")
+        table = Table(
+            "method", *(f"turn {t + 1}" for t in range(turns)), title=f"{mode}: answers right (of the full cache's)"
+        )
         for spec, row in methods.items():
-            table.add_row(spec, *(f"{s:.2f}" + ("" if f is None else f" ({f:.2f})")
-                                  for s, f in zip(row["score"], row["of_full"])))
+            table.add_row(
+                spec, *(f"{s:.2f}" + ("" if f is None else f" ({f:.2f})") for s, f in zip(row["score"], row["of_full"]))
+            )
         shown.append(table)
         measured = {spec: row for spec, row in methods.items() if "agreement" in row}
         if measured:
-            agreed = Table("method", *(f"turn {t + 1}" for t in range(turns)),
-                           title=f"{mode}: the full cache's answer teacher-forced, top-1 agreement [95% interval]")
+            agreed = Table(
+                "method",
+                *(f"turn {t + 1}" for t in range(turns)),
+                title=f"{mode}: the full cache's answer teacher-forced, top-1 agreement [95% interval]",
+            )
             for spec, row in measured.items():
-                agreed.add_row(f"{spec} ({row['contexts']} contexts)",
-                               *(f"{a:.3f} [{low:.3f}, {high:.3f}]" for a, (low, high) in
-                                 zip(row["agreement"], row["agreement_95"])))
+                agreed.add_row(
+                    f"{spec} ({row['contexts']} contexts)",
+                    *(
+                        f"{a:.3f} [{low:.3f}, {high:.3f}]"
+                        for a, (low, high) in zip(row["agreement"], row["agreement_95"])
+                    ),
+                )
             shown.append(agreed)
     return [*shown, f"wrote {out}/results.jsonl, summary.json, shared_context.png"]
 

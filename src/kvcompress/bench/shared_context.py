@@ -68,16 +68,22 @@ class Sample:
     questions: list[tuple[str, str]]
 
 
-def make_sample(tokenizer: PreTrainedTokenizerBase, length: int, seed: int, facts: int,
-                haystack: str = "essays") -> Sample:
+def make_sample(
+    tokenizer: PreTrainedTokenizerBase, length: int, seed: int, facts: int, haystack: str = "essays"
+) -> Sample:
     """``facts`` codes of distinct animals at spread depths of about ``length`` tokens of ``haystack`` text
     (``bench.haystack``); a question per fact (in a shuffled order), then one that refers to the first answer."""
     rng = random.Random(f"{length}-{seed}")  # each length's samples their own facts
     names = rng.sample([f"{c} {a}" for c in COLORS for a in ANIMALS], facts)
     codes = [str(rng.randrange(1000, 10000)) for _ in names]
     depths = [(i + 0.5) / facts for i in range(facts)]
-    context = fill(tokenizer, length, [(d, f"The code of the {n} is {c}.") for d, n, c in zip(depths, names, codes)],
-                   kind=haystack, seed=seed)
+    context = fill(
+        tokenizer,
+        length,
+        [(d, f"The code of the {n} is {c}.") for d, n, c in zip(depths, names, codes)],
+        kind=haystack,
+        seed=seed,
+    )
     order = rng.sample(range(facts), facts)
     questions = [(f"What is the code of the {names[i]}? Answer with the code.", codes[i]) for i in order]
     questions.append(("Repeat the code you gave in your first answer.", codes[order[0]]))
@@ -123,8 +129,16 @@ def sixteen_bit_share(stats: dict) -> float:
     return stats["kv_kept_fraction"] * getattr(torch, stats["kv_dtype"]).itemsize / 2
 
 
-def ask_all(model: PreTrainedModel, tok: PreTrainedTokenizerBase, sample: Sample, spec: str, mode: str,
-            fraction: float, store: Result, max_new_tokens: int) -> tuple[list[str], list[float]]:
+def ask_all(
+    model: PreTrainedModel,
+    tok: PreTrainedTokenizerBase,
+    sample: Sample,
+    spec: str,
+    mode: str,
+    fraction: float,
+    store: Result,
+    max_new_tokens: int,
+) -> tuple[list[str], list[float]]:
     """Every answer of ``sample``'s questions with ``spec`` in ``mode`` (the last question, which refers to an
     earlier answer, only in a conversation), and the bytes each answer's cache held (``sixteen_bit_share``)."""
     questions = asked(tok, sample)[: None if mode == "multi-turn" else -1]
@@ -133,8 +147,13 @@ def ask_all(model: PreTrainedModel, tok: PreTrainedTokenizerBase, sample: Sample
     if kind == "once":
         base = compress(model, tok, user_prompt(tok, sample.context), method=method)
     elif kind == "first":
-        first = generate(model, tok, user_prompt(tok, sample.context + "\n\n" + questions[0]),
-                         method=method, max_new_tokens=max_new_tokens)
+        first = generate(
+            model,
+            tok,
+            user_prompt(tok, sample.context + "\n\n" + questions[0]),
+            method=method,
+            max_new_tokens=max_new_tokens,
+        )
         answers.append(first.text)
         held.append(sixteen_bit_share(first.stats))
         base, questions = first, questions[1:]
@@ -151,9 +170,19 @@ def ask_all(model: PreTrainedModel, tok: PreTrainedTokenizerBase, sample: Sample
     return answers, held
 
 
-def run_shared_context(model: PreTrainedModel, tok: PreTrainedTokenizerBase, specs: list[str], lengths: list[int],
-                       samples: int, facts: int, fraction: float, out_dir: str, max_new_tokens: int = 16,
-                       haystack: str = "essays", progress: Any = None) -> dict:
+def run_shared_context(
+    model: PreTrainedModel,
+    tok: PreTrainedTokenizerBase,
+    specs: list[str],
+    lengths: list[int],
+    samples: int,
+    facts: int,
+    fraction: float,
+    out_dir: str,
+    max_new_tokens: int = 16,
+    haystack: str = "essays",
+    progress: Any = None,
+) -> dict:
     """The grid: per length and sample, the context stored once, then each method in each mode; rows appended to
     ``results.jsonl`` as they come (a rerun skips what is there)."""
     out = Path(out_dir)
@@ -169,20 +198,31 @@ def run_shared_context(model: PreTrainedModel, tok: PreTrainedTokenizerBase, spe
                     if (length, seed, spec, mode) in done:
                         continue
                     if store is None:  # every prefill query kept: H2O and ExpectedAttention score with them all
-                        store = compress(model, tok, user_prompt(tok, sample.context), method=FullKV(),
-                                         query_window=None)
+                        store = compress(
+                            model, tok, user_prompt(tok, sample.context), method=FullKV(), query_window=None
+                        )
                     answers, held = ask_all(model, tok, sample, spec, mode, fraction, store, max_new_tokens)
-                    row = {"length": length, "seed": seed, "method": spec, "mode": mode,
-                           "kind": kind_of(spec), "tokens": int(store.attention_mask.sum()),
-                           "scores": [answered(said(tok, text), code)
-                                      for text, (_, code) in zip(answers, sample.questions)],
-                           "answers": answers, "kv16": sum(held) / len(held)}
+                    row = {
+                        "length": length,
+                        "seed": seed,
+                        "method": spec,
+                        "mode": mode,
+                        "kind": kind_of(spec),
+                        "tokens": int(store.attention_mask.sum()),
+                        "scores": [
+                            answered(said(tok, text), code) for text, (_, code) in zip(answers, sample.questions)
+                        ],
+                        "answers": answers,
+                        "kv16": sum(held) / len(held),
+                    }
                     if kind_of(spec) == "per-question":
-                        full = full or FullAnswers(model, tok, store, asked(tok, sample), max_new_tokens,
-                                                   requests=len(sample.questions) - 1)
+                        full = full or FullAnswers(
+                            model, tok, store, asked(tok, sample), max_new_tokens, requests=len(sample.questions) - 1
+                        )
                         fidelities = agreement(full, resolved(spec, row["tokens"], fraction), mode)
-                        row.update(agreement=[f["top1_agreement"] for f in fidelities],
-                                   kl=[f["kl"] for f in fidelities])
+                        row.update(
+                            agreement=[f["top1_agreement"] for f in fidelities], kl=[f["kl"] for f in fidelities]
+                        )
                     with journal.open("a") as fh:
                         fh.write(json.dumps(row) + "\n")
                     if progress is not None:
@@ -219,13 +259,18 @@ def summarize(rows: list[dict], specs: list[str]) -> dict:
             if not runs:  # e.g. kvpress's presses, run in the multi-request mode only
                 continue
             turns = max((len(r) for r in runs), default=0)
-            table[spec] = [sum(r[t] for r in runs if len(r) > t) / max(1, sum(len(r) > t for r in runs))
-                           for t in range(turns)]
+            table[spec] = [
+                sum(r[t] for r in runs if len(r) > t) / max(1, sum(len(r) > t for r in runs)) for t in range(turns)
+            ]
         full = table.get("full", [])
-        summary[mode] = {spec: {"score": by_turn, "of_full": [s / f if f else None for s, f in zip(by_turn, full)]
-                                if full else [None] * len(by_turn),
-                                **turn_agreement([r for r in rows if r["mode"] == mode and r["method"] == spec])}
-                         for spec, by_turn in table.items()}
+        summary[mode] = {
+            spec: {
+                "score": by_turn,
+                "of_full": [s / f if f else None for s, f in zip(by_turn, full)] if full else [None] * len(by_turn),
+                **turn_agreement([r for r in rows if r["mode"] == mode and r["method"] == spec]),
+            }
+            for spec, by_turn in table.items()
+        }
     return summary
 
 
@@ -240,10 +285,15 @@ def turn_agreement(rows: list[dict]) -> dict[str, list]:
     kls = [[r["kl"][t] for r in measured if len(r["kl"]) > t] for t in range(turns)]
     per_context = [sum(r["agreement"]) / len(r["agreement"]) for r in measured]
     held = [r["kv16"] for r in measured if "kv16" in r]
-    return {"agreement": [sum(v) / len(v) for v in by_turn], "agreement_95": [bootstrap_interval(v) for v in by_turn],
-            "kl": [sum(v) / len(v) for v in kls], "contexts": len(measured),
-            "all_turns": sum(per_context) / len(per_context), "all_turns_95": bootstrap_interval(per_context),
-            **({"kv16": sum(held) / len(held)} if held else {})}
+    return {
+        "agreement": [sum(v) / len(v) for v in by_turn],
+        "agreement_95": [bootstrap_interval(v) for v in by_turn],
+        "kl": [sum(v) / len(v) for v in kls],
+        "contexts": len(measured),
+        "all_turns": sum(per_context) / len(per_context),
+        "all_turns_95": bootstrap_interval(per_context),
+        **({"kv16": sum(held) / len(held)} if held else {}),
+    }
 
 
 def setting_of(spec: str) -> str:
@@ -273,9 +323,14 @@ def plot_frontier(summary: dict, path: Path) -> None:
     for axis, mode in zip(axes[0], MODES):
         for setting, points in curves[mode].items():
             held, agreed, low, high = zip(*sorted(points))
-            axis.errorbar(held, agreed, yerr=[[a - lo for a, lo in zip(agreed, low)],
-                                              [hi - a for a, hi in zip(agreed, high)]],
-                          marker="o", capsize=2, label=setting)
+            axis.errorbar(
+                held,
+                agreed,
+                yerr=[[a - lo for a, lo in zip(agreed, low)], [hi - a for a, hi in zip(agreed, high)]],
+                marker="o",
+                capsize=2,
+                label=setting,
+            )
         axis.set_xscale("log")
         axis.set_title(mode)
         axis.set_xlabel("bytes held (share of the 16-bit cache's)")
@@ -296,14 +351,20 @@ def plot(summary: dict, path: Path) -> None:
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
     agreed = any("agreement" in row for mode in MODES for row in summary[mode].values())
-    fig, axes = plt.subplots(2 if agreed else 1, len(MODES), figsize=(6 * len(MODES), 8 if agreed else 4),
-                             sharey="row", squeeze=False)
+    fig, axes = plt.subplots(
+        2 if agreed else 1, len(MODES), figsize=(6 * len(MODES), 8 if agreed else 4), sharey="row", squeeze=False
+    )
     for column, mode in enumerate(MODES):
         axis = axes[0][column]
         for spec, row in summary[mode].items():
             peer = spec.startswith("kvpress-")  # dashed: the colour cycle repeats after ten lines
-            axis.plot(range(1, len(row["score"]) + 1), row["score"], marker="x" if peer else "o",
-                      linestyle="--" if peer else "-", label=spec)
+            axis.plot(
+                range(1, len(row["score"]) + 1),
+                row["score"],
+                marker="x" if peer else "o",
+                linestyle="--" if peer else "-",
+                label=spec,
+            )
         axis.set_title(mode)
         axis.set_xticks(range(1, 1 + max((len(r["score"]) for r in summary[mode].values()), default=1)))
         axis.set_ylim(-0.05, 1.05)

@@ -20,7 +20,7 @@ import time
 import traceback
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -30,7 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from tqdm import tqdm
 from transformers import DynamicCache, PreTrainedModel
 
-from ..cache.kv_cache import cache_keyword
+from ..cache.kv_cache import KVCompressCache, cache_keyword
 from ..cache.layer import KVLayer
 from ..cache.tokens import TokenSpans
 from ..generation.conversation import Lead
@@ -47,13 +47,23 @@ HOST_READS = {"_local_scalar_dense", "item", "nonzero", "is_nonzero", "equal"}
 PRESETS: dict[str, dict] = {
     # The CPU check: the embedded model's shape, 1K-8K prompts (8000 leaves room to decode in 8K).
     "quick": {
-        "model": "smollm2-135m", "methods": ["full", "snapkv", "shadowkv:budget=2048"],
-        "lengths": [1024, 2048, 4096, 8000], "batches": [1], "budget": 1024, "steps": 16, "warmup": 3
+        "model": "smollm2-135m",
+        "methods": ["full", "snapkv", "shadowkv:budget=2048"],
+        "lengths": [1024, 2048, 4096, 8000],
+        "batches": [1],
+        "budget": 1024,
+        "steps": 16,
+        "warmup": 3,
     },
     # SnapKV Fig. 7 / ShadowKV Table 4 shapes on one GPU.
     "gpu": {
-        "model": "llama-3.1-8b", "methods": ["full", "snapkv", "shadowkv"], "lengths": [16384, 32768, 65536, 131000],
-        "batches": [1, 2, 4, 8], "budget": 2048, "steps": 32, "warmup": 5
+        "model": "llama-3.1-8b",
+        "methods": ["full", "snapkv", "shadowkv"],
+        "lengths": [16384, 32768, 65536, 131000],
+        "batches": [1, 2, 4, 8],
+        "budget": 2048,
+        "steps": 32,
+        "warmup": 5,
     },
 }
 
@@ -63,8 +73,14 @@ COMPILING_STEPS = 3
 
 
 def machine(device: torch.device) -> dict:
-    info = {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "cpu_threads": torch.get_num_threads(), "device": str(device)}
+    info = {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "cpu_threads": torch.get_num_threads(),
+        "device": str(device),
+    }
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         info.update(gpu=props.name, gpu_memory_bytes=props.total_memory)
@@ -81,8 +97,6 @@ def copy_bandwidth(device: torch.device, megabytes: int = 256) -> float:
         target.copy_(source)
         best = min(best, synced_clock(device) - start)
     return 2 * source.numel() * 4 / best
-
-
 
 
 def _reset_peak(device: torch.device) -> None:
@@ -139,8 +153,11 @@ def oom_figures(error: BaseException) -> dict:
     much was free) and the innermost kvcompress line that asked, so a report says where, not only that."""
     frames = [frame for frame in traceback.extract_tb(error.__traceback__) if "kvcompress" in frame.filename]
     where = f"{frames[-1].filename.rsplit('kvcompress', 1)[-1].lstrip('/')}:{frames[-1].lineno}" if frames else None
-    return {"status": "oom", "error": str(error).strip().splitlines()[0][:300] if str(error).strip() else
-            type(error).__name__, "where": where}
+    return {
+        "status": "oom",
+        "error": str(error).strip().splitlines()[0][:300] if str(error).strip() else type(error).__name__,
+        "where": where,
+    }
 
 
 @dataclass
@@ -198,7 +215,8 @@ def overlap_probe(layer: KVLayer) -> OverlapProbe | None:
         fetch=lambda: store.fetch(chosen, None, None, None, overlap=lambda: None),
         work=lambda: policy.rebuild_keys(chosen),
         both=lambda: store.fetch(chosen, None, None, None, overlap=lambda: policy.rebuild_keys(chosen)),
-        concurrent=store.stream is not None)
+        concurrent=store.stream is not None,
+    )
 
 
 def fetch_overlap_times(layer: KVLayer, timer: Timer, repeats: int = 10) -> dict | None:
@@ -246,13 +264,21 @@ class StepAudit(TorchDispatchMode):
         self.ops[name] += 1
         if self.record_fused and name.startswith("kvcompress."):
             self.fused_calls.append(
-                (name, (tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args), dict(kwargs or {}))))
+                (name, (tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args), dict(kwargs or {})))
+            )
         out = func(*args, **(kwargs or {}))
-        asynchronous = name == "aten.copy_" and bool(args[2] if len(args) > 2 else (
-            kwargs or {}).get("non_blocking")) and args[0].is_pinned()
-        to_host = name in ("aten._to_copy", "aten.copy_") and isinstance(
-            out, torch.Tensor) and out.device.type == "cpu" and not asynchronous and any(
-                isinstance(a, torch.Tensor) and a.device.type != "cpu" for a in args)
+        asynchronous = (
+            name == "aten.copy_"
+            and bool(args[2] if len(args) > 2 else (kwargs or {}).get("non_blocking"))
+            and args[0].is_pinned()
+        )
+        to_host = (
+            name in ("aten._to_copy", "aten.copy_")
+            and isinstance(out, torch.Tensor)
+            and out.device.type == "cpu"
+            and not asynchronous
+            and any(isinstance(a, torch.Tensor) and a.device.type != "cpu" for a in args)
+        )
         if name.split(".")[-1] in HOST_READS or to_host:
             self.host_reads[name] += 1
         return out
@@ -302,8 +328,15 @@ def prompt_ids(model: PreTrainedModel, length: int, batch: int) -> list[list[int
     return torch.randint(10, model.config.get_text_config().vocab_size, (batch, length), generator=generator).tolist()
 
 
-def decode_figures(model: PreTrainedModel, stats: dict, times: list[float], prefill_ms: float, batch: int,
-                   bandwidth: float, audit: StepAudit) -> dict:
+def decode_figures(
+    model: PreTrainedModel,
+    stats: dict,
+    times: list[float],
+    prefill_ms: float,
+    batch: int,
+    bandwidth: float,
+    audit: StepAudit,
+) -> dict:
     """A run's figures from its timed steps (``times``, ms) and its cache's ``stats``: speed, memory, bytes read
     per step against the machine's bandwidth, and the step's ops."""
     decode_ms = statistics.median(times)
@@ -328,8 +361,12 @@ def decode_figures(model: PreTrainedModel, stats: dict, times: list[float], pref
 
 def step_figures(decode_ms: float, batch: int, read: int, bandwidth: float) -> dict:
     """What follows from a decoding step's time: tokens per second, and the bandwidth its ``read`` bytes took."""
-    return dict(decode_ms_per_token=decode_ms, tokens_per_s=batch * 1000 / decode_ms,
-                achieved_bandwidth=read / (decode_ms / 1000), bandwidth_fraction=read / (decode_ms / 1000) / bandwidth)
+    return dict(
+        decode_ms_per_token=decode_ms,
+        tokens_per_s=batch * 1000 / decode_ms,
+        achieved_bandwidth=read / (decode_ms / 1000),
+        bandwidth_fraction=read / (decode_ms / 1000) / bandwidth,
+    )
 
 
 def timed_steps(runner: StepRunner, timer: Timer, run: int, wanted: int) -> list[float]:
@@ -349,27 +386,40 @@ def timed_steps(runner: StepRunner, timer: Timer, run: int, wanted: int) -> list
 # inference mode: a prefill that recorded autograd history would keep every layer's activations (random
 # weights may require grad) and skip the blocked prefill: out of memory at 32K on the 8B shape (H100, 11-26)
 @torch.inference_mode()
-def measure(model: PreTrainedModel, method: Method, name: str, length: int, batch: int, steps: int, warmup: int,
-            bandwidth: float, compile: Compile | None = None, prefill_tokens: int | None = PREFILL_TOKENS,
-            replicate: bool = False) -> dict:
+def measure(
+    model: PreTrainedModel,
+    method: Method,
+    name: str,
+    length: int,
+    batch: int,
+    steps: int,
+    warmup: int,
+    bandwidth: float,
+    compile: Compile | None = None,
+    prefill_tokens: int | None = PREFILL_TOKENS,
+    replicate: bool = False,
+) -> dict:
     """One run: prefill ``batch`` random prompts of ``length`` tokens (in groups of rows of at most
     ``prefill_tokens`` tokens, see ``generation.prefill_groups``; with ``replicate``, one prompt whose
     compressed cache is then copied to every row), then decode greedily (eagerly, or with
     ``compile``); never raises on OOM."""
     device = model.device
-    row: dict = {"method": name, "method_params": method.describe(), "prompt_tokens": length, "batch": batch,
-                 "compiled": compile is not None, "replicated": replicate}
+    row: dict = {
+        "method": name,
+        "method_params": method.describe(),
+        "prompt_tokens": length,
+        "batch": batch,
+        "compiled": compile is not None,
+        "replicated": replicate,
+    }
     timer = Timer(device)
     cache = ids = None
     try:
         _reset_peak(device)
         ids = prompt_ids(model, length, batch)
-        spans = TokenSpans.every(model.config.get_text_config().vocab_size)
         start = timer.start()
-        feeder, logits = prefill_groups(model, lambda: method.make_cache(model, spans), ids[:1] if replicate else ids,
-                                        0, prefill_tokens, stand_in_lead)
+        cache, logits = _prefill(model, method, ids[:1] if replicate else ids, prefill_tokens)
         prefill_ms = timer.ms_since(start)
-        cache = feeder.cache
         if replicate and batch > 1:  # the decoding and the memory of a batch, without its prefill
             needed = 2 * batch * cache.stats()["offloaded_bytes"]  # the copies, and the rows being copied
             if needed > host_available():  # the OS would kill the process, not raise
@@ -377,18 +427,11 @@ def measure(model: PreTrainedModel, method: Method, name: str, length: int, batc
                 return row
             cache.batch_repeat_interleave(batch)
             logits = logits.expand(batch, -1)
-        buckets = compile is not None  # the shapes generate(compile=True) gives this request: its bucket's graph
-        run = warmup + steps + COMPILING_STEPS  # steps that compile (and, on a GPU, warm up and capture) are not timed
-        state = DecodeState.start(logits, torch.full((batch,), length, device=device), run + 3, set(), buckets)
-        cache.reserve(run + 2, buckets)
-        runner = StepRunner(model, cache, state, compile)
-        runner.step()  # the first step runs eagerly (and times the SDPA kernels)
-        # one more eager step: its ops are counted
-        audit = audit_step(lambda held=cache: greedy_step(model, held, state))
-        times = timed_steps(runner, timer, run, warmup + steps)
+        times, audit, compile_s = _decode(model, cache, logits, length, steps, warmup, compile, timer)
         stats = cache.stats()
-        row.update(status="ok", **decode_figures(model, stats, times[warmup:], prefill_ms, batch, bandwidth, audit),
-                   compile_s=runner.compile_s if compile is not None else None)
+        row.update(
+            status="ok", **decode_figures(model, stats, times, prefill_ms, batch, bandwidth, audit), compile_s=compile_s
+        )
         overlap = fetch_overlap_times(cache.layers[len(cache.layers) // 2], timer)
         if overlap is not None:
             row.update(overlap, value_fetch=stats.get("value_fetch"), chunk_hit_rate=stats.get("chunk_hit_rate"))
@@ -400,6 +443,43 @@ def measure(model: PreTrainedModel, method: Method, name: str, length: int, batc
         del cache, ids
         _reset_peak(device)
     return row
+
+
+def _prefill(
+    model: PreTrainedModel, method: Method, ids: torch.Tensor, prefill_tokens: int | None
+) -> tuple[KVCompressCache, torch.Tensor]:
+    """``ids`` prefilled with ``method``'s cache in groups of rows of at most ``prefill_tokens`` tokens: the cache and
+    the last logits."""
+    spans = TokenSpans.every(model.config.get_text_config().vocab_size)
+    feeder, logits = prefill_groups(
+        model, lambda: method.make_cache(model, spans), ids, 0, prefill_tokens, stand_in_lead
+    )
+    return feeder.cache, logits
+
+
+def _decode(
+    model: PreTrainedModel,
+    cache: KVCompressCache,
+    logits: torch.Tensor,
+    length: int,
+    steps: int,
+    warmup: int,
+    compile: Compile | None,
+    timer: Timer,
+) -> tuple[list[float], StepAudit, float | None]:
+    """Greedy decoding after a prefill of ``length`` tokens: the first step eager (it times the SDPA kernels), one
+    more eager with its ops counted (the audit), then the run; the times of the last ``steps``, the audit and the
+    seconds compiling took (None: eager)."""
+    buckets = compile is not None  # the shapes generate(compile=True) gives this request: its bucket's graph
+    run = warmup + steps + COMPILING_STEPS  # steps that compile (and, on a GPU, warm up and capture) are not timed
+    batch = logits.shape[0]
+    state = DecodeState.start(logits, torch.full((batch,), length, device=model.device), run + 3, set(), buckets)
+    cache.reserve(run + 2, buckets)
+    runner = StepRunner(model, cache, state, compile)
+    runner.step()
+    audit = audit_step(lambda held=cache: greedy_step(model, held, state))
+    times = timed_steps(runner, timer, run, warmup + steps)
+    return times[warmup:], audit, runner.compile_s if compile is not None else None
 
 
 @torch.inference_mode()
@@ -463,7 +543,8 @@ class Journal:
         lines = path.read_text().splitlines() if path.exists() else []
         if lines and json.loads(lines[0]).get("settings") != json.loads(json.dumps(settings)):
             raise ValueError(
-                f"{path} holds a run with other settings; use another --out folder (or delete it) to start a new run")
+                f"{path} holds a run with other settings; use another --out folder (or delete it) to start a new run"
+            )
         for line in lines[1:]:
             try:
                 row = json.loads(line)
@@ -491,110 +572,172 @@ class Journal:
         return self.rows[key]
 
 
-def _check_grid(model: PreTrainedModel, lengths: list[int], decode_steps: int, searching: bool, max_memory: int | None,
-                search_step: int, batch_limit: int, prefill_tokens: int | None, repeats: int = 1) -> int:
+def _check_grid(model: PreTrainedModel, grid: SpeedGrid) -> int:
     """Refuse, in one line, a grid this model or machine cannot run; return the model's context length."""
-    if searching and model.device.type == "cpu" and max_memory is None:
-        raise ValueError("on a CPU the limit searches need max_memory (bytes): running out of RAM kills the process "
-                         "instead of raising")
-    for name, value in (("search_step", search_step), ("batch_limit", batch_limit),
-                        ("prefill_tokens", prefill_tokens or 1), ("repeats", repeats)):
+    if grid.searching and model.device.type == "cpu" and grid.max_memory is None:
+        raise ValueError(
+            "on a CPU the limit searches need max_memory (bytes): running out of RAM kills the process "
+            "instead of raising"
+        )
+    for name in ("search_step", "batch_limit", "prefill_tokens", "repeats"):
+        value = getattr(grid, name)
+        if name == "prefill_tokens":
+            value = value or 1  # None: all rows at once
         if value < 1:
             raise ValueError(f"{name}={value} is not a valid setting; valid: an integer of at least 1")
     limit = model.config.get_text_config().max_position_embeddings
-    too_long = [n for n in lengths if n + decode_steps + 1 > limit]
+    decode_steps = grid.steps + grid.warmup
+    too_long = [n for n in grid.lengths if n + decode_steps + 1 > limit]
     if too_long:
-        raise ValueError(f"prompt lengths {too_long} plus {decode_steps + 1} decoding steps exceed the model's context "
-                         f"of {limit} tokens")
+        raise ValueError(
+            f"prompt lengths {too_long} plus {decode_steps + 1} decoding steps exceed the model's context "
+            f"of {limit} tokens"
+        )
     return limit
 
 
-def search_limits(fits: Callable[[str, str, int, int], dict], methods: list[str], max_context: bool, max_batch: bool,
-                  lengths: list[int], batches: list[int], context_limit: int, search_step: int,
-                  batch_limit: int) -> list[dict]:
+def search_limits(
+    fits: Callable[[str, str, int, int], dict],
+    methods: list[str],
+    max_context: bool,
+    max_batch: bool,
+    lengths: list[int],
+    batches: list[int],
+    context_limit: int,
+    search_step: int,
+    batch_limit: int,
+) -> list[dict]:
     """Each method's longest prompt at the first batch size (``max_context``) and largest batch at the first length
     (``max_batch``), by ``search_limit`` over ``fits(kind, spec, length, batch)``."""
     limits = []
     for spec in methods:
         if max_context:
-            size, tried = search_limit(lambda n: fits("max_context", spec, n, batches[0]), min(lengths), context_limit,
-                                       search_step)
+            size, tried = search_limit(
+                lambda n: fits("max_context", spec, n, batches[0]), min(lengths), context_limit, search_step
+            )
             limits.append({"method": spec, "kind": "max_context", "batch": batches[0], "value": size, "tried": tried})
         if max_batch:
             size, tried = search_limit(lambda b: fits("max_batch", spec, lengths[0], b), 1, batch_limit, 1)
-            limits.append({"method": spec, "kind": "max_batch", "prompt_tokens": lengths[0], "value": size,
-                           "tried": tried})
+            limits.append(
+                {"method": spec, "kind": "max_batch", "prompt_tokens": lengths[0], "value": size, "tried": tried}
+            )
     return limits
 
 
-def run_speed(
-    model: PreTrainedModel, methods: list[str], lengths: list[int], batches: list[int], out_dir: str | Path,
-    budget: int | None = None, steps: int = 16, warmup: int = 3, find_max_context: bool = False,
-    find_max_batch: bool = False, max_memory: int | None = None, model_name: str = "", progress: bool = True,
-    search_step: int = 1024, batch_limit: int = 1024, compile: bool = False,
-    prefill_tokens: int | None = PREFILL_TOKENS, replicate: bool = False, repeats: int = 1
-) -> dict:
-    """Run the grid (and the optional searches), write ``speed.json``, ``speed.csv`` and plots; return
-    the report. ``methods`` are specs (``name[:field=value...]``); ``budget`` applies to every method
-    with a budget whose spec does not set one; ``batch_limit`` is the largest batch the batch search
-    tries (each try is a full prefill of that batch); ``compile`` decodes with the compiled step
-    (``kvc.generate(compile=True)``); a batch is prefilled in groups of rows of at most ``prefill_tokens``
-    tokens (None: all rows at once); ``replicate`` prefills one prompt and copies its compressed cache to
-    every row of a batch (decoding and memory of the batch, at the cost of one prefill: batch searches
-    at long prompts); ``repeats`` runs the grid that many times, the methods' order reversed every other time, and
-    reports each run's median step over the repeats, with every repeat's (``decode_ms_runs``). Rerunning with the same
-    ``out_dir`` resumes."""
-    device = model.device
-    searching = find_max_context or find_max_batch
-    limit = _check_grid(model, lengths, steps + warmup, searching, max_memory, search_step, batch_limit, prefill_tokens,
-                        repeats)
-    built = {spec: method_from_spec(spec, budget=budget) for spec in methods}
-    settings = {
-        "model": model_name, "methods": methods, "lengths": lengths, "batches": batches, "budget": budget,
-        "steps": steps, "warmup": warmup, "max_memory": max_memory, "find_max_context": find_max_context,
-        "find_max_batch": find_max_batch, "search_step": search_step, "batch_limit": batch_limit, "compile": compile,
-        "prefill_tokens": prefill_tokens, "replicate": replicate
-    }
-    if repeats > 1:
-        settings["repeats"] = repeats
-    options = Compile() if compile else None
-    journal = Journal(Path(out_dir) / "rows.jsonl", settings)
-    bandwidth = copy_bandwidth(device)
-    def run(spec: str, n: int, b: int, r: int) -> dict:
-        if r == 0 and spec == methods[0] and warmup > 0:  # warmup=0: no untimed prefill either (memory curves)
-            warm_up(model, built[spec], n, b, prefill_tokens)
-        return measure(model, built[spec], spec, n, b, steps, warmup, bandwidth, options, prefill_tokens, replicate)
+@dataclass(frozen=True)
+class SpeedGrid:
+    """What ``bench speed`` runs: every method (a spec, ``name[:field=value...]``) at every prompt length and batch.
 
-    rows = run_grid(run, journal, methods, lengths, batches, repeats, bandwidth, progress)
+    ``budget`` applies to every method with a budget whose spec sets none; ``steps`` timed decoding steps after
+    ``warmup`` untimed ones; ``find_max_context`` / ``find_max_batch`` search the limits, within ``max_memory``
+    bytes (needed on a CPU), prompts ``search_step`` tokens apart, batches up to ``batch_limit`` (each try a full
+    prefill of that batch); ``compile`` decodes with the compiled step (``kvc.generate(compile=True)``); a batch is
+    prefilled in groups of rows of at most ``prefill_tokens`` tokens (None: all rows at once); ``replicate``
+    prefills one prompt and copies its compressed cache to every row (decoding and memory of a batch at the cost of
+    one prefill: batch searches at long prompts); ``repeats`` runs the grid that many times, the methods' order
+    reversed every other time, each row its median step over the repeats with every repeat's (``decode_ms_runs``)."""
+
+    methods: list[str]
+    lengths: list[int]
+    batches: list[int]
+    budget: int | None = None
+    steps: int = 16
+    warmup: int = 3
+    find_max_context: bool = False
+    find_max_batch: bool = False
+    max_memory: int | None = None
+    model_name: str = ""
+    search_step: int = 1024
+    batch_limit: int = 1024
+    compile: bool = False
+    prefill_tokens: int | None = PREFILL_TOKENS
+    replicate: bool = False
+    repeats: int = 1
+
+    @property
+    def searching(self) -> bool:
+        return self.find_max_context or self.find_max_batch
+
+    def settings(self) -> dict[str, Any]:
+        """As a report records them (``repeats`` only where the grid repeats)."""
+        settings = {("model" if name == "model_name" else name): value for name, value in asdict(self).items()}
+        if self.repeats == 1:
+            del settings["repeats"]
+        return settings
+
+
+def run_speed(model: PreTrainedModel, grid: SpeedGrid, out_dir: str | Path, progress: bool = True) -> dict:
+    """Run ``grid`` (and its limit searches), write ``speed.json``, ``speed.csv`` and plots; return the report.
+    Rerunning with the same ``out_dir`` resumes."""
+    limit = _check_grid(model, grid)
+    built = {spec: method_from_spec(spec, budget=grid.budget) for spec in grid.methods}
+    options = Compile() if grid.compile else None
+    journal = Journal(Path(out_dir) / "rows.jsonl", grid.settings())
+    bandwidth = copy_bandwidth(model.device)
+
+    def run(spec: str, n: int, b: int, r: int, steps: int = grid.steps, warmup: int = grid.warmup) -> dict:
+        if r == 0 and spec == grid.methods[0] and warmup > 0:  # warmup=0: no untimed prefill either (memory curves)
+            warm_up(model, built[spec], n, b, grid.prefill_tokens)
+        method = built[spec]
+        return measure(
+            model, method, spec, n, b, steps, warmup, bandwidth, options, grid.prefill_tokens, grid.replicate
+        )
+
+    rows = run_grid(run, journal, grid.methods, grid.lengths, grid.batches, grid.repeats, bandwidth, progress)
     report = {
-        "machine": machine(device), "model": model_name, "dtype": str(next(model.parameters()).dtype),
-        "weight_bytes": weight_bytes(model), "device_bandwidth": bandwidth, "settings": settings, "rows": rows,
-        "transformers_ops_per_step": transformers_step_ops(model)
+        "machine": machine(model.device),
+        "model": grid.model_name,
+        "dtype": str(next(model.parameters()).dtype),
+        "weight_bytes": weight_bytes(model),
+        "device_bandwidth": bandwidth,
+        "settings": grid.settings(),
+        "rows": rows,
+        "transformers_ops_per_step": transformers_step_ops(model),
     }
     for row in rows:
         if row["status"] == "ok":
             row["ops_vs_transformers"] = row["ops_per_step"] / report["transformers_ops_per_step"]
     report["peak_slopes"] = peak_slopes(rows, hidden_vector_bytes(model))
-    if searching:
+    if grid.searching:
+
         def fits(kind: str, spec: str, n: int, b: int) -> dict:
-            def run() -> dict:
-                return measure(model, built[spec], spec, n, b, 2, 1, bandwidth, options, prefill_tokens, replicate)
+            row = journal.measure((kind, spec, n, b, 0), lambda: run(spec, n, b, 1, steps=2, warmup=1))
+            return {**row, "fits": _fits(row, grid.max_memory)}
 
-            row = journal.measure((kind, spec, n, b, 0), run)
-            return {**row, "fits": _fits(row, max_memory)}
-
-        report["limits"] = search_limits(fits, methods, find_max_context, find_max_batch, lengths, batches, limit - 8,
-                                         search_step, batch_limit)
+        report["limits"] = search_limits(
+            fits,
+            grid.methods,
+            grid.find_max_context,
+            grid.find_max_batch,
+            grid.lengths,
+            grid.batches,
+            limit - 8,
+            grid.search_step,
+            grid.batch_limit,
+        )
     write_report(report, Path(out_dir))
     return report
 
 
-def run_grid(run: Callable[[str, int, int, int], dict], journal: Journal, methods: list[str], lengths: list[int],
-             batches: list[int], repeats: int, bandwidth: float, progress: bool) -> list[dict]:
+def run_grid(
+    run: Callable[[str, int, int, int], dict],
+    journal: Journal,
+    methods: list[str],
+    lengths: list[int],
+    batches: list[int],
+    repeats: int,
+    bandwidth: float,
+    progress: bool,
+) -> list[dict]:
     """Every (method, length, batch) run ``repeats`` times through the journal, one row each (``with_repeats``). A
     repeat runs the methods in the other order: a drift over the run (heat, other work) falls on both ends."""
-    grid = [(spec, n, b, r) for r in range(repeats) for b in batches for n in lengths
-            for spec in (methods if r % 2 == 0 else methods[::-1])]
+    grid = [
+        (spec, n, b, r)
+        for r in range(repeats)
+        for b in batches
+        for n in lengths
+        for spec in (methods if r % 2 == 0 else methods[::-1])
+    ]
     runs: dict[tuple, list[dict]] = {}
     for spec, n, b, r in tqdm(grid, desc="speed", disable=not progress, unit="run"):
         row = journal.measure((None, spec, n, b, r), lambda spec=spec, n=n, b=b, r=r: run(spec, n, b, r))
@@ -609,8 +752,10 @@ def with_repeats(rows: list[dict], bandwidth: float) -> dict:
     times = [r["decode_ms_per_token"] for r in rows if r["status"] == "ok"]
     if len(rows) == 1 or len(times) < len(rows):
         return row
-    row.update(decode_ms_runs=times,
-               **step_figures(statistics.median(times), row["batch"], row["bytes_read_per_step"], bandwidth))
+    row.update(
+        decode_ms_runs=times,
+        **step_figures(statistics.median(times), row["batch"], row["bytes_read_per_step"], bandwidth),
+    )
     return row
 
 
@@ -624,21 +769,33 @@ def peak_slopes(rows: list[dict], vector_bytes: int) -> list[dict]:
     between the shortest and the longest that ran, in bytes and in hidden-sized vectors."""
     slopes = []
     for method, batch in dict.fromkeys((r["method"], r["batch"]) for r in rows):
-        ok = sorted((r["prompt_tokens"], r["peak_bytes"]) for r in rows
-                    if r["method"] == method and r["batch"] == batch and r["status"] == "ok")
+        ok = sorted(
+            (r["prompt_tokens"], r["peak_bytes"])
+            for r in rows
+            if r["method"] == method and r["batch"] == batch and r["status"] == "ok"
+        )
         if len(ok) >= 2 and ok[-1][0] > ok[0][0]:
             per_token = (ok[-1][1] - ok[0][1]) / ((ok[-1][0] - ok[0][0]) * batch)
-            slopes.append({"method": method, "batch": batch, "from_tokens": ok[0][0], "to_tokens": ok[-1][0],
-                           "bytes_per_token": per_token, "hidden_vectors_per_token": per_token / vector_bytes})
+            slopes.append(
+                {
+                    "method": method,
+                    "batch": batch,
+                    "from_tokens": ok[0][0],
+                    "to_tokens": ok[-1][0],
+                    "bytes_per_token": per_token,
+                    "hidden_vectors_per_token": per_token / vector_bytes,
+                }
+            )
     return slopes
 
 
 def write_report(report: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "speed.json").write_text(json.dumps(report, indent=2))
-    fields = sorted({key
-                     for row in report["rows"]
-                     for key in row}, key=lambda k: list(report["rows"][0]).index(k) if k in report["rows"][0] else 99)
+    fields = sorted(
+        {key for row in report["rows"] for key in row},
+        key=lambda k: list(report["rows"][0]).index(k) if k in report["rows"][0] else 99,
+    )
     with open(out / "speed.csv", "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=fields)
         writer.writeheader()
@@ -660,7 +817,7 @@ def plot_speed(report: dict, out: Path) -> None:
     for name, panel_key, x_key, y_key, x_label, y_label in (
         ("decode_latency.png", "batch", "prompt_tokens", "decode_ms_per_token", "prompt tokens", "decode ms/token"),
         ("throughput.png", "prompt_tokens", "batch", "tokens_per_s", "batch size", "tokens/s"),
-        ("peak_memory.png", "batch", "prompt_tokens", "peak_gib", "prompt tokens", "peak memory (GiB)")
+        ("peak_memory.png", "batch", "prompt_tokens", "peak_gib", "prompt tokens", "peak memory (GiB)"),
     ):
         panels = sorted({r[panel_key] for r in report["rows"]})
         fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False)
@@ -681,7 +838,8 @@ def plot_speed(report: dict, out: Path) -> None:
         fig.suptitle(
             f"{report['model']} ({report['dtype']}) on {report['machine'].get('gpu', report['machine']['device'])}; "
             "red: out of memory",
-            fontsize=9)
+            fontsize=9,
+        )
         fig.tight_layout()
         fig.savefig(out / name, dpi=110)
         plt.close(fig)

@@ -46,8 +46,16 @@ class Held:
     default: Any = None
 
 
-def hold(saved: bool = True, rows: bool = False, counted: bool = False, index: bool = False, ragged: int | None = None,
-         kind: type | None = None, join: Callable[[list[Any]], Any] | None = None, default: Any = None) -> Any:
+def hold(
+    saved: bool = True,
+    rows: bool = False,
+    counted: bool = False,
+    index: bool = False,
+    ragged: int | None = None,
+    kind: type | None = None,
+    join: Callable[[list[Any]], Any] | None = None,
+    default: Any = None,
+) -> Any:
     """A layer attribute's declaration, its class-level value (typed ``Any`` so it may stand where the
     attribute's own type is annotated, as ``dataclasses.field`` does)."""
     return Held(saved, rows, counted or index, index, ragged, kind, join, default)
@@ -85,7 +93,8 @@ def save(layer: Any) -> dict[str, Any]:
     if layer.phase is not Phase.DECODING or layer.open_step is not None:
         raise CacheMisuseError(
             "kvcompress: a cache can be saved once its prompt is prefilled and compressed, not during a step (layer "
-            f"{layer.layer_idx} is {layer.phase.value})")
+            f"{layer.layer_idx} is {layer.phase.value})"
+        )
     layouts = type(layer.policy).LAYOUTS
     state = {**layer.slots.state_dict(), **{kind.NAME: None for kind in layouts if not isinstance(layer.slots, kind)}}
     for owner, name, spec in holding(layer):
@@ -170,8 +179,9 @@ def join(layer: Any, others: list[Any]) -> None:
 
 def counted_bytes(layer: Any, index_only: bool = False) -> int:
     """Bytes of the attributes the stats count as index bytes (``index_only``: the selection index alone)."""
-    return nbytes(*(getattr(owner, name) for owner, name, spec in holding(layer)
-                    if (spec.index if index_only else spec.counted)))
+    return nbytes(
+        *(getattr(owner, name) for owner, name, spec in holding(layer) if (spec.index if index_only else spec.counted))
+    )
 
 
 def concat_rows(tensors: list[torch.Tensor], ragged: int | None = None) -> torch.Tensor:
@@ -179,6 +189,7 @@ def concat_rows(tensors: list[torch.Tensor], ragged: int | None = None) -> torch
     end of that dimension to the largest first."""
     if ragged is not None:
         size = max(t.shape[ragged] for t in tensors)
-        tensors = [torch.nn.functional.pad(t, (0, 0) * (t.dim() - 1 - ragged) + (0, size - t.shape[ragged]))
-                   for t in tensors]
+        tensors = [
+            torch.nn.functional.pad(t, (0, 0) * (t.dim() - 1 - ragged) + (0, size - t.shape[ragged])) for t in tensors
+        ]
     return torch.cat(tensors, dim=0)

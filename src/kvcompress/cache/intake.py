@@ -83,8 +83,9 @@ class Intake:
     def take(self, slots: DenseSlots, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
-    def commit(self, slots: DenseSlots, query: torch.Tensor, new_valid: torch.Tensor | None, scaling: float,
-               keep: int | None) -> PromptRecord | None:
+    def commit(
+        self, slots: DenseSlots, query: torch.Tensor, new_valid: torch.Tensor | None, scaling: float, keep: int | None
+    ) -> PromptRecord | None:
         """After the forward's attention (the storage's lengths moved past it): ``keep`` is how many of the last
         queries compression and a record read (None: all)."""
         raise NotImplementedError
@@ -98,8 +99,9 @@ class OneForward(Intake):
         view = slots.view()
         return view.keys, view.values
 
-    def commit(self, slots: DenseSlots, query: torch.Tensor, new_valid: torch.Tensor | None, scaling: float,
-               keep: int | None) -> PromptRecord:
+    def commit(
+        self, slots: DenseSlots, query: torch.Tensor, new_valid: torch.Tensor | None, scaling: float, keep: int | None
+    ) -> PromptRecord:
         return PromptRecord(query, new_valid, scaling)
 
 
@@ -118,8 +120,9 @@ class InBlocks(Intake):
         view = slots.view()
         return view.keys[:, :, :end], view.values[:, :, :end]
 
-    def commit(self, slots: DenseSlots, query: torch.Tensor, new_valid: torch.Tensor | None, scaling: float,
-               keep: int | None) -> PromptRecord | None:
+    def commit(
+        self, slots: DenseSlots, query: torch.Tensor, new_valid: torch.Tensor | None, scaling: float, keep: int | None
+    ) -> PromptRecord | None:
         end = slots.used
         if new_valid is not None:
             if self.valid is None:
@@ -149,13 +152,20 @@ class OverStored(Intake):
         view = slots.view()
         return view.keys, view.values
 
-    def commit(self, slots: DenseSlots, query: torch.Tensor, new_valid: torch.Tensor | None, scaling: float,
-               keep: int | None) -> PromptRecord:
+    def commit(
+        self, slots: DenseSlots, query: torch.Tensor, new_valid: torch.Tensor | None, scaling: float, keep: int | None
+    ) -> PromptRecord:
         new = slots.view().keys.shape[-2] - self.stored.keys.shape[-2]
         positions = self.joined_positions(new)
         spans = None if positions is None or self.spans is None else self.joined_spans(self.spans, positions, new)
-        return PromptRecord(self.joined_queries(query, keep), self.joined_valid, scaling, positions, spans,
-                            self.asked_tokens(new, query.device))
+        return PromptRecord(
+            self.joined_queries(query, keep),
+            self.joined_valid,
+            scaling,
+            positions,
+            spans,
+            self.asked_tokens(new, query.device),
+        )
 
     def asked_tokens(self, new: int, device: torch.device) -> torch.Tensor:
         """``[b]``: each row's real tokens among the ``new`` slots after the stored context (its pads lead them)."""
@@ -198,13 +208,16 @@ class OverStored(Intake):
         fewest = new - max(self.pads)
         if (needed is None and kept < stored.keys.shape[-2]) or (needed is not None and needed > kept + fewest):
             wanted = "every query of the context" if needed is None else f"the last {needed} queries"
-            kept_what = (f"this method scores with {wanted}, and the stored context kept its last {kept} (the "
-                         f"question has {fewest} tokens)")
+            kept_what = (
+                f"this method scores with {wanted}, and the stored context kept its last {kept} (the "
+                f"question has {fewest} tokens)"
+            )
             raise CacheMisuseError(
                 f"kvcompress: {kept_what}; compress the context with kvc.compress(..., query_window=None) to keep them "
                 "all, or a larger query_window",
                 cli=f"{kept_what}; store the document with `kvcompress compress --method full --query-window all` to "
-                "keep them all, or a larger --query-window")
+                "keep them all, or a larger --query-window",
+            )
         if stored.queries is None:
             return query if needed is None else query[..., -needed:, :]
         joined = right_aligned(stored.queries, query, self.pads, 2)
@@ -235,16 +248,18 @@ class ObservationPass:
         self.seen: torch.Tensor | None = None
         self.keys: torch.Tensor | None = None  # a step's keys (the prompt's, then its own), until it commits
 
-    def take(self, held: tuple[torch.Tensor, torch.Tensor], keys: torch.Tensor,
-             values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def take(
+        self, held: tuple[torch.Tensor, torch.Tensor], keys: torch.Tensor, values: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The prompt's keys and values (``held``: the layer's slots), then the step's own."""
         prompt = slice(0, self.prompt_len)
         joined = (torch.cat([held[0][:, :, prompt], keys], dim=-2), torch.cat([held[1][:, :, prompt], values], dim=-2))
         self.keys = joined[0]
         return joined
 
-    def step(self, query: torch.Tensor, new_valid: torch.Tensor | None,
-             prompt_valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def step(
+        self, query: torch.Tensor, new_valid: torch.Tensor | None, prompt_valid: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's keys and the validity of prompt and step ``[b, prompt + new]`` (the step is forgotten)."""
         keys, self.keys = cast(torch.Tensor, self.keys), None  # take set them
         new = new_valid if new_valid is not None else keys.new_ones(keys.shape[0], query.shape[-2], dtype=torch.bool)

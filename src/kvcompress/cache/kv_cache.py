@@ -67,8 +67,13 @@ class KVCompressCache(Cache):
 
     layers: list[KVLayer]  # type: ignore[assignment]  # transformers types them as its own layer classes
 
-    def __init__(self, method: LayerFactory, layers: list[KVLayer], model: torch.nn.Module | None = None,
-                 spans: TokenSpans | None = None) -> None:
+    def __init__(
+        self,
+        method: LayerFactory,
+        layers: list[KVLayer],
+        model: torch.nn.Module | None = None,
+        spans: TokenSpans | None = None,
+    ) -> None:
         super().__init__(layers=layers)  # type: ignore[arg-type]
         self.method = method
         # the model it was made for, held weakly (attach.py refuses any other; a saved cache's fingerprint reads it):
@@ -78,7 +83,10 @@ class KVCompressCache(Cache):
         self.keyword = cache_keyword(model)  # the model's name for its cache argument
         self.span_table = spans  # the tokenizer's word boundaries, when known
         self.timings: dict[str, float | None] = {
-            "prefill_s": None, "ttft_s": None, "decode_ms_per_token": None, "compile_s": None
+            "prefill_s": None,
+            "ttft_s": None,
+            "decode_ms_per_token": None,
+            "compile_s": None,
         }
         # the model embedded this cache's prompt itself (no one else holds its hidden states)
         self.embeds_itself = False
@@ -89,15 +97,17 @@ class KVCompressCache(Cache):
         for layer in layers:
             layer.observes = self.observe_first
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
-               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """A layer's step, taken only within a call of the model this cache was made for (its input check ran)."""
         # a compiled step reads no Python state here: its loop's model call was checked before it
         if not torch.compiler.is_compiling() and self.has_model and not self.call_checked:
             raise CacheMisuseError(
                 "kvcompress: this cache was called by a model it was not made for (another model instance, or one "
                 "never prepared by method.make_cache(model)); make a cache for that model with "
-                "method.make_cache(model)")
+                "method.make_cache(model)"
+            )
         return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
 
     def check_model(self, model: Any, remedy: str) -> None:
@@ -105,8 +115,10 @@ class KVCompressCache(Cache):
         checkpoint, has other attention modules, and perhaps other weights); ``remedy`` says what to do instead."""
         if self.model() is not model:
             layers = model.config.get_text_config().num_hidden_layers
-            raise CacheMisuseError(f"kvcompress: this cache was made for another model instance ({len(self.layers)} "
-                                   f"layers; this {type(model).__name__} has {layers}); {remedy}")
+            raise CacheMisuseError(
+                f"kvcompress: this cache was made for another model instance ({len(self.layers)} "
+                f"layers; this {type(model).__name__} has {layers}); {remedy}"
+            )
 
     def note_prompt(self, ids: torch.Tensor | None) -> None:
         """The prompt's token ids (None: the model got embeddings): every layer learns its spans, and
@@ -125,15 +137,17 @@ class KVCompressCache(Cache):
         """LongTensor ``[batch, kv_heads, n_kept]``: original prompt positions kept by ``layer_idx``."""
         return self.layers[layer_idx].kept_positions()
 
-    def continue_context(self, context: KVCompressCache, rows: torch.Tensor, pads: list[int],
-                         spans: torch.Tensor | None) -> None:
+    def continue_context(
+        self, context: KVCompressCache, rows: torch.Tensor, pads: list[int], spans: torch.Tensor | None
+    ) -> None:
         """This fresh cache's prompt continues ``context``'s (a stored context, read and never written, e.g. a
         document prefilled once): rows ``rows`` of it, one per row of the new prompt (a question), whose tokens
         are led by ``pads`` padding slots; each layer's prefill attends to the context, then the method
         compresses the joined prompt. ``spans``: the joined prompt's word spans, rows right-aligned."""
         if context.model() is not self.model():
             raise CacheMisuseError(
-                "kvcompress: this context was stored for another model; ask it with the model that compressed it")
+                "kvcompress: this context was stored for another model; ask it with the model that compressed it"
+            )
         for layer, source in zip(self.layers, context.layers):
             layer.continue_prompt(source, rows, pads, spans)
 
@@ -167,8 +181,10 @@ class KVCompressCache(Cache):
         place = to_host if device.type == "cpu" else (lambda t: t.to(device))
         for layer in self.layers:
             if not layer.is_sliding and layer.stored_prompt() is None:
-                raise CacheMisuseError(f"kvcompress: layer {layer.layer_idx} ({layer.kind}) cannot be moved; "
-                                       "only a stored context's layers can")
+                raise CacheMisuseError(
+                    f"kvcompress: layer {layer.layer_idx} ({layer.kind}) cannot be moved; "
+                    "only a stored context's layers can"
+                )
             held.move(layer, place)
             layer.device = device
 
@@ -199,7 +215,8 @@ class KVCompressCache(Cache):
         start = time.perf_counter()
         # the method's own layers: a sliding-window layer keeps its window, whatever the method
         self.method.before_compress(
-            [layer for layer in self.layers if layer.observation is not None and not layer.is_sliding])
+            [layer for layer in self.layers if layer.observation is not None and not layer.is_sliding]
+        )
         self.observe_s += seconds + time.perf_counter() - start
         for layer in self.layers:
             layer.end_observation()
@@ -208,12 +225,17 @@ class KVCompressCache(Cache):
         """Compress the layers that wait for every layer to be scored, once all hold their prompts, where the method
         runs no observation pass (``layers="global"`` for a method that scores from the prefill): the end of the
         model's call that fed the prompt (attach.end_call), or of a prefill record's loading."""
-        if not self.observe_first or self.method.observation() is not None or not any(
-                layer.phase is Phase.AWAITING_PASS for layer in self.layers):
+        if (
+            not self.observe_first
+            or self.method.observation() is not None
+            or not any(layer.phase is Phase.AWAITING_PASS for layer in self.layers)
+        ):
             return  # (first: every eager step's call ends here, and most methods never wait)
         if any(layer.phase in (Phase.EMPTY, Phase.PROMPT) for layer in self.layers):  # (a stored window continues)
-            raise CacheMisuseError("kvcompress: a call ended with only some layers holding their whole prompt; "
-                                   "every layer must be fed the same prompt in one call")
+            raise CacheMisuseError(
+                "kvcompress: a call ended with only some layers holding their whole prompt; "
+                "every layer must be fed the same prompt in one call"
+            )
         self.end_observation(0.0)
 
     def reserve(self, tokens: int, buckets: bool = False) -> None:

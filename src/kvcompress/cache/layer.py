@@ -67,6 +67,7 @@ def _refuse_replacing(name: str) -> Callable[[Any, Any], None]:
     def refuse(layer: Any, value: Any) -> None:
         if value is not None:  # transformers' base class starts every layer with None
             raise CacheMisuseError(f"kvcompress: a layer's {name} are views of its storage (layer.slots)")
+
     return refuse
 
 
@@ -118,8 +119,9 @@ class KVLayer(DynamicLayer):
         self.dtype, self.device = key_states.dtype, key_states.device
         self.is_initialized = True
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor,
-               *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The step its phase calls for (steps.py) takes the new keys and values; it stays open until ``commit``.
         Refused: a second update before its attention committed (the model's attention does not go through
         kvcompress), or another batch size than the one the layer holds."""
@@ -127,12 +129,15 @@ class KVLayer(DynamicLayer):
             raise UnsupportedModelError(
                 f"kvcompress: layer {self.layer_idx} was updated twice without its attention running through the "
                 "'kvcompress' attention implementation; the model's attention layout is not supported (was "
-                "attn_implementation changed after make_cache?)")
+                "attn_implementation changed after make_cache?)"
+            )
         new_rows = key_states.shape[0]
         rows = self.slots.view(decoded=False).keys.shape[0] if self.phase is not Phase.EMPTY else new_rows
         if rows != new_rows:
-            raise CacheMisuseError(f"kvcompress: this cache holds a batch of {rows} rows but got {new_rows}; make a "
-                                   "new cache for a new batch")
+            raise CacheMisuseError(
+                f"kvcompress: this cache holds a batch of {rows} rows but got {new_rows}; make a "
+                "new cache for a new batch"
+            )
         step = STEP_OF[self.phase]
         keys, values = step.take(self, key_states, value_states)
         self.open_step = step
@@ -160,8 +165,9 @@ class KVLayer(DynamicLayer):
 
     # --- the pipeline: prompt -> (observation pass) -> compression -> decoding ------------------------------
 
-    def commit(self, query: torch.Tensor, new_valid: torch.Tensor | None, scaling: float,
-               lse: torch.Tensor | None = None) -> None:
+    def commit(
+        self, query: torch.Tensor, new_valid: torch.Tensor | None, scaling: float, lse: torch.Tensor | None = None
+    ) -> None:
         """After the open step's attention (``new_valid [b, q]``: which new tokens are real; None: all; ``lse``: an
         observation step's log-normalisers): the step is closed and commits (steps.py)."""
         step, self.open_step = self.open_step, None
@@ -202,11 +208,14 @@ class KVLayer(DynamicLayer):
         the new prompt, led by ``pads`` padding slots; ``spans``: the joined prompt's word spans ``[b, width]``."""
         stored = source.stored_prompt()
         if stored is None:
-            raise CacheMisuseError(f"kvcompress: layer {source.layer_idx} of this context ({source.kind}) "
-                                   f"holds its prompt in a form a question cannot be prefilled over; {_STORE_WHOLE}")
+            raise CacheMisuseError(
+                f"kvcompress: layer {source.layer_idx} of this context ({source.kind}) "
+                f"holds its prompt in a form a question cannot be prefilled over; {_STORE_WHOLE}"
+            )
         moved(self.layer_idx, self.phase, Phase.PROMPT, "a prompt continuing a stored context")
-        picked = StoredPrompt(*(t.index_select(0, rows.to(t.device)) if isinstance(t, torch.Tensor) else t
-                                for t in stored))  # type: ignore[arg-type]
+        picked = StoredPrompt._make(
+            t.index_select(0, rows.to(t.device)) if isinstance(t, torch.Tensor) else t for t in stored
+        )
         self.intake = OverStored(picked, pads, spans)
         self.slots.seen, self.slots.used = source.slots.seen, stored.keys.shape[-2]  # the logical length continued
         self.spans = spans
@@ -316,8 +325,7 @@ class WindowLayer(KVLayer):
         self.slots.seen, self.prefill_len = source.slots.seen, source.prefill_len
         self.prompt_tokens = source.prompt_tokens
         if self.observes:  # compress (the window kept) reads no query
-            self.observation = ObservationPass(PromptRecord(source.keys.new_zeros(0), None, 1.0),
-                                               self.held_prompt()[1])
+            self.observation = ObservationPass(PromptRecord(source.keys.new_zeros(0), None, 1.0), self.held_prompt()[1])
             self.phase = moved(self.layer_idx, self.phase, Phase.AWAITING_PASS, "a recorded window")
         else:
             self.phase = moved(self.layer_idx, self.phase, Phase.DECODING, "a recorded window")
@@ -352,5 +360,7 @@ class WindowPolicy(LayerPolicy):
         return self.slots.kept_positions(prefill_len, prompt_tokens)
 
 
-_STORE_WHOLE = ("compress the context with a method that keeps its tokens (kvc.FullKV(), or a prompt method with "
-                "heads='uniform' and layers='uniform')")
+_STORE_WHOLE = (
+    "compress the context with a method that keeps its tokens (kvc.FullKV(), or a prompt method with "
+    "heads='uniform' and layers='uniform')"
+)

@@ -29,8 +29,10 @@ def present(*tensors: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
     with ``hold`` and None before), where a later step reads them: the phase said once to the type checker; a read
     before they exist is refused in one line."""
     if any(tensor is None for tensor in tensors):
-        raise CacheMisuseError("kvcompress: a method read what its phase had not set yet (the prompt's queries it "
-                               "asked for, or what its compression keeps)")
+        raise CacheMisuseError(
+            "kvcompress: a method read what its phase had not set yet (the prompt's queries it "
+            "asked for, or what its compression keeps)"
+        )
     return tuple(tensor for tensor in tensors if tensor is not None)
 
 
@@ -68,8 +70,15 @@ class LayerPolicy:
         """Once the layer holds the whole prompt (``query``: its last post-RoPE queries ``[b, q_heads, seq, d]``): keep
         or store what the method needs (the storage codes what it keeps afterwards). Default: keep everything."""
 
-    def attend(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
-               scaling: float, softcap: float | None = None) -> torch.Tensor:
+    def attend(
+        self,
+        query: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        mask: torch.Tensor | None,
+        scaling: float,
+        softcap: float | None = None,
+    ) -> torch.Tensor:
         """Attention of ``query`` over the layer (``keys``/``values`` as ``update`` returned them, coded where the
         storage reads codes: an override decodes them first, ``codec.attended_pair``)."""
         return self.layer.slots.attend(query, keys, values, mask, scaling, softcap)
@@ -84,8 +93,15 @@ class LayerPolicy:
     def after_step(self, query: torch.Tensor, scaling: float) -> None:
         """After a later step's tokens are stored (e.g. evict while decoding). Default: nothing."""
 
-    def observe(self, query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scaling: float, lse: torch.Tensor,
-                context: torch.Tensor) -> None:
+    def observe(
+        self,
+        query: torch.Tensor,
+        keys: torch.Tensor,
+        valid: torch.Tensor,
+        scaling: float,
+        lse: torch.Tensor,
+        context: torch.Tensor,
+    ) -> None:
         """A step of the observation pass: ``query [b, q_heads, new, d]`` attended ``keys`` (the prompt's slots,
         then the step's), ``valid [b, prompt + new]``; ``lse [b, q_heads, new]`` each query's log-normaliser;
         ``context [b, prompt]`` the prompt slots the pass repeats (after each row's opening). Default: nothing."""

@@ -30,8 +30,9 @@ from .intake import queries_to_keep
 from .phase import Phase, moved
 
 KVLayer = Any  # a layer.KVLayer, which imports this module (held.py reads its layer the same way)
-Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None", float, "float | None"],
-                  torch.Tensor]
+Attend = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None", float, "float | None"], torch.Tensor
+]
 Attended = tuple[torch.Tensor, "torch.Tensor | None"]  # the output and, for an observation step, its log-normalisers
 
 
@@ -45,13 +46,27 @@ class NewTokens(Protocol):
         stored context, whose slots are not the model's columns."""
         ...
 
-    def causal(self, attend: Attend, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
-               softcap: float | None) -> torch.Tensor:
+    def causal(
+        self,
+        attend: Attend,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scaling: float,
+        softcap: float | None,
+    ) -> torch.Tensor:
         """The new queries (the newest of ``key``'s) attend by ``attend``, in blocks of queries where masked."""
         ...
 
-    def causal_with_lse(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
-                        softcap: float | None, unpadded: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def causal_with_lse(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scaling: float,
+        softcap: float | None,
+        unpadded: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The same attention with each query's log-normaliser ``[b, q_heads, q]``; ``unpadded``: no slot and no new
         token is padding (an unmasked kernel may serve)."""
         ...
@@ -64,18 +79,34 @@ class NewTokens(Protocol):
 class Step:
     """What a layer does with one step in its phase."""
 
-    def take(self, layer: KVLayer, key_states: torch.Tensor, value_states: torch.Tensor
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+    def take(
+        self, layer: KVLayer, key_states: torch.Tensor, value_states: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's keys and values stored (or held) by ``layer``; the keys and values its queries attend."""
         raise NotImplementedError
 
-    def attend(self, layer: KVLayer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, new: NewTokens,
-               scaling: float, softcap: float | None, sinks: torch.Tensor | None) -> Attended:
+    def attend(
+        self,
+        layer: KVLayer,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        new: NewTokens,
+        scaling: float,
+        softcap: float | None,
+        sinks: torch.Tensor | None,
+    ) -> Attended:
         """The step's attention (``sinks``: learned sink logits, gpt-oss, one more term in each denominator)."""
         raise NotImplementedError
 
-    def commit(self, layer: KVLayer, query: torch.Tensor, new_valid: torch.Tensor | None, scaling: float,
-               lse: torch.Tensor | None) -> None:
+    def commit(
+        self,
+        layer: KVLayer,
+        query: torch.Tensor,
+        new_valid: torch.Tensor | None,
+        scaling: float,
+        lse: torch.Tensor | None,
+    ) -> None:
         """After the step's attention: ``new_valid [b, q]`` which new tokens are real (None: all)."""
         raise NotImplementedError
 
@@ -83,15 +114,25 @@ class Step:
 class PromptStep(Step):
     """The prompt coming in; the last of it compresses the layer."""
 
-    def take(self, layer: KVLayer, key_states: torch.Tensor, value_states: torch.Tensor
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+    def take(
+        self, layer: KVLayer, key_states: torch.Tensor, value_states: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if layer.phase is Phase.EMPTY:
             layer.lazy_initialization(key_states, value_states)
             layer.phase = moved(layer.layer_idx, layer.phase, Phase.PROMPT, "a prompt's first tokens")
         return layer.intake.take(cast(DenseSlots, layer.slots), key_states, value_states)
 
-    def attend(self, layer: KVLayer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, new: NewTokens,
-               scaling: float, softcap: float | None, sinks: torch.Tensor | None) -> Attended:
+    def attend(
+        self,
+        layer: KVLayer,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        new: NewTokens,
+        scaling: float,
+        softcap: float | None,
+        sinks: torch.Tensor | None,
+    ) -> Attended:
         joined = layer.intake.joined_valid  # over a stored context: its slots, rows aligned, not the model's columns
         if joined is not None:
             new = new.continuing(joined)
@@ -99,8 +140,14 @@ class PromptStep(Step):
             return attention.with_sinks(*new.causal_with_lse(query, key, value, scaling, softcap), sinks), None
         return new.causal(layer.policy.attend, query, key, value, scaling, softcap), None
 
-    def commit(self, layer: KVLayer, query: torch.Tensor, new_valid: torch.Tensor | None, scaling: float,
-               lse: torch.Tensor | None) -> None:
+    def commit(
+        self,
+        layer: KVLayer,
+        query: torch.Tensor,
+        new_valid: torch.Tensor | None,
+        scaling: float,
+        lse: torch.Tensor | None,
+    ) -> None:
         if not torch.compiler.is_compiling():
             layer.advance(query.shape[-2])
         keep = queries_to_keep(layer.policy.queries_needed(), layer.record_window)
@@ -112,20 +159,36 @@ class PromptStep(Step):
 class ObservationStep(Step):
     """A step of the observation pass: attended over the held prompt, observed, never stored."""
 
-    def take(self, layer: KVLayer, key_states: torch.Tensor, value_states: torch.Tensor
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+    def take(
+        self, layer: KVLayer, key_states: torch.Tensor, value_states: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         return layer.observation.take((layer.keys, layer.values), key_states, value_states)
 
-    def attend(self, layer: KVLayer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, new: NewTokens,
-               scaling: float, softcap: float | None, sinks: torch.Tensor | None) -> Attended:
+    def attend(
+        self,
+        layer: KVLayer,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        new: NewTokens,
+        scaling: float,
+        softcap: float | None,
+        sinks: torch.Tensor | None,
+    ) -> Attended:
         unpadded = (new.valid is None or bool(new.valid.all())) and bool(layer.slot_validity().all())
         out, lse = new.causal_with_lse(query, key, value, scaling, softcap, unpadded)
         if sinks is not None:
             return attention.with_sinks(out, lse, sinks), attention.sink_normaliser(lse, sinks)
         return out, lse
 
-    def commit(self, layer: KVLayer, query: torch.Tensor, new_valid: torch.Tensor | None, scaling: float,
-               lse: torch.Tensor | None) -> None:
+    def commit(
+        self,
+        layer: KVLayer,
+        query: torch.Tensor,
+        new_valid: torch.Tensor | None,
+        scaling: float,
+        lse: torch.Tensor | None,
+    ) -> None:
         keys, valid = layer.observation.step(query, new_valid, layer.slot_validity())
         layer.policy.observe(query, keys, valid, scaling, lse, layer.observation.context)
 
@@ -133,8 +196,9 @@ class ObservationStep(Step):
 class LaterStep(Step):
     """A step after the prompt: written at the storage's position, attended over the slots by the method."""
 
-    def take(self, layer: KVLayer, key_states: torch.Tensor, value_states: torch.Tensor
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+    def take(
+        self, layer: KVLayer, key_states: torch.Tensor, value_states: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if not torch.compiler.is_compiling():  # a compiled step's loop made the room before it
             layer.policy.prepare_step(key_states.shape[-2])
             layer.slots.make_room(key_states.shape[-2])
@@ -142,14 +206,30 @@ class LaterStep(Step):
         keys, values = layer.slots.view(decoded=not layer.slots.reads_codes(key_states))[:2]  # (attend decodes)
         return keys, values
 
-    def attend(self, layer: KVLayer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, new: NewTokens,
-               scaling: float, softcap: float | None, sinks: torch.Tensor | None) -> Attended:
+    def attend(
+        self,
+        layer: KVLayer,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        new: NewTokens,
+        scaling: float,
+        softcap: float | None,
+        sinks: torch.Tensor | None,
+    ) -> Attended:
         block = new.among_new() if query.shape[-2] > 1 else None  # one query sees itself
-        return step_attention(layer.slots, layer.policy.attend, query, key, value, block, scaling, softcap, sinks,
-                              new.valid), None
+        return step_attention(
+            layer.slots, layer.policy.attend, query, key, value, block, scaling, softcap, sinks, new.valid
+        ), None
 
-    def commit(self, layer: KVLayer, query: torch.Tensor, new_valid: torch.Tensor | None, scaling: float,
-               lse: torch.Tensor | None) -> None:
+    def commit(
+        self,
+        layer: KVLayer,
+        query: torch.Tensor,
+        new_valid: torch.Tensor | None,
+        scaling: float,
+        lse: torch.Tensor | None,
+    ) -> None:
         if not torch.compiler.is_compiling():  # a compiled step's loop moves them after the step (cache.advance)
             layer.advance(query.shape[-2])
         if new_valid is not None:  # written without asking the device whether all are real: that would synchronize
@@ -165,16 +245,22 @@ class LaterStep(Step):
 class PassNotRun(Step):
     """The prompt waits for its observation pass: no step may come before it."""
 
-    def take(self, layer: KVLayer, key_states: torch.Tensor, value_states: torch.Tensor
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+    def take(
+        self, layer: KVLayer, key_states: torch.Tensor, value_states: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         raise CacheMisuseError(
             "kvcompress: this cache's method compresses the prompt after an observation pass (KVzip: the model "
             "repeating the prompt), and the model was called again before that pass ran; kvcompress.generate and "
-            "kvcompress.compress run it (model.generate() cannot): use them to prefill")
+            "kvcompress.compress run it (model.generate() cannot): use them to prefill"
+        )
 
 
 _PROMPT, _LATER = PromptStep(), LaterStep()
 STEP_OF: dict[Phase, Step] = {
-    Phase.EMPTY: _PROMPT, Phase.PROMPT: _PROMPT, Phase.AWAITING_PASS: PassNotRun(),
-    Phase.OBSERVING: ObservationStep(), Phase.CONTINUING: _LATER, Phase.DECODING: _LATER,
+    Phase.EMPTY: _PROMPT,
+    Phase.PROMPT: _PROMPT,
+    Phase.AWAITING_PASS: PassNotRun(),
+    Phase.OBSERVING: ObservationStep(),
+    Phase.CONTINUING: _LATER,
+    Phase.DECODING: _LATER,
 }

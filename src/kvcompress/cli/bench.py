@@ -249,13 +249,25 @@ def _cmd_bench_speed(args: argparse.Namespace, console: Console) -> int:
         ("model", "methods", "lengths", "batches", "budget", "steps", "warmup"),
     )
     model = _bench_model(settings["model"], args.dtype, console)
-    results = lib.run_speed(
-        model, settings["methods"], settings["lengths"], settings["batches"], args.out, budget=settings["budget"],
-        steps=settings["steps"], warmup=settings["warmup"], find_max_context=args.find_max_context,
-        find_max_batch=args.find_max_batch, max_memory=int(args.max_memory * 2**30) if args.max_memory else None,
-        model_name=settings["model"], search_step=args.search_step, batch_limit=args.batch_limit, compile=args.compile,
-        prefill_tokens=None if args.prefill_tokens == 0 else args.prefill_tokens, replicate=args.replicate,
-        repeats=args.repeats)
+    grid = lib.SpeedGrid(
+        settings["methods"],
+        settings["lengths"],
+        settings["batches"],
+        budget=settings["budget"],
+        steps=settings["steps"],
+        warmup=settings["warmup"],
+        find_max_context=args.find_max_context,
+        find_max_batch=args.find_max_batch,
+        max_memory=int(args.max_memory * 2**30) if args.max_memory else None,
+        model_name=settings["model"],
+        search_step=args.search_step,
+        batch_limit=args.batch_limit,
+        compile=args.compile,
+        prefill_tokens=None if args.prefill_tokens == 0 else args.prefill_tokens,
+        replicate=args.replicate,
+        repeats=args.repeats,
+    )
+    results = lib.run_speed(model, grid, args.out)
     for shown in lib.report.speed(settings["model"], results, args.compile, args.out):
         console.print(shown, soft_wrap=isinstance(shown, str))
     return 0
@@ -293,9 +305,17 @@ def _cmd_bench_headline(args: argparse.Namespace, console: Console) -> int:
     flags = ("model", "methods", "lengths", "batches", "steps", "warmup")
     settings = _with_flags(lib.HEADLINE_PRESETS[args.preset], args, flags)
     model = _bench_model(settings["model"], args.dtype, console)
-    results = lib.run_headline(model, settings["methods"], settings["lengths"], settings["batches"], args.out,
-                               steps=settings["steps"], warmup=settings["warmup"], model_name=settings["model"],
-                               compile=args.compile)
+    results = lib.run_headline(
+        model,
+        settings["methods"],
+        settings["lengths"],
+        settings["batches"],
+        args.out,
+        steps=settings["steps"],
+        warmup=settings["warmup"],
+        model_name=settings["model"],
+        compile=args.compile,
+    )
     for shown in lib.report.headline(settings["model"], results, args.compile, args.out):
         console.print(shown, soft_wrap=isinstance(shown, str))
     return 0

@@ -41,6 +41,7 @@ _WHERE: dict[str, tuple[str, str | None]] = {  # name -> (its module under kvcom
     "run_accuracy": ("bench.accuracy", "run_accuracy"),
     "SPEED_PRESETS": ("bench.speed", "PRESETS"),
     "run_speed": ("bench.speed", "run_speed"),
+    "SpeedGrid": ("bench.speed", "SpeedGrid"),
     "HEADLINE_PRESETS": ("bench.headline", "PRESETS"),
     "run_headline": ("bench.headline", "run_headline"),
     "run_shared_context": ("bench.shared_context", "run_shared_context"),

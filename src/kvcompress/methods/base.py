@@ -55,14 +55,32 @@ def require(ok: bool, message: str) -> None:
         raise InvalidParameterError(message)
 
 
-def param(default: Any, help: str, *, minimum: float | None = None, choices: tuple[Any, ...] | None = None,
-          above: float | None = None, at_most: float | None = None, kw_only: bool = False,
-          none: str = "the default") -> Any:
+def param(
+    default: Any,
+    help: str,
+    *,
+    minimum: float | None = None,
+    choices: tuple[Any, ...] | None = None,
+    above: float | None = None,
+    at_most: float | None = None,
+    kw_only: bool = False,
+    none: str = "the default",
+) -> Any:
     """A method field: its default, its help text (shown by the CLI) and its valid range:
     ``minimum`` (inclusive), ``above`` (exclusive), ``at_most`` (inclusive), or ``choices``; ``kw_only``: never
     given by position (the fields every method shares); ``none``: what None means, where the type allows it."""
-    return field(default=default, kw_only=kw_only, metadata={
-        "help": help, "minimum": minimum, "above": above, "at_most": at_most, "choices": choices, "none": none})
+    return field(
+        default=default,
+        kw_only=kw_only,
+        metadata={
+            "help": help,
+            "minimum": minimum,
+            "above": above,
+            "at_most": at_most,
+            "choices": choices,
+            "none": none,
+        },
+    )
 
 
 def require_with(method: Method, name: str, applies: bool, needs: str, needs_flag: str) -> None:
@@ -73,7 +91,8 @@ def require_with(method: Method, name: str, applies: bool, needs: str, needs_fla
         flag = "--" + name.replace("_", "-")
         raise InvalidParameterError(
             f"{type(method).__name__}: {name}={value!r} applies only with {needs}; give that, or leave {name} out",
-            cli=f"{flag} {value} applies only with {needs_flag}; give that, or leave {flag} out")
+            cli=f"{flag} {value} applies only with {needs_flag}; give that, or leave {flag} out",
+        )
 
 
 def default_of(cls: type, name: str, default: Any) -> Any:
@@ -112,17 +131,26 @@ class FieldSpec:
         if value is None:
             require(self.optional, f"{owner}: {self.name}=None is invalid; give {self._what()}")
             return
-        valid_type = isinstance(value, bool) if self.kind is bool else (
-            isinstance(value, (int, float) if self.kind is float else self.kind) and not isinstance(value, bool)
+        valid_type = (
+            isinstance(value, bool)
+            if self.kind is bool
+            else (isinstance(value, (int, float) if self.kind is float else self.kind) and not isinstance(value, bool))
         )
         ranged = self.above is not None or self.at_most is not None
-        require(valid_type and (self.kind is not float or math.isfinite(value)),
-                f"{owner}: {self.name}={value!r} is invalid; it must be {self.valid() if ranged else self._what()}")
+        require(
+            valid_type and (self.kind is not float or math.isfinite(value)),
+            f"{owner}: {self.name}={value!r} is invalid; it must be {self.valid() if ranged else self._what()}",
+        )
         if self.choices is not None:
-            require(value in self.choices,
-                    f"{owner}: {self.name}={value!r} is unknown; valid: {', '.join(map(str, self.choices))}")
-        in_range = ((self.minimum is None or value >= self.minimum) and (self.above is None or value > self.above)
-                    and (self.at_most is None or value <= self.at_most))
+            require(
+                value in self.choices,
+                f"{owner}: {self.name}={value!r} is unknown; valid: {', '.join(map(str, self.choices))}",
+            )
+        in_range = (
+            (self.minimum is None or value >= self.minimum)
+            and (self.above is None or value > self.above)
+            and (self.at_most is None or value <= self.at_most)
+        )
         if ranged:
             require(in_range, f"{owner}: {self.name}={value!r} is outside the valid range {self._interval()}")
         require(in_range, f"{owner}: {self.name}={value!r} is invalid; it must be {self._what()}")
@@ -162,10 +190,19 @@ def field_specs(cls: type) -> list[FieldSpec]:
         kinds = [a for a in args if a is not type(None)] or [hint]
         meta = f.metadata
         specs.append(
-            FieldSpec(f.name, kinds[0],
-                      type(None) in args, None if f.default is MISSING else f.default, meta.get("help", ""),
-                      meta.get("minimum"), meta.get("above"), meta.get("at_most"), meta.get("choices"),
-                      meta.get("none", "the default")))
+            FieldSpec(
+                f.name,
+                kinds[0],
+                type(None) in args,
+                None if f.default is MISSING else f.default,
+                meta.get("help", ""),
+                meta.get("minimum"),
+                meta.get("above"),
+                meta.get("at_most"),
+                meta.get("choices"),
+                meta.get("none", "the default"),
+            )
+        )
     return sorted(specs, key=lambda spec: spec.name in CODEC_FIELDS)  # the method's own first, storage's last
 
 
@@ -203,30 +240,47 @@ class Method:
     # does not record it), so the file decodes as it did when written (generation/result.py)
     unrecorded_meant: ClassVar[dict[str, Any]] = {}
     kv_bits: int = param(
-        16, "bits per stored key and value element once the prompt is compressed: 16 (the model's own precision), "
+        16,
+        "bits per stored key and value element once the prompt is compressed: 16 (the model's own precision), "
         "8 or 4 (codes with scales; at 4 the keys take 6 unless key_bits says otherwise, docs/quantization.md)",
-        choices=(16, 8, 4), kw_only=True)
+        choices=(16, 8, 4),
+        kw_only=True,
+    )
     kv_format: str = param(
-        "int", "how 8 or 4 bits are written: int (per-token groups with scales) or fp8 (float8 e4m3, as vLLM's fp8 "
-        "cache dtype; kv_bits=8 only)", choices=("int", "fp8"), kw_only=True)
+        "int",
+        "how 8 or 4 bits are written: int (per-token groups with scales) or fp8 (float8 e4m3, as vLLM's fp8 "
+        "cache dtype; kv_bits=8 only)",
+        choices=("int", "fp8"),
+        kw_only=True,
+    )
     key_bits: int | None = param(
-        None, "bits per stored key element where keys take more than values (None: 6 with kv_bits=4 where the "
+        None,
+        "bits per stored key element where keys take more than values (None: 6 with kv_bits=4 where the "
         "method stores keys apart from values, else kv_bits; key_bits=4 with kv_bits=4: keys in 4 bits too, "
-        "docs/quantization.md)", choices=(8, 6, 4), kw_only=True)
+        "docs/quantization.md)",
+        choices=(8, 6, 4),
+        kw_only=True,
+    )
 
     def __post_init__(self) -> None:
         for spec in field_specs(type(self)):
             spec.check(type(self).__name__, getattr(self, spec.name))
-        require(self.kv_format == "int" or self.kv_bits == 8,
-                f"{type(self).__name__}: kv_format={self.kv_format!r} stores 8 bits, got kv_bits={self.kv_bits}; "
-                "valid: kv_bits=8 with kv_format='fp8', or kv_format='int'")
-        require(self.key_bits is None or self.kv_bits < 16,
-                f"{type(self).__name__}: key_bits={self.key_bits} sets the keys' bits where kept tokens are stored in "
-                f"codes, and kv_bits={self.kv_bits} keeps the model's precision; valid: kv_bits=8 or kv_bits=4 with "
-                f"key_bits={self.key_bits}")
-        require(self.key_bits is None or (self.kv_format == "int" and self.kv_bits <= self.key_bits),
-                f"{type(self).__name__}: key_bits={self.key_bits} with kv_bits={self.kv_bits}, "
-                f"kv_format={self.kv_format!r}; valid: key_bits >= kv_bits (8, 6 or 4) with kv_format='int'")
+        require(
+            self.kv_format == "int" or self.kv_bits == 8,
+            f"{type(self).__name__}: kv_format={self.kv_format!r} stores 8 bits, got kv_bits={self.kv_bits}; "
+            "valid: kv_bits=8 with kv_format='fp8', or kv_format='int'",
+        )
+        require(
+            self.key_bits is None or self.kv_bits < 16,
+            f"{type(self).__name__}: key_bits={self.key_bits} sets the keys' bits where kept tokens are stored in "
+            f"codes, and kv_bits={self.kv_bits} keeps the model's precision; valid: kv_bits=8 or kv_bits=4 with "
+            f"key_bits={self.key_bits}",
+        )
+        require(
+            self.key_bits is None or (self.kv_format == "int" and self.kv_bits <= self.key_bits),
+            f"{type(self).__name__}: key_bits={self.key_bits} with kv_bits={self.kv_bits}, "
+            f"kv_format={self.kv_format!r}; valid: key_bits >= kv_bits (8, 6 or 4) with kv_format='int'",
+        )
         self.validate()
 
     def kv_codec(self) -> str | None:
@@ -250,8 +304,9 @@ class Method:
     def validate(self) -> None:
         """Checks across fields; raise ``InvalidParameterError`` naming the values and the valid range."""
 
-    def make_cache(self, model: PreTrainedModel,
-                   tokenizer: PreTrainedTokenizerBase | TokenSpans | None = None) -> KVCompressCache:
+    def make_cache(
+        self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | TokenSpans | None = None
+    ) -> KVCompressCache:
         """A transformers ``Cache`` applying this method to ``model`` (see ``integration.make_cache``);
         ``tokenizer`` (or its ``TokenSpans``) tells it where words and numbers start (needed by
         ``needs_tokens`` methods; without it they load the model's own tokenizer from disk)."""
@@ -297,8 +352,14 @@ class Method:
         """Once every layer holds its whole prompt (``compresses_together``), before any of ``layers`` compresses.
         Default: nothing."""
 
-    def scores(self, query: torch.Tensor | None, keys: torch.Tensor, valid: torch.Tensor, scaling: float,
-               spans: torch.Tensor | None = None) -> torch.Tensor:
+    def scores(
+        self,
+        query: torch.Tensor | None,
+        keys: torch.Tensor,
+        valid: torch.Tensor,
+        scaling: float,
+        spans: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Importance of each prompt position per KV head ``[batch, kv_heads, seq]``; higher is kept.
         ``query``: the prefill's post-RoPE queries (None where ``queries_needed`` asked for none); ``spans [batch,
         seq]``: the word/number span of each token (``tokens.TokenSpans``; None when unknown); padding is excluded by
@@ -316,8 +377,11 @@ class Method:
     def describe(self) -> str:
         """``snapkv(budget=256, window=32, ...)``: every setting (quiet ones only when changed)."""
         defaults = field_defaults(type(self))
-        shown = ", ".join(f"{k}={v}" for k, v in self.settings().items()
-                          if v is not None and not (k in self.quiet_fields + CODEC_FIELDS and v == defaults[k]))
+        shown = ", ".join(
+            f"{k}={v}"
+            for k, v in self.settings().items()
+            if v is not None and not (k in self.quiet_fields + CODEC_FIELDS and v == defaults[k])
+        )
         return f"{self.name}({shown})"
 
     def label(self) -> str:
@@ -337,9 +401,12 @@ class BudgetMethod(Method):
     budget: int | None = param(
         None,
         "working-set size in tokens per KV head: prompt tokens kept (prompt compression) or attended per decoding step "
-        "(sparse decoding)", minimum=1)
-    ratio: float | None = param(None, "fraction of each prompt used instead of a fixed budget, in (0, 1]", above=0,
-                                at_most=1)
+        "(sparse decoding)",
+        minimum=1,
+    )
+    ratio: float | None = param(
+        None, "fraction of each prompt used instead of a fixed budget, in (0, 1]", above=0, at_most=1
+    )
 
     def validate(self) -> None:
         require(
@@ -389,7 +456,8 @@ def require_rope(model: PreTrainedModel, owner: str) -> None:
         problem = check_rope(model, index, head_dim) if window is None else None
         if problem:
             raise UnsupportedModelError(
-                f"{owner} needs rotary position embeddings it can invert, and {type(model).__name__}: {problem}")
+                f"{owner} needs rotary position embeddings it can invert, and {type(model).__name__}: {problem}"
+            )
 
 
 def check_reserved(owner: str, budget: int, reserved_name: str, reserved: int, what: str) -> None:
@@ -397,5 +465,5 @@ def check_reserved(owner: str, budget: int, reserved_name: str, reserved: int, w
     require(
         budget > reserved,
         f"{owner}: budget={budget} must be greater than {reserved_name}={reserved} (budget counts the {what}; valid: "
-        f"budget > {reserved})"
+        f"budget > {reserved})",
     )

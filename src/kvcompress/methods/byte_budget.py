@@ -73,8 +73,9 @@ def token_bytes(codec: str | None, head_dim: int, dtype: torch.dtype, packed: bo
     return coded.keys.row_bytes + coded.values.row_bytes + index
 
 
-def probe_output(probe: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, seq: int,
-                 scaling: float) -> torch.Tensor:
+def probe_output(
+    probe: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, seq: int, scaling: float
+) -> torch.Tensor:
     """The attention output of the prompt's last ``n`` queries ``probe [q_heads, n, dim]`` over the keys and values
     ``[kv_heads, k, dim]`` at prompt ``positions [kv_heads, k]`` of ``seq`` (causal), ``[kv_heads, group * n, dim]``
     in float32."""
@@ -92,15 +93,20 @@ def coding_errors(layer: LayerScores, codecs: list[KVCodec | None], probed: int)
     the fewest bits keeps that many) and the probe's own."""
     seq, n, dim = layer.keys.shape[1], layer.probe.shape[1], layer.keys.shape[-1]
     ranked = layer.scores.float().clone()
-    ranked[:, seq - n:] = math.inf
+    ranked[:, seq - n :] = math.inf
     positions = ranked.topk(min(seq, probed + n), dim=-1).indices.sort(-1).values
     index = positions[..., None].expand(-1, -1, dim)
     keys, values = layer.keys.gather(1, index), layer.values.gather(1, index)
     exact = probe_output(layer.probe, keys, values, positions, seq, layer.scaling)
     errors = []
     for codec in codecs:
-        coded = exact if codec is None else probe_output(
-            layer.probe, *restored_pair(codec, *encoded_pair(codec, keys, values)), positions, seq, layer.scaling)
+        coded = (
+            exact
+            if codec is None
+            else probe_output(
+                layer.probe, *restored_pair(codec, *encoded_pair(codec, keys, values)), positions, seq, layer.scaling
+            )
+        )
         errors.append(float((coded - exact).norm() / exact.norm().clamp(min=1e-30)))
     return errors
 
@@ -132,8 +138,9 @@ class Candidates:
         return index, counts, spent
 
 
-def candidates(layer: LayerScores, codecs: list[KVCodec | None], costs: list[int], uniform_heads: bool,
-               probed: int) -> Candidates:
+def candidates(
+    layer: LayerScores, codecs: list[KVCodec | None], costs: list[int], uniform_heads: bool, probed: int
+) -> Candidates:
     """The layer's distortions and costs (``codecs``: each precision's, as its storage would code; ``uniform_heads``:
     every head keeps the same count, chosen by the heads' mean share at each rank; ``probed``: the tokens per head
     its coding errors are measured over)."""
@@ -153,8 +160,9 @@ def candidates(layer: LayerScores, codecs: list[KVCodec | None], costs: list[int
     return Candidates(errors, costs, shares, shares.double().cumsum(-1).float(), pinned.sum(-1))
 
 
-def allocate(layers: list[LayerScores], budget: float, head_dim: int, dtype: torch.dtype, rotated: bool,
-             uniform_heads: bool) -> list[LayerPlan]:
+def allocate(
+    layers: list[LayerScores], budget: float, head_dim: int, dtype: torch.dtype, rotated: bool, uniform_heads: bool
+) -> list[LayerPlan]:
     """Each layer's plan for one prompt under ``budget`` bytes (see the module; ``uniform_heads``: every head of a
     layer keeps the same count, stored dense; else each its own, packed). Where even the tokens every layer must
     keep do not fit in the fewest bits, those are what each layer keeps, in the fewest bits (as a token budget never
@@ -181,8 +189,10 @@ def allocate(layers: list[LayerScores], budget: float, head_dim: int, dtype: tor
             low, high = (low, middle) if spend(middle)[1] <= budget else (middle, high)
         low = high
     chosen, _ = spend(low)
-    return [LayerPlan(PRECISIONS[index], kept_positions(layer.scores, counts))
-            for layer, (index, counts, _) in zip(layers, chosen)]
+    return [
+        LayerPlan(PRECISIONS[index], kept_positions(layer.scores, counts))
+        for layer, (index, counts, _) in zip(layers, chosen)
+    ]
 
 
 def packing_bytes(heads: int) -> int:

@@ -30,17 +30,19 @@ from ..cache.tokens import span_max
 from ..integrations.transformers.rope import apply_rope, invert_rope, rotary_for
 from ..storage.tensors import prompt_positions
 from .base import check_reserved, param, require_rope
-from .prompt import HeldTokens, PromptMethod
+from .bounded import HeldTokens
+from .prompt import PromptMethod
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
     from ..cache.layer import KVLayer
-    from .prompt import BoundedPolicy
+    from .bounded import BoundedPolicy
 
 
-def query_statistics(query: torch.Tensor, real: torch.Tensor,
-                     covariance: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+def query_statistics(
+    query: torch.Tensor, real: torch.Tensor, covariance: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Mean ``[b, h, d]`` and (biased) covariance ``[b, h, d, d]`` in float32 of the queries
     ``[b, h, n, d]`` whose ``real [b, n]`` is True."""
     weight = real.float()[:, None, :, None]
@@ -58,8 +60,9 @@ def rotate_rows(matrix: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     return apply_rope(matrix, cos[..., None, :], sin[..., None, :])
 
 
-def future_statistics(mean: torch.Tensor, cov: torch.Tensor | None, cos: torch.Tensor,
-                      sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+def future_statistics(
+    mean: torch.Tensor, cov: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``R mean`` and ``R cov R'`` for ``R`` the average rotation of the future positions:
     ``cos``/``sin [b, future, rotary_dim]`` are averaged (a mean of rotations is the map with the
     mean coefficients)."""
@@ -70,8 +73,16 @@ def future_statistics(mean: torch.Tensor, cov: torch.Tensor | None, cos: torch.T
     return mean, rotate_rows(rotate_rows(cov, cos, sin).transpose(-1, -2), cos, sin).transpose(-1, -2)
 
 
-def expected_attention_scores(keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor, mean: torch.Tensor,
-                              cov: torch.Tensor | None, scaling: float, sinks: int, value_norm: bool) -> torch.Tensor:
+def expected_attention_scores(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    valid: torch.Tensor,
+    mean: torch.Tensor,
+    cov: torch.Tensor | None,
+    scaling: float,
+    sinks: int,
+    value_norm: bool,
+) -> torch.Tensor:
     """``[b, kv_heads, seq]``: each key's expected attention from queries ``N(mean, cov)`` (per query
     head ``[b, q_heads, d]``, ``[b, q_heads, d, d]``), the softmax over the real keys after the first
     ``sinks`` real tokens, averaged over each KV head's query heads, times the value norm; ``+inf`` on the sinks."""
@@ -101,9 +112,11 @@ class ExpectedAttention(PromptMethod):
     sinks: int = param(4, "first prompt tokens always kept, and left out of the statistics", minimum=0)
     covariance: bool = param(True, "use the queries' covariance as well as their mean")
     value_norm: bool = param(True, "weight each key's expected attention by the norm of its value")
-    clustering: str = param("spans",
-                            "spans: each word or number scored by its best token, kept whole; none: per-token scores",
-                            choices=("spans", "none"))
+    clustering: str = param(
+        "spans",
+        "spans: each word or number scored by its best token, kept whole; none: per-token scores",
+        choices=("spans", "none"),
+    )
 
     def validate(self) -> None:
         super().validate()
@@ -131,7 +144,7 @@ class ExpectedAttention(PromptMethod):
         return layer
 
     def layer_scores(self, layer: KVLayer, query: torch.Tensor | None, scaling: float) -> torch.Tensor:
-        query, = present(query)
+        (query,) = present(query)
         valid = layer.slot_validity()
         positions = prompt_positions(valid)  # the prompt's slots in order: every slot holds its own token
         asked = positions[:, -query.shape[-2] :]
@@ -148,16 +161,25 @@ class ExpectedAttention(PromptMethod):
             )
         return span_max(scores, layer.spans)
 
-    def decode_scores(self, policy: BoundedPolicy, held: HeldTokens, query: torch.Tensor,
-                      scaling: float) -> torch.Tensor:
+    def decode_scores(
+        self, policy: BoundedPolicy, held: HeldTokens, query: torch.Tensor, scaling: float
+    ) -> torch.Tensor:
         """Under ``decode_budget``: the statistics of the last steps' queries (at their positions), moved ``future``
         positions past the next token, score every held token (per token: answer tokens have no recorded spans)."""
         asked = held.positions[:, 0, -query.shape[-2] :]
-        next_position, = present(policy.next_position)
+        (next_position,) = present(policy.next_position)
         return self._expected(policy.layer.rotary, held, query, asked, asked >= 0, next_position, scaling)
 
-    def _expected(self, rotary: Any, held: HeldTokens, query: torch.Tensor, asked: torch.Tensor, voting: torch.Tensor,
-                  next_position: torch.Tensor, scaling: float) -> torch.Tensor:
+    def _expected(
+        self,
+        rotary: Any,
+        held: HeldTokens,
+        query: torch.Tensor,
+        asked: torch.Tensor,
+        voting: torch.Tensor,
+        next_position: torch.Tensor,
+        scaling: float,
+    ) -> torch.Tensor:
         """Scores of ``held``'s keys from ``query``'s statistics (queries at positions ``asked [b, n]``, those
         ``voting`` counted), moved to the ``future`` positions from ``next_position [b]`` on."""
         query = query.float()
@@ -166,5 +188,6 @@ class ExpectedAttention(PromptMethod):
         mean, cov = query_statistics(unrotated, voting, self.covariance)
         ahead = next_position[:, None] + torch.arange(self.future, device=query.device)[None, :]
         mean, cov = future_statistics(mean, cov, *rotary.cos_sin(ahead, mean))
-        return expected_attention_scores(held.keys, held.values, held.valid, mean, cov, scaling, self.sinks,
-                                         self.value_norm)
+        return expected_attention_scores(
+            held.keys, held.values, held.valid, mean, cov, scaling, self.sinks, self.value_norm
+        )

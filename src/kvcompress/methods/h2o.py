@@ -28,17 +28,20 @@ from ..storage.codec import attended_pair
 from ..storage.slots import CappedSlots
 from ..storage.tensors import gather_tokens
 from .base import check_reserved, param, require
-from .prompt import EvictionPolicy, HeldTokens, PromptMethod, note_step_positions, prompt_positions_held
+from .bounded import HeldTokens, note_step_positions, prompt_positions_held
+from .eviction import EvictionPolicy
+from .prompt import PromptMethod
 from .snapkv import average_over_groups, window_votes
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-    from .prompt import BoundedPolicy
+    from .bounded import BoundedPolicy
 
 
-def accumulated_attention(query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scaling: float,
-                          block: int = 256) -> torch.Tensor:
+def accumulated_attention(
+    query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scaling: float, block: int = 256
+) -> torch.Tensor:
     """Attention each key receives, summed over all (real, causal) queries, per query head
     ``[batch, q_heads, seq]``; computed ``block`` queries and one KV head at a time, so memory stays
     linear in the prompt length."""
@@ -49,12 +52,16 @@ def accumulated_attention(query: torch.Tensor, keys: torch.Tensor, valid: torch.
     key_pos = torch.arange(seq, device=query.device)
     for start in range(0, seq, block):
         rows = min(block, seq - start)
-        visible = (key_pos[None, :] <= torch.arange(start, start + rows,
-                                                    device=query.device)[:, None])[None, None] & valid[:, None, None, :]
+        visible = (key_pos[None, :] <= torch.arange(start, start + rows, device=query.device)[:, None])[
+            None, None
+        ] & valid[:, None, None, :]
         for h in range(kv_heads):
-            logits = grouped_logits(query[:, h * group:(h + 1) * group, start:start + rows], keys[:, h:h + 1], scaling)
-            probs = key_probabilities(logits.masked_fill(~visible, torch.finfo(torch.float32).min),
-                                      slice(h * group, (h + 1) * group))
+            logits = grouped_logits(
+                query[:, h * group : (h + 1) * group, start : start + rows], keys[:, h : h + 1], scaling
+            )
+            probs = key_probabilities(
+                logits.masked_fill(~visible, torch.finfo(torch.float32).min), slice(h * group, (h + 1) * group)
+            )
             # padding queries vote nothing
             total[:, h * group : (h + 1) * group] += (probs * valid[:, None, start : start + rows, None]).sum(dim=2)
     return total
@@ -67,11 +74,13 @@ def protect_recent(scores: torch.Tensor, recent: int) -> torch.Tensor:
     return protected
 
 
-def h2o_scores(query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scaling: float, recent: int,
-               block: int = 256) -> torch.Tensor:
+def h2o_scores(
+    query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scaling: float, recent: int, block: int = 256
+) -> torch.Tensor:
     """``[batch, kv_heads, seq]``: accumulated attention, with the ``recent`` last tokens at ``+inf``."""
-    return protect_recent(average_over_groups(accumulated_attention(query, keys, valid, scaling, block), keys.shape[1]),
-                          recent)
+    return protect_recent(
+        average_over_groups(accumulated_attention(query, keys, valid, scaling, block), keys.shape[1]), recent
+    )
 
 
 @dataclass
@@ -86,20 +95,29 @@ class H2O(PromptMethod):
 
     def validate(self) -> None:
         super().validate()
-        require(not (self.evict_during_decoding and self.ratio is not None),
-                "H2O: evict_during_decoding needs a fixed budget, not ratio")
-        require(not (self.evict_during_decoding and self.decode_budget is not None),
-                f"H2O: evict_during_decoding keeps the cache at budget={self.budget_tokens} at every step; give it or "
-                f"decode_budget={self.decode_budget}, not both")
+        require(
+            not (self.evict_during_decoding and self.ratio is not None),
+            "H2O: evict_during_decoding needs a fixed budget, not ratio",
+        )
+        require(
+            not (self.evict_during_decoding and self.decode_budget is not None),
+            f"H2O: evict_during_decoding keeps the cache at budget={self.budget_tokens} at every step; give it or "
+            f"decode_budget={self.decode_budget}, not both",
+        )
         require(
             not (self.evict_during_decoding and self.heads == "adaptive"),
-            "H2O: evict_during_decoding keeps a uniform budget per head; it does not combine with heads='adaptive'")
-        require(self.kv_bytes is None or self.recent is not None,
-                f"H2O: kv_bytes={self.kv_bytes} has no token budget to split into heavy hitters and recent tokens "
-                "(recent defaults to half the budget); valid: kv_bytes with recent given, e.g. recent=32")
-        require(not (self.evict_during_decoding and self.kv_bytes is not None),
-                f"H2O: evict_during_decoding keeps a token budget at every step; it does not combine with "
-                f"kv_bytes={self.kv_bytes}")
+            "H2O: evict_during_decoding keeps a uniform budget per head; it does not combine with heads='adaptive'",
+        )
+        require(
+            self.kv_bytes is None or self.recent is not None,
+            f"H2O: kv_bytes={self.kv_bytes} has no token budget to split into heavy hitters and recent tokens "
+            "(recent defaults to half the budget); valid: kv_bytes with recent given, e.g. recent=32",
+        )
+        require(
+            not (self.evict_during_decoding and self.kv_bytes is not None),
+            f"H2O: evict_during_decoding keeps a token budget at every step; it does not combine with "
+            f"kv_bytes={self.kv_bytes}",
+        )
         if self.ratio is None and self.kv_bytes is None:
             check_reserved("H2O", self.budget_tokens, "recent", self.recent_tokens, "recent tokens")
 
@@ -113,12 +131,19 @@ class H2O(PromptMethod):
     def queries_needed(self, asked: int | None = None) -> int | None:
         return None  # every prompt query votes
 
-    def scores(self, query: torch.Tensor | None, keys: torch.Tensor, valid: torch.Tensor, scaling: float,
-               spans: torch.Tensor | None = None) -> torch.Tensor:
+    def scores(
+        self,
+        query: torch.Tensor | None,
+        keys: torch.Tensor,
+        valid: torch.Tensor,
+        scaling: float,
+        spans: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         return h2o_scores(present(query)[0], keys, valid, scaling, self.recent_tokens, self.block)
 
-    def decode_scores(self, policy: BoundedPolicy, held: HeldTokens, query: torch.Tensor,
-                      scaling: float) -> torch.Tensor:
+    def decode_scores(
+        self, policy: BoundedPolicy, held: HeldTokens, query: torch.Tensor, scaling: float
+    ) -> torch.Tensor:
         """Under ``decode_budget``: the attention the last steps' queries gave each held token, accumulated (the
         heavy hitters of the recent steps; ``evict_during_decoding`` accumulates every step's), with the ``recent``
         tokens kept."""
@@ -171,15 +196,25 @@ class H2OPolicy(EvictionPolicy):
     def compress(self, query: torch.Tensor | None, scaling: float) -> None:
         # Computed once: it ranks the prompt and seeds the scores that eviction keeps adding to.
         full = average_over_groups(
-            accumulated_attention(present(query)[0], self.layer.keys, self.layer.slot_validity(), scaling,
-                                  self.method.block), self.layer.keys.shape[1])
+            accumulated_attention(
+                present(query)[0], self.layer.keys, self.layer.slot_validity(), scaling, self.method.block
+            ),
+            self.layer.keys.shape[1],
+        )
         kept = self.keep_top(lambda: protect_recent(full, self.method.recent_tokens))
         self.slots.notes["slot_positions"] = super().kept_positions()
         self.slots.notes["slot_scores"] = full if kept is None else full.gather(2, kept)
         self.next_position = self.layer.held_prompt()[0].clone()
 
-    def attend(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
-               scaling: float, softcap: float | None = None) -> torch.Tensor:
+    def attend(
+        self,
+        query: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        mask: torch.Tensor | None,
+        scaling: float,
+        softcap: float | None = None,
+    ) -> torch.Tensor:
         if self.layer.phase.taking_prompt:
             return super().attend(query, keys, values, mask, scaling, softcap)
         keys, values = attended_pair(self.slots.codec, keys, values)  # its own weights, from decoded keys
@@ -189,8 +224,9 @@ class H2OPolicy(EvictionPolicy):
         if softcap is not None:
             logits = softcap * torch.tanh(logits / softcap)
         seen, scores = present(mask, self.slots.notes["slot_scores"])  # a step's slots: capped, hence masked
-        probs = logits.masked_fill(~group_mask(seen, q_heads // kv_heads),
-                                   torch.finfo(torch.float32).min).softmax(dim=-1)
+        probs = logits.masked_fill(~group_mask(seen, q_heads // kv_heads), torch.finfo(torch.float32).min).softmax(
+            dim=-1
+        )
         received = average_over_groups(probs.view(batch, q_heads, q_len, slots).sum(dim=2), kv_heads)
         scores.add_(received)
         return (probs @ values.float()).view(batch, q_heads, q_len, dim).to(query.dtype)
@@ -198,8 +234,9 @@ class H2OPolicy(EvictionPolicy):
     def after_step(self, query: torch.Tensor, scaling: float) -> None:
         """Record the new tokens' positions, then keep, per KV head, the ``budget`` best slots at the front."""
         slots, q_len = self.slots, query.shape[-2]
-        scores, positions, next_position = present(slots.notes["slot_scores"], slots.notes["slot_positions"],
-                                                   self.next_position)
+        scores, positions, next_position = present(
+            slots.notes["slot_scores"], slots.notes["slot_positions"], self.next_position
+        )
         note_step_positions(slots, next_position, positions, q_len)
         slot = torch.arange(slots.keys.shape[-2], device=slots.keys.device)
         cursor, valid = slots.stepping()

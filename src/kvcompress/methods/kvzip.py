@@ -40,8 +40,15 @@ FIRST = "Repeat the previous context exactly."
 LATER = "Repeat the part of the previous context exactly, starting with"
 
 
-def reconstruction_scores(query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, prompt: int, scaling: float,
-                          lse: torch.Tensor, counted: torch.Tensor) -> torch.Tensor:
+def reconstruction_scores(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    valid: torch.Tensor,
+    prompt: int,
+    scaling: float,
+    lse: torch.Tensor,
+    counted: torch.Tensor,
+) -> torch.Tensor:
     """The most attention any real query of this step pays each counted prompt position, over the
     query heads of each KV head: ``[b, kv_heads, prompt]`` float32, 0 where not counted.
 
@@ -85,21 +92,25 @@ class KVzip(PromptMethod):
 
     name: ClassVar[str] = "kvzip"
     not_served: ClassVar[str | None] = (
-        "it scores from an observation pass (the model repeating the prompt) that vLLM does not run")
+        "it scores from an observation pass (the model repeating the prompt) that vLLM does not run"
+    )
     # the paper's selection: every layer's and head's pairs ranked together
     layers: str = default_of(PromptMethod, "layers", "global")
-    chunk: int = param(2000,
-                       "prompt tokens repeated per step of the reconstruction (bounds the queries scored at once)",
-                       minimum=1)
+    chunk: int = param(
+        2000, "prompt tokens repeated per step of the reconstruction (bounds the queries scored at once)", minimum=1
+    )
     overlap: int = param(8, "tokens before a chunk repeated with the instruction that introduces it", minimum=0)
     sinks: int = param(
         4,
         "the prompt's first tokens scored with the context; the rest of a chat template's opening is left out of the "
         "scores (kept last)",
-        minimum=0)
+        minimum=0,
+    )
     clustering: str = param(
-        "spans", "spans: each word or number scored by its best token, kept whole; none: the paper's per-token scores",
-        choices=("spans", "none"))
+        "spans",
+        "spans: each word or number scored by its best token, kept whole; none: the paper's per-token scores",
+        choices=("spans", "none"),
+    )
 
     def queries_needed(self, asked: int | None = None) -> int:
         return 0
@@ -111,8 +122,15 @@ class KVzip(PromptMethod):
         return Observation(FIRST, LATER, self.chunk, self.overlap)
 
     def observe(
-        self, seen: torch.Tensor | None, query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, prompt: int,
-        scaling: float, lse: torch.Tensor, context: torch.Tensor
+        self,
+        seen: torch.Tensor | None,
+        query: torch.Tensor,
+        keys: torch.Tensor,
+        valid: torch.Tensor,
+        prompt: int,
+        scaling: float,
+        lse: torch.Tensor,
+        context: torch.Tensor,
     ) -> torch.Tensor:
         real = valid[:, :prompt]
         counted = real & (context | (prompt_positions(real) < self.sinks))  # the context, and the prompt's first tokens
@@ -122,11 +140,15 @@ class KVzip(PromptMethod):
     def layer_scores(self, layer: KVLayer, query: torch.Tensor | None, scaling: float) -> torch.Tensor:
         seen = None if layer.observation is None else layer.observation.seen
         if seen is None:
-            raise ValueError("KVzip scores from the prompt's reconstruction, which did not run: compress through "
-                             "kvcompress.generate or kvcompress.compress")
+            raise ValueError(
+                "KVzip scores from the prompt's reconstruction, which did not run: compress through "
+                "kvcompress.generate or kvcompress.compress"
+            )
         if self.clustering == "none":
             return seen
         if layer.spans is None:
-            raise ValueError("KVzip(clustering='spans') needs the prompt's token ids; the model was called with "
-                             "embeddings only: use clustering='none'")
+            raise ValueError(
+                "KVzip(clustering='spans') needs the prompt's token ids; the model was called with "
+                "embeddings only: use clustering='none'"
+            )
         return span_max(seen, layer.spans)

@@ -43,7 +43,8 @@ def approximate_scores(query: torch.Tensor, projected_keys: torch.Tensor, compon
     batch, q_heads, q_len, dim = query.shape
     kv_heads, seq, rank = projected_keys.shape[1:]
     stacked = query.reshape(batch * kv_heads, -1, dim).to(components.dtype) @ components.reshape(
-        batch * kv_heads, dim, rank)
+        batch * kv_heads, dim, rank
+    )
     scores = stacked.to(projected_keys.dtype) @ projected_keys.view(batch * kv_heads, seq, rank).mT
     return scores.view(batch, kv_heads, -1, seq).amax(dim=2)
 
@@ -56,7 +57,8 @@ def load_calibration(path: str, layers: int, kv_heads: int, head_dim: int) -> to
         components = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # noqa: BLE001 - any unreadable file gets the same clear error
         raise InvalidParameterError(
-            f"Loki: calibration={path!r} could not be read as a saved tensor ({error})") from None
+            f"Loki: calibration={path!r} could not be read as a saved tensor ({error})"
+        ) from None
     expected = (layers, kv_heads, head_dim, head_dim)
     if not isinstance(components, torch.Tensor) or tuple(components.shape) != expected:
         shape = tuple(components.shape) if isinstance(components, torch.Tensor) else type(components).__name__
@@ -73,17 +75,20 @@ class Loki(SparseMethod):
 
     name: ClassVar[str] = "loki"
     not_served: ClassVar[str | None] = (
-        "it changes every decoding step's attention (low-rank scores), not which tokens a request keeps")
+        "it changes every decoding step's attention (low-rank scores), not which tokens a request keeps"
+    )
     dim: int | None = param(None, "principal components used for scoring (default half the head dimension)", minimum=1)
     recent: int = param(32, "recent tokens kept dense, never selected", minimum=0)
     calibration: str | None = param(
-        None, "file of precomputed components [layers, kv_heads, head_dim, head_dim] (default: from the prompt)")
+        None, "file of precomputed components [layers, kv_heads, head_dim, head_dim] (default: from the prompt)"
+    )
 
     def validate(self) -> None:
         super().validate()
         if self.calibration is not None and not Path(self.calibration).is_file():
             raise InvalidParameterError(
-                f"Loki: calibration={self.calibration!r} is not a file; give a tensor saved with torch.save")
+                f"Loki: calibration={self.calibration!r} is not a file; give a tensor saved with torch.save"
+            )
 
     def check_model(self, model: PreTrainedModel) -> None:
         head_dim = model_head_dim(model)
@@ -96,8 +101,9 @@ class Loki(SparseMethod):
         if self.calibration is None:
             return None
         config = model.config.get_text_config()
-        return load_calibration(self.calibration, config.num_hidden_layers, config.num_key_value_heads,
-                                model_head_dim(model))
+        return load_calibration(
+            self.calibration, config.num_hidden_layers, config.num_key_value_heads, model_head_dim(model)
+        )
 
     def make_layer(self, layer_idx: int, model: PreTrainedModel) -> KVLayer:
         components = self.calibrated(model)

@@ -45,8 +45,11 @@ def page_upper_bounds(query: torch.Tensor, low: torch.Tensor, span: torch.Tensor
     batch, q_heads, q_len, dim = query.shape
     kv_heads, pages = low.shape[1], low.shape[2]
     stacked = query.reshape(batch * kv_heads, -1, dim)
-    bound = torch.baddbmm(stacked @ low.view(batch * kv_heads, pages, dim).mT, stacked.clamp(min=0),
-                          span.view(batch * kv_heads, pages, dim).mT)
+    bound = torch.baddbmm(
+        stacked @ low.view(batch * kv_heads, pages, dim).mT,
+        stacked.clamp(min=0),
+        span.view(batch * kv_heads, pages, dim).mT,
+    )
     return bound.view(batch, kv_heads, -1, pages).amax(dim=2)
 
 
@@ -56,7 +59,8 @@ class Quest(SparseMethod):
 
     name: ClassVar[str] = "quest"
     not_served: ClassVar[str | None] = (
-        "it changes every decoding step's attention (page selection), not which tokens a request keeps")
+        "it changes every decoding step's attention (page selection), not which tokens a request keeps"
+    )
     unit_setting: ClassVar[tuple[str, str]] = ("page_size", "page")
     page_size: int = param(16, "tokens per page: the unit of selection", minimum=1)
     offload: bool = param(False, "keep the paged keys and values in host memory and fetch the selected pages")

@@ -10,8 +10,9 @@ import math
 import torch
 
 
-def select_kept(scores: torch.Tensor, valid: torch.Tensor, counts: torch.Tensor,
-                width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def select_kept(
+    scores: torch.Tensor, valid: torch.Tensor, counts: torch.Tensor, width: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick, per row and KV head, the ``counts[row]`` highest-scoring real positions.
 
     Returns ``(indices, slot_valid)``: ``indices [batch, kv_heads, n]`` with ``n = width`` (default

@@ -77,8 +77,9 @@ def leading_eigenvectors(gram: torch.Tensor, rank: int) -> torch.Tensor:
     n = gram.shape[-1]
     if rank + OVERSAMPLE >= 3 * n // 4:
         return torch.linalg.eigh(gram).eigenvectors.flip(-1)[:, :rank]
-    sketch = torch.randn(n, rank + OVERSAMPLE, generator=torch.Generator().manual_seed(0),
-                         dtype=torch.float64).to(gram.device)
+    sketch = torch.randn(n, rank + OVERSAMPLE, generator=torch.Generator().manual_seed(0), dtype=torch.float64).to(
+        gram.device
+    )
     basis = torch.linalg.qr(gram @ sketch).Q
     for _ in range(SUBSPACE_ITERATIONS):
         basis = torch.linalg.qr(gram @ basis).Q
@@ -154,8 +155,14 @@ def _keys_like(factor_a: torch.Tensor, factor_b: torch.Tensor, chunks: torch.Ten
 
 
 @fused("rotated_keys", mutates_args=(), fake=_keys_like)
-def rotated_keys(factor_a: torch.Tensor, factor_b: torch.Tensor, chunks: torch.Tensor, inv_freq: torch.Tensor,
-                 scale: float, unit: int) -> torch.Tensor:
+def rotated_keys(
+    factor_a: torch.Tensor,
+    factor_b: torch.Tensor,
+    chunks: torch.Tensor,
+    inv_freq: torch.Tensor,
+    scale: float,
+    unit: int,
+) -> torch.Tensor:
     """Post-RoPE keys ``[b, kv_heads, k * unit, d]`` of ``chunks [b, kv_heads, k]``: rebuilt from the
     factors (``A [b, region, r]``, ``B [b, r, kv_heads, d]``) and rotated at their positions (a region
     token's index is its position) with the model's frequencies ``inv_freq`` and ``scale``."""
@@ -176,13 +183,15 @@ def chunk_landmarks(keys: torch.Tensor, valid: torch.Tensor, chunk: int) -> torc
 def chunk_min_cosine(keys: torch.Tensor, landmarks: torch.Tensor, valid: torch.Tensor, chunk: int) -> torch.Tensor:
     """Lowest cosine similarity between a chunk's real keys and its landmark, ``[b, kv_heads, n_chunks]``."""
     batch, heads, seq, dim = keys.shape
-    cosine = torch.nn.functional.cosine_similarity(keys.view(batch, heads, seq // chunk, chunk, dim),
-                                                   landmarks[..., None, :], dim=-1)
+    cosine = torch.nn.functional.cosine_similarity(
+        keys.view(batch, heads, seq // chunk, chunk, dim), landmarks[..., None, :], dim=-1
+    )
     return cosine.masked_fill(~valid.view(batch, 1, seq // chunk, chunk), math.inf).amin(dim=-1)
 
 
-def select_outliers(min_cosine: torch.Tensor, counts: torch.Tensor, eligible: torch.Tensor,
-                    width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def select_outliers(
+    min_cosine: torch.Tensor, counts: torch.Tensor, eligible: torch.Tensor, width: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row, its ``counts[row]`` eligible chunks with the lowest minimum cosine similarity:
     ids ``[b, kv_heads, m]`` ascending (``m = width``, default ``counts.max()``) and which of them are
     real ``[b, m]`` (a row with fewer gets filler entries, never padding chunks marked real)."""
@@ -207,8 +216,9 @@ def landmark_scores(query: torch.Tensor, landmarks: torch.Tensor, bias: torch.Te
     batch, q_heads, q_len, dim = query.shape
     kv_heads, n_chunks = landmarks.shape[1], landmarks.shape[2]
     stacked = query.reshape(batch * kv_heads, -1, dim)
-    logits = torch.baddbmm(bias.flatten(0, 1), stacked,
-                           landmarks.view(batch * kv_heads, n_chunks, dim).mT, alpha=scaling)
+    logits = torch.baddbmm(
+        bias.flatten(0, 1), stacked, landmarks.view(batch * kv_heads, n_chunks, dim).mT, alpha=scaling
+    )
     probs = logits.softmax(dim=-1, dtype=torch.float32)
     if q_len > 1:
         probs = probs.view(batch, kv_heads, q_heads // kv_heads, q_len, n_chunks).sum(dim=3)
@@ -224,20 +234,25 @@ class ShadowKV(SparseMethod):
 
     name: ClassVar[str] = "shadowkv"
     not_served: ClassVar[str | None] = (
-        "it changes every decoding step's attention (chunk selection), not which tokens a request keeps")
+        "it changes every decoding step's attention (chunk selection), not which tokens a request keeps"
+    )
     unit_setting: ClassVar[tuple[str, str]] = ("chunk", "chunk")
     default_budget: ClassVar[int] = 2048
     chunk: int = param(8, "tokens per chunk: the unit of selection", minimum=1)
-    rank: int | None = param(None, "SVD rank of the pre-RoPE keys, the same for every layer (default: from rank_error)",
-                             minimum=1)
+    rank: int | None = param(
+        None, "SVD rank of the pre-RoPE keys, the same for every layer (default: from rank_error)", minimum=1
+    )
     rank_error: float | None = param(
         0.1,
         "when rank is None: each layer takes the smallest rank that rebuilds its pre-RoPE keys' deviations from their "
         "mean within this relative error, plus one for the mean (capped at half of kv_heads * head_dim); None with "
-        "rank None: the paper's 15.625%", above=0, at_most=1)
-    outliers: int | None = param(None,
-                                 "outlier chunks kept dense per KV head (default ~0.3% of the chunks, at least 1)",
-                                 minimum=0)
+        "rank None: the paper's 15.625%",
+        above=0,
+        at_most=1,
+    )
+    outliers: int | None = param(
+        None, "outlier chunks kept dense per KV head (default ~0.3% of the chunks, at least 1)", minimum=0
+    )
     local_chunks: int = param(4, "most recent prompt chunks kept dense", minimum=0)
 
     def check_model(self, model: PreTrainedModel) -> None:
@@ -245,7 +260,8 @@ class ShadowKV(SparseMethod):
         width = model.config.get_text_config().num_key_value_heads * model_head_dim(model)
         if self.rank is not None and self.rank > width:
             raise InvalidParameterError(
-                f"ShadowKV: rank={self.rank} exceeds kv_heads * head_dim = {width} of this model; valid: 1 to {width}")
+                f"ShadowKV: rank={self.rank} exceeds kv_heads * head_dim = {width} of this model; valid: 1 to {width}"
+            )
 
     def make_layer(self, layer_idx: int, model: PreTrainedModel) -> KVLayer:
         layer = KVLayer(layer_idx, ShadowKVPolicy(self))
@@ -265,8 +281,11 @@ class ShadowKV(SparseMethod):
 
     def outlier_counts(self, chunks: torch.Tensor) -> torch.Tensor:
         """Outlier chunks per row for ``chunks [b]`` selectable chunks (at most all of them)."""
-        wanted = torch.full_like(chunks, self.outliers) if self.outliers is not None else torch.round(
-            OUTLIER_FRACTION * chunks).long().clamp(min=1)
+        wanted = (
+            torch.full_like(chunks, self.outliers)
+            if self.outliers is not None
+            else torch.round(OUTLIER_FRACTION * chunks).long().clamp(min=1)
+        )
         return torch.minimum(wanted, chunks)
 
 
@@ -296,8 +315,9 @@ class ShadowKVPolicy(SparseDecodePolicy):
         cos, sin = self.layer.rotary.cos_sin(positions, keys)
         return invert_rope(keys, cos[:, None], sin[:, None])
 
-    def prepare(self, keys: torch.Tensor, valid: torch.Tensor,
-                chunks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def prepare(
+        self, keys: torch.Tensor, valid: torch.Tensor, chunks: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         prompt = self.layer.keys
         heads, seq = prompt.shape[1], prompt.shape[-2]
         prompt_valid = self.layer.slot_validity()
@@ -309,15 +329,18 @@ class ShadowKVPolicy(SparseDecodePolicy):
         region = keys.shape[-2]
         # a region token's index is its position
         token = torch.arange(region, device=keys.device)[None, :].expand(keys.shape[0], -1)
-        parts = [(key_rows(self.pre_rope(keys[:, :, s:e], token[:, s:e]), valid[:, s:e]) @ basis).to(prompt.dtype)
-                 for s, e in stream_spans(region)]
+        parts = [
+            (key_rows(self.pre_rope(keys[:, :, s:e], token[:, s:e]), valid[:, s:e]) @ basis).to(prompt.dtype)
+            for s, e in stream_spans(region)
+        ]
         self.factor_a = torch.cat(parts, dim=1)
         self.factor_b = basis.mT.reshape(basis.shape[0], basis.shape[-1], heads, -1).to(prompt.dtype)
         self.landmarks = landmarks = chunk_landmarks(keys, valid, self.unit)
         eligible, batch_chunks = present(self.selectable, self.batch_chunks)  # whole real chunks; the batch's counts
         width = int(self.method.outlier_counts(batch_chunks).max())  # the batch's, for a group of its rows too
-        return select_outliers(chunk_min_cosine(keys, landmarks, valid, self.unit),
-                               self.method.outlier_counts(chunks), eligible, width)
+        return select_outliers(
+            chunk_min_cosine(keys, landmarks, valid, self.unit), self.method.outlier_counts(chunks), eligible, width
+        )
 
     def index_selection(self, scaling: float) -> None:
         selectable, landmarks = present(self.selectable, self.landmarks)

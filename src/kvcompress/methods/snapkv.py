@@ -53,19 +53,21 @@ import torch.nn.functional as F
 from ..cache.tokens import span_max
 from ..storage.attention import grouped_logits, key_probabilities
 from .base import check_reserved, param, require
-from .prompt import HeldTokens, PromptMethod
+from .bounded import HeldTokens
+from .prompt import PromptMethod
 
 if TYPE_CHECKING:
     from ..cache.layer import KVLayer
-    from .prompt import BoundedPolicy
+    from .bounded import BoundedPolicy
 
 POOLINGS = ("max", "avg")
 CLUSTERINGS = ("spans", "pool")
 VOTES = ("sum", "max")
 
 
-def window_attention(query_window: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scaling: float,
-                     heads: slice | None = None) -> torch.Tensor:
+def window_attention(
+    query_window: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scaling: float, heads: slice | None = None
+) -> torch.Tensor:
     """Attention of the window queries over all prompt keys, float32 ``[batch, q_heads, window, seq]``.
 
     Causal inside the window; padding keys (``valid`` False) get no weight; a learned sink (gpt-oss)
@@ -102,16 +104,31 @@ def voter_positions(voters: torch.Tensor, seq: int) -> torch.Tensor:
     return torch.arange(seq, device=voters.device) >= seq - voters[:, None]
 
 
-def window_votes(query_window: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scaling: float,
-                 votes: str = "sum", voters: torch.Tensor | None = None) -> torch.Tensor:
+def window_votes(
+    query_window: torch.Tensor,
+    keys: torch.Tensor,
+    valid: torch.Tensor,
+    scaling: float,
+    votes: str = "sum",
+    voters: torch.Tensor | None = None,
+) -> torch.Tensor:
     """``prefix_votes(window_attention(...), votes, voters)``, one KV head (and its query heads) at a time, so the
     float32 attention held at once is ``[batch, group, window, seq]``, not all heads' at once."""
     kv_heads = keys.shape[1]
     group = query_window.shape[1] // kv_heads
     parts = [
         prefix_votes(
-            window_attention(query_window[:, h * group:(h + 1) * group], keys[:, h:h + 1], valid, scaling,
-                             slice(h * group, (h + 1) * group)), votes, voters) for h in range(kv_heads)
+            window_attention(
+                query_window[:, h * group : (h + 1) * group],
+                keys[:, h : h + 1],
+                valid,
+                scaling,
+                slice(h * group, (h + 1) * group),
+            ),
+            votes,
+            voters,
+        )
+        for h in range(kv_heads)
     ]
     return torch.cat(parts, dim=1)
 
@@ -133,8 +150,15 @@ def average_over_groups(scores: torch.Tensor, kv_heads: int) -> torch.Tensor:
 
 
 def snapkv_scores(
-    query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scaling: float, window: int, kernel: int,
-    pooling: str, votes: str = "sum", voters: torch.Tensor | None = None
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    valid: torch.Tensor,
+    scaling: float,
+    window: int,
+    kernel: int,
+    pooling: str,
+    votes: str = "sum",
+    voters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """SnapKV importance ``[batch, kv_heads, seq]``: pooled window votes on the prefix, ``+inf`` on
     the window so it is always kept. ``voters [batch]`` (at most ``window``): each row's window is its last
@@ -161,21 +185,34 @@ class SnapKV(PromptMethod):
     unrecorded_meant: ClassVar[dict[str, Any]] = {"votes": "sum", "question_window": False}  # defaults before 11-28
     window: int = param(32, "observation window: the last prompt tokens that vote (always kept)", minimum=1)
     kernel: int = param(7, "pooling kernel over positions, odd (1 = no pooling)", minimum=1)
-    pooling: str = param("avg", "pooling of the votes over each position's kernel neighbours: avg (the default since "
-                         "11-28) or max (the paper's experiments)", choices=POOLINGS)
+    pooling: str = param(
+        "avg",
+        "pooling of the votes over each position's kernel neighbours: avg (the default since "
+        "11-28) or max (the paper's experiments)",
+        choices=POOLINGS,
+    )
     clustering: str = param(
-        "spans", "spans: pooled votes shared by each word or number, kept whole; pool: the paper's pooling alone",
-        choices=CLUSTERINGS)
-    votes: str = param("max", "max: a position's largest attention from any window query; sum: summed over the "
-                       "window (the paper)", choices=VOTES)
+        "spans",
+        "spans: pooled votes shared by each word or number, kept whole; pool: the paper's pooling alone",
+        choices=CLUSTERINGS,
+    )
+    votes: str = param(
+        "max",
+        "max: a position's largest attention from any window query; sum: summed over the window (the paper)",
+        choices=VOTES,
+    )
     question_window: bool = param(
-        True, "over a stored context: only the tokens after it (a question, a conversation's turns) vote and are kept "
-        "as the window, at most window of them; the context's last tokens are scored as any other")
+        True,
+        "over a stored context: only the tokens after it (a question, a conversation's turns) vote and are kept "
+        "as the window, at most window of them; the context's last tokens are scored as any other",
+    )
 
     def validate(self) -> None:
         super().validate()
-        require(self.kernel % 2 == 1,
-                f"SnapKV: kernel={self.kernel} is invalid; it must be a positive odd integer (1 = no pooling)")
+        require(
+            self.kernel % 2 == 1,
+            f"SnapKV: kernel={self.kernel} is invalid; it must be a positive odd integer (1 = no pooling)",
+        )
         if self.ratio is None:
             check_reserved("SnapKV", self.budget_tokens, "window", self.window, "observation window")
 
@@ -191,11 +228,24 @@ class SnapKV(PromptMethod):
 
     def layer_scores(self, layer: KVLayer, query: torch.Tensor | None, scaling: float) -> torch.Tensor:
         asked = layer.asked if self.question_window else None  # (after a stored context, or a served question)
-        return self.scores(query, layer.keys, layer.slot_validity(), scaling, layer.spans,
-                           None if asked is None else asked.clamp(max=self.window))
+        return self.scores(
+            query,
+            layer.keys,
+            layer.slot_validity(),
+            scaling,
+            layer.spans,
+            None if asked is None else asked.clamp(max=self.window),
+        )
 
-    def scores(self, query: torch.Tensor | None, keys: torch.Tensor, valid: torch.Tensor, scaling: float,
-               spans: torch.Tensor | None = None, voters: torch.Tensor | None = None) -> torch.Tensor:
+    def scores(
+        self,
+        query: torch.Tensor | None,
+        keys: torch.Tensor,
+        valid: torch.Tensor,
+        scaling: float,
+        spans: torch.Tensor | None = None,
+        voters: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         voting = self.window if voters is None else int(voters.max())
         if query is None or query.shape[-2] < voting:
             raise ValueError(
@@ -217,9 +267,11 @@ class SnapKV(PromptMethod):
     def decode_window_tokens(self) -> int:
         return self.decode_window if self.decode_window is not None else self.window
 
-    def decode_scores(self, policy: BoundedPolicy, held: HeldTokens, query: torch.Tensor,
-                      scaling: float) -> torch.Tensor:
+    def decode_scores(
+        self, policy: BoundedPolicy, held: HeldTokens, query: torch.Tensor, scaling: float
+    ) -> torch.Tensor:
         """The paper's selection with the last steps as its observation window: their pooled votes on every held
         token before them (answer tokens have no recorded word spans, so the pooling clusters them alone)."""
-        return snapkv_scores(query, held.keys, held.valid, scaling, query.shape[-2], self.kernel, self.pooling,
-                             self.votes)
+        return snapkv_scores(
+            query, held.keys, held.valid, scaling, query.shape[-2], self.kernel, self.pooling, self.votes
+        )

@@ -46,16 +46,18 @@ class SparseMethod(BudgetMethod):
 
     def validate(self) -> None:
         super().validate()
-        require(self.key_bits in (None, self.kv_bits),
-                f"{type(self).__name__}: key_bits={self.key_bits} differs from kv_bits={self.kv_bits}, which its "
-                "chunk store (one codec for every stored row) cannot hold; valid: key_bits=None")
+        require(
+            self.key_bits in (None, self.kv_bits),
+            f"{type(self).__name__}: key_bits={self.key_bits} differs from kv_bits={self.kv_bits}, which its "
+            "chunk store (one codec for every stored row) cannot hold; valid: key_bits=None",
+        )
         if self.unit_setting is not None and self.ratio is None:
             field, word = self.unit_setting
             size = getattr(self, field)
             require(
                 self.budget_tokens >= size,
                 f"{type(self).__name__}: budget={self.budget_tokens} is smaller than one {word} ({field}={size}); "
-                f"valid: budget >= {size}"
+                f"valid: budget >= {size}",
             )
 
     def step_tokens(self, lengths: torch.Tensor) -> torch.Tensor:
@@ -67,8 +69,49 @@ class SparseMethod(BudgetMethod):
         return {
             "selected_tokens_per_step": totals["selected_tokens"] / layers if layers else None,
             "chunk_hit_rate": totals["chunk_hits"] / lookups if lookups and "chunk_hits" in totals else None,
-            "fetched_bytes_per_step": totals.get("fetched_bytes_per_step")
+            "fetched_bytes_per_step": totals.get("fetched_bytes_per_step"),
         }
+
+
+def chunks_as_slots(
+    keys: torch.Tensor, values: torch.Tensor, chunks: torch.Tensor, chunk_valid: torch.Tensor, unit: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The region's ``chunks [b, h, k]`` (of ``unit`` tokens; ``chunk_valid [b, k]``) as dense slots: their keys,
+    values, validity ``[b, k * unit]`` and positions in the region (-1: filler)."""
+    tokens = chunk_tokens(chunks, unit)
+    token_valid = chunk_valid.repeat_interleave(unit, dim=-1)
+    positions = tokens.masked_fill(~token_valid[:, None, :], -1)
+    return gather_tokens(keys, tokens), gather_tokens(values, tokens), token_valid, positions
+
+
+def dense_slots(
+    prompt_keys: torch.Tensor,
+    prompt_values: torch.Tensor,
+    lengths: torch.Tensor,
+    rest: torch.Tensor,
+    tail: int,
+    kept: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The slots a sparse layer attends densely: ``kept`` (chunks kept dense, ``chunks_as_slots``), then each row's
+    last ``rest [b]`` prompt tokens after its region, in the prompt's last ``tail`` slots (rows of ``lengths [b]``
+    tokens, left-padded): keys, values, validity ``[b, n]`` and prompt positions ``[b, h, n]`` (-1: filler)."""
+    heads, seq, device = prompt_keys.shape[1], prompt_keys.shape[-2], prompt_keys.device
+    tail_valid = torch.arange(tail, device=device)[None, :] >= (tail - rest)[:, None]
+    tail_positions = (lengths - tail)[:, None] + torch.arange(tail, device=device)[None, :]
+    parts = [
+        (
+            prompt_keys[:, :, seq - tail :],
+            prompt_values[:, :, seq - tail :],
+            tail_valid,
+            tail_positions.masked_fill(~tail_valid, -1)[:, None, :].expand(-1, heads, -1),
+        )
+    ]
+    if kept is not None:
+        parts.insert(0, kept)
+    keys, values, valid, positions = (
+        torch.cat(column, dim=-2 if i < 2 else -1) for i, column in enumerate(zip(*parts))
+    )
+    return keys, values, valid, positions
 
 
 class SparseDecodePolicy(LayerPolicy):
@@ -106,8 +149,9 @@ class SparseDecodePolicy(LayerPolicy):
         """Whole chunks of each row's prompt ``[batch]`` that become selectable (the rest stays dense)."""
         raise NotImplementedError
 
-    def prepare(self, keys: torch.Tensor, valid: torch.Tensor,
-                chunks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def prepare(
+        self, keys: torch.Tensor, valid: torch.Tensor, chunks: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Build the selection index from the region's keys ``[b, h, n * unit, d]`` (``valid`` per
         token, ``chunks [b]`` real chunks per row). May return a pair: chunk ids ``[b, h, m]`` to keep
         dense instead (never selected) and their validity ``[b, m]``; or None."""
@@ -161,52 +205,57 @@ class SparseDecodePolicy(LayerPolicy):
         kept_dense = self.prepare(keys, region_valid, counts)
 
         # Dense slots: the chunks the method keeps dense, then each row's tokens after its region.
-        rest = lengths - counts * self.unit
-        tail = int((everyone - self.batch_chunks * self.unit).max())
-        tail_valid = torch.arange(tail, device=device)[None, :] >= (tail - rest)[:, None]
-        tail_positions = ((lengths - tail)[:, None] + torch.arange(tail, device=device)[None, :]).masked_fill(
-            ~tail_valid, -1)
-        parts = [(prompt_keys[:, :, seq - tail:], prompt_values[:, :, seq - tail:], tail_valid,
-                  tail_positions[:, None, :].expand(-1, heads, -1))]
+        kept = None
         if kept_dense is not None:
             chunks, chunk_valid = kept_dense
-            per_head = chunk_valid[:, None, :].expand_as(chunks)
-            self.selectable.scatter_(-1, chunks, self.selectable.gather(-1, chunks) & ~per_head)
-            tokens = chunk_tokens(chunks, self.unit)
-            token_valid = chunk_valid.repeat_interleave(self.unit, dim=-1)
-            parts.insert(0, (gather_tokens(keys, tokens), gather_tokens(
-                values, tokens), token_valid, tokens.masked_fill(~token_valid[:, None, :], -1)))
-        dense_keys, dense_values, valid, positions = (
-            torch.cat(column, dim=-2 if i < 2 else -1) for i, column in enumerate(zip(*parts)))
+            self.selectable.scatter_(-1, chunks, self.selectable.gather(-1, chunks) & ~chunk_valid[:, None, :])
+            kept = chunks_as_slots(keys, values, chunks, chunk_valid, self.unit)
+        tail = int((everyone - self.batch_chunks * self.unit).max())
+        dense_keys, dense_values, valid, positions = dense_slots(
+            prompt_keys, prompt_values, lengths, lengths - counts * self.unit, tail, kept
+        )
         codec = None if self.layer.kv_codec is None else self.layer.kv_codec.keys  # (one codec for both: validate)
         self.store = ChunkStore(self.stored_chunks(keys, values), self.offloads, codec)
         per_step = torch.div(self.method.step_tokens(lengths), self.unit, rounding_mode="floor").clamp(min=1)
         self.step_chunks = torch.minimum(per_step, counts)
         batch_steps = torch.minimum(
             torch.div(self.method.step_tokens(everyone), self.unit, rounding_mode="floor").clamp(min=1),
-            self.batch_chunks)
+            self.batch_chunks,
+        )
         self.step_count = int(batch_steps.max())  # chunks gathered per step: a fixed shape
         self.front = self.step_count * self.unit
         self.front_slots = torch.arange(self.front, device=device)
         front = dense_keys.new_zeros(*dense_keys.shape[:2], self.front, dense_keys.shape[-1])
         # per head: from each step's selection
         front_valid = torch.ones(valid.shape[0], self.front, dtype=torch.bool, device=device)
-        self.slots.set(torch.cat([front, dense_keys], dim=2), torch.cat([front, dense_values], dim=2),
-                       None if bool(valid.all()) else torch.cat([front_valid, valid], dim=1), positions)
+        self.slots.set(
+            torch.cat([front, dense_keys], dim=2),
+            torch.cat([front, dense_values], dim=2),
+            None if bool(valid.all()) else torch.cat([front_valid, valid], dim=1),
+            positions,
+        )
         self.selected = torch.full((valid.shape[0], heads, self.step_count), -1, device=device)  # no chunk yet
         self.hits = torch.zeros((), dtype=torch.long, device=device)
         self.unselectable = ~self.selectable
         # Every row selects as many chunks as the step gathers, from enough selectable ones: every
         # gathered chunk counts, so the front slots need no mask of their own (checked once, here).
-        self.all_counted = bool((self.step_chunks == self.step_count).all() and
-                                (self.selectable.sum(-1) >= self.step_count).all())
+        self.all_counted = bool(
+            (self.step_chunks == self.step_count).all() and (self.selectable.sum(-1) >= self.step_count).all()
+        )
         self.index_selection(scaling)
 
     def index_selection(self, scaling: float) -> None:
         """After ``compress``: lay out what ``chunk_scores`` reads each step (``selectable`` is final)."""
 
-    def attend(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
-               scaling: float, softcap: float | None = None) -> torch.Tensor:
+    def attend(
+        self,
+        query: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        mask: torch.Tensor | None,
+        scaling: float,
+        softcap: float | None = None,
+    ) -> torch.Tensor:
         """Exact attention over the step's selected chunks, written into the front slots, and the dense slots."""
         if self.store is None:
             return super().attend(query, keys, values, mask, scaling, softcap)
@@ -302,8 +351,10 @@ class SparseDecodePolicy(LayerPolicy):
 
     def uncapturable(self) -> str | None:
         if self.store is not None and self.store.mode == "host-gather":
-            return ("its offloaded chunks are gathered through the host (no zero-copy view of pinned memory on this "
-                    "machine)")
+            return (
+                "its offloaded chunks are gathered through the host (no zero-copy view of pinned memory on this "
+                "machine)"
+            )
         return None
 
     def read_factor(self) -> float:

@@ -16,10 +16,11 @@ import torch
 
 from ..storage.tensors import prompt_positions
 from .base import check_reserved, param
-from .prompt import HeldTokens, PromptMethod
+from .bounded import HeldTokens
+from .prompt import PromptMethod
 
 if TYPE_CHECKING:
-    from .prompt import BoundedPolicy
+    from .bounded import BoundedPolicy
 
 
 def sink_and_recent_scores(valid: torch.Tensor, sinks: int, kv_heads: int) -> torch.Tensor:
@@ -46,11 +47,18 @@ class StreamingLLM(PromptMethod):
     def reserved_tokens(self) -> int:
         return self.sinks
 
-    def scores(self, query: torch.Tensor | None, keys: torch.Tensor, valid: torch.Tensor, scaling: float,
-               spans: torch.Tensor | None = None) -> torch.Tensor:
+    def scores(
+        self,
+        query: torch.Tensor | None,
+        keys: torch.Tensor,
+        valid: torch.Tensor,
+        scaling: float,
+        spans: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         return sink_and_recent_scores(valid, self.sinks, keys.shape[1])
 
-    def decode_scores(self, policy: BoundedPolicy, held: HeldTokens, query: torch.Tensor,
-                      scaling: float) -> torch.Tensor:
+    def decode_scores(
+        self, policy: BoundedPolicy, held: HeldTokens, query: torch.Tensor, scaling: float
+    ) -> torch.Tensor:
         """While decoding as on the prompt: the sinks, then the most recent held tokens."""
         return sink_and_recent_scores(held.valid, self.sinks, held.keys.shape[1])

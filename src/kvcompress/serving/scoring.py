@@ -69,8 +69,9 @@ def prompt_scores(method: Method, prompt: Finishing, scaling: float, rotary: Rot
     return method.layer_scores(layer, prompt.queries.transpose(0, 1)[None], scaling)[0]
 
 
-def kept_together(method: Method, prompts: list[Finishing], scaling: float, rotary: Rotary | None,
-                  sinks: torch.Tensor | None = None) -> list[torch.Tensor]:
+def kept_together(
+    method: Method, prompts: list[Finishing], scaling: float, rotary: Rotary | None, sinks: torch.Tensor | None = None
+) -> list[torch.Tensor]:
     """Each prompt's kept positions ``[kv_heads, kept]`` (ascending within each head): ``prompts`` (one method's)
     each scored alone, over views of its own keys, and their scores chosen together, right-aligned as a library
     batch is. (Scored as one batch, each prompt's keys were copied into it, and prompts that share a document copied

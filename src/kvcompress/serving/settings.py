@@ -35,9 +35,14 @@ FIELD = "kvcompress"  # the request body's field, and the key of the engine's se
 QUESTION_START = "question_start"  # a request's own field in it: the prompt token where its question begins
 ENGINE_ENV = "KVCOMPRESS_ENGINE"  # the engine's settings for the API server's middleware (``kvcompress serve`` sets it)
 SCHEDULER = "kvcompress.serving.vllm_scheduler.KVCompressScheduler"
-CONNECTOR = {"kv_connector": "KVCompressConnector", "kv_connector_module_path": "kvcompress.serving.vllm_plugin",
-             "kv_role": "kv_both"}
+CONNECTOR = {
+    "kv_connector": "KVCompressConnector",
+    "kv_connector_module_path": "kvcompress.serving.vllm_plugin",
+    "kv_role": "kv_both",
+}
 MIDDLEWARE = "kvcompress.serving.vllm_api.RequestSettings"
+
+
 def servable_names() -> tuple[str, ...]:
     """The methods vLLM can serve (each declares it: ``Method.not_served`` None), in the registry's order: those
     scored from the prefill alone, one score per prompt position and KV head, the same count per head (what a paged
@@ -50,8 +55,17 @@ SERVABLE = servable_names()  # the built-in ones (``servable_names()`` also coun
 
 # The fields a served request cannot set (each refused with its reason by ``check_servable``), left out of the fields
 # an unknown one's refusal lists
-NOT_SERVED = ("decode_budget", "every", "decode_window", "head_floor", "layer_floor", "pyramid_beta", "key_bits",
-              "evict_during_decoding", "kv_bytes")
+NOT_SERVED = (
+    "decode_budget",
+    "every",
+    "decode_window",
+    "head_floor",
+    "layer_floor",
+    "pyramid_beta",
+    "key_bits",
+    "evict_during_decoding",
+    "kv_bytes",
+)
 
 
 def fp8_pool(cache_dtype: str | None) -> bool:
@@ -65,8 +79,9 @@ def check_servable(method: Method, cache_dtype: str | None = None) -> Method:
     what the pool stores: taken, and returned as the pool's own precision (the pool writes the codes)."""
     name = method.name
     if method.not_served is not None:
-        raise InvalidParameterError(f"method={name!r} cannot be served by vLLM: {method.not_served}; servable: "
-                                    f"{', '.join(servable_names())}")
+        raise InvalidParameterError(
+            f"method={name!r} cannot be served by vLLM: {method.not_served}; servable: {', '.join(servable_names())}"
+        )
     owner = type(method).__name__
     if isinstance(method, PromptMethod):
         for field, uniform in (("heads", method.heads), ("layers", method.layers)):
@@ -78,21 +93,28 @@ def check_servable(method: Method, cache_dtype: str | None = None) -> Method:
     if fp8_pool(cache_dtype) and (method.kv_bits, method.kv_format, method.key_bits) == (8, "fp8", None):
         method = dataclasses.replace(method, kv_bits=16, kv_format="int")
     if method.kv_bits != 16:
-        pool = (f"this server's pool is {cache_dtype}: every request is stored as kv_bits=8, kv_format='fp8'; valid: "
-                "16, or kv_bits=8 with kv_format='fp8'" if fp8_pool(cache_dtype) else
-                "vLLM's cache pool has one dtype for every request: `kvcompress serve --kv-cache-dtype fp8` stores "
-                "each as kv_bits=8, kv_format='fp8' would; valid: 16")
-        raise InvalidParameterError(f"{owner}: kv_bits={method.kv_bits} cannot be served per request (with "
-                                    f"kv_format={method.kv_format!r}: {pool})")
+        pool = (
+            f"this server's pool is {cache_dtype}: every request is stored as kv_bits=8, kv_format='fp8'; valid: "
+            "16, or kv_bits=8 with kv_format='fp8'"
+            if fp8_pool(cache_dtype)
+            else "vLLM's cache pool has one dtype for every request: `kvcompress serve --kv-cache-dtype fp8` stores "
+            "each as kv_bits=8, kv_format='fp8' would; valid: 16"
+        )
+        raise InvalidParameterError(
+            f"{owner}: kv_bits={method.kv_bits} cannot be served per request (with "
+            f"kv_format={method.kv_format!r}: {pool})"
+        )
     if getattr(method, "decode_budget", None) is not None:
         raise InvalidParameterError(
             f"{owner}: decode_budget={method.decode_budget} cannot be served by vLLM: kvcompress's plugin selects a "
             "request's blocks once, at the end of its prefill, and does not re-select them while it decodes; valid: "
-            "no decode_budget (docs/vllm.md)")
+            "no decode_budget (docs/vllm.md)"
+        )
     if getattr(method, "kv_bytes", None) is not None:
         raise InvalidParameterError(
             f"{owner}: kv_bytes={method.kv_bytes} cannot be served by vLLM (its pool holds every request in one dtype, "
-            "the same count per KV head and layer); valid: budget or ratio")
+            "the same count per KV head and layer); valid: budget or ratio"
+        )
     if getattr(method, "evict_during_decoding", False):
         raise InvalidParameterError(
             f"{owner}: evict_during_decoding=True cannot be served by vLLM (it compresses at the end of a prefill)"
@@ -135,16 +157,20 @@ def question_start_of(settings: Any) -> tuple[Any, int | None]:
     fields = dict(settings)
     start = fields.pop(QUESTION_START)
     if isinstance(start, bool) or not isinstance(start, int) or start < 0:
-        raise InvalidParameterError(f"{FIELD}.{QUESTION_START}={start!r} is invalid; it must be an integer >= 0 (the "
-                                    "prompt token where the question begins)")
+        raise InvalidParameterError(
+            f"{FIELD}.{QUESTION_START}={start!r} is invalid; it must be an integer >= 0 (the "
+            "prompt token where the question begins)"
+        )
     return fields, start
 
 
 def check_question_start(start: int | None, prompt_tokens: int) -> None:
     """Refuse a question start that leaves no question in a ``prompt_tokens``-token prompt, naming the valid range."""
     if start is not None and start >= prompt_tokens:
-        raise InvalidParameterError(f"{FIELD}.{QUESTION_START}={start} is invalid for this prompt of {prompt_tokens} "
-                                    f"tokens; valid: 0 to {prompt_tokens - 1} (a question of at least one token)")
+        raise InvalidParameterError(
+            f"{FIELD}.{QUESTION_START}={start} is invalid for this prompt of {prompt_tokens} "
+            f"tokens; valid: 0 to {prompt_tokens - 1} (a question of at least one token)"
+        )
 
 
 def chat_question_start(tokenizer: Any, messages: list[dict], **template: Any) -> int | None:
@@ -162,8 +188,14 @@ def chat_question_start(tokenizer: Any, messages: list[dict], **template: Any) -
         return None
     chats = [messages, *([*messages[:first], {**messages[first], "content": probe}] for probe in PROBES[:2])]
     if not tokenizer.is_fast:  # (no offsets: the longest prefix of tokens the three share)
-        return shared_prefix([tokenizer(tokenizer.apply_chat_template(chat, tokenize=False, **template),
-                                        add_special_tokens=False)["input_ids"] for chat in chats])
+        return shared_prefix(
+            [
+                tokenizer(tokenizer.apply_chat_template(chat, tokenize=False, **template), add_special_tokens=False)[
+                    "input_ids"
+                ]
+                for chat in chats
+            ]
+        )
     text, *probes = (tokenizer.apply_chat_template(chat, tokenize=False, **template) for chat in chats)
     chars = len(os.path.commonprefix([text, *probes]))
     offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
@@ -183,13 +215,15 @@ def scorable(method: Method, config: Any) -> Method:
         raise InvalidParameterError(
             f"{FIELD}: method={method.name!r} cannot be served on model type {kind!r}: it has sliding-window layers "
             f"({', '.join(map(str, sliding_layers(config)))}), which vLLM pages apart from a compressed cache; serve "
-            "it with method='full', or compress it with the library (kvcompress generate)")
+            "it with method='full', or compress it with the library (kvcompress generate)"
+        )
     if method.needs_rotary():
         problem = check_rope_config(config, 0)
         if problem:
             raise InvalidParameterError(
                 f"{FIELD}: method={method.name!r} scores with the model's rotary embedding, and model type {kind!r}: "
-                f"{problem}")
+                f"{problem}"
+            )
     return method
 
 
@@ -204,21 +238,31 @@ def check_pool(cache_dtype: str | None, config: Any) -> None:
     if cache_dtype in (None, "auto"):
         return
     if cache_dtype not in POOLS:
-        why = ("kvcompress's fp8 is e4m3 (vLLM's fp8)" if cache_dtype == "fp8_e5m2"
-               else "kvcompress serves vLLM's CPU pools of the model's dtype or fp8")
-        raise InvalidParameterError(f"--kv-cache-dtype {cache_dtype} cannot be served with kvcompress: {why}; valid: "
-                                    f"{', '.join(POOLS)}")
+        why = (
+            "kvcompress's fp8 is e4m3 (vLLM's fp8)"
+            if cache_dtype == "fp8_e5m2"
+            else "kvcompress serves vLLM's CPU pools of the model's dtype or fp8"
+        )
+        raise InvalidParameterError(
+            f"--kv-cache-dtype {cache_dtype} cannot be served with kvcompress: {why}; valid: {', '.join(POOLS)}"
+        )
     if config is None:
         return
     text = config.get_text_config()
-    quirks = [what for what, present in (
-        ("sliding-window layers", bool(sliding_layers(config))),
-        ("soft-capped attention scores", bool(getattr(text, "attn_logit_softcapping", None))),
-        ("learned attention sinks", text.model_type in SINK_TYPES)) if present]
+    quirks = [
+        what
+        for what, present in (
+            ("sliding-window layers", bool(sliding_layers(config))),
+            ("soft-capped attention scores", bool(getattr(text, "attn_logit_softcapping", None))),
+            ("learned attention sinks", text.model_type in SINK_TYPES),
+        )
+        if present
+    ]
     if quirks:
         raise InvalidParameterError(
             f"--kv-cache-dtype {cache_dtype} cannot be served with kvcompress on model type {text.model_type!r}: it "
-            f"has {' and '.join(quirks)}, which kvcompress's prefill over an fp8 pool does not apply; valid: auto")
+            f"has {' and '.join(quirks)}, which kvcompress's prefill over an fp8 pool does not apply; valid: auto"
+        )
 
 
 def sliding_layers(config: Any) -> list[int]:
@@ -251,7 +295,8 @@ def engine_options(method: Method) -> dict[str, Any]:
     """What a vLLM engine (``vllm.LLM(model, **engine_options(method))``) needs to apply kvcompress:
     the plugin's scheduler and connector, the engine's method (vLLM's prefix caching stays on)."""
     return {
-        "scheduler_cls": SCHEDULER, "kv_transfer_config": CONNECTOR,
+        "scheduler_cls": SCHEDULER,
+        "kv_transfer_config": CONNECTOR,
         "additional_config": engine_settings(check_servable(method)),
     }
 
@@ -260,9 +305,23 @@ def serve_argv(model: str, method: Method, host: str, port: int, vllm_flags: lis
     """The arguments of vLLM's OpenAI-compatible server: the model, the plugin's scheduler and request
     middleware, the engine's method, the address, then the user's own vLLM flags (``vllm serve --help``)."""
     return [
-        "--model", model, "--host", host, "--port", str(port), "--scheduler-cls", SCHEDULER, "--middleware", MIDDLEWARE,
-        "--kv-transfer-config", json.dumps(CONNECTOR), "--additional-config", json.dumps(engine_settings(method)),
-        "--shutdown-timeout", "30", *vllm_flags,  # SIGINT/SIGTERM: finish, then stop
+        "--model",
+        model,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--scheduler-cls",
+        SCHEDULER,
+        "--middleware",
+        MIDDLEWARE,
+        "--kv-transfer-config",
+        json.dumps(CONNECTOR),
+        "--additional-config",
+        json.dumps(engine_settings(method)),
+        "--shutdown-timeout",
+        "30",
+        *vllm_flags,  # SIGINT/SIGTERM: finish, then stop
     ]
 
 
@@ -286,8 +345,9 @@ def flag_value(flags: list[str], names: tuple[str, ...]) -> str | None:
     return found
 
 
-def memory_flags(flags: list[str], total: int, available: int, env: dict[str, str],
-                 parse_bytes: Any = int) -> list[str]:
+def memory_flags(
+    flags: list[str], total: int, available: int, env: dict[str, str], parse_bytes: Any = int
+) -> list[str]:
     """The flags that size vLLM's CPU build to the memory that is free, checked before vLLM starts (it would refuse in
     its worker, with a wall of tracebacks). With none of --gpu-memory-utilization, --kv-cache-memory-bytes or
     VLLM_CPU_KVCACHE_SPACE given: a utilization reserving the free memory but a headroom for the server's other
@@ -304,20 +364,27 @@ def memory_flags(flags: list[str], total: int, available: int, env: dict[str, st
         asked, given, fix = parse_bytes(kv_bytes), f"{KV_BYTES} {kv_bytes}", f"give at most {KV_BYTES} {most}G"
     if env_gib or kv_bytes is not None:
         if asked > room:
-            raise InvalidParameterError(f"{given} asks for {asked / GiB:.1f} GiB of KV cache and {free}; {fix}, "
-                                        "or leave it out to size it from the free memory")
+            raise InvalidParameterError(
+                f"{given} asks for {asked / GiB:.1f} GiB of KV cache and {free}; {fix}, "
+                "or leave it out to size it from the free memory"
+            )
         return []
     utilization = flag_value(flags, UTILIZATION)
     if utilization is not None:
         if float(utilization) * total > room:
-            fix = "stop other processes" if fits * total < 2 * GiB else (
-                f"pass --gpu-memory-utilization {fits:.2f}, or {KV_BYTES} 4G, or leave both out")
+            fix = (
+                "stop other processes"
+                if fits * total < 2 * GiB
+                else (f"pass --gpu-memory-utilization {fits:.2f}, or {KV_BYTES} 4G, or leave both out")
+            )
             reserved = f"{float(utilization) * total / GiB:.1f} GiB"
             raise InvalidParameterError(f"--gpu-memory-utilization {utilization} reserves {reserved} and {free}; {fix}")
         return []
     if fits * total < 2 * GiB:
-        raise InvalidParameterError(f"kvcompress serve needs about 2 GiB for the model and its KV cache and {free}; "
-                                    f"pass {KV_BYTES} with what fits, or stop other processes")
+        raise InvalidParameterError(
+            f"kvcompress serve needs about 2 GiB for the model and its KV cache and {free}; "
+            f"pass {KV_BYTES} with what fits, or stop other processes"
+        )
     return ["--gpu-memory-utilization", f"{fits:.2f}"]
 
 

@@ -88,8 +88,12 @@ class RequestSettings:
         if start is not None:  # named by the request: checked against its prompt
             for prompt in self.prompt_tokens(payload, chat):
                 check_question_start(start, prompt)
-        elif chat and self.rendered_as_vllm(payload) and method is not None and (
-                method.queries_needed(1) != method.queries_needed()):  # (a method the start changes nothing for: none)
+        elif (
+            chat
+            and self.rendered_as_vllm(payload)
+            and method is not None
+            and (method.queries_needed(1) != method.queries_needed())
+        ):  # (a method the start changes nothing for: none)
             start = chat_question_start(self.tokenizer, payload["messages"], **self.template(payload))
         return {**engine, QUESTION_START: start} if start is not None else engine
 
@@ -98,14 +102,20 @@ class RequestSettings:
         """Whether this server renders a chat request's messages as vLLM will: text messages, no tools, no template of
         the request's own."""
         messages = payload.get("messages")
-        return isinstance(messages, list) and "tools" not in payload and "chat_template" not in payload and all(
-            isinstance(m, dict) and isinstance(m.get("content"), str) for m in messages)
+        return (
+            isinstance(messages, list)
+            and "tools" not in payload
+            and "chat_template" not in payload
+            and all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in messages)
+        )
 
     @staticmethod
     def template(payload: dict) -> dict[str, Any]:
         """The chat template's arguments a chat request sets, as vLLM renders it."""
-        return {"add_generation_prompt": payload.get("add_generation_prompt", True),
-                **(payload.get("chat_template_kwargs") or {})}
+        return {
+            "add_generation_prompt": payload.get("add_generation_prompt", True),
+            **(payload.get("chat_template_kwargs") or {}),
+        }
 
     def prompt_tokens(self, payload: dict, chat: bool) -> list[int]:
         """The token counts of a request's prompts, where this server's tokenizer tells them as vLLM will: a chat
@@ -118,8 +128,11 @@ class RequestSettings:
             return [len(self.tokenizer(text, add_special_tokens=False)["input_ids"])]
         prompt = payload.get("prompt")
         prompts = prompt if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else [prompt]
-        return [len(p) if isinstance(p, list) else len(self.tokenizer(p)["input_ids"]) for p in prompts
-                if isinstance(p, (str, list))]
+        return [
+            len(p) if isinstance(p, list) else len(self.tokenizer(p)["input_ids"])
+            for p in prompts
+            if isinstance(p, (str, list))
+        ]
 
 
 async def bad_request(send: Any, message: str) -> None:

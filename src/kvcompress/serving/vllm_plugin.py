@@ -53,6 +53,7 @@ def register() -> None:
     if ENGINE_ENV in os.environ:  # a process of `kvcompress serve`'s server (its engine's too): a quiet teardown
         atexit.register(quiet_teardown)
 
+
 class KVCompressConnector(KVConnectorBase_V1):
     """Carries each request's method and blocks from the scheduler to the workers; it moves no KV."""
 
@@ -89,8 +90,14 @@ class KVCompressConnector(KVConnectorBase_V1):
                 continue
             prefilling = request.num_computed_tokens < request.num_prompt_tokens
             requests[request_id] = Scheduled(
-                plan.settings, request.num_prompt_tokens, request.num_computed_tokens, query, plan.kept, plan.asked,
-                tokens=list(request.prompt_token_ids) if plan.method.needs_tokens() and prefilling else None)
+                plan.settings,
+                request.num_prompt_tokens,
+                request.num_computed_tokens,
+                query,
+                plan.kept,
+                plan.asked,
+                tokens=list(request.prompt_token_ids) if plan.method.needs_tokens() and prefilling else None,
+            )
         return StepMethods(requests, set())
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:

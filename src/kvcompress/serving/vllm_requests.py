@@ -30,6 +30,7 @@ def engine_method(vllm_config: Any = None) -> Method:
     method = method_of(settings, default=SnapKV()) if settings is not None else SnapKV()
     return scorable(method, config.model_config.hf_config)
 
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """A request's compression as decided when it arrives: its method, its settings as the workers get them (JSON,
@@ -59,14 +60,20 @@ def request_plan(request: Any, default: Method) -> Plan:
     asked = None if start is None else prompt - start
     if method.queries_needed(asked) == method.queries_needed():  # a question that fills the window: the window's
         asked = None  # last tokens vote, as for any prompt (the library's new prompt)
-    return Plan(method, json.dumps({"method": method.name, **method.settings()}, sort_keys=True), asked,
-                kept_count(method, prompt))
+    return Plan(
+        method,
+        json.dumps({"method": method.name, **method.settings()}, sort_keys=True),
+        asked,
+        kept_count(method, prompt),
+    )
+
 
 def kept_count(method: Method, prompt: int) -> int:
     """Prompt tokens ``method`` keeps of a ``prompt``-token prompt (all of them: nothing to compress)."""
     if not isinstance(method, PromptMethod):
         return prompt
     return min(prompt, int(method.kept_tokens(torch.tensor([prompt]))[0]))
+
 
 @dataclasses.dataclass
 class Scheduled:
@@ -95,6 +102,7 @@ class StepMethods(KVConnectorMetadata):
 
     requests: dict[str, Scheduled]
     live: set[str]
+
 
 @functools.lru_cache(maxsize=256)
 def settled(settings: str) -> Method:

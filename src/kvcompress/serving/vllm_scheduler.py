@@ -35,8 +35,11 @@ class Area:
     def blocks(self, table: list[Any]) -> list[int]:
         """The area's block ids, given the request's block table."""
         later = table[len(self.prompt) :]
-        return [block.block_id for block in later] if self.first is None else [
-            block.block_id for block in (*self.own, *later)]
+        return (
+            [block.block_id for block in later]
+            if self.first is None
+            else [block.block_id for block in (*self.own, *later)]
+        )
 
     def row(self, table: list[Any]) -> list[int]:
         """The block ids its worker's block table row holds."""
@@ -47,6 +50,7 @@ class Area:
         """Whether the request still holds its area (vLLM frees a request's blocks when it ends or is preempted)."""
         index = len(self.prompt) if self.first is None else self.first
         return len(table) > index and table[index] is self.own[0]
+
 
 class KVCompressScheduler(Scheduler):
     """vLLM's scheduler with prefix caching kept on: a compressing request's prompt is prefilled over what the
@@ -73,8 +77,10 @@ class KVCompressScheduler(Scheduler):
     def add_request(self, request: Any) -> None:  # bad settings refused by name before vLLM holds the request
         method = scorable(request_plan(request, self.connector.default).method, self.vllm_config.model_config.hf_config)
         if method.needs_tokens() and request.prompt_token_ids is None:
-            raise InvalidParameterError(f"kvcompress: {method.name} reads the prompt's words (clustering='spans'), and "
-                                        "this prompt came as embeddings; use the setting clustering='pool'")
+            raise InvalidParameterError(
+                f"kvcompress: {method.name} reads the prompt's words (clustering='spans'), and "
+                "this prompt came as embeddings; use the setting clustering='pool'"
+            )
         super().add_request(request)
 
     def _get_local_prefix_cache_hit(self, request: Any) -> tuple[Any, int, int, bool]:
@@ -103,8 +109,11 @@ class KVCompressScheduler(Scheduler):
             del self.areas[request_id]  # ended or preempted: vLLM freed its blocks
         for request_id, info in step.requests.items():
             request = self.requests[request_id]
-            if (request_id not in self.areas and self.connector.compresses(request)
-                    and info.computed < request.num_prompt_tokens <= info.computed + info.query):
+            if (
+                request_id not in self.areas
+                and self.connector.compresses(request)
+                and info.computed < request.num_prompt_tokens <= info.computed + info.query
+            ):
                 self.take_area(request, output)
             area, table = self.areas.get(request_id), tables.get(request_id, [])
             info.start = self.hits.get(request_id, 0)
@@ -129,8 +138,11 @@ class KVCompressScheduler(Scheduler):
         mine = [i for i, block in enumerate(table) if block.ref_cnt == 1 and not block.is_null]
         if seam.free_blocks(self) >= needed and len(table) < self.width:
             self.areas[request_id] = Area(seam.side_blocks(self, output, request_id, needed), prompt)
-        elif mine and mine == list(range(mine[0], len(table))) and len(mine) * block_size >= (
-                kept + len(table) * block_size - request.num_prompt_tokens):  # the rest grows as vLLM's table does
+        elif (
+            mine
+            and mine == list(range(mine[0], len(table)))
+            and len(mine) * block_size >= (kept + len(table) * block_size - request.num_prompt_tokens)
+        ):  # the rest grows as vLLM's table does
             own = table[mine[0] : mine[0] + needed]
             seam.evict(self, own)
             self.areas[request_id] = Area(own, prompt, mine[0])
@@ -146,8 +158,10 @@ class KVCompressScheduler(Scheduler):
             self.waiting_room.discard(request.request_id)
             seam.preempt(self, request)
             self.preempted += 1
-            logger.info("kvcompress: request %s preempted, to be recomputed: no room for its compressed cache",
-                        request.request_id)
+            logger.info(
+                "kvcompress: request %s preempted, to be recomputed: no room for its compressed cache",
+                request.request_id,
+            )
         self.waiting_room.clear()  # (ended this step)
         for request in self.running:
             area = self.areas.get(request.request_id)

@@ -35,6 +35,7 @@ def layer_index(name: str) -> int:
     """The model layer a vLLM attention layer's name (``model.layers.N.self_attn.attn``) belongs to."""
     return int(name.split("layers.")[1].split(".")[0])
 
+
 # Per worker process, this step's: the scheduled requests (as the connector brought them), which request each row of
 # the batch is (found by their blocks at the step's first layer, ``prepare``), the compressed requests whose rows it
 # remapped, and the word spans of prompts whose method reads them (read once a step rather than once a layer).
@@ -53,6 +54,7 @@ ATTEND_BLOCK = 512  # prompt queries per call when an fp8 pool's prompt attends 
 KEPT_POSITIONS: collections.OrderedDict[str, dict[str, torch.Tensor]] = collections.OrderedDict()
 KEPT_RECORDS = 64
 
+
 def rows_of(step: dict[str, Scheduled], table: torch.Tensor, query_lens: list[int], seq_lens: list[int]) -> list:
     """Which scheduled request each row of a step's batch is (None: one the worker needs nothing of): the row whose
     block table starts with the blocks the worker was sent for the request, with its scheduled and seen tokens. A
@@ -64,8 +66,11 @@ def rows_of(step: dict[str, Scheduled], table: torch.Tensor, query_lens: list[in
         if info.row is None or len(info.row) > table.shape[1]:
             continue
         same = (table[:, : len(info.row)] == torch.tensor(info.row, dtype=table.dtype)).all(dim=1).tolist()
-        candidates[request] = {r for r, hit in enumerate(same) if hit and query_lens[r] == info.query
-                               and seq_lens[r] == info.computed + info.query}
+        candidates[request] = {
+            r
+            for r, hit in enumerate(same)
+            if hit and query_lens[r] == info.query and seq_lens[r] == info.computed + info.query
+        }
     while candidates:
         settled_now = {request: next(iter(found)) for request, found in candidates.items() if len(found) == 1}
         if not settled_now:
@@ -77,8 +82,10 @@ def rows_of(step: dict[str, Scheduled], table: torch.Tensor, query_lens: list[in
             found.difference_update(settled_now.values())
     return rows
 
+
 def step_method(request: str) -> Method:
     return settled(STEP[request].settings)
+
 
 @functools.lru_cache(maxsize=8)
 def paged_order(kv_heads: int, block_size: int, head_size: int, dtype: torch.dtype, isa: str) -> torch.Tensor:
@@ -93,15 +100,24 @@ def paged_order(kv_heads: int, block_size: int, head_size: int, dtype: torch.dty
     for bit in range((2 * count - 1).bit_length()):
         keys, values = (((part >> bit) & 1).to(dtype).contiguous() for part in (index, index + count))
         cache = torch.zeros(1, kv_heads, block_size * 2, head_size, dtype=dtype)
-        ops.cpu_attn_reshape_and_cache(keys, values, *cache.chunk(2, dim=2), torch.arange(block_size), isa,
-                                       k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+        ops.cpu_attn_reshape_and_cache(
+            keys,
+            values,
+            *cache.chunk(2, dim=2),
+            torch.arange(block_size),
+            isa,
+            k_scale=1.0,
+            v_scale=1.0,
+            kv_cache_dtype="auto",
+        )
         stored |= (cache[0].reshape(kv_heads, 2 * count) != 0).long() << bit
     return stored.argsort(dim=1)
 
 
 @functools.lru_cache(maxsize=8)
-def paged_layout(kv_heads: int, block_size: int, head_size: int, dtype: torch.dtype,
-                 isa: str) -> tuple[bool, ...] | None:
+def paged_layout(
+    kv_heads: int, block_size: int, head_size: int, dtype: torch.dtype, isa: str
+) -> tuple[bool, ...] | None:
     """Whether the kernel keeps a block's keys, then its values, transposed (``[head_size, block_size]``) or token by
     token (``[block_size, head_size]``), read from ``paged_order``; None where it keeps them some other way."""
     order, count = paged_order(kv_heads, block_size, head_size, dtype, isa), block_size * head_size
@@ -127,8 +143,11 @@ def read_keys(kv_cache: torch.Tensor, blocks: torch.Tensor, tokens: int, isa: st
         return read_at(kv_cache, blocks, torch.arange(tokens).expand(kv_heads, tokens), isa, 0).transpose(1, 2)
     stored = kv_cache.view(-1, kv_heads, 2, block_size * head_size)[blocks[:used].long(), :, 0]
     # [used, kv_heads, head_size, block_size] transposed, else [used, kv_heads, block_size, head_size]
-    by_block = (stored.view(used, kv_heads, head_size, block_size).permute(1, 2, 0, 3) if layout[0]
-                else stored.view(used, kv_heads, block_size, head_size).permute(1, 3, 0, 2))
+    by_block = (
+        stored.view(used, kv_heads, head_size, block_size).permute(1, 2, 0, 3)
+        if layout[0]
+        else stored.view(used, kv_heads, block_size, head_size).permute(1, 3, 0, 2)
+    )
     return by_block.reshape(kv_heads, head_size, used * block_size)[..., :tokens]
 
 
@@ -153,6 +172,35 @@ def read_at(kv_cache: torch.Tensor, blocks: torch.Tensor, positions: torch.Tenso
     return stored[blocks.long()[positions // block_size][..., None], heads, order[heads, inside]]
 
 
+def finishing(
+    layer: Any,
+    kv_cache: torch.Tensor,
+    table_row: torch.Tensor,
+    began: int,
+    computed: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    spans: torch.Tensor | None,
+    info: Scheduled,
+    reads: dict[tuple, torch.Tensor],
+) -> Finishing:
+    """A prompt at the end of its prefill as its method scores it: this prefill's keys, values (``[n, kv_heads,
+    dim]``) and queries, after the ``began`` tokens a prefix-cache hit spared it, whose keys are read back from the
+    pool once for the requests sharing them (``reads``, by their blocks) and whose values only where kept."""
+    keys, values, queries = computed
+    if began == 0:
+        return Finishing(keys.transpose(0, 1), PromptValues(0, values), queries, spans, info.asked, info.kept)
+    blocks = table_row[: -(-began // kv_cache.shape[2])]
+    shared = (began, *blocks.tolist())
+    if shared not in reads:
+        reads[shared] = read_keys(kv_cache, blocks, began, layer.isa)
+    joined = torch.empty(keys.shape[1], keys.shape[2], began + keys.shape[0], dtype=keys.dtype)  # (keys transposed)
+    joined[..., :began] = reads[shared]
+    joined[..., began:] = keys.permute(1, 2, 0)
+    cached_values = functools.partial(read_at, kv_cache, blocks, isa=layer.isa, part=1)
+    return Finishing(
+        joined.transpose(1, 2), PromptValues(began, values, cached_values), queries, spans, info.asked, info.kept
+    )
+
+
 class KVCompressCPUImpl(CPUAttentionBackendImpl):
     """CPU attention that compresses each prompt at the end of its prefill, with its request's method, into the
     blocks the scheduler gave it."""
@@ -164,11 +212,14 @@ class KVCompressCPUImpl(CPUAttentionBackendImpl):
         # An fp8 pool (``--kv-cache-dtype fp8``): vLLM's prefill would attend the prompt as rounded into the pool;
         # the library codes a cache once its prompt is compressed, so a prompt attends itself as computed here too.
         self.coded_pool = is_quantized_kv_cache(self.kv_cache_dtype)
-        plain = (self.sliding_window == -1 and not self.logits_soft_cap and self.sinks is None
-                 and self.alibi_slopes is None)
+        plain = (
+            self.sliding_window == -1 and not self.logits_soft_cap and self.sinks is None and self.alibi_slopes is None
+        )
         if self.coded_pool and not plain:  # what check_pool reads from the config, and ALiBi
-            raise ValueError(f"kvcompress: --kv-cache-dtype {self.kv_cache_dtype} cannot be served for a model whose "
-                             "attention has sliding windows, soft-capping, sinks or ALiBi; valid: auto")
+            raise ValueError(
+                f"kvcompress: --kv-cache-dtype {self.kv_cache_dtype} cannot be served for a model whose "
+                "attention has sliding windows, soft-capping, sinks or ALiBi; valid: auto"
+            )
 
     def layer_rotary(self, layer: Any) -> Rotary:
         """The rotary embedding of this layer, from the model's config."""
@@ -189,8 +240,11 @@ class KVCompressCPUImpl(CPUAttentionBackendImpl):
         table = metadata.block_table[: len(query_lens)]
         ROWS[:] = rows_of(STEP, table, query_lens, metadata.seq_lens[: len(query_lens)].tolist())
         REMAPPED.clear()
-        remapped = [(row, request) for row, request in enumerate(ROWS) if request is not None
-                    and STEP[request].area is not None and STEP[request].computed >= STEP[request].prompt]
+        remapped = [
+            (row, request)
+            for row, request in enumerate(ROWS)
+            if request is not None and STEP[request].area is not None and STEP[request].computed >= STEP[request].prompt
+        ]
         if not remapped:
             return
         seq_lens, slots, table = metadata.seq_lens.clone(), metadata.slot_mapping.clone(), metadata.block_table.clone()
@@ -198,26 +252,40 @@ class KVCompressCPUImpl(CPUAttentionBackendImpl):
             info = STEP[request]
             kept, area = info.kept, torch.tensor(info.area, dtype=table.dtype)
             physical = kept + (info.computed - info.prompt) + torch.arange(info.query)  # where its new tokens go
-            slots[starts[row] : starts[row + 1]] = (area[physical // block_size].to(slots.dtype) * block_size
-                                                    + physical % block_size)
+            slots[starts[row] : starts[row + 1]] = (
+                area[physical // block_size].to(slots.dtype) * block_size + physical % block_size
+            )
             seq_lens[row] = kept + (info.computed + info.query - info.prompt)
             table[row, : len(info.area)] = area
             REMAPPED.add(request)
         metadata.seq_lens, metadata.slot_mapping, metadata.block_table = seq_lens, slots, table
         metadata.max_seq_len = int(seq_lens[: len(query_lens)].max())
-        metadata.scheduler_metadata = self.scheduling(layer, metadata.query_start_loc, seq_lens[: len(query_lens)],
-                                                      metadata.causal)
+        metadata.scheduler_metadata = scheduling(
+            self, layer, metadata.query_start_loc, seq_lens[: len(query_lens)], metadata.causal
+        )
 
-    def do_kv_cache_update(self, layer: torch.nn.Module, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                           slot_mapping: torch.Tensor) -> None:
+    def do_kv_cache_update(
+        self,
+        layer: torch.nn.Module,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
         metadata = step_metadata(layer.layer_name)
         if metadata is not None:  # compressed requests write after their kept tokens
             self.prepare(layer, metadata, kv_cache.shape[2])
             slot_mapping = metadata.slot_mapping[: slot_mapping.shape[0]]
         self.write_pool(layer, key, value, kv_cache, slot_mapping)
 
-    def write_pool(self, layer: torch.nn.Module, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> None:
+    def write_pool(
+        self,
+        layer: torch.nn.Module,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
         """vLLM's write into the pool; an fp8 pool gets each element rounded to its nearest e4m3 value first (the
         CPU build's cast truncates toward zero; rounded here, the pool holds what the library's ``fp8`` codec and
         vLLM's CUDA cast hold, and the cast of an e4m3 value is exact)."""
@@ -227,8 +295,16 @@ class KVCompressCPUImpl(CPUAttentionBackendImpl):
         super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
 
     def forward(
-        self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-        attn_metadata: Any, output: torch.Tensor, output_scale: Any = None, output_block_scale: Any = None,
+        self,
+        layer: Any,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: Any,
+        output: torch.Tensor,
+        output_scale: Any = None,
+        output_block_scale: Any = None,
     ) -> torch.Tensor:
         if attn_metadata is not None and kv_cache.numel():  # (done at the step's first cache write, unless none)
             self.prepare(layer, attn_metadata, kv_cache.shape[2])
@@ -251,8 +327,8 @@ class KVCompressCPUImpl(CPUAttentionBackendImpl):
             needed = method.queries_needed(info.asked) if compressing else 0
             queries = query[rows] if needed is None else query[rows][ends - min(needed, ends) :]
             chunk = (key[rows], value[rows], queries)
-            began, held = (CHUNKS.pop((request, layer.layer_name), (info.computed, []))
-                           if info.computed > info.start else (info.start, []))  # a first chunk starts afresh
+            first = info.computed <= info.start  # a first chunk starts afresh
+            began, held = (info.start, []) if first else CHUNKS.pop((request, layer.layer_name), (info.computed, []))
             done = info.computed + ends >= info.prompt
             if self.coded_pool or done:  # (an earlier chunk of a 16-bit pool needs none of it)
                 keys, values, queries = (torch.cat([part[i] for part in (*held, chunk)]) for i in range(3))
@@ -267,37 +343,25 @@ class KVCompressCPUImpl(CPUAttentionBackendImpl):
             spans = self.spans(method, request)
             if spans is not None and spans.shape[-1] != began + keys.shape[0]:  # (never score by another's words)
                 raise RuntimeError(
-                    f"kvcompress: a prompt of {began + keys.shape[0]} tokens came with {spans.shape[-1]} token ids")
-            prompt = self.finishing(layer, kv_cache, attn_metadata.block_table[row], began, (keys, values, queries),
-                                    spans, info, reads)
+                    f"kvcompress: a prompt of {began + keys.shape[0]} tokens came with {spans.shape[-1]} token ids"
+                )
+            prompt = finishing(
+                layer, kv_cache, attn_metadata.block_table[row], began, (keys, values, queries), spans, info, reads
+            )
             finishing.setdefault(info.settings, []).append((after, request, prompt))
         for group in finishing.values():
             self.compress_together(layer, group, query, key, value, kv_cache, output)
         return output
 
-    def finishing(self, layer: Any, kv_cache: torch.Tensor, table_row: torch.Tensor, began: int,
-                  computed: tuple[torch.Tensor, torch.Tensor, torch.Tensor], spans: torch.Tensor | None,
-                  info: Scheduled, reads: dict[tuple, torch.Tensor]) -> Finishing:
-        """A prompt at the end of its prefill as its method scores it: this prefill's keys, values (``[n, kv_heads,
-        dim]``) and queries, after the ``began`` tokens a prefix-cache hit spared it, whose keys are read back from the
-        pool once for the requests sharing them (``reads``, by their blocks) and whose values only where kept."""
-        keys, values, queries = computed
-        if began == 0:
-            return Finishing(keys.transpose(0, 1), PromptValues(0, values), queries, spans, info.asked, info.kept)
-        blocks = table_row[: -(-began // kv_cache.shape[2])]
-        shared = (began, *blocks.tolist())
-        if shared not in reads:
-            reads[shared] = read_keys(kv_cache, blocks, began, layer.isa)
-        joined = torch.empty(keys.shape[1], keys.shape[2], began + keys.shape[0], dtype=keys.dtype)  # (keys transposed)
-        joined[..., :began] = reads[shared]
-        joined[..., began:] = keys.permute(1, 2, 0)
-        cached_values = functools.partial(read_at, kv_cache, blocks, isa=layer.isa, part=1)
-        return Finishing(joined.transpose(1, 2), PromptValues(began, values, cached_values), queries, spans, info.asked,
-                         info.kept)
-
     def compress_together(
-        self, layer: Any, group: list[tuple[slice, str, Finishing]], query: torch.Tensor, key: torch.Tensor,
-        value: torch.Tensor, kv_cache: torch.Tensor, output: torch.Tensor,
+        self,
+        layer: Any,
+        group: list[tuple[slice, str, Finishing]],
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        output: torch.Tensor,
     ) -> None:
         """Choose what the prompts one method finishes in this step keep (``kept_together``: each scored alone, chosen
         together), and keep each one's choice in its area."""
@@ -308,7 +372,7 @@ class KVCompressCPUImpl(CPUAttentionBackendImpl):
             area = torch.tensor(STEP[request].area, dtype=torch.int32)
             self.keep(layer, request, prompt, positions, kv_cache, area, key[after], value[after])
             if after.stop > after.start:  # a recomputed request's generated tokens see the cache its decoding saw
-                self.attend_kept(layer, query[after], kv_cache, area, prompt.kept, output[after])
+                attend_kept(self, layer, query[after], kv_cache, area, prompt.kept, output[after])
 
     def spans(self, method: Method, request: str) -> torch.Tensor | None:
         """The word spans of ``request``'s prompt, if its method reads them (``[1, prompt]``)."""
@@ -319,8 +383,17 @@ class KVCompressCPUImpl(CPUAttentionBackendImpl):
             STEP_SPANS[request] = tokenizer_spans(self.model.tokenizer).span_ids(tokens)
         return STEP_SPANS[request]
 
-    def keep(self, layer: Any, request: str, prompt: Finishing, positions: torch.Tensor, kv_cache: torch.Tensor,
-             blocks: torch.Tensor, later_keys: torch.Tensor, later_values: torch.Tensor) -> None:
+    def keep(
+        self,
+        layer: Any,
+        request: str,
+        prompt: Finishing,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        blocks: torch.Tensor,
+        later_keys: torch.Tensor,
+        later_values: torch.Tensor,
+    ) -> None:
         """Write one request's kept tokens (``positions [kv_heads, kept]`` of its prompt) in the first slots of
         ``blocks`` (its own, never a block the prefix cache holds), then ``later_keys``/``later_values`` (the tokens
         a recomputed request had generated) right after them."""
@@ -336,8 +409,9 @@ class KVCompressCPUImpl(CPUAttentionBackendImpl):
         while len(KEPT_POSITIONS) > KEPT_RECORDS:
             KEPT_POSITIONS.popitem(last=False)
 
-    def attend_prompt(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                      output: torch.Tensor) -> None:
+    def attend_prompt(
+        self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, output: torch.Tensor
+    ) -> None:
         """Causal attention of a prompt's last ``query`` tokens ``[n, heads * dim]`` over its keys and values as
         computed (``[tokens, kv_heads, dim]``, those queries' own last), into ``output``; ``ATTEND_BLOCK`` queries
         at a time, so the masked scores stay small for long prompts."""
@@ -351,36 +425,67 @@ class KVCompressCPUImpl(CPUAttentionBackendImpl):
             attended = torch.nn.functional.scaled_dot_product_attention(block, k, v, attn_mask=causal, scale=self.scale)
             out[start : start + block.shape[1]].copy_(attended.transpose(0, 1))
 
-    def attend_kept(
-        self, layer: Any, query: torch.Tensor, kv_cache: torch.Tensor, blocks: torch.Tensor, kept: int,
-        output: torch.Tensor,
-    ) -> None:
-        """Attention of a recomputed request's generated tokens (``query``, the last of its ``kept + n`` slots)
-        over its compressed cache, causal, with vLLM's kernel, into ``output``: the prefill that recomputes a
-        preempted request let them attend to the whole prompt, which its decoding steps never saw."""
-        n = query.shape[0]
-        starts, lengths = torch.tensor([0, n], dtype=torch.int32), torch.tensor([kept + n], dtype=torch.int32)
-        key_cache, value_cache = kv_cache.view(*kv_cache.shape[:2], kv_cache.shape[2] * 2, -1).chunk(2, dim=2)
-        schedule = self.scheduling(layer, starts, lengths, True)
-        ops.cpu_attention_with_kv_cache(
-            query=query, key_cache=key_cache, value_cache=value_cache, output=output, query_start_loc=starts,
-            seq_lens=lengths, scale=self.scale, causal=True, alibi_slopes=self.alibi_slopes,
-            sliding_window=self.sliding_window, block_table=blocks[None], softcap=self.logits_soft_cap,
-            scheduler_metadata=schedule, s_aux=self.sinks, dynamic_causal=None, k_scale=layer._k_scale_float,
-            v_scale=layer._v_scale_float, kv_cache_dtype=self.kv_cache_dtype
-        )
-
-
-    def scheduling(self, layer: Any, starts: torch.Tensor, lengths: torch.Tensor, causal: bool) -> torch.Tensor:
-        """vLLM's CPU kernel's work split for requests of ``lengths`` tokens whose queries start at ``starts``."""
-        return ops.cpu_attn_get_scheduler_metadata(
-            num_reqs=lengths.shape[0], num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_size, seq_lens=lengths, dtype=self.model.dtype, query_start_loc=starts, causal=causal,
-            sliding_window_size=self.sliding_window, isa=layer.isa, enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
-            dynamic_causal=None, kv_cache_dtype=self.kv_cache_dtype)
-
 
 class KVCompressCPUBackend(CPUAttentionBackend):
     @staticmethod
     def get_impl_cls() -> type[KVCompressCPUImpl]:
         return KVCompressCPUImpl
+
+
+def attend_kept(
+    impl: KVCompressCPUImpl,
+    layer: Any,
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    blocks: torch.Tensor,
+    kept: int,
+    output: torch.Tensor,
+) -> None:
+    """Attention of a recomputed request's generated tokens (``query``, the last of its ``kept + n`` slots)
+    over its compressed cache, causal, with vLLM's kernel, into ``output``: the prefill that recomputes a
+    preempted request let them attend to the whole prompt, which its decoding steps never saw."""
+    n = query.shape[0]
+    starts, lengths = torch.tensor([0, n], dtype=torch.int32), torch.tensor([kept + n], dtype=torch.int32)
+    key_cache, value_cache = kv_cache.view(*kv_cache.shape[:2], kv_cache.shape[2] * 2, -1).chunk(2, dim=2)
+    schedule = scheduling(impl, layer, starts, lengths, True)
+    ops.cpu_attention_with_kv_cache(
+        query=query,
+        key_cache=key_cache,
+        value_cache=value_cache,
+        output=output,
+        query_start_loc=starts,
+        seq_lens=lengths,
+        scale=impl.scale,
+        causal=True,
+        alibi_slopes=impl.alibi_slopes,
+        sliding_window=impl.sliding_window,
+        block_table=blocks[None],
+        softcap=impl.logits_soft_cap,
+        scheduler_metadata=schedule,
+        s_aux=impl.sinks,
+        dynamic_causal=None,
+        k_scale=layer._k_scale_float,
+        v_scale=layer._v_scale_float,
+        kv_cache_dtype=impl.kv_cache_dtype,
+    )
+
+
+def scheduling(
+    impl: KVCompressCPUImpl, layer: Any, starts: torch.Tensor, lengths: torch.Tensor, causal: bool
+) -> torch.Tensor:
+    """vLLM's CPU kernel's work split for requests of ``lengths`` tokens whose queries start at ``starts``."""
+    return ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=lengths.shape[0],
+        num_heads=impl.num_heads,
+        num_kv_heads=impl.num_kv_heads,
+        head_dim=impl.head_size,
+        seq_lens=lengths,
+        dtype=impl.model.dtype,
+        query_start_loc=starts,
+        causal=causal,
+        sliding_window_size=impl.sliding_window,
+        isa=layer.isa,
+        enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
+        dynamic_causal=None,
+        kv_cache_dtype=impl.kv_cache_dtype,
+    )

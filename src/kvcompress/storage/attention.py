@@ -46,8 +46,10 @@ PROBE_TOKENS = 4096
 DECODE_PROBE_TOKENS = 131072  # a decoding probe's keys at most (a GPU's; the cache's length, rounded up)
 PROBE_ELEMENTS = 1 << 25  # a probe's keys, summed over its rows, at most (unless one row has more)
 BACKEND_NAMES = {
-    "math": SDPBackend.MATH, "flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
-    "cudnn": SDPBackend.CUDNN_ATTENTION
+    "math": SDPBackend.MATH,
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
 }
 KERNEL_NAMES = (*BACKEND_NAMES, "triton")  # SDPA's kernels and decode_attention's
 # PyTorch's kernel numbers
@@ -121,8 +123,10 @@ def forget_choices() -> None:
 def sdpa_choices(graphed: bool = False) -> dict[str, tuple[str, ...]]:
     """The kernels chosen so far in this process, fastest first, per ``phase/device/dtype/head_dim/masked``
     (``graphed``: a compiled step's, by device time alone)."""
-    return {"/".join(str(part).removeprefix("torch.") for part in key): kernels
-            for key, kernels in (_graphed if graphed else _chosen).items()}
+    return {
+        "/".join(str(part).removeprefix("torch.") for part in key): kernels
+        for key, kernels in (_graphed if graphed else _chosen).items()
+    }
 
 
 @torch.compiler.assume_constant_result
@@ -130,8 +134,9 @@ def _compiled_backends(phase: str, device_type: str, dtype: str, head_dim: int, 
     """The kernels chosen for a compiled step (by device time), as a string: it bakes the choice in without
     guarding on it. ``bucket``: ``length_bucket``'s (0: none, or a length the graph leaves symbolic: the longest one
     chosen for)."""
-    made = [k for k in _graphed
-            if k[:2] == (phase, device_type) and str(k[2]) == dtype and k[3:5] == (head_dim, masked)]
+    made = [
+        k for k in _graphed if k[:2] == (phase, device_type) and str(k[2]) == dtype and k[3:5] == (head_dim, masked)
+    ]
     exact = [k for k in made if (k[5] or 0) == bucket]
     key = exact[0] if exact else max(made, key=lambda k: k[5] or 0, default=None)
     if key is not None:
@@ -149,8 +154,9 @@ def _time_backend(name: str, probe: tuple, is_causal: bool, enable_gqa: bool) ->
         if name == "triton":
             decode_attention(stack_groups(query, keys.shape[1]), keys, values, mask, query.shape[-1] ** -0.5, 0, 0)
         else:
-            F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, is_causal=is_causal,
-                                           enable_gqa=enable_gqa)
+            F.scaled_dot_product_attention(
+                query, keys, values, attn_mask=mask, is_causal=is_causal, enable_gqa=enable_gqa
+            )
 
     try:
         with contextlib.nullcontext() if name == "triton" else sdpa_kernel([BACKEND_NAMES[name]]):
@@ -169,8 +175,9 @@ def _time_backend(name: str, probe: tuple, is_causal: bool, enable_gqa: bool) ->
     except Exception as error:  # Triton's own errors (a kernel that does not build here)
         if name != "triton":
             raise
-        warnings.warn(f"kvcompress: the split decoding kernel did not run here ({error}); SDPA's kernels are used",
-                      stacklevel=2)
+        warnings.warn(
+            f"kvcompress: the split decoding kernel did not run here ({error}); SDPA's kernels are used", stacklevel=2
+        )
         return None
     wall = sorted(times[1:])[1]
     return wall, wall if device is None else device
@@ -216,15 +223,18 @@ def _probe(query: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor | None, p
     return probe_query, probe_keys, torch.randn_like(probe_keys), probe_mask
 
 
-def choose_backends(phase: str, query: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor | None, is_causal: bool,
-                    enable_gqa: bool) -> tuple[str, ...]:
+def choose_backends(
+    phase: str, query: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor | None, is_causal: bool, enable_gqa: bool
+) -> tuple[str, ...]:
     """The phase's kernels, fastest first (timed once per phase, device, dtype, head size and masking)."""
     if torch.compiler.is_compiling():
         seq = keys.shape[-2]
         bucket = length_bucket(phase, query.device.type, seq) if isinstance(seq, int) else None
         return tuple(
-            _compiled_backends(phase, query.device.type, str(query.dtype), query.shape[-1], mask is not None,
-                               bucket or 0).split(","))
+            _compiled_backends(
+                phase, query.device.type, str(query.dtype), query.shape[-1], mask is not None, bucket or 0
+            ).split(",")
+        )
     bucket = length_bucket(phase, query.device.type, keys.shape[-2])
     key = (phase, query.device.type, query.dtype, query.shape[-1], mask is not None, bucket)
     chosen = _chosen.get(key)
@@ -234,8 +244,10 @@ def choose_backends(phase: str, query: torch.Tensor, keys: torch.Tensor, mask: t
             chosen = graphed = forced
         else:
             probe = _probe(query, keys, mask, phase)
-            times = ((_time_backend(name, probe, is_causal, enable_gqa), name)
-                     for name in candidates(phase, query.device.type, query.shape[-1]))
+            times = (
+                (_time_backend(name, probe, is_causal, enable_gqa), name)
+                for name in candidates(phase, query.device.type, query.shape[-1])
+            )
             timed = [(t, name) for t, name in times if t is not None]
             chosen = tuple(name for _, name in sorted(timed)) or ("math",)
             graphed = tuple(name for _, name in sorted(timed, key=lambda each: each[0][1])) or ("math",)
@@ -254,37 +266,62 @@ def chosen_kernels(query: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor |
     """The chosen kernels as a context, for SDPA called by someone else (transformers' own cache)."""
     phase = phase_of(query.shape[-2], keys.shape[-2])
     return kernel_context(
-        choose_backends(phase, query, keys, mask, is_causal=mask is None and phase == "prefill",
-                        enable_gqa=query.shape[1] != keys.shape[1]))
+        choose_backends(
+            phase,
+            query,
+            keys,
+            mask,
+            is_causal=mask is None and phase == "prefill",
+            enable_gqa=query.shape[1] != keys.shape[1],
+        )
+    )
 
 
-def sdpa(phase: str, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
-         scaling: float | None, is_causal: bool = False, enable_gqa: bool = False) -> torch.Tensor:
+def sdpa(
+    phase: str,
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor | None,
+    scaling: float | None,
+    is_causal: bool = False,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
     """``F.scaled_dot_product_attention`` with the kernels chosen for ``phase`` (see ``phase_of``).
     Where PyTorch would pick the fastest one anyway, no context is entered (it costs ~20 us a call)."""
     chosen = choose_backends(phase, query, keys, mask, is_causal, enable_gqa)
     if chosen[0] == "triton":  # a decoding step, its queries stacked per KV head (dense_attention)
-        return decode_attention(query, keys, values, mask, query.shape[-1] ** -0.5 if scaling is None else scaling,
-                                0, 0)
+        return decode_attention(
+            query, keys, values, mask, query.shape[-1] ** -0.5 if scaling is None else scaling, 0, 0
+        )
     compiling = torch.compiler.is_compiling()
     if not compiling and chosen[0] == default_backend(query, keys, values, mask, is_causal, scaling, enable_gqa):
-        return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, is_causal=is_causal, scale=scaling,
-                                              enable_gqa=enable_gqa)
+        return F.scaled_dot_product_attention(
+            query, keys, values, attn_mask=mask, is_causal=is_causal, scale=scaling, enable_gqa=enable_gqa
+        )
     with kernel_context(chosen):
-        return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, is_causal=is_causal, scale=scaling,
-                                              enable_gqa=enable_gqa)
+        return F.scaled_dot_product_attention(
+            query, keys, values, attn_mask=mask, is_causal=is_causal, scale=scaling, enable_gqa=enable_gqa
+        )
 
 
 def default_backend(query, keys, values, mask, is_causal, scaling, enable_gqa) -> str | None:
     """The kernel PyTorch would pick by itself for these inputs (None where this torch cannot say),
     asked once per shapes: a decoding step's shapes repeat."""
-    key = (query.shape, keys.shape, None if mask is None else
-           (mask.shape, mask.dtype), query.dtype, query.device, is_causal, enable_gqa)
+    key = (
+        query.shape,
+        keys.shape,
+        None if mask is None else (mask.shape, mask.dtype),
+        query.dtype,
+        query.device,
+        is_causal,
+        enable_gqa,
+    )
     if key not in _default_picks:
         try:
             _default_picks[key] = _NAMES.get(
-                torch._fused_sdp_choice(query, keys, values, mask, 0.0, is_causal, scale=scaling,
-                                        enable_gqa=enable_gqa))
+                torch._fused_sdp_choice(query, keys, values, mask, 0.0, is_causal, scale=scaling, enable_gqa=enable_gqa)
+            )
         except (AttributeError, TypeError, RuntimeError):
             _default_picks[key] = None
     return _default_picks[key]
@@ -313,8 +350,15 @@ TRITON_BITS = (4, 6, 8)  # the codes the Triton kernel reads (float8 rows: decod
 
 
 @fused("decode_attention", mutates_args=(), fake=_decoded_like)
-def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor | None,
-                     scaling: float, key_bits: int, value_bits: int) -> torch.Tensor:
+def decode_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    visible: torch.Tensor | None,
+    scaling: float,
+    key_bits: int,
+    value_bits: int,
+) -> torch.Tensor:
     """A decoding step's attention ``[b, kv_heads, rows, d]``: ``query [b, kv_heads, rows, d]`` (a GQA group's
     query heads stacked as rows) over ``keys``/``values [b, kv_heads, s, ...]`` as a storage holds them: at the
     model's precision (bits 0) or as rows of an 8-, 6- (keys) or 4-bit ``codec.IntCodec`` or of float8
@@ -326,17 +370,25 @@ def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     if kernel is not None:
         return kernel.coded_decode_attention(query, keys, values, visible, scaling, key_bits, value_bits)
     dim = query.shape[-1]
-    keys, values = (rows if bits == 0 else codec_of_code(bits, dim, query.dtype).decode(rows)
-                    for rows, bits in ((keys, key_bits), (values, value_bits)))
+    keys, values = (
+        rows if bits == 0 else codec_of_code(bits, dim, query.dtype).decode(rows)
+        for rows, bits in ((keys, key_bits), (values, value_bits))
+    )
     logits = (query.float() @ keys.float().transpose(-1, -2)) * scaling
     if visible is not None:
         logits = logits.masked_fill(~visible, float("-inf"))
     return (logits.softmax(dim=-1) @ values.float()).to(query.dtype)
 
 
-def dense_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
-                    scaling: float, softcap: float | None = None,
-                    coded: tuple[torch.Tensor, torch.Tensor, int, int] | None = None) -> torch.Tensor:
+def dense_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor | None,
+    scaling: float,
+    softcap: float | None = None,
+    coded: tuple[torch.Tensor, torch.Tensor, int, int] | None = None,
+) -> torch.Tensor:
     """Exact attention ``[b, q_heads, q, d]``. ``mask`` is boolean, ``[b, 1 | kv_heads, q, s]``, or
     SDPA's lower-right causal bias; None means causal over the last ``q`` slots (or no mask for one
     query). ``softcap`` (Gemma 2): logits become ``softcap * tanh(logits / softcap)`` before the softmax.
@@ -370,14 +422,19 @@ def dense_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
         mask = None if mask is None else group_mask(mask, q_heads // kv_heads)
         stacked = stack_groups(query, kv_heads)
         stored = coded if phase == "decode" else None
-        if stored is not None and (reads_codes(query) or (
+        if stored is not None and (
+            reads_codes(query)
+            or (
                 set(stored[2:]) <= set(TRITON_BITS)
-                and choose_backends(phase, stacked, keys, mask, False, False)[0] == "triton")):
+                and choose_backends(phase, stacked, keys, mask, False, False)[0] == "triton"
+            )
+        ):
             out = decode_attention(stacked, *stored[:2], mask, scaling, *stored[2:])
         else:
             if coded is not None and keys.dtype != query.dtype:  # handed as codes (hands_codes) and SDPA won
-                keys, values = (codec_of_code(bits, dim, query.dtype).decode(rows)
-                                for rows, bits in zip(coded[:2], coded[2:]))
+                keys, values = (
+                    codec_of_code(bits, dim, query.dtype).decode(rows) for rows, bits in zip(coded[:2], coded[2:])
+                )
             out = sdpa(phase, stacked, keys, values, mask, scaling)
         # a fused kernel's output may be laid out [b, group * q, kv_heads, d] (CUDA's efficient kernel): no view
         return out.reshape(batch, q_heads, q_len, dim)
@@ -390,8 +447,10 @@ def hands_codes(query: torch.Tensor, key_bits: int, value_bits: int) -> bool:
     reads these codes, the likely choice of a long cache (``dense_attention`` decodes them for SDPA's kernels when
     one of them wins). Decoding first, the 4-bit full cache's step spent ~40 ms at 32K on the H200 (11-28) making a
     copy the split kernel then never read."""
-    return reads_codes(query) or ({key_bits, value_bits} <= set(TRITON_BITS)
-                                  and "triton" in candidates("decode", query.device.type, query.shape[-1]))
+    return reads_codes(query) or (
+        {key_bits, value_bits} <= set(TRITON_BITS)
+        and "triton" in candidates("decode", query.device.type, query.shape[-1])
+    )
 
 
 def reads_codes(query: torch.Tensor) -> bool:
@@ -400,8 +459,14 @@ def reads_codes(query: torch.Tensor) -> bool:
     return query.is_cpu and has_cpu_kernel()
 
 
-def attention_with_lse(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
-                       scaling: float, softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def attention_with_lse(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    scaling: float,
+    softcap: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact attention ``[b, q_heads, q, d]`` and each query's log-normaliser (the log of its softmax's
     sum) ``[b, q_heads, q]`` float32, for a boolean ``mask [b | 1, 1, q, s]``: an observation pass's
     attention, whose normalisers a method scores with. On a CPU, SDPA's own flash kernel returns both
@@ -416,8 +481,14 @@ def attention_with_lse(query: torch.Tensor, keys: torch.Tensor, values: torch.Te
     return flash(query, keys, values, 0.0, False, attn_mask=bias, scale=scaling)
 
 
-def spelled_out_with_lse(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
-                         scaling: float, softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def spelled_out_with_lse(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor | None,
+    scaling: float,
+    softcap: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``attention_with_lse`` from the logits in float32 (any device, soft-capping included; ``mask`` None: every
     slot seen)."""
     batch, q_heads, q_len, dim = query.shape
@@ -432,8 +503,9 @@ def spelled_out_with_lse(query: torch.Tensor, keys: torch.Tensor, values: torch.
     return out.view(batch, q_heads, q_len, dim).to(query.dtype), lse.view(batch, q_heads, q_len)
 
 
-def after_prompt_with_lse(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                          scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+def after_prompt_with_lse(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``attention_with_lse`` on a CPU for queries that are the newest of ``keys`` and see every older
     key (no padding): two flash calls, the older keys unmasked and the new ones causal, merged by their
     log-normalisers (each call is faster than one call with a mask: 0.11 s against 0.18 s for 2K
@@ -443,8 +515,9 @@ def after_prompt_with_lse(query: torch.Tensor, keys: torch.Tensor, values: torch
     batch, q_heads, q_len, dim = query.shape
     kv_heads = keys.shape[1]
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    old_out, old_lse = flash(stack_groups(query, kv_heads), keys[:, :, :-q_len], values[:, :, :-q_len], 0.0, False,
-                             scale=scaling)
+    old_out, old_lse = flash(
+        stack_groups(query, kv_heads), keys[:, :, :-q_len], values[:, :, :-q_len], 0.0, False, scale=scaling
+    )
     old_out, old_lse = old_out.reshape(batch, q_heads, q_len, dim), old_lse.reshape(batch, q_heads, q_len)
     new_keys, new_values = (t[:, :, -q_len:].repeat_interleave(q_heads // kv_heads, dim=1) for t in (keys, values))
     new_out, new_lse = flash(query, new_keys, new_values, 0.0, True, scale=scaling)

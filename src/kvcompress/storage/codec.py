@@ -183,16 +183,17 @@ class Int6Codec(IntCodec):
         # the four places of a byte as one weighted sum (each new token is coded eagerly: few small ops)
         places = _PLACES.get(str(codes.device))
         if places is None:
-            places = _PLACES[str(codes.device)] = torch.tensor([[1], [4], [16], [64]], dtype=torch.uint8,
-                                                               device=codes.device)
+            places = _PLACES[str(codes.device)] = torch.tensor(
+                [[1], [4], [16], [64]], dtype=torch.uint8, device=codes.device
+            )
         tops = (unpacked_order.unflatten(-1, (4, -1)) * places).sum(-2, dtype=torch.uint8).flatten(-2)
         return torch.cat([nibbles(codes & 15), tops], dim=-1)
 
     def unpack(self, packed: torch.Tensor) -> torch.Tensor:
         group = group_size(self.dim)
-        tops = packed[..., self.dim // 2:].unflatten(-1, (-1, group // 4))
+        tops = packed[..., self.dim // 2 :].unflatten(-1, (-1, group // 4))
         unpacked_order = torch.stack([(tops >> shift) & 3 for shift in (0, 2, 4, 6)], dim=-2).flatten(-2)
-        top = torch.stack([unpacked_order[..., : group // 2], unpacked_order[..., group // 2:]], dim=-1)
+        top = torch.stack([unpacked_order[..., : group // 2], unpacked_order[..., group // 2 :]], dim=-1)
         return from_nibbles(packed[..., : self.dim // 2]) | (top.flatten(-3) << 4)
 
 
@@ -312,16 +313,16 @@ def kv_from_spec(spec: str | None) -> KVCodec | None:
 ENCODE_TOKENS = 4096  # tokens (along dim -2) coded at a time: coding goes through float32 copies of what it codes
 
 
-def encoded_pair(codec: KVCodec | None, keys: torch.Tensor,
-                 values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def encoded_pair(codec: KVCodec | None, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values as a storage with ``codec`` holds them (one codec: coded in one call, half the small ops).
     A long cache is coded ``ENCODE_TOKENS`` tokens at a time (every vector is coded alone: the same rows, up to the
     turn's float rounding), so the float32 copies coding makes stay a piece's size, not a few times the cache's."""
     if codec is None:
         return keys, values
     if keys.shape[-2] > ENCODE_TOKENS:
-        pieces = [encoded_pair(codec, k, v) for k, v in zip(keys.split(ENCODE_TOKENS, -2),
-                                                            values.split(ENCODE_TOKENS, -2))]
+        pieces = [
+            encoded_pair(codec, k, v) for k, v in zip(keys.split(ENCODE_TOKENS, -2), values.split(ENCODE_TOKENS, -2))
+        ]
         return torch.cat([k for k, _ in pieces], -2), torch.cat([v for _, v in pieces], -2)
     if codec.keys != codec.values:
         return codec.keys.encode(keys), codec.values.encode(values)
@@ -329,21 +330,18 @@ def encoded_pair(codec: KVCodec | None, keys: torch.Tensor,
     return coded_keys, coded_values
 
 
-def decoded_pair(codec: KVCodec | None, keys: torch.Tensor,
-                 values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def decoded_pair(codec: KVCodec | None, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Stored keys and values as a step attends them (in the codec's basis: ``Codec.into_basis``)."""
     return (keys, values) if codec is None else (codec.keys.decode(keys), codec.values.decode(values))
 
 
-def attended_pair(codec: KVCodec | None, keys: torch.Tensor,
-                  values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def attended_pair(codec: KVCodec | None, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A step's keys and values for an attention that does not read codes: decoded where they are still coded rows
     (``Slots.reads_codes``: a layer's update may hand its rows on undecoded), as they are otherwise."""
     return decoded_pair(codec, keys, values) if keys.dtype == torch.uint8 and codec is not None else (keys, values)
 
 
-def restored_pair(codec: KVCodec | None, keys: torch.Tensor,
-                  values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def restored_pair(codec: KVCodec | None, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Stored keys and values as the model computed them (up to rounding: a later prompt continuing them)."""
     return (keys, values) if codec is None else (codec.keys.restore(keys), codec.values.restore(values))
 
@@ -365,8 +363,9 @@ def token_bytes(codec: KVCodec | None, keys: torch.Tensor, values: torch.Tensor)
     return (held, held) if codec is None else (held, 2 * codec.dim * codec.dtype.itemsize)
 
 
-def coded_rows(codec: KVCodec | None, keys: torch.Tensor,
-               values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int, int] | None:
+def coded_rows(
+    codec: KVCodec | None, keys: torch.Tensor, values: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, int, int] | None:
     """Stored keys and values with their ``kernel_code``s, which a kernel may read as they are
     (``attention.decode_attention``); None where the storage holds them at the model's precision."""
     if codec is None:

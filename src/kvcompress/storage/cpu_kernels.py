@@ -67,12 +67,19 @@ def cpu_kernel() -> ModuleType | None:
         from torch.utils.cpp_extension import load_inline  # noqa: PLC0415 - only when the kernel is built
 
         return load_inline(
-            f"kvcompress_cpu_decode_{_build_tag()}", SOURCE.read_text(), functions=["coded_decode_attention"],
-            extra_cflags=["-O3", *build_target(), "-fno-math-errno", "-fopenmp"], extra_ldflags=["-fopenmp"])
+            f"kvcompress_cpu_decode_{_build_tag()}",
+            SOURCE.read_text(),
+            functions=["coded_decode_attention"],
+            extra_cflags=["-O3", *build_target(), "-fno-math-errno", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+        )
     except Exception as error:  # noqa: BLE001 -- a compiler's or ninja's failure, whatever its type
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        warnings.warn(f"kvcompress: the CPU decoding kernel did not build here ({first_line}); coded slots are "
-                      "decoded before attention (slower)", stacklevel=2)
+        warnings.warn(
+            f"kvcompress: the CPU decoding kernel did not build here ({first_line}); coded slots are "
+            "decoded before attention (slower)",
+            stacklevel=2,
+        )
         return None
 
 

@@ -30,8 +30,20 @@ from .codec import group_size
 
 
 @triton.jit
-def _gather_chunks_kernel(store, chunks, previous_chunks, previous, hits, out, n_chunks, k, REUSE: tl.constexpr,
-                          LOG_K: tl.constexpr, CHUNK_NUMEL: tl.constexpr, BLOCK: tl.constexpr):
+def _gather_chunks_kernel(
+    store,
+    chunks,
+    previous_chunks,
+    previous,
+    hits,
+    out,
+    n_chunks,
+    k,
+    REUSE: tl.constexpr,
+    LOG_K: tl.constexpr,
+    CHUNK_NUMEL: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)  # b * kv_heads + h
     j = tl.program_id(1).to(tl.int64)  # which selected chunk
     entry = row * k + j
@@ -57,8 +69,13 @@ def _gather_chunks_kernel(store, chunks, previous_chunks, previous, hits, out, n
     tl.store(out + entry * CHUNK_NUMEL + offsets, tl.where(is_hit, kept, fresh), mask=inside)
 
 
-def gather_chunks_triton(store: torch.Tensor, chunks: torch.Tensor, previous_chunks: torch.Tensor | None,
-                         previous: torch.Tensor | None, hits: torch.Tensor | None) -> torch.Tensor:
+def gather_chunks_triton(
+    store: torch.Tensor,
+    chunks: torch.Tensor,
+    previous_chunks: torch.Tensor | None,
+    previous: torch.Tensor | None,
+    hits: torch.Tensor | None,
+) -> torch.Tensor:
     """Same result as ``ops.gather_chunks`` (``store [b, h, n_chunks, chunk, d]`` contiguous)."""
     batch, heads, n_chunks, chunk, dim = store.shape
     k = chunks.shape[-1]
@@ -97,8 +114,22 @@ def _product(a, b, PRECISE: tl.constexpr):
 
 @triton.jit
 def _rotated_keys_kernel(
-    factor_a, factor_b, chunks, inv_freq, out, heads, region, k, scale, RANK: tl.constexpr, UNIT: tl.constexpr,
-    DIM: tl.constexpr, HALF_ROT: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+    factor_a,
+    factor_b,
+    chunks,
+    inv_freq,
+    out,
+    heads,
+    region,
+    k,
+    scale,
+    RANK: tl.constexpr,
+    UNIT: tl.constexpr,
+    DIM: tl.constexpr,
+    HALF_ROT: tl.constexpr,
+    BLOCK_U: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     PRECISE: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)  # b * kv_heads + h
@@ -119,12 +150,16 @@ def _rotated_keys_kernel(
     # the rank is a compile-time constant: Triton 3.6's interpreter cannot bound a loop by an argument
     for r0 in range(0, RANK, BLOCK_R):
         r = r0 + tl.arange(0, BLOCK_R)
-        a = tl.load(factor_a + (batch * region + tokens[:, None]) * RANK + r[None, :],
-                    mask=real[:, None] & (r[None, :] < RANK), other=0.0)
+        a = tl.load(
+            factor_a + (batch * region + tokens[:, None]) * RANK + r[None, :],
+            mask=real[:, None] & (r[None, :] < RANK),
+            other=0.0,
+        )
         b_row = factor_b + ((batch * RANK + r[:, None]) * heads + head) * DIM  # B is [b, r, heads, d]
         b = tl.load(b_row + d[None, :], mask=(r[:, None] < RANK) & (d[None, :] < DIM), other=0.0)
-        b_turned = tl.load(b_row + partner[None, :], mask=(r[:, None] < RANK) & (d[None, :] < DIM),
-                           other=0.0) * sign[None, :]
+        b_turned = (
+            tl.load(b_row + partner[None, :], mask=(r[:, None] < RANK) & (d[None, :] < DIM), other=0.0) * sign[None, :]
+        )
         plain += _product(a.to(tl.float32), b.to(tl.float32), PRECISE)
         turned += _product(a.to(tl.float32), b_turned.to(tl.float32), PRECISE)
     freq = tl.load(inv_freq + d % HALF_ROT, mask=rotated, other=0.0)
@@ -140,8 +175,14 @@ def _rotated_keys_kernel(
     tl.store(target, keys.to(out.dtype.element_ty), mask=real[:, None] & (d[None, :] < DIM))
 
 
-def rotated_keys_triton(factor_a: torch.Tensor, factor_b: torch.Tensor, chunks: torch.Tensor, inv_freq: torch.Tensor,
-                        scale: float, unit: int) -> torch.Tensor:
+def rotated_keys_triton(
+    factor_a: torch.Tensor,
+    factor_b: torch.Tensor,
+    chunks: torch.Tensor,
+    inv_freq: torch.Tensor,
+    scale: float,
+    unit: int,
+) -> torch.Tensor:
     """Same result as ``ops.rotated_keys`` (``factor_a [b, region, r]``, ``factor_b [b, r, heads, d]``)."""
     batch, region, rank = factor_a.shape
     heads, dim = factor_b.shape[2], factor_b.shape[3]
@@ -170,8 +211,19 @@ def rotated_keys_triton(factor_a: torch.Tensor, factor_b: torch.Tensor, chunks: 
 
 
 @triton.jit
-def _stored_rows(rows, meta, offset, slots, inside, d, DIM: tl.constexpr, BITS: tl.constexpr,
-                 GROUP: tl.constexpr, DTYPE: tl.constexpr, BLOCK: tl.constexpr):
+def _stored_rows(
+    rows,
+    meta,
+    offset,
+    slots,
+    inside,
+    d,
+    DIM: tl.constexpr,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    DTYPE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     """``[BLOCK, DIM]`` vectors of ``slots`` from a row-per-slot buffer at ``offset`` (its elements): as
     stored (``BITS`` 0), or ``codec.IntCodec`` rows decoded (codes, then each group's float16 scale and
     minimum, read through ``meta``, the same bytes as float16). One return after the branches: the compiler (not
@@ -184,8 +236,19 @@ def _stored_rows(rows, meta, offset, slots, inside, d, DIM: tl.constexpr, BITS: 
 
 
 @triton.jit
-def _decoded_rows(rows, meta, offset, slots, inside, d, DIM: tl.constexpr, BITS: tl.constexpr,
-                  GROUP: tl.constexpr, DTYPE: tl.constexpr, BLOCK: tl.constexpr):
+def _decoded_rows(
+    rows,
+    meta,
+    offset,
+    slots,
+    inside,
+    d,
+    DIM: tl.constexpr,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    DTYPE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     """``_stored_rows`` of coded rows (``BITS`` 8, 6 or 4). Each row's bytes and each group's scale and minimum are
     loaded once, as runs of neighbouring elements, and spread over the channels in registers (``tl.join``,
     ``tl.reshape``): indexing every channel's byte and scale made ~390 scalar loads per block of slots in the
@@ -201,10 +264,12 @@ def _decoded_rows(rows, meta, offset, slots, inside, d, DIM: tl.constexpr, BITS:
         tops = tl.load(row + DIM // 2 + tl.arange(0, DIM // 4)[None, :], mask=inside[:, None], other=0)
         tops = tl.reshape(tops, [BLOCK, DIM // GROUP, GROUP // 4])
         # a group's even channels' tops in order (its first two quarters' places), then its odd ones'
-        evens = tl.reshape(tl.permute(tl.join(tops & 3, (tops >> 2) & 3), (0, 1, 3, 2)),
-                           [BLOCK, DIM // GROUP, GROUP // 2])
-        odds = tl.reshape(tl.permute(tl.join((tops >> 4) & 3, tops >> 6), (0, 1, 3, 2)),
-                          [BLOCK, DIM // GROUP, GROUP // 2])
+        evens = tl.reshape(
+            tl.permute(tl.join(tops & 3, (tops >> 2) & 3), (0, 1, 3, 2)), [BLOCK, DIM // GROUP, GROUP // 2]
+        )
+        odds = tl.reshape(
+            tl.permute(tl.join((tops >> 4) & 3, tops >> 6), (0, 1, 3, 2)), [BLOCK, DIM // GROUP, GROUP // 2]
+        )
         codes = codes | (tl.reshape(tl.join(evens, odds), [BLOCK, DIM]) << 4)
     first = (offset + slots) // 2 + DIM * BITS // 16  # the row's scales, as float16 elements
     group = tl.arange(0, DIM // GROUP)
@@ -214,6 +279,8 @@ def _decoded_rows(rows, meta, offset, slots, inside, d, DIM: tl.constexpr, BITS:
     return tl.reshape(grouped * scale[:, :, None] + low[:, :, None], [BLOCK, DIM]).to(DTYPE)
 
 
+# a Triton kernel's 35 parameters packed, as its launch passes them
+# fmt: off
 @triton.jit
 def _decode_attention_kernel(
     query, keys, key_meta, values, value_meta, visible, out, lse, heads, seq, scaling,
@@ -259,6 +326,7 @@ def _decode_attention_kernel(
              mask=g[:, None] < GROUP_ROWS)
     tl.store(lse + part, tl.where(seen, best + tl.log(tl.where(seen, total, 1.0)), float("-inf")),
              mask=g < GROUP_ROWS)
+# fmt: on
 
 
 TARGET_PROGRAMS = 264  # two per streaming multiprocessor of an H100 (132)
@@ -273,9 +341,15 @@ def decode_split(rows: int, seq: int, block: int) -> tuple[int, int]:
     return triton.cdiv(blocks, per_slice), per_slice
 
 
-def decode_attention_triton(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                            visible: torch.Tensor | None, scaling: float, key_bits: int,
-                            value_bits: int) -> torch.Tensor:
+def decode_attention_triton(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    visible: torch.Tensor | None,
+    scaling: float,
+    key_bits: int,
+    value_bits: int,
+) -> torch.Tensor:
     """Same result as ``attention.decode_attention`` (its docstring gives the shapes)."""
 
     batch, heads, group_rows, dim = query.shape
@@ -288,17 +362,26 @@ def decode_attention_triton(query: torch.Tensor, keys: torch.Tensor, values: tor
     query = query.contiguous()
     keys, values = (t if t.stride(-1) == 1 else t.contiguous() for t in (keys, values))
     # a coded row's scales read as float16 (rows are even-sized); unused where the slots are not coded
-    key_meta, value_meta = (t.view(torch.float16) if bits else t
-                            for t, bits in ((keys, key_bits), (values, value_bits)))
+    key_meta, value_meta = (
+        t.view(torch.float16) if bits else t for t, bits in ((keys, key_bits), (values, value_bits))
+    )
     mask, mask_strides = keys, (0, 0)  # no mask: any pointer, never read
     if visible is not None:  # [b, 1 | kv_heads, 1, s]
         mask = (visible if visible.stride(-1) == 1 else visible.contiguous()).view(torch.uint8)
         mask_strides = (mask.stride(0), mask.stride(1) if mask.shape[1] > 1 else 0)
+    pointers = (query, keys, key_meta, values, value_meta, mask, out, lse)
+    strides = (query.stride(0), query.stride(1), *keys.stride()[:3], *values.stride()[:3], *mask_strides)
+    shape = dict(GROUP_ROWS=group_rows, DIM=dim, BLOCK_G=block_g, BLOCK_N=block_n, BLOCKS=per_slice)
+    coding = dict(KEY_BITS=key_bits, VALUE_BITS=value_bits, QUANT_GROUP=group_size(dim))
     _decode_attention_kernel[(batch * heads, slices)](
-        query, keys, key_meta, values, value_meta, mask, out, lse, heads, seq, float(scaling),
-        query.stride(0), query.stride(1), *keys.stride()[:3], *values.stride()[:3], *mask_strides,
-        GROUP_ROWS=group_rows, DIM=dim, BLOCK_G=block_g, BLOCK_N=block_n, BLOCKS=per_slice, KEY_BITS=key_bits,
-        VALUE_BITS=value_bits, QUANT_GROUP=group_size(dim), MASKED=visible is not None,
+        *pointers,
+        heads,
+        seq,
+        float(scaling),
+        *strides,
+        **shape,
+        **coding,
+        MASKED=visible is not None,
         PRECISE=query.dtype == torch.float32,
     )
     # the slices, weighed by their normalisers (a slice that saw no slot weighs nothing)

@@ -39,11 +39,16 @@ def zero_copy_view(host: torch.Tensor, device: torch.device) -> torch.Tensor | N
         device = torch.device(device.type, torch.cuda.current_device())
     raw = host.view(torch.uint8)
     interface = {
-        "shape": tuple(raw.shape), "typestr": "|u1", "data": (raw.data_ptr(), False), "version": 2, "strides": None
+        "shape": tuple(raw.shape),
+        "typestr": "|u1",
+        "data": (raw.data_ptr(), False),
+        "version": 2,
+        "strides": None,
     }
     try:
-        view = torch.as_tensor(SimpleNamespace(__cuda_array_interface__=interface, keep_alive=raw),
-                               device=device).view(host.dtype)
+        view = torch.as_tensor(SimpleNamespace(__cuda_array_interface__=interface, keep_alive=raw), device=device).view(
+            host.dtype
+        )
         probe = (0,) * (host.dim() - 1)
         if view.device != device or not torch.equal(view[probe].cpu(), host[probe]):
             return None
@@ -68,8 +73,9 @@ def match_previous(selected: torch.Tensor, previous: torch.Tensor | None) -> tup
     return previous.gather(-1, slot) == selected, slot
 
 
-def reuse_previous(fetched: torch.Tensor, hit: torch.Tensor, slot: torch.Tensor,
-                   previous: torch.Tensor | None) -> torch.Tensor:
+def reuse_previous(
+    fetched: torch.Tensor, hit: torch.Tensor, slot: torch.Tensor, previous: torch.Tensor | None
+) -> torch.Tensor:
     """``fetched [b, h, k * chunk, d]`` with each hit chunk taken from ``previous`` at its ``slot`` instead."""
     if previous is None:
         return fetched
@@ -78,8 +84,13 @@ def reuse_previous(fetched: torch.Tensor, hit: torch.Tensor, slot: torch.Tensor,
     return torch.where(hit.repeat_interleave(c, dim=-1)[..., None], reused, fetched)
 
 
-def reuse(fetched: torch.Tensor, chunks: torch.Tensor, previous_chunks: torch.Tensor | None,
-          previous: torch.Tensor | None, hits: torch.Tensor | None) -> torch.Tensor:
+def reuse(
+    fetched: torch.Tensor,
+    chunks: torch.Tensor,
+    previous_chunks: torch.Tensor | None,
+    previous: torch.Tensor | None,
+    hits: torch.Tensor | None,
+) -> torch.Tensor:
     """``fetched`` (the tokens of ``chunks [b, h, k]``) with the chunks last step also selected
     (``previous_chunks``, ascending) taken from its buffer ``previous``, counted in ``hits``."""
     if previous is None or previous_chunks is None or hits is None:  # all three, or none (the first step)
@@ -95,8 +106,13 @@ def _gathered_like(store: torch.Tensor, chunks: torch.Tensor, *args) -> torch.Te
 
 
 @fused("gather_chunks", mutates_args=("hits",), fake=_gathered_like)
-def gather_chunks(store: torch.Tensor, chunks: torch.Tensor, previous_chunks: torch.Tensor | None,
-                  previous: torch.Tensor | None, hits: torch.Tensor | None) -> torch.Tensor:
+def gather_chunks(
+    store: torch.Tensor,
+    chunks: torch.Tensor,
+    previous_chunks: torch.Tensor | None,
+    previous: torch.Tensor | None,
+    hits: torch.Tensor | None,
+) -> torch.Tensor:
     """The tokens of ``chunks [b, h, k]`` from ``store [b, h, n_chunks, chunk, d]`` as ``[b, h, k *
     chunk, d]``; given last step's chunks ``previous_chunks [b, h, k]`` (ascending) and their tokens
     ``previous``, a chunk selected again is copied from there (counted in the scalar ``hits``)."""
@@ -156,8 +172,14 @@ class ChunkStore:
         always from a coded store)."""
         return self.codec is not None or self.mode != "zero-copy+triton"
 
-    def fetch(self, chunks: torch.Tensor, previous_chunks: torch.Tensor | None, previous: torch.Tensor | None,
-              hits: torch.Tensor | None, overlap: Callable[[], T]) -> tuple[torch.Tensor, T]:
+    def fetch(
+        self,
+        chunks: torch.Tensor,
+        previous_chunks: torch.Tensor | None,
+        previous: torch.Tensor | None,
+        hits: torch.Tensor | None,
+        overlap: Callable[[], T],
+    ) -> tuple[torch.Tensor, T]:
         """Gather ``chunks [b, h, k]`` (see ``gather_chunks``; with ``previous``, chunks selected again
         come from it) on the side stream while ``overlap()`` runs on the current one; returns the
         gathered ``[b, h, k * chunk, d]`` and ``overlap()``'s result."""
@@ -178,18 +200,30 @@ class ChunkStore:
             return gathered
         return self.codec.decode(gathered.unflatten(-1, (-1, self.codec.row_bytes))).flatten(-2)
 
-    def _gather(self, chunks: torch.Tensor, previous_chunks: torch.Tensor | None, previous: torch.Tensor | None,
-                hits: torch.Tensor | None) -> torch.Tensor:
+    def _gather(
+        self,
+        chunks: torch.Tensor,
+        previous_chunks: torch.Tensor | None,
+        previous: torch.Tensor | None,
+        hits: torch.Tensor | None,
+    ) -> torch.Tensor:
         if self.view is None:  # no zero-copy view: the chunk ids go to the host (a synchronisation)
             return reuse(
-                fetch_chunks(self.host, chunks.cpu()).to(self.device, non_blocking=True), chunks, previous_chunks,
-                previous, hits)
+                fetch_chunks(self.host, chunks.cpu()).to(self.device, non_blocking=True),
+                chunks,
+                previous_chunks,
+                previous,
+                hits,
+            )
         return gather_chunks(self.view, chunks, previous_chunks, previous, hits)
 
     def state_dict(self) -> dict[str, Any]:
         """The store as a saved file holds it (docs/file-format.md): its chunks and where they live."""
-        return {"host": self.host, "offloaded": self.offloaded,
-                "codec": None if self.codec is None else self.codec.spec()}
+        return {
+            "host": self.host,
+            "offloaded": self.offloaded,
+            "codec": None if self.codec is None else self.codec.spec(),
+        }
 
     @classmethod
     def from_state(cls, state: dict[str, Any], device: torch.device) -> ChunkStore:
@@ -214,8 +248,12 @@ class ChunkStore:
     def concat(cls, stores: list[ChunkStore]) -> ChunkStore:
         """The rows of ``stores`` (groups of one batch, with the batch's chunk count) as one store."""
         first, hosts = stores[0], [store.host for store in stores]
-        host = torch.empty((sum(h.shape[0] for h in hosts), *hosts[0].shape[1:]), dtype=hosts[0].dtype,
-                           device=hosts[0].device, pin_memory=hosts[0].is_pinned())
+        host = torch.empty(
+            (sum(h.shape[0] for h in hosts), *hosts[0].shape[1:]),
+            dtype=hosts[0].dtype,
+            device=hosts[0].device,
+            pin_memory=hosts[0].is_pinned(),
+        )
         torch.cat(hosts, out=host)
         joined = copy.copy(first)
         joined.host = joined.view = host

@@ -35,13 +35,52 @@ from .slots import Slots, SlotView, inner, nested, spare_slots
 from .tensors import nbytes
 
 
+def laid_out(
+    parts: list[list[tuple[torch.Tensor, torch.Tensor]]],
+    valid: list[list[torch.Tensor | None]],
+    lengths: list[list[int]],
+    capacities: list[list[int]],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[list[int]]]:
+    """Segments ``parts[row][head]`` (keys and values, ``lengths`` rows each; ``valid``: their validity, None: all)
+    laid out one after another in flat buffers, each in ``capacities`` slots, the last slot a sentinel (never valid):
+    keys, values, validity and each segment's start."""
+    first, first_values = parts[0][0]
+    total = sum(map(sum, capacities))
+    keys = first.new_zeros(total + 1, first.shape[-1])
+    values = first_values.new_zeros(total + 1, first_values.shape[-1])  # (coded: rows of their own width)
+    slot_valid = torch.zeros(total + 1, dtype=torch.bool, device=first.device)
+    starts: list[list[int]] = []
+    start = 0
+    for r, row in enumerate(parts):
+        starts.append([])
+        for h, (segment_keys, segment_values) in enumerate(row):
+            n = lengths[r][h]
+            starts[r].append(start)
+            keys[start : start + n] = segment_keys
+            values[start : start + n] = segment_values
+            held = valid[r][h]
+            slot_valid[start : start + n] = True if held is None else held
+            start += capacities[r][h]
+    return keys, values, slot_valid, starts
+
+
+# the packing's tensors as a file names them, and the attributes holding them
+SAVED_TENSORS = dict(
+    keys="keys", values="values", valid="valid", starts="starts_t", lengths="lengths_t", capacities="capacities_t"
+)
+
+
 class PackedSlots(Slots):
     """One layer's keys and values, a segment per (row, KV head), each with its own length."""
 
     NAME = "packed"
 
-    def __init__(self, segments: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]], seen: int,
-                 codec: KVCodec | None = None) -> None:
+    def __init__(
+        self,
+        segments: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]],
+        seen: int,
+        codec: KVCodec | None = None,
+    ) -> None:
         """``segments[row][head]``: that head's keys ``[n, d]``, values ``[n, d]`` and prompt
         positions ``[n]`` (ascending), as this storage holds them (``codec``: coded rows); ``seen``: the layer's
         tokens fed so far."""
@@ -49,37 +88,24 @@ class PackedSlots(Slots):
         self.rows, self.heads = len(segments), len(segments[0])
         self.lengths = [[int(k.shape[0]) for k, _, _ in row] for row in segments]  # host mirror of lengths_t
         self.positions = [[p for _, _, p in row] for row in segments]  # prompt positions held, per segment
-        self._pack([[(k, v) for k, v, _ in row] for row in segments], [[None] * self.heads for _ in range(self.rows)],
-                   spare_slots(self.mean_length()))
+        self._pack(
+            [[(k, v) for k, v, _ in row] for row in segments],
+            [[None] * self.heads for _ in range(self.rows)],
+            spare_slots(self.mean_length()),
+        )
 
     def mean_length(self) -> int:
         return sum(map(sum, self.lengths)) // (self.rows * self.heads)
 
-    def _pack(self, parts: list[list[tuple[torch.Tensor, torch.Tensor]]], valid: list[list[torch.Tensor | None]],
-              room: int) -> None:
+    def _pack(
+        self, parts: list[list[tuple[torch.Tensor, torch.Tensor]]], valid: list[list[torch.Tensor | None]], room: int
+    ) -> None:
         """Lay the segments out afresh, each with ``room`` slots after it. The flat buffer's length
         and the widest segment differ by layer and request (they follow attention): a compiled step
         takes both as symbols (tensor sizes marked dynamic, never Python ints), so no request recompiles it."""
-        first, first_values = parts[0][0]
-        device = first.device
         capacities = [[n + room for n in row] for row in self.lengths]
-        total = sum(map(sum, capacities))
-        self.keys = first.new_zeros(total + 1, first.shape[-1])  # the last slot: the sentinel
-        self.values = first_values.new_zeros(total + 1, first_values.shape[-1])  # (coded: rows of their own width)
-        self.valid = torch.zeros(total + 1, dtype=torch.bool, device=device)
-        self.starts: list[list[int]] = []
-        start = 0
-        for r in range(self.rows):
-            self.starts.append([])
-            for h in range(self.heads):
-                n = self.lengths[r][h]
-                self.starts[r].append(start)
-                keys, values = parts[r][h]
-                self.keys[start : start + n] = keys
-                self.values[start : start + n] = values
-                held = valid[r][h]
-                self.valid[start : start + n] = True if held is None else held
-                start += capacities[r][h]
+        self.keys, self.values, self.valid, self.starts = laid_out(parts, valid, self.lengths, capacities)
+        device = self.keys.device
         self.room_left = room  # the same for every segment: equal room, equal growth
         self.starts_t = torch.tensor([s for row in self.starts for s in row], device=device)  # [segments], row-major
         self.lengths_t = torch.tensor([n for row in self.lengths for n in row], device=device)
@@ -117,16 +143,11 @@ class PackedSlots(Slots):
         then under ``packed.`` the flat buffers with their sentinel slot, each segment's start, length and
         capacity (row-major), its prompt positions."""
         positions = {f"positions.{r}.{h}": p for r, row in enumerate(self.positions) for h, p in enumerate(row)}
-        packing = {
-            "keys": self.keys, "values": self.values, "valid": self.valid,
-            "starts": self.starts_t, "lengths": self.lengths_t, "capacities": self.capacities_t,
-            "rows": self.rows, "heads": self.heads, "room_left": self.room_left, **positions,
-            "codec": None if self.codec is None else self.codec.spec(),
-        }
-        return {
-            "keys": self.none, "values": self.none, "valid": None, "positions": None, "cursor": None,
-            "seen_tokens": self.seen, "used": self.used, "codec": None, **nested(self.NAME, packing),
-        }
+        packing: dict[str, Any] = {name: getattr(self, held) for name, held in SAVED_TENSORS.items()}
+        packing.update(rows=self.rows, heads=self.heads, room_left=self.room_left, **positions)
+        packing["codec"] = None if self.codec is None else self.codec.spec()
+        no_slots = dict(keys=self.none, values=self.none, valid=None, positions=None, cursor=None)
+        return {**no_slots, "seen_tokens": self.seen, "used": self.used, "codec": None, **nested(self.NAME, packing)}
 
     @classmethod
     def from_state(cls, layer_state: dict[str, Any], device: torch.device) -> PackedSlots:
@@ -141,10 +162,8 @@ class PackedSlots(Slots):
         self.seen = layer_state["seen_tokens"]
         self.rows, self.heads, self.room_left = state["rows"], state["heads"], state["room_left"]
         self.codec = kv_from_spec(state.get("codec"))
-        self.keys, self.values, self.valid = (state[name].to(device) for name in ("keys", "values", "valid"))
-        self.starts_t, self.lengths_t, self.capacities_t = (
-            state[name].to(device) for name in ("starts", "lengths", "capacities")
-        )
+        for name, held in SAVED_TENSORS.items():
+            setattr(self, held, state[name].to(device))
         self.starts, self.lengths = (state[name].view(self.rows, self.heads).tolist() for name in ("starts", "lengths"))
         self.positions = [[state[f"positions.{r}.{h}"].to(device) for h in range(self.heads)] for r in range(self.rows)]
         self.widest = int(state["capacities"].max())
@@ -168,8 +187,11 @@ class PackedSlots(Slots):
 
     def _repack(self, room: int) -> None:
         kept = [[self.segment(r, h) for h in range(self.heads)] for r in range(self.rows)]
-        self._pack([[(k.clone(), v.clone()) for k, v, _ in row] for row in kept],
-                   [[m.clone() for _, _, m in row] for row in kept], room)
+        self._pack(
+            [[(k.clone(), v.clone()) for k, v, _ in row] for row in kept],
+            [[m.clone() for _, _, m in row] for row in kept],
+            room,
+        )
 
     def newest(self, new: int) -> torch.Tensor:
         """Flat slots ``[segments * new]`` of this step's ``new`` tokens in every segment."""
@@ -199,35 +221,45 @@ class PackedSlots(Slots):
         index = self.newest(valid.shape[-1])
         self.valid.index_copy_(0, index, valid[:, None, :].expand(-1, self.heads, -1).reshape(-1))
 
-    def visibility(self, new_block: torch.Tensor | None, q_len: int,
-                   new_valid: torch.Tensor | None = None) -> torch.Tensor | None:
+    def visibility(
+        self, new_block: torch.Tensor | None, q_len: int, new_valid: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
         """Only the new tokens among themselves: ``attend`` knows the rest."""
         return new_block
 
     def attend(
-        self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, new_mask: torch.Tensor | None,
-        scaling: float, softcap: float | None = None,
+        self,
+        query: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        new_mask: torch.Tensor | None,
+        scaling: float,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """Exact attention of ``query [rows, q_heads, q, d]`` over each segment, whose newest ``q``
         slots are these queries' own tokens, seen as ``new_mask [rows, 1, q, q]`` says (None: causal;
         one query always sees its own token). ``keys``/``values``: the empty views, unused."""
         rows, q_heads, q_len, dim = query.shape
         index = self.gather_index()
-        keys, values = (t.view(rows, self.heads, -1, dim) for t in decoded_pair(
-            self.codec, self.keys.index_select(0, index), self.values.index_select(0, index)))
+        keys, values = (
+            t.view(rows, self.heads, -1, dim)
+            for t in decoded_pair(self.codec, self.keys.index_select(0, index), self.values.index_select(0, index))
+        )
         seen = self.valid.index_select(0, index).view(rows, self.heads, 1, -1)
         if q_len > 1:  # the step's own tokens: each query sees those its mask allows
             step = causal_slot_mask(q_len, q_len, query.device) if new_mask is None else new_mask  # [rows | 1, 1, q, q]
             newest = (self.lengths_t.view(rows, self.heads, 1, 1) + torch.arange(q_len, device=query.device)).expand(
-                -1, -1, q_len, -1)
+                -1, -1, q_len, -1
+            )
             seen = seen.expand(-1, -1, q_len, -1).scatter(3, newest, step.expand(rows, self.heads, -1, -1))
         return dense_attention(query, keys, values, seen, scaling, softcap)
 
     def gather_index(self) -> torch.Tensor:
         """Flat slots ``[segments * widest]`` of every segment, room included; past a segment's room, the sentinel."""
         offsets = self.offsets
-        return torch.where(offsets < self.capacities_t[:, None], self.starts_t[:, None] + offsets,
-                           self.valid.shape[0] - 1).view(-1)
+        return torch.where(
+            offsets < self.capacities_t[:, None], self.starts_t[:, None] + offsets, self.valid.shape[0] - 1
+        ).view(-1)
 
     def stored(self) -> None:
         return None  # segments of different lengths per head: no slots every head shares for a later prompt to attend
@@ -263,7 +295,8 @@ class PackedSlots(Slots):
         parts = [self, *cast(list[PackedSlots], others)]
         segments = [
             [(*part.segment(r, h)[:2], part.positions[r][h]) for h in range(part.heads)]
-            for part in parts for r in range(part.rows)
+            for part in parts
+            for r in range(part.rows)
         ]
         return PackedSlots(segments, self.seen, self.codec)
 
@@ -274,5 +307,8 @@ class PackedSlots(Slots):
         self.lengths = [list(self.lengths[r]) for r in rows]
         self.positions = [list(self.positions[r]) for r in rows]
         self.rows = len(rows)
-        self._pack([[(k.clone(), v.clone()) for k, v, _ in row] for row in parts],
-                   [[m.clone() for _, _, m in row] for row in parts], self.room_left)
+        self._pack(
+            [[(k.clone(), v.clone()) for k, v, _ in row] for row in parts],
+            [[m.clone() for _, _, m in row] for row in parts],
+            self.room_left,
+        )

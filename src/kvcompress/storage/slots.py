@@ -133,14 +133,20 @@ class Slots:
         """The host mirrors after a step of ``new`` tokens."""
         raise NotImplementedError
 
-    def visibility(self, new_block: torch.Tensor | None, q_len: int,
-                   new_valid: torch.Tensor | None = None) -> torch.Tensor | None:
+    def visibility(
+        self, new_block: torch.Tensor | None, q_len: int, new_valid: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
         """The mask a later step's queries attend with (``new_block``: the new tokens among themselves; ``new_valid
         [b, q]``: which of them are real, None: all)."""
         raise NotImplementedError
 
     def attend(
-        self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scaling: float,
+        self,
+        query: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        mask: torch.Tensor | None,
+        scaling: float,
         softcap: float | None = None,
     ) -> torch.Tensor:
         """Attention of ``query`` over the slots (``keys``/``values``: the view, as ``update`` returned it)."""
@@ -185,9 +191,18 @@ def store_coded(slots: Slots, codec: KVCodec | None) -> None:
         slots.encode_with(codec)
 
 
-def step_attention(slots: Slots, attend: Callable[..., torch.Tensor], query: torch.Tensor, keys: torch.Tensor,
-                   values: torch.Tensor, new_block: torch.Tensor | None, scaling: float, softcap: float | None = None,
-                   sinks: torch.Tensor | None = None, new_valid: torch.Tensor | None = None) -> torch.Tensor:
+def step_attention(
+    slots: Slots,
+    attend: Callable[..., torch.Tensor],
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    new_block: torch.Tensor | None,
+    scaling: float,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    new_valid: torch.Tensor | None = None,
+) -> torch.Tensor:
     """A later step's attention over ``slots`` by ``attend`` (the layer's: ``Slots.attend``, or a method's own): what
     each query sees (``visibility``), in the basis the codec decodes keys in, the output turned back (codec.py);
     with learned sinks (gpt-oss) the same attention spelled out, each sink taking its share."""
@@ -242,7 +257,10 @@ class DenseSlots(Slots):
         self.values[:, :, self.used : end] = values
 
     def set(
-        self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor | None = None,
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        valid: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
     ) -> None:
         """Replace every slot (e.g. by the kept ones). ``valid [b, slots]`` (None: all real),
@@ -321,8 +339,9 @@ class DenseSlots(Slots):
         self.seen += new
         self.used += new
 
-    def visibility(self, new_block: torch.Tensor | None, q_len: int,
-                   new_valid: torch.Tensor | None = None) -> torch.Tensor | None:
+    def visibility(
+        self, new_block: torch.Tensor | None, q_len: int, new_valid: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
         """``[b, 1, q_len, slots]`` from each slot's validity and ``new_block [b, 1, q_len, q_len]`` (None: causal)."""
         valid = self.stepping()[1]
         seen = valid.view(valid.shape[0], 1, 1, -1)
@@ -334,14 +353,20 @@ class DenseSlots(Slots):
         return mask
 
     def attend(
-        self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scaling: float,
+        self,
+        query: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        mask: torch.Tensor | None,
+        scaling: float,
         softcap: float | None = None,
     ) -> torch.Tensor:
         # a decoding step may read coded rows as stored (attention.decode_attention)
         if softcap is not None:  # soft-capped logits are spelled out from decoded keys
             keys, values = attended_pair(self.codec, keys, values)
-        return dense_attention(query, keys, values, mask, scaling, softcap,
-                               coded_rows(self.codec, self.keys, self.values))
+        return dense_attention(
+            query, keys, values, mask, scaling, softcap, coded_rows(self.codec, self.keys, self.values)
+        )
 
     def kept_positions(self, prefill_len: int) -> torch.Tensor:
         if self.positions is not None:
@@ -400,8 +425,13 @@ class DenseSlots(Slots):
 
     def state_dict(self) -> dict[str, Any]:
         return {
-            "keys": self.keys, "values": self.values, "valid": self.valid, "positions": self.positions,
-            "cursor": self.cursor, "seen_tokens": self.seen, "used": self.used,
+            "keys": self.keys,
+            "values": self.values,
+            "valid": self.valid,
+            "positions": self.positions,
+            "cursor": self.cursor,
+            "seen_tokens": self.seen,
+            "used": self.used,
             "codec": None if self.codec is None else self.codec.spec(),
         }
 
@@ -520,8 +550,9 @@ class RingSlots(DenseSlots):
         self.counted()[1].add_(self.stepping()[1].index_select(1, self.new_slots(new)).sum(-1))
         super().close_step(new)
 
-    def visibility(self, new_block: torch.Tensor | None, q_len: int,
-                   new_valid: torch.Tensor | None = None) -> torch.Tensor | None:
+    def visibility(
+        self, new_block: torch.Tensor | None, q_len: int, new_valid: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
         """Each new query sees its row's real slots less than ``window`` real tokens before it (and the new
         tokens as ``new_block`` says, which carries the window too)."""
         query, index = self.new_logical(q_len)[:, None], self.ring()  # [q, 1], [slots]
@@ -619,8 +650,10 @@ class CappedSlots(DenseSlots):
 
     def joined(self, others: list[Slots]) -> Slots:
         parts = [self, *cast(list[CappedSlots], others)]  # a note is held by every part of a join or by none
-        notes = {name: None if note is None else torch.cat([cast(torch.Tensor, part.notes[name]) for part in parts])
-                 for name, note in self.notes.items()}
+        notes = {
+            name: None if note is None else torch.cat([cast(torch.Tensor, part.notes[name]) for part in parts])
+            for name, note in self.notes.items()
+        }
         super().joined(others)
         self.notes = notes
         return self
@@ -632,7 +665,6 @@ class CappedSlots(DenseSlots):
         super().load_state_dict(state, device)
         self.limit = state["budget"]
         self.notes = {name: on_device(state[name], device) for name in self.notes}
-
 
 
 class BoundedSlots(DenseSlots):

@@ -44,8 +44,9 @@ def nbytes(*tensors: torch.Tensor | None) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
-def right_aligned(context: torch.Tensor, new: torch.Tensor, pads: list[int], dim: int,
-                  fill: float | bool = 0) -> torch.Tensor:
+def right_aligned(
+    context: torch.Tensor, new: torch.Tensor, pads: list[int], dim: int, fill: float | bool = 0
+) -> torch.Tensor:
     """``context`` then ``new`` along ``dim`` (batch first), each row's context moved ``pads[row]`` slots
     later, over the padding that leads ``new`` (left-padded), and ``fill`` before it: every row's tokens
     then end together, as one left-padded prompt's do. ``context`` may hold one row for every row of ``new``."""

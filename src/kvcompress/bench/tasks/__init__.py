@@ -35,7 +35,16 @@ TASKS: dict[str, Generator] = {
 # Tasks swept over the depth grid (heatmaps); the others draw one depth per sample from the seed.
 DEPTH_GRID_TASKS = ("niah", "fact", "passkey", "lines")
 # Tasks whose context is a haystack with things hidden in it; they take haystack= one of haystack.HAYSTACKS.
-HAYSTACK_TASKS = ("niah", "fact", "passkey", "niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt",
-                  "multiturn")
+HAYSTACK_TASKS = (
+    "niah",
+    "fact",
+    "passkey",
+    "niah_single",
+    "niah_multikey",
+    "niah_multivalue",
+    "niah_multiquery",
+    "vt",
+    "multiturn",
+)
 
 __all__ = ["DEPTH_GRID_TASKS", "HAYSTACK_TASKS", "TASKS", "Sample", "Turn", "load_dataset"]

@@ -11,15 +11,78 @@ from ...generation.conversation import Prompt, as_asked, render, user_prompt
 from ..haystack import fill, token_len
 
 ADJECTIVES = (
-    "amber", "ancient", "bitter", "brave", "calm", "clever", "crimson", "curious", "damp", "eager", "faint", "fierce",
-    "gentle", "golden", "hollow", "humble", "icy", "jolly", "keen", "lively", "lucky", "misty", "noble", "olive",
-    "proud", "quiet", "rapid", "rusty", "silent", "silver", "sleepy", "sturdy", "tidy", "vivid", "wild", "witty"
+    "amber",
+    "ancient",
+    "bitter",
+    "brave",
+    "calm",
+    "clever",
+    "crimson",
+    "curious",
+    "damp",
+    "eager",
+    "faint",
+    "fierce",
+    "gentle",
+    "golden",
+    "hollow",
+    "humble",
+    "icy",
+    "jolly",
+    "keen",
+    "lively",
+    "lucky",
+    "misty",
+    "noble",
+    "olive",
+    "proud",
+    "quiet",
+    "rapid",
+    "rusty",
+    "silent",
+    "silver",
+    "sleepy",
+    "sturdy",
+    "tidy",
+    "vivid",
+    "wild",
+    "witty",
 )
 NOUNS = (
-    "anchor", "badger", "beacon", "canyon", "castle", "cedar", "comet", "copper", "dragon", "falcon", "garden",
-    "glacier", "harbor", "island", "lantern", "meadow", "mirror", "nebula", "orchard", "otter", "pebble", "piano",
-    "quarry", "raven", "river", "saddle", "shadow", "spruce", "thunder", "tower", "valley", "violin", "walnut",
-    "willow"
+    "anchor",
+    "badger",
+    "beacon",
+    "canyon",
+    "castle",
+    "cedar",
+    "comet",
+    "copper",
+    "dragon",
+    "falcon",
+    "garden",
+    "glacier",
+    "harbor",
+    "island",
+    "lantern",
+    "meadow",
+    "mirror",
+    "nebula",
+    "orchard",
+    "otter",
+    "pebble",
+    "piano",
+    "quarry",
+    "raven",
+    "river",
+    "saddle",
+    "shadow",
+    "spruce",
+    "thunder",
+    "tower",
+    "valley",
+    "violin",
+    "walnut",
+    "willow",
 )
 
 
@@ -70,8 +133,15 @@ def prompt_tokens(tokenizer: PreTrainedTokenizerBase, context: str, question: st
     return token_len(tokenizer, render(tokenizer, prompt))
 
 
-def fit_haystack(tokenizer: PreTrainedTokenizerBase, length: int, question: str, inserts: list[tuple[float, str]],
-                 kind: str = "prose", seed: int | None = None, prefix: str = "") -> str:
+def fit_haystack(
+    tokenizer: PreTrainedTokenizerBase,
+    length: int,
+    question: str,
+    inserts: list[tuple[float, str]],
+    kind: str = "prose",
+    seed: int | None = None,
+    prefix: str = "",
+) -> str:
     """A context (``prefix`` + haystack with ``inserts``) whose rendered prompt has about ``length`` tokens."""
     fixed = prompt_tokens(tokenizer, prefix + " ".join(text for _, text in inserts), question)
     context = prefix + fill(tokenizer, max(0, length - fixed), inserts, kind, seed)

@@ -21,12 +21,21 @@ def load_dataset(path: str | Path, tokenizer: PreTrainedTokenizerBase, limit: in
         missing = [k for k in ("context", "input", "answers") if k not in record]
         if missing:
             raise ValueError(
-                f"{path}:{i + 1}: missing field(s) {', '.join(missing)}; each line needs context, input and answers")
+                f"{path}:{i + 1}: missing field(s) {', '.join(missing)}; each line needs context, input and answers"
+            )
         answers = record["answers"] if isinstance(record["answers"], list) else [record["answers"]]
         length = prompt_tokens(tokenizer, record["context"], record["input"])
         samples.append(
-            Sample(f"{path.stem}-{i}", path.stem, length, record["context"],
-                   [Turn(record["input"], [str(a) for a in answers])], metric="f1", max_new_tokens=64))
+            Sample(
+                f"{path.stem}-{i}",
+                path.stem,
+                length,
+                record["context"],
+                [Turn(record["input"], [str(a) for a in answers])],
+                metric="f1",
+                max_new_tokens=64,
+            )
+        )
         if limit is not None and len(samples) >= limit:
             break
     return samples

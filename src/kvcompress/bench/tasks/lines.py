@@ -31,6 +31,11 @@ def lines(tokenizer: PreTrainedTokenizerBase, length: int, depth: float, seed: i
     name, value = records[target][len("line ") :].split(":")[0], records[target].split("<")[1].rstrip(">")
     question = f"Tell me the REGISTER_CONTENT in line {name}. Answer with the number only."
     return Sample(
-        f"lines-{length}-{depth:.2f}-{seed}", "lines", length, INTRO + "\n".join(records), [Turn(question, [value])],
-        depth=depth, info={"haystack_start": len(INTRO)}
+        f"lines-{length}-{depth:.2f}-{seed}",
+        "lines",
+        length,
+        INTRO + "\n".join(records),
+        [Turn(question, [value])],
+        depth=depth,
+        info={"haystack_start": len(INTRO)},
     )

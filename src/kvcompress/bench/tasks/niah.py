@@ -27,8 +27,16 @@ def niah(tokenizer: PreTrainedTokenizerBase, length: int, depth: float, seed: in
     return Sample(f"niah-{length}-{depth:.2f}-{seed}", "niah", length, context, [Turn(question, [value])], depth=depth)
 
 
-ROOMS = ("archive room", "server room", "map room", "boiler room", "print room", "music room", "reading room",
-         "store room")
+ROOMS = (
+    "archive room",
+    "server room",
+    "map room",
+    "boiler room",
+    "print room",
+    "music room",
+    "reading room",
+    "store room",
+)
 WINGS = ("east wing", "west wing", "north tower", "south hall", "basement", "top floor")
 
 
@@ -40,12 +48,20 @@ def fact(tokenizer: PreTrainedTokenizerBase, length: int, depth: float, seed: in
     needle = f"The access code for the {room} in the {wing} is {code}."
     prefix = "Read this document.\n\n"
     context = fit_haystack(tokenizer, length, question, [(depth, needle)], kind=haystack, seed=seed, prefix=prefix)
-    return Sample(f"fact-{length}-{depth:.2f}-{seed}", "fact", length, context, [Turn(question, [code])], depth=depth,
-                  info={"haystack_start": len(prefix)})
+    return Sample(
+        f"fact-{length}-{depth:.2f}-{seed}",
+        "fact",
+        length,
+        context,
+        [Turn(question, [code])],
+        depth=depth,
+        info={"haystack_start": len(prefix)},
+    )
 
 
-def passkey(tokenizer: PreTrainedTokenizerBase, length: int, depth: float, seed: int,
-            haystack: str = "repeat") -> Sample:
+def passkey(
+    tokenizer: PreTrainedTokenizerBase, length: int, depth: float, seed: int, haystack: str = "repeat"
+) -> Sample:
     """A pass key in repeated filler, asked for at the end."""
     rng = random.Random(seed)
     key = number(rng, 5)
@@ -53,19 +69,28 @@ def passkey(tokenizer: PreTrainedTokenizerBase, length: int, depth: float, seed:
     needle = f"The pass key is {key}. Remember it. {key} is the pass key."
     prefix = "There is important info hidden inside a lot of irrelevant text. Find it and memorize it. "
     context = fit_haystack(tokenizer, length, question, [(depth, needle)], kind=haystack, seed=seed, prefix=prefix)
-    return Sample(f"passkey-{length}-{depth:.2f}-{seed}", "passkey", length, context, [Turn(question, [key])],
-                  depth=depth, info={"haystack_start": len(prefix)})
+    return Sample(
+        f"passkey-{length}-{depth:.2f}-{seed}",
+        "passkey",
+        length,
+        context,
+        [Turn(question, [key])],
+        depth=depth,
+        info={"haystack_start": len(prefix)},
+    )
 
 
-def niah_single(tokenizer: PreTrainedTokenizerBase, length: int, depth: float, seed: int,
-                haystack: str = "prose") -> Sample:
+def niah_single(
+    tokenizer: PreTrainedTokenizerBase, length: int, depth: float, seed: int, haystack: str = "prose"
+) -> Sample:
     sample = niah(tokenizer, length, depth, seed, haystack)
     sample.id, sample.task = sample.id.replace("niah", "niah_single", 1), "niah_single"
     return sample
 
 
-def niah_multikey(tokenizer: PreTrainedTokenizerBase, length: int, depth: float, seed: int,
-                  haystack: str = "prose") -> Sample:
+def niah_multikey(
+    tokenizer: PreTrainedTokenizerBase, length: int, depth: float, seed: int, haystack: str = "prose"
+) -> Sample:
     """Four needles with different keys; one is asked (the others distract; the question-agnostic
     track asks for each of them)."""
     rng = random.Random(seed)
@@ -73,54 +98,105 @@ def niah_multikey(tokenizer: PreTrainedTokenizerBase, length: int, depth: float,
     values = [number(rng, 7) for _ in keys]
     depths = [depth] + [rng.random() for _ in keys[1:]]
     question = _ask(keys[0])
-    context = fit_haystack(tokenizer, length, question, [(d, _needle(k, v)) for d, k, v in zip(depths, keys, values)],
-                           kind=haystack, seed=seed)
+    context = fit_haystack(
+        tokenizer,
+        length,
+        question,
+        [(d, _needle(k, v)) for d, k, v in zip(depths, keys, values)],
+        kind=haystack,
+        seed=seed,
+    )
     probes = [Turn(_ask(k), [v]) for k, v in zip(keys[1:], values[1:])]
-    return Sample(f"niah_multikey-{length}-{depth:.2f}-{seed}", "niah_multikey", length, context,
-                  [Turn(question, [values[0]])], depth=depth, probes=probes)
+    return Sample(
+        f"niah_multikey-{length}-{depth:.2f}-{seed}",
+        "niah_multikey",
+        length,
+        context,
+        [Turn(question, [values[0]])],
+        depth=depth,
+        probes=probes,
+    )
 
 
-def niah_multivalue(tokenizer: PreTrainedTokenizerBase, length: int, depth: float, seed: int,
-                    haystack: str = "prose") -> Sample:
+def niah_multivalue(
+    tokenizer: PreTrainedTokenizerBase, length: int, depth: float, seed: int, haystack: str = "prose"
+) -> Sample:
     """Four values for one key, all asked for."""
     rng = random.Random(seed)
     key = distinct_keys(rng, 1)[0]
     values = [number(rng, 7) for _ in range(4)]
     depths = [depth] + [rng.random() for _ in values[1:]]
-    question = (f"What are all the special magic numbers for {key} mentioned in the provided text? "
-                "List the numbers only.")
-    context = fit_haystack(tokenizer, length, question, [(d, _needle(key, v)) for d, v in zip(depths, values)],
-                           kind=haystack, seed=seed)
-    return Sample(f"niah_multivalue-{length}-{depth:.2f}-{seed}", "niah_multivalue", length, context,
-                  [Turn(question, values)], depth=depth, max_new_tokens=48)
+    question = (
+        f"What are all the special magic numbers for {key} mentioned in the provided text? List the numbers only."
+    )
+    context = fit_haystack(
+        tokenizer, length, question, [(d, _needle(key, v)) for d, v in zip(depths, values)], kind=haystack, seed=seed
+    )
+    return Sample(
+        f"niah_multivalue-{length}-{depth:.2f}-{seed}",
+        "niah_multivalue",
+        length,
+        context,
+        [Turn(question, values)],
+        depth=depth,
+        max_new_tokens=48,
+    )
 
 
-def niah_multiquery(tokenizer: PreTrainedTokenizerBase, length: int, depth: float, seed: int,
-                    haystack: str = "prose") -> Sample:
+def niah_multiquery(
+    tokenizer: PreTrainedTokenizerBase, length: int, depth: float, seed: int, haystack: str = "prose"
+) -> Sample:
     """Four keys with one value each, all asked for in one question."""
     rng = random.Random(seed)
     keys = distinct_keys(rng, 4)
     values = [number(rng, 7) for _ in keys]
     depths = [depth] + [rng.random() for _ in keys[1:]]
-    question = (f"What are the special magic numbers for {', '.join(keys[:-1])} and {keys[-1]} mentioned in the "
-                "provided text? List the numbers only.")
-    context = fit_haystack(tokenizer, length, question, [(d, _needle(k, v)) for d, k, v in zip(depths, keys, values)],
-                           kind=haystack, seed=seed)
-    return Sample(f"niah_multiquery-{length}-{depth:.2f}-{seed}", "niah_multiquery", length, context,
-                  [Turn(question, values)], depth=depth, max_new_tokens=48)
+    question = (
+        f"What are the special magic numbers for {', '.join(keys[:-1])} and {keys[-1]} mentioned in the "
+        "provided text? List the numbers only."
+    )
+    context = fit_haystack(
+        tokenizer,
+        length,
+        question,
+        [(d, _needle(k, v)) for d, k, v in zip(depths, keys, values)],
+        kind=haystack,
+        seed=seed,
+    )
+    return Sample(
+        f"niah_multiquery-{length}-{depth:.2f}-{seed}",
+        "niah_multiquery",
+        length,
+        context,
+        [Turn(question, values)],
+        depth=depth,
+        max_new_tokens=48,
+    )
 
 
-def multiturn(tokenizer: PreTrainedTokenizerBase, length: int, depth: float, seed: int, haystack: str = "prose",
-              turns: int = 3) -> Sample:
+def multiturn(
+    tokenizer: PreTrainedTokenizerBase, length: int, depth: float, seed: int, haystack: str = "prose", turns: int = 3
+) -> Sample:
     """``turns`` needles spread over the context; each turn asks for one of them over the same cache."""
     rng = random.Random(seed)
     keys = distinct_keys(rng, turns)
     values = [number(rng, 7) for _ in keys]
     depths = [(depth + i / turns) % 1.0 for i in range(turns)]
     questions = [_ask(k) for k in keys]
-    context = fit_haystack(tokenizer, length, questions[0],
-                           [(d, _needle(k, v)) for d, k, v in zip(depths, keys, values)], kind=haystack, seed=seed)
+    context = fit_haystack(
+        tokenizer,
+        length,
+        questions[0],
+        [(d, _needle(k, v)) for d, k, v in zip(depths, keys, values)],
+        kind=haystack,
+        seed=seed,
+    )
     return Sample(
-        f"multiturn-{length}-{depth:.2f}-{seed}", "multiturn", length, context,
-        [Turn(q, [v]) for q, v in zip(questions, values)], depth=depth, info={"needle_depths": depths}
+        f"multiturn-{length}-{depth:.2f}-{seed}",
+        "multiturn",
+        length,
+        context,
+        [Turn(q, [v]) for q, v in zip(questions, values)],
+        depth=depth,
+        info={"needle_depths": depths},
     )

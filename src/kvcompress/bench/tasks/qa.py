@@ -18,8 +18,9 @@ from ..ruler import questions
 from .base import Sample, Turn, prompt_tokens
 
 PROBES = 3  # other questions whose documents the context holds whole, asked by the question-agnostic track
-INSTRUCTION = ("Answer the question based on the given documents. Only give me the answer and do not output any "
-               "other words.")
+INSTRUCTION = (
+    "Answer the question based on the given documents. Only give me the answer and do not output any other words."
+)
 
 
 def _context(documents: list[str]) -> str:
@@ -36,7 +37,8 @@ def qa(tokenizer: PreTrainedTokenizerBase, length: int, depth: float, seed: int,
     budget = length - prompt_tokens(tokenizer, _context([documents[i] for i in picked]), question)
     if budget < 0:
         raise ValueError(
-            f"{task}: length={length} is too short for the documents that answer question {chosen.question!r}")
+            f"{task}: length={length} is too short for the documents that answer question {chosen.question!r}"
+        )
     related = list(chosen.related)
     rng.shuffle(related)
     others = (rng.randrange(len(documents)) for _ in range(len(documents)))  # random distractors, drawn lazily
@@ -62,8 +64,16 @@ def qa(tokenizer: PreTrainedTokenizerBase, length: int, depth: float, seed: int,
     held = set(picked)
     others = [q for q in pool if q is not chosen and set(q.documents) <= held][:PROBES]
     probes = [Turn(f"{INSTRUCTION}\n\nQuestion: {q.question} Answer:", list(q.answers)) for q in others]
-    return Sample(f"{task}-{length}-{seed}", task, length, context, [Turn(question, list(chosen.answers))],
-                  metric="match_part", max_new_tokens=32, probes=probes)
+    return Sample(
+        f"{task}-{length}-{seed}",
+        task,
+        length,
+        context,
+        [Turn(question, list(chosen.answers))],
+        metric="match_part",
+        max_new_tokens=32,
+        probes=probes,
+    )
 
 
 def qa_squad(tokenizer: PreTrainedTokenizerBase, length: int, depth: float, seed: int) -> Sample:

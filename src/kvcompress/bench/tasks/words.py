@@ -23,8 +23,9 @@ def _grow(tokenizer: PreTrainedTokenizerBase, length: int, question: str, render
     return items
 
 
-def common_words(tokenizer: PreTrainedTokenizerBase, length: int, depth: float, seed: int, n_common: int = 10,
-                 repeats: int = 6) -> Sample:
+def common_words(
+    tokenizer: PreTrainedTokenizerBase, length: int, depth: float, seed: int, n_common: int = 10, repeats: int = 6
+) -> Sample:
     rng = random.Random(seed)
     pool = [f"{a}{n}" for a in ADJECTIVES for n in NOUNS]
     rng.shuffle(pool)
@@ -52,17 +53,25 @@ def common_words(tokenizer: PreTrainedTokenizerBase, length: int, depth: float, 
     return Sample(f"cwe-{length}-{seed}", "cwe", length, render(rares), [Turn(question, common)], max_new_tokens=80)
 
 
-def frequent_words(tokenizer: PreTrainedTokenizerBase, length: int, depth: float, seed: int,
-                   alpha: float = 2.0) -> Sample:
+def frequent_words(
+    tokenizer: PreTrainedTokenizerBase, length: int, depth: float, seed: int, alpha: float = 2.0
+) -> Sample:
     rng = random.Random(seed)
     vocabulary = ["".join(rng.choice(string.ascii_lowercase) for _ in range(5)) for _ in range(400)]
     weights = [1 / (rank + 1) ** alpha for rank in range(len(vocabulary))]
-    question = ("What are the three most frequently appearing coded words in the above text? Answer with the three "
-                "words only.")
+    question = (
+        "What are the three most frequently appearing coded words in the above text? Answer with the three words only."
+    )
     intro = "Read the following coded text and track how often each coded word appears.\n"
-    items = _grow(tokenizer, length, question, lambda ws: intro + " ".join(ws),
-                  lambda ws: ws.append(rng.choices(vocabulary, weights)[0]))
+    items = _grow(
+        tokenizer,
+        length,
+        question,
+        lambda ws: intro + " ".join(ws),
+        lambda ws: ws.append(rng.choices(vocabulary, weights)[0]),
+    )
     counts = {w: items.count(w) for w in set(items)}
     top = sorted(counts, key=lambda w: -counts[w])[:3]
-    return Sample(f"fwe-{length}-{seed}", "fwe", length, intro + " ".join(items), [Turn(question, top)],
-                  max_new_tokens=24)
+    return Sample(
+        f"fwe-{length}-{seed}", "fwe", length, intro + " ".join(items), [Turn(question, top)], max_new_tokens=24
+    )

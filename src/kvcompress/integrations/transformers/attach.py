@@ -43,12 +43,12 @@ from .masks import Mask, ModelMasks
 IMPLEMENTATION = "kvcompress"
 
 
-
 def attention_modules(model: PreTrainedModel) -> list[torch.nn.Module]:
     """The model's attention modules, by layer index."""
     found = {
         m.layer_idx: m
-        for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "head_dim") and isinstance(m.layer_idx, int)
+        for m in model.modules()
+        if hasattr(m, "layer_idx") and hasattr(m, "head_dim") and isinstance(m.layer_idx, int)
     }
     return [found[i] for i in sorted(found)]
 
@@ -78,10 +78,13 @@ def check_model(model: PreTrainedModel) -> None:
         raise UnsupportedModelError(
             f"kvcompress: {name} has {len(modules)} attention modules with a layer index for "
             f"{config.num_hidden_layers} layers; models with other layer kinds (linear attention, shared KV, ...) are "
-            "not supported")
+            "not supported"
+        )
     refusals = (
-        (getattr(config, "attention_chunk_size", None)
-         is not None, f"chunked attention (attention_chunk_size={getattr(config, 'attention_chunk_size', None)})"),
+        (
+            getattr(config, "attention_chunk_size", None) is not None,
+            f"chunked attention (attention_chunk_size={getattr(config, 'attention_chunk_size', None)})",
+        ),
         (getattr(config, "kv_lora_rank", None) is not None, "multi-head latent attention (kv_lora_rank)"),
     )
     for refused, what in refusals:
@@ -89,8 +92,9 @@ def check_model(model: PreTrainedModel) -> None:
             raise UnsupportedModelError(f"kvcompress: {name} uses {what}, which kvcompress does not support")
 
 
-def make_cache(method: LayerFactory, model: PreTrainedModel,
-               tokenizer: PreTrainedTokenizerBase | TokenSpans | None = None) -> KVCompressCache:
+def make_cache(
+    method: LayerFactory, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | TokenSpans | None = None
+) -> KVCompressCache:
     """A ``KVCompressCache`` applying ``method`` to ``model``: checks both, switches the model to the
     ``"kvcompress"`` attention implementation (idempotent) and builds one layer per model layer;
     sliding-window layers keep their window whatever the method. ``tokenizer`` gives the cache the
@@ -103,7 +107,8 @@ def make_cache(method: LayerFactory, model: PreTrainedModel,
             f"kvcompress: {type(model).__name__} uses learned attention sinks (a per-head logit in every softmax), "
             f"which {method.describe()} cannot carry: its decoding steps attend gathered chunks or per-head segments; "
             "use a prompt method with heads='uniform' and layers other than 'global' (snapkv, streamingllm, h2o, "
-            "expected, kvzip:layers=uniform) or full")
+            "expected, kvzip:layers=uniform) or full"
+        )
     if tokenizer is None and method.needs_tokens():
         tokenizer = local_tokenizer(model, method)
     layers: list[KVLayer] = []
@@ -129,7 +134,8 @@ def local_tokenizer(model: PreTrainedModel, method: LayerFactory) -> PreTrainedT
     except (OSError, ValueError, TypeError):
         raise UnsupportedModelError(
             f"kvcompress: {method.describe()} needs the tokenizer to find word and number boundaries, and none was "
-            f"found for model {source!r} on this machine; pass it: method.make_cache(model, tokenizer)") from None
+            f"found for model {source!r} on this machine; pass it: method.make_cache(model, tokenizer)"
+        ) from None
 
 
 def attach(model: PreTrainedModel) -> None:
@@ -152,8 +158,9 @@ def attach(model: PreTrainedModel) -> None:
 
 def _cache_of(args: tuple, kwargs: dict) -> KVCompressCache | None:
     cache = cache_argument(kwargs)
-    return cache if isinstance(cache, KVCompressCache) else next(
-        (a for a in args if isinstance(a, KVCompressCache)), None)
+    return (
+        cache if isinstance(cache, KVCompressCache) else next((a for a in args if isinstance(a, KVCompressCache)), None)
+    )
 
 
 def end_call(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
@@ -190,7 +197,9 @@ def _refuse_inputs(cache: KVCompressCache, args: tuple, kwargs: dict) -> None:
             "kvcompress: the input has no tokens"
             + (
                 f"; this cache already holds {seen} tokens, and generate() feeds only tokens beyond them: a new prompt "
-                "needs a new cache (method.make_cache(model))" if seen else " (an empty prompt)"
+                "needs a new cache (method.make_cache(model))"
+                if seen
+                else " (an empty prompt)"
             )
         )
     mask = kwargs.get("attention_mask")
@@ -203,7 +212,8 @@ def _refuse_inputs(cache: KVCompressCache, args: tuple, kwargs: dict) -> None:
         raise CacheMisuseError(
             f"kvcompress: this cache already holds {seen} tokens, so the attention mask must cover them plus the {new} "
             f"new ones ({seen + new} columns) but it has {mask.shape[-1]}; to continue, pass the whole mask; a new "
-            "prompt needs a new cache (method.make_cache(model))")
+            "prompt needs a new cache (method.make_cache(model))"
+        )
     positions = kwargs.get("position_ids")
     if new > 1 and positions is not None:  # several new tokens: a new turn, or a new prompt by mistake
         rows = positions.shape[-2] if positions.dim() > 1 else 1
@@ -217,7 +227,8 @@ def _refuse_inputs(cache: KVCompressCache, args: tuple, kwargs: dict) -> None:
                 f"kvcompress: this cache already holds {seen} tokens but the {new} new tokens do not continue them "
                 f"(their positions end at {last.tolist()}); generate() with a used cache feeds only the tokens beyond "
                 "what it holds, so a new prompt needs a new cache (method.make_cache(model)); to continue a "
-                "conversation, pass all of it")
+                "conversation, pass all of it"
+            )
 
 
 def _layer_for(module: torch.nn.Module, key: torch.Tensor) -> KVLayer | None:
@@ -228,32 +239,43 @@ def _layer_for(module: torch.nn.Module, key: torch.Tensor) -> KVLayer | None:
     if keys is not key or getattr(module, "layer_idx", layer.layer_idx) != layer.layer_idx:
         raise UnsupportedModelError(
             f"kvcompress: {type(module).__name__} passed attention keys that are not the ones its cache layer "
-            "returned; this attention layout is not supported")
+            "returned; this attention layout is not supported"
+        )
     if layer.attention_module is not None and layer.attention_module() is not module:
         layer.open_step = None
         raise CacheMisuseError(
             f"kvcompress: this cache was made for another model (layer {layer.layer_idx} belongs to a different "
-            "attention module); make a cache for this model with method.make_cache(model)")
+            "attention module); make a cache for this model with method.make_cache(model)"
+        )
     return layer
 
 
 def kvcompress_attention(
-    module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-    attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-    sliding_window: int | None = None, softcap: float | None = None, **kwargs
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """Attention over a kvcompress cache layer by the step its ``update`` took (cache/steps.py), which then commits,
     or plain SDPA otherwise."""
     layer = _layer_for(module, key)
     sinks = kwargs.pop("s_aux", None)  # learned sink logits (gpt-oss): one more term in each softmax's denominator
     if layer is None:
-        return _other_cache(module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap,
-                            sinks, **kwargs)
+        return _other_cache(
+            module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap, sinks, **kwargs
+        )
     expected = layer.window if isinstance(layer, WindowLayer) else None
     if sliding_window != expected:
         raise UnsupportedModelError(
             f"kvcompress: layer {layer.layer_idx} attends with sliding_window={sliding_window} but its cache layer was "
-            f"built for {expected}; this model's per-layer attention pattern is not supported")
+            f"built for {expected}; this model's per-layer attention pattern is not supported"
+        )
     new, scaling = ModelMasks.of(attention_mask, query.shape[-2], sliding_window), _scale(scaling, query)
     out, lse = layer.open_step.attend(layer, query, key, value, new, scaling, softcap, sinks)
     layer.commit(query, new.valid, scaling, lse)
@@ -261,9 +283,17 @@ def kvcompress_attention(
 
 
 def _other_cache(
-    module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Mask,
-    dropout: float, scaling: float | None, sliding_window: int | None, softcap: float | None,
-    sinks: torch.Tensor | None, **kwargs
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Mask,
+    dropout: float,
+    scaling: float | None,
+    sliding_window: int | None,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+    **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """Attention for any other cache: SDPA as the model's own, with the same math where SDPA has no term for a
     learned sink or soft-capping."""
@@ -271,15 +301,25 @@ def _other_cache(
         attention_mask = attention_mask.materialize()
     if sinks is not None:  # the same math as the model's own eager attention
         out, lse = ModelMasks(attention_mask, query.shape[-2], sliding_window).causal_with_lse(
-            query, key, value, _scale(scaling, query), softcap)
+            query, key, value, _scale(scaling, query), softcap
+        )
         return attention.with_sinks(out, lse, sinks).transpose(1, 2).contiguous(), None
     if softcap is not None:  # SDPA has no soft-capping: the same math, spelled out
         mask = None if attention_mask is None else attention_mask.bool()
         out = dense_attention(query, key, value, mask, _scale(scaling, query), softcap)
         return out.transpose(1, 2).contiguous(), None
     with attention.chosen_kernels(query, key, attention_mask):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      sliding_window=sliding_window, **kwargs)
+        return sdpa_attention_forward(
+            module,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=dropout,
+            scaling=scaling,
+            sliding_window=sliding_window,
+            **kwargs,
+        )
 
 
 def _scale(scaling: float | None, query: torch.Tensor) -> float:

@@ -60,8 +60,9 @@ class SequenceChunked(Wrapper):
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         if hidden_states.dim() < 3 or hidden_states.shape[-2] <= self.tokens:
             return self.inner(hidden_states, *args, **kwargs)
-        return torch.cat([self.inner(part, *args, **kwargs) for part in hidden_states.split(self.tokens, dim=-2)],
-                         dim=-2)
+        return torch.cat(
+            [self.inner(part, *args, **kwargs) for part in hidden_states.split(self.tokens, dim=-2)], dim=-2
+        )
 
 
 class BlockedPrefill(Wrapper):
@@ -86,8 +87,12 @@ class BlockedPrefill(Wrapper):
         arguments = {**bound.arguments, **bound.arguments.get("kwargs", {})}
         hidden, cache = next(iter(bound.arguments.values())), cache_argument(arguments)
         layer = cache.layers[self.layer_idx] if isinstance(cache, KVCompressCache) else None
-        unseen = cache is not None and getattr(cache, "embeds_itself",
-                                               False) and not self.observed() and not torch.is_grad_enabled()
+        unseen = (
+            cache is not None
+            and getattr(cache, "embeds_itself", False)
+            and not self.observed()
+            and not torch.is_grad_enabled()
+        )
         length = hidden.shape[1] if hidden.dim() == 3 else 0
         if layer is None or length <= self.tokens or not unseen or not layer.expect_blocks(length):
             return self.inner(*args, **kwargs)
@@ -102,7 +107,8 @@ class BlockedPrefill(Wrapper):
     def observed(self) -> bool:
         """Whether hooks watch this layer (recording hidden states, say), which blocks would cut up."""
         return any(m._forward_hooks or m._forward_pre_hooks for m in (self, self.inner)) or bool(
-            torch.nn.modules.module._global_forward_hooks)
+            torch.nn.modules.module._global_forward_hooks
+        )
 
 
 def block_of(name: str, value: Any, start: int, end: int, length: int) -> Any:
@@ -113,8 +119,9 @@ def block_of(name: str, value: Any, start: int, end: int, length: int) -> Any:
         return {key: block_of(key, item, start, end, length) for key, item in value.items()}
     if name == "attention_mask":
         if isinstance(value, LazyMask):
-            return LazyMask(value.batch_size, end - start, end, value.q_offset + start, value.kv_offset, value.rule,
-                            value.device)
+            return LazyMask(
+                value.batch_size, end - start, end, value.q_offset + start, value.kv_offset, value.rule, value.device
+            )
         return value[:, :, start:end, :end] if isinstance(value, torch.Tensor) and value.dim() == 4 else value
     if isinstance(value, tuple):
         return tuple(block_of(name, item, start, end, length) for item in value)
@@ -135,8 +142,14 @@ def block_prefills(model: torch.nn.Module, tokens: int) -> int:
                 child.tokens = tokens
                 wrapped += 1
                 continue
-            attention = next((m for m in child.children()
-                              if isinstance(getattr(m, "layer_idx", None), int) and hasattr(m, "head_dim")), None)
+            attention = next(
+                (
+                    m
+                    for m in child.children()
+                    if isinstance(getattr(m, "layer_idx", None), int) and hasattr(m, "head_dim")
+                ),
+                None,
+            )
             if attention is not None and not isinstance(parent, BlockedPrefill):
                 setattr(parent, name, BlockedPrefill(child, attention.layer_idx, tokens))
                 wrapped += 1
@@ -163,8 +176,9 @@ def chunk_mlps(model: torch.nn.Module, tokens: int) -> int:
     logits too) are left as they are. Idempotent; returns how many MLPs are wrapped."""
     for base in model.modules():
         if any(
-                isinstance(child, torch.nn.ModuleList) and len(child) and isinstance(child[0], BlockedPrefill)
-                for child in base.children()):
+            isinstance(child, torch.nn.ModuleList) and len(child) and isinstance(child[0], BlockedPrefill)
+            for child in base.children()
+        ):
             for name in FINAL_NORMS:
                 norm = getattr(base, name, None)
                 if isinstance(norm, SequenceChunked):
@@ -205,7 +219,7 @@ class LazyMask:
             torch.arange(self.batch_size, device=self.device)[:, None, None, None],
             torch.zeros(1, 1, 1, 1, dtype=torch.long, device=self.device),
             arange(q_start, q_end, self.q_offset)[None, None, :, None],
-            arange(kv_start, kv_end, self.kv_offset)[None, None, None, :]
+            arange(kv_start, kv_end, self.kv_offset)[None, None, None, :],
         )
         return rows.expand(self.batch_size, 1, q_end - q_start, kv_end - kv_start)
 
@@ -214,8 +228,9 @@ class LazyMask:
         queries = torch.arange(self.q_length - q_len, self.q_length, device=self.device) + self.q_offset
         keys = torch.arange(self.kv_length - q_len, self.kv_length, device=self.device) + self.kv_offset
         batch = torch.arange(self.batch_size, device=self.device)[:, None]
-        return self.rule(batch, torch.zeros(1, 1, dtype=torch.long, device=self.device), queries[None, :],
-                         keys[None, :]).expand(self.batch_size, q_len)
+        return self.rule(
+            batch, torch.zeros(1, 1, dtype=torch.long, device=self.device), queries[None, :], keys[None, :]
+        ).expand(self.batch_size, q_len)
 
     def materialize(self) -> torch.Tensor:
         return self.block(0, self.q_length, 0, self.kv_length)
@@ -249,9 +264,17 @@ def lazy_sdpa_mask(
     """SDPA's mask builder, except that a mask of more than ``MASK_LIMIT`` elements comes back as a
     ``LazyMask`` (no mask at all where plain causal attention is right, as SDPA's builder does)."""
     mask_function = mask_function or causal_mask_function
-    options = dict(q_offset=q_offset, kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
-                   local_size=local_size, allow_is_causal_skip=allow_is_causal_skip, use_vmap=use_vmap, device=device,
-                   **kwargs)
+    options = dict(
+        q_offset=q_offset,
+        kv_offset=kv_offset,
+        mask_function=mask_function,
+        attention_mask=attention_mask,
+        local_size=local_size,
+        allow_is_causal_skip=allow_is_causal_skip,
+        use_vmap=use_vmap,
+        device=device,
+        **kwargs,
+    )
     if use_vmap or isinstance(q_offset, torch.Tensor) or q_length * kv_length <= MASK_LIMIT:
         return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, **options)
     padding = prepare_padding_mask(attention_mask, kv_length, kv_offset)

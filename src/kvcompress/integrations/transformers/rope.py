@@ -45,8 +45,9 @@ class Rotary:
         return inv_freq.float(), float(scale)
 
 
-def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scale: float,
-                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_cos_sin(
+    positions: torch.Tensor, inv_freq: torch.Tensor, scale: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin ``[..., rotary_dim]`` of ``positions`` as transformers' rotary modules compute them
     (the angle ``position * inv_freq`` in float32, each frequency twice, times ``scale``)."""
     angle = positions[..., None].float() * inv_freq
@@ -72,8 +73,11 @@ def rotary_from_config(config: PretrainedConfig, layer_idx: int) -> Rotary | Non
         module = importlib.import_module(f"transformers.models.{kind}.modeling_{kind}")
     except ImportError:
         return None
-    classes = [c for c in vars(module).values()
-               if isinstance(c, type) and c.__module__ == module.__name__ and c.__name__.endswith("RotaryEmbedding")]
+    classes = [
+        c
+        for c in vars(module).values()
+        if isinstance(c, type) and c.__module__ == module.__name__ and c.__name__.endswith("RotaryEmbedding")
+    ]
     if len(classes) != 1:
         return None
     return Rotary(classes[0](text), layer_type(config, layer_idx))
@@ -113,10 +117,14 @@ def check_rope(model: PreTrainedModel, layer_idx: int, head_dim: int) -> str | N
     if rotary is None:
         return "it has no single rotary-embedding module (no RoPE, or several)"
     attention = next(
-        m for m in model.modules() if getattr(m, "layer_idx", None) == layer_idx and hasattr(m, "head_dim"))
-    return rope_problem(rotary, getattr(sys.modules[type(attention).__module__], "apply_rotary_pos_emb", None),
-                        head_dim,
-                        next(model.parameters()).device)
+        m for m in model.modules() if getattr(m, "layer_idx", None) == layer_idx and hasattr(m, "head_dim")
+    )
+    return rope_problem(
+        rotary,
+        getattr(sys.modules[type(attention).__module__], "apply_rotary_pos_emb", None),
+        head_dim,
+        next(model.parameters()).device,
+    )
 
 
 def check_rope_config(config: PretrainedConfig, layer_idx: int) -> str | None:
@@ -127,8 +135,9 @@ def check_rope_config(config: PretrainedConfig, layer_idx: int) -> str | None:
     if rotary is None:
         return "transformers has no single rotary class for it (no RoPE, or several)"
     kind = text.model_type.replace("-", "_")
-    apply = getattr(importlib.import_module(f"transformers.models.{kind}.modeling_{kind}"), "apply_rotary_pos_emb",
-                    None)
+    apply = getattr(
+        importlib.import_module(f"transformers.models.{kind}.modeling_{kind}"), "apply_rotary_pos_emb", None
+    )
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     return rope_problem(rotary, apply, head_dim, torch.device("cpu"))
 
