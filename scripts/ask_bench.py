@@ -30,8 +30,8 @@ from pathlib import Path
 import torch
 
 import kvcompress as kvc
+from kvcompress.bench.device import machine
 from kvcompress.bench.haystack import fill
-from kvcompress.bench.speed import machine
 from kvcompress.integrations.transformers.models import random_model
 
 NEEDLE = "The vault code for the east wing is 4817."

@@ -24,8 +24,8 @@ import torch
 from torch._dynamo.utils import counters
 
 import kvcompress as kvc
+from kvcompress.bench.device import machine
 from kvcompress.bench.haystack import fill
-from kvcompress.bench.speed import machine
 
 
 def _pair(text: str) -> tuple[int, int]:

@@ -26,12 +26,12 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity
 
-from kvcompress.bench.speed import machine
+from kvcompress.bench.device import machine
 from kvcompress.cache.tokens import TokenSpans
 from kvcompress.generation.decode import Compile, DecodeState, StepRunner
 from kvcompress.integrations.transformers.models import random_model
 from kvcompress.methods import method_from_spec
-from kvcompress.storage import attention
+from kvcompress.storage import kernel_choice
 
 
 @torch.inference_mode()
@@ -93,8 +93,8 @@ def main() -> None:
         print(f"\n{spec}: {clock} time per step by kernel (ms; {args.profile} profiled steps)")
         for row in kernels[:PROFILE_ROWS]:
             print(f"  {row['ms_per_step']:8.3f}  {row['calls_per_step']:6.1f}x  {row['name'][:100]}")
-    print("attention's kernels by phase/device/dtype/head_dim/masked/bucket, eager:", attention.sdpa_choices())
-    print("... and compiled (by device time):", attention.sdpa_choices(graphed=True))
+    print("attention's kernels by phase/device/dtype/head_dim/masked/bucket, eager:", kernel_choice.sdpa_choices())
+    print("... and compiled (by device time):", kernel_choice.sdpa_choices(graphed=True))
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(
@@ -106,8 +106,8 @@ def main() -> None:
                     "kept_per_layer": kept,
                     "blocks": blocks,
                     "profiles": profiles,
-                    "attention_choices": attention.sdpa_choices(),
-                    "attention_choices_compiled": attention.sdpa_choices(graphed=True),
+                    "attention_choices": kernel_choice.sdpa_choices(),
+                    "attention_choices_compiled": kernel_choice.sdpa_choices(graphed=True),
                 },
                 fh,
                 indent=2,

@@ -16,7 +16,8 @@ import json
 import torch
 from torch._library.custom_ops import OPDEFS
 
-from kvcompress.bench.speed import audit_step, machine, transformers_step_ops
+from kvcompress.bench.audit import audit_step, transformers_step_ops
+from kvcompress.bench.device import machine
 from kvcompress.cache.tokens import TokenSpans
 from kvcompress.generation.decode import DecodeState, greedy_step
 from kvcompress.integrations.transformers.models import random_model

@@ -38,7 +38,7 @@ from transformers import DynamicCache
 
 import kvcompress as kvc
 from kvcompress.bench.accuracy import build_samples
-from kvcompress.bench.speed import machine
+from kvcompress.bench.device import machine
 from kvcompress.storage.codec import hadamard, make_codec
 
 TASKS = ("niah", "niah_multikey", "niah_multivalue", "qa_1", "qa_2")

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 import kvcompress as kvc
-from kvcompress.bench.speed import machine
+from kvcompress.bench.device import machine
 from kvcompress.cache.tokens import TokenSpans
 from kvcompress.generation.decode import DecodeState, StepRunner
 from kvcompress.generation.feed import prefill_groups

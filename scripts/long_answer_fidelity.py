@@ -30,8 +30,8 @@ from pathlib import Path
 import torch
 
 import kvcompress as kvc
+from kvcompress.bench.device import machine
 from kvcompress.bench.haystack import fill
-from kvcompress.bench.speed import machine
 from kvcompress.generation.conversation import render
 
 PROMPTS = ("summary", "arithmetic", "code")

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from kvcompress.bench.speed import machine
+from kvcompress.bench.device import machine
 from kvcompress.cache.kv_cache import cache_keyword
 from kvcompress.cache.tokens import TokenSpans
 from kvcompress.integrations.transformers.models import random_model

@@ -321,8 +321,8 @@ def agreement_by_bytes(paths: list[str], plot: str) -> str:
     """Per task and setting of accuracy results.jsonl: top-1 agreement with the full cache's answers (95% interval)
     against the device bytes held as a share of the full cache's, as rows and as the PNG ``bench accuracy`` draws
     (``plots.agreement_vs_device``), so earlier runs' raw rows can be drawn too."""
-    from kvcompress.bench.accuracy import summarize
     from kvcompress.bench.plots import agreement_vs_device
+    from kvcompress.bench.summary import summarize
 
     rows = summarize(
         [json.loads(line) for path in paths for line in Path(path).read_text().splitlines() if line.strip()]

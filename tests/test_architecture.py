@@ -14,7 +14,7 @@ import torch
 import kvcompress as kvc
 from kvcompress.cli import build_parser, main
 from kvcompress.methods import METHODS, field_specs
-from kvcompress.methods.base import param
+from kvcompress.methods.fields import param
 from kvcompress.methods.prompt import PromptMethod
 
 from .fixtures import char_tokenizer, tiny_model

@@ -10,11 +10,12 @@ import pytest
 import torch
 
 from kvcompress import FullKV, generate
-from kvcompress.bench.accuracy import build_samples, method_configs, run_accuracy, run_matrix, summarize
+from kvcompress.bench.accuracy import build_samples, method_configs, run_accuracy, run_matrix
 from kvcompress.bench.haystack import fill, haystack_sentences
 from kvcompress.bench.metrics import f1, fidelity, score, string_match_all, string_match_any
 from kvcompress.bench.plots import agreement_points, agreement_vs_device, budget_curves
 from kvcompress.bench.ruler import essay_sentences, questions
+from kvcompress.bench.summary import summarize
 from kvcompress.bench.tasks import TASKS, load_dataset
 from kvcompress.bench.tasks.base import prompt_tokens
 from kvcompress.io.wheels import NotFetchedError

@@ -11,7 +11,9 @@ import pytest
 import torch
 
 import kvcompress as kvc
-from kvcompress.bench.speed import PRESETS, SpeedGrid, copy_bandwidth, measure, run_speed, search_limit
+from kvcompress.bench.device import copy_bandwidth
+from kvcompress.bench.limits import search_limit
+from kvcompress.bench.speed import PRESETS, SpeedGrid, measure, run_speed
 from kvcompress.integrations.transformers.models import ARCHITECTURES, random_model
 from kvcompress.methods.prompt import PromptMethod
 

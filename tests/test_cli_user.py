@@ -448,11 +448,12 @@ def test_version_names_the_package_and_what_it_runs_on():
 
 
 def test_a_range_against_another_setting_names_both_flags():
-    from kvcompress.cli import build_parser, flag_names, in_flag_words
+    from kvcompress.cli import in_flag_words
+    from kvcompress.methods import field_specs
 
     with pytest.raises(ValueError) as refused:
         kvc.SnapKV(budget=256, kv_bits=8, key_bits=4)
-    words = in_flag_words(refused.value, flag_names(build_parser(["generate", "--method", "snapkv"])))
+    words = in_flag_words(refused.value, [spec.name for spec in field_specs(kvc.SnapKV)])  # generate's options
     assert words.endswith("valid: --key-bits >= --kv-bits (8, 6 or 4) with --kv-format int"), words
 
 
@@ -477,7 +478,7 @@ def test_a_method_setting_is_refused_in_the_flags_words_and_its_description_kept
         timeout=60,
     ).stderr
     assert err == (
-        "kvcompress: error: SnapKV: --budget 16 must be greater than --window 32 (budget counts the "
+        "kvcompress: error: SnapKV: --budget 16 must be greater than --window 32 (--budget counts the "
         "observation window; valid: --budget > 32)\n"
     )
     assert "budget=" not in err and "window=" not in err

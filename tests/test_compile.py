@@ -15,7 +15,8 @@ import torch._dynamo
 from torch._dynamo.utils import counters
 
 import kvcompress as kvc
-from kvcompress.bench.speed import audit_step, stand_in_lead, transformers_step_ops
+from kvcompress.bench.audit import audit_step, transformers_step_ops
+from kvcompress.bench.speed import stand_in_lead
 from kvcompress.cache.layer import KVLayer
 from kvcompress.cache.tokens import TokenSpans
 from kvcompress.generation.decode import DecodeState, greedy_step

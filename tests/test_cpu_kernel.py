@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import kvcompress as kvc
-from kvcompress.storage import attention, codec, cpu_kernels
+from kvcompress.storage import attention, codec, cpu_kernels, decode_kernel
 
 from .fixtures import CACHE, char_tokenizer, tiny_model
 from .test_decode_kernel import case, reference
@@ -37,7 +37,7 @@ def kernel_off(monkeypatch):
 
 
 def test_the_kernel_builds_here():
-    assert cpu_kernels.cpu_kernel() is not None and attention.reads_codes(torch.zeros(1))
+    assert cpu_kernels.cpu_kernel() is not None and decode_kernel.reads_codes(torch.zeros(1))
 
 
 @pytest.mark.parametrize(
@@ -153,10 +153,10 @@ def test_a_kernel_that_does_not_build_warns_in_one_line_and_rows_are_decoded_fir
             r"required to load C\+\+ extensions\); coded slots are decoded",
         ):
             assert cpu_kernels.cpu_kernel() is None
-        assert not attention.reads_codes(torch.zeros(1))
+        assert not decode_kernel.reads_codes(torch.zeros(1))
         for key_bits, value_bits in ((4, 4), (8, 4)):
             args = case(2, 3, 3, 333, 64, key_bits, value_bits, torch.float32, per_head=True)
-            out = attention.decode_attention(*args, 0.125, key_bits, value_bits)
+            out = decode_kernel.decode_attention(*args, 0.125, key_bits, value_bits)
             torch.testing.assert_close(
                 out.double(), reference(*args, 0.125, key_bits, value_bits), rtol=1e-5, atol=1e-5
             )

@@ -1,4 +1,4 @@
-"""The split decoding kernel (``attention.decode_attention``): one query per head over a long cache, split along
+"""The split decoding kernel (``decode_kernel.decode_attention``): one query per head over a long cache, split along
 the slots, reading 8- and 4-bit coded slots as they are stored. Here it runs through Triton's CPU interpreter
 (float32 and float16: the interpreter's bfloat16 products are wrong) against attention written out in float64
 from decoded slots; on a GPU, in bfloat16 at a 40K cache."""
@@ -14,7 +14,7 @@ import textwrap
 import pytest
 import torch
 
-from kvcompress.storage import attention
+from kvcompress.storage import decode_kernel, kernel_choice
 from kvcompress.storage.codec import codec_of_code
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
@@ -50,14 +50,14 @@ def case(batch, heads, rows, seq, dim, key_bits, value_bits, dtype, per_head, se
 
 
 def test_the_split_kernel_is_a_decoding_candidate_only_where_triton_runs():
-    assert "triton" not in attention.candidates("decode", "cpu", 64)
-    assert all("triton" not in attention.candidates(phase, "cuda", 64) for phase in ("prefill", "turn"))
-    assert "triton" not in attention.candidates("decode", "cuda", 80)  # a head the kernel does not tile
+    assert "triton" not in kernel_choice.candidates("decode", "cpu", 64)
+    assert all("triton" not in kernel_choice.candidates(phase, "cuda", 64) for phase in ("prefill", "turn"))
+    assert "triton" not in kernel_choice.candidates("decode", "cuda", 80)  # a head the kernel does not tile
     if importlib.util.find_spec("triton") is not None:
-        assert attention.candidates("decode", "cuda", 128)[-1] == "triton"
+        assert kernel_choice.candidates("decode", "cuda", 128)[-1] == "triton"
     with pytest.raises(ValueError, match=r"unknown kernels \['triton'\] for prefill.*triton for decode"):
-        attention._parse_forced("prefill=triton")
-    assert attention._parse_forced("decode=triton,efficient") == {"decode": ("triton", "efficient")}
+        kernel_choice._parse_forced("prefill=triton")
+    assert kernel_choice._parse_forced("decode=triton,efficient") == {"decode": ("triton", "efficient")}
 
 
 def test_a_compiled_step_takes_the_kernel_fastest_on_the_device_and_an_eager_one_the_fastest_to_wait_for(monkeypatch):
@@ -76,28 +76,28 @@ def test_a_compiled_step_takes_the_kernel_fastest_on_the_device_and_an_eager_one
             "cudnn": None,
         }[name]
 
-    monkeypatch.setattr(attention, "_time_backend", times)
-    monkeypatch.setattr(attention, "candidates", lambda *args: ("math", "flash", "efficient", "cudnn", "triton"))
+    monkeypatch.setattr(kernel_choice, "_time_backend", times)
+    monkeypatch.setattr(kernel_choice, "candidates", lambda *args: ("math", "flash", "efficient", "cudnn", "triton"))
     monkeypatch.delenv("KVCOMPRESS_SDPA", raising=False)
-    attention.forget_choices()
+    kernel_choice.forget_choices()
     try:
         query, keys = torch.zeros(1, 2, 4, 64), torch.zeros(1, 2, 100, 64)
-        eager = attention.choose_backends("decode", query, keys, None, False, False)
+        eager = kernel_choice.choose_backends("decode", query, keys, None, False, False)
         assert eager == ("efficient", "flash", "triton", "math") and len(timed) == 5
-        assert attention.sdpa_choices(graphed=True) == {
+        assert kernel_choice.sdpa_choices(graphed=True) == {
             "decode/cpu/float32/64/False/None": ("triton", "efficient", "flash", "math")
         }
-        compiled = attention._compiled_backends("decode", "cpu", "torch.float32", 64, False, 0)
+        compiled = kernel_choice._compiled_backends("decode", "cpu", "torch.float32", 64, False, 0)
         assert compiled == "triton,efficient,flash,math"
-        assert attention.choose_backends("decode", query, keys, None, False, False) == eager and len(timed) == 5
+        assert kernel_choice.choose_backends("decode", query, keys, None, False, False) == eager and len(timed) == 5
     finally:
-        attention.forget_choices()
+        kernel_choice.forget_choices()
 
 
 def test_the_torch_implementation_matches_the_reference():
     for key_bits, value_bits in ((0, 0), (8, 8), (4, 4), (8, 4), (6, 4)):
         args = case(2, 3, 3, 333, 64, key_bits, value_bits, torch.float32, per_head=key_bits == 4)
-        out = attention.decode_attention(args[0], args[1], args[2], args[3], 0.125, key_bits, value_bits)
+        out = decode_kernel.decode_attention(args[0], args[1], args[2], args[3], 0.125, key_bits, value_bits)
         torch.testing.assert_close(
             out.double(), reference(*args[:4], 0.125, key_bits, value_bits), rtol=1e-5, atol=1e-5
         )
@@ -106,7 +106,7 @@ def test_the_torch_implementation_matches_the_reference():
 KERNEL_CHECK = textwrap.dedent(
     """
     import torch
-    from kvcompress.storage import attention, kernels, ops
+    from kvcompress.storage import decode_kernel, kernel_choice, kernels, ops
     from tests.test_decode_kernel import case, reference
     shapes = [(2, 3, 3, 1100, 64, False), (1, 2, 4, 300, 128, True), (1, 1, 1, 5, 32, False), (1, 1, 8, 3000, 16, True)]
     for dtype, tolerance in ((torch.float32, 1e-5), (torch.float16, 2e-3)):
@@ -114,7 +114,7 @@ KERNEL_CHECK = textwrap.dedent(
             for batch, heads, rows, seq, dim, per_head in shapes:
                 args = case(batch, heads, rows, seq, dim, key_bits, value_bits, dtype, per_head)
                 with ops.triton_everywhere():
-                    out = attention.decode_attention(*args[:4], dim ** -0.5, key_bits, value_bits)
+                    out = decode_kernel.decode_attention(*args[:4], dim ** -0.5, key_bits, value_bits)
                 expected = reference(*args[:4], dim ** -0.5, key_bits, value_bits)
                 error = (out.double() - expected).abs().max().item()
                 assert out.dtype == dtype and error < tolerance, (dtype, key_bits, value_bits, seq, dim, error)
@@ -137,15 +137,15 @@ KERNEL_CHECK = textwrap.dedent(
     kernels.decode_attention_triton = counted
     def decode(method, kernel):
         os.environ["KVCOMPRESS_SDPA"] = f"decode={kernel}"
-        attention.forget_choices()
+        kernel_choice.forget_choices()
         cache = method.make_cache(model)
         with torch.no_grad():
             model(prompt, **{CACHE: cache})
             return torch.cat([model(steps[:, t : t + 1], **{CACHE: cache}).logits for t in range(steps.shape[1])], 1)
     # where the split kernel runs, a step hands the codes on undecoded; decoded for SDPA's kernels only when one wins
-    from kvcompress.storage import slots
-    whole, decoded_pair = [], slots.decoded_pair
-    slots.decoded_pair = lambda *args: whole.append(1) or decoded_pair(*args)
+    from kvcompress.storage import dense
+    whole, decoded_pair = [], dense.decoded_pair
+    dense.decoded_pair = lambda *args: whole.append(1) or decoded_pair(*args)
     for method in (kvc.FullKV(), kvc.SnapKV(budget=48, window=8, kv_bits=4, key_bits=4, clustering="pool"),
                    kvc.SnapKV(budget=48, kv_bits=8, clustering="pool"),
                    kvc.SnapKV(budget=48, kv_bits=4, clustering="pool")):
@@ -180,7 +180,7 @@ def test_the_split_kernel_matches_the_reference_on_the_gpu():
     for key_bits, value_bits in ((0, 0), (8, 8), (4, 4), (8, 4)):
         for batch, heads, rows, seq, dim in ((1, 8, 4, 40000, 128), (2, 3, 3, 1500, 64)):
             args = case(batch, heads, rows, seq, dim, key_bits, value_bits, torch.bfloat16, True, device="cuda")
-            out = attention.decode_attention(*args[:4], dim**-0.5, key_bits, value_bits)
+            out = decode_kernel.decode_attention(*args[:4], dim**-0.5, key_bits, value_bits)
             expected = reference(*args[:4], dim**-0.5, key_bits, value_bits)
             torch.testing.assert_close(out.double(), expected, rtol=2e-2, atol=2e-2)
 

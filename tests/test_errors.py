@@ -244,7 +244,7 @@ def test_cli_errors_name_files_flags_and_folders(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "SnapKV: --budget -100 is invalid; it must be an integer >= 1 (or leave it out for the default)" in err
     assert main(["generate", "--method", "shadowkv", "--ratio", "0.5", "--budget", "300", "--prompt", "x"]) == 2
-    assert "ShadowKV: give budget or ratio, not both (got --budget 300, --ratio 0.5)" in capsys.readouterr().err
+    assert "ShadowKV: give --budget or --ratio, not both (got --budget 300, --ratio 0.5)" in capsys.readouterr().err
 
 
 def test_ctrl_c_in_a_long_command_says_where_results_are(tmp_path, monkeypatch, capsys):
@@ -257,4 +257,43 @@ def test_ctrl_c_in_a_long_command_says_where_results_are(tmp_path, monkeypatch, 
     err = capsys.readouterr().err
     assert err == (
         f"kvcompress: interrupted; results so far are in {tmp_path / 'acc'} and rerunning the same command resumes\n"
+    )
+
+
+def test_a_refusal_holds_its_setting_value_and_range_as_data():
+    """A library refusal carries what it refuses (the setting, its value, the valid values) as fields, and the command
+    line spells it from those fields, never from the message's text: flags with values, a remedy's setting, a switch
+    turned off, a setting left to its default; a setting the command has no flag for keeps the library's words."""
+    import pickle
+
+    from kvcompress.cli import in_flag_words
+
+    with pytest.raises(kvc.InvalidParameterError) as refused:
+        kvc.SnapKV(budget=0)
+    error = refused.value
+    assert error.settings == {"budget": 0} and error.values["valid"] == "an integer >= 1"
+    assert str(error) == "SnapKV: budget=0 is invalid; it must be an integer >= 1 (or None for the default)"
+    assert in_flag_words(error, ["budget"]) == (
+        "SnapKV: --budget 0 is invalid; it must be an integer >= 1 (or leave it out for the default)"
+    )
+    assert in_flag_words(error, []).startswith("SnapKV: budget=0 is invalid")  # no such flag: the library's words
+    again = pickle.loads(pickle.dumps(error))  # (a vLLM worker's refusal reaches the engine so)
+    assert type(again) is type(error) and str(again) == str(error) and again.settings == error.settings
+
+    with pytest.raises(kvc.InvalidParameterError) as refused:
+        kvc.SnapKV(budget=256, kv_format="fp8", kv_bits=4)
+    assert refused.value.settings == {"kv_format": "fp8", "kv_bits": 4}
+    assert in_flag_words(refused.value, ["kv_format", "kv_bits"]) == (
+        "SnapKV: --kv-format fp8 stores 8 bits, got --kv-bits 4; valid: --kv-bits 8 with --kv-format fp8, or "
+        "--kv-format int"
+    )
+    switch = kvc.InvalidParameterError("{owner}: {offload=} or {question_window=}", owner="X", offload=True,
+                                       question_window=False)  # fmt: skip
+    assert str(switch) == "X: offload=True or question_window=False"
+    assert in_flag_words(switch, ["offload", "question_window"]) == "X: --offload or --no-question-window"
+    bound = kvc.InvalidParameterError("{decode_budget=} has no {budget!n}", decode_budget=None)
+    assert in_flag_words(bound, ["decode_budget", "budget"]) == "no --decode-budget has no --budget"
+    plain = kvc.CacheMisuseError("kvcompress: {not a field} stays as written")  # no values: plain text
+    assert (
+        str(plain) == "kvcompress: " + in_flag_words(plain, ["field"]) == "kvcompress: {not a field} stays as written"
     )

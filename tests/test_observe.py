@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from kvcompress.bench.observe import (
+from kvcompress.bench.attention_measures import (
     hit_rate,
     outlier_fraction,
     relative_spectrum,

@@ -15,8 +15,9 @@ import torch
 import kvcompress as kvc
 from kvcompress.integrations.transformers.attach import layer_windows
 from kvcompress.integrations.transformers.models import default_model_dir
-from kvcompress.methods.base import InvalidParameterError
 from kvcompress.methods.eviction import EvictionPolicy
+from kvcompress.methods.fields import InvalidParameterError
+from kvcompress.serving import launch
 from kvcompress.serving import settings as serving
 
 from .fixtures import FAMILIES, char_tokenizer, family_model, prefilled_cache, random_text, tiny_model
@@ -95,7 +96,7 @@ def test_a_requests_settings_name_its_method_or_take_the_engines():
 
 
 def test_the_server_command_line_carries_the_plugin_and_the_engines_method():
-    argv = serving.serve_argv("/models/m", kvc.H2O(budget=300), "127.0.0.1", 8123, ["--max-model-len", "4096"])
+    argv = launch.serve_argv("/models/m", kvc.H2O(budget=300), "127.0.0.1", 8123, ["--max-model-len", "4096"])
     flags = {
         flag: argv[i + 1]
         for i, flag in enumerate(argv[:-1])
@@ -145,8 +146,8 @@ def test_the_server_drops_only_the_engine_dead_error_of_its_own_stop():
         exc_info = (type(error), error, None) if error else None
         return logging.LogRecord(logger, logging.ERROR, __file__, 1, message, None, exc_info)
 
-    quiet = serving.QuietStop()
-    launcher, engine = serving.QuietStop.LOGGERS
+    quiet = launch.QuietStop()
+    launcher, engine = launch.QuietStop.LOGGERS
     dead = record(engine, "AsyncLLM output_handler failed.", EngineDeadError())
     assert quiet.filter(dead)  # before a stop: the engine did die, and says so
     assert quiet.filter(record(launcher, "[shutdown] API server: shutdown triggered"))
@@ -240,7 +241,7 @@ def test_the_vllm_family_table_is_the_servers_decisions():
             )
 
 
-GIB = serving.GiB
+GIB = launch.GiB
 
 
 def test_the_server_is_sized_to_the_memory_that_is_free():
@@ -248,12 +249,12 @@ def test_the_server_is_sized_to_the_memory_that_is_free():
     tracebacks) where other processes hold memory; `kvcompress serve` reserves what is free but room for vLLM's
     other processes and 10% to spare."""
     total, free = int(14.21 * GIB), int(11.72 * GIB)  # the machine of issue 38
-    flags = serving.memory_flags([], total, free, {})
+    flags = launch.memory_flags([], total, free, {})
     assert flags == ["--gpu-memory-utilization", "0.63"]
     reserved = 0.63 * total
-    assert reserved <= free - serving.SERVER_PROCESSES and reserved >= 0.8 * (free - serving.SERVER_PROCESSES)
-    assert serving.memory_flags([], 24 * GIB, 23 * GIB, {}) == ["--gpu-memory-utilization", "0.80"]
-    assert serving.memory_flags([], 100 * GIB, 99 * GIB, {}) == ["--gpu-memory-utilization", "0.87"]
+    assert reserved <= free - launch.SERVER_PROCESSES and reserved >= 0.8 * (free - launch.SERVER_PROCESSES)
+    assert launch.memory_flags([], 24 * GIB, 23 * GIB, {}) == ["--gpu-memory-utilization", "0.80"]
+    assert launch.memory_flags([], 100 * GIB, 99 * GIB, {}) == ["--gpu-memory-utilization", "0.87"]
 
 
 @pytest.mark.parametrize(
@@ -284,14 +285,14 @@ def test_the_server_is_sized_to_the_memory_that_is_free():
 def test_a_reservation_that_cannot_fit_is_refused_in_one_line_saying_what_fits(flags, env, message):
     parse = lambda text: int(text.rstrip("G")) * GIB  # noqa: E731 (vLLM's reading of "12G", for this test)
     with pytest.raises(InvalidParameterError, match=message):
-        serving.memory_flags(flags, int(14.21 * GIB), int(11.72 * GIB), env, parse)
+        launch.memory_flags(flags, int(14.21 * GIB), int(11.72 * GIB), env, parse)
 
 
 def test_the_server_runs_in_the_librarys_precision_on_a_cpu_unless_told():
-    assert serving.dtype_flags([], on_cpu=True) == ["--dtype", "float32"]
-    assert serving.dtype_flags(["--dtype", "bfloat16"], on_cpu=True) == []
-    assert serving.dtype_flags(["--dtype=auto"], on_cpu=True) == []
-    assert serving.dtype_flags([], on_cpu=False) == []  # (a GPU: vLLM's own)
+    assert launch.dtype_flags([], on_cpu=True) == ["--dtype", "float32"]
+    assert launch.dtype_flags(["--dtype", "bfloat16"], on_cpu=True) == []
+    assert launch.dtype_flags(["--dtype=auto"], on_cpu=True) == []
+    assert launch.dtype_flags([], on_cpu=False) == []  # (a GPU: vLLM's own)
 
 
 def test_a_reservation_that_fits_is_kept_as_given():
@@ -301,7 +302,7 @@ def test_a_reservation_that_fits_is_kept_as_given():
         (["--kv-cache-memory-bytes", "4G"], {}),
         ([], {"VLLM_CPU_KVCACHE_SPACE": "2"}),
     ):
-        assert serving.memory_flags(flags, 14 * GIB, 12 * GIB, env, lambda text: 4 * GIB) == [], flags
+        assert launch.memory_flags(flags, 14 * GIB, 12 * GIB, env, lambda text: 4 * GIB) == [], flags
 
 
 def test_too_little_free_memory_is_refused_in_one_line():
@@ -310,7 +311,7 @@ def test_too_little_free_memory_is_refused_in_one_line():
         match=r"^kvcompress serve needs about 2 GiB for the model and its KV cache "
         r"and 2.5 GiB of this machine's 16.0 GiB are free; pass --kv-cache-memory-bytes",
     ):
-        serving.memory_flags([], 16 * GIB, int(2.5 * GIB), {})
+        launch.memory_flags([], 16 * GIB, int(2.5 * GIB), {})
 
 
 @pytest.mark.parametrize("name", [name for name in serving.SERVABLE if name != "full"])

@@ -12,8 +12,11 @@ from kvcompress.methods.bounded import BoundedPolicy
 from kvcompress.methods.eviction import HeadAdaptivePolicy
 from kvcompress.methods.h2o import H2OPolicy
 from kvcompress.methods.sparse import SparseDecodePolicy
+from kvcompress.storage.capped import CappedSlots
+from kvcompress.storage.dense import DenseSlots
 from kvcompress.storage.packed import PackedSlots
-from kvcompress.storage.slots import CappedSlots, DenseSlots, RingSlots, Slots
+from kvcompress.storage.ring import RingSlots
+from kvcompress.storage.slots import Slots
 
 from .fixtures import CACHE, char_tokenizer, random_text, tiny_model
 from .test_architecture import module_imports

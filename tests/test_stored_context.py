@@ -371,7 +371,7 @@ def test_the_command_line_asks_a_stored_file_per_question(tmp_path):
 def test_decoding_after_a_question_over_a_store_is_the_question_aware_step(model_and_store):
     """Once the question is compressed, nothing of the store is read: the same ops per step, no host read,
     and the compiled step gives the eager tokens."""
-    from kvcompress.bench.speed import audit_step
+    from kvcompress.bench.audit import audit_step
     from kvcompress.generation.decode import DecodeState, greedy_step
 
     model, tok, store = model_and_store
@@ -399,7 +399,7 @@ def test_decoding_after_a_question_over_a_store_is_the_question_aware_step(model
 def test_a_thinned_stores_heads_take_their_tokens_word_spans():
     """Each head of a thinned context holds other tokens: its slots' spans are the joined prompt's at those tokens."""
     from kvcompress.cache.intake import OverStored, StoredPrompt
-    from kvcompress.storage.slots import DenseSlots
+    from kvcompress.storage.dense import DenseSlots
 
     positions = torch.tensor([[[0, 2, 5], [1, 3, 4]]])  # two heads, three of six context tokens each
     keys = torch.zeros(1, 2, 3, 4)

@@ -24,7 +24,7 @@ from kvcompress import demo  # noqa: E402
 from kvcompress.generation.conversation import context_ids  # noqa: E402
 from kvcompress.integrations.transformers.models import default_model_dir  # noqa: E402
 from kvcompress.serving import settings as serving  # noqa: E402
-from kvcompress.serving import vllm_api, vllm_plugin, vllm_requests, vllm_worker  # noqa: E402
+from kvcompress.serving import vllm_api, vllm_paged, vllm_plugin, vllm_requests, vllm_worker  # noqa: E402
 
 from .served import Server, chat  # noqa: E402
 
@@ -218,18 +218,18 @@ def test_a_prompt_is_read_back_from_vllms_paged_cache_whatever_its_layout():
             keys, values, key_cache, value_cache, slots, isa, k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto"
         )
         keys_t = keys.permute(1, 2, 0)  # [heads, size, tokens], as the scorer reads them
-        assert torch.equal(vllm_worker.read_keys(cache, blocks, 70, isa), keys_t), (dtype, isa)
-        assert torch.equal(vllm_worker.read_keys(cache, blocks, 45, isa), keys_t[..., :45]), (dtype, isa)
-        assert vllm_worker.paged_layout(heads, 32, size, dtype, isa) is not None  # (read whole blocks at a time)
+        assert torch.equal(vllm_paged.read_keys(cache, blocks, 70, isa), keys_t), (dtype, isa)
+        assert torch.equal(vllm_paged.read_keys(cache, blocks, 45, isa), keys_t[..., :45]), (dtype, isa)
+        assert vllm_paged.paged_layout(heads, 32, size, dtype, isa) is not None  # (read whole blocks at a time)
         positions = torch.randint(0, 70, (heads, 20))  # each head its own tokens (a compressed prompt's kept values)
         for part, stored in enumerate((keys, values)):
             expected = stored.transpose(0, 1)[torch.arange(heads)[:, None], positions]
-            assert torch.equal(vllm_worker.read_at(cache, blocks, positions, isa, part), expected), (dtype, isa)
+            assert torch.equal(vllm_paged.read_at(cache, blocks, positions, isa, part), expected), (dtype, isa)
         with mock.patch.object(vllm_worker, "paged_layout", return_value=None):  # a layout read element by element
-            assert torch.equal(vllm_worker.read_keys(cache, blocks, 70, isa), keys_t), (dtype, isa)
+            assert torch.equal(vllm_paged.read_keys(cache, blocks, 70, isa), keys_t), (dtype, isa)
             for part, stored in enumerate((keys, values)):
                 expected = stored.transpose(0, 1)[torch.arange(heads)[:, None], positions]
-                assert torch.equal(vllm_worker.read_at(cache, blocks, positions, isa, part), expected), (dtype, isa)
+                assert torch.equal(vllm_paged.read_at(cache, blocks, positions, isa, part), expected), (dtype, isa)
 
 
 def served_alike(llm, library, cases: list[tuple]) -> list[dict[str, torch.Tensor]]:
@@ -536,9 +536,14 @@ def test_a_method_reading_the_rotary_embedding_is_refused_for_a_model_without_on
         "method='expected' scores with the model's rotary embedding, and model type 'gpt2': transformers has no "
         "single rotary class for it (no RoPE, or several)"
     )
+    with pytest.raises(kvc.InvalidParameterError) as refusal:
+        serving.scorable(kvc.ExpectedAttention(), GPT2Config(n_layer=1, n_head=2, n_embd=32))
+    assert str(refusal.value) == f"kvcompress: {why}"
     # the last line (importing vLLM's CPU build prints one of its own before it), in the flags' words
-    assert done.returncode == 2 and done.stderr.strip().splitlines()[-1] == f"kvcompress: error: {in_cli(why)}"
-    assert in_cli(why).startswith("--method expected scores with")
+    assert (
+        done.returncode == 2 and done.stderr.strip().splitlines()[-1] == f"kvcompress: error: {in_cli(refusal.value)}"
+    )
+    assert in_cli(refusal.value).startswith("--method expected scores with")
 
     os.environ[serving.ENGINE_ENV] = json.dumps({**serving.engine_settings(METHOD), "model": str(tmp_path)})
     try:
@@ -557,11 +562,14 @@ def test_a_method_reading_the_rotary_embedding_is_refused_for_a_model_without_on
     assert sent[0]["status"] == 400 and json.loads(sent[1]["body"])["error"]["message"] == f"kvcompress: {why}"
 
 
-def in_cli(message: str) -> str:
-    """A library refusal as `kvcompress serve` prints it: in its flags' words."""
-    from kvcompress.cli import build_parser, flag_names, in_flag_words
+def in_cli(refusal: Exception) -> str:
+    """A library refusal as `kvcompress serve` prints it: in its flags' words (its options: the server's and every
+    method setting)."""
+    from kvcompress.cli import in_flag_words
+    from kvcompress.methods import METHODS, field_specs
 
-    return in_flag_words(ValueError(message), flag_names(build_parser(["serve"])))
+    settings = {spec.name for method in METHODS.values() for spec in field_specs(method)}
+    return in_flag_words(refusal, {"model", "method", "host", "port", *settings})
 
 
 @pytest.mark.parametrize("family", ["qwen3", "phi3-partial-rotary", "gemma2"])
@@ -580,7 +588,7 @@ def test_a_family_is_served_as_the_library_compresses_it_or_refused_at_start(fam
         try:
             served.append(serving.scorable(method, model.config))
         except kvc.InvalidParameterError as refusal:
-            refused.append((method, str(refusal)))
+            refused.append((method, refusal))
             continue
         with torch.no_grad():  # before vLLM loads the model (its transformers backend decorates transformers' classes)
             ours.append(

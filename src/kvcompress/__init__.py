@@ -20,7 +20,7 @@ __version__ = package_version()
 _WHERE = {  # public name -> the module that defines it
     **dict.fromkeys(("CacheMisuseError", "UnsupportedModelError"), "cache.errors"),
     "KVCompressCache": "cache.kv_cache",
-    "sdpa_choices": "storage.attention",
+    "sdpa_choices": "storage.kernel_choice",
     "observe": "bench.observe",
     "Compile": "generation.decode",
     **dict.fromkeys(("Prefill", "PromptTooLongError"), "generation.feed"),

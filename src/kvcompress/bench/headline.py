@@ -22,18 +22,9 @@ import torch
 from tqdm import tqdm
 from transformers import PreTrainedModel, StoppingCriteria
 
-from .speed import (
-    Journal,
-    SpeedGrid,
-    Timer,
-    _is_oom,
-    _peak_bytes,
-    _reset_peak,
-    machine,
-    oom_figures,
-    prompt_ids,
-    run_speed,
-)
+from .device import Timer, is_oom, machine, oom_figures, peak_bytes, reset_peak
+from .journal import Journal
+from .speed import SpeedGrid, prompt_ids, run_speed
 
 PAPER = {
     "source": "SnapKV (Li et al., 2024), abstract and Sec. 5.1: Mistral-7B on an A100 80GB",
@@ -87,7 +78,7 @@ def measure_generate(model: PreTrainedModel, name: str, length: int, batch: int,
     row: dict = {"method": name, "prompt_tokens": length, "batch": batch}
     timer = Timer(device)
     try:
-        _reset_peak(device)
+        reset_peak(device)
         ids = torch.tensor(prompt_ids(model, length, batch), device=device)
         clock = StepClock(timer)
         new = 1 + warmup + steps
@@ -112,15 +103,15 @@ def measure_generate(model: PreTrainedModel, name: str, length: int, batch: int,
             decode_ms_per_token=decode_ms,
             tokens_per_s=batch * 1000 / decode_ms,
             kv_device_bytes=kv,
-            peak_bytes=_peak_bytes(device),
+            peak_bytes=peak_bytes(device),
         )
         del out, cache
     except (RuntimeError, MemoryError) as error:
-        if not _is_oom(error):
+        if not is_oom(error):
             raise
         row.update(oom_figures(error))
     finally:
-        _reset_peak(device)
+        reset_peak(device)
     return row
 
 
@@ -131,10 +122,10 @@ def warm_up(model: PreTrainedModel, length: int, batch: int) -> None:
         ids = torch.tensor(prompt_ids(model, length, batch), device=model.device)
         model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False, pad_token_id=0)
     except (RuntimeError, MemoryError) as error:
-        if not _is_oom(error):
+        if not is_oom(error):
             raise
     finally:
-        _reset_peak(model.device)
+        reset_peak(model.device)
 
 
 def untouched(model: PreTrainedModel) -> None:

@@ -1,24 +1,10 @@
-"""The measurements SnapKV and ShadowKV are built on (their Sec. 3), as functions of attention maps and keys.
-
-SnapKV (the LaTeX source's Sec. 3): the observation window's queries vote for the prefix positions
-they attend to; each head's top ``p`` (5%) of the prefix by votes is its selection, ``vote_mask``. A
-generated token's attention above ``theta`` (0.05) on a prefix position marks it significant,
-``significant``. The hit rate ``H`` is the share of significant positions the selection holds,
-``hit_rate``: high along the generation, lower between two question-answer pairs of one document.
-
-ShadowKV (Sec. 3): ``relative_spectrum`` (singular values over the largest: pre-RoPE keys decay
-fastest, Fig. 1a); the similarity of two rank-``r`` subspaces ``D(H1, H2) = <H1, H2>_F / r`` of the
-projections ``H = Psi Psi^T`` onto the top right singular vectors of two key matrices,
-``subspace_similarity`` (1 for one subspace, 0 for orthogonal ones, Fig. 1b); per chunk of post-RoPE
-keys the minimum cosine similarity to the chunk's mean, ``methods.shadowkv.chunk_min_cosine`` (Fig. 3b),
-and ``outlier_fraction`` of chunks below a threshold; ``reuse_fraction``, the share of a step's selected
-chunks the step before also selected (Fig. 3c).
-"""
+"""``kvcompress observe``: the measurements SnapKV and ShadowKV are built on (their Sec. 3, attention_measures.py)
+run on a model over prompts the project builds (a document with needles, its questions and answers), written as
+JSON and figures (plots.observation_figures) and summarized beside the papers' (report.observations)."""
 
 from __future__ import annotations
 
 import json
-import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -32,60 +18,16 @@ from ..integrations.transformers.attach import attention_modules
 from ..methods import FullKV, ShadowKV
 from ..methods.shadowkv import chunk_landmarks, chunk_min_cosine
 from ..storage.attention import grouped_logits
+from .attention_measures import (
+    hit_rate,
+    outlier_fraction,
+    relative_spectrum,
+    significant,
+    subspace_similarity,
+    top_subspace,
+    vote_mask,
+)
 from .haystack import fill
-
-
-def vote_mask(window_attention: torch.Tensor, share: float = 0.05) -> torch.Tensor:
-    """Each head's selection ``[..., heads, prefix]`` bool: the top ``ceil(share * prefix)`` positions by the
-    votes the window's queries cast, ``window_attention [..., heads, window, prefix]`` summed over the window."""
-    votes = window_attention.float().sum(dim=-2)
-    count = max(1, math.ceil(share * votes.shape[-1]))
-    chosen = votes.topk(count, dim=-1).indices
-    return torch.zeros_like(votes, dtype=torch.bool).scatter_(-1, chosen, True)
-
-
-def significant(attention: torch.Tensor, theta: float = 0.05) -> torch.Tensor:
-    """Positions a query attends to above ``theta`` (``attention [..., prefix]``, one row per query and head)."""
-    return attention > theta
-
-
-def hit_rate(significant_mask: torch.Tensor, selection: torch.Tensor) -> float | None:
-    """``H``: the significant positions (``[..., prefix]``) the selection (same shape, or broadcast) holds,
-    over all significant positions; None where nothing is significant."""
-    total = int(significant_mask.sum())
-    if total == 0:
-        return None
-    return float((significant_mask & selection).sum()) / total
-
-
-def relative_spectrum(matrix: torch.Tensor) -> torch.Tensor:
-    """Singular values of ``matrix [n, d]`` over the largest (descending, in [0, 1])."""
-    values = torch.linalg.svdvals(matrix.float())
-    return values / values[0] if values[0] > 0 else values
-
-
-def top_subspace(matrix: torch.Tensor, rank: int) -> torch.Tensor:
-    """``Psi [d, rank]``: the top ``rank`` right singular vectors of ``matrix [n, d]`` (orthonormal columns)."""
-    return torch.linalg.svd(matrix.float(), full_matrices=False).Vh[:rank].T
-
-
-def subspace_similarity(first: torch.Tensor, second: torch.Tensor) -> float:
-    """``D(H1, H2) = <H1, H2>_F / r`` for the projections ``H = Psi Psi^T`` of two ``[d, r]`` orthonormal bases:
-    ``||Psi1^T Psi2||_F^2 / r``, in [0, 1] (1: one subspace, 0: orthogonal subspaces)."""
-    rank = first.shape[-1]
-    return float((first.T @ second).square().sum()) / rank
-
-
-def outlier_fraction(min_cosine: torch.Tensor, threshold: float) -> float:
-    """The share of chunks whose keys' minimum cosine similarity to their mean is under ``threshold``."""
-    return float((min_cosine < threshold).float().mean())
-
-
-def reuse_fraction(before: torch.Tensor, now: torch.Tensor) -> float:
-    """The share of the chunks selected now (ids ``[..., k]``) that the step before also selected (same heads)."""
-    again = (now[..., :, None] == before[..., None, :]).any(dim=-1)
-    return float(again.float().mean())
-
 
 # --- the runs: the embedded model (or any) on prompts the project builds ------------------------------------
 
@@ -406,117 +348,11 @@ def observe(
     return results
 
 
-def _mean(values: list) -> float | None:
-    known = [v for v in values if v is not None]
-    return sum(known) / len(known) if known else None
-
-
-def summary(results: dict) -> list[tuple[str, str, str]]:
-    """(measurement, this model, the paper's) rows: layer means where a measurement is per layer."""
-    spans = results["snapkv_along_generation"]["per_span"]
-    by_span = [
-        _mean([layer[i] for layer in spans if i < len(layer)]) for i in range(max(len(layer) for layer in spans))
-    ]
-    ranks = results["shadowkv_spectra"]["ranks_90"]
-    fmt = lambda value: "-" if value is None else f"{value:.2f}"  # noqa: E731
-    svd = results["shadowkv_svd_share"]
-    rank_rows = results["shadowkv_rank_accuracy"]
-    return [
-        (
-            "SnapKV: H along generation, per window of answer tokens",
-            " / ".join(fmt(v) for v in by_span),
-            "high in every window (Mistral-7B, Ultrachat)",
-        ),
-        (
-            "SnapKV: H with the question after / before the document",
-            f"{fmt(_mean(results['snapkv_question_after']['whole']))} / "
-            f"{fmt(_mean(results['snapkv_question_before']['whole']))}",
-            "high either way (LongBench QA)",
-        ),
-        (
-            "SnapKV: H between two question-answer pairs on one document",
-            fmt(_mean(results["snapkv_question_pairs"])),
-            "lower: questions vote for different keys",
-        ),
-        (
-            "ShadowKV: rank holding 90% of the energy (input / W_k / W_v / pre-RoPE / post-RoPE / values)",
-            " / ".join(
-                f"{_mean(ranks[k]):.0f}"
-                for k in ("layer input", "W_k", "W_v", "pre-RoPE keys", "post-RoPE keys", "values")
-            ),
-            "pre-RoPE keys the lowest",
-        ),
-        (
-            "ShadowKV: D(context, extended) / D(context, another)",
-            f"{fmt(_mean(results['shadowkv_subspaces']['extended context']))} / "
-            f"{fmt(_mean(results['shadowkv_subspaces']['inter-context']))}",
-            "high / low (rank 256, Llama-3.1-8B)",
-        ),
-        (
-            "ShadowKV: SVD's share of the prefill, by prompt length",
-            " / ".join(f"{row['length']}: {row['svd_share']:.2f}" for row in svd),
-            "falls as prompts grow",
-        ),
-        (
-            f"ShadowKV: chunks with a key under cosine {results['settings']['outlier_cosine']} to their mean",
-            f"{100 * _mean(results['shadowkv_chunks']['outlier_share']):.2f}%",
-            "outliers are 0.2-0.3% of chunks",
-        ),
-        ("ShadowKV: selected chunks already selected the step before", fmt(results["shadowkv_reuse"]), "> 60%"),
-        (
-            "ShadowKV: needle accuracy by key rank",
-            " / ".join(f"{row['rank']}: {row['accuracy']:.2f}" for row in rank_rows),
-            "no drop down to ~1/6 of the key width",
-        ),
-    ]
-
-
 def write_report(results: dict, out: str | Path) -> list[str]:
     """``observations.json`` and one PNG per figure in ``out``; returns the names written."""
-    import matplotlib  # noqa: PLC0415 - only to draw
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
+    from .plots import observation_figures  # noqa: PLC0415 - only to draw
 
     folder = Path(out)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "observations.json").write_text(json.dumps(results, indent=1))
-    figures = {}
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.4))
-    spans = results["snapkv_along_generation"]["per_span"]
-    for index in range(max(len(layer) for layer in spans)):
-        axes[0].plot(
-            [layer[index] if index < len(layer) else None for layer in spans],
-            label=f"answer tokens {index * results['settings']['span']}+",
-        )
-    for key, label in (
-        ("snapkv_question_after", "question after the document"),
-        ("snapkv_question_before", "question before"),
-    ):
-        axes[1].plot(results[key]["whole"], label=label)
-    axes[2].plot(results["snapkv_question_pairs"], label="H(vote A, vote B)")
-    for axis, title in zip(axes, ("along generation", "question position", "two question-answer pairs")):
-        axis.set(xlabel="layer", ylabel="hit rate", title=title, ylim=(0, 1.02))
-        axis.legend(fontsize=7)
-    figures["snapkv_hit_rates.png"] = fig
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.4))
-    for kind, values in results["shadowkv_spectra"]["middle_spectra"].items():
-        axes[0].semilogy(values, label=kind)
-    axes[0].set(
-        xlabel="singular value index",
-        ylabel="relative singular value",
-        title=f"spectra, layer {results['shadowkv_spectra']['middle_layer']}",
-    )
-    axes[0].legend(fontsize=7)
-    for key, values in results["shadowkv_subspaces"].items():
-        axes[1].plot(values, label=key)
-    axes[1].set(xlabel="layer", ylabel="D", title="pre-RoPE key subspaces", ylim=(0, 1.02))
-    axes[1].legend(fontsize=7)
-    axes[2].plot([100 * v for v in results["shadowkv_chunks"]["outlier_share"]])
-    axes[2].set(xlabel="layer", ylabel="% of chunks", title="outlier chunks (min cosine to the mean)")
-    figures["shadowkv_keys.png"] = fig
-    for name, figure in figures.items():
-        figure.tight_layout()
-        figure.savefig(folder / name, dpi=110)
-        plt.close(figure)
-    return ["observations.json", *figures]
+    return ["observations.json", *observation_figures(results, folder)]

@@ -1,5 +1,5 @@
-"""PNG plots of accuracy results: needle heatmaps (depth x length, as in the papers), score vs budget, and agreement
-with the full cache vs the device bytes held."""
+"""PNG plots of the benchmarks' results: needle heatmaps (depth x length, as in the papers), score vs budget,
+agreement with the full cache vs the device bytes held, and the speed grid's latency, throughput and peak memory."""
 
 from __future__ import annotations
 
@@ -142,3 +142,84 @@ def _save(fig: plt.Figure, axes: object, used: int, path: str | Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def plot_speed(report: dict, out: Path) -> None:
+    """decode_latency.png: ms/token vs prompt length per method, a panel per batch (SnapKV Fig. 7);
+    throughput.png: tokens/s vs batch per method, a panel per length (ShadowKV Table 4's axis);
+    peak_memory.png: peak memory vs prompt length per method, a panel per batch."""
+    ok = [{**r, "peak_gib": r["peak_bytes"] / 2**30} for r in report["rows"] if r["status"] == "ok"]
+    methods = list(dict.fromkeys(r["method"] for r in report["rows"]))
+    for name, panel_key, x_key, y_key, x_label, y_label in (
+        ("decode_latency.png", "batch", "prompt_tokens", "decode_ms_per_token", "prompt tokens", "decode ms/token"),
+        ("throughput.png", "prompt_tokens", "batch", "tokens_per_s", "batch size", "tokens/s"),
+        ("peak_memory.png", "batch", "prompt_tokens", "peak_gib", "prompt tokens", "peak memory (GiB)"),
+    ):
+        panels = sorted({r[panel_key] for r in report["rows"]})
+        fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False)
+        for ax, panel in zip(axes.flat, panels):
+            for method in methods:
+                points = sorted((r[x_key], r[y_key]) for r in ok if r["method"] == method and r[panel_key] == panel)
+                if points:
+                    ax.plot(*zip(*points), marker="o", label=method)
+            for r in report["rows"]:
+                if r["status"] == "oom" and r[panel_key] == panel:
+                    ax.axvline(r[x_key], color="red", alpha=0.2)
+            ax.set_title(f"{panel_key.replace('_', ' ')} {panel}", fontsize=10)
+            ax.set_xlabel(x_label)
+            ax.set_ylabel(y_label)
+            ax.set_ylim(bottom=0)
+            ax.grid(alpha=0.3)
+        axes.flat[0].legend(fontsize=8)
+        fig.suptitle(
+            f"{report['model']} ({report['dtype']}) on {report['machine'].get('gpu', report['machine']['device'])}; "
+            "red: out of memory",
+            fontsize=9,
+        )
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=110)
+        plt.close(fig)
+
+
+def observation_figures(results: dict, folder: Path) -> list[str]:
+    """``kvcompress observe``'s figures in ``folder``: SnapKV's hit rates (along generation, by the question's place,
+    between two question-answer pairs) and ShadowKV's keys (spectra, subspaces, outlier chunks); the names written."""
+    figures = {}
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.4))
+    spans = results["snapkv_along_generation"]["per_span"]
+    for index in range(max(len(layer) for layer in spans)):
+        axes[0].plot(
+            [layer[index] if index < len(layer) else None for layer in spans],
+            label=f"answer tokens {index * results['settings']['span']}+",
+        )
+    for key, label in (
+        ("snapkv_question_after", "question after the document"),
+        ("snapkv_question_before", "question before"),
+    ):
+        axes[1].plot(results[key]["whole"], label=label)
+    axes[2].plot(results["snapkv_question_pairs"], label="H(vote A, vote B)")
+    for axis, title in zip(axes, ("along generation", "question position", "two question-answer pairs")):
+        axis.set(xlabel="layer", ylabel="hit rate", title=title, ylim=(0, 1.02))
+        axis.legend(fontsize=7)
+    figures["snapkv_hit_rates.png"] = fig
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.4))
+    for kind, values in results["shadowkv_spectra"]["middle_spectra"].items():
+        axes[0].semilogy(values, label=kind)
+    axes[0].set(
+        xlabel="singular value index",
+        ylabel="relative singular value",
+        title=f"spectra, layer {results['shadowkv_spectra']['middle_layer']}",
+    )
+    axes[0].legend(fontsize=7)
+    for key, values in results["shadowkv_subspaces"].items():
+        axes[1].plot(values, label=key)
+    axes[1].set(xlabel="layer", ylabel="D", title="pre-RoPE key subspaces", ylim=(0, 1.02))
+    axes[1].legend(fontsize=7)
+    axes[2].plot([100 * v for v in results["shadowkv_chunks"]["outlier_share"]])
+    axes[2].set(xlabel="layer", ylabel="% of chunks", title="outlier chunks (min cosine to the mean)")
+    figures["shadowkv_keys.png"] = fig
+    for name, figure in figures.items():
+        figure.tight_layout()
+        figure.savefig(folder / name, dpi=110)
+        plt.close(figure)
+    return list(figures)

@@ -314,9 +314,74 @@ def shared_context(summary: dict, out: str) -> list[Any]:
     return [*shown, f"wrote {out}/results.jsonl, summary.json, shared_context.png"]
 
 
-def observations(rows: list[tuple[str, str, str]], tokens: int) -> Table:
+def observations(results: dict, tokens: int) -> Table:
     """``kvcompress observe``'s summary: each measurement on this model beside the paper's."""
     table = Table("measurement", "this model", "the paper", title=f"observations ({tokens}-token document)")
-    for row in rows:
+    for row in observation_rows(results):
         table.add_row(*row)
     return table
+
+
+def _mean(values: list) -> float | None:
+    known = [v for v in values if v is not None]
+    return sum(known) / len(known) if known else None
+
+
+def observation_rows(results: dict) -> list[tuple[str, str, str]]:
+    """(measurement, this model, the paper's) rows: layer means where a measurement is per layer."""
+    spans = results["snapkv_along_generation"]["per_span"]
+    by_span = [
+        _mean([layer[i] for layer in spans if i < len(layer)]) for i in range(max(len(layer) for layer in spans))
+    ]
+    ranks = results["shadowkv_spectra"]["ranks_90"]
+    fmt = lambda value: "-" if value is None else f"{value:.2f}"  # noqa: E731
+    svd = results["shadowkv_svd_share"]
+    rank_rows = results["shadowkv_rank_accuracy"]
+    return [
+        (
+            "SnapKV: H along generation, per window of answer tokens",
+            " / ".join(fmt(v) for v in by_span),
+            "high in every window (Mistral-7B, Ultrachat)",
+        ),
+        (
+            "SnapKV: H with the question after / before the document",
+            f"{fmt(_mean(results['snapkv_question_after']['whole']))} / "
+            f"{fmt(_mean(results['snapkv_question_before']['whole']))}",
+            "high either way (LongBench QA)",
+        ),
+        (
+            "SnapKV: H between two question-answer pairs on one document",
+            fmt(_mean(results["snapkv_question_pairs"])),
+            "lower: questions vote for different keys",
+        ),
+        (
+            "ShadowKV: rank holding 90% of the energy (input / W_k / W_v / pre-RoPE / post-RoPE / values)",
+            " / ".join(
+                f"{_mean(ranks[k]):.0f}"
+                for k in ("layer input", "W_k", "W_v", "pre-RoPE keys", "post-RoPE keys", "values")
+            ),
+            "pre-RoPE keys the lowest",
+        ),
+        (
+            "ShadowKV: D(context, extended) / D(context, another)",
+            f"{fmt(_mean(results['shadowkv_subspaces']['extended context']))} / "
+            f"{fmt(_mean(results['shadowkv_subspaces']['inter-context']))}",
+            "high / low (rank 256, Llama-3.1-8B)",
+        ),
+        (
+            "ShadowKV: SVD's share of the prefill, by prompt length",
+            " / ".join(f"{row['length']}: {row['svd_share']:.2f}" for row in svd),
+            "falls as prompts grow",
+        ),
+        (
+            f"ShadowKV: chunks with a key under cosine {results['settings']['outlier_cosine']} to their mean",
+            f"{100 * _mean(results['shadowkv_chunks']['outlier_share']):.2f}%",
+            "outliers are 0.2-0.3% of chunks",
+        ),
+        ("ShadowKV: selected chunks already selected the step before", fmt(results["shadowkv_reuse"]), "> 60%"),
+        (
+            "ShadowKV: needle accuracy by key rank",
+            " / ".join(f"{row['rank']}: {row['accuracy']:.2f}" for row in rank_rows),
+            "no drop down to ~1/6 of the key width",
+        ),
+    ]

@@ -21,7 +21,7 @@ from typing import Any, NamedTuple, cast
 
 import torch
 
-from ..storage.slots import DenseSlots
+from ..storage.dense import DenseSlots
 from ..storage.tensors import right_aligned
 from .errors import CacheMisuseError
 

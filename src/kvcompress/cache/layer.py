@@ -30,7 +30,9 @@ import torch
 from transformers.cache_utils import DynamicLayer
 
 from ..storage.codec import KVCodec
-from ..storage.slots import DenseSlots, RingSlots, Slots, store_coded
+from ..storage.dense import DenseSlots
+from ..storage.ring import RingSlots
+from ..storage.slots import Slots, store_coded
 from ..storage.tensors import prompt_positions, synced_clock
 from . import held
 from .errors import CacheMisuseError, UnsupportedModelError
@@ -295,7 +297,7 @@ class KVLayer(DynamicLayer):
 class WindowLayer(KVLayer):
     """A sliding-window attention layer (Mistral, Gemma 2/3 local layers, ...): it keeps the last
     ``window - 1`` tokens, all the model ever attends to from the next token on, whatever the
-    method (the method compresses the full-attention layers), in a ring (``slots.RingSlots``)."""
+    method (the method compresses the full-attention layers), in a ring (``ring.RingSlots``)."""
 
     is_sliding = True
     slots: RingSlots

@@ -24,7 +24,8 @@ from typing import Any, Protocol, cast
 import torch
 
 from ..storage import attention
-from ..storage.slots import DenseSlots, step_attention
+from ..storage.dense import DenseSlots
+from ..storage.slots import step_attention
 from .errors import CacheMisuseError
 from .intake import queries_to_keep
 from .phase import Phase, moved

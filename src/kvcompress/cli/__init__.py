@@ -11,6 +11,6 @@ command family, each command's parser beside its handler:
     main.py         the whole parser and ``main``
 """
 
-from .main import build_parser, flag_names, in_flag_words, main
+from .main import build_parser, in_flag_words, main
 
-__all__ = ["build_parser", "flag_names", "in_flag_words", "main"]
+__all__ = ["build_parser", "in_flag_words", "main"]

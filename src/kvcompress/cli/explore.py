@@ -104,7 +104,7 @@ def _cmd_observe(args: argparse.Namespace, console: Console) -> int:
         settings.tokens = args.tokens
     model, tokenizer = lib.load_model(args.model)
     written = observe.write_report(observe.observe(model, tokenizer, settings), args.out)
-    console.print(lib.report.observations(observe.summary(json.loads(target.read_text())), settings.tokens))
+    console.print(lib.report.observations(json.loads(target.read_text()), settings.tokens))
     console.print(f"wrote {', '.join(written)} to {args.out}", soft_wrap=True)
     return 0
 

@@ -34,7 +34,7 @@ _WHERE: dict[str, tuple[str, str | None]] = {  # name -> (its module under kvcom
         name: ("integrations.transformers.models", name)
         for name in ("ARCHITECTURES", "EMBEDDED", "fetch_model", "load_model", "model_path", "random_model")
     },
-    **{name: ("cache.errors", name) for name in ("CacheMisuseError", "UnsupportedModelError")},
+    **{name: ("cache.errors", name) for name in ("CacheMisuseError", "UnsupportedModelError", "Said")},
     "CacheFileError": ("io.saved", "CacheFileError"),
     "NotFetchedError": ("io.wheels", "NotFetchedError"),
     "ACCURACY_PRESETS": ("bench.accuracy", "PRESETS"),
@@ -48,6 +48,7 @@ _WHERE: dict[str, tuple[str, str | None]] = {  # name -> (its module under kvcom
     "load_dataset": ("bench.tasks", "load_dataset"),
     "fetch_ruler_data": ("bench.ruler", "fetch_ruler_data"),
     "serving": ("serving.settings", None),
+    "launch": ("serving.launch", None),
 }
 
 

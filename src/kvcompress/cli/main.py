@@ -4,8 +4,8 @@ in the flags' words; an interrupt said truthfully."""
 from __future__ import annotations
 
 import argparse
-import re
 import sys
+from collections.abc import Iterable
 
 from rich.console import Console
 
@@ -16,45 +16,16 @@ from .common import Parser, command, starting
 from .method_flags import given_method
 
 
-def flag_names(parser: argparse.ArgumentParser) -> dict[str, str]:
-    """Every option's name in the library (its destination) and its flag, over the parser and its subcommands."""
-    flags: dict[str, str] = {}
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            for child in action.choices.values():
-                flags.update(flag_names(child))
-        elif action.option_strings and action.dest not in ("help", "version"):
-            flags.setdefault(action.dest, max(action.option_strings, key=len))
-    return flags
-
-
-def in_flag_words(error: Exception, flags: dict[str, str]) -> str:
-    """A library error in the command line's words: its own CLI wording where it has one, otherwise each
-    ``name=value`` of a flag's name as ``--name value`` (``name=None``: ``no --name``); a method's description
-    (``snapkv(budget=1024, ...)``, as files and stats name it) is left as it is."""
-    if getattr(error, "cli", None):
-        return error.cli
-
-    def flag(match: re.Match) -> str:
-        name, value = match.group(1), match.group(2)
-        if name not in flags:
-            return match.group(0)
-        return f"no {flags[name]}" if value == "None" else f"{flags[name]} {value.strip(chr(39))}"
-
-    parts = re.split(r"(\b[a-z0-9_-]+\([^()]*=[^()]*\))", str(error).removeprefix("kvcompress: "))
-    words = [
-        part if index % 2 else re.sub(r"\b([a-z][a-z_]*)=('[^']*'|[^\s,;:()]+)", flag, part)
-        for index, part in enumerate(parts)
-    ]
-    # a range: "valid: budget > 32", or against another setting: "valid: key_bits >= kv_bits"
-    bound = re.compile(r"\bvalid: ([a-z][a-z_]*) ([<>]=?)(?: ([a-z][a-z_]*)\b)?")
-
-    def in_range(match: re.Match) -> str:
-        low, than, high = match.groups()
-        return f"valid: {flags.get(low, low)} {than}" + (f" {flags.get(high, high)}" if high else "")
-
-    words = [bound.sub(in_range, w) for w in words]
-    return "".join(words).replace("(or None for the default)", "(or leave it out for the default)")
+def in_flag_words(error: Exception, options: Iterable[str]) -> str:
+    """A library error in the command line's words: a refusal (``cache.errors.Said``) with each setting it names
+    spelled as the flag of the command that ran (``options``: its parsed options' names; a setting it has no flag for
+    as the library says it), from the refusal's own fields; any other error as it says itself."""
+    if isinstance(error, library.Said):
+        flags = set(options)
+        text = error.in_words(lambda name: "--" + name.replace("_", "-") if name in flags else None)
+    else:
+        text = str(error)
+    return text.removeprefix("kvcompress: ")
 
 
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
@@ -99,5 +70,5 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as err:
         if not isinstance(err, library.user_errors()):
             raise
-        print(f"kvcompress: error: {in_flag_words(err, flag_names(parser))}", file=sys.stderr)
+        print(f"kvcompress: error: {in_flag_words(err, vars(args))}", file=sys.stderr)
         return 2

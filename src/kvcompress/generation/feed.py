@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from ..cache.errors import Said
 from ..cache.kv_cache import KVCompressCache
 from ..storage.tensors import synced_clock
 from .conversation import Lead
@@ -20,7 +21,7 @@ from .result import Row
 PREFILL_TOKENS = 8192
 
 
-class PromptTooLongError(ValueError):
+class PromptTooLongError(Said, ValueError):
     """A prompt (plus the tokens to generate) does not fit the model's context."""
 
 
@@ -40,8 +41,13 @@ def check_lengths(model: PreTrainedModel, total: list[int], max_new_tokens: int)
             )
         if n + max_new_tokens > limit:
             raise PromptTooLongError(
-                f"prompt {i} has {n} tokens; with max_new_tokens={max_new_tokens} it would run past the model's "
-                f"context of {limit} tokens (max_position_embeddings); lower max_new_tokens to {limit - n} or less"
+                "prompt {i} has {n} tokens; with {max_new_tokens=} it would run past the model's context of {limit} "
+                "tokens (max_position_embeddings); lower {max_new_tokens!n} to {most} or less",
+                i=i,
+                n=n,
+                max_new_tokens=max_new_tokens,
+                limit=limit,
+                most=limit - n,
             )
 
 

@@ -17,7 +17,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ..methods import FullKV, InvalidParameterError, Method
-from ..methods.base import field_specs, param
+from ..methods.fields import field_specs, param, setting
 from ..storage.cpu_kernels import ready_cpu_kernel
 from ..storage.tensors import synced_clock
 from .conversation import ChatLeads, Prompt, context_turn, new_rows, prompt_rows
@@ -188,20 +188,20 @@ def _check_settings(max_new_tokens: int, compile: bool | Compile, prefill_tokens
     """``generate``'s own settings, each refused in one line naming its value and what it takes."""
     _check(max_new_tokens=max_new_tokens, prefill_tokens=prefill_tokens)
     if not isinstance(compile, (bool, Compile)):
-        raise InvalidParameterError(f"compile={compile!r} is invalid; give True, False or a kvcompress.Compile")
+        raise InvalidParameterError("{compile=} is invalid; give True, False or a kvcompress.Compile", compile=compile)
 
 
 def _sampling(temperature: float, top_p: float, seed: int | None) -> Sampling | None:
     """The sampling settings (None: greedy), each refused in one line naming its value and range."""
     _check(temperature=temperature, top_p=top_p, seed=seed)
-    unused = [
-        f"{name}={value}" for name, value, default in (("top_p", top_p, 1.0), ("seed", seed, None)) if value != default
-    ]
+    unused = {name: value for name, value, default in (("top_p", top_p, 1.0), ("seed", seed, None)) if value != default}
     if temperature == 0 and unused:
-        flags = " ".join(f"--{each.replace('_', '-').replace('=', ' ')}" for each in unused)
+        flags = " ".join(f"--{name.replace('_', '-')} {value}" for name, value in unused.items())
         raise InvalidParameterError(
-            f"{', '.join(unused)} applies only when sampling: give temperature > 0, or leave it out (greedy)",
+            ", ".join(map(setting, unused)) + " applies only when sampling: give {temperature!n} > 0, or leave it out "
+            "(greedy)",
             cli=f"{flags} applies only when sampling: give --temperature above 0, or leave it out (greedy)",
+            **unused,
         )
     return Sampling(float(temperature), float(top_p), seed) if temperature > 0 else None
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from ..methods.base import InvalidParameterError
+from ..methods.fields import InvalidParameterError
 
 
 @dataclass
@@ -35,7 +35,8 @@ class Stops:
         strings = [stop] if isinstance(stop, str) else stop
         if not isinstance(strings, (list, tuple)) or not strings or not all(isinstance(s, str) and s for s in strings):
             raise InvalidParameterError(
-                f"stop={stop!r} is invalid; give a non-empty string, a list of them, or None",
+                "{stop=} is invalid; give a non-empty string, a list of them, or None",
+                stop=stop,
                 cli="--stop '' is invalid; give a non-empty string (repeat --stop for several)",
             )
         return cls(tuple(strings), tokenizer)

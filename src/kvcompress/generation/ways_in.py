@@ -58,7 +58,7 @@ def resolve_method(method: Method | str | None) -> Method:
         return method_from_name(method)
     if not isinstance(method, Method):
         raise InvalidParameterError(
-            f"method={method!r} is invalid; give a kvcompress method (e.g. kvcompress.SnapKV()) or its name"
+            "{method=} is invalid; give a kvcompress method (e.g. kvcompress.SnapKV()) or its name", method=method
         )
     return method
 

@@ -21,10 +21,11 @@ from typing import Any
 import torch
 
 from ..cache import held
+from ..cache.errors import Said
 from ..cache.kv_cache import KVCompressCache
 
 
-class CacheFileError(ValueError):
+class CacheFileError(Said, ValueError):
     """A saved cache that cannot be loaded here: another model, another format version, a damaged file."""
 
 

@@ -15,10 +15,12 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from ..cache.errors import Said
+
 CACHE_ENV = "KVCOMPRESS_CACHE"
 
 
-class NotFetchedError(RuntimeError):
+class NotFetchedError(Said, RuntimeError):
     """A file kvcompress needs is neither cached nor fetchable (e.g. offline)."""
 
 

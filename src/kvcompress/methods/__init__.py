@@ -13,8 +13,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import BudgetMethod, FieldSpec, InvalidParameterError, Method, field_specs
+from .base import BudgetMethod, Method
 from .expected import ExpectedAttention
+from .fields import FieldSpec, InvalidParameterError, field_specs
 from .full import FullKV
 from .h2o import H2O
 from .kvzip import KVzip
@@ -41,7 +42,7 @@ def register_method(cls: type[Method]) -> type[Method]:
 
 def method_class(name: str) -> type[Method]:
     if name not in METHODS:
-        raise InvalidParameterError(f"method={name!r} is unknown; valid: {', '.join(METHODS)}")
+        raise InvalidParameterError("{method=} is unknown; valid: {valid}", method=name, valid=", ".join(METHODS))
     return METHODS[name]
 
 

@@ -19,10 +19,7 @@ scores ``[batch, kv_heads, seq]``, per-token validity ``[batch, seq]`` (False = 
 
 from __future__ import annotations
 
-import math
-import types
-import typing
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -34,181 +31,15 @@ from ..cache.tokens import TokenSpans
 from ..integrations.transformers.attach import layer_windows, make_cache
 from ..integrations.transformers.rope import check_rope
 from ..storage.codec import KVCodec, make_kv_codec
+from .fields import CODEC_FIELDS, field_defaults, field_specs, param, require, setting
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 
-class InvalidParameterError(ValueError):
-    """A method was given a hyperparameter outside its valid range (or of the wrong type). ``cli``: the same refusal
-    in the command line's words, where the library's names a Python remedy (the CLI otherwise says ``--budget 0``
-    for ``budget=0`` itself)."""
-
-    def __init__(self, message: str, cli: str | None = None) -> None:
-        super().__init__(message)
-        self.cli = cli
-
-
-def require(ok: bool, message: str) -> None:
-    """Raise ``InvalidParameterError(message)`` unless ``ok``."""
-    if not ok:
-        raise InvalidParameterError(message)
-
-
-def param(
-    default: Any,
-    help: str,
-    *,
-    minimum: float | None = None,
-    choices: tuple[Any, ...] | None = None,
-    above: float | None = None,
-    at_most: float | None = None,
-    kw_only: bool = False,
-    none: str = "the default",
-) -> Any:
-    """A method field: its default, its help text (shown by the CLI) and its valid range:
-    ``minimum`` (inclusive), ``above`` (exclusive), ``at_most`` (inclusive), or ``choices``; ``kw_only``: never
-    given by position (the fields every method shares); ``none``: what None means, where the type allows it."""
-    return field(
-        default=default,
-        kw_only=kw_only,
-        metadata={
-            "help": help,
-            "minimum": minimum,
-            "above": above,
-            "at_most": at_most,
-            "choices": choices,
-            "none": none,
-        },
-    )
-
-
-def require_with(method: Method, name: str, applies: bool, needs: str, needs_flag: str) -> None:
-    """Refuse field ``name`` set off its default where it would do nothing (``applies`` False): the library's words
-    name ``needs``, the command line's ``needs_flag``."""
-    value, default = getattr(method, name), field_defaults(type(method))[name]
-    if value != default and not applies:
-        flag = "--" + name.replace("_", "-")
-        raise InvalidParameterError(
-            f"{type(method).__name__}: {name}={value!r} applies only with {needs}; give that, or leave {name} out",
-            cli=f"{flag} {value} applies only with {needs_flag}; give that, or leave {flag} out",
-        )
-
-
-def default_of(cls: type, name: str, default: Any) -> Any:
-    """Field ``name`` of the dataclass ``cls`` (its help, range and choices) with a subclass's own default."""
-    declared = {each.name: each for each in fields(cls)}
-    return field(default=default, metadata=declared[name].metadata)
-
-
 # The keys' bits where ``key_bits`` is left unset, by ``kv_bits``: keys in 4 bits move the answers' next-token
 # distributions ~15x as much as in 8, in 6 about twice as much (docs/quantization.md, "What kv_bits=4 means")
 KEY_BITS_AT = {4: 6}
-CODEC_FIELDS = ("kv_bits", "kv_format", "key_bits")  # every method's; describe() shows them only off their default
-
-
-@dataclass(frozen=True)
-class FieldSpec:
-    """One hyperparameter as the CLI and the validation see it."""
-
-    name: str
-    kind: type  # int, float, bool or str
-    optional: bool  # None is accepted (meaning: the method's default rule)
-    default: Any
-    help: str
-    minimum: float | None
-    above: float | None
-    at_most: float | None
-    choices: tuple[Any, ...] | None  # strings, or numbers (kv_bits)
-    none: str = "the default"  # what None means (where ``optional``)
-
-    @property
-    def flag(self) -> str:
-        return "--" + self.name.replace("_", "-")
-
-    def check(self, owner: str, value: Any) -> None:
-        """Raise ``InvalidParameterError`` unless ``value`` has this field's type and range."""
-        if value is None:
-            require(self.optional, f"{owner}: {self.name}=None is invalid; give {self._what()}")
-            return
-        valid_type = (
-            isinstance(value, bool)
-            if self.kind is bool
-            else (isinstance(value, (int, float) if self.kind is float else self.kind) and not isinstance(value, bool))
-        )
-        ranged = self.above is not None or self.at_most is not None
-        require(
-            valid_type and (self.kind is not float or math.isfinite(value)),
-            f"{owner}: {self.name}={value!r} is invalid; it must be {self.valid() if ranged else self._what()}",
-        )
-        if self.choices is not None:
-            require(
-                value in self.choices,
-                f"{owner}: {self.name}={value!r} is unknown; valid: {', '.join(map(str, self.choices))}",
-            )
-        in_range = (
-            (self.minimum is None or value >= self.minimum)
-            and (self.above is None or value > self.above)
-            and (self.at_most is None or value <= self.at_most)
-        )
-        if ranged:
-            require(in_range, f"{owner}: {self.name}={value!r} is outside the valid range {self._interval()}")
-        require(in_range, f"{owner}: {self.name}={value!r} is invalid; it must be {self._what()}")
-
-    def valid(self) -> str:
-        """The valid values in words (help texts, ``kvcompress methods``)."""
-        if self.above is not None or self.at_most is not None:
-            return f"a number in {self._interval()}"
-        return self._what(optional_note=False)
-
-    def _interval(self) -> str:
-        if self.above is not None:
-            low = f"({self.above:g}"
-        else:
-            low = f"[{self.minimum:g}" if self.minimum is not None else "(-inf"
-        high = f"{self.at_most:g}]" if self.at_most is not None else "inf)"
-        return f"{low}, {high}"
-
-    def _what(self, optional_note: bool = True) -> str:
-        if self.choices:
-            return f"one of {', '.join(map(str, self.choices))}"
-        kind = {int: "an integer", float: "a number", bool: "True or False", str: "a string"}[self.kind]
-        text = f"{kind} >= {self.minimum:g}" if self.minimum is not None else kind
-        return text + (f" (or None for {self.none})" if self.optional and optional_note else "")
-
-
-def field_specs(cls: type) -> list[FieldSpec]:
-    """The hyperparameters of a method class, from its dataclass fields and their annotations (the codec fields
-    every method shares last)."""
-    hints = typing.get_type_hints(cls)
-    specs = []
-    for f in fields(cls):
-        if f.name.startswith("_"):
-            continue
-        hint = hints[f.name]
-        args = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else ()
-        kinds = [a for a in args if a is not type(None)] or [hint]
-        meta = f.metadata
-        specs.append(
-            FieldSpec(
-                f.name,
-                kinds[0],
-                type(None) in args,
-                None if f.default is MISSING else f.default,
-                meta.get("help", ""),
-                meta.get("minimum"),
-                meta.get("above"),
-                meta.get("at_most"),
-                meta.get("choices"),
-                meta.get("none", "the default"),
-            )
-        )
-    return sorted(specs, key=lambda spec: spec.name in CODEC_FIELDS)  # the method's own first, storage's last
-
-
-def field_defaults(cls: type) -> dict[str, Any]:
-    """Each field of the method class ``cls`` by name, with its default."""
-    return {spec.name: spec.default for spec in field_specs(cls)}
 
 
 @dataclass(frozen=True)
@@ -265,21 +96,26 @@ class Method:
     def __post_init__(self) -> None:
         for spec in field_specs(type(self)):
             spec.check(type(self).__name__, getattr(self, spec.name))
+        said = {"owner": type(self).__name__, "kv_format": self.kv_format, "kv_bits": self.kv_bits}
         require(
             self.kv_format == "int" or self.kv_bits == 8,
-            f"{type(self).__name__}: kv_format={self.kv_format!r} stores 8 bits, got kv_bits={self.kv_bits}; "
-            "valid: kv_bits=8 with kv_format='fp8', or kv_format='int'",
+            "{owner}: {kv_format=} stores 8 bits, got {kv_bits=}; valid: {kv_bits=8} with {kv_format='fp8'}, or "
+            "{kv_format='int'}",
+            **said,
         )
         require(
             self.key_bits is None or self.kv_bits < 16,
-            f"{type(self).__name__}: key_bits={self.key_bits} sets the keys' bits where kept tokens are stored in "
-            f"codes, and kv_bits={self.kv_bits} keeps the model's precision; valid: kv_bits=8 or kv_bits=4 with "
-            f"key_bits={self.key_bits}",
+            "{owner}: {key_bits=} sets the keys' bits where kept tokens are stored in codes, and {kv_bits=} keeps the "
+            "model's precision; valid: {kv_bits=8} or {kv_bits=4} with {key_bits=}",
+            key_bits=self.key_bits,
+            **said,
         )
         require(
             self.key_bits is None or (self.kv_format == "int" and self.kv_bits <= self.key_bits),
-            f"{type(self).__name__}: key_bits={self.key_bits} with kv_bits={self.kv_bits}, "
-            f"kv_format={self.kv_format!r}; valid: key_bits >= kv_bits (8, 6 or 4) with kv_format='int'",
+            "{owner}: {key_bits=} with {kv_bits=}, {kv_format=}; valid: {key_bits!n} >= {kv_bits!n} (8, 6 or 4) with "
+            "{kv_format='int'}",
+            key_bits=self.key_bits,
+            **said,
         )
         self.validate()
 
@@ -411,7 +247,10 @@ class BudgetMethod(Method):
     def validate(self) -> None:
         require(
             self.budget is None or self.ratio is None,
-            f"{type(self).__name__}: give budget or ratio, not both (got budget={self.budget}, ratio={self.ratio})",
+            "{owner}: give {budget!n} or {ratio!n}, not both (got {budget=}, {ratio=})",
+            owner=type(self).__name__,
+            budget=self.budget,
+            ratio=self.ratio,
         )
 
     @property
@@ -464,6 +303,11 @@ def check_reserved(owner: str, budget: int, reserved_name: str, reserved: int, w
     """``budget`` must exceed the ``reserved`` tokens it always includes (a window, sinks, ...)."""
     require(
         budget > reserved,
-        f"{owner}: budget={budget} must be greater than {reserved_name}={reserved} (budget counts the {what}; valid: "
-        f"budget > {reserved})",
+        "{owner}: {budget=} must be greater than " + setting(reserved_name) + " ({budget!n} counts the {what}; "
+        "valid: {budget!n} > {reserved})",
+        owner=owner,
+        budget=budget,
+        what=what,
+        reserved=reserved,
+        **{reserved_name: reserved},
     )

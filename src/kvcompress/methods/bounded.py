@@ -13,8 +13,9 @@ import torch
 from ..cache.held import hold
 from ..cache.policy import present
 from ..storage.attention import scoring_sinks
+from ..storage.capped import BoundedSlots
 from ..storage.codec import restored_pair
-from ..storage.slots import BoundedSlots, DenseSlots
+from ..storage.dense import DenseSlots
 from .eviction import EvictionPolicy, KeepsPrompt
 from .selection import select_kept
 

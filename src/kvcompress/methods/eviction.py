@@ -16,9 +16,9 @@ from ..cache.layer import KVLayer
 from ..cache.policy import LayerPolicy
 from ..storage.attention import scoring_sinks
 from ..storage.codec import make_kv_codec
+from ..storage.dense import DenseSlots
 from ..storage.packed import PackedSlots
-from ..storage.slots import DenseSlots
-from .base import InvalidParameterError, batch_prompt_tokens
+from .base import batch_prompt_tokens
 from .byte_budget import (
     PACKED_BYTES,
     POSITION_BYTES,
@@ -29,6 +29,7 @@ from .byte_budget import (
     allocate,
     packing_bytes,
 )
+from .fields import InvalidParameterError
 from .selection import allocate_heads, select_kept
 
 
@@ -217,8 +218,11 @@ def plan_bytes(method: KeepsPrompt, layers: list[KVLayer]) -> None:
     valid = layers[0].slot_validity()
     if valid.shape[0] != 1:
         raise InvalidParameterError(
-            f"{type(method).__name__}: kv_bytes={method.kv_bytes} chooses each layer's precision for one prompt, got "
-            f"a batch of {valid.shape[0]}; valid: one prompt at a time"
+            "{owner}: {kv_bytes=} chooses each layer's precision for one prompt, got a batch of {rows}; valid: one "
+            "prompt at a time",
+            owner=type(method).__name__,
+            kv_bytes=method.kv_bytes,
+            rows=valid.shape[0],
         )
     real, first = valid[0], layers[0]
     heads, dim = first.keys.shape[1], first.keys.shape[-1]

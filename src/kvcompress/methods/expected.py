@@ -29,8 +29,9 @@ from ..cache.policy import present
 from ..cache.tokens import span_max
 from ..integrations.transformers.rope import apply_rope, invert_rope, rotary_for
 from ..storage.tensors import prompt_positions
-from .base import check_reserved, param, require_rope
+from .base import check_reserved, require_rope
 from .bounded import HeldTokens
+from .fields import param
 from .prompt import PromptMethod
 
 if TYPE_CHECKING:

@@ -24,12 +24,13 @@ from ..cache.held import hold
 from ..cache.layer import KVLayer
 from ..cache.policy import present
 from ..storage.attention import group_mask, grouped_logits, key_probabilities
+from ..storage.capped import CappedSlots
 from ..storage.codec import attended_pair
-from ..storage.slots import CappedSlots
 from ..storage.tensors import gather_tokens
-from .base import check_reserved, param, require
+from .base import check_reserved
 from .bounded import HeldTokens, note_step_positions, prompt_positions_held
 from .eviction import EvictionPolicy
+from .fields import param, require
 from .prompt import PromptMethod
 from .snapkv import average_over_groups, window_votes
 
@@ -97,26 +98,36 @@ class H2O(PromptMethod):
         super().validate()
         require(
             not (self.evict_during_decoding and self.ratio is not None),
-            "H2O: evict_during_decoding needs a fixed budget, not ratio",
+            "{owner}: {evict_during_decoding!n} needs a fixed budget, not {ratio!n}",
+            owner="H2O",
         )
         require(
             not (self.evict_during_decoding and self.decode_budget is not None),
-            f"H2O: evict_during_decoding keeps the cache at budget={self.budget_tokens} at every step; give it or "
-            f"decode_budget={self.decode_budget}, not both",
+            "{owner}: {evict_during_decoding!n} keeps the cache at {budget=} at every step; give it or "
+            "{decode_budget=}, not both",
+            owner="H2O",
+            budget=self.budget_tokens,
+            decode_budget=self.decode_budget,
         )
         require(
             not (self.evict_during_decoding and self.heads == "adaptive"),
-            "H2O: evict_during_decoding keeps a uniform budget per head; it does not combine with heads='adaptive'",
+            "{owner}: {evict_during_decoding!n} keeps a uniform budget per head; it does not combine with "
+            "{heads='adaptive'}",
+            owner="H2O",
         )
         require(
             self.kv_bytes is None or self.recent is not None,
-            f"H2O: kv_bytes={self.kv_bytes} has no token budget to split into heavy hitters and recent tokens "
-            "(recent defaults to half the budget); valid: kv_bytes with recent given, e.g. recent=32",
+            "{owner}: {kv_bytes=} has no token budget to split into heavy hitters and recent tokens ({recent!n} "
+            "defaults to half the budget); valid: {kv_bytes!n} with {recent!n} given, e.g. {recent=32}",
+            owner="H2O",
+            kv_bytes=self.kv_bytes,
         )
         require(
             not (self.evict_during_decoding and self.kv_bytes is not None),
-            f"H2O: evict_during_decoding keeps a token budget at every step; it does not combine with "
-            f"kv_bytes={self.kv_bytes}",
+            "{owner}: {evict_during_decoding!n} keeps a token budget at every step; it does not combine with "
+            "{kv_bytes=}",
+            owner="H2O",
+            kv_bytes=self.kv_bytes,
         )
         if self.ratio is None and self.kv_bytes is None:
             check_reserved("H2O", self.budget_tokens, "recent", self.recent_tokens, "recent tokens")
@@ -170,7 +181,7 @@ class H2O(PromptMethod):
 
 class H2OPolicy(EvictionPolicy):
     """H2O with eviction while decoding: the layer's storage (``make_layer`` gives it) is capped at its budget
-    (``slots.CappedSlots``), each slot noted with its accumulated score and position.
+    (``capped.CappedSlots``), each slot noted with its accumulated score and position.
 
     Each step writes its tokens after the held ones, adds the step's attention to every slot's
     score, then keeps, per KV head, the ``budget`` best slots (the recent window first, then by

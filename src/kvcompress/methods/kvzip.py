@@ -29,7 +29,8 @@ import torch
 
 from ..cache.tokens import span_max
 from ..storage.tensors import prompt_positions
-from .base import Observation, default_of, param
+from .base import Observation
+from .fields import default_of, param
 from .prompt import PromptMethod
 
 if TYPE_CHECKING:

@@ -24,7 +24,8 @@ import torch
 from ..cache.held import hold
 from ..cache.layer import KVLayer
 from ..cache.policy import present
-from .base import InvalidParameterError, model_head_dim, param
+from .base import model_head_dim
+from .fields import InvalidParameterError, param
 from .sparse import SparseDecodePolicy, SparseMethod
 
 if TYPE_CHECKING:
@@ -57,14 +58,17 @@ def load_calibration(path: str, layers: int, kv_heads: int, head_dim: int) -> to
         components = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # noqa: BLE001 - any unreadable file gets the same clear error
         raise InvalidParameterError(
-            f"Loki: calibration={path!r} could not be read as a saved tensor ({error})"
+            "Loki: {calibration=} could not be read as a saved tensor ({error})", calibration=path, error=error
         ) from None
     expected = (layers, kv_heads, head_dim, head_dim)
     if not isinstance(components, torch.Tensor) or tuple(components.shape) != expected:
         shape = tuple(components.shape) if isinstance(components, torch.Tensor) else type(components).__name__
         raise InvalidParameterError(
-            f"Loki: calibration={path!r} holds {shape}; expected a tensor of shape {list(expected)} (layers, kv_heads, "
-            "head_dim, head_dim)"
+            "Loki: {calibration=} holds {shape}; expected a tensor of shape {expected} (layers, kv_heads, head_dim, "
+            "head_dim)",
+            calibration=path,
+            shape=shape,
+            expected=list(expected),
         )
     return components
 
@@ -87,13 +91,15 @@ class Loki(SparseMethod):
         super().validate()
         if self.calibration is not None and not Path(self.calibration).is_file():
             raise InvalidParameterError(
-                f"Loki: calibration={self.calibration!r} is not a file; give a tensor saved with torch.save"
+                "Loki: {calibration=} is not a file; give a tensor saved with torch.save", calibration=self.calibration
             )
 
     def check_model(self, model: PreTrainedModel) -> None:
         head_dim = model_head_dim(model)
         if self.dim is not None and self.dim > head_dim:
-            raise InvalidParameterError(f"Loki: dim={self.dim} exceeds head_dim={head_dim}; valid: 1 to {head_dim}")
+            raise InvalidParameterError(
+                "Loki: {dim=} exceeds head_dim={head_dim}; valid: 1 to {head_dim}", dim=self.dim, head_dim=head_dim
+            )
         self.calibrated(model)
 
     def calibrated(self, model: PreTrainedModel) -> torch.Tensor | None:

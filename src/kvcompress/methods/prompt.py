@@ -35,11 +35,12 @@ import torch
 
 from ..cache.intake import ObservationPass
 from ..cache.layer import KVLayer
+from ..storage.capped import BoundedSlots
 from ..storage.codec import KVCodec
-from ..storage.slots import BoundedSlots
-from .base import BudgetMethod, field_defaults, param, require, require_with
+from .base import BudgetMethod
 from .bounded import BoundedPolicy, HeldTokens
 from .eviction import ByteBudgetPolicy, EvictionPolicy, HeadAdaptivePolicy, plan_bytes
+from .fields import field_defaults, param, require, require_with, setting
 from .selection import global_shares, pyramid_budgets
 
 if TYPE_CHECKING:
@@ -115,21 +116,18 @@ class PromptMethod(BudgetMethod):
     def validate(self) -> None:
         super().validate()
         self._check_byte_budget()
+        owner = type(self).__name__
         require(
             self.layers != "pyramid" or self.ratio is None,
-            f"{type(self).__name__}: layers='pyramid' needs a fixed budget, not ratio",
+            "{owner}: {layers='pyramid'} needs a fixed budget, not {ratio!n}",
+            owner=owner,
         )
-        require_with(
-            self,
-            "head_floor",
-            self.heads == "adaptive" or self.layers == "global",  # (both pack per head)
-            "heads='adaptive' or layers='global'",
-            "--heads adaptive or --layers global",
-        )
-        require_with(self, "pyramid_beta", self.layers == "pyramid", "layers='pyramid'", "--layers pyramid")
-        require_with(self, "layer_floor", self.layers == "global", "layers='global'", "--layers global")
+        packs = self.heads == "adaptive" or self.layers == "global"  # (both pack per head)
+        require_with(self, "head_floor", packs, "{heads='adaptive'} or {layers='global'}")
+        require_with(self, "pyramid_beta", self.layers == "pyramid", "{layers='pyramid'}")
+        require_with(self, "layer_floor", self.layers == "global", "{layers='global'}")
         for name in ("every", "decode_window"):
-            require_with(self, name, self.decode_budget is not None, "decode_budget", "--decode-budget")
+            require_with(self, name, self.decode_budget is not None, "{decode_budget!n}")
         if self.decode_budget is not None:
             self._check_decode_bound()
 
@@ -138,34 +136,40 @@ class PromptMethod(BudgetMethod):
             return
         defaults = field_defaults(type(self))
         others = ("budget", "ratio", "kv_bits", "key_bits", "kv_format", "layers", "decode_budget")
-        given = [f"{name}={getattr(self, name)!r}" for name in others if getattr(self, name) != defaults[name]]
+        given = {name: getattr(self, name) for name in others if getattr(self, name) != defaults[name]}
         require(
             not given,
-            f"{type(self).__name__}: kv_bytes={self.kv_bytes} chooses the kept tokens, their precision and each "
-            f"layer's and head's share itself; it does not combine with {', '.join(given)}; valid: kv_bytes "
-            "alone, or a token budget without it",
+            "{owner}: {kv_bytes=} chooses the kept tokens, their precision and each layer's and head's share itself; "
+            "it does not combine with " + ", ".join(map(setting, given)) + "; valid: {kv_bytes!n} alone, or a token "
+            "budget without it",
+            owner=type(self).__name__,
+            kv_bytes=self.kv_bytes,
+            **given,
         )
 
     def _check_decode_bound(self) -> None:
-        owner = type(self).__name__
+        said = {"owner": type(self).__name__, "decode_budget": self.decode_budget}
         require(
             type(self).decode_scores is not PromptMethod.decode_scores,
-            f"{owner}: decode_budget={self.decode_budget} needs scores of the answer's tokens, which {owner} does "
-            "not define (it scores from its observation pass); valid: SnapKV, H2O, StreamingLLM, "
-            "ExpectedAttention",
+            "{owner}: {decode_budget=} needs scores of the answer's tokens, which {owner} does not define (it scores "
+            "from its observation pass); valid: SnapKV, H2O, StreamingLLM, ExpectedAttention",
+            **said,
         )
         require(
             self.heads == "uniform" and self.layers != "global",
-            f"{owner}: decode_budget={self.decode_budget} re-selects a uniform count per head; it does not combine "
-            f"with heads={self.heads!r}, layers={self.layers!r} (valid: heads='uniform', layers 'uniform' or "
-            "'pyramid')",
+            "{owner}: {decode_budget=} re-selects a uniform count per head; it does not combine with {heads=}, "
+            "{layers=} (valid: {heads='uniform'}, {layers!n} 'uniform' or 'pyramid')",
+            heads=self.heads,
+            layers=self.layers,
+            **said,
         )
         pinned, bound = self.decode_reserved(), cast(int, self.decode_budget)  # (validate's caller checked it)
         require(
             bound > pinned,
-            f"{owner}: decode_budget={self.decode_budget} must be greater than the {pinned} tokens every "
-            f"re-selection keeps whole (its decode_window and the method's reserved tokens); valid: decode_budget "
-            f"> {pinned}",
+            "{owner}: {decode_budget=} must be greater than the {pinned} tokens every re-selection keeps whole (its "
+            "{decode_window!n} and the method's reserved tokens); valid: {decode_budget!n} > {pinned}",
+            pinned=pinned,
+            **said,
         )
 
     def kept_tokens(self, lengths: torch.Tensor, share: float | torch.Tensor = 1.0) -> torch.Tensor:

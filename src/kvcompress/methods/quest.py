@@ -20,7 +20,7 @@ import torch
 from ..cache.held import hold
 from ..cache.layer import KVLayer
 from ..cache.policy import present
-from .base import param
+from .fields import param
 from .sparse import SparseDecodePolicy, SparseMethod
 
 if TYPE_CHECKING:

@@ -40,7 +40,8 @@ from ..cache.policy import present
 from ..integrations.transformers.rope import apply_rope, invert_rope, rope_cos_sin, rotary_for
 from ..storage.ops import fused
 from ..storage.tensors import chunk_tokens, gather_tokens, prompt_positions
-from .base import InvalidParameterError, model_head_dim, param, require_rope
+from .base import model_head_dim, require_rope
+from .fields import InvalidParameterError, param
 from .sparse import SparseDecodePolicy, SparseMethod
 
 if TYPE_CHECKING:
@@ -260,7 +261,9 @@ class ShadowKV(SparseMethod):
         width = model.config.get_text_config().num_key_value_heads * model_head_dim(model)
         if self.rank is not None and self.rank > width:
             raise InvalidParameterError(
-                f"ShadowKV: rank={self.rank} exceeds kv_heads * head_dim = {width} of this model; valid: 1 to {width}"
+                "ShadowKV: {rank=} exceeds kv_heads * head_dim = {width} of this model; valid: 1 to {width}",
+                rank=self.rank,
+                width=width,
             )
 
     def make_layer(self, layer_idx: int, model: PreTrainedModel) -> KVLayer:

@@ -52,8 +52,9 @@ import torch.nn.functional as F
 
 from ..cache.tokens import span_max
 from ..storage.attention import grouped_logits, key_probabilities
-from .base import check_reserved, param, require
+from .base import check_reserved
 from .bounded import HeldTokens
+from .fields import param, require
 from .prompt import PromptMethod
 
 if TYPE_CHECKING:
@@ -211,7 +212,9 @@ class SnapKV(PromptMethod):
         super().validate()
         require(
             self.kernel % 2 == 1,
-            f"SnapKV: kernel={self.kernel} is invalid; it must be a positive odd integer (1 = no pooling)",
+            "{owner}: {kernel=} is invalid; it must be a positive odd integer (1 = no pooling)",
+            owner="SnapKV",
+            kernel=self.kernel,
         )
         if self.ratio is None:
             check_reserved("SnapKV", self.budget_tokens, "window", self.window, "observation window")

@@ -26,10 +26,11 @@ from ..cache.held import counted_bytes, hold
 from ..cache.policy import LayerPolicy, present
 from ..storage.attention import dense_attention
 from ..storage.codec import attended_pair, token_bytes
+from ..storage.dense import DenseSlots
 from ..storage.offload import ChunkStore
-from ..storage.slots import DenseSlots
 from ..storage.tensors import chunk_tokens, gather_tokens, prompt_positions
-from .base import BudgetMethod, batch_prompt_tokens, require
+from .base import BudgetMethod, batch_prompt_tokens
+from .fields import require, setting
 
 
 @dataclass
@@ -48,16 +49,23 @@ class SparseMethod(BudgetMethod):
         super().validate()
         require(
             self.key_bits in (None, self.kv_bits),
-            f"{type(self).__name__}: key_bits={self.key_bits} differs from kv_bits={self.kv_bits}, which its "
-            "chunk store (one codec for every stored row) cannot hold; valid: key_bits=None",
+            "{owner}: {key_bits=} differs from {kv_bits=}, which its chunk store (one codec for every stored row) "
+            "cannot hold; valid: {key_bits=None}",
+            owner=type(self).__name__,
+            key_bits=self.key_bits,
+            kv_bits=self.kv_bits,
         )
         if self.unit_setting is not None and self.ratio is None:
             field, word = self.unit_setting
             size = getattr(self, field)
             require(
                 self.budget_tokens >= size,
-                f"{type(self).__name__}: budget={self.budget_tokens} is smaller than one {word} ({field}={size}); "
-                f"valid: budget >= {size}",
+                "{owner}: {budget=} is smaller than one {word} (" + setting(field) + "); valid: {budget!n} >= {size}",
+                owner=type(self).__name__,
+                budget=self.budget_tokens,
+                word=word,
+                size=size,
+                **{field: size},
             )
 
     def step_tokens(self, lengths: torch.Tensor) -> torch.Tensor:

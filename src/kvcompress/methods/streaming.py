@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from ..storage.tensors import prompt_positions
-from .base import check_reserved, param
+from .base import check_reserved
 from .bounded import HeldTokens
+from .fields import param
 from .prompt import PromptMethod
 
 if TYPE_CHECKING:

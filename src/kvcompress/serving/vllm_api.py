@@ -10,7 +10,7 @@ from typing import Any
 
 from transformers import AutoTokenizer
 
-from ..methods.base import InvalidParameterError
+from ..methods.fields import InvalidParameterError
 from .settings import (
     ENGINE_ENV,
     FIELD,

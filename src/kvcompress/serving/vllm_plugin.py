@@ -42,7 +42,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 from vllm.utils.torch_utils import is_quantized_kv_cache
 from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-from .settings import ENGINE_ENV, quiet_teardown
+from .launch import quiet_teardown
+from .settings import ENGINE_ENV
 from .vllm_requests import Plan, Scheduled, StepMethods, engine_method, request_plan
 from .vllm_worker import CHUNKS, STEP, STEP_SPANS, KVCompressCPUBackend
 

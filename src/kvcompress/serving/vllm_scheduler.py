@@ -9,7 +9,7 @@ from typing import Any
 from vllm.logger import init_logger
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from ..methods.base import InvalidParameterError
+from ..methods.fields import InvalidParameterError
 from . import vllm_seam as seam
 from .settings import scorable
 from .vllm_plugin import KVCompressConnector

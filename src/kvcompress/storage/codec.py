@@ -82,7 +82,7 @@ class Codec:
 
     @property
     def kernel_code(self) -> int:
-        """How ``attention.decode_attention`` is told these rows are coded (integer codes: their bits)."""
+        """How ``decode_kernel.decode_attention`` is told these rows are coded (integer codes: their bits)."""
         raise NotImplementedError
 
     def spec(self) -> str:
@@ -367,7 +367,7 @@ def coded_rows(
     codec: KVCodec | None, keys: torch.Tensor, values: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, int, int] | None:
     """Stored keys and values with their ``kernel_code``s, which a kernel may read as they are
-    (``attention.decode_attention``); None where the storage holds them at the model's precision."""
+    (``decode_kernel.decode_attention``); None where the storage holds them at the model's precision."""
     if codec is None:
         return None
     return keys, values, codec.keys.kernel_code, codec.values.kernel_code

@@ -1,5 +1,5 @@
 // A decoding step's attention over 8-, 6- or 4-bit coded slots, or float8 ones, on a CPU, reading the codes as they
-// are (cpu_kernels.py builds it; attention.decode_attention calls it). The same math as decoding every row
+// are (cpu_kernels.py builds it; decode_kernel.decode_attention calls it). The same math as decoding every row
 // (codec.IntCodec) and attending: per group of channels, q.k = scale * q.codes + minimum * sum(q) and
 // sum_j p_j v_j = sum_j (p_j scale_j) codes_j + sum_j p_j minimum_j, so nothing decoded is written to memory
 // (float8 rows: each byte's value from a table, a scale of 1 and no minimum).

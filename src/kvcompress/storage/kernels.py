@@ -350,7 +350,7 @@ def decode_attention_triton(
     key_bits: int,
     value_bits: int,
 ) -> torch.Tensor:
-    """Same result as ``attention.decode_attention`` (its docstring gives the shapes)."""
+    """Same result as ``decode_kernel.decode_attention`` (its docstring gives the shapes)."""
 
     batch, heads, group_rows, dim = query.shape
     seq = keys.shape[-2]

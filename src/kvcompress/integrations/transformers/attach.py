@@ -34,7 +34,7 @@ from ...cache.errors import CacheMisuseError, UnsupportedModelError
 from ...cache.kv_cache import KVCompressCache, LayerFactory, cache_argument
 from ...cache.layer import KVLayer, WindowLayer, take_announced
 from ...cache.tokens import TokenSpans, spans_for
-from ...storage import attention
+from ...storage import attention, kernel_choice
 from ...storage.attention import dense_attention
 from . import longprompt
 from .longprompt import LazyMask, block_prefills, chunk_mlps, lazy_sdpa_mask
@@ -104,10 +104,12 @@ def make_cache(
     method.check_model(model)
     if has_sinks(model) and not method.attends_slots():
         raise UnsupportedModelError(
-            f"kvcompress: {type(model).__name__} uses learned attention sinks (a per-head logit in every softmax), "
-            f"which {method.describe()} cannot carry: its decoding steps attend gathered chunks or per-head segments; "
-            "use a prompt method with heads='uniform' and layers other than 'global' (snapkv, streamingllm, h2o, "
-            "expected, kvzip:layers=uniform) or full"
+            "kvcompress: {model} uses learned attention sinks (a per-head logit in every softmax), which {method} "
+            "cannot carry: its decoding steps attend gathered chunks or per-head segments; use a prompt method with "
+            "{heads='uniform'} and {layers!n} other than 'global' (snapkv, streamingllm, h2o, expected, "
+            "kvzip:layers=uniform) or full",
+            model=type(model).__name__,
+            method=method.describe(),
         )
     if tokenizer is None and method.needs_tokens():
         tokenizer = local_tokenizer(model, method)
@@ -308,7 +310,7 @@ def _other_cache(
         mask = None if attention_mask is None else attention_mask.bool()
         out = dense_attention(query, key, value, mask, _scale(scaling, query), softcap)
         return out.transpose(1, 2).contiguous(), None
-    with attention.chosen_kernels(query, key, attention_mask):
+    with kernel_choice.chosen_kernels(query, key, attention_mask):
         return sdpa_attention_forward(
             module,
             query,

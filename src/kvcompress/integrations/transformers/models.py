@@ -118,7 +118,9 @@ def _fetch_gguf(name: str, model: EmbeddedModel, dest: Path) -> Path:
 def fetch_model(name: str = DEFAULT_MODEL) -> Path:
     """Make sure the embedded model ``name`` is cached, dequantized; return its directory."""
     if name not in EMBEDDED:
-        raise ModelNotAvailableError(f"model={name!r} is not an embedded model; valid: {', '.join(EMBEDDED)}")
+        raise ModelNotAvailableError(
+            "{model=} is not an embedded model; valid: {valid}", model=name, valid=", ".join(EMBEDDED)
+        )
     target = model_dir(name)
     if (target / "model.safetensors").exists():
         return target
@@ -163,16 +165,18 @@ def load_model(
     local = Path(path).expanduser()
     if not local.exists() and path in ARCHITECTURES:
         raise ModelNotAvailableError(
-            f"model={name!r} is a random-weight architecture preset, for timing only (bench speed --model); give a "
-            f"model folder, or leave the model out for the embedded SmolLM2-135M-Instruct ({DEFAULT_MODEL!r})"
+            "{model=} is a random-weight architecture preset, for timing only (bench speed --model); give a model "
+            "folder, or leave the model out for the embedded SmolLM2-135M-Instruct ({default!r})",
+            model=name,
+            default=DEFAULT_MODEL,
         )
     if not local.exists() and (local.is_absolute() or path.startswith((".", "~"))):
         raise ModelNotAvailableError(
-            f"model={name!r}: no such directory (give a local model folder, or a name from_pretrained can load)"
+            "{model=}: no such directory (give a local model folder, or a name from_pretrained can load)", model=name
         )
     if local.is_dir() and not (local / "config.json").is_file():
         raise ModelNotAvailableError(
-            f"model={name!r}: the folder holds no model (no config.json); give a folder save_pretrained wrote"
+            "{model=}: the folder holds no model (no config.json); give a folder save_pretrained wrote", model=name
         )
     bars_were_on = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
@@ -180,7 +184,9 @@ def load_model(
         tokenizer = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
     except (OSError, ValueError) as error:
-        raise ModelNotAvailableError(f"model={name!r} could not be loaded: {str(error).splitlines()[0]}") from None
+        raise ModelNotAvailableError(
+            "{model=} could not be loaded: {why}", model=name, why=str(error).splitlines()[0]
+        ) from None
     finally:
         if bars_were_on:
             hf_logging.enable_progress_bar()
