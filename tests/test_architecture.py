@@ -12,12 +12,17 @@ import pytest
 import torch
 
 import kvcompress as kvc
+from kvcompress.cache.held import hold
+from kvcompress.cache.layer import KVLayer
+from kvcompress.cache.policy import present
 from kvcompress.cli import build_parser, main
 from kvcompress.methods import METHODS, field_specs
 from kvcompress.methods.fields import param
 from kvcompress.methods.prompt import PromptMethod
+from kvcompress.methods.sparse import SparseDecodePolicy, SparseMethod
+from kvcompress.storage.attention import grouped_logits
 
-from .fixtures import char_tokenizer, tiny_model
+from .fixtures import char_tokenizer, random_text, tiny_model
 
 PACKAGE = Path(kvc.__file__).parent
 
@@ -252,6 +257,86 @@ def test_a_new_method_is_one_class_and_a_registry_line(toy_method, saved_tiny_mo
         "--layers, --layer-floor, --pyramid-beta, --decode-budget, --every, --decode-window, --kv-bytes, --stride, "
         "--kv-bits, --kv-format"
     ) in capsys.readouterr().err
+
+
+@dataclass
+class MeanKeys(SparseMethod):
+    """A toy decoding-time method written the way a newcomer would: nothing is dropped; the prompt is cut into chunks
+    of ``chunk`` tokens, and every decoding step attends the ``budget`` tokens of the chunks whose mean key its query
+    scores highest (docs/architecture.md, "Adding a decoding-time method")."""
+
+    name: ClassVar[str] = "mean-keys"
+    unit_setting: ClassVar[tuple[str, str]] = ("chunk", "chunk")  # (the budget holds at least one)
+    chunk: int = param(8, "tokens per chunk", minimum=1)
+
+    def make_layer(self, layer_idx: int, model) -> KVLayer:
+        return KVLayer(layer_idx, MeanKeysPolicy(self, unit=self.chunk, offload=False))
+
+
+class MeanKeysPolicy(SparseDecodePolicy):
+    SAVED_AS = "MeanKeysLayer"
+    means: torch.Tensor | None = hold(rows=True, index=True)  # [b, h, chunks, d]: each chunk's mean key
+
+    def region_chunks(self, lengths: torch.Tensor) -> torch.Tensor:
+        return torch.div(lengths, self.unit, rounding_mode="floor")  # whole chunks; the rest stays dense
+
+    def prepare(self, keys: torch.Tensor, valid: torch.Tensor, chunks: torch.Tensor) -> None:
+        batch, heads, tokens, dim = keys.shape
+        self.means = keys.view(batch, heads, tokens // self.unit, self.unit, dim).mean(dim=3)
+
+    def chunk_scores(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        (means,) = present(self.means)
+        logits = grouped_logits(query, means, scaling)  # [b, q_heads, q, chunks]
+        return logits.view(means.shape[0], means.shape[1], -1, means.shape[2]).amax(dim=2)
+
+
+@pytest.fixture
+def toy_decoding_method():
+    kvc.register_method(MeanKeys)
+    yield MeanKeys
+    METHODS.pop(MeanKeys.name)
+
+
+def test_a_decoding_time_method_is_two_small_classes_and_a_registry_line(
+    toy_decoding_method, saved_tiny_model, tmp_path, capsys
+):
+    """The decoding-time toy runs everywhere the scorer toy does: the library (a budget over the whole prompt attends
+    every chunk: the full cache's answer, exactly; a small one selects its budget each step), the command line, bench
+    accuracy and bench speed."""
+    model, tok = tiny_model(), char_tokenizer()
+    prompt = random_text(300)
+    full = kvc.generate(model, tok, prompt, method=kvc.FullKV(), max_new_tokens=6)
+    whole = kvc.generate(model, tok, prompt, method=MeanKeys(budget=512, chunk=8), max_new_tokens=6)
+    assert whole.token_ids == full.token_ids
+    sparse = kvc.generate(model, tok, prompt, method=MeanKeys(budget=32, chunk=8), max_new_tokens=6)
+    assert sparse.stats["selected_tokens_per_step"] == 32 and sparse.stats["kv_kept_fraction"] == 1.0  # none dropped
+
+    argv = ["--model", str(saved_tiny_model), "--method", "mean-keys", "--budget", "24", "--chunk", "8"]
+    assert main(["generate", *argv, "--raw", "--prompt", "y" * 80, "--max-new-tokens", "3", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["method"] == "mean-keys(budget=24, chunk=8)"
+    accuracy = [
+        "--tasks",
+        "niah",
+        "--budgets",
+        "64",
+        "--lengths",
+        "300",
+        "--depths",
+        "0.5",
+        "--out",
+        str(tmp_path / "a"),
+    ]
+    assert (
+        main(["bench", "accuracy", "--model", str(saved_tiny_model), "--methods", "mean-keys:chunk=4", *accuracy]) == 0
+    )
+    labels = {json.loads(line)["label"] for line in (tmp_path / "a" / "results.jsonl").read_text().splitlines()}
+    assert labels == {"mean-keys:chunk=4@64"}
+    speed = ["--lengths", "200", "--batches", "1", "--steps", "2", "--warmup", "1", "--out", str(tmp_path / "s")]
+    assert (
+        main(["bench", "speed", "--model", str(saved_tiny_model), "--methods", "mean-keys", "--budget", "32", *speed])
+        == 0
+    )
+    assert "mean-keys" in (tmp_path / "s" / "speed.json").read_text()
 
 
 def test_every_layer_attribute_is_born_in_its_init():
