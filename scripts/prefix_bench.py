@@ -50,7 +50,7 @@ from serve_bench import BLOCK, free_port, launched, quantile
 
 from kvcompress import demo
 from kvcompress.integrations.transformers.models import default_model_dir
-from kvcompress.serving import settings as serving
+from kvcompress.serving import launch
 
 QUESTIONS = [
     demo.QUESTION,
@@ -165,13 +165,13 @@ class Client:
 
     async def watch(self, done: asyncio.Event) -> None:
         while not done.is_set():
-            self.peak = max(self.peak, await asyncio.to_thread(serving.gauge, self.base, "vllm:num_requests_running"))
+            self.peak = max(self.peak, await asyncio.to_thread(launch.gauge, self.base, "vllm:num_requests_running"))
             await asyncio.sleep(0.25)
 
     def counters(self) -> tuple[float, float]:
         return (
-            serving.gauge(self.base, "vllm:prefix_cache_hits_total"),
-            serving.gauge(self.base, "vllm:prefix_cache_queries_total"),
+            launch.gauge(self.base, "vllm:prefix_cache_hits_total"),
+            launch.gauge(self.base, "vllm:prefix_cache_queries_total"),
         )
 
 

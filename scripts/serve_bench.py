@@ -38,7 +38,7 @@ import vllm
 
 from kvcompress import demo
 from kvcompress.integrations.transformers.models import default_model_dir
-from kvcompress.serving import settings as serving
+from kvcompress.serving import launch
 
 SETTINGS = {
     "full": {"method": "full"},
@@ -90,7 +90,7 @@ def launched(command: list[str], env: dict[str, str], port: int, log: Path) -> s
     ``log``)."""
     server = subprocess.Popen(command, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env)
     deadline = time.monotonic() + 600
-    while not serving.ready(f"http://127.0.0.1:{port}"):
+    while not launch.ready(f"http://127.0.0.1:{port}"):
         if server.poll() is not None or time.monotonic() > deadline:
             raise RuntimeError(f"the server did not start; its log: {log}")
         time.sleep(2)
@@ -128,7 +128,7 @@ async def run_setting(base: str, model: str, chats: list, settings: dict, max_to
     async def watch() -> None:
         nonlocal peak
         while not done:
-            peak = max(peak, await asyncio.to_thread(serving.gauge, base, "vllm:num_requests_running"))
+            peak = max(peak, await asyncio.to_thread(launch.gauge, base, "vllm:num_requests_running"))
             await asyncio.sleep(0.25)
 
     watcher = asyncio.create_task(watch())

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from kvcompress import demo
-from kvcompress.serving import settings as serving
+from kvcompress.serving import launch
 
 
 def free_port() -> int:
@@ -38,7 +38,7 @@ class Server:
 
     def start(self, timeout: float = 600) -> Server:
         deadline = time.monotonic() + timeout
-        while not serving.ready(self.base):
+        while not launch.ready(self.base):
             assert self.process.poll() is None and time.monotonic() < deadline, self.output()[-3000:]
             time.sleep(2)
         return self
@@ -59,7 +59,7 @@ class Server:
         """Whether vLLM's running-requests and KV-usage gauges fall to 0 within ``timeout`` seconds."""
         deadline = time.monotonic() + timeout
         gauges = ("vllm:num_requests_running", "vllm:kv_cache_usage_perc")
-        while any(serving.gauge(self.base, name) for name in gauges):
+        while any(launch.gauge(self.base, name) for name in gauges):
             if time.monotonic() > deadline:
                 return False
             time.sleep(0.5)

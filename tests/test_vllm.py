@@ -225,7 +225,7 @@ def test_a_prompt_is_read_back_from_vllms_paged_cache_whatever_its_layout():
         for part, stored in enumerate((keys, values)):
             expected = stored.transpose(0, 1)[torch.arange(heads)[:, None], positions]
             assert torch.equal(vllm_paged.read_at(cache, blocks, positions, isa, part), expected), (dtype, isa)
-        with mock.patch.object(vllm_worker, "paged_layout", return_value=None):  # a layout read element by element
+        with mock.patch.object(vllm_paged, "paged_layout", return_value=None):  # a layout read element by element
             assert torch.equal(vllm_paged.read_keys(cache, blocks, 70, isa), keys_t), (dtype, isa)
             for part, stored in enumerate((keys, values)):
                 expected = stored.transpose(0, 1)[torch.arange(heads)[:, None], positions]

@@ -21,6 +21,7 @@ import kvcompress as kvc  # noqa: E402
 from kvcompress import demo  # noqa: E402
 from kvcompress.generation.generate import _eos_ids  # noqa: E402
 from kvcompress.integrations.transformers.models import default_model_dir  # noqa: E402
+from kvcompress.serving import launch  # noqa: E402
 from kvcompress.serving import settings as serving  # noqa: E402
 
 from .served import Server, chat  # noqa: E402
@@ -267,10 +268,10 @@ def test_a_conversation_finds_its_earlier_turns_in_the_prefix_cache(server, libr
 def settled_gauge(base: str, name: str) -> float:
     """A counter of the server's once it has stopped moving (the API server records a step's statistics as it
     passes the step's outputs on, so a reply can come before its own step's counts)."""
-    value, deadline = serving.gauge(base, name), time.monotonic() + 10
+    value, deadline = launch.gauge(base, name), time.monotonic() + 10
     while time.monotonic() < deadline:
         time.sleep(0.5)
-        value, last = serving.gauge(base, name), value
+        value, last = launch.gauge(base, name), value
         if value == last:
             break
     return value
@@ -291,6 +292,6 @@ def test_a_soak_of_one_server_answers_every_request_as_the_library_does(server, 
     assert len(answers) == SOAK
     assert differences(reference, answers) == []
     assert server.idle(), "requests still running or KV blocks still held after the soak"
-    assert serving.gauge(server.base, "vllm:prefix_cache_hits_total") > 0  # shared documents and turns were hits
+    assert launch.gauge(server.base, "vllm:prefix_cache_hits_total") > 0  # shared documents and turns were hits
     errors = [line for line in server.output().splitlines() if " ERROR " in line or "Traceback" in line]
     assert errors == [], errors[:20]

@@ -20,7 +20,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .generation.generate import generate
 from .generation.result import Result
-from .generation.stops import Stops
+from .generation.stops import Stops, text_of
 from .methods import Method
 
 COMMANDS = (
@@ -45,7 +45,7 @@ class Printer:
             self.ids = []
             return
         self.ids.extend(int(t) for t in value.reshape(-1).tolist())
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        text = text_of(self.tokenizer, self.ids, skip_special_tokens=True)
         if not text.endswith("\ufffd"):  # a character cut between tokens
             self.show(text if self.stops is None else self.stops.showable(text))
 
@@ -58,7 +58,7 @@ class Printer:
 
     def end(self) -> None:
         if self.stops is not None and self.ids:  # what waited on a stop string that never came
-            self.show(self.stops.ended(self.tokenizer.decode(self.ids, skip_special_tokens=True)))
+            self.show(self.stops.ended(text_of(self.tokenizer, self.ids, skip_special_tokens=True)))
         self.out.write("\n")
         self.out.flush()
 

@@ -13,15 +13,61 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import torch
 
+from ..storage.codec import KVCodec
 from ..storage.slots import Slots
 from . import held
 from .errors import CacheMisuseError
+from .intake import ObservationPass
+from .phase import Phase
 
-KVLayer = Any  # a layer.KVLayer, which imports this module (steps.py and held.py read their layer the same way)
+
+class ScoredLayer(Protocol):
+    """What a method's scores read of a layer's prompt (``layer_scores``): its keys and values ``[b, kv_heads, n,
+    d]``, validity, real tokens, word spans, rotary module, where each row's question begins and an observation pass's
+    record. ``layer.KVLayer`` is one; so is a vLLM worker's prompt (``serving.settings.PromptLayer``)."""
+
+    spans: torch.Tensor | None
+    rotary: Any  # the model's rotary module for the layer (methods that score with it)
+    observation: ObservationPass | None
+
+    @property
+    def keys(self) -> torch.Tensor: ...
+
+    @property
+    def values(self) -> torch.Tensor: ...
+
+    @property
+    def prompt_tokens(self) -> torch.Tensor | None: ...
+
+    @property
+    def asked(self) -> torch.Tensor | None: ...
+
+    def slot_validity(self) -> torch.Tensor: ...
+
+
+class PolicyLayer(ScoredLayer, Protocol):
+    """What a policy may read (and set) of the layer it serves: ``layer.KVLayer`` is one; the layer imports this
+    module, so its policies see it through this, nothing more."""
+
+    layer_idx: int
+    phase: Phase
+    slots: Slots  # (a policy may swap it for its own layout: LAYOUTS)
+    kv_codec: KVCodec | None  # (a byte budget sets its layer's)
+    dtype: torch.dtype | None
+    prefill_len: int | None
+    sinks: torch.Tensor | None
+    batch_lengths: torch.Tensor | None
+
+    def held_prompt(self) -> tuple[torch.Tensor, int]: ...
+
+    def kept_positions(self) -> torch.Tensor: ...
+
+
+KVLayer = PolicyLayer  # (steps.py and held.py read their layer as a policy does)
 
 
 def present(*tensors: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
@@ -55,7 +101,10 @@ class LayerPolicy:
     @property
     def layer(self) -> KVLayer:
         """The layer this policy serves."""
-        return self._layer()
+        layer = self._layer()
+        if layer is None:
+            raise CacheMisuseError("kvcompress: a method's layer policy was used after its cache was freed")
+        return layer
 
     @property
     def slots(self) -> Slots:
@@ -108,7 +157,7 @@ class LayerPolicy:
 
     def kept_positions(self) -> torch.Tensor:
         """Prompt positions held ``[b, kv_heads, n]`` ascending per head (-1: filler). Default: the storage's."""
-        return self.layer.slots.kept_positions(self.layer.prefill_len)
+        return self.layer.slots.kept_positions(self.layer.held_prompt()[1])
 
     def prompt_readable(self) -> bool:
         """Whether the layer's slots hold its prompt as a later prompt may continue it. Default: they do."""

@@ -12,6 +12,7 @@ a ``Lead`` (``ChatLeads``: as the context's question would be asked).
 from __future__ import annotations
 
 import copy
+from typing import cast
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -19,18 +20,20 @@ from transformers import PreTrainedTokenizerBase
 from ..cache.tokens import TokenSpans
 from ..methods import InvalidParameterError
 from .result import Row
+from .stops import text_of
 
 Messages = list[dict[str, str]]
 
 
 Prompt = str | Messages
+Given = Prompt | list[Prompt] | None  # a prompt argument as a caller gives it (a batch: a list; None: none)
 
 
 def as_rows(prompt: Prompt | list[Prompt]) -> tuple[list[Prompt], bool]:
     if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and isinstance(prompt[0], dict)):
         return [prompt], False
     if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        return list(prompt), True
+        return cast(list[Prompt], list(prompt)), True
     raise TypeError(
         "prompt must be a string, a list of chat messages ({'role', 'content'} dicts), "
         f"or a non-empty list of those for a batch; got {type(prompt).__name__}"
@@ -51,16 +54,16 @@ def prompt_rows(prompt: Prompt | list[Prompt]) -> tuple[list[Prompt], bool]:
     return prompts, is_batch
 
 
-def per_row(value: str | list[str] | None, n: int, name: str) -> list[str | None]:
+def per_row(value: Given | list[str], n: int, name: str) -> list[Prompt | None]:
     if value is None or isinstance(value, str):
         return [value] * n
     if len(value) != n:
         raise InvalidParameterError(f"{name} has {len(value)} entries for a batch of {n} prompts")
-    return list(value)
+    return cast(list[Prompt | None], list(value))
 
 
 def render(tokenizer: PreTrainedTokenizerBase, messages: Messages) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return cast(str, tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
 
 
 def user_prompt(tokenizer: PreTrainedTokenizerBase, text: str) -> Prompt:
@@ -140,7 +143,7 @@ def context_turn(tokenizer: PreTrainedTokenizerBase, prompt: Prompt) -> tuple[Ro
     )
     context = context_ids(tokenizer, row)
     if row.chat:
-        row.transcript = tokenizer.decode(context)
+        row.transcript = text_of(tokenizer, context)
     return row, context
 
 
@@ -177,7 +180,7 @@ def follow_up(tokenizer: PreTrainedTokenizerBase, row: Row, prompt: str) -> list
     that ask an open turn's question."""
     if row.open_turn:
         return ask(tokenizer, row, prompt)
-    answer = tokenizer.decode(row.generated, skip_special_tokens=True)
+    answer = text_of(tokenizer, row.generated, skip_special_tokens=True)
     head = [row.pending] if row.pending is not None else []
     row.pending = None
     if not row.chat:
@@ -239,7 +242,8 @@ def new_rows(
 ) -> tuple[list[Row], list[list[list[int]]], bool, list[Row]]:
     """Rows, token chunks, whether a batch, and each row as its first chunk leaves it (``first_turn``)."""
     prompts, is_batch = prompt_rows(prompt)
-    turns = [first_turn(tokenizer, p, q) for p, q in zip(prompts, per_row(question, len(prompts), "question"))]
+    questions = cast(list[str | None], per_row(question, len(prompts), "question"))  # (question's own type: text)
+    turns = [first_turn(tokenizer, p, q) for p, q in zip(prompts, questions)]
     return [t[0] for t in turns], [t[1] for t in turns], is_batch, [t[2] for t in turns]
 
 

@@ -119,12 +119,13 @@ def next_token(logits: torch.Tensor, state: DecodeState) -> torch.Tensor:
     """Each row's next token from ``logits [b, vocab]``: the argmax, or with sampling a draw from the nucleus
     (the most probable tokens until their probability reaches top-p) of the temperature-scaled distribution, by the
     Gumbel-max trick over the state's noise (the same draw for the same noise: a seed repeats an answer)."""
-    if state.noise is None:
+    noise, temperature, top_p = state.noise, state.temperature, state.top_p
+    if noise is None or temperature is None or top_p is None:  # greedy (sampling sets the three together)
         return logits.argmax(dim=-1)
-    ordered, order = (logits.float() / state.temperature).sort(dim=-1, descending=True)
+    ordered, order = (logits.float() / temperature).sort(dim=-1, descending=True)
     probs = ordered.softmax(dim=-1)
-    ordered = ordered.masked_fill(probs.cumsum(dim=-1) - probs > state.top_p, float("-inf"))  # past the nucleus
-    gumbel = -torch.log(-torch.log(state.noise.clamp(1e-10, 1 - 1e-7)))
+    ordered = ordered.masked_fill(probs.cumsum(dim=-1) - probs > top_p, float("-inf"))  # past the nucleus
+    gumbel = -torch.log(-torch.log(noise.clamp(1e-10, 1 - 1e-7)))
     return order.gather(-1, (ordered + gumbel).argmax(dim=-1, keepdim=True)).squeeze(-1)
 
 
@@ -172,22 +173,23 @@ class StepRunner:
         self.calls = 0
         self.compile_s, self.compile_steps = 0.0, 0  # steps that compiled (or captured) and their time
         self.graph: torch.cuda.CUDAGraph | None = None
-        self.flags = torch.zeros(2, dtype=torch.bool, pin_memory=True) if self.cuda else None  # lagged "all finished"
+        self.flags = torch.zeros(2, dtype=torch.bool, pin_memory=self.cuda)  # lagged "all finished" (read on CUDA)
         self.events = [torch.cuda.Event(), torch.cuda.Event()] if self.cuda else []
 
     def step(self) -> None:
         """One step; the host's counters move on with it."""
-        if self.options is None or self.calls == 0:  # eager (the first step also times the SDPA kernels)
+        options = self.options
+        if options is None or self.calls == 0:  # eager (the first step also times the SDPA kernels)
             greedy_step(self.model, self.cache, self.state)
         else:
             graphs, capturing = (
                 counters["stats"]["unique_graphs"],
-                self.cuda and self.options.cuda_graph and self.graph is None,
+                self.cuda and options.cuda_graph and self.graph is None,
             )
             self.cache.prepare_step(1)  # between graphs: a decoding bound's re-selection
             start = time.perf_counter()
             with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
-                self._compiled()
+                self._compiled(options)
             if capturing or counters["stats"]["unique_graphs"] != graphs:
                 if self.cuda:
                     torch.cuda.synchronize(self.state.token.device)
@@ -200,9 +202,9 @@ class StepRunner:
             self.events[slot].record()
         self.calls += 1
 
-    def _compiled(self) -> None:
-        run = compiled_step(self.options)
-        if not (self.cuda and self.options.cuda_graph):
+    def _compiled(self, options: Compile) -> None:
+        run = compiled_step(options)
+        if not (self.cuda and options.cuda_graph):
             run(self.model, self.cache, self.state)
         elif self.graph is not None:
             self.graph.replay()

@@ -141,12 +141,12 @@ class Prefill:
     prompts: list[list[int]]  # each row's prompt tokens (for a method's observation pass)
 
 
-def feed_chunks(
-    feeder: Feeder, chunk_lists: list[list[list[int]]], logits: torch.Tensor | None = None
-) -> torch.Tensor | None:
+def feed_chunks(feeder: Feeder, chunk_lists: list[list[list[int]]], logits: torch.Tensor | None = None) -> torch.Tensor:
     """Feed each row's chunks, one step per chunk; the last logits (``logits`` when nothing is left)."""
-    for step in range(max(len(c) for c in chunk_lists)):
+    for step in range(max((len(c) for c in chunk_lists), default=0)):
         logits = feeder.feed([chunks[step] if step < len(chunks) else [] for chunks in chunk_lists])
+    if logits is None:
+        raise ValueError("kvcompress: no tokens were fed, and no logits were given for the next token")
     return logits
 
 

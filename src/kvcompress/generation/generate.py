@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from ..cache.errors import CacheMisuseError
 from ..methods import FullKV, InvalidParameterError, Method
 from ..methods.fields import field_specs, param, setting
 from ..storage.cpu_kernels import ready_cpu_kernel
@@ -34,7 +35,7 @@ from .feed import (
     recording,
 )
 from .result import Result
-from .stops import Stops
+from .stops import Stops, text_of
 from .ways_in import Start, WayIn, resolve_method, way_in
 
 # a stored context's last prefill queries kept per layer, for the question-aware methods asked over it
@@ -133,6 +134,8 @@ def _begun(
     )
     check_lengths(model, fed, max_new_tokens)
     if begin.cache is None:  # a new prompt: prefilled in groups of rows when the batch is large
+        if begin.make_cache is None:
+            raise CacheMisuseError("kvcompress: a new prompt came with no way to make its cache")
         feeder, first = prefill_groups(
             model,
             begin.make_cache,
@@ -144,13 +147,13 @@ def _begun(
         logits = feed_chunks(feeder, [chunks[1:] for chunks in begin.chunk_lists], first)
     else:
         feeder = Feeder(model, begin.cache, begin.mask, begin.position, pad_id(tokenizer))
-        logits = feed_chunks(feeder, begin.chunk_lists) if begin.chunk_lists else begin.logits
+        logits = feed_chunks(feeder, begin.chunk_lists, begin.logits)
     return begin, feeder, logits, begin.prefill_s + synced_clock(model.device) - clock
 
 
 @dataclass(frozen=True)
 class Settings:
-    """``generate``'s and ``compress``'s own settings, declared as a method's fields are (``methods.base.param``), so
+    """``generate``'s and ``compress``'s own settings, declared as a method's fields are (``methods.fields.param``), so
     each is checked by its declaration and refused in one line naming its value and range, in the methods' words."""
 
     max_new_tokens: int = param(64, "tokens to generate per row at most", minimum=1)
@@ -227,7 +230,7 @@ def _result(
     for row, tokens, done in zip(begin.rows, generated, finished):
         row.generated = [t for t in tokens if t not in eos]
         row.pending = None if done else tokens[-1]
-    texts = [tokenizer.decode(row.generated, skip_special_tokens=True) for row in begin.rows]
+    texts = [text_of(tokenizer, row.generated, skip_special_tokens=True) for row in begin.rows]
     texts = texts if stops is None else [stops.ended(text) for text in texts]
     timed = steps - decoded.compile_steps  # the steps that compiled are timed as compile_s, never as decoding
     # ttft_s: what a user waits for the first token: the prompt fed, any observation pass and the compression, the first
@@ -356,9 +359,10 @@ def compress(
     check_lengths(model, [len(context) for _, context in turns], 1)
     resolved = resolve_method(method)
     rows = [row for row, _ in turns]
+    window = QUERY_WINDOW if isinstance(query_window, str) else query_window  # ("auto": the only text _check takes)
     feeder, _ = prefill_groups(
         model,
-        lambda: recording(resolved.make_cache(model, tokenizer), QUERY_WINDOW if auto else query_window),
+        lambda: recording(resolved.make_cache(model, tokenizer), window),
         [context for _, context in turns],
         pad_id(tokenizer),
         prefill_tokens,

@@ -20,7 +20,7 @@ import os
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from safetensors import safe_open
@@ -92,9 +92,7 @@ class Result:
         """Write this conversation and its cache to ``path`` (see the module docstring); the model is
         the one the cache was made for. An existing file is replaced whole (never left half
         written); the file's mode follows the umask, as any new file's does."""
-        model = self.cache.model()
-        if model is None:
-            raise CacheFileError("the model this cache was made for is gone; save while it is loaded")
+        model = _made_for(self.cache, "save")
         target = Path(path)
         if not target.parent.is_dir():
             raise FileNotFoundError(f"cannot save to {target}: the folder {target.parent} does not exist")
@@ -123,12 +121,10 @@ class Result:
         """An independent copy of this conversation and its cache (what ``save`` then ``load`` would
         give, without a file): each question asked of its own copy of one compressed context sees
         none of the others. The stored context it is asked over (``store``), never written, is shared."""
-        model = self.cache.model()
-        if model is None:
-            raise CacheFileError("the model this cache was made for is gone; copy while it is loaded")
+        model = _made_for(self.cache, "copy")
         tensors, layers = cache_state(self.cache)
         cache = _rebuilt(
-            self.cache.method, model, self.cache.span_table, layers, {key: t.clone() for key, t in tensors.items()}
+            _method_of(self.cache), model, self.cache.span_table, layers, {key: t.clone() for key, t in tensors.items()}
         )
         cache.embeds_itself, cache.timings, cache.observe_s = (
             self.cache.embeds_itself,
@@ -147,13 +143,26 @@ class Result:
         )
 
 
+def _made_for(cache: KVCompressCache, doing: str) -> PreTrainedModel:
+    """The model ``cache`` was made for (held weakly), or a refusal to go on ``doing`` without it."""
+    model = cache.model()
+    if model is None:
+        raise CacheFileError(f"the model this cache was made for is gone; {doing} while it is loaded")
+    return cast(PreTrainedModel, model)
+
+
+def _method_of(cache: KVCompressCache) -> Method:
+    """The method of a cache ``generate`` made (the cache knows it as its ``LayerFactory``)."""
+    return cast(Method, cache.method)
+
+
 def _entries(result: Result) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """A conversation's tensors (its cache's, its mask and positions) and its metadata (the method, the layers'
     plain values, the conversation itself), as a file holds them (docs/file-format.md)."""
     tensors, layers = cache_state(result.cache)
     tensors["conversation.attention_mask"] = result.attention_mask.bool().cpu()  # one byte per token fed
     tensors["conversation.next_position"] = result.next_position.cpu()
-    method = result.cache.method
+    method = _method_of(result.cache)
     return tensors, {
         "method": {
             "name": method.name,
@@ -246,7 +255,7 @@ def tensor_digest(tensors: dict[str, torch.Tensor]) -> str:
     for name in sorted(tensors):
         tensor = tensors[name].detach().cpu().contiguous()
         digest.update(f"{name}:{str(tensor.dtype).removeprefix('torch.')}:{list(tensor.shape)};".encode())
-        digest.update(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
+        digest.update(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))  # type: ignore[arg-type]  # (a buffer)
     return digest.hexdigest()
 
 

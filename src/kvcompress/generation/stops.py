@@ -12,11 +12,17 @@ far as no stop string could begin (``showable``), so it never shows a string's f
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
 from ..methods.fields import InvalidParameterError
+
+
+def text_of(tokenizer: PreTrainedTokenizerBase, ids: list[int], skip_special_tokens: bool = False) -> str:
+    """The text of one sequence of token ids (transformers types ``decode`` as a batch's too)."""
+    return cast(str, tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
 
 
 @dataclass
@@ -48,7 +54,7 @@ class Stops:
         if not running:
             return
         for row, tokens in zip(running, produced[running, : column + 1].tolist()):
-            if self.cut(self.tokenizer.decode(tokens, skip_special_tokens=True)) is not None:
+            if self.cut(text_of(self.tokenizer, tokens, skip_special_tokens=True)) is not None:
                 self.hit[row] = column
                 finished[row] = True
 

@@ -7,8 +7,9 @@ the cache, the rows, what is left to feed."""
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -18,6 +19,7 @@ from ..cache.kv_cache import KVCompressCache
 from ..methods import FullKV, InvalidParameterError, Method, method_from_name
 from .conversation import (
     ChatLeads,
+    Given,
     Lead,
     Prompt,
     after_context,
@@ -75,7 +77,7 @@ def check_per_question(method: Method) -> None:
 
 
 def _over_context(
-    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompt: str | list[str], method: Method, past: Result
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompt: Given, method: Method, past: Result
 ) -> Start:
     """Questions over a stored context, each prefilled over the context's tokens (read, never written)
     and compressed with them by ``method``: one question per row of ``past``, or a list of questions over
@@ -102,11 +104,10 @@ def _over_context(
             "--method out to ask this file with the method it was compressed with",
         )
     stored = len(past.rows)
-    if isinstance(prompt, list) and stored == 1:
-        questions, index = prompt, [0] * len(prompt)
-    else:
-        questions, index = per_row(prompt, stored, "prompt"), list(range(stored))
-    if not questions or not all(isinstance(q, str) and q.strip() for q in questions):
+    given: Sequence[object] = prompt if isinstance(prompt, list) and stored == 1 else per_row(prompt, stored, "prompt")
+    index = [0] * len(given) if isinstance(prompt, list) and stored == 1 else list(range(stored))
+    questions = [q for q in given if isinstance(q, str) and q.strip()]
+    if not given or len(questions) != len(given):
         raise InvalidParameterError(
             "give each question over a stored context as a non-empty string (a list of them for a batch)"
         )
@@ -119,7 +120,7 @@ def _over_context(
 
 
 def _over_conversation(
-    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompt: str | list[str], method: Method, past: Result
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompt: Given, method: Method, past: Result
 ) -> Start:
     """A follow-up compressed per question: everything said after the stored context (each earlier question
     and answer, as the whole conversation's prompt would tokenize them) and the new message are prefilled over
@@ -128,14 +129,21 @@ def _over_conversation(
     store = past.store
     assert store is not None
     rows = [copy.deepcopy(row) for row in past.rows]
-    contexts = {row.store_row: context_ids(tokenizer, store.rows[row.store_row]) for row in rows}
+    contexts = {_store_row(row): context_ids(tokenizer, store.rows[_store_row(row)]) for row in rows}
     asked = []
     for row, text in zip(rows, per_row(prompt, len(rows), "prompt")):
         if not isinstance(text, str) or not text.strip():
             raise InvalidParameterError("give each follow-up as a non-empty string (a list of them for a batch)")
         follow_up(tokenizer, row, text)
-        asked.append(after_context(tokenizer, row, contexts[row.store_row]))
+        asked.append(after_context(tokenizer, row, contexts[_store_row(row)]))
     return _asked_over(model, tokenizer, method, store, rows, asked, contexts, len(rows) > 1)
+
+
+def _store_row(row: Row) -> int:
+    """The row of its conversation's store ``row`` continues (a conversation over a store has one per row)."""
+    if row.store_row is None:
+        raise CacheMisuseError("kvcompress: a turn over a stored context lost the row of the store it continues")
+    return row.store_row
 
 
 def _asked_over(
@@ -150,7 +158,7 @@ def _asked_over(
 ) -> Start:
     """A fresh cache of ``method`` whose prompt continues rows ``row.store_row`` of ``store`` with each row's
     ``asked`` tokens (right-aligned), to be compressed with them."""
-    index = [row.store_row for row in rows]
+    index = [_store_row(row) for row in rows]
     width = max(len(ids) for ids in asked)
     chosen = torch.tensor(index, device=model.device)
     cache = method.make_cache(model, tokenizer)
@@ -217,11 +225,8 @@ class FollowUp(WayIn):
     """The next message of a conversation, appended to its cache (the method that built the cache goes on)."""
 
     past: Result
-    prompt: str | list[str]
-
-    @property
-    def method(self) -> Method:  # (the cache's own)
-        return self.past.cache.method
+    prompt: Given
+    method: Method  # (the cache's own)
 
     def start(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> Start:
         past = self.past
@@ -231,10 +236,10 @@ class FollowUp(WayIn):
                 "appended to its cache; ask each question of its own copy (past=context.copy()), or continue the "
                 "Result that call returned"
             )
-        chunk_lists = [
-            [follow_up(tokenizer, row, text)]
-            for row, text in zip(past.rows, per_row(self.prompt, len(past.rows), "prompt"))
-        ]
+        texts = per_row(self.prompt, len(past.rows), "prompt")
+        if not all(isinstance(text, str) and text.strip() for text in texts):
+            raise InvalidParameterError("give each follow-up as a non-empty string (a list of them for a batch)")
+        chunk_lists = [[follow_up(tokenizer, row, cast(str, text))] for row, text in zip(past.rows, texts)]
         if past.cache.device_of() not in (None, model.device):  # a context stored in host memory, continued as it is
             past.cache.move(model.device)
         return Start(
@@ -254,7 +259,7 @@ class StoredQuestion(WayIn):
     never written) with everything said after it, and compressed by ``method`` with them."""
 
     past: Result
-    prompt: str | list[str]
+    prompt: Given
     method: Method
 
     def start(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> Start:
@@ -304,8 +309,8 @@ def way_in(
         if method is not None:
             return StoredQuestion(past, prompt, resolve_method(method))
         if all(row.open_turn for row in past.rows) and type(past.cache.method) is FullKV and past.cache.storable():
-            return StoredQuestion(past, prompt, past.cache.method)
-        return FollowUp(past, prompt)
+            return StoredQuestion(past, prompt, cast(Method, past.cache.method))
+        return FollowUp(past, prompt, cast(Method, past.cache.method))
     if record is not None:
         record.cache.check_model(model, "use a prefill record with the model that prefilled it")
         if prompt is not None or question is not None:

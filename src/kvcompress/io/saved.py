@@ -16,13 +16,16 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..cache import held
 from ..cache.errors import Said
 from ..cache.kv_cache import KVCompressCache
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 class CacheFileError(Said, ValueError):
@@ -47,7 +50,7 @@ ARCHITECTURE = (
 )
 
 
-def model_fingerprint(model: torch.nn.Module) -> str:
+def model_fingerprint(model: PreTrainedModel) -> str:
     """A short hash of the model's architecture (``ARCHITECTURE``'s config entries) and weights (per
     parameter: its name, shape, dtype and a strided sample's sum): the same for the same checkpoint
     under any transformers version, different for another model."""

@@ -27,6 +27,7 @@ import torch
 from ..cache.errors import UnsupportedModelError
 from ..cache.kv_cache import KVCompressCache
 from ..cache.layer import KVLayer
+from ..cache.policy import PolicyLayer
 from ..cache.tokens import TokenSpans
 from ..integrations.transformers.attach import layer_windows, make_cache
 from ..integrations.transformers.rope import check_rope
@@ -274,7 +275,7 @@ class BudgetMethod(Method):
         return values
 
 
-def batch_prompt_tokens(layer: KVLayer) -> torch.Tensor:
+def batch_prompt_tokens(layer: PolicyLayer) -> torch.Tensor:
     """Real prompt tokens of every row of the batch ``layer`` is compressed for: a cache prefilled for a group of a
     batch's rows (``KVCompressCache.note_batch``) compresses them into the shapes the whole batch would take, so
     the groups can be joined."""

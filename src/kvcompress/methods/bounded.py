@@ -157,7 +157,7 @@ class BoundedPolicy(EvictionPolicy):
         """Prompt positions still held per head, ascending; -1 for slots of answer tokens and filler."""
         if self.slots.cursor is None:
             return super().kept_positions()
-        return prompt_positions_held(self.slots.held_positions(), self.layer.prompt_tokens)
+        return prompt_positions_held(self.slots.held_positions(), self.layer.held_prompt()[0])
 
     def stats(self, stats: dict[str, Any]) -> dict[str, Any]:
         return {**stats, "reselections": self.reselections, "reselect_s": self.reselect_s, "bounded_layers": 1}

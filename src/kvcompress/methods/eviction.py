@@ -13,7 +13,7 @@ from ..cache.errors import CacheMisuseError
 from ..cache.held import hold
 from ..cache.intake import ObservationPass
 from ..cache.layer import KVLayer
-from ..cache.policy import LayerPolicy
+from ..cache.policy import LayerPolicy, ScoredLayer
 from ..storage.attention import scoring_sinks
 from ..storage.codec import make_kv_codec
 from ..storage.dense import DenseSlots
@@ -48,7 +48,7 @@ class KeepsPrompt(Protocol):
 
     def queries_needed(self) -> int | None: ...
 
-    def layer_scores(self, layer: KVLayer, query: torch.Tensor | None, scaling: float) -> torch.Tensor: ...
+    def layer_scores(self, layer: ScoredLayer, query: torch.Tensor | None, scaling: float) -> torch.Tensor: ...
 
     def observe(
         self,
@@ -81,7 +81,7 @@ class EvictionPolicy(LayerPolicy):
         largest count; a group of a batch prefilled in groups takes the whole batch's), or None when no
         row of the batch is over its count."""
         lengths = batch_prompt_tokens(self.layer)  # (a float share here: a layer of per-row shares packs, below)
-        kept = self.method.kept_tokens(torch.cat([lengths, self.layer.prompt_tokens.to(lengths.device)]), self.share)
+        kept = self.method.kept_tokens(torch.cat([lengths, self.layer.held_prompt()[0].to(lengths.device)]), self.share)
         everyone, own = kept[: len(lengths)], kept[len(lengths) :]
         if bool((everyone >= lengths).all()):
             return None
@@ -104,9 +104,10 @@ class EvictionPolicy(LayerPolicy):
         context: torch.Tensor,
     ) -> None:
         observation = self.layer.observation
-        observation.seen = self.method.observe(
-            observation.seen, query, keys, valid, self.layer.prefill_len, scaling, lse, context
-        )
+        if observation is None:  # (the layer's phase, OBSERVING, holds one)
+            raise CacheMisuseError("kvcompress: an observation step came to a layer that awaits no pass")
+        prompt = self.layer.held_prompt()[1]
+        observation.seen = self.method.observe(observation.seen, query, keys, valid, prompt, scaling, lse, context)
 
     def compress(self, query: torch.Tensor | None, scaling: float) -> None:
         self.keep_top(lambda: self.prompt_scores(query, scaling))
@@ -133,7 +134,7 @@ class HeadAdaptivePolicy(EvictionPolicy):
     def counts(self) -> tuple[torch.Tensor, int] | None:
         if isinstance(self.share, float):
             return super().counts()
-        counts = self.method.kept_tokens(self.layer.prompt_tokens, self.share)  # this group's rows: every row packs
+        counts = self.method.kept_tokens(self.layer.held_prompt()[0], self.share)  # this group's rows: every row packs
         return counts, int(counts.max())
 
     def compress(self, query: torch.Tensor | None, scaling: float) -> None:

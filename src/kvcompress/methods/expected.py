@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from ..cache.policy import present
+from ..cache.policy import ScoredLayer, present
 from ..cache.tokens import span_max
 from ..integrations.transformers.rope import apply_rope, invert_rope, rotary_for
 from ..storage.tensors import prompt_positions
@@ -144,7 +144,7 @@ class ExpectedAttention(PromptMethod):
         layer.rotary = rotary_for(model, layer_idx)
         return layer
 
-    def layer_scores(self, layer: KVLayer, query: torch.Tensor | None, scaling: float) -> torch.Tensor:
+    def layer_scores(self, layer: ScoredLayer, query: torch.Tensor | None, scaling: float) -> torch.Tensor:
         (query,) = present(query)
         valid = layer.slot_validity()
         positions = prompt_positions(valid)  # the prompt's slots in order: every slot holds its own token

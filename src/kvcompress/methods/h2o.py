@@ -268,4 +268,4 @@ class H2OPolicy(EvictionPolicy):
         if self.slots.notes["slot_positions"] is None:
             return super().kept_positions()
         held = self.slots.notes["slot_positions"][..., : self.slots.used]
-        return prompt_positions_held(held, self.layer.prompt_tokens)
+        return prompt_positions_held(held, self.layer.held_prompt()[0])

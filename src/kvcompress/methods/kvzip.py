@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
+from ..cache.policy import ScoredLayer
 from ..cache.tokens import span_max
 from ..storage.tensors import prompt_positions
 from .base import Observation
@@ -34,7 +35,7 @@ from .fields import default_of, param
 from .prompt import PromptMethod
 
 if TYPE_CHECKING:
-    from ..cache.layer import KVLayer
+    pass
 
 SCORE_ELEMENTS = 1 << 20  # float32 logits scored at once (4 MiB: a block that stays in cache is 3x faster on CPU)
 FIRST = "Repeat the previous context exactly."
@@ -138,7 +139,7 @@ class KVzip(PromptMethod):
         scores = reconstruction_scores(query, keys, valid, prompt, scaling, lse, counted)
         return scores if seen is None else torch.maximum(seen, scores)
 
-    def layer_scores(self, layer: KVLayer, query: torch.Tensor | None, scaling: float) -> torch.Tensor:
+    def layer_scores(self, layer: ScoredLayer, query: torch.Tensor | None, scaling: float) -> torch.Tensor:
         seen = None if layer.observation is None else layer.observation.seen
         if seen is None:
             raise ValueError(

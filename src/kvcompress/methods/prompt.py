@@ -35,6 +35,7 @@ import torch
 
 from ..cache.intake import ObservationPass
 from ..cache.layer import KVLayer
+from ..cache.policy import ScoredLayer
 from ..storage.capped import BoundedSlots
 from ..storage.codec import KVCodec
 from .base import BudgetMethod
@@ -245,7 +246,7 @@ class PromptMethod(BudgetMethod):
         tokens are the last held ones, kept whatever the scores). A method that scores while decoding defines it."""
         raise NotImplementedError(f"{type(self).__name__} has no scores while decoding")
 
-    def layer_scores(self, layer: KVLayer, query: torch.Tensor | None, scaling: float) -> torch.Tensor:
+    def layer_scores(self, layer: ScoredLayer, query: torch.Tensor | None, scaling: float) -> torch.Tensor:
         """Scores of one layer's prompt: ``scores`` of its keys by default. A method that needs more of
         the layer (its rotary module, what its observation pass saw) overrides this."""
         return self.scores(query, layer.keys, layer.slot_validity(), scaling, layer.spans)

@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 import torch.nn.functional as F
 
+from ..cache.policy import ScoredLayer
 from ..cache.tokens import span_max
 from ..storage.attention import grouped_logits, key_probabilities
 from .base import check_reserved
@@ -58,7 +59,6 @@ from .fields import param, require
 from .prompt import PromptMethod
 
 if TYPE_CHECKING:
-    from ..cache.layer import KVLayer
     from .bounded import BoundedPolicy
 
 POOLINGS = ("max", "avg")
@@ -229,7 +229,7 @@ class SnapKV(PromptMethod):
     def needs_tokens(self) -> bool:
         return self.clustering == "spans"
 
-    def layer_scores(self, layer: KVLayer, query: torch.Tensor | None, scaling: float) -> torch.Tensor:
+    def layer_scores(self, layer: ScoredLayer, query: torch.Tensor | None, scaling: float) -> torch.Tensor:
         asked = layer.asked if self.question_window else None  # (after a stored context, or a served question)
         return self.scores(
             query,

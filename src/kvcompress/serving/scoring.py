@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import cast
 
 import torch
 import torch.nn.functional as F
 
 from ..integrations.transformers.rope import Rotary
 from ..methods.base import Method
+from ..methods.prompt import PromptMethod
 from ..methods.selection import select_kept
 from ..storage.attention import scoring_sinks
 from .settings import PromptLayer
@@ -35,7 +37,9 @@ class PromptValues:
         computed = self.computed.transpose(0, 1)[heads, (positions - self.cached).clamp(min=0)]
         if self.cached == 0:
             return computed
-        cached = self.read(positions.clamp(max=self.cached - 1))  # (a reader is given wherever tokens are cached)
+        if self.read is None:  # (a reader is given wherever tokens are cached)
+            raise RuntimeError("kvcompress: a prompt's cached values were read with no reader for them")
+        cached = self.read(positions.clamp(max=self.cached - 1))
         return torch.where((positions < self.cached)[..., None], cached, computed)
 
     def whole(self) -> torch.Tensor:
@@ -66,7 +70,8 @@ def prompt_scores(method: Method, prompt: Finishing, scaling: float, rotary: Rot
     values (no copy)."""
     asked = None if prompt.asked is None else torch.tensor([prompt.asked])
     layer = PromptLayer(prompt.keys[None], lambda: prompt.values.whole()[None], prompt.spans, rotary, asked)
-    return method.layer_scores(layer, prompt.queries.transpose(0, 1)[None], scaling)[0]
+    scorer = cast(PromptMethod, method)  # (a compressing method is a prompt method: serving refuses the others)
+    return scorer.layer_scores(layer, prompt.queries.transpose(0, 1)[None], scaling)[0]
 
 
 def kept_together(

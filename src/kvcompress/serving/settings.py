@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig
 
+from ..cache.intake import ObservationPass
 from ..generation.conversation import PROBES, shared_prefix
 from ..integrations.transformers.rope import Rotary, check_rope_config
 from ..methods import METHODS, method_from_name
@@ -114,20 +115,21 @@ def check_servable(method: Method, cache_dtype: str | None = None) -> Method:
             kv_format=method.kv_format,
             pool=cache_dtype,
         )
-    if getattr(method, "decode_budget", None) is not None:
+    decode_budget, kv_bytes = getattr(method, "decode_budget", None), getattr(method, "kv_bytes", None)
+    if decode_budget is not None:
         raise InvalidParameterError(
             "{owner}: {decode_budget=} cannot be served by vLLM: kvcompress's plugin selects a request's blocks once, "
             "at the end of its prefill, and does not re-select them while it decodes; valid: no {decode_budget!n} "
             "(docs/vllm.md)",
             owner=owner,
-            decode_budget=method.decode_budget,
+            decode_budget=decode_budget,
         )
-    if getattr(method, "kv_bytes", None) is not None:
+    if kv_bytes is not None:
         raise InvalidParameterError(
             "{owner}: {kv_bytes=} cannot be served by vLLM (its pool holds every request in one dtype, the same count "
             "per KV head and layer); valid: {budget!n} or {ratio!n}",
             owner=owner,
-            kv_bytes=method.kv_bytes,
+            kv_bytes=kv_bytes,
         )
     if getattr(method, "evict_during_decoding", False):
         raise InvalidParameterError(
@@ -334,6 +336,7 @@ class PromptLayer:
     spans: torch.Tensor | None
     rotary: Rotary | None
     asked: torch.Tensor | None = None
+    observation: ObservationPass | None = None  # (no pass: what a method scoring from one reads is refused first)
 
     @functools.cached_property
     def values(self) -> torch.Tensor:

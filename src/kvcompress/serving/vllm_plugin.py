@@ -87,7 +87,7 @@ class KVCompressConnector(KVConnectorBase_V1):
         requests = {}
         for request_id, query in scheduler_output.num_scheduled_tokens.items():
             plan, request = self.plans.get(request_id), self.requests.get(request_id)
-            if plan is None:
+            if plan is None or request is None:
                 continue
             prefilling = request.num_computed_tokens < request.num_prompt_tokens
             requests[request_id] = Scheduled(

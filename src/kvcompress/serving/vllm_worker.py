@@ -135,7 +135,7 @@ class KVCompressCPUImpl(CPUAttentionBackendImpl):
                 "attention has sliding windows, soft-capping, sinks or ALiBi; valid: auto"
             )
 
-    def layer_rotary(self, layer: Any) -> Rotary:
+    def layer_rotary(self, layer: Any) -> Rotary | None:
         """The rotary embedding of this layer, from the model's config."""
         if self.rotary is None:
             self.rotary = rotary_from_config(self.model.hf_config, layer_index(layer.layer_name))
@@ -170,7 +170,7 @@ class KVCompressCPUImpl(CPUAttentionBackendImpl):
                 area[physical // block_size].to(slots.dtype) * block_size + physical % block_size
             )
             seq_lens[row] = kept + (info.computed + info.query - info.prompt)
-            table[row, : len(info.area)] = area
+            table[row, : area.shape[0]] = area
             REMAPPED.add(request)
         metadata.seq_lens, metadata.slot_mapping, metadata.block_table = seq_lens, slots, table
         metadata.max_seq_len = int(seq_lens[: len(query_lens)].max())
@@ -179,12 +179,7 @@ class KVCompressCPUImpl(CPUAttentionBackendImpl):
         )
 
     def do_kv_cache_update(
-        self,
-        layer: torch.nn.Module,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
+        self, layer: Any, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
     ) -> None:
         metadata = step_metadata(layer.layer_name)
         if metadata is not None:  # compressed requests write after their kept tokens
@@ -250,7 +245,9 @@ class KVCompressCPUImpl(CPUAttentionBackendImpl):
                 self.attend_prompt(query[rows], keys, values, output[rows])
             if not done:  # an earlier chunk of a prompt prefilled in chunks: held until the last, copied (the keys
                 # live in the step's whole projection)
-                CHUNKS[(request, layer.layer_name)] = (began, [*held, tuple(part.clone() for part in chunk)])
+                computed_keys, computed_values, computed_queries = chunk
+                copied = (computed_keys.clone(), computed_values.clone(), computed_queries.clone())
+                CHUNKS[(request, layer.layer_name)] = (began, [*held, copied])
                 continue
             if not compressing or info.area is None:  # (no area: the scheduler found no room, docs/vllm.md)
                 continue

@@ -23,7 +23,7 @@ the ones that layer returned, and that the module is the one the cache was made 
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from typing import Any, cast
 
 import torch
 from transformers import AttentionInterface, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
@@ -117,12 +117,13 @@ def make_cache(
     for index, (module, window) in enumerate(zip(attention_modules(model), layer_windows(model))):
         layer = WindowLayer(index, window) if window is not None else method.make_layer(index, model)
         layer.attention_module, layer.sinks = weakref.ref(module), getattr(module, "sinks", None)
-        layer.kv_codec = method.storage_codec(module.head_dim, model.dtype, turned=True if window is not None else None)
+        head_dim = cast(int, module.head_dim)  # (a module attribute: typed as a tensor or module)
+        layer.kv_codec = method.storage_codec(head_dim, model.dtype, turned=True if window is not None else None)
         layers.append(layer)
     return KVCompressCache(method, layers, model, spans=spans_for(tokenizer) if tokenizer is not None else None)
 
 
-def has_sinks(model: torch.nn.Module) -> bool:
+def has_sinks(model: PreTrainedModel) -> bool:
     """Whether the model's attention modules hold learned sink logits (gpt-oss's ``sinks``)."""
     return any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in attention_modules(model))
 
@@ -155,7 +156,7 @@ def attach(model: PreTrainedModel) -> None:
     if not getattr(model, "_kvcompress_input_check", False):
         model.register_forward_pre_hook(check_inputs, with_kwargs=True)
         model.register_forward_hook(end_call, with_kwargs=True)
-        model._kvcompress_input_check = True
+        model._kvcompress_input_check = True  # type: ignore[assignment]  # (nn.Module types attributes as modules)
 
 
 def _cache_of(args: tuple, kwargs: dict) -> KVCompressCache | None:
@@ -219,9 +220,9 @@ def _refuse_inputs(cache: KVCompressCache, args: tuple, kwargs: dict) -> None:
     positions = kwargs.get("position_ids")
     if new > 1 and positions is not None:  # several new tokens: a new turn, or a new prompt by mistake
         rows = positions.shape[-2] if positions.dim() > 1 else 1
-        padded = isinstance(mask, torch.Tensor) and mask.dim() == 2
-        real = mask[:, :seen].sum(-1) if padded else torch.full((rows,), seen, device=positions.device)
-        new_real = mask[:, -new:].sum(-1) if padded else torch.full_like(real, new)
+        padded = mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
+        real = padded[:, :seen].sum(-1) if padded is not None else torch.full((rows,), seen, device=positions.device)
+        new_real = padded[:, -new:].sum(-1) if padded is not None else torch.full_like(real, new)
         last = positions[..., -1].reshape(-1, real.shape[0]).amax(0) if positions.dim() > 2 else positions[:, -1]
         # one check per turn, not per step
         if bool(((new_real > 0) & (last.to(real.device) != real + new_real - 1)).any()):
@@ -279,7 +280,10 @@ def kvcompress_attention(
             f"built for {expected}; this model's per-layer attention pattern is not supported"
         )
     new, scaling = ModelMasks.of(attention_mask, query.shape[-2], sliding_window), _scale(scaling, query)
-    out, lse = layer.open_step.attend(layer, query, key, value, new, scaling, softcap, sinks)
+    step = layer.open_step
+    if step is None:  # (update opens one right before its attention: a model calling attention without it)
+        raise UnsupportedModelError(f"kvcompress: layer {layer.layer_idx}'s attention ran with no update before it")
+    out, lse = step.attend(layer, query, key, value, new, scaling, softcap, sinks)
     layer.commit(query, new.valid, scaling, lse)
     return out.transpose(1, 2).contiguous(), None
 

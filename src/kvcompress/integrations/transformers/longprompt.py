@@ -15,7 +15,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from transformers.masking_utils import (
@@ -151,7 +151,7 @@ def block_prefills(model: torch.nn.Module, tokens: int) -> int:
                 None,
             )
             if attention is not None and not isinstance(parent, BlockedPrefill):
-                setattr(parent, name, BlockedPrefill(child, attention.layer_idx, tokens))
+                setattr(parent, name, BlockedPrefill(child, cast(int, attention.layer_idx), tokens))
                 wrapped += 1
     return wrapped
 

@@ -182,7 +182,8 @@ def load_model(
     hf_logging.disable_progress_bar()
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        model.to(device)  # type: ignore[arg-type]  # (transformers' decorator types ``to`` as taking the model)
     except (OSError, ValueError) as error:
         raise ModelNotAvailableError(
             "{model=} could not be loaded: {why}", model=name, why=str(error).splitlines()[0]
