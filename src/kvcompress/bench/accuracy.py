@@ -20,9 +20,10 @@ from __future__ import annotations
 import json
 import random
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -177,6 +178,7 @@ def _turns(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, sample: S
 
 def _record(sample: Sample, config: Config, number: int, count: int, turn: Turn, result: Result, first: Result) -> dict:
     """One scored answer: the sample, the config, the answer and the first answer's cache stats."""
+    answer = cast(str, result.text)  # (one prompt: one answer)
     return {
         "sample": sample.id,
         "task": sample.task,
@@ -187,14 +189,14 @@ def _record(sample: Sample, config: Config, number: int, count: int, turn: Turn,
         "label": config.label,
         "method": config.method_name,
         "budget": config.budget,
-        "score": score(result.text, turn.answers, sample.metric),
-        "prediction": result.text,
+        "score": score(answer, turn.answers, sample.metric),
+        "prediction": answer,
         "answers": turn.answers,
         "prompt_tokens": first.stats["prompt_tokens"],
         "kv_kept_fraction": first.stats["kv_kept_fraction"],
         "device_fraction": first.stats["device_fraction"],
         **{k: first.stats[k] for k in STAT_FIELDS if first.stats.get(k) is not None},
-        **({"string_match": string_match_any(result.text, turn.answers)} if sample.metric == "f1" else {}),
+        **({"string_match": string_match_any(answer, turn.answers)} if sample.metric == "f1" else {}),
     }
 
 
@@ -296,7 +298,8 @@ def run_matrix(
             "track (--question-agnostic)"
         )
     needed = [c.method.queries_needed() for c in configs]
-    window = None if None in needed else max(needed + [1])
+    counts = [n for n in needed if n is not None]
+    window = None if len(counts) < len(needed) else max([*counts, 1])
     bar = tqdm(total=len(samples) * len(configs), desc="accuracy", disable=not progress, unit="run")
     for sample in samples:
         todo = [c for c in configs if (sample.id, c.label) not in done]
@@ -325,7 +328,7 @@ def run_accuracy(
     budgets: list[int],
     lengths: list[int],
     out_dir: str | Path,
-    depths: list[float] = (0.1, 0.5, 0.9),
+    depths: Sequence[float] = (0.1, 0.5, 0.9),
     samples: int = 1,
     seed: int = 0,
     dataset: list[Sample] | None = None,

@@ -14,7 +14,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from ..cache.kv_cache import cache_keyword
 from ..cache.layer import KVLayer
-from ..storage.offload import ChunkStore
+from ..methods.sparse import SparseDecodePolicy
 from .device import Timer
 
 # ops that hand a tensor's value to the host
@@ -36,10 +36,11 @@ def overlap_probe(layer: KVLayer) -> OverlapProbe | None:
     its last step ``selected`` and the keys it ``rebuild_keys`` meanwhile), the parts of its last step; None before
     a step."""
     policy = layer.policy
-    store = getattr(policy, "store", None)
-    if not isinstance(store, ChunkStore) or not store.offloaded or not policy.steps:
+    if not isinstance(policy, SparseDecodePolicy) or policy.store is None or not policy.store.offloaded:
         return None
-    chosen = policy.selected
+    store, chosen = policy.store, policy.selected
+    if chosen is None or not policy.steps:
+        return None
     return OverlapProbe(
         fetch=lambda: store.fetch(chosen, None, None, None, overlap=lambda: None),
         work=lambda: policy.rebuild_keys(chosen),

@@ -10,6 +10,7 @@ from functools import lru_cache
 
 from transformers import PreTrainedTokenizerBase
 
+from ..generation.stops import text_of
 from .ruler import essay_sentences
 
 # Modules whose documentation makes the prose: English that ships with every Python.
@@ -100,7 +101,7 @@ def fill(
         if before[-1] + size > n_tokens:
             ids = tokenizer(" " + sentence, add_special_tokens=False)["input_ids"][: n_tokens - before[-1]]
             if ids:
-                chosen.append(tokenizer.decode(ids).strip())
+                chosen.append(text_of(tokenizer, ids).strip())
                 before.append(before[-1] + len(ids))
             break
         chosen.append(sentence.rstrip(".") + ".")

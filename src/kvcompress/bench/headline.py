@@ -16,11 +16,11 @@ from __future__ import annotations
 import json
 import statistics
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from tqdm import tqdm
-from transformers import PreTrainedModel, StoppingCriteria
+from transformers import GenerationMixin, PreTrainedModel, StoppingCriteria
 
 from .device import Timer, is_oom, machine, oom_figures, peak_bytes, reset_peak
 from .journal import Journal
@@ -63,11 +63,12 @@ class StepClock(StoppingCriteria):
     """Stamps the time each generated token is known (after the device finishes it); never stops generation."""
 
     def __init__(self, timer: Timer) -> None:
-        self.timer, self.stamps = timer, []
+        self.timer = timer
+        self.stamps: list[float] = []
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs: Any) -> torch.BoolTensor:
         self.stamps.append(self.timer.start())
-        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        return cast(torch.BoolTensor, torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device))
 
 
 @torch.inference_mode()
@@ -83,7 +84,7 @@ def measure_generate(model: PreTrainedModel, name: str, length: int, batch: int,
         clock = StepClock(timer)
         new = 1 + warmup + steps
         start = timer.start()
-        out = model.generate(
+        out = cast(GenerationMixin, model).generate(
             ids,
             attention_mask=torch.ones_like(ids),
             max_new_tokens=new,
@@ -120,7 +121,9 @@ def warm_up(model: PreTrainedModel, length: int, batch: int) -> None:
     """One untimed ``generate`` of a token at this shape (the allocator's and kernels' first use)."""
     try:
         ids = torch.tensor(prompt_ids(model, length, batch), device=model.device)
-        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False, pad_token_id=0)
+        cast(GenerationMixin, model).generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False, pad_token_id=0
+        )
     except (RuntimeError, MemoryError) as error:
         if not is_oom(error):
             raise

@@ -8,6 +8,7 @@ import json
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import cast
 
 import torch
 from tqdm import tqdm
@@ -100,18 +101,23 @@ def record(model: PreTrainedModel, ids: list[int], queries: int, hooks: bool = F
                     with_kwargs=True,
                 )
             )
-            handles.append(module.k_proj.register_forward_hook(lambda _m, _args, out: pre_rope.append(out[0])))
+            projection = cast(torch.nn.Module, module.k_proj)
+            handles.append(projection.register_forward_hook(lambda _m, _args, out: pre_rope.append(out[0])))
     try:
         model(torch.tensor([ids], device=model.device), **{cache.keyword: cache}, logits_to_keep=1)
     finally:
         for handle in handles:
             handle.remove()
     layers = [layer for layer in cache.layers if not layer.is_sliding]
+    kept = [layer.queries for layer in layers]
+    scaling = layers[0].query_scaling
+    if scaling is None or any(q is None for q in kept):  # (a cache recording its prefill holds both)
+        raise RuntimeError("kvcompress: the recording cache kept no prefill queries")
     return Recorded(
         [layer.keys[0] for layer in layers],
         [layer.values[0] for layer in layers],
-        [layer.queries[0] for layer in layers],
-        layers[0].query_scaling,
+        [q[0] for q in kept if q is not None],
+        scaling,
         inputs,
         pre_rope,
     )
@@ -199,10 +205,10 @@ def key_spectra(model: PreTrainedModel, ids: list[int]) -> dict:
     each one's energy, per layer, and the middle layer's spectra."""
     seen = record(model, ids, 1, hooks=True)
     modules = list(attention_modules(model))
-    kinds = {
+    kinds: dict[str, list[torch.Tensor]] = {
         "layer input": seen.inputs,
-        "W_k": [m.k_proj.weight for m in modules],
-        "W_v": [m.v_proj.weight for m in modules],
+        "W_k": [cast(torch.nn.Linear, m.k_proj).weight for m in modules],
+        "W_v": [cast(torch.nn.Linear, m.v_proj).weight for m in modules],
         "pre-RoPE keys": seen.pre_rope,
         "post-RoPE keys": [k.transpose(0, 1).flatten(1) for k in seen.keys],
         "values": [v.transpose(0, 1).flatten(1) for v in seen.values],
@@ -276,13 +282,16 @@ def needle_accuracy_by_rank(
     for rank in ranks:
         scores = [
             score(
-                generate(
-                    model,
-                    tokenizer,
-                    sample.prompt(tokenizer),
-                    method=ShadowKV(budget=settings.budget, rank=rank),
-                    max_new_tokens=sample.max_new_tokens,
-                ).text,
+                cast(
+                    str,
+                    generate(
+                        model,
+                        tokenizer,
+                        sample.prompt(tokenizer),
+                        method=ShadowKV(budget=settings.budget, rank=rank),
+                        max_new_tokens=sample.max_new_tokens,
+                    ).text,
+                ),  # (one prompt: one text)
                 sample.turns[0].answers,
                 sample.metric,
             )

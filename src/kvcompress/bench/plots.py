@@ -9,7 +9,8 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # (the backend must be chosen first)
+import matplotlib.pyplot as plt
+import numpy as np  # (the backend must be chosen first)
 
 
 def needle_heatmaps(records: list[dict], path: str | Path, task: str = "niah") -> bool:
@@ -121,7 +122,7 @@ def agreement_vs_device(rows: list[dict], path: str | Path) -> bool:
     return True
 
 
-def _task_panels(count: int) -> tuple[plt.Figure, object]:
+def _task_panels(count: int) -> tuple[plt.Figure, np.ndarray]:
     """A figure of ``count`` panels, four to a row."""
     cols = min(4, count)
     return plt.subplots(-(-count // cols), cols, figsize=(3.4 * cols, 2.8 * -(-count // cols)), squeeze=False)
@@ -134,7 +135,7 @@ def _label(ax: plt.Axes, title: str, x: str, y: str) -> None:
     ax.grid(alpha=0.3)
 
 
-def _save(fig: plt.Figure, axes: object, used: int, path: str | Path) -> None:
+def _save(fig: plt.Figure, axes: np.ndarray, used: int, path: str | Path) -> None:
     """The unused panels blanked, the first panel's legend, then the figure written to ``path``."""
     for ax in list(axes.flat)[used:]:
         ax.axis("off")

@@ -327,6 +327,10 @@ def _mean(values: list) -> float | None:
     return sum(known) / len(known) if known else None
 
 
+def _percent(share: float | None) -> str | None:
+    return None if share is None else f"{100 * share:.2f}%"
+
+
 def observation_rows(results: dict) -> list[tuple[str, str, str]]:
     """(measurement, this model, the paper's) rows: layer means where a measurement is per layer."""
     spans = results["snapkv_along_generation"]["per_span"]
@@ -375,7 +379,7 @@ def observation_rows(results: dict) -> list[tuple[str, str, str]]:
         ),
         (
             f"ShadowKV: chunks with a key under cosine {results['settings']['outlier_cosine']} to their mean",
-            f"{100 * _mean(results['shadowkv_chunks']['outlier_share']):.2f}%",
+            _percent(_mean(results["shadowkv_chunks"]["outlier_share"])) or "-",
             "outliers are 0.2-0.3% of chunks",
         ),
         ("ShadowKV: selected chunks already selected the step before", fmt(results["shadowkv_reuse"]), "> 60%"),

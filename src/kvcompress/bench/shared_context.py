@@ -39,7 +39,7 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -154,7 +154,7 @@ def ask_all(
             method=method,
             max_new_tokens=max_new_tokens,
         )
-        answers.append(first.text)
+        answers.append(cast(str, first.text))
         held.append(sixteen_bit_share(first.stats))
         base, questions = first, questions[1:]
     turn = base if kind != "per-question" else store
@@ -165,7 +165,7 @@ def ask_all(
         else:
             past = base.copy() if mode == "multi-request" else turn
             turn = generate(model, tok, question, past=past, max_new_tokens=max_new_tokens)
-        answers.append(turn.text)
+        answers.append(cast(str, turn.text))  # (one question: one answer)
         held.append(sixteen_bit_share(turn.stats))
     return answers, held
 
@@ -219,7 +219,7 @@ def run_shared_context(
                         full = full or FullAnswers(
                             model, tok, store, asked(tok, sample), max_new_tokens, requests=len(sample.questions) - 1
                         )
-                        fidelities = agreement(full, resolved(spec, row["tokens"], fraction), mode)
+                        fidelities = agreement(full, resolved(spec, cast(int, row["tokens"]), fraction), mode)
                         row.update(
                             agreement=[f["top1_agreement"] for f in fidelities], kl=[f["kl"] for f in fidelities]
                         )
@@ -312,7 +312,7 @@ def plot_frontier(summary: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
-    curves = {mode: defaultdict(list) for mode in MODES}
+    curves: dict[str, defaultdict[str, list]] = {mode: defaultdict(list) for mode in MODES}
     for mode in MODES:
         for spec, row in summary[mode].items():
             if "kv16" in row and spec != "full":

@@ -156,7 +156,7 @@ def measure(
 
 
 def _prefill(
-    model: PreTrainedModel, method: Method, ids: torch.Tensor, prefill_tokens: int | None
+    model: PreTrainedModel, method: Method, ids: list[list[int]], prefill_tokens: int | None
 ) -> tuple[KVCompressCache, torch.Tensor]:
     """``ids`` prefilled with ``method``'s cache in groups of rows of at most ``prefill_tokens`` tokens: the cache and
     the last logits."""
@@ -187,7 +187,7 @@ def _decode(
     cache.reserve(run + 2, buckets)
     runner = StepRunner(model, cache, state, compile)
     runner.step()
-    audit = audit_step(lambda held=cache: greedy_step(model, held, state))
+    audit = audit_step(lambda: greedy_step(model, cache, state))
     times = timed_steps(runner, timer, run, warmup + steps)
     return times[warmup:], audit, runner.compile_s if compile is not None else None
 

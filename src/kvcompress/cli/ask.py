@@ -8,11 +8,11 @@ import contextlib
 import json
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from . import library as lib
 from .catalogue import catalogue, method_names
-from .common import check_output, command, prompt_flags, prompt_of, read_prompt, sampling_flags, unwritten
+from .common import Commands, check_output, command, prompt_flags, prompt_of, read_prompt, sampling_flags, unwritten
 from .method_flags import DEFAULT_METHODS, add_method_flags, given_settings, method_from_args, method_with_flags
 
 if TYPE_CHECKING:
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from ..methods import Method
 
 
-def _generate_command(sub: argparse._SubParsersAction, chosen: str | None) -> None:
+def _generate_command(sub: Commands, chosen: str | None) -> None:
     """``generate``: a prompt answered with a compressed cache (or a saved one continued)."""
     names = ", ".join(method_names())
     gen = command(sub, "generate", "answer a prompt with a compressed KV cache")
@@ -70,7 +70,8 @@ def _past_question(args: argparse.Namespace) -> str:
         raise lib.InvalidParameterError(
             "with --past, give the question once: --prompt (or --prompt-file) or --question, not both"
         )
-    return _question_of(args) if args.question is not None else prompt_of(args)
+    question = _question_of(args)
+    return question if question is not None else prompt_of(args)
 
 
 def _past_method(args: argparse.Namespace) -> Method | None:
@@ -111,9 +112,10 @@ def _asked_with(args: argparse.Namespace, past: Result, method: Method | None) -
     else the method the file was saved with; a file that keeps only its method's selection is continued (``--method``
     naming the file's own settings agrees with it)."""
     _check_raw(args, past)
+    saved = cast("Method", past.cache.method)  # (a file's cache: a method's)
     if past.question_store() is None:
-        return None if method == past.cache.method else method
-    return past.cache.method if method is None and past.store is not None else method
+        return None if method == saved else method
+    return saved if method is None and past.store is not None else method
 
 
 def _cmd_generate(args: argparse.Namespace, console: Console) -> int:
@@ -131,6 +133,7 @@ def _cmd_generate(args: argparse.Namespace, console: Console) -> int:
     }
     quiet = args.json or args.stream
     # a saved context: continued with its method, or each question compressed over it with --method
+    question: str | None
     if args.past is not None:
         question = _past_question(args)
         method = _past_method(args)
@@ -142,7 +145,7 @@ def _cmd_generate(args: argparse.Namespace, console: Console) -> int:
                 model, tokenizer, question, past=past, method=method, streamer=_streamer(args, tokenizer), **options
             )
     else:
-        prompt, question = prompt_of(args), _question_of(args)
+        prompt, question = prompt_of(args), _question_of(args)  # (a question: None, or asked after the prompt)
         method = method_from_args(args.method or DEFAULT_METHODS["generate"], args)
         model, tokenizer = lib.load_model(args.model)
         messages = _fed(args, tokenizer, prompt)
@@ -175,7 +178,7 @@ def _streamer(args: argparse.Namespace, tokenizer: Any) -> Any:
     return args.printer
 
 
-def _chat_command(sub: argparse._SubParsersAction, chosen: str | None) -> None:
+def _chat_command(sub: Commands, chosen: str | None) -> None:
     """``chat``: a conversation over a document, every turn compressed per question."""
     names = ", ".join(method_names())
     chat = command(sub, "chat", "talk about a document: every message compressed with the conversation so far")
@@ -226,10 +229,10 @@ def _cmd_chat(args: argparse.Namespace, console: Console) -> int:
         with console.status("storing the document"):
             opened = lib.compress(model, tokenizer, _fed(args, tokenizer, document), method=lib.FullKV())
     sampling = {"temperature": args.temperature, "top_p": args.top_p, "seed": args.seed, "stop": args.stop}
-    return chat(model, tokenizer, opened, method, args.max_new_tokens, sampling)
+    return chat(model, tokenizer, opened, cast("Method", method), args.max_new_tokens, sampling)  # (set either way)
 
 
-def _compress_command(sub: argparse._SubParsersAction, chosen: str | None) -> None:
+def _compress_command(sub: Commands, chosen: str | None) -> None:
     """``compress``: a document compressed once and saved, to be asked later."""
     names = ", ".join(method_names())
     comp = command(
@@ -278,7 +281,7 @@ def _cmd_compress(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
-def add_commands(sub: argparse._SubParsersAction, chosen: str | None) -> None:
+def add_commands(sub: Commands, chosen: str | None) -> None:
     """``generate``, ``chat`` and ``compress`` (``chosen``: the method whose flags their help shows)."""
     _generate_command(sub, chosen)
     _chat_command(sub, chosen)

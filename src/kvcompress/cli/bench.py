@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import library as lib
 from .catalogue import catalogue, method_names
-from .common import command, resumable
+from .common import Commands, command, resumable
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -58,7 +58,7 @@ def _with_flags(preset: dict, args: argparse.Namespace, flags: tuple[str, ...]) 
     return settings
 
 
-def _accuracy_command(bench: argparse._SubParsersAction) -> None:
+def _accuracy_command(bench: Commands) -> None:
     """``bench accuracy``: the long-context accuracy matrix."""
     accuracy = command(bench, "accuracy", "long-context accuracy matrix: tasks x methods x budgets x lengths")
     accuracy.add_argument(
@@ -183,7 +183,7 @@ def _search_flags(searches: argparse._ArgumentGroup) -> None:
     )
 
 
-def _speed_command(bench: argparse._SubParsersAction) -> None:
+def _speed_command(bench: Commands) -> None:
     """``bench speed``: latency, throughput, memory, limits."""
     speed = command(bench, "speed", "decode latency, throughput, memory, max context / batch")
     speed.add_argument(
@@ -273,7 +273,7 @@ def _cmd_bench_speed(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
-def _headline_command(bench: argparse._SubParsersAction) -> None:
+def _headline_command(bench: Commands) -> None:
     """``bench headline``: the papers' speed headline against transformers' generate."""
     headline = command(
         bench,
@@ -321,7 +321,7 @@ def _cmd_bench_headline(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
-def _shared_context_command(bench: argparse._SubParsersAction) -> None:
+def _shared_context_command(bench: Commands) -> None:
     """``bench shared-context``: several questions over one context, as requests and as a conversation."""
     shared = command(
         bench,
@@ -388,7 +388,7 @@ def _cmd_bench_shared_context(args: argparse.Namespace, console: Console) -> int
     return 0
 
 
-def add_commands(bench: argparse._SubParsersAction) -> None:
+def add_commands(bench: Commands) -> None:
     """``bench accuracy``, ``bench speed``, ``bench headline`` and ``bench shared-context``."""
     _accuracy_command(bench)
     _speed_command(bench)

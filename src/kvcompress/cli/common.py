@@ -10,6 +10,7 @@ import signal
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any, NoReturn, Protocol
 
 from . import library as lib
 
@@ -34,8 +35,14 @@ def starting() -> Iterator[None]:
 class Parser(argparse.ArgumentParser):
     """A parser whose errors are one line (the usage is one ``--help`` away)."""
 
-    def error(self, message: str) -> None:
+    def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+class Commands(Protocol):
+    """A command's subcommands, as ``add_subparsers`` returns them and the command families add theirs."""
+
+    def add_parser(self, name: str, **kwargs: Any) -> argparse.ArgumentParser: ...
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -53,7 +60,7 @@ class HelpFormatter(argparse.HelpFormatter):
         return text
 
 
-def command(sub: argparse._SubParsersAction, name: str, text: str) -> argparse.ArgumentParser:
+def command(sub: Commands, name: str, text: str) -> argparse.ArgumentParser:
     return sub.add_parser(name, help=text, description=text, formatter_class=HelpFormatter, allow_abbrev=False)
 
 

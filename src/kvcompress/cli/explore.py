@@ -10,13 +10,13 @@ from typing import TYPE_CHECKING
 
 from . import library as lib
 from .catalogue import catalogue
-from .common import check_output, command, unwritten
+from .common import Commands, check_output, command, unwritten
 
 if TYPE_CHECKING:
     from rich.console import Console
 
 
-def _methods_command(sub: argparse._SubParsersAction) -> None:
+def _methods_command(sub: Commands) -> None:
     """``methods``: the methods and their settings."""
     methods = command(
         sub, "methods", "list the methods, each with what it keeps and its settings (defaults and valid values)"
@@ -30,7 +30,7 @@ def _cmd_methods(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
-def _demo_command(sub: argparse._SubParsersAction) -> None:
+def _demo_command(sub: Commands) -> None:
     """``demo``: the buried-fact demo."""
     demo = command(sub, "demo", "buried-fact demo: full cache vs SnapKV vs StreamingLLM")
     demo.add_argument("--model", help="model folder or name (default: the embedded model)")
@@ -66,7 +66,7 @@ def _cmd_demo(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
-def _observe_command(sub: argparse._SubParsersAction) -> None:
+def _observe_command(sub: Commands) -> None:
     """``observe``: the papers' observations measured on a model."""
     observe = command(
         sub,
@@ -109,7 +109,7 @@ def _cmd_observe(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
-def add_fetch_commands(sub: argparse._SubParsersAction) -> None:
+def add_fetch_commands(sub: Commands) -> None:
     """``fetch-model`` and ``fetch-data``."""
     fetch = command(sub, "fetch-model", "fetch and cache an embedded model (done automatically on first use)")
     fetch.add_argument(
@@ -137,7 +137,7 @@ def _cmd_fetch_data(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
-def add_commands(sub: argparse._SubParsersAction) -> None:
+def add_commands(sub: Commands) -> None:
     """``methods``, ``demo`` and ``observe``."""
     _methods_command(sub)
     _demo_command(sub)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from collections import defaultdict
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from . import library as lib
 from .catalogue import Field, method_defaults, method_fields, method_names
@@ -50,7 +50,7 @@ def add_method_flags(parser: argparse.ArgumentParser, command: str, chosen: str 
     for field, owners in method_flag_owners().items():
         spec = specs.get(field)
         if spec is None:
-            hidden = {"default": None, "help": argparse.SUPPRESS}
+            hidden: dict[str, Any] = {"default": None, "help": argparse.SUPPRESS}
             if owners[0][1].kind is bool:
                 group.add_argument(owners[0][1].flag, action=argparse.BooleanOptionalAction, **hidden)
             else:
@@ -58,7 +58,7 @@ def add_method_flags(parser: argparse.ArgumentParser, command: str, chosen: str 
             continue
         default = defaults.get(field)
         text = f"{spec.help}; {spec.valid}" + (f" (default: {default})" if default is not None else "")
-        options = {"default": None, "help": text.replace("%", "%%")}
+        options: dict[str, Any] = {"default": None, "help": text.replace("%", "%%")}
         if spec.kind is bool:
             group.add_argument(spec.flag, action=argparse.BooleanOptionalAction, **options)
         else:
@@ -77,12 +77,12 @@ def number(text: str) -> float:
     return float(top) / float(bottom)
 
 
-def given_settings(args: argparse.Namespace) -> dict[str, object]:
+def given_settings(args: argparse.Namespace) -> dict[str, Any]:
     """The method settings given on the command line, by field name."""
     return {field: getattr(args, field) for field in method_flag_owners() if getattr(args, field, None) is not None}
 
 
-def flag_settings(args: argparse.Namespace) -> dict[str, object]:
+def flag_settings(args: argparse.Namespace) -> dict[str, Any]:
     """The method settings the flags give (``given_settings``), ``--kv-format fp8`` alone meaning 8 bits, the only
     width it has."""
     given = given_settings(args)

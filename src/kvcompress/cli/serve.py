@@ -13,14 +13,14 @@ from typing import TYPE_CHECKING
 
 from . import library as lib
 from .catalogue import catalogue
-from .common import command
+from .common import Commands, command
 from .method_flags import DEFAULT_METHODS, add_method_flags, method_from_args
 
 if TYPE_CHECKING:
     from rich.console import Console
 
 
-def add_command(sub: argparse._SubParsersAction, chosen: str | None) -> None:
+def add_command(sub: Commands, chosen: str | None) -> None:
     """``serve``: vLLM's OpenAI-compatible server, each request compressed."""
     serve = command(
         sub,

@@ -13,6 +13,7 @@ import random
 
 from transformers import PreTrainedTokenizerBase
 
+from ...generation.stops import text_of
 from ..haystack import token_len
 from ..ruler import questions
 from .base import Sample, Turn, prompt_tokens
@@ -41,8 +42,8 @@ def qa(tokenizer: PreTrainedTokenizerBase, length: int, depth: float, seed: int,
         )
     related = list(chosen.related)
     rng.shuffle(related)
-    others = (rng.randrange(len(documents)) for _ in range(len(documents)))  # random distractors, drawn lazily
-    for index in itertools.chain(related, others):
+    distractors = (rng.randrange(len(documents)) for _ in range(len(documents)))  # random ones, drawn lazily
+    for index in itertools.chain(related, distractors):
         if index in picked:
             continue
         cost = token_len(tokenizer, f"Document {len(picked) + 1}:\n{documents[index]}\n\n")
@@ -55,7 +56,7 @@ def qa(tokenizer: PreTrainedTokenizerBase, length: int, depth: float, seed: int,
     texts = [documents[i] for i in picked]
     slot, keep = rng.randrange(len(texts) + 1), len(filler_ids)
     for _ in range(4):
-        filler = tokenizer.decode(filler_ids[:keep]).strip()
+        filler = text_of(tokenizer, filler_ids[:keep]).strip()
         context = _context(texts[:slot] + ([filler] if filler else []) + texts[slot:])
         over = prompt_tokens(tokenizer, context, question) - length
         if -8 <= over <= 0 or keep == 0:
