@@ -12,7 +12,17 @@ from typing import TYPE_CHECKING, Any, cast
 
 from . import library as lib
 from .catalogue import catalogue, method_names
-from .common import Commands, check_output, command, prompt_flags, prompt_of, read_prompt, sampling_flags, unwritten
+from .common import (
+    Commands,
+    check_output,
+    command,
+    prompt_flags,
+    prompt_of,
+    read_prompt,
+    sampling_flags,
+    unwritten,
+    with_default,
+)
 from .method_flags import DEFAULT_METHODS, add_method_flags, given_settings, method_from_args, method_with_flags
 
 if TYPE_CHECKING:
@@ -37,7 +47,7 @@ def _generate_command(sub: Commands, chosen: str | None) -> None:
         help="compress the prompt without this question, then ask it (question-agnostic); "
         "with --past, the question asked of the saved context",
     )
-    gen.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most")
+    gen.add_argument("--max-new-tokens", type=int, default=64, help=with_default("tokens to generate at most"))
     gen.add_argument("--json", action="store_true", help="print one JSON object with text and stats")
     gen.add_argument(
         "--compile",
@@ -193,7 +203,7 @@ def _chat_command(sub: Commands, chosen: str | None) -> None:
     chat.add_argument("--prompt-file", help="the document (UTF-8), stored once")
     chat.add_argument("--past", help="a stored document (`kvcompress compress --method full`) or a saved chat")
     chat.add_argument("--raw", action="store_true", help="store the document as raw text, without the chat template")
-    chat.add_argument("--max-new-tokens", type=int, default=256, help="tokens per answer at most")
+    chat.add_argument("--max-new-tokens", type=int, default=256, help=with_default("tokens per answer at most"))
     sampling_flags(chat)
     add_method_flags(chat, "generate", chosen)
     chat.set_defaults(run=_cmd_chat)
@@ -251,9 +261,11 @@ def _compress_command(sub: Commands, chosen: str | None) -> None:
         type=query_window,
         default="auto",
         metavar="N|all",
-        help="the document's last prefill queries kept, for methods that later score a question with "
-        f"queries before it (all: every one, as H2O needs; default: the last {catalogue()['query_window']} where "
-        "the document keeps every token)",
+        help=with_default(
+            "the document's last prefill queries kept, for methods that later score a question with "
+            f"queries before it (all: every one, as H2O needs; default: the last {catalogue()['query_window']} where "
+            "the document keeps every token)"
+        ),
     )
     add_method_flags(comp, "compress", chosen)
     comp.set_defaults(run=_cmd_compress, interrupted=lambda args: unwritten(args.out))

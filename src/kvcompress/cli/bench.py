@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import library as lib
 from .catalogue import catalogue, method_names
-from .common import Commands, command, resumable
+from .common import Commands, Options, command, resumable, with_default
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -156,7 +156,7 @@ def _bench_model(name: str, dtype: str | None, console: Console) -> Any:
         return lib.load_model(name, dtype=dtype)[0]
 
 
-def _search_flags(searches: argparse._ArgumentGroup) -> None:
+def _search_flags(searches: Options) -> None:
     """``bench speed``'s searches for the longest prompt and the largest batch that fit."""
     searches.add_argument(
         "--find-max-context",
@@ -170,7 +170,7 @@ def _search_flags(searches: argparse._ArgumentGroup) -> None:
         "--batch-limit",
         type=int,
         default=1024,
-        help="largest batch --find-max-batch tries (each try is a whole prefill)",
+        help=with_default("largest batch --find-max-batch tries (each try is a whole prefill)"),
     )
     searches.add_argument(
         "--max-memory", type=float, help="GiB a run may peak at to count as fitting (required for searches on CPU)"
@@ -179,7 +179,7 @@ def _search_flags(searches: argparse._ArgumentGroup) -> None:
         "--search-step",
         type=int,
         default=1024,
-        help="the context search stops when the fitting and failing lengths are this close",
+        help=with_default("the context search stops when the fitting and failing lengths are this close"),
     )
 
 
@@ -235,8 +235,10 @@ def _speed_command(bench: Commands) -> None:
         "--repeats",
         type=int,
         default=1,
-        help="run the grid this many times, the methods' order reversed every other time, and report each run's "
-        "median step and spread (CPU timings move between runs)",
+        help=with_default(
+            "run the grid this many times, the methods' order reversed every other time, and report each run's "
+            "median step and spread (CPU timings move between runs)"
+        ),
     )
     speed.add_argument("--out", default="runs/speed")
     speed.set_defaults(run=_cmd_bench_speed, interrupted=resumable)
@@ -285,7 +287,9 @@ def _headline_command(bench: Commands) -> None:
         "--preset",
         choices=catalogue()["headline_presets"],
         default="cpu",
-        help="cpu: the embedded model's shape (positions to 40K), 4K-32K, batch 1-2; gpu: llama-3.1-8b, the same grid",
+        help=with_default(
+            "cpu: the embedded model's shape (positions to 40K), 4K-32K, batch 1-2; gpu: llama-3.1-8b, the same grid"
+        ),
     )
     headline.add_argument("--model", help="architecture preset, a config file, 'embedded', or a model path")
     headline.add_argument("--methods", help="comma-separated method specs name[:field=value...]")
@@ -333,20 +337,20 @@ def _shared_context_command(bench: Commands) -> None:
     shared.add_argument(
         "--methods",
         default=catalogue()["shared_specs"],
-        help="method specs; first:SPEC compresses the context with the first question and reuses it",
+        help=with_default("method specs; first:SPEC compresses the context with the first question and reuses it"),
     )
-    shared.add_argument("--lengths", default="1k,2k,4k", help="context lengths in tokens")
-    shared.add_argument("--samples", type=int, default=2, help="contexts per length")
-    shared.add_argument("--facts", type=int, default=5, help="facts per context (a question each)")
+    shared.add_argument("--lengths", default="1k,2k,4k", help=with_default("context lengths in tokens"))
+    shared.add_argument("--samples", type=int, default=2, help=with_default("contexts per length"))
+    shared.add_argument("--facts", type=int, default=5, help=with_default("facts per context (a question each)"))
     shared.add_argument(
         "--fraction",
         type=float,
         default=1 / 16,
-        help="each method's budget as a fraction of the context's tokens (unless its spec sets one)",
+        help=with_default("each method's budget as a fraction of the context's tokens (unless its spec sets one)"),
     )
-    shared.add_argument("--max-new-tokens", type=int, default=16, help="tokens per answer at most")
+    shared.add_argument("--max-new-tokens", type=int, default=16, help=with_default("tokens per answer at most"))
     shared.add_argument(
-        "--haystack", choices=catalogue()["haystacks"], default="essays", help="the text around the facts"
+        "--haystack", choices=catalogue()["haystacks"], default="essays", help=with_default("the text around the facts")
     )
     shared.add_argument("--out", default="runs/shared-context")
     shared.set_defaults(run=_cmd_bench_shared_context, interrupted=resumable)

@@ -39,29 +39,26 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+class Options(Protocol):
+    """Where options are added: a parser, or one of its argument groups."""
+
+    def add_argument(self, *names: str, **kwargs: Any) -> argparse.Action: ...
+
+
 class Commands(Protocol):
     """A command's subcommands, as ``add_subparsers`` returns them and the command families add theirs."""
 
     def add_parser(self, name: str, **kwargs: Any) -> argparse.ArgumentParser: ...
 
 
-class HelpFormatter(argparse.HelpFormatter):
-    """Help texts with each option's default, where it has one."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        if (
-            action.option_strings
-            and "%(default)" not in text
-            and "(default" not in text
-            and action.default not in (None, False, argparse.SUPPRESS)
-        ):
-            text += " (default: %(default)s)"
-        return text
+def with_default(text: str) -> str:
+    """An option's help with its default said (argparse fills ``%(default)s``), for an option whose default is worth
+    reading (not None or False)."""
+    return f"{text} (default: %(default)s)".strip()
 
 
 def command(sub: Commands, name: str, text: str) -> argparse.ArgumentParser:
-    return sub.add_parser(name, help=text, description=text, formatter_class=HelpFormatter, allow_abbrev=False)
+    return sub.add_parser(name, help=text, description=text, allow_abbrev=False)
 
 
 def resumable(args: argparse.Namespace) -> str:
@@ -136,7 +133,7 @@ def sampling_flags(parser: argparse.ArgumentParser) -> None:
         "--top-p",
         type=float,
         default=1.0,
-        help="sample from the most probable tokens until their probability reaches this",
+        help=with_default("sample from the most probable tokens until their probability reaches this"),
     )
     parser.add_argument("--seed", type=int, help="the sampling seed (the same seed repeats an answer)")
     parser.add_argument(

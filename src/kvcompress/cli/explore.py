@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from . import library as lib
 from .catalogue import catalogue
-from .common import Commands, check_output, command, unwritten
+from .common import Commands, check_output, command, unwritten, with_default
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -34,9 +34,11 @@ def _demo_command(sub: Commands) -> None:
     """``demo``: the buried-fact demo."""
     demo = command(sub, "demo", "buried-fact demo: full cache vs SnapKV vs StreamingLLM")
     demo.add_argument("--model", help="model folder or name (default: the embedded model)")
-    demo.add_argument("--budget", type=int, default=256, help="tokens kept per KV head")
-    demo.add_argument("--tokens", type=int, default=2000, help="document length in tokens")
-    demo.add_argument("--depth", type=float, default=0.5, help="where the fact sits, 0 (start) to 1 (end)")
+    demo.add_argument("--budget", type=int, default=256, help=with_default("tokens kept per KV head"))
+    demo.add_argument("--tokens", type=int, default=2000, help=with_default("document length in tokens"))
+    demo.add_argument(
+        "--depth", type=float, default=0.5, help=with_default("where the fact sits, 0 (start) to 1 (end)")
+    )
     demo.add_argument("--json", metavar="FILE", help="also write the rows as JSON to FILE")
     demo.set_defaults(run=_cmd_demo, interrupted=lambda args: unwritten(args.json))
 
@@ -79,7 +81,9 @@ def _observe_command(sub: Commands) -> None:
     )
     observe.add_argument("--tokens", type=int, help="document length in tokens (default 2000; --quick 300)")
     observe.add_argument(
-        "--out", default="runs/observe", help="folder for observations.json and the PNGs (made if missing)"
+        "--out",
+        default="runs/observe",
+        help=with_default("folder for observations.json and the PNGs (made if missing)"),
     )
     observe.add_argument("--force", action="store_true", help="replace an earlier run's observations.json in --out")
     observe.set_defaults(
@@ -116,7 +120,7 @@ def add_fetch_commands(sub: Commands) -> None:
         "--model",
         choices=catalogue()["embedded_models"],
         default=catalogue()["default_model"],
-        help="which embedded model (gemma3-270m: Gemma 3 270M, under the Gemma Terms of Use)",
+        help=with_default("which embedded model (gemma3-270m: Gemma 3 270M, under the Gemma Terms of Use)"),
     )
     fetch.set_defaults(run=_cmd_fetch_model)
     data = command(

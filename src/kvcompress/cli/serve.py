@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from . import library as lib
 from .catalogue import catalogue
-from .common import Commands, command
+from .common import Commands, command, with_default
 from .method_flags import DEFAULT_METHODS, add_method_flags, method_from_args
 
 if TYPE_CHECKING:
@@ -37,8 +37,8 @@ def add_command(sub: Commands, chosen: str | None) -> None:
         help=f"the engine's method, one of: {', '.join(catalogue()['servable'])} (default {DEFAULT_METHODS['serve']}); "
         'a request may name its own in its body: {"kvcompress": {"method": ..., "budget": ...}}',
     )
-    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    serve.add_argument("--port", type=int, default=8000, help="port to listen on")
+    serve.add_argument("--host", default="127.0.0.1", help=with_default("address to listen on"))
+    serve.add_argument("--port", type=int, default=8000, help=with_default("port to listen on"))
     add_method_flags(serve, "serve", chosen)
     serve.set_defaults(run=_cmd_serve)
 
