@@ -282,16 +282,20 @@ def run_speed(model: PreTrainedModel, grid: SpeedGrid, out_dir: str | Path, prog
     limit = _check_grid(model, grid)
     built = {spec: method_from_spec(spec, budget=grid.budget) for spec in grid.methods}
     options = Compile() if grid.compile else None
-    journal = Journal(Path(out_dir) / "rows.jsonl", grid.settings())
+    settings = grid.settings()
+    journal = Journal(Path(out_dir) / "rows.jsonl", settings)
     bandwidth = copy_bandwidth(model.device)
 
-    def run(spec: str, n: int, b: int, r: int, steps: int = grid.steps, warmup: int = grid.warmup) -> dict:
-        if r == 0 and spec == grid.methods[0] and warmup > 0:  # warmup=0: no untimed prefill either (memory curves)
-            warm_up(model, built[spec], n, b, grid.prefill_tokens)
+    def measured(spec: str, n: int, b: int, steps: int, warmup: int) -> dict:
         method = built[spec]
         return measure(
             model, method, spec, n, b, steps, warmup, bandwidth, options, grid.prefill_tokens, grid.replicate
         )
+
+    def run(spec: str, n: int, b: int, r: int) -> dict:
+        if r == 0 and spec == grid.methods[0] and grid.warmup > 0:  # warmup=0: no untimed prefill (memory curves)
+            warm_up(model, built[spec], n, b, grid.prefill_tokens)
+        return measured(spec, n, b, grid.steps, grid.warmup)
 
     rows = run_grid(run, journal, grid.methods, grid.lengths, grid.batches, grid.repeats, bandwidth, progress)
     report = {
@@ -300,7 +304,7 @@ def run_speed(model: PreTrainedModel, grid: SpeedGrid, out_dir: str | Path, prog
         "dtype": str(next(model.parameters()).dtype),
         "weight_bytes": weight_bytes(model),
         "device_bandwidth": bandwidth,
-        "settings": grid.settings(),
+        "settings": settings,
         "rows": rows,
         "transformers_ops_per_step": transformers_step_ops(model),
     }
@@ -311,7 +315,7 @@ def run_speed(model: PreTrainedModel, grid: SpeedGrid, out_dir: str | Path, prog
     if grid.searching:
 
         def fits(kind: str, spec: str, n: int, b: int) -> dict:
-            row = journal.measure((kind, spec, n, b, 0), lambda: run(spec, n, b, 1, steps=2, warmup=1))
+            row = journal.measure((kind, spec, n, b, 0), lambda: measured(spec, n, b, 2, 1))
             return {**row, "fits": fits_memory(row, grid.max_memory)}
 
         report["limits"] = search_limits(

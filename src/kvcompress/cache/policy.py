@@ -67,9 +67,6 @@ class PolicyLayer(ScoredLayer, Protocol):
     def kept_positions(self) -> torch.Tensor: ...
 
 
-KVLayer = PolicyLayer  # (steps.py and held.py read their layer as a policy does)
-
-
 def present(*tensors: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
     """Tensors a phase guarantees (the prompt's queries a policy asked for, the state its compression set, declared
     with ``hold`` and None before), where a later step reads them: the phase said once to the type checker; a read
@@ -90,16 +87,16 @@ class LayerPolicy:
     SAVED_AS: ClassVar[str | None] = None
 
     def __init__(self) -> None:
-        self._layer: Callable[[], KVLayer | None] = lambda: None  # the layer this policy serves (``serve``)
+        self._layer: Callable[[], PolicyLayer | None] = lambda: None  # the layer this policy serves (``serve``)
         held.reset(self)  # every attribute the policy's class declares (hold) at its default
 
-    def serve(self, layer: KVLayer) -> None:
+    def serve(self, layer: PolicyLayer) -> None:
         """Serve ``layer`` (the layer calls it when it is made); held weakly, so a cache dropped is freed at once,
         its tensors with it, not at the next cycle collection."""
         self._layer = weakref.ref(layer)
 
     @property
-    def layer(self) -> KVLayer:
+    def layer(self) -> PolicyLayer:
         """The layer this policy serves."""
         layer = self._layer()
         if layer is None:

@@ -122,7 +122,7 @@ def _asked_with(args: argparse.Namespace, past: Result, method: Method | None) -
     else the method the file was saved with; a file that keeps only its method's selection is continued (``--method``
     naming the file's own settings agrees with it)."""
     _check_raw(args, past)
-    saved = cast("Method", past.cache.method)  # (a file's cache: a method's)
+    saved = past.method
     if past.question_store() is None:
         return None if method == saved else method
     return saved if method is None and past.store is not None else method
@@ -227,7 +227,7 @@ def _cmd_chat(args: argparse.Namespace, console: Console) -> int:
         stored_document(opened)  # (a file that cannot be asked per question: refused before the first question)
         _check_raw(args, opened)
         if method is None:  # a saved chat goes on with its method, a stored document with the default
-            saved = opened.cache.method if opened.store is not None else lib.method_class(DEFAULT_METHODS["generate"])()
+            saved = opened.method if opened.store is not None else lib.method_class(DEFAULT_METHODS["generate"])()
             method = method_with_flags(saved, args)
             lib.check_per_question(method)
     else:

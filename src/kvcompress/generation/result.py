@@ -78,6 +78,11 @@ class Result:
     # method is compressed with the whole conversation over it
     store: Result | None = None
 
+    @property
+    def method(self) -> Method:
+        """The method this conversation's cache applies (the cache knows it as its ``LayerFactory``)."""
+        return cast(Method, self.cache.method)
+
     def question_store(self) -> Result | None:
         """The stored context a new question over this result is compressed with: its conversation's ``store``, or
         the result itself when it is a stored context waiting for its question that keeps its prompt's tokens
@@ -124,7 +129,7 @@ class Result:
         model = _made_for(self.cache, "copy")
         tensors, layers = cache_state(self.cache)
         cache = _rebuilt(
-            _method_of(self.cache), model, self.cache.span_table, layers, {key: t.clone() for key, t in tensors.items()}
+            self.method, model, self.cache.span_table, layers, {key: t.clone() for key, t in tensors.items()}
         )
         cache.embeds_itself, cache.timings, cache.observe_s = (
             self.cache.embeds_itself,
@@ -151,18 +156,13 @@ def _made_for(cache: KVCompressCache, doing: str) -> PreTrainedModel:
     return cast(PreTrainedModel, model)
 
 
-def _method_of(cache: KVCompressCache) -> Method:
-    """The method of a cache ``generate`` made (the cache knows it as its ``LayerFactory``)."""
-    return cast(Method, cache.method)
-
-
 def _entries(result: Result) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """A conversation's tensors (its cache's, its mask and positions) and its metadata (the method, the layers'
     plain values, the conversation itself), as a file holds them (docs/file-format.md)."""
     tensors, layers = cache_state(result.cache)
     tensors["conversation.attention_mask"] = result.attention_mask.bool().cpu()  # one byte per token fed
     tensors["conversation.next_position"] = result.next_position.cpu()
-    method = _method_of(result.cache)
+    method = result.method
     return tensors, {
         "method": {
             "name": method.name,

@@ -9,7 +9,6 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import cast
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -104,8 +103,11 @@ def _over_context(
             "--method out to ask this file with the method it was compressed with",
         )
     stored = len(past.rows)
-    given: Sequence[object] = prompt if isinstance(prompt, list) and stored == 1 else per_row(prompt, stored, "prompt")
-    index = [0] * len(given) if isinstance(prompt, list) and stored == 1 else list(range(stored))
+    given: Sequence[object]
+    if isinstance(prompt, list) and stored == 1:  # a list of questions over the context's one row
+        given, index = prompt, [0] * len(prompt)
+    else:
+        given, index = per_row(prompt, stored, "prompt"), list(range(stored))
     questions = [q for q in given if isinstance(q, str) and q.strip()]
     if not given or len(questions) != len(given):
         raise InvalidParameterError(
@@ -131,12 +133,19 @@ def _over_conversation(
     rows = [copy.deepcopy(row) for row in past.rows]
     contexts = {_store_row(row): context_ids(tokenizer, store.rows[_store_row(row)]) for row in rows}
     asked = []
-    for row, text in zip(rows, per_row(prompt, len(rows), "prompt")):
-        if not isinstance(text, str) or not text.strip():
-            raise InvalidParameterError("give each follow-up as a non-empty string (a list of them for a batch)")
+    for row, text in zip(rows, _follow_ups(prompt, len(rows))):
         follow_up(tokenizer, row, text)
         asked.append(after_context(tokenizer, row, contexts[_store_row(row)]))
     return _asked_over(model, tokenizer, method, store, rows, asked, contexts, len(rows) > 1)
+
+
+def _follow_ups(prompt: Given, rows: int) -> list[str]:
+    """Each row's next message of a conversation, refused in one line unless a non-empty string."""
+    texts = per_row(prompt, rows, "prompt")
+    messages = [text for text in texts if isinstance(text, str) and text.strip()]
+    if len(messages) != len(texts):
+        raise InvalidParameterError("give each follow-up as a non-empty string (a list of them for a batch)")
+    return messages
 
 
 def _store_row(row: Row) -> int:
@@ -236,10 +245,8 @@ class FollowUp(WayIn):
                 "appended to its cache; ask each question of its own copy (past=context.copy()), or continue the "
                 "Result that call returned"
             )
-        texts = per_row(self.prompt, len(past.rows), "prompt")
-        if not all(isinstance(text, str) and text.strip() for text in texts):
-            raise InvalidParameterError("give each follow-up as a non-empty string (a list of them for a batch)")
-        chunk_lists = [[follow_up(tokenizer, row, cast(str, text))] for row, text in zip(past.rows, texts)]
+        texts = _follow_ups(self.prompt, len(past.rows))
+        chunk_lists = [[follow_up(tokenizer, row, text)] for row, text in zip(past.rows, texts)]
         if past.cache.device_of() not in (None, model.device):  # a context stored in host memory, continued as it is
             past.cache.move(model.device)
         return Start(
@@ -309,8 +316,8 @@ def way_in(
         if method is not None:
             return StoredQuestion(past, prompt, resolve_method(method))
         if all(row.open_turn for row in past.rows) and type(past.cache.method) is FullKV and past.cache.storable():
-            return StoredQuestion(past, prompt, cast(Method, past.cache.method))
-        return FollowUp(past, prompt, cast(Method, past.cache.method))
+            return StoredQuestion(past, prompt, past.method)
+        return FollowUp(past, prompt, past.method)
     if record is not None:
         record.cache.check_model(model, "use a prefill record with the model that prefilled it")
         if prompt is not None or question is not None:
