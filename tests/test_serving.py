@@ -503,3 +503,45 @@ def test_a_steps_prompts_sharing_a_method_are_kept_as_each_alone(method, asked):
     for prompt, kept in zip(prompts, together):
         (alone,) = kept_together(method, [prompt], 0.25, None)
         assert kept.shape == (2, 40) and torch.equal(kept, alone)
+
+
+def test_a_workers_held_prefix_serves_the_questions_after_it_until_a_write_reaches_its_blocks():
+    """``PromptKeys`` in a worker: a prefix-cache hit's keys are read back once, then each question over the same
+    blocks is scored over a view of them with its own keys after (nothing read, nothing copied); a second prompt of
+    the same step gets a copy (the room is the first one's, untouched); a write into any of the blocks, and only such
+    a write, has them read again; a longer question gets more room; past its share of the pool nothing is held and
+    every prompt is joined as before. Every prompt's keys are its prefix's then its own."""
+    from kvcompress.serving.prompt_keys import POOL_SHARE, ROOM, PromptKeys
+
+    document = torch.randn(3, 8, 64)  # [kv_heads, head_size, tokens]: 64 tokens in blocks 7 and 9 (32 each)
+    reads = []
+
+    def read():
+        reads.append(1)
+        return document.clone()
+
+    def ask(keys, question, taken, pool=1 << 30, blocks=(7, 9)):
+        joined = keys.joined("layer.0", blocks, 64, question, read, taken, pool)
+        torch.testing.assert_close(joined, torch.cat([document, question.permute(1, 2, 0)], dim=-1), rtol=0, atol=0)
+        return joined
+
+    keys = PromptKeys()
+    first = ask(keys, torch.randn(5, 3, 8), {})
+    second = ask(keys, torch.randn(9, 3, 8), taken := {})
+    assert len(reads) == 1 and second.data_ptr() == first.data_ptr() == keys.held["layer.0"].keys.data_ptr()
+    third = ask(keys, torch.randn(4, 3, 8), taken)  # the same step: a copy, the second's room untouched
+    assert third.data_ptr() != second.data_ptr() and len(reads) == 1
+    keys.forget("layer.0", torch.tensor([-1, 3 * 32 + 5]), 32)  # (a padding slot, and block 3: not one of its own)
+    ask(keys, torch.randn(2, 3, 8), {})
+    assert len(reads) == 1
+    keys.forget("layer.0", torch.tensor([9 * 32 + 31]), 32)
+    ask(keys, torch.randn(2, 3, 8), {})
+    assert len(reads) == 2
+    longer = ask(keys, torch.randn(ROOM + 10, 3, 8), {})
+    assert len(reads) == 2 and keys.held["layer.0"].keys.shape[-1] == longer.shape[-1]
+    ask(keys, torch.randn(2, 3, 8), {}, blocks=(7, 10))  # other blocks: read, and held in their place
+    assert len(reads) == 3 and keys.held["layer.0"].blocks == (7, 10)
+    small_pool = 3 * 8 * (64 + ROOM) * 4 * POOL_SHARE - 1
+    for _ in range(2):
+        ask(keys, torch.randn(2, 3, 8), {}, pool=small_pool)
+    assert len(reads) == 5 and "layer.0" not in keys.held

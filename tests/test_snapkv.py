@@ -275,3 +275,23 @@ def test_question_agnostic_mode_compresses_the_context_alone():
     assert agnostic.cache.layers[0].slots.used == 64 + appended + len(agnostic.token_ids[0]) - 1
     aware = kvc.generate(model, tok, context + "\n" + question, method=method, max_new_tokens=1)
     assert not torch.equal(aware.cache.kept_positions(0), agnostic.cache.kept_positions(0))
+
+
+def test_the_kept_positions_are_each_heads_highest_with_ties_to_the_earlier_whatever_the_path():
+    """``select_kept`` against a loop: each row and head keeps its ``count`` highest real positions, of equal scores
+    the earliest, ascending; rows keeping fewer than the batch's widest fill the front with slots marked invalid.
+    Scores drawn from a few values (ties across the boundary in most heads, none in some: the partial sort's short
+    path and the general one), padding at the rows' front, counts equal and unequal."""
+    torch.manual_seed(7)
+    for levels, counts in ((4, [9, 9]), (1000, [9, 9]), (3, [12, 5]), (1000, [3, 11]), (2, [40, 40])):
+        scores = torch.randint(levels, (2, 3, 40)).float()
+        valid = torch.ones(2, 40, dtype=torch.bool)
+        valid[1, :6] = False
+        indices, slot_valid = select_kept(scores, valid, torch.tensor(counts))
+        assert indices.shape[-1] == max(counts)
+        for row, count in enumerate(counts):
+            assert slot_valid[row].tolist() == [False] * (max(counts) - count) + [True] * count
+            for head in range(3):  # (a padding position scores -inf: kept only where too few are real)
+                score = [float(scores[row, head, p]) if valid[row, p] else -math.inf for p in range(40)]
+                best = sorted(sorted(range(40), key=lambda p: (-score[p], p))[:count])
+                assert indices[row, head, max(counts) - count :].tolist() == best

@@ -29,11 +29,20 @@ def select_kept(
     # the scores equal to it the earliest, as many as are left (what a stable full sort would choose, at a fraction
     # of its time: 8 x 3 x 2,000 scores in 5 ms against 34 ms here).
     limit = counts.clamp(max=seq)
-    top = masked.topk(max(int(limit.max()), 1), dim=-1).values
-    threshold = top.gather(-1, (limit - 1).clamp(min=0)[:, None, None].expand(batch, heads, 1))
+    most = max(int(limit.max()), 1)
+    top = masked.topk(min(most + 1, seq), dim=-1)
+    every = bool((limit == n).all())  # every row keeps n: no filler
+    full = torch.ones(batch, n, dtype=torch.bool, device=scores.device)
+    if every and 0 < n < seq and bool((top.values[..., most - 1] > top.values[..., most]).all()):
+        # No tie across any head's boundary: the partial sort's positions are the chosen ones (at 7,500 scores a
+        # head, 0.1 ms against 0.35 for the general case).
+        return top.indices[..., :most].sort(dim=-1).values, full
+    threshold = top.values.gather(-1, (limit - 1).clamp(min=0)[:, None, None].expand(batch, heads, 1))
     above, tied = masked > threshold, masked == threshold
     room = limit[:, None, None] - above.sum(dim=-1, keepdim=True)
     chosen = (above | (tied & (tied.cumsum(dim=-1) <= room))) & (limit > 0)[:, None, None]
+    if every:  # its chosen positions in order
+        return chosen.nonzero()[:, 2].view(batch, heads, n), full
     positions = torch.arange(seq, device=scores.device)
     # Chosen positions sort after every filler candidate; among fillers the latest positions win.
     sort_key = torch.where(chosen, positions + seq, positions)

@@ -18,6 +18,7 @@ from ..cache.tokens import spans_for
 from ..integrations.transformers.rope import Rotary, rotary_from_config
 from ..methods.base import Method
 from ..storage.codec import make_codec
+from .prompt_keys import PromptKeys
 from .scoring import Finishing, PromptValues, kept_together
 from .vllm_paged import attend_kept, read_at, read_keys, scheduling
 from .vllm_requests import Scheduled, settled
@@ -52,6 +53,7 @@ ATTEND_BLOCK = 512  # prompt queries per call when an fp8 pool's prompt attends 
 # (keyed by request id since the first block is shared with prefix caching, it is bounded rather than overwritten).
 KEPT_POSITIONS: collections.OrderedDict[str, dict[str, torch.Tensor]] = collections.OrderedDict()
 KEPT_RECORDS = 64
+PROMPT_KEYS = PromptKeys()  # per layer, the last prefix-cache hit's keys read back, for the questions that follow
 
 
 def rows_of(step: dict[str, Scheduled], table: torch.Tensor, query_lens: list[int], seq_lens: list[int]) -> list:
@@ -94,21 +96,25 @@ def finishing_prompt(
     computed: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     spans: torch.Tensor | None,
     info: Scheduled,
-    reads: dict[tuple, torch.Tensor],
+    taken: dict[tuple, torch.Tensor],
 ) -> Finishing:
     """A prompt at the end of its prefill as its method scores it: this prefill's keys, values (``[n, kv_heads,
     dim]``) and queries, after the ``began`` tokens a prefix-cache hit spared it, whose keys are read back from the
-    pool once for the requests sharing them (``reads``, by their blocks) and whose values only where kept."""
+    pool once for the questions that follow over the same blocks (``PROMPT_KEYS``; ``taken``: the prefixes this step's
+    prompts score over in this layer) and whose values only where kept."""
     keys, values, queries = computed
     if began == 0:
         return Finishing(keys.transpose(0, 1), PromptValues(0, values), queries, spans, info.asked, info.kept)
     blocks = table_row[: -(-began // kv_cache.shape[2])]
-    shared = (began, *blocks.tolist())
-    if shared not in reads:
-        reads[shared] = read_keys(kv_cache, blocks, began, layer.isa)
-    joined = torch.empty(keys.shape[1], keys.shape[2], began + keys.shape[0], dtype=keys.dtype)  # (keys transposed)
-    joined[..., :began] = reads[shared]
-    joined[..., began:] = keys.permute(1, 2, 0)
+    joined = PROMPT_KEYS.joined(
+        layer.layer_name,
+        tuple(blocks.tolist()),
+        began,
+        keys,
+        lambda: read_keys(kv_cache, blocks, began, layer.isa),
+        taken,
+        kv_cache.nbytes,
+    )
     cached_values = functools.partial(read_at, kv_cache, blocks, isa=layer.isa, part=1)
     return Finishing(
         joined.transpose(1, 2), PromptValues(began, values, cached_values), queries, spans, info.asked, info.kept
@@ -195,9 +201,11 @@ class KVCompressCPUImpl(CPUAttentionBackendImpl):
         kv_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> None:
-        """vLLM's write into the pool; an fp8 pool gets each element rounded to its nearest e4m3 value first (the
-        CPU build's cast truncates toward zero; rounded here, the pool holds what the library's ``fp8`` codec and
-        vLLM's CUDA cast hold, and the cast of an e4m3 value is exact)."""
+        """vLLM's write into the pool (every write of the plugin's: a held prefix whose blocks it reaches is dropped);
+        an fp8 pool gets each element rounded to its nearest e4m3 value first (the CPU build's cast truncates toward
+        zero; rounded here, the pool holds what the library's ``fp8`` codec and vLLM's CUDA cast hold, and the cast of
+        an e4m3 value is exact)."""
+        PROMPT_KEYS.forget(str(layer.layer_name), slot_mapping, kv_cache.shape[2])
         if self.coded_pool:
             codec = make_codec("fp8", key.shape[-1], key.dtype)
             key, value = (codec.decode(codec.encode(t)) for t in (key, value))
@@ -224,7 +232,7 @@ class KVCompressCPUImpl(CPUAttentionBackendImpl):
             return output
         starts = attn_metadata.query_start_loc.tolist()
         finishing: dict[str, list[tuple[slice, str, Finishing]]] = {}  # the step's prompts to compress, by settings
-        reads: dict[tuple, torch.Tensor] = {}  # cached prompt parts' keys read back, by their blocks
+        taken: dict[tuple, torch.Tensor] = {}  # the cached prefixes this step's prompts score over, by their blocks
         for row, request in enumerate(ROWS[: len(starts) - 1]):
             if request is None or request in REMAPPED or STEP[request].computed >= STEP[request].prompt:  # decoding
                 continue
@@ -257,7 +265,7 @@ class KVCompressCPUImpl(CPUAttentionBackendImpl):
                     f"kvcompress: a prompt of {began + keys.shape[0]} tokens came with {spans.shape[-1]} token ids"
                 )
             prompt = finishing_prompt(
-                layer, kv_cache, attn_metadata.block_table[row], began, (keys, values, queries), spans, info, reads
+                layer, kv_cache, attn_metadata.block_table[row], began, (keys, values, queries), spans, info, taken
             )
             finishing.setdefault(info.settings, []).append((after, request, prompt))
         for group in finishing.values():
