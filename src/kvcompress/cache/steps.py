@@ -10,7 +10,8 @@ One step per kind of phase (``STEP_OF``):
 * ``ObservationStep``: the observation pass (KVzip) attends the held prompt and its own tokens, which are never
   stored; the method observes each step with its queries' log-normalisers.
 * ``LaterStep``: a decoding step, or the rest of a stored window's prompt, written into the slots and attended by the
-  method over them (its policy's ``attend`` through ``storage.slots.step_attention``).
+  method over them: the step asks the storage what each query sees and in which basis (``visibility``, the codec),
+  then calls the policy's ``attend``, which calls the storage's (or attends its own way); nothing below calls up.
 
 How a step's new tokens are masked is the model's: its integration hands a ``NewTokens`` to ``attend``, and the cache
 never reads a model's mask.
@@ -24,8 +25,8 @@ from typing import Any, Protocol, cast
 import torch
 
 from ..storage import attention
+from ..storage.codec import attended_pair, into_basis, out_of_basis
 from ..storage.dense import DenseSlots
-from ..storage.slots import step_attention
 from .errors import CacheMisuseError
 from .intake import queries_to_keep
 from .phase import Phase, moved
@@ -218,10 +219,18 @@ class LaterStep(Step):
         softcap: float | None,
         sinks: torch.Tensor | None,
     ) -> Attended:
+        """The method's attention over the slots (its policy's ``attend``), each query seeing what the storage says it
+        sees (``visibility``: compressed slots no longer line up with the model's columns), in the basis the codec
+        decodes keys in, the output turned back (codec.py); with learned sinks (gpt-oss) the same attention spelled
+        out, each sink taking its share."""
+        slots = layer.slots
         block = new.among_new() if query.shape[-2] > 1 else None  # one query sees itself
-        return step_attention(
-            layer.slots, layer.policy.attend, query, key, value, block, scaling, softcap, sinks, new.valid
-        ), None
+        mask, turned = slots.visibility(block, query.shape[-2], new.valid), into_basis(slots.codec, query)
+        if sinks is None:
+            return out_of_basis(slots.codec, layer.policy.attend(turned, key, value, mask, scaling, softcap)), None
+        pair = attended_pair(slots.codec, key, value)
+        out, lse = attention.spelled_out_with_lse(turned, *pair, mask, scaling, softcap)
+        return out_of_basis(slots.codec, attention.with_sinks(out, lse, sinks)), None
 
     def commit(
         self,

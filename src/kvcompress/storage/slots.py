@@ -27,8 +27,7 @@ from typing import Any, ClassVar, NamedTuple
 
 import torch
 
-from .attention import spelled_out_with_lse, with_sinks
-from .codec import KVCodec, attended_pair, into_basis, out_of_basis
+from .codec import KVCodec
 
 
 def spare_slots(slots: int) -> int:
@@ -177,26 +176,3 @@ def store_coded(slots: Slots, codec: KVCodec | None) -> None:
     already coded (loaded, or continued) keeps its codes."""
     if codec is not None and slots.codec is None:
         slots.encode_with(codec)
-
-
-def step_attention(
-    slots: Slots,
-    attend: Callable[..., torch.Tensor],
-    query: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    new_block: torch.Tensor | None,
-    scaling: float,
-    softcap: float | None = None,
-    sinks: torch.Tensor | None = None,
-    new_valid: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """A later step's attention over ``slots`` by ``attend`` (the layer's: ``Slots.attend``, or a method's own): what
-    each query sees (``visibility``), in the basis the codec decodes keys in, the output turned back (codec.py);
-    with learned sinks (gpt-oss) the same attention spelled out, each sink taking its share."""
-    mask, codec = slots.visibility(new_block, query.shape[-2], new_valid), slots.codec
-    turned = into_basis(codec, query)
-    if sinks is None:
-        return out_of_basis(codec, attend(turned, keys, values, mask, scaling, softcap))
-    out, lse = spelled_out_with_lse(turned, *attended_pair(codec, keys, values), mask, scaling, softcap)
-    return out_of_basis(codec, with_sinks(out, lse, sinks))
