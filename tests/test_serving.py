@@ -474,9 +474,9 @@ def test_kvcompress_serve_refuses_a_cache_dtype_before_starting_anything():
 )
 def test_a_steps_prompts_sharing_a_method_are_kept_as_each_alone(method, asked):
     """The worker chooses what the prompts a step finishes with one method keep together, right-aligned: each keeps
-    what it keeps alone (prompts of different lengths, questions of different lengths), its keys held as the worker
-    holds them (head by head, transposed) and its values partly still in the pool."""
-    from kvcompress.serving.scoring import Finishing, PromptValues, kept_together
+    what it keeps alone (prompts of different lengths, questions of different lengths), its keys and values partly
+    read back from the pool, as the worker holds them."""
+    from kvcompress.serving.scoring import Finishing, PromptKeys, PromptValues, kept_together
 
     torch.manual_seed(5)
     prompts = []
@@ -488,16 +488,10 @@ def test_a_steps_prompts_sharing_a_method_are_kept_as_each_alone(method, asked):
         from_pool = PromptValues(
             cached, values[cached:], lambda at, v=values: v.transpose(0, 1)[torch.arange(2)[:, None], at]
         )
-        prompts.append(
-            Finishing(
-                torch.randn(2, 16, tokens).transpose(1, 2),
-                from_pool,
-                queries,
-                spans,
-                None if asked is None else asked[row],
-                40,
-            )
-        )
+        keys = torch.randn(2, 16, tokens)  # [kv_heads, dim, tokens]: the first ``cached`` read back, as a worker does
+        held = PromptKeys(cached, keys[..., cached:].permute(2, 0, 1), keys[..., :cached] if cached else None)
+        assert torch.equal(held.joined(), keys.transpose(1, 2))
+        prompts.append(Finishing(held, from_pool, queries, spans, None if asked is None else asked[row], 40))
         assert torch.equal(from_pool.whole(), values.transpose(0, 1))
     together = kept_together(method, prompts, 0.25, None)
     for prompt, kept in zip(prompts, together):
@@ -506,42 +500,56 @@ def test_a_steps_prompts_sharing_a_method_are_kept_as_each_alone(method, asked):
 
 
 def test_a_workers_held_prefix_serves_the_questions_after_it_until_a_write_reaches_its_blocks():
-    """``PromptKeys`` in a worker: a prefix-cache hit's keys are read back once, then each question over the same
-    blocks is scored over a view of them with its own keys after (nothing read, nothing copied); a second prompt of
-    the same step gets a copy (the room is the first one's, untouched); a write into any of the blocks, and only such
-    a write, has them read again; a longer question gets more room; past its share of the pool nothing is held and
-    every prompt is joined as before. Every prompt's keys are its prefix's then its own."""
-    from kvcompress.serving.prompt_keys import POOL_SHARE, ROOM, PromptKeys
+    """``HeldPrefixes`` in a worker: a prefix-cache hit's keys are read back once, then every question over the same
+    blocks, in later steps and several in one step, lays its own keys out in the held room when it is scored
+    (nothing read, nothing copied) and reads its kept keys from its parts after the next one took the room; a question
+    longer than the room gets more; a write into any of the blocks, and only such a write, has them read again; a
+    prompt over a prefix the layer no longer holds, or one past its share of the pool, is joined in a new tensor, read
+    once a step. Every prompt's keys are its prefix's then its own."""
+    from kvcompress.serving.prompt_keys import POOL_SHARE, ROOM, HeldPrefixes
+    from kvcompress.serving.scoring import PromptKeys
 
     document = torch.randn(3, 8, 64)  # [kv_heads, head_size, tokens]: 64 tokens in blocks 7 and 9 (32 each)
-    reads = []
+    reads: list[int] = []
 
     def read():
         reads.append(1)
         return document.clone()
 
-    def ask(keys, question, taken, pool=1 << 30, blocks=(7, 9)):
-        joined = keys.joined("layer.0", blocks, 64, question, read, taken, pool)
-        torch.testing.assert_close(joined, torch.cat([document, question.permute(1, 2, 0)], dim=-1), rtol=0, atol=0)
+    def prompts(held, *lengths, step=None, pool=1 << 30, blocks=(7, 9)):
+        step = {} if step is None else step
+        found = [held.prefix("layer.0", blocks, 64, read, step, pool) for _ in lengths]
+        return [PromptKeys(64, torch.randn(n, 3, 8), *parts) for n, parts in zip(lengths, found)]
+
+    def whole(keys):
+        return torch.cat([document, keys.computed.permute(1, 2, 0)], dim=-1).transpose(1, 2)
+
+    def scored(keys):  # (as the worker scores a step's prompts: each joined, then read, one after another)
+        joined = keys.joined()
+        torch.testing.assert_close(joined, whole(keys), rtol=0, atol=0)
         return joined
 
-    keys = PromptKeys()
-    first = ask(keys, torch.randn(5, 3, 8), {})
-    second = ask(keys, torch.randn(9, 3, 8), taken := {})
-    assert len(reads) == 1 and second.data_ptr() == first.data_ptr() == keys.held["layer.0"].keys.data_ptr()
-    third = ask(keys, torch.randn(4, 3, 8), taken)  # the same step: a copy, the second's room untouched
-    assert third.data_ptr() != second.data_ptr() and len(reads) == 1
-    keys.forget("layer.0", torch.tensor([-1, 3 * 32 + 5]), 32)  # (a padding slot, and block 3: not one of its own)
-    ask(keys, torch.randn(2, 3, 8), {})
+    held = HeldPrefixes()
+    (first,) = prompts(held, 5)
+    assert scored(first).data_ptr() == held.held["layer.0"].keys.data_ptr() and len(reads) == 1
+    burst = prompts(held, 9, 4, ROOM + 10)
+    views = [scored(keys) for keys in burst]
+    assert len(reads) == 1 and views[0].data_ptr() == views[1].data_ptr()  # (the same room, one after another)
+    positions = torch.tensor([[0, 63, 64, 66], [5, 40, 64, 67], [1, 2, 3, 65]])
+    for keys in burst:  # kept keys read from the parts, whoever holds the room now
+        torch.testing.assert_close(keys.at(positions), whole(keys)[torch.arange(3)[:, None], positions])
+    held.forget("layer.0", torch.tensor([-1, 3 * 32 + 5]), 32)  # (a padding slot, and block 3: not one of its own)
+    scored(*prompts(held, 2))
     assert len(reads) == 1
-    keys.forget("layer.0", torch.tensor([9 * 32 + 31]), 32)
-    ask(keys, torch.randn(2, 3, 8), {})
+    held.forget("layer.0", torch.tensor([9 * 32 + 31]), 32)
+    scored(*prompts(held, 2))
     assert len(reads) == 2
-    longer = ask(keys, torch.randn(ROOM + 10, 3, 8), {})
-    assert len(reads) == 2 and keys.held["layer.0"].keys.shape[-1] == longer.shape[-1]
-    ask(keys, torch.randn(2, 3, 8), {}, blocks=(7, 10))  # other blocks: read, and held in their place
-    assert len(reads) == 3 and keys.held["layer.0"].blocks == (7, 10)
+    step: dict = {}
+    (other,) = prompts(held, 3, step=step)
+    prompts(held, 3, step=step, blocks=(7, 10))  # another document in the same step: held in its place
+    assert len(reads) == 3 and scored(other).data_ptr() != held.held["layer.0"].keys.data_ptr()
     small_pool = 3 * 8 * (64 + ROOM) * 4 * POOL_SHARE - 1
-    for _ in range(2):
-        ask(keys, torch.randn(2, 3, 8), {}, pool=small_pool)
-    assert len(reads) == 5 and "layer.0" not in keys.held
+    step = {}
+    for keys in prompts(held, 2, 6, step=step, pool=small_pool):
+        scored(keys)
+    assert len(reads) == 4 and "layer.0" not in held.held

@@ -3,12 +3,12 @@
 A request whose prompt starts with prefix-cached blocks (a document asked many questions) is scored over its whole
 prompt: the cached part's keys read back from the pool and joined to the keys its prefill computed. Read and joined
 per question, that cost a later question over a 7,500-token document ~40 ms of its ~370 (in-process, SmolLM2, two
-cores). Each layer holds the keys of the last such prefix it read, with room after them: the next question over the
-same blocks writes its own keys into that room and is scored over a view, nothing read or copied. A second prompt of
-the same step over the same blocks gets a copy (the room is the first one's). An entry is dropped when a write reaches
-any of its blocks (a block freed from the prefix cache and handed to another request holds other tokens), and is at
-most an eighth of its layer's pool (``POOL_SHARE``: past it a prefix is read and joined per question, as without it).
-Imports no vLLM: the worker hands it the read-back."""
+cores). Each layer holds the keys of the last such prefix it read, with room after them: each question over the same
+blocks lays its own keys out in that room when it is scored (``scoring.PromptKeys``), one after another, nothing read
+or copied. An entry is dropped when a write reaches any of its blocks (a block freed from the prefix cache and handed
+to another request holds other tokens), and is at most an eighth of its layer's pool (``POOL_SHARE``: past it a
+prefix is read once a step and joined per question, as without it). Imports no vLLM: the worker hands it the
+read-back."""
 
 from __future__ import annotations
 
@@ -36,61 +36,50 @@ class HeldPrefix:
         return frozenset(self.blocks)
 
 
-class PromptKeys:
-    """Per layer, the keys of the last prefix-cache hit it scored over (``joined``), until a write reaches its blocks
+class HeldPrefixes:
+    """Per layer, the keys of the last prefix-cache hit it scored over (``prefix``), until a write reaches its blocks
     (``forget``: the worker tells it every write into the pool)."""
 
     def __init__(self) -> None:
         self.held: dict[str, HeldPrefix] = {}
 
-    def joined(
+    def prefix(
         self,
         layer: str,
         blocks: tuple[int, ...],
         tokens: int,
-        computed: torch.Tensor,
         read: Callable[[], torch.Tensor],
-        taken: dict[tuple, torch.Tensor],
+        reads: dict[tuple, torch.Tensor],
         pool_bytes: int,
-    ) -> torch.Tensor:
-        """A prompt's keys ``[kv_heads, head_size, tokens + n]``: the ``tokens`` its hit spared (through ``blocks``,
-        read by ``read`` where not held) then ``computed [n, kv_heads, head_size]``. ``taken``: this step's and layer's
-        prefixes a prompt already scores over (its room taken: a copy for the next; this call adds its own);
-        ``pool_bytes``: the layer's pool."""
-        needed = tokens + computed.shape[0]
-        prefix = taken.get((blocks, tokens))
-        if prefix is None:
-            held = self.room(layer, blocks, tokens, needed, read, pool_bytes)
-            if isinstance(held, HeldPrefix):  # its room lent to this prompt
-                taken[blocks, tokens] = held.keys[..., :tokens]
-                keys = held.keys[..., :needed]
-                keys[..., tokens:] = computed.permute(1, 2, 0)
-                return keys
-            prefix = taken[blocks, tokens] = held
-        keys = torch.empty(*prefix.shape[:2], needed, dtype=prefix.dtype)
-        keys[..., :tokens] = prefix
-        keys[..., tokens:] = computed.permute(1, 2, 0)
-        return keys
-
-    def room(
-        self,
-        layer: str,
-        blocks: tuple[int, ...],
-        tokens: int,
-        needed: int,
-        read: Callable[[], torch.Tensor],
-        pool_bytes: int,
-    ) -> HeldPrefix | torch.Tensor:
-        """``layer``'s held prefix through ``blocks`` with room for ``needed`` tokens, held now where it was not (or
-        with too little room); the prefix as read where it cannot be held."""
+    ) -> tuple[torch.Tensor, Callable[[int], torch.Tensor | None]]:
+        """The keys ``[kv_heads, head_size, tokens]`` of the ``tokens`` a hit spared (through ``blocks``), held where
+        they were, else read (``read``, once a step and layer: ``reads``) and held from now on; and the prompt's room:
+        given its whole length, the held buffer's first that many tokens (the prefix, then room for its own), or None
+        where the layer holds something else by then. ``pool_bytes``: the layer's pool."""
         held = self.held.get(layer)
         if held is not None and (held.blocks, held.tokens) == (blocks, tokens):
-            if held.keys.shape[-1] >= needed:
-                return held
             prefix = held.keys[..., :tokens]
         else:
-            prefix = read()
-        return self.hold(layer, blocks, tokens, prefix, needed, pool_bytes) or prefix
+            if (blocks, tokens) not in reads:
+                reads[blocks, tokens] = read()
+            prefix = reads[blocks, tokens]
+            self.hold(layer, blocks, tokens, prefix, tokens, pool_bytes)
+        return prefix, functools.partial(self.room, layer, blocks, tokens, pool_bytes)
+
+    def room(
+        self, layer: str, blocks: tuple[int, ...], tokens: int, pool_bytes: int, needed: int
+    ) -> torch.Tensor | None:
+        """``layer``'s held buffer through ``blocks`` to ``needed`` tokens (more room made where it has too little);
+        None where the layer holds another prefix, or none."""
+        held = self.held.get(layer)
+        if held is None or (held.blocks, held.tokens) != (blocks, tokens):
+            return None
+        if held.keys.shape[-1] < needed:
+            grown = self.hold(layer, blocks, tokens, held.keys[..., :tokens], needed, pool_bytes)
+            if grown is None:
+                return None
+            held = grown
+        return held.keys[..., :needed]
 
     def hold(
         self, layer: str, blocks: tuple[int, ...], tokens: int, prefix: torch.Tensor, needed: int, pool_bytes: int

@@ -18,8 +18,8 @@ from ..cache.tokens import spans_for
 from ..integrations.transformers.rope import Rotary, rotary_from_config
 from ..methods.base import Method
 from ..storage.codec import make_codec
-from .prompt_keys import PromptKeys
-from .scoring import Finishing, PromptValues, kept_together
+from .prompt_keys import HeldPrefixes
+from .scoring import Finishing, PromptKeys, PromptValues, kept_together
 from .vllm_paged import attend_kept, read_at, read_keys, scheduling
 from .vllm_requests import Scheduled, settled
 from .vllm_seam import step_metadata
@@ -53,7 +53,7 @@ ATTEND_BLOCK = 512  # prompt queries per call when an fp8 pool's prompt attends 
 # (keyed by request id since the first block is shared with prefix caching, it is bounded rather than overwritten).
 KEPT_POSITIONS: collections.OrderedDict[str, dict[str, torch.Tensor]] = collections.OrderedDict()
 KEPT_RECORDS = 64
-PROMPT_KEYS = PromptKeys()  # per layer, the last prefix-cache hit's keys read back, for the questions that follow
+HELD = HeldPrefixes()  # per layer, the last prefix-cache hit's keys read back, for the questions that follow
 
 
 def rows_of(step: dict[str, Scheduled], table: torch.Tensor, query_lens: list[int], seq_lens: list[int]) -> list:
@@ -96,28 +96,32 @@ def finishing_prompt(
     computed: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     spans: torch.Tensor | None,
     info: Scheduled,
-    taken: dict[tuple, torch.Tensor],
+    reads: dict[tuple, torch.Tensor],
 ) -> Finishing:
     """A prompt at the end of its prefill as its method scores it: this prefill's keys, values (``[n, kv_heads,
     dim]``) and queries, after the ``began`` tokens a prefix-cache hit spared it, whose keys are read back from the
-    pool once for the questions that follow over the same blocks (``PROMPT_KEYS``; ``taken``: the prefixes this step's
-    prompts score over in this layer) and whose values only where kept."""
+    pool once for the questions that follow over the same blocks (``HELD``; ``reads``: this step's and layer's reads)
+    and whose values only where kept."""
     keys, values, queries = computed
     if began == 0:
-        return Finishing(keys.transpose(0, 1), PromptValues(0, values), queries, spans, info.asked, info.kept)
+        return Finishing(PromptKeys(0, keys), PromptValues(0, values), queries, spans, info.asked, info.kept)
     blocks = table_row[: -(-began // kv_cache.shape[2])]
-    joined = PROMPT_KEYS.joined(
+    prefix, room = HELD.prefix(
         layer.layer_name,
         tuple(blocks.tolist()),
         began,
-        keys,
         lambda: read_keys(kv_cache, blocks, began, layer.isa),
-        taken,
+        reads,
         kv_cache.nbytes,
     )
     cached_values = functools.partial(read_at, kv_cache, blocks, isa=layer.isa, part=1)
     return Finishing(
-        joined.transpose(1, 2), PromptValues(began, values, cached_values), queries, spans, info.asked, info.kept
+        PromptKeys(began, keys, prefix, room),
+        PromptValues(began, values, cached_values),
+        queries,
+        spans,
+        info.asked,
+        info.kept,
     )
 
 
@@ -205,7 +209,7 @@ class KVCompressCPUImpl(CPUAttentionBackendImpl):
         an fp8 pool gets each element rounded to its nearest e4m3 value first (the CPU build's cast truncates toward
         zero; rounded here, the pool holds what the library's ``fp8`` codec and vLLM's CUDA cast hold, and the cast of
         an e4m3 value is exact)."""
-        PROMPT_KEYS.forget(str(layer.layer_name), slot_mapping, kv_cache.shape[2])
+        HELD.forget(str(layer.layer_name), slot_mapping, kv_cache.shape[2])
         if self.coded_pool:
             codec = make_codec("fp8", key.shape[-1], key.dtype)
             key, value = (codec.decode(codec.encode(t)) for t in (key, value))
@@ -232,7 +236,7 @@ class KVCompressCPUImpl(CPUAttentionBackendImpl):
             return output
         starts = attn_metadata.query_start_loc.tolist()
         finishing: dict[str, list[tuple[slice, str, Finishing]]] = {}  # the step's prompts to compress, by settings
-        taken: dict[tuple, torch.Tensor] = {}  # the cached prefixes this step's prompts score over, by their blocks
+        reads: dict[tuple, torch.Tensor] = {}  # cached prompt parts' keys read back this step, by their blocks
         for row, request in enumerate(ROWS[: len(starts) - 1]):
             if request is None or request in REMAPPED or STEP[request].computed >= STEP[request].prompt:  # decoding
                 continue
@@ -265,7 +269,7 @@ class KVCompressCPUImpl(CPUAttentionBackendImpl):
                     f"kvcompress: a prompt of {began + keys.shape[0]} tokens came with {spans.shape[-1]} token ids"
                 )
             prompt = finishing_prompt(
-                layer, kv_cache, attn_metadata.block_table[row], began, (keys, values, queries), spans, info, taken
+                layer, kv_cache, attn_metadata.block_table[row], began, (keys, values, queries), spans, info, reads
             )
             finishing.setdefault(info.settings, []).append((after, request, prompt))
         for group in finishing.values():
@@ -316,12 +320,11 @@ class KVCompressCPUImpl(CPUAttentionBackendImpl):
         """Write one request's kept tokens (``positions [kv_heads, kept]`` of its prompt) in the first slots of
         ``blocks`` (its own, never a block the prefix cache holds), then ``later_keys``/``later_values`` (the tokens
         a recomputed request had generated) right after them."""
-        heads = torch.arange(positions.shape[0])[:, None]
         block_size = kv_cache.shape[2]
         slots = torch.arange(positions.shape[1] + later_keys.shape[0])
         slot_mapping = blocks[slots // block_size].to(torch.long) * block_size + slots % block_size
         # slot s of head h holds the token positions[h, s]
-        keys = torch.cat([prompt.keys[heads, positions].transpose(0, 1), later_keys])
+        keys = torch.cat([prompt.keys.at(positions).transpose(0, 1), later_keys])
         values = torch.cat([prompt.values.at(positions).transpose(0, 1), later_values])
         self.write_pool(layer, keys, values, kv_cache, slot_mapping)
         KEPT_POSITIONS.setdefault(request, {})[layer.layer_name] = positions
