@@ -20,18 +20,57 @@ never reads a model's mask.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol, cast
+from typing import Protocol, cast
 
 import torch
 
 from ..storage import attention
 from ..storage.codec import attended_pair, into_basis, out_of_basis
 from ..storage.dense import DenseSlots
+from ..storage.slots import Slots
 from .errors import CacheMisuseError
-from .intake import queries_to_keep
+from .intake import Intake, ObservationPass, PromptRecord, queries_to_keep
 from .phase import Phase, moved
+from .policy import LayerPolicy, present
 
-KVLayer = Any  # a layer.KVLayer, which imports this module (held.py reads its layer the same way)
+
+class KVLayer(Protocol):
+    """What a step reads and moves of its layer (``layer.KVLayer``, which imports this module, is one): nothing else."""
+
+    layer_idx: int
+    phase: Phase
+    slots: Slots
+    intake: Intake
+    observation: ObservationPass | None
+    policy: LayerPolicy
+    record_window: int | None | bool
+    prefill_len: int | None
+    prompt_tokens: torch.Tensor | None
+
+    @property
+    def keys(self) -> torch.Tensor: ...
+
+    @property
+    def values(self) -> torch.Tensor: ...
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None: ...
+
+    def advance(self, new: int) -> None: ...
+
+    def end_prompt(self, record: PromptRecord) -> None: ...
+
+    def held_prompt(self) -> tuple[torch.Tensor, int]: ...
+
+    def slot_validity(self) -> torch.Tensor: ...
+
+
+def observing(layer: KVLayer) -> ObservationPass:
+    """The layer's open observation pass (its phase holds one: said once to the type checker)."""
+    if layer.observation is None:
+        raise CacheMisuseError(f"kvcompress: layer {layer.layer_idx} took an observation step with no pass open")
+    return layer.observation
+
+
 Attend = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None", float, "float | None"], torch.Tensor
 ]
@@ -164,7 +203,7 @@ class ObservationStep(Step):
     def take(
         self, layer: KVLayer, key_states: torch.Tensor, value_states: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return layer.observation.take((layer.keys, layer.values), key_states, value_states)
+        return observing(layer).take((layer.keys, layer.values), key_states, value_states)
 
     def attend(
         self,
@@ -191,8 +230,9 @@ class ObservationStep(Step):
         scaling: float,
         lse: torch.Tensor | None,
     ) -> None:
-        keys, valid = layer.observation.step(query, new_valid, layer.slot_validity())
-        layer.policy.observe(query, keys, valid, scaling, lse, layer.observation.context)
+        observation = observing(layer)
+        keys, valid = observation.step(query, new_valid, layer.slot_validity())
+        layer.policy.observe(query, keys, valid, scaling, *present(lse, observation.context))
 
 
 class LaterStep(Step):
@@ -245,8 +285,9 @@ class LaterStep(Step):
         if new_valid is not None:  # written without asking the device whether all are real: that would synchronize
             layer.slots.mark_padding(new_valid)
         if layer.phase is Phase.CONTINUING:  # a window continuing a stored context: this step ends its prompt
-            layer.prefill_len += query.shape[-2]
-            layer.prompt_tokens = layer.prompt_tokens + (query.shape[-2] if new_valid is None else new_valid.sum(-1))
+            tokens, slots = layer.held_prompt()
+            layer.prefill_len = slots + query.shape[-2]
+            layer.prompt_tokens = tokens + (query.shape[-2] if new_valid is None else new_valid.sum(-1))
             layer.phase = moved(layer.layer_idx, layer.phase, Phase.DECODING, "the stored window's prompt ended")
         layer.policy.after_step(query, scaling)
         layer.slots.close_step(query.shape[-2])
