@@ -118,11 +118,12 @@ def window_votes(
     keep the float32 attention held at once under ``VOTING_BYTES``: a long prompt's heads one by one (its attention
     bounded, and each head's read back from the cache its product wrote it to: on SmolLM2 at 7,500 tokens, all three
     at once took 3.9 ms a layer against 3.1), a short one's in one pass (at 2,000 tokens 0.9 ms against 1.15: three
-    passes' calls cost more than their softmax)."""
+    passes' calls cost more than their softmax). A window wider than a head's dimension keeps one head at a time
+    whatever the length: all heads' attention would then outgrow the prompt's own hidden states."""
     batch, kv_heads, seq = keys.shape[0], keys.shape[1], keys.shape[2]
-    group = query_window.shape[1] // kv_heads
-    per_head = 4 * batch * group * query_window.shape[2] * seq
-    step = max(1, min(kv_heads, VOTING_BYTES // max(per_head, 1)))
+    group, rows, dim = query_window.shape[1] // kv_heads, query_window.shape[2], query_window.shape[3]
+    per_head = 4 * batch * group * rows * seq
+    step = 1 if rows > dim else max(1, min(kv_heads, VOTING_BYTES // max(per_head, 1)))
     parts = [
         prefix_votes(
             window_attention(
