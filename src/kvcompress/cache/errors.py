@@ -60,6 +60,11 @@ def _setting(name: str, value: Any, written: str, flag_of: Spell | None) -> str:
     return f"{flag} {shown.strip(chr(39))}"
 
 
+def flag_for(name: str) -> str:
+    """A setting's command-line flag (``kv_bits`` -> ``--kv-bits``): how the CLI spells every setting it takes."""
+    return "--" + name.replace("_", "-")
+
+
 class Said(Exception):
     """An error whose message names the settings it refuses as data (module docstring): ``template``, ``values``;
     ``cli``: the whole refusal in the command line's words where its remedy is another one, not only other

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
+from ..cache.errors import flag_for
 from . import library as lib
 from .catalogue import catalogue, method_names
 from .common import (
@@ -93,7 +94,7 @@ def _past_method(args: argparse.Namespace) -> Method | None:
     saved = lib.saved_method(args.past)
     differ = {key: value for key, value in given_settings(args).items() if getattr(saved, key, None) != value}
     if differ:
-        flags = " ".join(f"--{key.replace('_', '-')} {value}" for key, value in differ.items())
+        flags = " ".join(f"{flag_for(key)} {value}" for key, value in differ.items())
         raise lib.InvalidParameterError(
             f"{args.past} was compressed with {saved.describe()}, and --past keeps it: {flags} would not apply (leave "
             "them out, or name --method to compress each question over the context with its own method)"

@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from ..cache.errors import flag_for
+
 FILE = Path(__file__).with_name("catalogue.json")
 KINDS = {kind.__name__: kind for kind in (int, float, bool, str)}
 
@@ -27,7 +29,7 @@ class Field(NamedTuple):
 
     @property
     def flag(self) -> str:
-        return "--" + self.name.replace("_", "-")
+        return flag_for(self.name)
 
 
 @functools.cache

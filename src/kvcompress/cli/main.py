@@ -9,6 +9,7 @@ from collections.abc import Iterable
 
 from rich.console import Console
 
+from ..cache.errors import flag_for
 from ..io.version import versions_line
 from . import ask, bench, explore, library, serve
 from .catalogue import method_names
@@ -22,7 +23,7 @@ def in_flag_words(error: Exception, options: Iterable[str]) -> str:
     as the library says it), from the refusal's own fields; any other error as it says itself."""
     if isinstance(error, library.Said):
         flags = set(options)
-        text = error.in_words(lambda name: "--" + name.replace("_", "-") if name in flags else None)
+        text = error.in_words(lambda name: flag_for(name) if name in flags else None)
     else:
         text = str(error)
     return text.removeprefix("kvcompress: ")

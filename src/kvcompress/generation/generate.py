@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from ..cache.errors import CacheMisuseError
+from ..cache.errors import CacheMisuseError, flag_for
 from ..methods import FullKV, InvalidParameterError, Method
 from ..methods.fields import field_specs, param, setting
 from ..storage.cpu_kernels import ready_cpu_kernel
@@ -199,7 +199,7 @@ def _sampling(temperature: float, top_p: float, seed: int | None) -> Sampling | 
     _check(temperature=temperature, top_p=top_p, seed=seed)
     unused = {name: value for name, value, default in (("top_p", top_p, 1.0), ("seed", seed, None)) if value != default}
     if temperature == 0 and unused:
-        flags = " ".join(f"--{name.replace('_', '-')} {value}" for name, value in unused.items())
+        flags = " ".join(f"{flag_for(name)} {value}" for name, value in unused.items())
         raise InvalidParameterError(
             ", ".join(map(setting, unused)) + " applies only when sampling: give {temperature!n} > 0, or leave it out "
             "(greedy)",

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..cache.errors import flag_for
 from .base import BudgetMethod, Method
 from .expected import ExpectedAttention
 from .fields import FieldSpec, InvalidParameterError, field_specs
@@ -53,7 +54,7 @@ def method_from_name(name: str, **params: Any) -> Method:
     accepted = {spec.name for spec in specs}
     unknown = sorted(k for k, v in params.items() if v is not None and k not in accepted)
     if unknown:  # (the command line's words: its flags, in the order --help shows them)
-        flags = ", ".join("--" + field.replace("_", "-") for field in unknown)
+        flags = ", ".join(flag_for(field) for field in unknown)
         raise InvalidParameterError(
             f"method {name!r} does not take {', '.join(unknown)}; "
             f"it takes: {', '.join(sorted(accepted)) or 'no parameters'}",

@@ -10,7 +10,7 @@ import typing
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
-from ..cache.errors import Said
+from ..cache.errors import Said, flag_for
 
 CODEC_FIELDS = ("kv_bits", "kv_format", "key_bits")  # every method's; describe() shows them only off their default
 
@@ -94,7 +94,7 @@ class FieldSpec:
 
     @property
     def flag(self) -> str:
-        return "--" + self.name.replace("_", "-")
+        return flag_for(self.name)
 
     def check(self, owner: str, value: Any) -> None:
         """Raise ``InvalidParameterError`` unless ``value`` has this field's type and range."""
