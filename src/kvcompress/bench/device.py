@@ -70,24 +70,25 @@ def return_free_memory() -> None:
 def peak_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = proc_bytes("/proc/self/status", "VmHWM")
+    return peak if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def host_available() -> int:
     """Bytes of host memory the system can still give (``MemAvailable``; unlimited where unknown)."""
+    available = proc_bytes("/proc/meminfo", "MemAvailable")
+    return available if available is not None else 1 << 62
+
+
+def proc_bytes(path: str, field: str) -> int | None:
+    """A ``field:  N kB`` line of a /proc file, in bytes (None: no such file or field)."""
     try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
+        for line in Path(path).read_text().splitlines():
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return 1 << 62
+    return None
 
 
 def is_oom(error: BaseException) -> bool:
