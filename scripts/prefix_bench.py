@@ -14,7 +14,8 @@ size 32, vLLM's compiled graph and chunked prefill:
   over one document sent one at a time (``--answer-tokens`` each, greedy; the first prefills the document, the later
   ones find it in the prefix cache), then the same questions again 8 at once, each answer ``--decode-tokens`` long
   (EOS ignored, as vLLM's serving benchmark does: decoding dominates), timed to the first token and to the whole
-  answer;
+  answer (each prompt then cached whole: plain vLLM recomputes its last block, kvcompress recalls what it kept),
+  then each question worded anew (``ANOTHER`` before it: prompts neither server saw) 8 at once the same way;
 * ``chat``: ``--conversations`` conversations at once, each its own document of ``--chat-tokens`` and ``--turns``
   turns, each turn re-sending the conversation with the server's last answer;
 * ``distinct``: ``--distinct`` requests at once, each its own document (no prefix to share).
@@ -71,6 +72,7 @@ QUESTIONS = [
     "Write one question the document answers.",
 ]
 CODE_QUESTIONS = {0, 4, 10, 14}  # the questions whose answer is the access code
+ANOTHER = "Another reader asks: "  # before each question asked anew, eight at once
 TURNS = [
     "What colour is the door of the east wing?",
     "Repeat the access code, digits only.",
@@ -241,7 +243,10 @@ async def shared(client: Client, tokenizer, tokens: int, layout: str, args: argp
             return await client.ask(messages, args.decode_tokens, ignore_eos=True)
 
     burst, burst_row = await measured(client, asyncio.gather(*(eight_at_once(m) for m in asks)))
-    row["eight_at_once"] = {**burst_row, **ttfts(burst, "")}
+    row["eight_at_once"] = {**burst_row, **ttfts(burst, "")}  # (the questions asked again: each prompt cached)
+    fresh = [shared_messages(text, f"{ANOTHER}{q}", layout) for q in questions]  # (prompts neither server saw)
+    burst, burst_row = await measured(client, asyncio.gather(*(eight_at_once(m) for m in fresh)))
+    row["eight_new_at_once"] = {**burst_row, **ttfts(burst, "")}
     return {
         "scenario": f"shared ({layout})",
         "layout": layout,
@@ -487,7 +492,9 @@ def table(rows: list[dict]) -> str:
     for row in rows:
         parts = [(row, row["scenario"])]
         if "eight_at_once" in row:
-            parts.append((row["eight_at_once"], f"{row['scenario']}, 8 at once"))
+            parts.append((row["eight_at_once"], f"{row['scenario']}, 8 at once, asked again"))
+        if "eight_new_at_once" in row:
+            parts.append((row["eight_new_at_once"], f"{row['scenario']}, 8 new at once"))
         for part, name in parts:
             first = part.get("first_ttft_p50_s")
             key = "later_" if "later_ttft_p50_s" in part else ""

@@ -153,6 +153,59 @@ def test_a_question_that_says_where_it_begins_votes_with_its_own_tokens(engine, 
                 assert needed < 32 and hit == start // 32 * 32, settings
 
 
+def test_a_repeated_request_keeps_what_it_kept_before_over_its_whole_prefix_hit(engine, library):
+    """The same prompt, settings and question start again (a retry; a question asked again of a shared document):
+    prefilled from where plain vLLM's prefix cache ends (nothing recomputed for SnapKV's votes), it keeps exactly what
+    the first kept, which is what the library keeps, and answers the same; other settings are scored anew."""
+    model, tokenizer = library
+    opening = f"Read this letter.\n\n{demo.build_document(tokenizer, 900, 0.5)}"  # a prefix no other test sends
+    messages = [{"role": "user", "content": f"{opening}\n\n{demo.QUESTION}"}]
+    prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    scheduler = engine.llm_engine.engine_core.engine_core.scheduler
+    runs = []
+    for settings in (None, None, {"budget": 192}, None):
+        vllm_worker.KEPT_POSITIONS.clear()
+        served = engine.generate([prompt], sampling([(settings,)]), use_tqdm=False)[0]
+        hit = next(v for k, v in scheduler.hits.items() if k.split("-")[0] == served.request_id)
+        runs.append((served.outputs[0].text, next(iter(vllm_worker.KEPT_POSITIONS.values())), hit))
+    (first, kept, fresh), (again, kept_again, whole), (_, _, other), (third, kept_third, _) = runs
+    ours = kvc.generate(model, tokenizer, messages, method=METHOD, max_new_tokens=12)
+    assert first == again == third == ours.text
+    assert same_positions(kept, ours.cache) and same_positions(kept_again, ours.cache)
+    assert same_positions(kept_third, ours.cache)
+    prompt_tokens = len(served.prompt_token_ids)
+    assert fresh <= 32  # the first: nothing cached yet (the chat template's first block aside)
+    assert whole == (prompt_tokens - 1) // 32 * 32  # again: every whole block the prefix cache holds
+    assert other == (prompt_tokens - METHOD.window) // 32 * 32 < whole  # another budget: its window's queries computed
+
+
+def test_the_workers_hold_the_choices_the_scheduler_recalls_until_told_to_let_go(engine):
+    """The scheduler's ledger holds the most recently used choices, never lets one go while a request is prefilled
+    over it, and tells the workers each one it let go once."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    ledger = vllm_requests.Recalled(capacity=2)
+    ledger.recorded("a")
+    ledger.recorded("b")
+    assert ledger.recall("r1", "a") and not ledger.recall("r2", "c") and not ledger.recall("r3", None)
+    ledger.recorded("c")  # over capacity: b, the least recently used, goes; a is in use
+    assert list(ledger.held) == ["a", "c"] and ledger.tell() == ["b"] and ledger.tell() == []
+    ledger.recorded("d")
+    assert list(ledger.held) == ["a", "d"] and ledger.tell() == ["c"]
+    ledger.done(prefilling=set())  # r1's prompt done: a may go
+    ledger.recorded("e")
+    assert list(ledger.held) == ["d", "e"] and ledger.tell() == ["a"]
+    worker = vllm_plugin.KVCompressConnector(engine.llm_engine.vllm_config, KVConnectorRole.WORKER)
+    held = dict(vllm_worker.CHOICES)  # (the engine's own, kept for the tests that follow)
+    vllm_worker.CHOICES.update({"a": {}, "d": {}})
+    try:
+        worker.bind_connector_metadata(vllm_requests.StepMethods(requests={}, live=set(), forget=["a", "b"]))
+        assert set(vllm_worker.CHOICES) == {*held, "d"}
+    finally:
+        vllm_worker.CHOICES.clear()
+        vllm_worker.CHOICES.update(held)
+
+
 def test_the_api_servers_middleware_tells_a_chat_where_its_question_begins(monkeypatch):
     """``RequestSettings`` in the API server: a chat completion gets where its conversation after the system message
     begins (``settings.chat_question_start``) in its ``vllm_xargs``; a start a request names is kept; one past its
@@ -339,12 +392,17 @@ def test_prompts_prefilled_in_chunks_are_compressed_after_their_last_chunk(libra
         (1100, 0.7, {"method": "expected", "budget": 200}),
     ]
     assert len(served_alike(chunked, library, cases)) == len(cases) and not vllm_worker.CHUNKS  # none held after
-    # again: each prompt now finds its blocks in the prefix cache, read back at its last chunk (H2O and
+    # other budgets: each prompt now finds its blocks in the prefix cache, read back at its last chunk (H2O and
     # ExpectedAttention, which score with every query, take no hit)
     hits = chunked.llm_engine.engine_core.engine_core.scheduler.hits
+    rebudgeted = [(*case[:2], {**(case[2] or {}), "budget": (case[2] or {}).get("budget", 256) + 32}) for case in cases]
+    before = set(hits)
+    assert len(served_alike(chunked, library, rebudgeted)) == len(cases) and not vllm_worker.CHUNKS
+    assert sorted(hits[request] > 0 for request in set(hits) - before) == [False] * 2 + [True] * 3
+    # the first requests again: each keeps what it kept, over its whole prefix-cache hit, nothing scored
     before = set(hits)
     assert len(served_alike(chunked, library, cases)) == len(cases) and not vllm_worker.CHUNKS
-    assert sorted(hits[request] > 0 for request in set(hits) - before) == [False] * 2 + [True] * 3
+    assert all(hits[request] > 0 for request in set(hits) - before)
 
 
 @pytest.mark.parametrize("chunked", [False, True])

@@ -51,12 +51,14 @@ class PromptKeys:
     prompt's length, a buffer whose first ``cached`` tokens are the prefix (a held prefix's, ``prompt_keys``), where
     ``joined`` lays the prompt out without a copy; None, or a room that returns None: a new tensor. A joined view is
     valid until the next prompt over the same prefix is joined (the prompts of a step are scored one after another),
-    so kept keys are read from the parts (``at``)."""
+    so kept keys are read from the parts (``at``). ``read``: where no prefix is held (a request that scores nothing),
+    the cached part's keys at positions, as ``PromptValues.read``."""
 
     cached: int
     computed: torch.Tensor
     prefix: torch.Tensor | None = None
     room: Callable[[int], torch.Tensor | None] | None = None
+    read: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @property
     def tokens(self) -> int:
@@ -75,8 +77,9 @@ class PromptKeys:
 
     def at(self, positions: torch.Tensor) -> torch.Tensor:
         """The keys at ``positions [kv_heads, n]``, ``[kv_heads, n, dim]``."""
-        prefix = self.prefix
-        read = None if prefix is None else lambda at: prefix[torch.arange(at.shape[0])[:, None], :, at]
+        prefix, read = self.prefix, self.read
+        if prefix is not None:
+            read = lambda at: prefix[torch.arange(at.shape[0])[:, None], :, at]  # noqa: E731
         return parts_at(self.cached, self.computed, read, positions)
 
 

@@ -45,7 +45,7 @@ from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_b
 from .launch import quiet_teardown
 from .settings import ENGINE_ENV
 from .vllm_requests import Plan, Scheduled, StepMethods, engine_method, request_plan
-from .vllm_worker import CHUNKS, STEP, STEP_SPANS, KVCompressCPUBackend
+from .vllm_worker import CHOICES, CHUNKS, STEP, STEP_SPANS, KVCompressCPUBackend
 
 
 def register() -> None:
@@ -116,6 +116,8 @@ class KVCompressConnector(KVConnectorBase_V1):
         STEP_SPANS.clear()
         for held in [key for key in CHUNKS if key[0] not in connector_metadata.live]:  # ended, or preempted
             del CHUNKS[held]  # (a request that skips a step keeps its chunks)
+        for choice in connector_metadata.forget:
+            CHOICES.pop(choice, None)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         pass

@@ -4,8 +4,11 @@ step's ``StepMethods``, which the KV connector carries from the scheduler to the
 
 from __future__ import annotations
 
+import array
+import collections
 import dataclasses
 import functools
+import hashlib
 import json
 from typing import Any
 
@@ -35,13 +38,14 @@ def engine_method(vllm_config: Any = None) -> Method:
 class Plan:
     """A request's compression as decided when it arrives: its method, its settings as the workers get them (JSON,
     parsed once per distinct settings: ``settled``), the prompt tokens from where it says its question begins (None:
-    it says nothing, or its method reads as many: a question longer than SnapKV's window) and the prompt tokens it
-    keeps."""
+    it says nothing, or its method reads as many: a question longer than SnapKV's window), the prompt tokens it
+    keeps, and what its choice of them depends on (``choice_key``; None: something no key covers)."""
 
     method: Method
     settings: str
     asked: int | None
     kept: int
+    choice: str | None = None
 
     def compresses(self, prompt: int) -> bool:
         return self.kept < prompt
@@ -60,12 +64,21 @@ def request_plan(request: Any, default: Method) -> Plan:
     asked = None if start is None else prompt - start
     if method.queries_needed(asked) == method.queries_needed():  # a question that fills the window: the window's
         asked = None  # last tokens vote, as for any prompt (the library's new prompt)
-    return Plan(
-        method,
-        json.dumps({"method": method.name, **method.settings()}, sort_keys=True),
-        asked,
-        kept_count(method, prompt),
-    )
+    settings_json = json.dumps({"method": method.name, **method.settings()}, sort_keys=True)
+    return Plan(method, settings_json, asked, kept_count(method, prompt), choice_key(request, settings_json, asked))
+
+
+def choice_key(request: Any, settings: str, asked: int | None) -> str | None:
+    """What a request's kept tokens depend on, as a digest: its prompt's token ids, its method's settings, where its
+    question begins, and whatever else vLLM's prefix cache tells prompts apart by (a LoRA adapter, a cache salt).
+    Two requests with one key keep the same tokens (``Recalled``). None for a prompt given as embeddings or with
+    multimodal inputs (their tokens do not say what the model saw)."""
+    if request.prompt_token_ids is None or request.prompt_embeds is not None or request.mm_features:
+        return None
+    lora = request.lora_request
+    digest = hashlib.blake2b(array.array("q", request.prompt_token_ids).tobytes(), digest_size=16)
+    digest.update(json.dumps([settings, asked, lora and lora.lora_int_id, request.cache_salt]).encode())
+    return digest.hexdigest()
 
 
 def kept_count(method: Method, prompt: int) -> int:
@@ -94,14 +107,64 @@ class Scheduled:
     tokens: list[int] | None = None
     row: list[int] | None = None
     area: list[int] | None = None
+    choice: str | None = None
+    recall: bool = False
 
 
 @dataclasses.dataclass
 class StepMethods(KVConnectorMetadata):
-    """A step's scheduled requests by request id, and the ids of every request holding blocks, scheduled or not."""
+    """A step's scheduled requests by request id, the ids of every request holding blocks, scheduled or not, and the
+    choices' keys the workers may let go (``Recalled``)."""
 
     requests: dict[str, Scheduled]
     live: set[str]
+    forget: list[str] = dataclasses.field(default_factory=list)
+
+
+RECALLED = (
+    64  # prompts whose kept positions the workers hold (int32s, kv_heads x kept a layer: 92 KB for SmolLM2 at 256)
+)
+
+
+class Recalled:
+    """The scheduler's ledger of the choices the workers hold, by key (``Plan.choice``): a request whose prompt,
+    settings and question start were compressed before (a retry, the same question over a shared document) is
+    prefilled over its whole prefix-cache hit and keeps what the earlier one kept, nothing scored (kept tokens depend
+    on the request alone, so the choice is the one scoring would make). The ``capacity`` most recently used are
+    held; one let go while a request is prefilled over it waits until that request's prompt is done."""
+
+    def __init__(self, capacity: int = RECALLED) -> None:
+        self.capacity = capacity
+        self.held: collections.OrderedDict[str, None] = collections.OrderedDict()  # oldest use first
+        self.using: dict[str, str] = {}  # request id -> the key its prefill recalls
+        self.let_go: list[str] = []  # keys let go, the workers not yet told
+
+    def recall(self, request_id: str, key: str | None) -> bool:
+        """Whether the workers hold ``key``'s choice; if so ``request_id`` recalls it (held until ``done``)."""
+        self.using.pop(request_id, None)
+        if key is None or key not in self.held:
+            return False
+        self.held.move_to_end(key)
+        self.using[request_id] = key
+        return True
+
+    def recorded(self, key: str) -> None:
+        """The workers keep ``key``'s choice from this step on; the least recently used not in use let go."""
+        self.held[key] = None
+        self.held.move_to_end(key)
+        spare = [old for old in self.held if old not in self.using.values()]
+        for old in spare[: max(len(self.held) - self.capacity, 0)]:
+            del self.held[old]
+            self.let_go.append(old)
+
+    def done(self, prefilling: set[str]) -> None:
+        """Only the requests still ``prefilling`` recall a choice."""
+        self.using = {request: key for request, key in self.using.items() if request in prefilling}
+
+    def tell(self) -> list[str]:
+        """The keys let go since the workers were last told."""
+        told, self.let_go = self.let_go, []
+        return told
 
 
 @functools.lru_cache(maxsize=256)

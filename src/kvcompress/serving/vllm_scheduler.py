@@ -13,7 +13,7 @@ from ..methods.fields import InvalidParameterError
 from . import vllm_seam as seam
 from .settings import scorable
 from .vllm_plugin import KVCompressConnector
-from .vllm_requests import StepMethods, request_plan
+from .vllm_requests import Recalled, StepMethods, request_plan
 
 logger = init_logger(__name__)
 
@@ -71,6 +71,7 @@ class KVCompressScheduler(Scheduler):
         self.hits: dict[str, int] = {}  # where each request's prefill began (its prefix-cache hit)
         self.waiting_room: set[str] = set()  # requests whose compressed cache found no room this step
         self.preempted = 0  # requests preempted for want of room for their compressed cache
+        self.recalled = Recalled()  # the choices of kept tokens the workers hold, by request key
         self.coded_pool = self.connector.coded_pool
         self.width = -(-self.vllm_config.model_config.max_model_len // self.block_size)  # a worker's block table row
 
@@ -86,12 +87,17 @@ class KVCompressScheduler(Scheduler):
     def _get_local_prefix_cache_hit(self, request: Any) -> tuple[Any, int, int, bool]:
         """vLLM's prefix-cache hit, cut so that a compressing request computes the last prompt queries its method
         reads (SnapKV's window; none of a prompt for a method that reads every query, H2O's and ExpectedAttention's)
-        and ends on a block; an fp8 pool's requests take none (their prompts attend themselves as computed)."""
+        and ends on a block, unless the workers hold its choice already (``Recalled``); an fp8 pool's requests take
+        none (their prompts attend themselves as computed)."""
         blocks, hit, boundary, diverged = super()._get_local_prefix_cache_hit(request)
         allowed = hit
         if self.coded_pool:
             allowed = 0
-        elif request.request_id in self.connector.plans and self.connector.compresses(request):
+        elif (
+            request.request_id in self.connector.plans
+            and self.connector.compresses(request)
+            and not self.recalled.recall(request.request_id, self.connector.plans[request.request_id].choice)
+        ):
             plan = self.connector.plans[request.request_id]
             needed = plan.method.queries_needed(plan.asked)
             allowed = 0 if needed is None else max(request.num_prompt_tokens - needed, 0)
@@ -108,28 +114,38 @@ class KVCompressScheduler(Scheduler):
         for request_id in [r for r, area in self.areas.items() if not area.held(tables.get(r, []))]:
             del self.areas[request_id]  # ended or preempted: vLLM freed its blocks
         for request_id, info in step.requests.items():
-            request = self.requests[request_id]
+            request, plan = self.requests[request_id], self.connector.plans[request_id]
+            info.recall = plan.choice is not None and self.recalled.using.get(request_id) == plan.choice
+            if info.recall:  # (nothing scored: no token ids)
+                info.choice, info.tokens = plan.choice, None
             if (
                 request_id not in self.areas
                 and self.connector.compresses(request)
                 and info.computed < request.num_prompt_tokens <= info.computed + info.query
             ):
-                self.take_area(request, output)
+                taken = self.take_area(request, output)
+                if taken and not info.recall and plan.choice is not None:  # its workers keep what it keeps
+                    info.choice = plan.choice
+                    self.recalled.recorded(plan.choice)
             area, table = self.areas.get(request_id), tables.get(request_id, [])
             info.start = self.hits.get(request_id, 0)
             info.area = None if area is None else area.blocks(table)
             if self.connector.compresses(request) or (self.coded_pool and info.computed < info.prompt):
                 info.row = area.row(table) if area is not None else [block.block_id for block in table]
+        self.recalled.done(  # (vLLM advanced each scheduled request's computed tokens already)
+            {r for r, request in self.requests.items() if request.num_computed_tokens < request.num_prompt_tokens}
+        )
         step.live = {request_id for request_id in self.connector.plans if tables.get(request_id)}
+        step.forget = self.recalled.tell()
         return output
 
-    def take_area(self, request: Any, output: Any) -> None:
+    def take_area(self, request: Any, output: Any) -> bool:
         """Blocks for the compressed cache of a request whose prompt's last step is scheduled: room for what its
         method keeps and every token it may generate, from the pool, the first appended to its worker's row (in this
         step's output); where the pool has no room, its prompt's own last blocks no other request holds (dropped
         from the prefix cache), if they hold what it keeps; else, once this step gives its first token (from the
         whole prompt, as the library's), it is preempted, as vLLM preempts a request it has no blocks for, and
-        recomputed (its prompt from the prefix cache) when there is room."""
+        recomputed (its prompt from the prefix cache) when there is room. Whether it has its area."""
         request_id, block_size = request.request_id, self.block_size
         kept = self.connector.plans[request_id].kept
         needed = -(-(kept + request.max_tokens) // block_size)
@@ -148,8 +164,9 @@ class KVCompressScheduler(Scheduler):
             self.areas[request_id] = Area(own, prompt, mine[0])
         else:  # after this step (its first token, from the whole prompt), recomputed once there is room
             self.waiting_room.add(request_id)
-            return
+            return False
         seam.stop_caching(self, request_id)  # nothing of it offered to the prefix cache from now on
+        return True
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
         self.peak_running = max(self.peak_running, len(self.running))

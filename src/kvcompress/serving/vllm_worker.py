@@ -54,6 +54,9 @@ ATTEND_BLOCK = 512  # prompt queries per call when an fp8 pool's prompt attends 
 KEPT_POSITIONS: collections.OrderedDict[str, dict[str, torch.Tensor]] = collections.OrderedDict()
 KEPT_RECORDS = 64
 HELD = HeldPrefixes()  # per layer, the last prefix-cache hit's keys read back, for the questions that follow
+# A choice's key (``Plan.choice``) -> layer name -> the prompt positions each KV head kept ``[kv_heads, kept]``: what a
+# later request with the same key keeps (``Recalled``: the scheduler says which to keep and which to let go).
+CHOICES: dict[str, dict[str, torch.Tensor]] = {}
 
 
 def rows_of(step: dict[str, Scheduled], table: torch.Tensor, query_lens: list[int], seq_lens: list[int]) -> list:
@@ -88,6 +91,14 @@ def step_method(request: str) -> Method:
     return settled(STEP[request].settings)
 
 
+def recalled_choice(request: str, info: Scheduled, layer: str) -> torch.Tensor:
+    """The positions an earlier request with ``request``'s choice key kept in ``layer`` (``CHOICES``)."""
+    held = CHOICES.get(str(info.choice), {}).get(layer)
+    if held is None:  # (the scheduler recalls only what it told the workers to keep and not yet to let go)
+        raise RuntimeError(f"kvcompress: request {request} recalls a choice of kept tokens this worker does not hold")
+    return held.long()
+
+
 def finishing_prompt(
     layer: Any,
     kv_cache: torch.Tensor,
@@ -101,11 +112,22 @@ def finishing_prompt(
     """A prompt at the end of its prefill as its method scores it: this prefill's keys, values (``[n, kv_heads,
     dim]``) and queries, after the ``began`` tokens a prefix-cache hit spared it, whose keys are read back from the
     pool once for the questions that follow over the same blocks (``HELD``; ``reads``: this step's and layer's reads)
-    and whose values only where kept."""
+    and whose values only where kept (a request recalling its choice: its keys too, nothing scored)."""
     keys, values, queries = computed
     if began == 0:
         return Finishing(PromptKeys(0, keys), PromptValues(0, values), queries, spans, info.asked, info.kept)
     blocks = table_row[: -(-began // kv_cache.shape[2])]
+    cached_values = functools.partial(read_at, kv_cache, blocks, isa=layer.isa, part=1)
+    if info.recall:  # (nothing scored: the kept keys read where they lie, as values are)
+        cached_keys = functools.partial(read_at, kv_cache, blocks, isa=layer.isa, part=0)
+        return Finishing(
+            PromptKeys(began, keys, read=cached_keys),
+            PromptValues(began, values, cached_values),
+            queries,
+            spans,
+            info.asked,
+            info.kept,
+        )
     prefix, room = HELD.prefix(
         layer.layer_name,
         tuple(blocks.tolist()),
@@ -114,7 +136,6 @@ def finishing_prompt(
         reads,
         kv_cache.nbytes,
     )
-    cached_values = functools.partial(read_at, kv_cache, blocks, isa=layer.isa, part=1)
     return Finishing(
         PromptKeys(began, keys, prefix, room),
         PromptValues(began, values, cached_values),
@@ -245,7 +266,7 @@ class KVCompressCPUImpl(CPUAttentionBackendImpl):
             # The step's part of the prompt; after it, a preempted request's recomputed tokens (fed with the prompt).
             ends = min(info.query, info.prompt - info.computed)
             rows, after = slice(starts[row], starts[row] + ends), slice(starts[row] + ends, starts[row + 1])
-            needed = method.queries_needed(info.asked) if compressing else 0
+            needed = method.queries_needed(info.asked) if compressing and not info.recall else 0
             queries = query[rows] if needed is None else query[rows][ends - min(needed, ends) :]
             chunk = (key[rows], value[rows], queries)
             first = info.computed <= info.start  # a first chunk starts afresh
@@ -263,7 +284,7 @@ class KVCompressCPUImpl(CPUAttentionBackendImpl):
                 continue
             if not compressing or info.area is None:  # (no area: the scheduler found no room, docs/vllm.md)
                 continue
-            spans = self.spans(method, request)
+            spans = None if info.recall else self.spans(method, request)
             if spans is not None and spans.shape[-1] != began + keys.shape[0]:  # (never score by another's words)
                 raise RuntimeError(
                     f"kvcompress: a prompt of {began + keys.shape[0]} tokens came with {spans.shape[-1]} token ids"
@@ -287,12 +308,18 @@ class KVCompressCPUImpl(CPUAttentionBackendImpl):
         output: torch.Tensor,
     ) -> None:
         """Choose what the prompts one method finishes in this step keep (``kept_together``: each scored alone, chosen
-        together), and keep each one's choice in its area."""
+        together; a request recalling an earlier one's choice takes it, ``CHOICES``), and keep each one's choice in
+        its area."""
         method = step_method(group[0][1])
         rotary = self.layer_rotary(layer) if method.needs_rotary() else None
-        chosen = kept_together(method, [prompt for *_, prompt in group], self.scale, rotary, self.sinks)
-        for (after, request, prompt), positions in zip(group, chosen):
-            area = torch.tensor(STEP[request].area, dtype=torch.int32)
+        scored = [prompt for _, request, prompt in group if not STEP[request].recall]
+        chosen = iter(kept_together(method, scored, self.scale, rotary, self.sinks) if scored else [])
+        for after, request, prompt in group:
+            info = STEP[request]
+            positions = recalled_choice(request, info, layer.layer_name) if info.recall else next(chosen)
+            if info.choice is not None and not info.recall:
+                CHOICES.setdefault(info.choice, {})[layer.layer_name] = positions.to(torch.int32)
+            area = torch.tensor(info.area, dtype=torch.int32)
             self.keep(layer, request, prompt, positions, kv_cache, area, key[after], value[after])
             if after.stop > after.start:  # a recomputed request's generated tokens see the cache its decoding saw
                 attend_kept(self, layer, query[after], kv_cache, area, prompt.kept, output[after], self.model.dtype)
