@@ -1,5 +1,6 @@
 """Where a later question's first token goes, in-process (``vllm.LLM``, vLLM's compiled graph, prefix caching on):
-one document prefilled once, then questions over it one at a time and ``--burst`` at once, each to its first token
+one document prefilled once, then questions over it one at a time and ``--burst`` at once (the first questions again,
+each prompt then cached whole; with ``--new-bursts`` worded anew each round), each to its first token
 (``max_tokens=1``), timed per call; with ``--profile``, cProfile's cumulative time of the plugin's own functions
 (``kvcompress/serving``) and of vLLM's model step over the later questions.
 
@@ -41,6 +42,11 @@ def main() -> None:
     parser.add_argument("--layout", choices=("system", "joined"), default="system")
     parser.add_argument("--questions", type=int, default=8)
     parser.add_argument("--burst", type=int, default=8, help="questions sent at once after the sequential ones")
+    parser.add_argument(
+        "--new-bursts",
+        action="store_true",
+        help="each burst's questions worded anew (prompts never sent before) rather than the first questions again",
+    )
     parser.add_argument("--budget", type=int, default=256)
     parser.add_argument(
         "--profile",
@@ -83,11 +89,15 @@ def main() -> None:
         one.append(time.perf_counter() - start)
         if profiler:
             profiler.disable()
-    for _ in range(3):
+    for round_ in range(3):
+        asked = chats[: args.burst]
+        if args.new_bursts:
+            worded = [f"Reader {round_ + 1} asks: {q}" for q in QUESTIONS[: args.burst]]
+            asked = [shared_messages(text, q, args.layout) for q in worded]
         if profiler and args.profile == "burst":
             profiler.enable()
         start = time.perf_counter()
-        llm.chat(chats[: args.burst], [greedy(chat) for chat in chats[: args.burst]], use_tqdm=False)
+        llm.chat(asked, [greedy(chat) for chat in asked], use_tqdm=False)
         burst.append(time.perf_counter() - start)
         if profiler:
             profiler.disable()
@@ -95,6 +105,7 @@ def main() -> None:
         "server": args.server,
         "doc_tokens": args.doc_tokens,
         "layout": args.layout,
+        "new_bursts": args.new_bursts,
         "one_at_a_time_s": one,
         "one_p50_s": statistics.median(one),
         f"burst_{args.burst}_s": burst,
