@@ -86,9 +86,10 @@ class KVCompressScheduler(Scheduler):
 
     def _get_local_prefix_cache_hit(self, request: Any) -> tuple[Any, int, int, bool]:
         """vLLM's prefix-cache hit, cut so that a compressing request computes the last prompt queries its method
-        reads (SnapKV's window; none of a prompt for a method that reads every query, H2O's and ExpectedAttention's)
-        and ends on a block, unless the workers hold its choice already (``Recalled``); an fp8 pool's requests take
-        none (their prompts attend themselves as computed)."""
+        reads (SnapKV's window; none of a prompt for a method that reads every query, H2O's and ExpectedAttention's),
+        and no more: a cut inside a block takes that block's earlier tokens from the cache (vLLM copies the block for
+        the request, as for any hit that ends inside one); unless the workers hold its choice already (``Recalled``).
+        An fp8 pool's requests take none (their prompts attend themselves as computed)."""
         blocks, hit, boundary, diverged = super()._get_local_prefix_cache_hit(request)
         allowed = hit
         if self.coded_pool:
@@ -101,9 +102,9 @@ class KVCompressScheduler(Scheduler):
             plan = self.connector.plans[request.request_id]
             needed = plan.method.queries_needed(plan.asked)
             allowed = 0 if needed is None else max(request.num_prompt_tokens - needed, 0)
-            allowed -= allowed % self.block_size
-        if hit > allowed:
-            blocks, hit = self.kv_cache_manager.truncate_computed_blocks(blocks, allowed), allowed
+        if hit > allowed:  # (ending inside a block: vLLM gives the request its own copy of that block, copy-on-write)
+            whole = -(-allowed // self.block_size) * self.block_size
+            blocks, hit = self.kv_cache_manager.truncate_computed_blocks(blocks, whole), allowed
         self.hits[request.request_id] = hit
         return blocks, hit, boundary, diverged
 

@@ -114,9 +114,20 @@ def finishing_prompt(
     pool once for the questions that follow over the same blocks (``HELD``; ``reads``: this step's and layer's reads)
     and whose values only where kept (a request recalling its choice: its keys too, nothing scored)."""
     keys, values, queries = computed
+    block_size = kv_cache.shape[2]
+    whole = began - began % block_size
+    if whole < began:  # a hit inside a block: its cached tokens there (in the request's copy) read back with the
+        # computed ones, so the part held across questions ends on a block the prefix cache shares
+        tail = torch.arange(whole, began).expand(keys.shape[1], began - whole)
+        row = table_row[: -(-began // block_size)]
+        keys, values = (
+            torch.cat([read_at(kv_cache, row, tail, layer.isa, part).transpose(0, 1), computed[part]])
+            for part in (0, 1)
+        )
+        began = whole
     if began == 0:
         return Finishing(PromptKeys(0, keys), PromptValues(0, values), queries, spans, info.asked, info.kept)
-    blocks = table_row[: -(-began // kv_cache.shape[2])]
+    blocks = table_row[: -(-began // block_size)]
     cached_values = functools.partial(read_at, kv_cache, blocks, isa=layer.isa, part=1)
     if info.recall:  # (nothing scored: the kept keys read where they lie, as values are)
         cached_keys = functools.partial(read_at, kv_cache, blocks, isa=layer.isa, part=0)
