@@ -134,7 +134,11 @@ class KVCompressScheduler(Scheduler):
             if self.connector.compresses(request) or (self.coded_pool and info.computed < info.prompt):
                 info.row = area.row(table) if area is not None else [block.block_id for block in table]
         self.recalled.done(  # (vLLM advanced each scheduled request's computed tokens already)
-            {r for r, request in self.requests.items() if request.num_computed_tokens < request.num_prompt_tokens}
+            {
+                r
+                for r in self.recalled.using
+                if r in self.requests and self.requests[r].num_computed_tokens < self.requests[r].num_prompt_tokens
+            }
         )
         step.live = {request_id for request_id in self.connector.plans if tables.get(request_id)}
         step.forget = self.recalled.tell()
